@@ -1,0 +1,17 @@
+"""Synchronized BatchNorm for ``nn.DataParallel`` and ``torch.distributed``, with In-Place ABN."""
+
+from .convert import convert_sync_batchnorm, revert_sync_batchnorm
+from .kernels import get_backend, set_backend
+from .modules import SyncBatchNorm
+from .sync import SyncError
+from .version import __version__
+
+__all__ = [
+    "SyncBatchNorm",
+    "SyncError",
+    "__version__",
+    "convert_sync_batchnorm",
+    "get_backend",
+    "revert_sync_batchnorm",
+    "set_backend",
+]

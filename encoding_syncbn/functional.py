@@ -1,0 +1,274 @@
+"""The layer's autograd Functions: one-pass forward, one-pass-per-reduction backward.
+
+Notation (per channel; see ``kernels/torch_ops.py``)::
+
+    z = (x - mean) * invstd * w + b,   y = act(z),   dz = dy * act'(z),   xhat = (z - b) / w
+
+Training with the whole batch on one replica (``BatchNormAct``): with n elements a channel::
+
+    dx = w * invstd * (dz - sum(dz) / n - xhat * sum(dz * xhat) / n)
+
+Synchronised training splits that in three Functions, so that autograd itself carries the
+cross-replica terms through the master's merge (``stats.MergeStats``), and backward never
+waits on a queue:
+
+    LocalStats(x_i) -> (mean_i, M2_i)  ...merge on the master...  NormAct(x_i, mean, invstd)
+
+``NormAct.backward`` returns the gradients of mean, invstd, w and b but none for x; it leaves
+what it read in a ``_Link`` for ``LocalStats.backward``, which autograd runs after it (through
+the merge) and which writes the whole input gradient in one pass:
+
+    dx = w * invstd * dz + dmean_i / n_i + 2 * (x - mean_i) * dM2_i
+
+In place, only y is kept: x, z and xhat are rebuilt from it. Channels whose |w| is too small
+to divide by (zero-initialised residual BNs) keep their input aside instead, so every sign and
+value of gamma gets exact gradients.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import torch
+
+from .kernels import ops_for, torch_ops
+
+# A channel is rebuilt from y only if |w| > _MIN_INVERTIBLE_GAMMA * max(1, |b|): xhat =
+# (z - b) / w amplifies z's rounding by |b| / |w|.
+_MIN_INVERTIBLE_GAMMA = 1e-3
+
+
+class ActConfig(NamedTuple):
+    """The activation fused after the normalisation, and whether it overwrites its input."""
+
+    activation: str
+    slope: float
+    inplace: bool
+
+
+class _Saved(NamedTuple):
+    """What backward reads: x or y, the per-channel vectors and the channels kept aside."""
+
+    tensor: torch.Tensor
+    mean: torch.Tensor
+    invstd: torch.Tensor
+    weight: torch.Tensor
+    bias: torch.Tensor
+    aside_channels: torch.Tensor
+    aside_input: torch.Tensor
+
+
+class _Link:
+    """Hands what ``NormAct.backward`` read to ``LocalStats.backward`` of the same call."""
+
+    __slots__ = ("saved", "grad_output", "config")
+
+    def __init__(self) -> None:
+        self.saved: _Saved | None = None
+        self.grad_output: torch.Tensor | None = None
+        self.config: ActConfig | None = None
+
+
+def _keep_aside(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor):
+    """Indices and input of the channels that cannot be rebuilt from the output."""
+    small = weight.abs() <= _MIN_INVERTIBLE_GAMMA * bias.abs().clamp_min(1.0)
+    channels = small.nonzero().flatten()
+    return channels, x.index_select(1, channels)
+
+
+def _normalize(ctx, x, mean, invstd, weight, bias, config: ActConfig) -> torch.Tensor:
+    """Run the forward pass, in place or not, and save what backward needs."""
+    if config.inplace:
+        aside_channels, aside_input = _keep_aside(x, weight, bias)
+        out = x
+    else:
+        aside_channels = torch.empty(0, dtype=torch.long, device=x.device)
+        aside_input = x.new_empty(0)
+        out = torch.empty_like(x)
+    ops_for(x).normalize_act(
+        x, mean, invstd, weight, bias, config.activation, config.slope, out
+    )
+    if config.inplace:
+        ctx.mark_dirty(x)
+    ctx.save_for_backward(
+        out if config.inplace else x, mean, invstd, weight, bias, aside_channels, aside_input
+    )
+    ctx.config = config
+    return out
+
+
+def _aside_args(saved: _Saved, grad_output: torch.Tensor, config: ActConfig):
+    """The ``torch_ops`` arguments that recompute the channels kept aside from their input."""
+    idx = saved.aside_channels
+    return (
+        saved.aside_input,
+        grad_output.index_select(1, idx),
+        saved.mean[idx],
+        saved.invstd[idx],
+        saved.weight[idx],
+        saved.bias[idx],
+        config.activation,
+        config.slope,
+        False,
+    )
+
+
+def _reduce(saved: _Saved, grad_output: torch.Tensor, config: ActConfig):
+    """Per-channel ``(sum(dz), sum(dz * xhat))``."""
+    from_output = config.inplace
+    sum_dz, sum_dz_xhat = ops_for(saved.tensor).backward_reduce(
+        saved.tensor, grad_output, saved.mean, saved.invstd, saved.weight, saved.bias,
+        config.activation, config.slope, from_output,
+    )
+    if saved.aside_channels.numel():
+        exact_dz, exact_dz_xhat = torch_ops.backward_reduce(
+            *_aside_args(saved, grad_output, config)
+        )
+        sum_dz = sum_dz.index_copy(0, saved.aside_channels, exact_dz)
+        sum_dz_xhat = sum_dz_xhat.index_copy(0, saved.aside_channels, exact_dz_xhat)
+    return sum_dz, sum_dz_xhat
+
+
+def _input_grad(saved: _Saved, grad_output, config: ActConfig, coef_dz, coef_xhat, coef_const):
+    """``dx = coef_dz * dz + coef_xhat * xhat + coef_const`` in one pass."""
+    dx = ops_for(saved.tensor).backward_dx(
+        saved.tensor, grad_output, saved.mean, saved.invstd, saved.weight, saved.bias,
+        config.activation, config.slope, config.inplace, coef_dz, coef_xhat, coef_const,
+    )
+    idx = saved.aside_channels
+    if idx.numel():
+        exact = torch_ops.backward_dx(
+            *_aside_args(saved, grad_output, config), coef_dz[idx], coef_xhat[idx], coef_const[idx]
+        )
+        dx.index_copy_(1, idx, exact)
+    return dx
+
+
+def _param_grads(needs_weight: bool, needs_bias: bool, sum_dz, sum_dz_xhat):
+    """``dw = sum(dz * xhat)``, ``db = sum(dz)``, where autograd asks for them."""
+    return (sum_dz_xhat if needs_weight else None), (sum_dz if needs_bias else None)
+
+
+class BatchNormAct(torch.autograd.Function):
+    """Training on one replica's whole batch: ``(x, w, b) -> (y, mean, M2)``.
+
+    ``mean`` and ``M2`` are returned (non-differentiable) for the running statistics.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps: float, config: ActConfig):
+        mean, m2, count = ops_for(x).channel_stats(x)
+        invstd = torch.rsqrt(m2 / count + eps)
+        out = _normalize(ctx, x, mean, invstd, weight, bias, config)
+        ctx.count = count
+        ctx.mark_non_differentiable(mean, m2)
+        return out, mean, m2
+
+    @staticmethod
+    def backward(ctx, grad_output, _grad_mean, _grad_m2):
+        saved = _Saved(*ctx.saved_tensors)
+        sum_dz, sum_dz_xhat = _reduce(saved, grad_output, ctx.config)
+        grad_input = None
+        if ctx.needs_input_grad[0]:
+            scale = saved.weight * saved.invstd
+            grad_input = _input_grad(
+                saved, grad_output, ctx.config,
+                scale, -scale * sum_dz_xhat / ctx.count, -scale * sum_dz / ctx.count,
+            )
+        return (grad_input, *_param_grads(*ctx.needs_input_grad[1:3], sum_dz, sum_dz_xhat), None, None)
+
+
+class NormAct(torch.autograd.Function):
+    """``y = act((x - mean) * invstd * w + b)`` with given statistics.
+
+    With a ``link`` (synchronised training), the input gradient is left to ``LocalStats``;
+    without one (evaluation: constant statistics) it is ``w * invstd * dz``.
+    """
+
+    @staticmethod
+    def forward(ctx, x, mean, invstd, weight, bias, config: ActConfig, link: _Link | None):
+        ctx.link = link
+        return _normalize(ctx, x, mean, invstd, weight, bias, config)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        saved = _Saved(*ctx.saved_tensors)
+        config = ctx.config
+        sum_dz, sum_dz_xhat = _reduce(saved, grad_output, config)
+        scale = saved.weight * saved.invstd
+        grad_input = grad_mean = grad_invstd = None
+        if ctx.link is not None:
+            ctx.link.saved, ctx.link.grad_output, ctx.link.config = saved, grad_output, config
+        elif ctx.needs_input_grad[0]:
+            zeros = torch.zeros_like(scale)
+            grad_input = _input_grad(saved, grad_output, config, scale, zeros, zeros)
+        if ctx.needs_input_grad[1]:
+            grad_mean = -scale * sum_dz
+        if ctx.needs_input_grad[2]:
+            grad_invstd = saved.weight * sum_dz_xhat / saved.invstd
+        return (
+            grad_input, grad_mean, grad_invstd,
+            *_param_grads(*ctx.needs_input_grad[3:5], sum_dz, sum_dz_xhat), None, None,
+        )
+
+
+class LocalStats(torch.autograd.Function):
+    """``x_i -> (mean_i, M2_i)`` of one replica; its backward writes the whole ``dx``."""
+
+    @staticmethod
+    def forward(ctx, x, link: _Link):
+        mean, m2, count = ops_for(x).channel_stats(x)
+        # ctx attributes, not saved tensors: a checkpoint recompute must save exactly what
+        # NormAct saves, and these per-channel vectors are tiny.
+        ctx.link, ctx.mean, ctx.count = link, mean, count
+        return mean, m2
+
+    @staticmethod
+    def backward(ctx, grad_mean, grad_m2):
+        link = ctx.link
+        if link.saved is None:
+            raise RuntimeError(
+                "SyncBatchNorm: the input gradient needs the normalisation's backward first; "
+                "differentiate through the layer's output"
+            )
+        saved, grad_output, config = link.saved, link.grad_output, link.config
+        link.saved = link.grad_output = None  # free y and dy as soon as dx exists
+        count = max(ctx.count, 1)
+        grad_input = _input_grad(
+            saved, grad_output, config,
+            saved.weight * saved.invstd,
+            2 * grad_m2 / saved.invstd,
+            grad_mean / count + 2 * grad_m2 * (saved.mean - ctx.mean),
+        )
+        return grad_input, None
+
+
+def synced_batch_norm_act(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    config: ActConfig,
+    exchange: Callable[[torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]],
+) -> torch.Tensor:
+    """Normalise ``x`` with statistics merged across replicas by ``exchange``.
+
+    ``exchange(mean_i, M2_i, count_i)`` returns the global ``(mean, invstd)`` on x's device,
+    still attached to the autograd graph of the merge.
+    """
+    link = _Link()
+    mean_i, m2_i = LocalStats.apply(x, link)
+    count_i = x.numel() // x.shape[1]
+    mean, invstd = exchange(mean_i, m2_i, count_i)
+    return NormAct.apply(x, mean, invstd, weight, bias, config, link)
+
+
+def normalize_with(
+    x: torch.Tensor,
+    mean: torch.Tensor,
+    invstd: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    config: ActConfig,
+) -> torch.Tensor:
+    """Normalise with fixed statistics (evaluation, or a recompute reusing global ones)."""
+    return NormAct.apply(x, mean, invstd, weight, bias, config, None)

@@ -1,0 +1,78 @@
+"""Backend choice for the layer's four ops (see ``torch_ops`` for what they compute).
+
+``"torch"``: ATen calls, any device. ``"triton"``: the Triton kernels; CUDA tensors, or CPU
+tensors under Triton's interpreter (``TRITON_INTERPRET=1`` set before triton is imported).
+``"auto"`` (the default): Triton for CUDA tensors when triton imports, ATen otherwise.
+The initial choice comes from ``ENCODING_SYNCBN_BACKEND``. Asking for ``"triton"`` never
+falls back silently: where it cannot run, the call raises and says why.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from types import ModuleType
+
+import torch
+
+from . import torch_ops
+
+BACKENDS = ("auto", "torch", "triton")
+BACKEND_ENV = "ENCODING_SYNCBN_BACKEND"
+
+
+def _validated(name: str) -> str:
+    if name not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {name!r}")
+    return name
+
+
+_backend = _validated(os.environ.get(BACKEND_ENV, "auto") or "auto")
+_triton_ops: ModuleType | None = None
+_triton_import_error: str | None = None
+
+
+def set_backend(name: str) -> None:
+    """Select ``"auto"``, ``"torch"`` or ``"triton"`` for every layer of this process."""
+    global _backend
+    _backend = _validated(name)
+
+
+def get_backend() -> str:
+    """The backend selected by ``set_backend`` or ``ENCODING_SYNCBN_BACKEND``."""
+    return _backend
+
+
+def _load_triton() -> ModuleType | None:
+    """Import the Triton kernels once; remember why not if that fails."""
+    global _triton_ops, _triton_import_error
+    if _triton_ops is None and _triton_import_error is None:
+        try:
+            _triton_ops = importlib.import_module(f"{__name__}.triton_ops")
+        except ImportError as error:
+            _triton_import_error = f"{type(error).__name__}: {error}"
+    return _triton_ops
+
+
+def triton_interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def ops_for(x: torch.Tensor) -> ModuleType:
+    """The module implementing the ops for tensors like ``x`` under the current backend."""
+    if _backend == "torch":
+        return torch_ops
+    if _backend == "auto":
+        if x.is_cuda and _load_triton() is not None:
+            return _triton_ops
+        return torch_ops
+    if not (x.is_cuda or triton_interpreted()):
+        raise RuntimeError(
+            f"backend 'triton' runs on CUDA tensors, got a {x.device.type} tensor; on the CPU it "
+            "runs only under Triton's interpreter (set TRITON_INTERPRET=1 before triton is "
+            "imported), or choose set_backend('torch')"
+        )
+    if _load_triton() is None:
+        raise RuntimeError(f"backend 'triton' was asked for but triton cannot be imported: "
+                           f"{_triton_import_error}")
+    return _triton_ops

@@ -1,0 +1,365 @@
+"""``SyncBatchNorm``: the module users put in their networks."""
+
+from __future__ import annotations
+
+import threading
+import warnings
+import weakref
+from collections import deque
+from typing import Any, NamedTuple
+
+import torch
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from . import distributed
+from .functional import ActConfig, BatchNormAct, normalize_with, synced_batch_norm_act
+from .kernels import torch_ops
+from .stats import merge_stats
+from .sync import ReplicaGroup, replication_session
+
+# Attributes that only make sense for the live object: dropped by pickle and deepcopy.
+_TRANSIENT = ("_open_group", "_replica_slot", "_recompute_cache")
+# How many recent synchronised calls a replica remembers for checkpoint recomputation.
+_RECOMPUTE_CACHE_SIZE = 64
+
+
+class _ReplicaSlot(NamedTuple):
+    group: ReplicaGroup
+    rank: int
+
+
+class _Contribution(NamedTuple):
+    mean: torch.Tensor
+    m2: torch.Tensor
+    count: int
+
+
+class _SyncedCall(NamedTuple):
+    """A synchronised call's local and global statistics, for recomputation."""
+
+    local_mean: torch.Tensor
+    local_m2: torch.Tensor
+    mean: torch.Tensor
+    invstd: torch.Tensor
+    grad_enabled: bool
+
+
+class SyncBatchNorm(_BatchNorm):
+    r"""Batch normalisation over the whole batch of every replica, optionally fused with an
+    activation and computed in place (In-Place Activated BatchNorm).
+
+    .. math::
+
+        y = \mathrm{act}\left(\frac{x - \mathrm{E}[x]}{\sqrt{\mathrm{Var}[x] + \epsilon}}
+            \cdot \gamma + \beta\right)
+
+    The mean and (biased) variance are taken per channel over the batch and every trailing
+    dimension of *all* replicas of the current ``nn.DataParallel`` call and, when
+    ``torch.distributed`` is initialised with more than one rank in ``process_group``, of all
+    processes. The running variance is updated with the unbiased variance of that whole batch.
+
+    Args:
+        num_features: C of an input of shape ``(N, C, *)``.
+        eps, momentum, affine, track_running_stats, device, dtype, bias: as ``nn.BatchNorm2d``
+            (``momentum=None``: cumulative average).
+        process_group: the ``torch.distributed`` group to synchronise over (None: WORLD).
+        sync: False makes it a per-replica BatchNorm (still with the fused activation).
+        activation: ``"none"``, ``"identity"``, ``"leaky_relu"``, ``"elu"`` or ``"relu"``.
+        slope: the negative slope of leaky_relu, or the alpha of elu.
+        inplace: write the output over the input and keep only the output for backward.
+            ``None``: in place exactly when the activation is invertible (identity,
+            leaky_relu, elu); always False for ``"none"``; ``"relu"`` cannot be in place.
+
+    In place, the tensor passed in is overwritten and returned. A tensor autograd will not let
+    us overwrite (a leaf that requires grad, an output of ``torch.chunk``/``split``) is
+    processed out of place, with a warning the first time.
+    """
+
+    def __init__(
+        self,
+        num_features: int,
+        eps: float = 1e-5,
+        momentum: float | None = 0.1,
+        affine: bool = True,
+        track_running_stats: bool = True,
+        process_group: Any = None,
+        device: Any = None,
+        dtype: torch.dtype | None = None,
+        *,
+        bias: bool = True,
+        sync: bool = True,
+        activation: str = "none",
+        slope: float = 0.01,
+        inplace: bool | None = None,
+    ) -> None:
+        if not isinstance(num_features, int) or num_features < 1:
+            raise ValueError(f"num_features must be a positive int, got {num_features!r}")
+        if activation not in torch_ops.ACTIVATIONS:
+            raise ValueError(
+                f"activation must be one of {sorted(torch_ops.ACTIVATIONS)}, got {activation!r}"
+            )
+        invertible = torch_ops.ACTIVATIONS[activation]
+        if inplace is None:
+            inplace = invertible and activation != "none"
+        elif inplace and not invertible:
+            raise ValueError(
+                f"activation {activation!r} is not invertible, so it cannot run in place; "
+                "use leaky_relu, elu or identity, or inplace=False"
+            )
+        elif activation == "none":
+            inplace = False
+        slope = float(slope)
+        if inplace and activation in ("leaky_relu", "elu") and not slope > 0:
+            raise ValueError(
+                f"in-place {activation} needs slope > 0 to be invertible, got slope={slope}"
+            )
+        super().__init__(
+            num_features, eps, momentum, affine, track_running_stats, device, dtype, bias=bias
+        )
+        self.process_group = process_group
+        self.sync = bool(sync)
+        self.activation = activation
+        self.slope = slope
+        self.inplace = bool(inplace)
+        # The rank of the last input, for revert_sync_batchnorm's choice of BatchNorm1d/2d/3d.
+        # A list, so that replicas (which copy __dict__ shallowly) report to the original.
+        self._last_input_dim: list[int] = []
+        self._reset_transient()
+
+    # ---- replication: how the replicas of one DataParallel call find each other ----------
+
+    def _reset_transient(self) -> None:
+        self._open_group: weakref.ref[ReplicaGroup] | None = None
+        self._replica_slot: _ReplicaSlot | None = None
+        self._recompute_cache: deque[_SyncedCall] = deque(maxlen=_RECOMPUTE_CACHE_SIZE)
+
+    def _replicate_for_data_parallel(self) -> SyncBatchNorm:
+        """Called by ``torch.nn.parallel.replicate`` once per replica, in rank order."""
+        group = self._open_group() if self._open_group is not None else None
+        if group is None or group.closed:
+            group = ReplicaGroup(replication_session(), self._label())
+            self._open_group = weakref.ref(group)
+        replica = super()._replicate_for_data_parallel()
+        replica._replica_slot = _ReplicaSlot(group, group.add_member())
+        replica._open_group = None
+        replica._recompute_cache = deque(maxlen=_RECOMPUTE_CACHE_SIZE)
+        return replica
+
+    def _label(self) -> str:
+        return f"SyncBatchNorm({self.num_features}) at {id(self):#x}"
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        return {key: value for key, value in state.items() if key not in _TRANSIENT}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self._reset_transient()
+
+    # ---- forward -------------------------------------------------------------------------
+
+    def _check_input(self, x: torch.Tensor) -> None:
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"expected a torch.Tensor, got {type(x).__name__}")
+        if x.dim() < 2:
+            raise ValueError(
+                f"expected input of shape (N, C, *) with C={self.num_features}, "
+                f"got a {x.dim()}-D input of shape {tuple(x.shape)}"
+            )
+        if x.shape[1] != self.num_features:
+            raise ValueError(
+                f"expected {self.num_features} channels (dim 1), got input of shape "
+                f"{tuple(x.shape)} with {x.shape[1]} channels"
+            )
+        if not x.is_floating_point():
+            raise TypeError(f"expected a floating-point input, got {x.dtype}")
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        slot = self._replica_slot
+        if slot is not None:
+            slot.group.close()
+        elif self._open_group is not None and (group := self._open_group()) is not None:
+            group.close()
+        try:
+            self._check_input(input)
+            self._last_input_dim[:] = [input.dim()]
+            return self._forward(input, slot)
+        except BaseException as error:
+            if slot is not None:
+                slot.group.fail(slot.rank, error)
+            raise
+
+    def _affine_params(self, dtype: torch.dtype, device: torch.device):
+        """Weight and bias in the statistics dtype (ones and zeros where there are none)."""
+        weight = (
+            self.weight.to(dtype)
+            if self.weight is not None
+            else torch.ones(self.num_features, dtype=dtype, device=device)
+        )
+        bias = (
+            self.bias.to(dtype)
+            if self.bias is not None
+            else torch.zeros(self.num_features, dtype=dtype, device=device)
+        )
+        return weight, bias
+
+    def _act_config(self, x: torch.Tensor) -> ActConfig:
+        inplace = self.inplace and _can_overwrite(x)
+        return ActConfig(self.activation, self.slope, inplace)
+
+    def _forward(self, x: torch.Tensor, slot: _ReplicaSlot | None) -> torch.Tensor:
+        acc = torch_ops.stats_dtype(x.dtype)
+        weight, bias = self._affine_params(acc, x.device)
+        config = self._act_config(x)
+        use_batch_stats = self.training or self.running_mean is None
+        if not use_batch_stats:
+            invstd = torch.rsqrt(self.running_var.to(acc) + self.eps)
+            return normalize_with(x, self.running_mean.to(acc), invstd, weight, bias, config)
+
+        recomputing = torch._C._current_graph_task_id() != -1
+        updates_running = self.training and self.track_running_stats and not recomputing
+        group_size = slot.group.size if slot is not None else 1
+        synced = (
+            self.training
+            and self.sync
+            and (group_size > 1 or distributed.is_active(self.process_group))
+        )
+        if synced:
+            if recomputing:
+                return self._recompute(x, weight, bias, config)
+            return synced_batch_norm_act(
+                x, weight, bias, config,
+                lambda mean, m2, count: self._exchange(slot, mean, m2, count, updates_running),
+            )
+
+        count = x.numel() // self.num_features
+        if count == 1:
+            raise ValueError(
+                f"expected more than 1 value per channel when training, got input of shape "
+                f"{tuple(x.shape)}"
+            )
+        if updates_running:
+            self.num_batches_tracked.add_(1)
+        if count == 0:
+            return x if config.inplace else x.clone()
+        out, mean, m2 = BatchNormAct.apply(x, weight, bias, self.eps, config)
+        if updates_running:
+            self._update_running_stats(mean, m2, count)
+        return out
+
+    def _recompute(self, x, weight, bias, config: ActConfig) -> torch.Tensor:
+        """Checkpoint recomputation: reuse the global statistics of the original call."""
+        with torch.no_grad():
+            local_mean, local_m2, _ = torch_ops.channel_stats(x)
+        for call in self._recompute_cache:
+            if torch.equal(call.local_mean, local_mean) and torch.equal(call.local_m2, local_m2):
+                if not call.grad_enabled:
+                    raise RuntimeError(
+                        "SyncBatchNorm under torch.utils.checkpoint(use_reentrant=True): the "
+                        "reentrant mode rebuilds each replica's graph apart, so gradients "
+                        "cannot flow between replicas; use use_reentrant=False"
+                    )
+                return normalize_with(x, call.mean, call.invstd, weight, bias, config)
+        raise RuntimeError(
+            "SyncBatchNorm: a recomputation (checkpoint) found no synchronised call with the "
+            "same input statistics; the checkpointed function must be deterministic"
+        )
+
+    def _exchange(self, slot, mean_i, m2_i, count_i, updates_running):
+        """Send local statistics to the master, get the global ``(mean, invstd)`` back."""
+        own = _Contribution(mean_i, m2_i, count_i)
+        if slot is None or slot.group.size == 1:
+            mean, invstd = self._merge([own], updates_running)
+        elif slot.rank == 0:
+            group = slot.group
+            call = group.begin_call(0)
+            contributions = group.gather(call, own)
+            mean, invstd = self._merge(contributions, updates_running)
+            group.scatter(
+                call, [(mean.to(c.mean.device), invstd.to(c.mean.device)) for c in contributions]
+            )
+        else:
+            group = slot.group
+            mean, invstd = group.exchange(slot.rank, group.begin_call(slot.rank), own)
+        self._recompute_cache.append(
+            _SyncedCall(
+                mean_i.detach(), m2_i.detach(), mean.detach(), invstd.detach(),
+                torch.is_grad_enabled(),
+            )
+        )
+        return mean, invstd
+
+    def _merge(self, contributions: list[_Contribution], updates_running: bool):
+        """Master: merge every replica's (and process's) statistics; update running stats."""
+        device = contributions[0].mean.device
+        means = torch.stack([c.mean.to(device) for c in contributions])
+        m2s = torch.stack([c.m2.to(device) for c in contributions])
+        counts = torch.tensor([c.count for c in contributions], dtype=means.dtype, device=device)
+        mean, m2, invstd = merge_stats(means, m2s, counts, self.eps)
+        total = sum(c.count for c in contributions)
+        if distributed.is_active(self.process_group):
+            means, m2s, counts = distributed.gather_stats(mean, m2, total, self.process_group)
+            mean, m2, invstd = merge_stats(means, m2s, counts, self.eps)
+            total = int(counts.sum().item())
+        if total == 1:
+            raise ValueError(
+                "expected more than 1 value per channel when training, got 1 over the whole "
+                "synchronised batch"
+            )
+        if updates_running:
+            self.num_batches_tracked.add_(1)
+            if total > 0:
+                self._update_running_stats(mean, m2, total)
+        return mean, invstd
+
+    @torch.no_grad()
+    def _update_running_stats(self, mean: torch.Tensor, m2: torch.Tensor, count: int) -> None:
+        """In place (buffers are never rebound): ``r = (1 - f) r + f * stat``."""
+        if self.momentum is None:
+            factor = 1.0 / float(self.num_batches_tracked)
+        else:
+            factor = self.momentum
+        unbiased_var = m2.detach() / (count - 1)
+        self.running_mean.mul_(1 - factor).add_(mean.detach().to(self.running_mean.dtype), alpha=factor)
+        self.running_var.mul_(1 - factor).add_(unbiased_var.to(self.running_var.dtype), alpha=factor)
+
+    @property
+    def last_input_dim(self) -> int | None:
+        """The number of dimensions of the last input seen (None before any forward)."""
+        return self._last_input_dim[0] if self._last_input_dim else None
+
+    def extra_repr(self) -> str:
+        text = super().extra_repr() + f", activation={self.activation!r}"
+        if self.activation in ("leaky_relu", "elu"):
+            text += f", slope={self.slope}"
+        text += f", inplace={self.inplace}"
+        if not self.sync:
+            text += ", sync=False"
+        return text
+
+
+_warned_out_of_place = threading.Event()
+
+
+def _can_overwrite(x: torch.Tensor) -> bool:
+    """Whether autograd lets a custom Function overwrite ``x``; warn once if not."""
+    reason = None
+    if x.requires_grad and x.is_leaf:
+        reason = "a leaf tensor that requires grad"
+    elif x._is_view() and x.grad_fn is not None and _is_multi_output_view(x):
+        reason = f"a view produced by {x.grad_fn.name()} (torch.chunk, split, unbind, ...)"
+    if reason is None:
+        return True
+    if not _warned_out_of_place.is_set():
+        _warned_out_of_place.set()
+        warnings.warn(
+            f"SyncBatchNorm(inplace=True) got {reason}, which autograd does not allow to be "
+            "overwritten; computing out of place (this warning is shown once)",
+            stacklevel=4,
+        )
+    return False
+
+
+def _is_multi_output_view(x: torch.Tensor) -> bool:
+    name = x.grad_fn.name()
+    return name.startswith(("Split", "Unbind", "Chunk", "Unsafe"))

@@ -1,0 +1,136 @@
+"""``SimulatedDataParallel``: ``nn.DataParallel``'s semantics on one device, replicas in threads.
+
+It scatters, replicates, runs and gathers the way ``nn.DataParallel`` does, so that the
+synchronisation of ``SyncBatchNorm`` (and any user model that contains it) can be tested on a
+machine without GPUs:
+
+- scatter: every tensor argument is split with ``torch.chunk`` along dim 0, so a batch of 6
+  over 4 replicas gives 3 chunks, and one replica is made per chunk; each chunk is a copy,
+  as the per-device copies of ``nn.DataParallel``'s scatter are (not a view of the batch);
+- replicate: ``_replicate_for_data_parallel()`` is called for every submodule and replica in
+  the order ``torch.nn.parallel.replicate`` uses; parameters are shared (each replica sees a
+  non-leaf view whose gradient flows to the original); replica 0 keeps the original buffers,
+  the others get copies whose updates are discarded;
+- run: one thread per replica, with the caller's grad mode;
+- gather: ``torch.cat`` along dim 0, through tuples, lists and dicts.
+
+If a replica fails, the call raises that replica's exception, not the ``SyncError`` it caused
+in its peers. With a single chunk the module is called directly.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+from torch import nn
+
+from .sync import SyncError
+
+
+def _scatter(obj: Any, chunks: int) -> list[Any]:
+    """Split every tensor in ``obj`` into ``chunks`` pieces along dim 0."""
+    if isinstance(obj, torch.Tensor):
+        pieces = torch.chunk(obj, chunks, dim=0)
+        if len(pieces) != chunks:
+            raise ValueError(
+                f"tensor arguments must split into the same number of chunks: expected "
+                f"{chunks}, got {len(pieces)} for a batch of {obj.shape[0]}"
+            )
+        return [piece.clone() for piece in pieces]
+    if isinstance(obj, (tuple, list)) and obj:
+        columns = [_scatter(item, chunks) for item in obj]
+        return [type(obj)(column[j] for column in columns) for j in range(chunks)]
+    if isinstance(obj, dict) and obj:
+        columns = {key: _scatter(value, chunks) for key, value in obj.items()}
+        return [{key: column[j] for key, column in columns.items()} for j in range(chunks)]
+    return [obj] * chunks
+
+
+def _first_tensor(obj: Any) -> torch.Tensor | None:
+    if isinstance(obj, torch.Tensor):
+        return obj
+    items = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (tuple, list)) else ()
+    for item in items:
+        found = _first_tensor(item)
+        if found is not None:
+            return found
+    return None
+
+
+def _gather(outputs: list[Any]) -> Any:
+    first = outputs[0]
+    if isinstance(first, torch.Tensor):
+        return torch.cat(outputs, dim=0)
+    if isinstance(first, dict):
+        return type(first)((key, _gather([o[key] for o in outputs])) for key in first)
+    if isinstance(first, (tuple, list)):
+        return type(first)(_gather(list(column)) for column in zip(*outputs))
+    return first
+
+
+def replicate(network: nn.Module, num_replicas: int) -> list[nn.Module]:
+    """``torch.nn.parallel.replicate`` on the network's own device (see the module doc)."""
+    modules = list(network.modules())
+    index = {module: i for i, module in enumerate(modules)}
+    copies = [[None] * len(modules) for _ in range(num_replicas)]
+    for i, module in enumerate(modules):
+        for j in range(num_replicas):
+            copies[j][i] = module._replicate_for_data_parallel()
+    for i, module in enumerate(modules):
+        for j in range(num_replicas):
+            replica = copies[j][i]
+            for key, child in module._modules.items():
+                replica._modules[key] = None if child is None else copies[j][index[child]]
+            for key, param in module._parameters.items():
+                # A non-leaf view, as replicate's broadcast copies are non-leaf tensors.
+                value = None if param is None else param.view_as(param)
+                replica._parameters.pop(key, None)
+                object.__setattr__(replica, key, value)
+            for key, buf in module._buffers.items():
+                replica._buffers[key] = buf if (j == 0 or buf is None) else buf.clone()
+    return [copies[j][0] for j in range(num_replicas)]
+
+
+class SimulatedDataParallel(nn.Module):
+    """Run ``module`` like ``nn.DataParallel`` over ``num_replicas`` devices, in threads."""
+
+    def __init__(self, module: nn.Module, num_replicas: int) -> None:
+        super().__init__()
+        if not isinstance(num_replicas, int) or num_replicas < 1:
+            raise ValueError(f"num_replicas must be a positive int, got {num_replicas!r}")
+        self.module = module
+        self.num_replicas = num_replicas
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        first = _first_tensor((inputs, kwargs))
+        if first is None:
+            raise ValueError("SimulatedDataParallel needs at least one tensor argument")
+        chunks = len(torch.chunk(first, self.num_replicas, dim=0))
+        if chunks <= 1:
+            return self.module(*inputs, **kwargs)
+        scattered_inputs = _scatter(inputs, chunks)
+        scattered_kwargs = _scatter(kwargs, chunks)
+        replicas = replicate(self.module, chunks)
+        outputs: list[Any] = [None] * chunks
+        errors: list[BaseException | None] = [None] * chunks
+        grad_enabled = torch.is_grad_enabled()
+
+        def run(j: int) -> None:
+            try:
+                with torch.set_grad_enabled(grad_enabled):
+                    outputs[j] = replicas[j](*scattered_inputs[j], **scattered_kwargs[j])
+            except BaseException as error:  # re-raised in the caller's thread below
+                errors[j] = error
+
+        threads = [threading.Thread(target=run, args=(j,), daemon=True) for j in range(chunks)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        failures = [error for error in errors if error is not None]
+        if failures:
+            original = [error for error in failures if not isinstance(error, SyncError)]
+            raise (original or failures)[0]
+        return _gather(outputs)

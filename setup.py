@@ -1,0 +1,24 @@
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+version = {}
+exec((Path(__file__).parent / "encoding_syncbn" / "version.py").read_text(), version)
+
+setup(
+    name="encoding_syncbn",
+    version=version["__version__"],
+    description=(
+        "Synchronized BatchNorm for stock torch.nn.DataParallel and torch.distributed, "
+        "with In-Place Activated BatchNorm and Triton kernels"
+    ),
+    long_description=(Path(__file__).parent / "README.md").read_text(encoding="utf-8"),
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["encoding_syncbn", "encoding_syncbn.*"]),
+    python_requires=">=3.9",
+    install_requires=["torch>=2.1", "numpy"],
+    extras_require={
+        "test": ["pytest", "expecttest", "ruff", "triton; platform_system == 'Linux'"],
+        "examples": ["tqdm", "matplotlib", "pillow"],
+    },
+)
