@@ -14,7 +14,9 @@ _ACTIVATION_MODULES = {
     "leaky_relu": lambda slope: nn.LeakyReLU(slope, inplace=True),
     "elu": lambda slope: nn.ELU(slope, inplace=True),
 }
-_BATCHNORM_BY_INPUT_DIM = {2: nn.BatchNorm1d, 3: nn.BatchNorm1d, 4: nn.BatchNorm2d, 5: nn.BatchNorm3d}
+_BATCHNORM_BY_INPUT_DIM = {
+    2: nn.BatchNorm1d, 3: nn.BatchNorm1d, 4: nn.BatchNorm2d, 5: nn.BatchNorm3d
+}
 
 
 def _share_state(source: _BatchNorm, target: _BatchNorm) -> _BatchNorm:
@@ -73,7 +75,9 @@ def revert_sync_batchnorm(module: nn.Module) -> nn.Module:
         )
         plain = _share_state(module, plain)
         make_activation = _ACTIVATION_MODULES.get(module.activation)
-        return plain if make_activation is None else nn.Sequential(plain, make_activation(module.slope))
+        if make_activation is None:
+            return plain
+        return nn.Sequential(plain, make_activation(module.slope))
     for name, child in module.named_children():
         new_child = revert_sync_batchnorm(child)
         if new_child is not child:

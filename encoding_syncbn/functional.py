@@ -150,22 +150,20 @@ def _param_grads(needs_weight: bool, needs_bias: bool, sum_dz, sum_dz_xhat):
 
 
 class BatchNormAct(torch.autograd.Function):
-    """Training on one replica's whole batch: ``(x, w, b) -> (y, mean, M2)``.
+    """Training on one replica's whole batch: ``(x, mean, invstd, w, b) -> y``.
 
-    ``mean`` and ``M2`` are returned (non-differentiable) for the running statistics.
+    ``mean`` and ``invstd`` must be x's own batch statistics: the backward includes their
+    dependence on x and returns no gradient for them. (The Function returns y alone: one that
+    overwrites a view may not return a second tensor.)
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, eps: float, config: ActConfig):
-        mean, m2, count = ops_for(x).channel_stats(x)
-        invstd = torch.rsqrt(m2 / count + eps)
-        out = _normalize(ctx, x, mean, invstd, weight, bias, config)
-        ctx.count = count
-        ctx.mark_non_differentiable(mean, m2)
-        return out, mean, m2
+    def forward(ctx, x, mean, invstd, weight, bias, config: ActConfig):
+        ctx.count = x.numel() // x.shape[1]
+        return _normalize(ctx, x, mean, invstd, weight, bias, config)
 
     @staticmethod
-    def backward(ctx, grad_output, _grad_mean, _grad_m2):
+    def backward(ctx, grad_output):
         saved = _Saved(*ctx.saved_tensors)
         sum_dz, sum_dz_xhat = _reduce(saved, grad_output, ctx.config)
         grad_input = None
@@ -175,7 +173,8 @@ class BatchNormAct(torch.autograd.Function):
                 saved, grad_output, ctx.config,
                 scale, -scale * sum_dz_xhat / ctx.count, -scale * sum_dz / ctx.count,
             )
-        return (grad_input, *_param_grads(*ctx.needs_input_grad[1:3], sum_dz, sum_dz_xhat), None, None)
+        grad_weight, grad_bias = _param_grads(*ctx.needs_input_grad[3:5], sum_dz, sum_dz_xhat)
+        return grad_input, None, None, grad_weight, grad_bias, None
 
 
 class NormAct(torch.autograd.Function):
@@ -241,6 +240,16 @@ class LocalStats(torch.autograd.Function):
             grad_mean / count + 2 * grad_m2 * (saved.mean - ctx.mean),
         )
         return grad_input, None
+
+
+def batch_norm_act(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float, config: ActConfig
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Normalise ``x`` with its own batch statistics; also returns them as ``(mean, M2)``."""
+    with torch.no_grad():
+        mean, m2, count = ops_for(x).channel_stats(x)
+        invstd = torch.rsqrt(m2 / count + eps)
+    return BatchNormAct.apply(x, mean, invstd, weight, bias, config), mean, m2
 
 
 def synced_batch_norm_act(

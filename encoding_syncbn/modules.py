@@ -12,7 +12,7 @@ import torch
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from . import distributed
-from .functional import ActConfig, BatchNormAct, normalize_with, synced_batch_norm_act
+from .functional import ActConfig, batch_norm_act, normalize_with, synced_batch_norm_act
 from .kernels import torch_ops
 from .stats import merge_stats
 from .sync import ReplicaGroup, replication_session
@@ -242,7 +242,7 @@ class SyncBatchNorm(_BatchNorm):
             self.num_batches_tracked.add_(1)
         if count == 0:
             return x if config.inplace else x.clone()
-        out, mean, m2 = BatchNormAct.apply(x, weight, bias, self.eps, config)
+        out, mean, m2 = batch_norm_act(x, weight, bias, self.eps, config)
         if updates_running:
             self._update_running_stats(mean, m2, count)
         return out
@@ -320,8 +320,8 @@ class SyncBatchNorm(_BatchNorm):
         else:
             factor = self.momentum
         unbiased_var = m2.detach() / (count - 1)
-        self.running_mean.mul_(1 - factor).add_(mean.detach().to(self.running_mean.dtype), alpha=factor)
-        self.running_var.mul_(1 - factor).add_(unbiased_var.to(self.running_var.dtype), alpha=factor)
+        for buffer, stat in ((self.running_mean, mean.detach()), (self.running_var, unbiased_var)):
+            buffer.mul_(1 - factor).add_(stat.to(buffer.dtype), alpha=factor)
 
     @property
     def last_input_dim(self) -> int | None:

@@ -1,0 +1,315 @@
+"""SyncBatchNorm against nn.BatchNorm*d + activation on the whole batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from reference import ACTIVATIONS, SLOPES, activate, assert_close, plain_twin, reference_step
+from torch import nn
+
+from encoding_syncbn import SyncBatchNorm
+from encoding_syncbn.testing import SimulatedDataParallel
+
+C = 4
+
+
+def make_layer(activation="leaky_relu", inplace=None, dtype=torch.float64, **kwargs):
+    layer = SyncBatchNorm(C, activation=activation, slope=SLOPES.get(activation, 0.01),
+                          inplace=inplace, **kwargs).to(dtype)
+    with torch.no_grad():
+        if layer.weight is not None:
+            # Negative and zero gammas: exact nn.BatchNorm semantics for every sign.
+            layer.weight.copy_(torch.tensor([1.5, -0.7, 0.0, 2.0]))
+        if layer.bias is not None:
+            layer.bias.copy_(torch.tensor([0.1, 0.2, -0.3, 0.0]))
+    return layer
+
+
+def activation_modes():
+    for activation in ACTIVATIONS:
+        yield activation, False
+        if activation not in ("none", "relu"):
+            yield activation, True
+
+
+def run_steps(layer, twin, make_input, replicas, activation, steps=3, dtype=torch.float64):
+    """Compare outputs, gradients and buffers over several training steps."""
+    model = SimulatedDataParallel(layer, replicas)
+    slope = SLOPES.get(activation, 0.01)
+    for step in range(steps):
+        x = make_input(step)
+        grad = torch.randn_like(x, dtype=torch.float64).to(x.dtype)
+        expected, expected_dx = reference_step(twin, x.double(), grad.double(), activation, slope)
+        leaf = x.detach().clone().requires_grad_()
+        out = model(leaf * 1)  # a non-leaf, so that in-place layers really run in place
+        out.backward(grad)
+        what = f"step {step}"
+        assert out.dtype == x.dtype
+        assert_close(out, expected, dtype, what + " output")
+        assert_close(leaf.grad, expected_dx, dtype, what + " input grad")
+        if layer.affine:
+            assert_close(layer.weight.grad, twin.weight.grad, dtype, what + " weight grad")
+            if layer.bias is not None:
+                assert_close(layer.bias.grad, twin.bias.grad, dtype, what + " bias grad")
+        if layer.track_running_stats:
+            assert_close(layer.running_mean, twin.running_mean, dtype, what + " running_mean")
+            assert_close(layer.running_var, twin.running_var, dtype, what + " running_var")
+            assert layer.num_batches_tracked.item() == twin.num_batches_tracked.item() == step + 1
+
+
+@pytest.mark.parametrize("activation,inplace", list(activation_modes()))
+@pytest.mark.parametrize("replicas,batch", [(1, 5), (2, 6), (3, 7), (4, 8), (4, 6), (4, 3)])
+def test_training_matches_full_batch(activation, inplace, replicas, batch):
+    """Even and uneven splits, and fewer chunks than replicas (6 over 4 gives 3)."""
+    layer = make_layer(activation, inplace)
+    twin = plain_twin(layer, 4)
+    gen = torch.Generator().manual_seed(batch * 10 + replicas)
+    shape = (batch, C, 3, 2)
+    run_steps(layer, twin, lambda s: torch.randn(shape, generator=gen, dtype=torch.float64),
+              replicas, activation)
+
+
+@pytest.mark.parametrize("shape", [(9, C), (9, C, 5), (5, C, 3, 2), (5, C, 2, 3, 2)])
+@pytest.mark.parametrize("activation,inplace", [("leaky_relu", True), ("none", False)])
+@pytest.mark.parametrize("replicas", [1, 3])
+def test_any_number_of_trailing_dims(shape, activation, inplace, replicas):
+    layer = make_layer(activation, inplace)
+    twin = plain_twin(layer, len(shape))
+    run_steps(layer, twin, lambda s: torch.randn(shape, dtype=torch.float64) * 3 + 1, replicas,
+              activation)
+
+
+def test_output_overwrites_input_and_only_output_is_kept():
+    """In place: the result lives in the input's storage; backward keeps one activation."""
+    x = torch.randn(6, C, 5, 5, dtype=torch.float64, requires_grad=True)
+    h = x * 2
+    full_size_saved = []
+
+    def pack(t):
+        if t.numel() == h.numel():
+            full_size_saved.append(t.data_ptr())
+        return t
+
+    layer = make_layer("leaky_relu")
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = layer(h)
+    assert out.data_ptr() == h.data_ptr()
+    assert full_size_saved == [out.data_ptr()]
+
+    full_size_saved.clear()
+    plain = nn.BatchNorm2d(C).double()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        torch.nn.functional.leaky_relu(plain(x * 2), inplace=True)
+    assert len(full_size_saved) == 2
+
+
+def test_layer_called_twice_in_one_forward():
+    layer = make_layer("elu", True)
+    twin = plain_twin(layer, 2)
+
+    class Twice(nn.Module):
+        def __init__(self, norm):
+            super().__init__()
+            self.norm = norm
+
+        def forward(self, x):
+            return self.norm(self.norm(x) * 2 + 1)
+
+    x = torch.randn(11, C, dtype=torch.float64)
+    grad = torch.randn_like(x)
+    leaf = x.clone().requires_grad_()
+    out = SimulatedDataParallel(Twice(layer), 4)(leaf * 1)
+    out.backward(grad)
+    ref_leaf = x.clone().requires_grad_()
+    slope = SLOPES["elu"]
+    expected = activate(twin(activate(twin(ref_leaf), "elu", slope) * 2 + 1), "elu", slope)
+    expected.backward(grad)
+    assert_close(out, expected)
+    assert_close(leaf.grad, ref_leaf.grad)
+    assert_close(layer.weight.grad, twin.weight.grad)
+    assert_close(layer.running_var, twin.running_var)
+    assert layer.num_batches_tracked.item() == 2
+
+
+@pytest.mark.parametrize("replicas", [1, 3])
+def test_large_offset_float32(replicas):
+    """mean 1e4, std 0.5 in float32: E[x^2] - E[x]^2 would lose the variance entirely."""
+    layer = make_layer("leaky_relu", dtype=torch.float32)
+    with torch.no_grad():
+        layer.weight.copy_(torch.tensor([1.5, -0.7, 0.5, 2.0]))
+    twin = plain_twin(layer, 4).double()
+    x = (torch.randn(6, C, 4, 4) * 0.5 + 1e4).float()
+    grad = torch.randn_like(x)
+    expected, expected_dx = reference_step(twin, x.double(), grad.double(), "leaky_relu", 0.1)
+    leaf = x.clone().requires_grad_()
+    out = SimulatedDataParallel(layer, replicas)(leaf * 1)
+    out.backward(grad)
+    # float32 holds 1e4 to ~1e-3, i.e. ~2e-3 of a standard deviation of 0.5.
+    torch.testing.assert_close(out.double(), expected, rtol=0, atol=1e-2)
+    torch.testing.assert_close(leaf.grad.double(), expected_dx, rtol=0, atol=1e-2)
+    torch.testing.assert_close(layer.running_var.double(), twin.running_var, rtol=1e-3, atol=0)
+    torch.testing.assert_close(layer.running_mean.double(), twin.running_mean, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("activation,inplace", [("leaky_relu", True), ("relu", False)])
+def test_half_precision_input_with_float32_parameters(dtype, activation, inplace):
+    layer = make_layer(activation, inplace, dtype=torch.float32)
+    twin = plain_twin(layer, 4).double()
+    x = torch.randn(6, C, 4, 4).to(dtype)
+    grad = torch.randn_like(x)
+    expected, expected_dx = reference_step(twin, x.double(), grad.double(), activation,
+                                           SLOPES.get(activation, 0.01))
+    leaf = x.clone().requires_grad_()
+    out = SimulatedDataParallel(layer, 2)(leaf * 1)
+    out.backward(grad)
+    assert out.dtype == dtype and leaf.grad.dtype == dtype
+    assert layer.running_mean.dtype == torch.float32
+    assert_close(out, expected, dtype, "output")
+    assert_close(leaf.grad, expected_dx, dtype, "input grad")
+    # Statistics and parameter gradients are accumulated in float32.
+    torch.testing.assert_close(layer.running_var.double(), twin.running_var, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(layer.weight.grad.double(), twin.weight.grad, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("activation,inplace", [("leaky_relu", True), ("elu", False)])
+def test_channels_last(activation, inplace):
+    layer = make_layer(activation, inplace)
+    twin = plain_twin(layer, 4)
+
+    def make_input(step):
+        return torch.randn(6, C, 3, 5, dtype=torch.float64).to(memory_format=torch.channels_last)
+
+    run_steps(layer, twin, make_input, 3, activation)
+
+
+@pytest.mark.parametrize("activation,inplace", list(activation_modes()))
+def test_eval_uses_running_stats_and_applies_activation(activation, inplace):
+    layer = make_layer(activation, inplace)
+    with torch.no_grad():
+        layer.running_mean.copy_(torch.tensor([0.5, -1.0, 2.0, 0.0]))
+        layer.running_var.copy_(torch.tensor([2.0, 0.5, 1.0, 3.0]))
+    layer.eval()
+    twin = plain_twin(layer, 4)
+    x = torch.randn(5, C, 3, 3, dtype=torch.float64)
+    grad = torch.randn_like(x)
+    expected, expected_dx = reference_step(twin, x, grad, activation, SLOPES.get(activation, 0.01))
+    leaf = x.clone().requires_grad_()
+    out = SimulatedDataParallel(layer, 3)(leaf * 1)
+    out.backward(grad)
+    assert_close(out, expected)
+    assert_close(leaf.grad, expected_dx)
+    assert_close(layer.weight.grad, twin.weight.grad)
+    assert layer.num_batches_tracked.item() == 0
+
+
+def test_sync_false_is_per_replica_batchnorm():
+    layer = make_layer("leaky_relu", sync=False)
+    twin = plain_twin(layer, 4)
+    x = torch.randn(8, C, 2, 2, dtype=torch.float64)
+    out = SimulatedDataParallel(layer, 4)(x.clone())
+    chunks = [activate(twin(c), "leaky_relu", 0.1) for c in x.chunk(4)]
+    assert_close(out, torch.cat(chunks).detach())
+    # As under nn.DataParallel, the running stats keep replica 0's update; twin saw 4 updates.
+    fresh = plain_twin(make_layer("leaky_relu"), 4)
+    fresh(x[:2])
+    assert_close(layer.running_mean, fresh.running_mean)
+    assert layer.num_batches_tracked.item() == 1
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(momentum=None),
+        dict(track_running_stats=False),
+        dict(affine=False),
+        dict(bias=False),
+        dict(eps=1e-1, momentum=0.5),
+    ],
+    ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()),
+)
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_constructor_options_of_batchnorm(options, replicas):
+    layer = make_layer("identity", **options)
+    twin = plain_twin(layer, 3)
+    run_steps(layer, twin, lambda s: torch.randn(6, C, 3, dtype=torch.float64) + s, replicas,
+              "identity", steps=4)
+    if not layer.track_running_stats:  # in eval too, batch statistics are used
+        layer.eval()
+        twin.eval()
+        x = torch.randn(4, C, 3, dtype=torch.float64)
+        assert_close(layer(x.clone()), twin(x))
+    if options.get("bias") is False:
+        assert "bias" not in layer.state_dict()
+
+
+@pytest.mark.parametrize("momentum", [0.1, None])
+def test_empty_batch_like_batchnorm(momentum):
+    layer = make_layer("leaky_relu", momentum=momentum)
+    twin = plain_twin(layer, 4)
+    with torch.no_grad():
+        for module in (layer, twin):
+            module.running_mean.fill_(2.0)
+            module.running_var.fill_(3.0)
+    x = torch.randn(0, C, 3, 3, dtype=torch.float64)
+    out = layer(x.clone())
+    assert out.shape == x.shape
+    twin(x)
+    assert_close(layer.running_mean, twin.running_mean)
+    assert_close(layer.running_var, twin.running_var)
+    assert layer.num_batches_tracked.item() == twin.num_batches_tracked.item() == 1
+
+
+def test_state_dict_is_that_of_batchnorm():
+    layer = make_layer("leaky_relu")
+    plain = nn.BatchNorm2d(C).double()
+    assert list(layer.state_dict()) == list(plain.state_dict())
+    plain.load_state_dict(layer.state_dict())
+    layer.load_state_dict(nn.BatchNorm2d(C).double().state_dict())
+    assert "activation='leaky_relu'" in repr(layer) and "slope=0.1" in repr(layer)
+
+
+def test_default_inplace_follows_invertibility():
+    assert SyncBatchNorm(3).inplace is False
+    assert SyncBatchNorm(3, activation="none", inplace=True).inplace is False
+    assert SyncBatchNorm(3, activation="relu").inplace is False
+    for activation in ("identity", "leaky_relu", "elu"):
+        layer = SyncBatchNorm(3, activation=activation)
+        assert layer.inplace is True and layer.activation == activation and layer.sync
+    assert SyncBatchNorm(3, activation="leaky_relu", slope=0.0, inplace=False).slope == 0.0
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(num_features=0),
+        dict(num_features=3, activation="gelu"),
+        dict(num_features=3, activation="relu", inplace=True),
+        dict(num_features=3, activation="leaky_relu", slope=0.0),
+        dict(num_features=3, activation="elu", slope=-1.0),
+    ],
+)
+def test_bad_constructor_arguments(kwargs):
+    with pytest.raises(ValueError):
+        SyncBatchNorm(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "x,error,words",
+    [
+        (torch.randn(4, 3, 5), ValueError, ["expected 4 channels", "3 channels"]),
+        (torch.randn(4), ValueError, ["(N, C, *)", "1-D"]),
+        (torch.ones(4, C, dtype=torch.long), TypeError, ["floating-point", "torch.int64"]),
+        (torch.randn(1, C), ValueError, ["more than 1 value per channel"]),
+    ],
+)
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_bad_input_leaves_state_untouched(x, error, words, replicas):
+    layer = make_layer("leaky_relu", dtype=torch.float32)
+    before = {k: v.clone() for k, v in layer.state_dict().items()}
+    with pytest.raises(error) as info:
+        SimulatedDataParallel(layer, replicas)(x)
+    for word in words:
+        assert word in str(info.value)
+    for key, value in layer.state_dict().items():
+        assert torch.equal(value, before[key]), key
