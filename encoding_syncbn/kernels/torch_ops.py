@@ -15,6 +15,11 @@ Notation, per channel c and element e of that channel::
 ``saved`` is what the layer kept for backward: the input ``x`` (``saved_is_output=False``) or
 the output ``y`` (``saved_is_output=True``, the in-place case), from which ``z`` and ``xhat``
 are rebuilt by inverting the activation.
+
+Every op walks the tensors in slabs of at most ``_SLAB_ELEMENTS`` elements through small
+scratch buffers, with ``out=`` and in-place ATen calls: full-size temporaries would cost
+memory (the layer's point is to keep one activation, not three) and, on the CPU, more time
+in page faults than the arithmetic itself.
 """
 
 from __future__ import annotations
@@ -34,29 +39,59 @@ def stats_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _per_channel(v: torch.Tensor, ndim: int) -> torch.Tensor:
-    """Reshape a (C,) vector to broadcast against an (N, C, *) tensor of ``ndim`` dims."""
-    return v.view((1, -1) + (1,) * (ndim - 2))
+# Elements per slab: large enough to amortise the per-call overhead, small enough to stay in
+# cache between the few ops applied to it.
+_SLAB_ELEMENTS = 1 << 16
 
 
-def _reduce_dims(ndim: int) -> list[int]:
-    return [0] + list(range(2, ndim))
+def _as_rows(t: torch.Tensor) -> torch.Tensor | None:
+    """A view of ``(N, C, *)`` as ``(A, C, B)`` with the channel in the middle, or None.
+
+    NCHW-contiguous gives ``(N, C, H*W)``; channels_last gives ``(N*H*W, C, 1)``.
+    """
+    channels = t.shape[1]
+    if t.is_contiguous():
+        return t.view(t.shape[0], channels, -1)
+    moved = t.movedim(1, -1)
+    if moved.is_contiguous():
+        return moved.view(-1, channels, 1)
+    return None
+
+
+def _slabs(rows: torch.Tensor):
+    """Slices of the first dim of an ``(A, C, B)`` view, each about ``_SLAB_ELEMENTS``."""
+    per_row = max(1, rows.shape[1] * rows.shape[2])
+    step = max(1, _SLAB_ELEMENTS // per_row)
+    return [slice(a, min(a + step, rows.shape[0])) for a in range(0, rows.shape[0], step)]
+
+
+def _channel(v: torch.Tensor) -> torch.Tensor:
+    """A (C,) vector broadcast against an ``(A, C, B)`` slab."""
+    return v.view(1, -1, 1)
 
 
 def channel_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Per-channel ``(mean, M2, count)`` with ``M2 = sum((x - mean)^2)``.
 
-    Two-pass in the statistics dtype (ATen's ``var_mean``), never ``E[x^2] - E[x]^2``.
-    An empty batch gives zeros, so that it drops out of any Chan merge.
+    Two passes in the statistics dtype (the sum, then the centred squares), never
+    ``E[x^2] - E[x]^2``. An empty batch gives zeros, so that it drops out of any Chan merge.
     """
     channels = x.shape[1]
     count = x.numel() // channels if channels else 0
     acc = stats_dtype(x.dtype)
+    mean = torch.zeros(channels, dtype=acc, device=x.device)
+    m2 = torch.zeros_like(mean)
     if count == 0:
-        zeros = torch.zeros(channels, dtype=acc, device=x.device)
-        return zeros, zeros.clone(), 0
-    var, mean = torch.var_mean(x.to(acc), dim=_reduce_dims(x.dim()), correction=0)
-    return mean, var * count, count
+        return mean, m2, 0
+    rows = _as_rows(x)
+    if rows is None:
+        rows = x.contiguous().view(x.shape[0], channels, -1)
+    mean = rows.sum(dim=(0, 2), dtype=acc).div_(count)
+    centred = mean.new_empty((_slabs(rows)[0].stop,) + rows.shape[1:])
+    for part in _slabs(rows):
+        slab = torch.sub(rows[part], _channel(mean), out=centred[: part.stop - part.start])
+        m2 += slab.mul_(slab).sum(dim=(0, 2))
+    return mean, m2, count
 
 
 def _activate_(z: torch.Tensor, activation: str, slope: float) -> torch.Tensor:
@@ -67,6 +102,17 @@ def _activate_(z: torch.Tensor, activation: str, slope: float) -> torch.Tensor:
     if activation == "relu":
         return z.relu_()
     return z
+
+
+def _written_through(out: torch.Tensor, compute) -> torch.Tensor:
+    """Run ``compute(out_rows)`` on an (A, C, B) view of ``out``, or via a copy if it has none."""
+    rows = _as_rows(out)
+    if rows is not None:
+        compute(rows)
+        return out
+    dense = torch.empty_like(out, memory_format=torch.contiguous_format)
+    compute(dense.view(out.shape[0], out.shape[1], -1))
+    return out.copy_(dense)
 
 
 def normalize_act(
@@ -84,58 +130,87 @@ def normalize_act(
     The mean is subtracted before scaling: ``x * scale + shift`` loses the normalised value
     to cancellation when |mean| >> std.
     """
-    nd = x.dim()
-    scale = _per_channel(invstd * weight, nd)
-    z = torch.addcmul(_per_channel(bias, nd), x.to(scale.dtype) - _per_channel(mean, nd), scale)
-    out.copy_(_activate_(z, activation, slope))
-    return out
+    if x.numel() == 0:
+        return out
+    mean_c, scale_c, bias_c = _channel(mean), _channel(invstd * weight), _channel(bias)
+    rows_in = _as_rows(x)
+    if rows_in is None or (out is not x and _as_rows(out) is None):
+        rows_in = x.contiguous().view(x.shape[0], x.shape[1], -1)
+
+    def compute(rows_out: torch.Tensor) -> None:
+        in_place = rows_out.data_ptr() == rows_in.data_ptr() and rows_out.dtype == mean.dtype
+        scratch = None if in_place else mean.new_empty(
+            (_slabs(rows_in)[0].stop,) + rows_in.shape[1:]
+        )
+        for part in _slabs(rows_in):
+            z = rows_out[part] if in_place else scratch[: part.stop - part.start]
+            torch.sub(rows_in[part], mean_c, out=z).mul_(scale_c).add_(bias_c)
+            _activate_(z, activation, slope)
+            if not in_place:
+                rows_out[part].copy_(z)
+
+    return _written_through(out, compute)
 
 
-def _pre_activation_and_grad(
-    saved: torch.Tensor,
-    dy: torch.Tensor,
-    mean: torch.Tensor,
-    invstd: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor,
-    activation: str,
-    slope: float,
-    saved_is_output: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(xhat, dz)`` in the statistics dtype, rebuilt from the saved input or output."""
-    nd = saved.dim()
-    acc = mean.dtype
-    s = saved.to(acc)
-    dy = dy.to(acc)
-    w, b = _per_channel(weight, nd), _per_channel(bias, nd)
-    if saved_is_output:
-        y = s
-        if activation == "leaky_relu":
-            positive = y > 0
-            z = torch.where(positive, y, y / slope)
-            dz = torch.where(positive, dy, dy * slope)
-        elif activation == "elu":
-            positive = y > 0
-            ratio = (y / slope).clamp_min(_ELU_INVERSE_FLOOR)
-            z = torch.where(positive, y, torch.log1p(ratio))
-            dz = torch.where(positive, dy, dy * (y + slope))
-        elif activation in ("none", "identity"):
-            z, dz = y, dy
+class _Backward:
+    """Rebuilds ``xhat`` and ``dz`` slab by slab from the saved input or output."""
+
+    def __init__(self, saved, dy, mean, invstd, weight, bias, activation, slope,
+                 saved_is_output):
+        if saved_is_output and activation == "relu":
+            raise ValueError("activation 'relu' cannot be inverted from its output")
+        self.saved = _as_rows(saved)
+        self.dy = _as_rows(dy)
+        if self.saved is None or self.dy is None or self.saved.stride() != self.dy.stride():
+            self.saved = saved.contiguous().view(saved.shape[0], saved.shape[1], -1)
+            self.dy = dy.contiguous().view(self.saved.shape)
+        self.mean, self.invstd = _channel(mean), _channel(invstd)
+        self.weight, self.bias = _channel(weight), _channel(bias)
+        self.activation, self.slope, self.saved_is_output = activation, slope, saved_is_output
+        self.parts = _slabs(self.saved)
+        shape = (self.parts[0].stop,) + self.saved.shape[1:]
+        self._xhat, self._dz = mean.new_empty(shape), mean.new_empty(shape)
+        self._mask = torch.empty(shape, dtype=torch.bool, device=mean.device)
+
+    def slab(self, part: slice) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(xhat, dz)`` of one slab, in scratch buffers valid until the next call."""
+        n = part.stop - part.start
+        s, dy = self.saved[part], self.dy[part]
+        xhat, dz, positive = self._xhat[:n], self._dz[:n], self._mask[:n]
+        act, slope = self.activation, self.slope
+        if self.saved_is_output:
+            # y -> z by inverting the activation (z > 0 exactly where y > 0), then z -> xhat.
+            torch.gt(s, 0, out=positive)
+            if act == "leaky_relu":
+                # gain = act'(z): 1 or slope; z = y / gain.
+                gain = dz.copy_(positive).mul_(1.0 - slope).add_(slope)
+                torch.div(s, gain, out=xhat)
+                gain.mul_(dy)
+            elif act == "elu":
+                # y <= 0: z = log1p(y / alpha) (clamped), act'(z) = y + alpha.
+                torch.div(s, slope, out=xhat).clamp_(min=_ELU_INVERSE_FLOOR).log1p_()
+                torch.where(positive, s, xhat, out=xhat)
+                torch.add(s, slope, out=dz).masked_fill_(positive, 1.0).mul_(dy)
+            else:
+                xhat.copy_(s)
+                dz.copy_(dy)
+            xhat.sub_(self.bias).div_(self.weight)
         else:
-            raise ValueError(f"activation {activation!r} cannot be inverted from its output")
-        xhat = (z - b) / w
-    else:
-        xhat = (s - _per_channel(mean, nd)) * _per_channel(invstd, nd)
-        z = xhat * w + b
-        if activation == "leaky_relu":
-            dz = torch.where(z > 0, dy, dy * slope)
-        elif activation == "elu":
-            dz = torch.where(z > 0, dy, dy * (slope * torch.exp(z)))
-        elif activation == "relu":
-            dz = torch.where(z > 0, dy, torch.zeros_like(dy))
-        else:
-            dz = dy
-    return xhat, dz
+            torch.sub(s, self.mean, out=xhat).mul_(self.invstd)
+            if act in ("leaky_relu", "elu", "relu"):
+                # The sign of z = xhat * w + b decides the branch.
+                z = torch.mul(xhat, self.weight, out=dz).add_(self.bias)
+                torch.gt(z, 0, out=positive)
+                if act == "leaky_relu":
+                    dz.copy_(positive).mul_(1.0 - slope).add_(slope)
+                elif act == "elu":
+                    z.exp_().mul_(slope).masked_fill_(positive, 1.0)
+                else:
+                    dz.copy_(positive)
+                dz.mul_(dy)
+            else:
+                dz.copy_(dy)
+        return xhat, dz
 
 
 def backward_reduce(
@@ -150,11 +225,15 @@ def backward_reduce(
     saved_is_output: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-channel ``(sum(dz), sum(dz * xhat))`` in the statistics dtype."""
-    xhat, dz = _pre_activation_and_grad(
-        saved, dy, mean, invstd, weight, bias, activation, slope, saved_is_output
-    )
-    dims = _reduce_dims(saved.dim())
-    return dz.sum(dims), (dz * xhat).sum(dims)
+    sum_dz, sum_dz_xhat = torch.zeros_like(mean), torch.zeros_like(mean)
+    if saved.numel() == 0:
+        return sum_dz, sum_dz_xhat
+    walk = _Backward(saved, dy, mean, invstd, weight, bias, activation, slope, saved_is_output)
+    for part in walk.parts:
+        xhat, dz = walk.slab(part)
+        sum_dz += dz.sum(dim=(0, 2))
+        sum_dz_xhat += xhat.mul_(dz).sum(dim=(0, 2))
+    return sum_dz, sum_dz_xhat
 
 
 def backward_dx(
@@ -176,10 +255,15 @@ def backward_dx(
     Every input gradient of the layer has this form (see ``functional.py`` for the
     coefficients of the local and the synchronised case).
     """
-    xhat, dz = _pre_activation_and_grad(
-        saved, dy, mean, invstd, weight, bias, activation, slope, saved_is_output
-    )
-    nd = saved.dim()
-    dx = torch.addcmul(_per_channel(coef_const, nd), dz, _per_channel(coef_dz, nd))
-    dx.addcmul_(xhat, _per_channel(coef_xhat, nd))
-    return dx.to(saved.dtype)
+    dx = torch.empty_like(saved)
+    if saved.numel() == 0:
+        return dx
+    walk = _Backward(saved, dy, mean, invstd, weight, bias, activation, slope, saved_is_output)
+    a, k, c = _channel(coef_dz), _channel(coef_xhat), _channel(coef_const)
+
+    def compute(rows_out: torch.Tensor) -> None:
+        for part in walk.parts:
+            xhat, dz = walk.slab(part)
+            rows_out[part].copy_(dz.mul_(a).add_(xhat.mul_(k)).add_(c))
+
+    return _written_through(dx, compute)
