@@ -20,7 +20,13 @@ import torch.distributed as dist
 
 
 def is_active(process_group: Any = None) -> bool:
-    """True when ``torch.distributed`` is initialised and the group has more than one rank."""
+    """True when this process must synchronise over ``process_group`` (None: WORLD).
+
+    That is when ``torch.distributed`` is initialised, this rank belongs to the group and the
+    group has more than one rank. ``dist.new_group`` hands ranks outside the group
+    ``GroupMember.NON_GROUP_MEMBER``: such a rank must not call the group's collectives, so
+    for it the layer is a plain per-process BatchNorm.
+    """
     if not (dist.is_available() and dist.is_initialized()):
         return False
     if process_group is not None and process_group == dist.GroupMember.NON_GROUP_MEMBER:
@@ -29,7 +35,11 @@ def is_active(process_group: Any = None) -> bool:
 
 
 class _GatherStats(torch.autograd.Function):
-    """``(mean[C], M2[C], count) -> (means[W, C], m2s[W, C], counts[W])`` over the group."""
+    """``(mean[C], M2[C], count) -> (means[W, C], m2s[W, C], counts[W])`` over the group.
+
+    ``counts`` stay float64 (exact up to 2^53), the statistics come back in ``mean``'s dtype.
+    Rows are in group-rank order; backward keeps the row of this rank *in the group*.
+    """
 
     @staticmethod
     def forward(ctx, mean: torch.Tensor, m2: torch.Tensor, count: int, process_group: Any):
@@ -44,7 +54,7 @@ class _GatherStats(torch.autograd.Function):
         gathered = torch.stack(rows)
         ctx.process_group, ctx.dtype = process_group, mean.dtype
         ctx.rank = dist.get_rank(process_group)
-        counts = gathered[:, -1].to(mean.dtype)
+        counts = gathered[:, -1].clone()
         ctx.mark_non_differentiable(counts)
         return (
             gathered[:, :channels].to(mean.dtype),

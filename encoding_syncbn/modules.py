@@ -136,7 +136,7 @@ class SyncBatchNorm(_BatchNorm):
     def _replicate_for_data_parallel(self) -> SyncBatchNorm:
         """Called by ``torch.nn.parallel.replicate`` once per replica, in rank order."""
         group = self._open_group() if self._open_group is not None else None
-        if group is None or group.closed:
+        if group is None or not group.accepts_members():
             group = ReplicaGroup(replication_session(), self._label())
             self._open_group = weakref.ref(group)
         replica = super()._replicate_for_data_parallel()
@@ -214,7 +214,11 @@ class SyncBatchNorm(_BatchNorm):
         use_batch_stats = self.training or self.running_mean is None
         if not use_batch_stats:
             invstd = torch.rsqrt(self.running_var.to(acc) + self.eps)
-            return normalize_with(x, self.running_mean.to(acc), invstd, weight, bias, config)
+            # A copy, not the buffer: a training forward (its in-place running-stats update),
+            # load_state_dict or a buffer broadcast between this forward and its backward
+            # would otherwise fail backward's saved-tensor version check.
+            mean = self.running_mean.to(acc, copy=True)
+            return normalize_with(x, mean, invstd, weight, bias, config)
 
         recomputing = torch._C._current_graph_task_id() != -1
         updates_running = self.training and self.track_running_stats and not recomputing

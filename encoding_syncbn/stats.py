@@ -31,7 +31,9 @@ class MergeStats(torch.autograd.Function):
     @staticmethod
     def forward(ctx, means: torch.Tensor, m2s: torch.Tensor, counts: torch.Tensor, eps: float):
         counts = counts.to(means.dtype)
-        total = counts.sum()
+        # All counts zero (a rank or replica set with an empty batch): zeros, not 0/0 = NaN,
+        # which would poison the cross-process merge it takes part in.
+        total = counts.sum().clamp_min(1)
         weights = (counts / total).unsqueeze(1)
         mean = (weights * means).sum(0)
         deviation = means - mean

@@ -79,6 +79,9 @@ class ReplicaSession:
         self._threads: dict[int, threading.Thread] = {}
         self._waiting: dict[int, _Waiting] = {}
         self.failure: str | None = None
+        # The group that received the last replica: replicate() makes a module's replicas in
+        # a row, so another layer coming back to a group it had left means a new replicate().
+        self.last_grown: ReplicaGroup | None = None
 
     def register(self, rank: int) -> None:
         """Remember the calling thread as replica ``rank``'s, to notice when it dies."""
@@ -128,7 +131,24 @@ class ReplicaGroup:
             raise RuntimeError(f"{self.label}: cannot add a replica after the group has run")
         self._outboxes.append(queue.Queue())
         self._calls_begun.append(0)
+        self.session.last_grown = self
         return self.size - 1
+
+    def accepts_members(self) -> bool:
+        """Whether this layer's next replica joins this group rather than a new one.
+
+        Not once any replica of the session has run a sync layer (even one whose own layer
+        never ran: an unused branch, or a failed step), nor when other layers were replicated
+        after this one's members: that is a new ``replicate()`` call after a step in which no
+        replica reached a sync layer. Then the stale session is closed too, so that the new
+        call gets a new session.
+        """
+        if self.closed or self.session.closed:
+            return False
+        if self.size and self.session.last_grown is not self:
+            self.session.closed = True
+            return False
+        return True
 
     def close(self) -> None:
         """Freeze the membership: called at the first forward of any replica."""
@@ -194,23 +214,33 @@ class ReplicaGroup:
                     except queue.Empty:
                         gone = [peer for peer in peers if session.exited(peer)]
                         raise self._error(
-                            f"ranks {gone} exited without reaching call {call}", rank
+                            f"ranks {gone} exited without reaching call {call} of this layer "
+                            f"(they failed, or called it fewer times)",
+                            rank,
                         ) from None
-                self._check_order(rank, peers)
-                if time.monotonic() >= deadline:
-                    raise self._error(
-                        f"ranks {peers} did not arrive within {timeout_seconds():g} s "
-                        f"(set {TIMEOUT_ENV} to change the bound)",
-                        rank,
-                    )
+                disorder = self._check_order(rank, peers)
+                if disorder is None and time.monotonic() < deadline:
+                    continue
+                try:  # what we wait for may have come while we looked at the peers
+                    return source.get_nowait()
+                except queue.Empty:
+                    pass
+                if disorder is not None:
+                    raise self._error(disorder, rank)
+                raise self._error(
+                    f"ranks {peers} did not arrive within {timeout_seconds():g} s "
+                    f"(set {TIMEOUT_ENV} to change the bound)",
+                    rank,
+                )
         finally:
             del session._waiting[rank]
 
-    def _check_order(self, rank: int, peers: list[int]) -> None:
-        """Raise if a peer we wait for is itself blocked in another layer on a call of ours.
+    def _check_order(self, rank: int, peers: list[int]) -> str | None:
+        """Why we wait in vain, if a peer we wait for is blocked in another layer on us.
 
         Such a peer needs this replica to reach that other layer first: the replicas run the
-        layers in different orders and would wait on each other until the timeout.
+        layers in different orders and would wait on each other until the timeout. (Unless
+        what we wait for came in meanwhile and the peer moved on: the caller looks again.)
         """
         for peer in peers:
             waiting = self.session._waiting.get(peer)
@@ -218,12 +248,12 @@ class ReplicaGroup:
                 continue
             other = waiting.group
             if rank < other.size and other._calls_begun[rank] <= waiting.call:
-                raise self._error(
+                return (
                     f"rank {peer} waits in {other.label} (call {waiting.call}) for rank {rank}, "
                     f"which waits here for it: the replicas call the sync layers in different "
-                    f"orders",
-                    rank,
+                    f"orders"
                 )
+        return None
 
     def _error(self, reason: str, rank: int) -> SyncError:
         error = SyncError(f"{self.label}, rank {rank}: {reason}")

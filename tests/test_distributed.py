@@ -1,0 +1,470 @@
+"""SyncBatchNorm across processes (torch.distributed, gloo on CPU, localhost).
+
+Starting processes is slow (each needs torch imported), so the ranks are forked from a
+forkserver that has imported torch once, each world size is launched once, and its processes
+run every scenario in turn; each rank records which scenarios passed, and the
+tests below only read those records. Every scenario is checked in every rank against the
+full-batch float64 reference (``F.batch_norm`` + activation): outputs, input gradients,
+weight/bias gradients (summed over the ranks) and running statistics.
+
+Nothing can hang: the collectives have a timeout, and every process join has a deadline
+after which the processes are killed.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+import traceback
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from reference import activate
+from torch import nn
+
+from encoding_syncbn import SyncBatchNorm, convert_sync_batchnorm
+from encoding_syncbn.testing import SimulatedDataParallel
+
+C = 4
+LAUNCH_DEADLINE_S = 180.0  # the whole launch, import and rendezvous included
+COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=60)
+SLOPES = {"leaky_relu": 0.1, "elu": 0.7}
+# (activation, inplace): every in-place activation, plus out-of-place ones.
+MODES = [("leaky_relu", True), ("elu", True), ("identity", True), ("none", False),
+         ("relu", False)]
+
+# ---------------------------------------------------------------- helpers run in the children
+
+
+def _check(actual, expected, what, dtype=torch.float64):
+    tol = 1e-10 if dtype == torch.float64 else 1e-4
+    torch.testing.assert_close(
+        actual.detach().double(), expected.detach().double(), rtol=tol, atol=tol,
+        msg=lambda m: f"rank {dist.get_rank()}: {what}: {m}",
+    )
+
+
+def _make_layer(activation, inplace, dtype=torch.float64, **kwargs):
+    layer = SyncBatchNorm(C, activation=activation, slope=SLOPES.get(activation, 0.01),
+                          inplace=inplace, **kwargs).to(dtype)
+    with torch.no_grad():
+        # Negative and zero gammas: the zero one is kept aside by the in-place layer.
+        layer.weight.copy_(torch.tensor([1.5, -0.7, 0.0, 2.0]))
+        layer.bias.copy_(torch.tensor([0.1, 0.2, -0.3, 0.0]))
+    return layer
+
+
+def _offsets(batches):
+    starts = [sum(batches[:r]) for r in range(len(batches))]
+    return [slice(s, s + n) for s, n in zip(starts, batches)]
+
+
+def _full_batch(batches, step, seed=0):
+    gen = torch.Generator().manual_seed(1000 * seed + step)
+    shape = (sum(batches), C, 3, 2)
+    x = torch.randn(shape, generator=gen, dtype=torch.float64) * 2.0 + 0.5
+    grad = torch.randn(shape, generator=gen, dtype=torch.float64)
+    return x, grad
+
+
+def _reference(layer, x, grad, running_mean, running_var, activation):
+    """Full-batch float64 BN + activation: output, dx, dw, db; updates the running stats."""
+    x = x.detach().clone().requires_grad_()
+    w = layer.weight.detach().double().clone().requires_grad_()
+    b = layer.bias.detach().double().clone().requires_grad_()
+    z = F.batch_norm(x, running_mean, running_var, w, b, True, layer.momentum, layer.eps)
+    out = activate(z, activation, SLOPES.get(activation, 0.01))
+    out.backward(grad)
+    return out.detach(), x.grad, w.grad, b.grad
+
+
+def _check_layer(batches, activation, inplace, *, dtype=torch.float64, replicas=1,
+                 process_group=None, members=None, steps=2, seed=0):
+    """Train one layer for a few steps in every rank; compare with the full-batch reference.
+
+    ``batches[r]`` is global rank r's batch size; ``members`` the global ranks of
+    ``process_group`` (None: all). A rank outside the group is compared with plain BN on its
+    own batch.
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    members = list(range(world)) if members is None else members
+    synced = members if rank in members else [rank]
+    layer = _make_layer(activation, inplace, dtype, process_group=process_group)
+    model = SimulatedDataParallel(layer, replicas) if replicas > 1 else layer
+    ref_mean = torch.zeros(C, dtype=torch.float64)
+    ref_var = torch.ones(C, dtype=torch.float64)
+    slices = _offsets(batches)
+    for step in range(steps):
+        full_x, full_grad = _full_batch(batches, step, seed)
+        ref_x = torch.cat([full_x[slices[r]] for r in synced])
+        ref_grad = torch.cat([full_grad[slices[r]] for r in synced])
+        ref_out, ref_dx, ref_dw, ref_db = _reference(
+            layer, ref_x, ref_grad, ref_mean, ref_var, activation
+        )
+        mine = _offsets([batches[r] for r in synced])[synced.index(rank)]
+
+        leaf = full_x[slices[rank]].to(dtype).requires_grad_()
+        out = model(leaf * 1)  # a non-leaf: the in-place layers really run in place
+        out.backward(full_grad[slices[rank]].to(dtype))
+        what = f"{activation} inplace={inplace} step {step}"
+        assert out.shape == leaf.shape and out.dtype == dtype
+        _check(out, ref_out[mine], what + " output", dtype)
+        _check(leaf.grad, ref_dx[mine], what + " input grad", dtype)
+        # Parameter gradients stay local (DDP averages them): their sum over the group is
+        # the full-batch gradient.
+        grads = torch.stack([layer.weight.grad, layer.bias.grad]).double()
+        if len(synced) > 1:
+            dist.all_reduce(grads, group=process_group)
+        _check(grads[0], ref_dw, what + " weight grad", dtype)
+        _check(grads[1], ref_db, what + " bias grad", dtype)
+        _check(layer.running_mean, ref_mean, what + " running_mean", dtype)
+        _check(layer.running_var, ref_var, what + " running_var", dtype)
+        assert int(layer.num_batches_tracked) == step + 1
+        layer.zero_grad()
+
+    # Evaluation uses the running statistics and never synchronises.
+    layer.eval()
+    x = full_x[slices[rank]].to(dtype)
+    with _CollectiveCounter() as counter:
+        out = model(x * 1)
+    assert counter.calls == {}, f"eval made collectives {counter.calls}"
+    expected = activate(
+        F.batch_norm(x.double(), ref_mean, ref_var, layer.weight.double(), layer.bias.double(),
+                     False, 0.0, layer.eps),
+        activation, SLOPES.get(activation, 0.01),
+    )
+    _check(out, expected, f"{activation} eval output", dtype)
+
+
+class _CollectiveCounter:
+    """Counts calls to torch.distributed's collectives while active (wrapping the functions)."""
+
+    NAMES = ("all_gather", "all_gather_into_tensor", "all_reduce", "broadcast", "reduce",
+             "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "gather", "scatter",
+             "barrier", "all_gather_object", "broadcast_object_list")
+
+    def __enter__(self):
+        self.calls: Counter[str] = Counter()
+        self._saved = {name: getattr(dist, name) for name in self.NAMES}
+        for name, fn in self._saved.items():
+            setattr(dist, name, self._wrap(name, fn))
+        return self
+
+    def _wrap(self, name, fn):
+        def counted(*args, **kwargs):
+            self.calls[name] += 1
+            return fn(*args, **kwargs)
+
+        return counted
+
+    def __exit__(self, *exc):
+        for name, fn in self._saved.items():
+            setattr(dist, name, fn)
+        return False
+
+    def take(self):
+        calls, self.calls = dict(self.calls), Counter()
+        return calls
+
+
+# ------------------------------------------------------------------------------ scenarios
+
+
+def scenario_uneven(ctx):
+    """Uneven batches in every rank, every activation mode; float32 too."""
+    batches = [5, 3] if ctx["world"] == 2 else [2, 5, 3]
+    for activation, inplace in MODES:
+        _check_layer(batches, activation, inplace)
+    _check_layer(batches, "leaky_relu", True, dtype=torch.float32, seed=1)
+
+
+def scenario_empty_rank(ctx):
+    """A rank with 0 samples takes part: count 0, zero gradients, same running stats."""
+    batches = [0, 6] if ctx["world"] == 2 else [3, 0, 4]
+    for activation, inplace in (("leaky_relu", True), ("none", False)):
+        _check_layer(batches, activation, inplace)
+
+
+def scenario_replicas(ctx):
+    """2 SimulatedDataParallel replicas in each process (uneven chunks)."""
+    batches = [5, 4] if ctx["world"] == 2 else [5, 4, 2]
+    for activation, inplace in (("leaky_relu", True), ("elu", True), ("none", False)):
+        _check_layer(batches, activation, inplace, replicas=2)
+
+
+def _two_layer_model(**kwargs):
+    return nn.Sequential(
+        _make_layer("leaky_relu", True, **kwargs),
+        nn.Conv2d(C, C, 1).double(),
+        _make_layer("none", False, **kwargs),
+    )
+
+
+def scenario_collective_count(ctx):
+    """Exactly one all_gather forward and one all_reduce backward per layer call."""
+    rank = dist.get_rank()
+    for replicas in (1, 2):
+        model = _two_layer_model()
+        runner = SimulatedDataParallel(model, replicas) if replicas > 1 else model
+        x = torch.randn(4 + rank, C, 3, 2, dtype=torch.float64, requires_grad=True)
+        with _CollectiveCounter() as counter:
+            out = runner(x * 1)
+            forward = counter.take()
+            out.square().sum().backward()
+            backward = counter.take()
+            model.eval()
+            runner(x * 1)
+            evaluation = counter.take()
+        assert forward == {"all_gather": 2}, f"replicas={replicas} forward: {forward}"
+        assert backward == {"all_reduce": 2}, f"replicas={replicas} backward: {backward}"
+        assert evaluation == {}, f"replicas={replicas} eval: {evaluation}"
+    # sync=False, and a process group of one rank: no collective at all.
+    for kwargs in ({"sync": False}, {"process_group": ctx["solo"]}):
+        model = _two_layer_model(**kwargs)
+        x = torch.randn(4, C, 3, 2, dtype=torch.float64, requires_grad=True)
+        with _CollectiveCounter() as counter:
+            model(x * 1).square().sum().backward()
+        assert counter.calls == {}, f"{kwargs}: {dict(counter.calls)}"
+
+
+def scenario_solo_group(ctx):
+    """A process group of one rank is plain local BatchNorm."""
+    rank = dist.get_rank()
+    batches = [3, 4, 5][: ctx["world"]]
+    _check_layer(batches, "leaky_relu", True, process_group=ctx["solo"], members=[rank])
+
+
+def scenario_subgroup(ctx):
+    """A 2-rank subgroup of 3 ranks; the rank outside it does plain local BN."""
+    group, members = ctx["pair"], ctx["pair_ranks"]
+    for activation, inplace in (("leaky_relu", True), ("elu", True), ("none", False)):
+        with _CollectiveCounter() as counter:
+            _check_layer([4, 3, 5], activation, inplace, process_group=group, members=members)
+        if dist.get_rank() not in members:
+            assert counter.calls == {}, f"non-member made collectives: {dict(counter.calls)}"
+
+
+def _ddp_models(process_group):
+    """A plain float64 reference net and its synchronised twin (fused in-place ABN + converted)."""
+    torch.manual_seed(7)
+    reference = nn.Sequential(
+        nn.Conv2d(3, C, 3, padding=1, bias=False), nn.BatchNorm2d(C), nn.LeakyReLU(0.1),
+        nn.Conv2d(C, C, 1), nn.BatchNorm2d(C), nn.ELU(0.7),
+        nn.Conv2d(C, 2, 1),
+    ).double()
+    synced = convert_sync_batchnorm(copy.deepcopy(reference), process_group)
+    fused = SyncBatchNorm(C, process_group=process_group, activation="leaky_relu", slope=0.1,
+                          inplace=True).double()
+    fused.load_state_dict(synced[1].state_dict())
+    synced[1], synced[2] = fused, nn.Identity()
+    assert isinstance(synced[4], SyncBatchNorm) and synced[4].process_group is process_group
+    return reference, synced
+
+
+def _check_ddp_training(batches, members, process_group, steps=3):
+    """DDP-wrapped training vs single-process training of the whole batch of the group."""
+    rank = dist.get_rank()
+    reference, model = _ddp_models(process_group)
+    ddp = nn.parallel.DistributedDataParallel(model, process_group=process_group)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+    slices = _offsets(batches)
+    total = sum(batches)
+    for step in range(steps):
+        gen = torch.Generator().manual_seed(50 + step)
+        x = torch.randn(total, 3, 4, 4, generator=gen, dtype=torch.float64)
+        target = torch.randn(total, 2, 4, 4, generator=gen, dtype=torch.float64)
+        ref_out = reference(x)
+        ref_loss = (ref_out - target).square().sum() / total
+        ref_opt.zero_grad()
+        ref_loss.backward()
+        ref_opt.step()
+
+        out = ddp(x[slices[rank]])
+        # DDP averages over the group, hence the group size: the average of these losses'
+        # gradients is the full-batch loss's gradient.
+        loss = (out - target[slices[rank]]).square().sum() * len(members) / total
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        what = f"DDP step {step}"
+        _check(out, ref_out[slices[rank]], what + " output")
+        for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+            _check(p, q, f"{what} parameter {name}")
+        for (name, buf), ref_buf in zip(model.named_buffers(), reference.buffers()):
+            _check(buf, ref_buf, f"{what} buffer {name}")
+    return ddp
+
+
+def scenario_ddp(ctx):
+    """DDP + convert_sync_batchnorm + in-place ABN, a few SGD steps, uneven batches."""
+    batches = [5, 3] if ctx["world"] == 2 else [2, 4, 3]
+    ddp = _check_ddp_training(batches, list(range(ctx["world"])), None)
+    # Two forwards, then one backward (gradient accumulation): the first, through frozen
+    # (eval-mode) layers, must not have saved a buffer that the second, training, forward
+    # (or DDP's buffer broadcast) then updates in place.
+    x = torch.randn(3, 3, 4, 4, dtype=torch.float64)
+    with ddp.no_sync():
+        losses = []
+        for frozen in (True, False):
+            for module in ddp.modules():
+                if isinstance(module, SyncBatchNorm):
+                    module.train(not frozen)
+            losses.append(ddp(x * (1 + frozen)).square().sum())
+        sum(losses).backward()
+    # Eval through DDP (buffers broadcast, no sync).
+    ddp.eval()
+    with torch.no_grad(), _CollectiveCounter() as counter:
+        ddp(torch.randn(3, 3, 4, 4, dtype=torch.float64))
+    assert "all_gather" not in counter.calls
+
+
+def scenario_ddp_subgroup(ctx):
+    """DDP over a 2-rank subgroup; the third rank trains alone with plain local BN."""
+    group, members = ctx["pair"], ctx["pair_ranks"]
+    rank = dist.get_rank()
+    if rank in members:
+        _check_ddp_training([0, 3, 5], members, group)  # rank 0's slot stays empty
+    else:
+        # Outside the group: the converted model is local BN, and makes no collective.
+        reference, model = _ddp_models(group)
+        x = torch.randn(4, 3, 4, 4, dtype=torch.float64)
+        with _CollectiveCounter() as counter:
+            out = model(x)
+            out.square().sum().backward()
+        ref_out = reference(x)
+        assert counter.calls == {}, f"non-member made collectives: {dict(counter.calls)}"
+        _check(out, ref_out, "non-member output")
+
+
+SCENARIOS = {
+    2: ["uneven", "empty_rank", "replicas", "collective_count", "solo_group", "ddp"],
+    3: ["uneven", "empty_rank", "replicas", "collective_count", "subgroup", "ddp_subgroup"],
+}
+
+
+def _write(path, results):
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(results))
+    tmp.replace(path)
+
+
+def _worker(rank, world, port, outdir):
+    results = {}
+    path = Path(outdir) / f"rank{rank}.json"
+    try:
+        if sys.platform.startswith("linux"):
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # localhost only
+        torch.set_num_threads(1)
+        store = dist.TCPStore("127.0.0.1", port, world, is_master=False,
+                              timeout=COLLECTIVE_TIMEOUT)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
+                                timeout=COLLECTIVE_TIMEOUT)
+        # Every rank creates every group, in the same order.
+        solos = [dist.new_group([r]) for r in range(world)]
+        ctx = {"world": world, "solo": solos[rank]}
+        if world == 3:
+            ctx["pair_ranks"] = [1, 2]  # group ranks differ from global ranks
+            ctx["pair"] = dist.new_group(ctx["pair_ranks"])
+        for name in SCENARIOS[world]:
+            started = time.perf_counter()
+            try:
+                globals()[f"scenario_{name}"](ctx)
+            except BaseException:
+                results[name] = traceback.format_exc()
+                _write(path, results)
+                # The peers are left inside a collective: leave at once, they fail fast.
+                os._exit(1)
+            results[name] = f"ok {time.perf_counter() - started:.2f}s"
+            _write(path, results)
+            dist.barrier()
+        dist.destroy_process_group()
+    except BaseException:
+        results["<setup>"] = traceback.format_exc()
+        _write(path, results)
+        os._exit(1)
+
+
+# ------------------------------------------------------------------------------ the parent
+
+
+def _process_context():
+    """A forkserver whose one process has imported torch, DDP's imports and this module, so
+    that each rank is a cheap fork of it (spawn would import torch again in every rank)."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo",
+                                    _worker.__module__])
+    return context
+
+
+def _launch(world):
+    """Run every scenario of this world size; return {scenario: [per-rank record]}."""
+    outdir = tempfile.mkdtemp(prefix=f"syncbn_dist{world}_")
+    # The parent holds the rendezvous store, so the port is free and stays ours.
+    store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False,
+                          timeout=COLLECTIVE_TIMEOUT)
+    context = _process_context()
+    processes = [
+        context.Process(target=_worker, args=(rank, world, store.port, outdir), daemon=True)
+        for rank in range(world)
+    ]
+    for process in processes:
+        process.start()
+    deadline = time.monotonic() + LAUNCH_DEADLINE_S
+    for process in processes:
+        process.join(timeout=max(0.0, deadline - time.monotonic()))
+    hung = [rank for rank, p in enumerate(processes) if p.is_alive()]
+    for process in processes:
+        if process.is_alive():
+            process.kill()
+            process.join(timeout=10)
+    records = {}
+    for rank in range(world):
+        path = Path(outdir) / f"rank{rank}.json"
+        records[rank] = json.loads(path.read_text()) if path.exists() else {}
+    shutil.rmtree(outdir, ignore_errors=True)
+    del store
+    return {"records": records, "hung": hung,
+            "exitcodes": [p.exitcode for p in processes]}
+
+
+_LAUNCHES: dict[int, dict] = {}
+
+
+def _results(world):
+    if world not in _LAUNCHES:
+        _LAUNCHES[world] = _launch(world)
+    return _LAUNCHES[world]
+
+
+@pytest.mark.parametrize(
+    "world, scenario", [(w, s) for w, names in SCENARIOS.items() for s in names]
+)
+def test_distributed(world, scenario):
+    launch = _results(world)
+    records = launch["records"]
+    problems = []
+    for rank in range(world):
+        record = records[rank].get(scenario)
+        if record is None:
+            setup = records[rank].get("<setup>", "")
+            problems.append(f"rank {rank}: not reached {setup}")
+        elif not record.startswith("ok"):
+            problems.append(f"rank {rank}:\n{record}")
+    if problems:
+        if launch["hung"]:
+            problems.append(f"ranks {launch['hung']} were killed at the deadline")
+        pytest.fail(f"{scenario} with {world} ranks:\n" + "\n".join(problems))
