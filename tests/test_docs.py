@@ -1,4 +1,4 @@
-"""The README's Python blocks and the quickstart run as written."""
+"""The README's ```python blocks (```py ones are fragments) and the quickstart run as written."""
 
 from __future__ import annotations
 
