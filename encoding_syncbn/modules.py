@@ -220,7 +220,7 @@ class SyncBatchNorm(_BatchNorm):
             mean = self.running_mean.to(acc, copy=True)
             return normalize_with(x, mean, invstd, weight, bias, config)
 
-        recomputing = torch._C._current_graph_task_id() != -1
+        recomputing = _inside_backward()
         updates_running = self.training and self.track_running_stats and not recomputing
         group_size = slot.group.size if slot is not None else 1
         synced = (
@@ -342,6 +342,14 @@ class SyncBatchNorm(_BatchNorm):
         return text
 
 
+def _inside_backward() -> bool:
+    """A checkpoint recomputation runs the forward again inside backward (graph task >= 0).
+
+    A compiled graph is traced once, not re-run eagerly by a recomputation.
+    """
+    return not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1
+
+
 _warned_out_of_place = threading.Event()
 
 
@@ -350,6 +358,8 @@ def _can_overwrite(x: torch.Tensor) -> bool:
     reason = None
     if x.requires_grad and x.is_leaf:
         reason = "a leaf tensor that requires grad"
+    elif torch.compiler.is_compiling():
+        pass  # Dynamo cannot inspect view provenance; the traced graph is functionalised
     elif x._is_view() and x.grad_fn is not None and _is_multi_output_view(x):
         reason = f"a view produced by {x.grad_fn.name()} (torch.chunk, split, unbind, ...)"
     if reason is None:

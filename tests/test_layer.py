@@ -138,15 +138,22 @@ def test_large_offset_float32(replicas):
     with torch.no_grad():
         layer.weight.copy_(torch.tensor([1.5, -0.7, 0.5, 2.0]))
     twin = plain_twin(layer, 4).double()
-    x = (torch.randn(6, C, 4, 4) * 0.5 + 1e4).float()
-    grad = torch.randn_like(x)
+    gen = torch.Generator().manual_seed(replicas)
+    x = (torch.randn(6, C, 4, 4, generator=gen) * 0.5 + 1e4).float()
+    grad = torch.randn(x.shape, generator=gen)
     expected, expected_dx = reference_step(twin, x.double(), grad.double(), "leaky_relu", 0.1)
     leaf = x.clone().requires_grad_()
     out = SimulatedDataParallel(layer, replicas)(leaf * 1)
     out.backward(grad)
     # float32 holds 1e4 to ~1e-3, i.e. ~2e-3 of a standard deviation of 0.5.
     torch.testing.assert_close(out.double(), expected, rtol=0, atol=1e-2)
-    torch.testing.assert_close(leaf.grad.double(), expected_dx, rtol=0, atol=1e-2)
+    # That rounding may put an element within ~1e-2 of the kink on the other side of it,
+    # where leaky_relu's derivative jumps: compare the gradient away from the kink.
+    pre_activation = torch.nn.functional.batch_norm(
+        x.double(), None, None, twin.weight, twin.bias, training=True
+    )
+    away = pre_activation.abs() > 2e-2
+    torch.testing.assert_close(leaf.grad.double()[away], expected_dx[away], rtol=0, atol=1e-2)
     torch.testing.assert_close(layer.running_var.double(), twin.running_var, rtol=1e-3, atol=0)
     torch.testing.assert_close(layer.running_mean.double(), twin.running_mean, rtol=1e-6, atol=0)
 

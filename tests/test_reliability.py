@@ -1,0 +1,786 @@
+"""Reliability: failures, timeouts, recovery, ordering, copies, threads, soak, checkpointing and
+bad inputs. Every numerical check compares with plain PyTorch (``nn.BatchNorm1d`` on the whole
+batch) in float64. No test can hang: ``ENCODING_SYNCBN_TIMEOUT`` is small unless a test sets it.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import pickle
+import random
+import re
+import threading
+import time
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.optim.swa_utils import AveragedModel, update_bn
+from torch.utils.checkpoint import checkpoint
+
+from encoding_syncbn import SyncBatchNorm, SyncError
+from encoding_syncbn import modules as sbn_modules
+from encoding_syncbn import sync as sbn_sync
+from encoding_syncbn.testing import SimulatedDataParallel, replicate
+
+DT = torch.float64
+TOL = {"rtol": 1e-9, "atol": 1e-11}
+# Failures must be seen this fast even when the timeout is long.
+FAST_SECONDS = 5.0
+
+
+@pytest.fixture(autouse=True)
+def _short_timeout(monkeypatch):
+    monkeypatch.setenv(sbn_sync.TIMEOUT_ENV, "3")
+
+
+@pytest.fixture(autouse=True)
+def _one_intra_op_thread():
+    # Tiny tensors: intra-op threads only add OpenMP barriers, which crawl on a busy machine
+    # (the timing bounds below are about the replica threads, not about OpenMP).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+class UserError(Exception):
+    """Raised by user code inside a replica."""
+
+
+# ---- models ---------------------------------------------------------------------------------
+
+
+class Net(nn.Module):
+    """fc1 -> bn1 (+ leaky_relu) -> fc2 -> bn2 -> bn2 again -> head.
+
+    ``sync=True``: SyncBatchNorm layers (bn1 with the activation fused, in place);
+    ``sync=False``: the plain PyTorch reference, for the whole batch.
+    ``fault(where, x, tag)`` lets a test break one replica (``tag`` holds the replica index).
+    """
+
+    def __init__(self, sync: bool = True, features: int = 5, width: int = 6, seed: int = 0):
+        super().__init__()
+        generator = torch.Generator().manual_seed(seed)
+        self.fc1 = nn.Linear(features, width, dtype=DT)
+        self.fc2 = nn.Linear(width, width, dtype=DT)
+        self.head = nn.Linear(width, 3, dtype=DT)
+        if sync:
+            self.bn1 = SyncBatchNorm(width, activation="leaky_relu", slope=0.1, dtype=DT)
+            self.bn2 = SyncBatchNorm(width, dtype=DT)
+            self.act1 = nn.Identity()
+        else:
+            self.bn1 = nn.BatchNorm1d(width, dtype=DT)
+            self.bn2 = nn.BatchNorm1d(width, dtype=DT)
+            self.act1 = nn.LeakyReLU(0.1)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=generator, dtype=DT) * 0.5)
+            for bn in (self.bn1, self.bn2):
+                bn.weight.add_(1.0)
+        self.fault = None
+
+    def forward(self, x, tag=None):
+        h = self.fc1(x)
+        self._maybe_fault("before", h, tag)
+        h = self.act1(self.bn1(self._maybe_fault("inside", h, tag)))
+        self._maybe_fault("between", h, tag)
+        h = self.bn2(self.fc2(h))
+        h = self.bn2(h * 0.5 + 1.0)
+        return self.head(h)
+
+    def _maybe_fault(self, where, h, tag):
+        if self.fault is not None and tag is not None:
+            out = self.fault(where, h, int(tag[0]))
+            if out is not None:
+                return out
+        return h
+
+
+def reference_of(net: Net) -> Net:
+    ref = Net(sync=False, features=net.fc1.in_features, width=net.fc1.out_features)
+    ref.load_state_dict(net.state_dict())
+    return ref
+
+
+def tags(batch: int, replicas: int) -> torch.Tensor:
+    """For each sample, the index of the replica that ``torch.chunk`` sends it to."""
+    pieces = torch.chunk(torch.empty(batch), replicas)
+    return torch.cat([torch.full((len(p),), j) for j, p in enumerate(pieces)])
+
+
+def batch(n: int, seed: int, features: int = 5):
+    g = torch.Generator().manual_seed(seed)
+    return (
+        torch.randn(n, features, generator=g, dtype=DT) * 2 + 0.5,
+        torch.randn(n, 3, generator=g, dtype=DT),
+    )
+
+
+def step(model, optimizer, x, y, replicas=None, *extra):
+    """One SGD step; under SimulatedDataParallel when ``replicas`` is given."""
+    runner = SimulatedDataParallel(model, replicas) if replicas else model
+    out = runner(x, *extra)
+    loss = F.mse_loss(out, y)
+    optimizer.zero_grad()
+    loss.backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    optimizer.step()
+    return out.detach(), grads
+
+
+def assert_same_state(a: nn.Module, b: nn.Module, **tol):
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for key in sa:
+        torch.testing.assert_close(sa[key], sb[key], msg=key, **(tol or TOL))
+
+
+def snapshot(model: nn.Module) -> dict:
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def assert_unchanged(model: nn.Module, before: dict):
+    after = model.state_dict()
+    for key, value in before.items():
+        torch.testing.assert_close(after[key], value, rtol=0, atol=0, equal_nan=True, msg=key)
+
+
+def run_replicas(model: nn.Module, inputs: list[tuple], join_timeout: float = 30.0):
+    """Replicate ``model`` and run replica j on ``inputs[j]`` in its own thread.
+
+    Returns (what each replica returned or raised, seconds until all had finished).
+    """
+    replicas = replicate(model, len(inputs))
+    results: list = [None] * len(inputs)
+
+    def run(j):
+        try:
+            results[j] = replicas[j](*inputs[j])
+        except BaseException as error:
+            results[j] = error
+
+    threads = [threading.Thread(target=run, args=(j,), daemon=True) for j in range(len(inputs))]
+    start = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(join_timeout)
+    elapsed = time.monotonic() - start
+    assert not any(t.is_alive() for t in threads), "a replica is still blocked"
+    return results, elapsed
+
+
+def scattered(x: torch.Tensor, replicas: int):
+    t = tags(len(x), replicas)
+    return [(xc.clone(), tc) for xc, tc in zip(torch.chunk(x, replicas), torch.chunk(t, replicas))]
+
+
+def waited_for(message: str) -> list[int]:
+    found = re.search(r"waiting for ranks \[([\d, ]*)\]", message)
+    assert found, message
+    return [int(r) for r in found.group(1).split(",") if r.strip()]
+
+
+# ---- 1. a failing replica: peers raise SyncError fast, the caller sees the original ----------
+
+
+def _bad_channels(rank):
+    def fault(where, h, r):
+        if where == "inside" and r == rank:
+            return h[:, :-1]  # wrong channel count into bn1, on this replica only
+        return None
+
+    return fault
+
+
+def _raise_at(spot, rank):
+    def fault(where, h, r):
+        if where == spot and r == rank:
+            raise UserError(f"user code failed on replica {r}")
+        return None
+
+    return fault
+
+
+@pytest.mark.parametrize("bad", [0, 1, 3])
+@pytest.mark.parametrize("spot", ["inside", "between"])
+def test_replica_failing_inside_or_after_joining_fails_peers_fast(monkeypatch, spot, bad):
+    """inside: wrong channels into bn1 on one replica; between: that replica joined at bn1,
+    then user code raised and its thread ended before bn2."""
+    monkeypatch.setenv(sbn_sync.TIMEOUT_ENV, "60")
+    x, _ = batch(8, seed=1)
+    net = Net()
+    if spot == "inside":
+        net.fault, original, label = _bad_channels(bad), ValueError, net.bn1._label()
+    else:
+        net.fault, original, label = _raise_at("between", bad), UserError, net.bn2._label()
+    results, elapsed = run_replicas(net, scattered(x, 4))
+    assert elapsed < FAST_SECONDS, elapsed
+    assert isinstance(results[bad], original)
+    for rank in {0, 1, 2, 3} - {bad}:
+        error = results[rank]
+        assert isinstance(error, SyncError), (rank, error)
+        message = str(error)
+        assert f"{label}, rank {rank}:" in message, message
+        # names the replica that failed, or the ranks that did not arrive
+        assert f"replica {bad} raised" in message or f"ranks [{bad}]" in message, message
+        if rank == 0 and spot == "inside":
+            assert bad in waited_for(message), message
+        if rank == 0 and spot == "between":
+            assert f"ranks [{bad}] exited without reaching call 0" in message, message
+    # Through SimulatedDataParallel: the original exception, not the SyncErrors.
+    start = time.monotonic()
+    with pytest.raises(original):
+        SimulatedDataParallel(net, 4)(x, tags(8, 4))
+    assert time.monotonic() - start < FAST_SECONDS
+
+
+# ---- 2. a replica that dies before any sync layer: caught by the timeout ---------------------
+
+
+def test_failure_before_first_sync_layer_is_bounded_by_timeout(monkeypatch):
+    monkeypatch.setenv(sbn_sync.TIMEOUT_ENV, "0.5")
+    x, _ = batch(6, seed=2)
+    net = Net()
+    net.fault = _raise_at("before", 2)
+    results, elapsed = run_replicas(net, scattered(x, 3))
+    assert 0.5 <= elapsed < 0.5 + FAST_SECONDS, elapsed
+    assert isinstance(results[2], UserError)
+    for rank in (0, 1):
+        assert isinstance(results[rank], SyncError)
+        assert net.bn1._label() in str(results[rank])
+    assert "did not arrive within 0.5 s" in str(results[0])
+    assert "ENCODING_SYNCBN_TIMEOUT" in str(results[0])
+    start = time.monotonic()
+    with pytest.raises(UserError):
+        SimulatedDataParallel(net, 3)(x, tags(6, 3))
+    assert time.monotonic() - start < 0.5 + FAST_SECONDS
+    # The value is read at call time.
+    monkeypatch.setenv(sbn_sync.TIMEOUT_ENV, "1.5")
+    assert sbn_sync.timeout_seconds() == 1.5
+    monkeypatch.delenv(sbn_sync.TIMEOUT_ENV)
+    assert sbn_sync.timeout_seconds() == sbn_sync.DEFAULT_TIMEOUT_SECONDS
+
+
+@pytest.mark.parametrize("value", ["abc", "0", "-1", "nan", "1s"])
+def test_bad_timeout_value_is_a_clear_value_error(monkeypatch, value):
+    monkeypatch.setenv(sbn_sync.TIMEOUT_ENV, value)
+    with pytest.raises(ValueError, match="ENCODING_SYNCBN_TIMEOUT"):
+        sbn_sync.timeout_seconds()
+    net = Net()
+    before = snapshot(net)
+    x, _ = batch(8, seed=3)
+    start = time.monotonic()
+    with pytest.raises(ValueError, match="ENCODING_SYNCBN_TIMEOUT"):
+        SimulatedDataParallel(net, 4)(x)
+    assert time.monotonic() - start < FAST_SECONDS
+    assert_unchanged(net, before)
+
+
+# ---- 3. the step after a failed one ----------------------------------------------------------
+
+
+def _everyone_raises_at(spot):
+    def fault(where, h, r):
+        if where == spot:
+            raise UserError(f"replica {r}")
+        return None
+
+    return fault
+
+
+@pytest.mark.parametrize(
+    "fault",
+    [
+        _bad_channels(2),
+        _raise_at("between", 1),
+        _raise_at("before", 3),
+        _everyone_raises_at("before"),  # no replica reaches a sync layer
+        _everyone_raises_at("between"),  # bn2 is replicated but never run
+    ],
+    ids=["inside", "between", "before", "all-before", "all-between"],
+)
+def test_step_after_failed_step_is_correct(monkeypatch, fault):
+    monkeypatch.setenv(sbn_sync.TIMEOUT_ENV, "0.5")
+    net = Net()
+    x, y = batch(8, seed=4)
+    net.fault = fault
+    # Keep the exception (and so the failed step's replicas) alive during the next step.
+    with pytest.raises((UserError, ValueError)) as failed:
+        SimulatedDataParallel(net, 4)(x, tags(8, 4))
+    net.fault = None
+    ref = reference_of(net)  # the state the failed step left (running stats it did update)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for seed in (5, 6):
+        x, y = batch(8, seed=seed)
+        start = time.monotonic()
+        out, grads = step(net, opt, x, y, 4)
+        assert time.monotonic() - start < 0.5, "the next step waited for a peer"
+        ref_out, ref_grads = step(ref, ref_opt, x, y)
+        torch.testing.assert_close(out, ref_out, **TOL)
+        for g, rg in zip(grads, ref_grads):
+            torch.testing.assert_close(g, rg, **TOL)
+        assert_same_state(net, ref)
+    assert failed.value is not None
+
+
+# ---- 4. several layers, one layer several times, and out-of-order calls ---------------------
+
+
+@pytest.mark.parametrize("replicas,n", [(2, 8), (3, 7), (4, 9), (4, 5)])
+def test_several_layers_and_repeated_calls_match_reference(replicas, n):
+    net = Net()
+    ref = reference_of(net)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for seed in range(3):
+        x, y = batch(n, seed=10 + seed)
+        out, grads = step(net, opt, x, y, replicas)
+        ref_out, ref_grads = step(ref, ref_opt, x, y)
+        torch.testing.assert_close(out, ref_out, **TOL)
+        for g, rg in zip(grads, ref_grads):
+            torch.testing.assert_close(g, rg, **TOL)
+        assert_same_state(net, ref)
+    assert int(net.bn2.num_batches_tracked) == 6  # called twice a step
+
+
+class TwoLayers(nn.Module):
+    def __init__(self, swap_on=None, extra_call_on=None):
+        super().__init__()
+        self.a = SyncBatchNorm(4, dtype=DT)
+        self.b = SyncBatchNorm(4, dtype=DT)
+        self.swap_on, self.extra_call_on = swap_on, extra_call_on
+
+    def forward(self, x, tag):
+        rank = int(tag[0])
+        if rank == self.swap_on:
+            return self.a(self.b(x))
+        x = self.b(self.a(x))
+        if rank == self.extra_call_on:
+            x = self.b(x)
+        return x
+
+
+@pytest.mark.parametrize(
+    "model,replicas",
+    [(TwoLayers(swap_on=1), 2), (TwoLayers(swap_on=0), 3), (TwoLayers(swap_on=2), 4),
+     (TwoLayers(extra_call_on=1), 3), (TwoLayers(extra_call_on=0), 2)],
+    ids=["swap-1-of-2", "swap-master-of-3", "swap-2-of-4", "extra-call-1", "extra-call-master"],
+)
+def test_replicas_calling_layers_differently_raise_sync_error_fast(monkeypatch, model, replicas):
+    monkeypatch.setenv(sbn_sync.TIMEOUT_ENV, "60")
+    before = snapshot(model)
+    x = torch.randn(4 * replicas, 4, dtype=DT)
+    start = time.monotonic()
+    with pytest.raises(SyncError, match="different|fewer times") as raised:
+        SimulatedDataParallel(model, replicas)(x, tags(len(x), replicas))
+    assert time.monotonic() - start < FAST_SECONDS
+    assert "SyncBatchNorm(4)" in str(raised.value)
+    if model.swap_on is not None:
+        assert "order" in str(raised.value)
+        assert_unchanged(model, before)
+
+
+class SlowReplica(nn.Module):
+    """a -> b, with replica 1 late at a: its peers poll for a while."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = SyncBatchNorm(4, dtype=DT)
+        self.b = SyncBatchNorm(4, dtype=DT)
+
+    def forward(self, x, tag):
+        if int(tag[0]) == 1:
+            time.sleep(0.15)
+        return self.b(self.a(x))
+
+
+def test_slow_replica_is_not_mistaken_for_out_of_order_calls(monkeypatch):
+    """A replica whose answer arrives while it checks its peers must take that answer, even
+    if the master has meanwhile moved on to the next layer."""
+    check_order = sbn_sync.ReplicaGroup._check_order
+
+    def slow_check_order(self, rank, *args):
+        if rank == 2:  # widen the window between a poll that found nothing and the check
+            time.sleep(0.3)
+        return check_order(self, rank, *args)
+
+    monkeypatch.setattr(sbn_sync.ReplicaGroup, "_check_order", slow_check_order)
+    model = SlowReplica()
+    ref_a, ref_b = nn.BatchNorm1d(4, dtype=DT), nn.BatchNorm1d(4, dtype=DT)
+    x = torch.randn(12, 4, dtype=DT)
+    for _ in range(2):
+        out = SimulatedDataParallel(model, 3)(x, tags(12, 3))
+        torch.testing.assert_close(out, ref_b(ref_a(x)), **TOL)
+    torch.testing.assert_close(model.b.running_var, ref_b.running_var, **TOL)
+
+
+# ---- 5. copies: deepcopy, pickle, torch.save, AveragedModel ---------------------------------
+
+
+def _copies(model):
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    return {
+        "deepcopy": copy.deepcopy(model),
+        "pickle": pickle.loads(pickle.dumps(model)),
+        "torch.save": torch.load(buffer, weights_only=False),
+    }
+
+
+def test_copies_work_before_during_and_after_parallel_forward():
+    net = Net()
+    copies = dict(_copies(net))  # before any forward
+    x, y = batch(8, seed=20)
+    SimulatedDataParallel(net, 4)(x)  # after a parallel forward
+    copies.update({f"after-{k}": v for k, v in _copies(net).items()})
+    replicas = replicate(net, 3)  # while replicas (and their open group) exist
+    copies.update({f"during-{k}": v for k, v in _copies(net).items()})
+    # the replicas still work after the original was copied
+    parts = [(c.clone(),) for c in torch.chunk(batch(9, seed=21)[0], 3)]
+    results, _ = run_replicas_from(replicas, parts)
+    assert all(isinstance(r, torch.Tensor) for r in results), results
+
+    # Every copy is independent (no group travels with it) and trains like the original.
+    for name, twin in copies.items():
+        for layer in (twin.bn1, twin.bn2):
+            assert layer._open_group is None and layer._replica_slot is None, name
+        original = copy.deepcopy(twin)  # a copy of the copy, as a second reference
+        ref = reference_of(twin)
+        opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (twin, original, ref)]
+        for seed in range(3):
+            x, y = batch(10, seed=30 + seed)
+            out, _ = step(twin, opts[0], x, y, 4)
+            out2, _ = step(original, opts[1], x, y, 3)
+            ref_out, _ = step(ref, opts[2], x, y)
+            torch.testing.assert_close(out, ref_out, **TOL, msg=name)
+            torch.testing.assert_close(out2, ref_out, **TOL, msg=name)
+        assert_same_state(twin, ref)
+        assert_same_state(original, ref)
+
+
+def run_replicas_from(replicas, inputs):
+    results: list = [None] * len(inputs)
+
+    def run(j):
+        try:
+            results[j] = replicas[j](*inputs[j])
+        except BaseException as error:
+            results[j] = error
+
+    threads = [threading.Thread(target=run, args=(j,), daemon=True) for j in range(len(inputs))]
+    start = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not any(t.is_alive() for t in threads)
+    return results, time.monotonic() - start
+
+
+def test_averaged_model_of_a_synced_model_matches_reference():
+    net = Net()
+    ref = reference_of(net)
+    averaged, ref_averaged = AveragedModel(net), AveragedModel(ref)
+    opt = torch.optim.SGD(net.parameters(), lr=0.05)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
+    for seed in range(4):
+        x, y = batch(9, seed=40 + seed)
+        step(net, opt, x, y, 4)
+        step(ref, ref_opt, x, y)
+        averaged.update_parameters(net)
+        ref_averaged.update_parameters(ref)
+    assert_same_state(averaged, ref_averaged)
+    # The averaged model (a deepcopy) runs under SimulatedDataParallel, with update_bn.
+    loader = [batch(8, seed=50 + i)[0] for i in range(3)]
+    update_bn(loader, SimulatedDataParallel(averaged, 4))
+    update_bn(loader, ref_averaged)
+    assert_same_state(averaged, ref_averaged)
+    x, _ = batch(8, seed=60)
+    averaged.eval()
+    ref_averaged.eval()
+    torch.testing.assert_close(SimulatedDataParallel(averaged, 4)(x), ref_averaged(x), **TOL)
+
+
+# ---- 6. two models trained at the same time in two threads ----------------------------------
+
+
+def test_two_models_in_two_threads_do_not_interfere():
+    steps = 15
+
+    def train(net, replicas, seed0, sink):
+        opt = torch.optim.SGD(net.parameters(), lr=0.05)
+        try:
+            for s in range(steps):
+                x, y = batch(6 + s % 5, seed=seed0 + s)
+                sink.append(step(net, opt, x, y, replicas)[0])
+        except BaseException as error:  # reported by the main thread
+            sink.append(error)
+
+    nets = [Net(seed=1), Net(seed=2)]
+    refs = [reference_of(n) for n in nets]
+    sinks: list[list] = [[], []]
+    threads = [
+        threading.Thread(target=train, args=(nets[i], (3, 4)[i], 100 * i, sinks[i]), daemon=True)
+        for i in range(2)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads)
+    for i in range(2):
+        opt = torch.optim.SGD(refs[i].parameters(), lr=0.05)
+        assert len(sinks[i]) == steps and all(isinstance(o, torch.Tensor) for o in sinks[i]), (
+            sinks[i][-1]
+        )
+        for s in range(steps):
+            x, y = batch(6 + s % 5, seed=100 * i + s)
+            torch.testing.assert_close(sinks[i][s], step(refs[i], opt, x, y)[0], **TOL)
+        assert_same_state(nets[i], refs[i])
+
+
+# ---- 7. soak --------------------------------------------------------------------------------
+
+
+def test_soak_300_steps_random_batch_sizes():
+    rng = random.Random(1234)
+    net = Net(seed=7)
+    ref = reference_of(net)
+    opt = torch.optim.SGD(net.parameters(), lr=0.02, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.02, momentum=0.9)
+    sizes = [rng.randint(2, 13) for _ in range(300)]
+    # 2 and 3 give fewer chunks than replicas; 2, 3 and 5 a chunk of one sample, which is fine
+    # as long as the whole batch has more than one (nn.BatchNorm1d raises only for that).
+    assert {2, 3, 5} <= set(sizes)
+    start = time.monotonic()
+    for s, n in enumerate(sizes):
+        x, y = batch(n, seed=1000 + s)
+        out, _ = step(net, opt, x, y, 4)
+        ref_out, _ = step(ref, ref_opt, x, y)
+        if s % 50 == 0:
+            torch.testing.assert_close(out, ref_out, rtol=1e-8, atol=1e-9)
+    elapsed = time.monotonic() - start
+    assert_same_state(net, ref, rtol=1e-7, atol=1e-9)
+    assert int(net.bn2.num_batches_tracked) == 600
+    assert elapsed < 60, elapsed
+
+
+# ---- 8. recomputation with torch.utils.checkpoint -------------------------------------------
+
+
+class Block(nn.Module):
+    def __init__(self, sync: bool):
+        super().__init__()
+        make = (
+            (lambda **kw: SyncBatchNorm(6, dtype=DT, **kw))
+            if sync
+            else (lambda **kw: nn.BatchNorm1d(6, dtype=DT))
+        )
+        self.fc1 = nn.Linear(6, 6, dtype=DT)
+        self.bn1 = make(activation="leaky_relu", slope=0.2, inplace=True)
+        self.fc2 = nn.Linear(6, 6, dtype=DT)
+        self.bn2 = make(activation="elu", slope=1.0, inplace=False)
+        self.sync = sync
+
+    def forward(self, h):
+        h = self.bn1(self.fc1(h))
+        if not self.sync:
+            h = F.leaky_relu(h, 0.2)
+        h = self.bn2(self.fc2(h))
+        return h if self.sync else F.elu(h)
+
+
+class CheckpointNet(nn.Module):
+    def __init__(self, sync=True, mode=None):
+        super().__init__()
+        torch.manual_seed(3)
+        self.stem = nn.Linear(5, 6, dtype=DT)
+        self.block1, self.block2 = Block(sync), Block(sync)
+        self.head = nn.Linear(6, 2, dtype=DT)
+        self.mode = mode  # None, "non-reentrant" or "reentrant"
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                if "bn" in name:
+                    p.uniform_(0.5, 1.5) if name.endswith("weight") else p.uniform_(-0.5, 0.5)
+
+    def forward(self, x):
+        h = self.stem(x)
+        for block in (self.block1, self.block2):
+            if self.mode is None:
+                h = block(h)
+            else:
+                h = checkpoint(block, h, use_reentrant=self.mode == "reentrant")
+        return self.head(h)
+
+
+def test_checkpoint_non_reentrant_matches_plain_run(monkeypatch):
+    monkeypatch.setenv(sbn_sync.TIMEOUT_ENV, "1")
+    waits_in_backward = []
+    wait = sbn_sync.ReplicaGroup._wait
+
+    def recording_wait(self, *args, **kwargs):
+        if torch._C._current_graph_task_id() != -1:
+            waits_in_backward.append(self.label)
+        return wait(self, *args, **kwargs)
+
+    monkeypatch.setattr(sbn_sync.ReplicaGroup, "_wait", recording_wait)
+    plain = CheckpointNet()
+    ckpt = CheckpointNet(mode="non-reentrant")
+    ckpt.load_state_dict(plain.state_dict())
+    ref = CheckpointNet(sync=False)
+    ref.load_state_dict(plain.state_dict())
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (plain, ckpt, ref)]
+    for s in range(3):
+        x, _ = batch(10, seed=70 + s)
+        y = torch.randn(10, 2, dtype=DT, generator=torch.Generator().manual_seed(s))
+        start = time.monotonic()
+        out_c, grads_c = step(ckpt, opts[1], x, y, 4)
+        assert time.monotonic() - start < 1.0, "a recomputation waited on a peer"
+        out_p, grads_p = step(plain, opts[0], x, y, 4)
+        out_r, grads_r = step(ref, opts[2], x, y)
+        torch.testing.assert_close(out_c, out_p, **TOL)
+        torch.testing.assert_close(out_c, out_r, **TOL)
+        for gc, gp, gr in zip(grads_c, grads_p, grads_r):
+            torch.testing.assert_close(gc, gp, **TOL)
+            torch.testing.assert_close(gc, gr, **TOL)
+        assert_same_state(ckpt, plain)  # running stats updated once a step, not at recompute
+        assert_same_state(ckpt, ref)
+    assert int(ckpt.block1.bn1.num_batches_tracked) == 3
+    assert waits_in_backward == []
+
+
+@pytest.mark.parametrize("replicas", [None, 4])
+def test_checkpoint_around_an_inplace_layer_on_its_own_input_raises(replicas):
+    """In place over the checkpoint's own input destroys what the recompute needs: that must
+    be an error, never wrong gradients."""
+    fc = nn.Linear(5, 6, dtype=DT)
+    bn = SyncBatchNorm(6, activation="leaky_relu", slope=0.2, dtype=DT)
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc, self.bn = fc, bn
+
+        def forward(self, x):
+            return checkpoint(self.bn, self.fc(x), use_reentrant=False)
+
+    model = Model()
+    runner = SimulatedDataParallel(model, replicas) if replicas else model
+    out = runner(batch(8, seed=90)[0])
+    with pytest.raises(RuntimeError):
+        out.sum().backward()
+
+
+def test_checkpoint_reentrant_under_sync_raises_clearly(monkeypatch):
+    monkeypatch.setenv(sbn_sync.TIMEOUT_ENV, "1")
+    net = CheckpointNet(mode="reentrant")
+    x, _ = batch(8, seed=80)
+    out = SimulatedDataParallel(net, 4)(x)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="use_reentrant=False"):
+        out.sum().backward()
+    assert time.monotonic() - start < FAST_SECONDS
+
+
+# ---- 9. bad inputs ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "make_input,error,match",
+    [
+        (lambda: torch.randn(8, 3, dtype=DT), ValueError, "channels"),
+        (lambda: torch.randn(8, 4, 5, dtype=DT)[:, :2], ValueError, "channels"),
+        (lambda: torch.randn(8, dtype=DT), ValueError, "1-D"),
+        (lambda: torch.randint(0, 5, (8, 4)), TypeError, "floating"),
+        (lambda: torch.ones(8, 4, dtype=torch.bool), TypeError, "floating"),
+    ],
+    ids=["channels", "channels-3d", "1d", "int", "bool"],
+)
+@pytest.mark.parametrize("replicas", [None, 4])
+def test_bad_input_raises_and_leaves_state_untouched(make_input, error, match, replicas):
+    layer = SyncBatchNorm(4, activation="leaky_relu", dtype=DT)
+    before = snapshot(layer)
+    runner = SimulatedDataParallel(layer, replicas) if replicas else layer
+    start = time.monotonic()
+    with pytest.raises(error, match=match):
+        runner(make_input())
+    assert time.monotonic() - start < FAST_SECONDS
+    assert_unchanged(layer, before)
+    # and the layer still works afterwards
+    x = torch.randn(8, 4, dtype=DT)
+    ref = nn.BatchNorm1d(4, dtype=DT)
+    torch.testing.assert_close(runner(x.clone()), F.leaky_relu(ref(x), 0.01), **TOL)
+    assert_same_state(layer, ref)
+
+
+@pytest.mark.parametrize("replicas", [None, 4])
+def test_nan_and_inf_propagate_like_batch_norm(replicas):
+    x = torch.randn(8, 4, 3, dtype=DT)
+    x[5, 1, 2] = float("nan")
+    x[2, 3, 0] = float("inf")
+    layer = SyncBatchNorm(4, dtype=DT)
+    ref = nn.BatchNorm1d(4, dtype=DT)
+    runner = SimulatedDataParallel(layer, replicas) if replicas else layer
+    out = runner(x.clone())
+    expected = ref(x)
+    torch.testing.assert_close(out, expected, **TOL, equal_nan=True)
+    assert torch.isfinite(out[:, [0, 2]]).all()
+    for key, value in ref.state_dict().items():
+        torch.testing.assert_close(layer.state_dict()[key], value, **TOL, equal_nan=True)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"num_features": 0},
+        {"num_features": -3},
+        {"num_features": 2.5},
+        {"num_features": "4"},
+        {"num_features": 4, "activation": "tanh"},
+        {"num_features": 4, "activation": "relu", "inplace": True},
+        {"num_features": 4, "activation": "leaky_relu", "slope": 0.0, "inplace": True},
+        {"num_features": 4, "activation": "elu", "slope": -1.0},
+    ],
+)
+def test_bad_constructor_arguments_raise_value_error(kwargs):
+    with pytest.raises(ValueError):
+        SyncBatchNorm(**kwargs)
+
+
+@pytest.mark.parametrize("replicas", [None, 4])
+def test_inplace_on_leaf_requiring_grad_warns_once_and_is_correct(monkeypatch, replicas):
+    monkeypatch.setattr(sbn_modules, "_warned_out_of_place", threading.Event())
+    layer = SyncBatchNorm(4, activation="leaky_relu", slope=0.1, dtype=DT)
+    ref = nn.BatchNorm1d(4, dtype=DT)
+    with torch.no_grad():
+        for m in (layer, ref):
+            m.weight.copy_(torch.tensor([1.5, -0.7, 0.3, 2.0]))
+            m.bias.copy_(torch.tensor([0.1, -0.2, 0.3, 0.0]))
+    runner = SimulatedDataParallel(layer, replicas) if replicas else layer
+    dy = torch.randn(8, 4, 3, dtype=DT)
+    for _ in range(2):
+        x = torch.randn(8, 4, 3, dtype=DT, requires_grad=True)
+        kept = x.detach().clone()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = runner(x)
+        warned = [w for w in caught if "out of place" in str(w.message)]
+        if replicas is None:
+            assert len(warned) == (1 if _ == 0 else 0)
+            assert out is not x
+        assert torch.equal(x.detach(), kept)  # the leaf was not overwritten
+        xr = kept.clone().requires_grad_(True)
+        expected = F.leaky_relu(ref(xr), 0.1)
+        torch.testing.assert_close(out, expected, **TOL)
+        (gx, gw, gb) = torch.autograd.grad((out * dy).sum(), (x, layer.weight, layer.bias))
+        (rx, rw, rb) = torch.autograd.grad((expected * dy).sum(), (xr, ref.weight, ref.bias))
+        for a, b in ((gx, rx), (gw, rw), (gb, rb)):
+            torch.testing.assert_close(a, b, **TOL)
+    assert_same_state(layer, ref)
