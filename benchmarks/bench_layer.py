@@ -14,7 +14,8 @@ Prints, measured in the same run:
   variant; on CUDA, ``torch.cuda.max_memory_allocated``;
 - the per-call cost of the synchronisation itself: a tiny input through 4 simulated replicas
   against 1, per layer call, in microseconds;
-- on CUDA, the effective bandwidth of each layer's forward and backward.
+- on CUDA, each op's effective bandwidth (the bytes it must move over its time) against
+  the device's peak memory bandwidth (``--peak-gbps``, default: the H100 SXM's 3350 GB/s).
 """
 
 from __future__ import annotations
@@ -124,9 +125,9 @@ def cuda_peak_growth(stack: nn.Module, x: torch.Tensor) -> int:
     return peak
 
 
-def sync_cost_us(replicas: int, calls: int = 200) -> float:
-    """Microseconds per layer call of a tiny input under simulated DataParallel."""
-    layer = SyncBatchNorm(8, activation="leaky_relu")
+def sync_cost_us(replicas: int, sync: bool = True, calls: int = 200) -> float:
+    """Microseconds per layer call (fwd+bwd) of a tiny input under simulated DataParallel."""
+    layer = SyncBatchNorm(8, activation="leaky_relu", sync=sync)
 
     class Repeat(nn.Module):
         def __init__(self) -> None:
@@ -148,11 +149,56 @@ def sync_cost_us(replicas: int, calls: int = 200) -> float:
     return sorted(timings)[len(timings) // 2] * 1e6
 
 
+def kernel_bandwidth(x: torch.Tensor, repeats: int) -> list[tuple[str, float, float]]:
+    """(op, microseconds, GB/s) for each of the layer's four ops on ``x``'s device."""
+    from encoding_syncbn.kernels import ops_for
+
+    ops = ops_for(x)
+    channels = x.shape[1]
+    mean, m2, count = ops.channel_stats(x)
+    invstd = torch.rsqrt(m2 / count + 1e-5)
+    weight, bias = torch.ones(channels, device=x.device), torch.zeros(channels, device=x.device)
+    y, dy = x.clone(), torch.randn_like(x)
+    sums = ops.backward_reduce(y, dy, mean, invstd, weight, bias, "leaky_relu", 0.01, True)
+    coefs = (invstd, sums[1] / count, sums[0] / count)
+    # (name, call, activation-sized tensors read + written)
+    cases = [
+        ("channel_stats", lambda: ops.channel_stats(x), 1),
+        ("normalize_act (in place)", lambda: ops.normalize_act(
+            y, mean, invstd, weight, bias, "leaky_relu", 0.01, y), 2),
+        ("backward_reduce", lambda: ops.backward_reduce(
+            y, dy, mean, invstd, weight, bias, "leaky_relu", 0.01, True), 2),
+        ("backward_dx", lambda: ops.backward_dx(
+            y, dy, mean, invstd, weight, bias, "leaky_relu", 0.01, True, *coefs), 3),
+    ]
+    rows = []
+    for name, call, tensors in cases:
+        call()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(repeats):
+            call()
+        end.record()
+        torch.cuda.synchronize()
+        seconds = start.elapsed_time(end) / 1e3 / repeats
+        rows.append((name, seconds * 1e6, tensors * x.nbytes / seconds / 1e9))
+    return rows
+
+
+def ops_name(x: torch.Tensor) -> str:
+    from encoding_syncbn.kernels import ops_for
+
+    return ops_for(x).__name__.rsplit(".", 1)[-1]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     parser.add_argument("--repeats", type=int, default=5, help="timed iterations (median)")
+    parser.add_argument("--peak-gbps", type=float, default=3350.0,
+                        help="the device's peak memory bandwidth, GB/s (H100 SXM: 3350, "
+                             "H200: 4800, A100 80GB: 2039)")
     parser.add_argument("--forward-memory-of", choices=STACKS, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.forward_memory_of:  # the fresh child process of peak_rss_growth
@@ -178,10 +224,17 @@ def main() -> None:
     (t_ours, m_ours), (t_plain, m_plain) = results["inplace_abn"], results["bn+leaky_relu"]
     print(f"time ratio (inplace_abn / bn+leaky_relu): {t_ours / t_plain:.2f}")
     print(f"memory ratio (inplace_abn / bn+leaky_relu): {m_ours / m_plain:.2f}")
+    if device.type == "cuda":
+        print(f"per-op bandwidth, backend {ops_name(x)}, peak {args.peak_gbps:.0f} GB/s:")
+        for name, micros, gbps in kernel_bandwidth(x, 20):
+            print(f"{name:>26}: {micros:9.1f} us {gbps:8.0f} GB/s "
+                  f"({100 * gbps / args.peak_gbps:.0f}% of peak)")
     if device.type == "cpu":
-        one, four = sync_cost_us(1), sync_cost_us(4)
-        print(f"sync cost per layer call (fwd+bwd, tiny input): 1 replica {one:.0f} us, "
-              f"4 replicas {four:.0f} us, difference {four - one:.0f} us")
+        one, four, four_alone = sync_cost_us(1), sync_cost_us(4), sync_cost_us(4, sync=False)
+        print(f"per layer call (fwd+bwd, tiny input, wall): 1 replica {one:.0f} us, "
+              f"4 replicas {four:.0f} us (difference {four - one:.0f} us); "
+              f"4 replicas with sync=False {four_alone:.0f} us, so the exchange itself costs "
+              f"{four - four_alone:.0f} us")
 
 
 if __name__ == "__main__":
