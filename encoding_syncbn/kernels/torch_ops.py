@@ -160,10 +160,13 @@ class _Backward:
         if saved_is_output and activation == "relu":
             raise ValueError("activation 'relu' cannot be inverted from its output")
         self.saved = _as_rows(saved)
+        if self.saved is None:
+            saved = saved.contiguous()
+            self.saved = _as_rows(saved)
         self.dy = _as_rows(dy)
-        if self.saved is None or self.dy is None or self.saved.stride() != self.dy.stride():
-            self.saved = saved.contiguous().view(saved.shape[0], saved.shape[1], -1)
-            self.dy = dy.contiguous().view(self.saved.shape)
+        if self.dy is None or self.dy.stride() != self.saved.stride():
+            # One copy of dy into saved's layout, so that both walk in step.
+            self.dy = _as_rows(torch.empty_like(saved, dtype=dy.dtype).copy_(dy))
         self.mean, self.invstd = _channel(mean), _channel(invstd)
         self.weight, self.bias = _channel(weight), _channel(bias)
         self.activation, self.slope, self.saved_is_output = activation, slope, saved_is_output
@@ -188,9 +191,10 @@ class _Backward:
                 gain.mul_(dy)
             elif act == "elu":
                 # y <= 0: z = log1p(y / alpha) (clamped), act'(z) = y + alpha.
-                torch.div(s, slope, out=xhat).clamp_(min=_ELU_INVERSE_FLOOR).log1p_()
+                # (out= does not promote: copy a half-precision y up to the scratch dtype first.)
+                xhat.copy_(s).div_(slope).clamp_(min=_ELU_INVERSE_FLOOR).log1p_()
                 torch.where(positive, s, xhat, out=xhat)
-                torch.add(s, slope, out=dz).masked_fill_(positive, 1.0).mul_(dy)
+                dz.copy_(s).add_(slope).masked_fill_(positive, 1.0).mul_(dy)
             else:
                 xhat.copy_(s)
                 dz.copy_(dy)

@@ -1,0 +1,218 @@
+"""Ahead-of-time compile every Triton kernel specialisation the package launches; report resources.
+
+    python -m encoding_syncbn.kernels.check --arch 80 90
+
+Needs no GPU. The specialisations come from :func:`triton_ops.launch_specialisations`, which
+plans launches with the same helpers as the ops themselves (dtypes, layouts, every tile shape,
+activations, saved input/output, merge kernels). Arguments are typed the way Triton's JIT would
+type them (ints equal to 1 become constants, multiples of 16 carry a divisibility hint, tensors
+are assumed 16-byte aligned). Each cubin is read with the ``cuobjdump --dump-resource-usage``
+that Triton ships. Exit status 1 on any compile failure or any spill to local memory.
+Triton's own cache makes a second run fast.
+"""
+
+from __future__ import annotations
+
+import os
+
+# The kernels must be real JIT functions, not the CPU interpreter's stand-ins.
+os.environ.pop("TRITON_INTERPRET", None)
+
+import argparse  # noqa: E402
+import multiprocessing  # noqa: E402
+import re  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from typing import NamedTuple  # noqa: E402
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from . import triton_ops  # noqa: E402
+
+# SM counts of the reference parts (A100, H100 SXM): only the grid planning depends on them.
+_SM_COUNT = {80: 108, 86: 84, 89: 128, 90: 132}
+
+_PTR_TYPES = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16",
+              torch.float64: "*fp64"}
+_DIVISIBILITY = [["tt.divisibility", 16]]
+_RESOURCE = re.compile(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)")
+
+
+class Spec(NamedTuple):
+    kernel: object
+    label: str
+    signature: dict
+    constexprs: dict
+    attrs: dict
+    num_warps: int
+
+
+class Row(NamedTuple):
+    kernel: str
+    label: str
+    arch: int
+    registers: int
+    spills: int
+    shared: int
+    error: str
+
+
+def _spec(label: str, launch: triton_ops.Launch) -> Spec:
+    """Type a planned launch's arguments as Triton's JIT specialises them."""
+    kernel = launch.kernel
+    signature, constexprs, attrs = {}, {}, {}
+    for i, (param, value) in enumerate(zip(kernel.params, launch.args)):
+        name = param.name
+        if isinstance(value, torch.Tensor):
+            signature[name] = _PTR_TYPES[value.dtype]
+            attrs[(i,)] = _DIVISIBILITY
+        elif isinstance(value, bool):
+            signature[name] = "i1"
+        elif isinstance(value, int):
+            if value == 1:
+                signature[name], constexprs[name] = "constexpr", 1
+                continue
+            signature[name] = "i32" if -(2**31) <= value < 2**31 else "i64"
+            if value % 16 == 0:
+                attrs[(i,)] = _DIVISIBILITY
+        elif isinstance(value, float):
+            signature[name] = param.annotation_type or "fp32"
+        else:
+            raise TypeError(f"{kernel.__name__}: cannot type argument {name}={value!r}")
+    for name, value in launch.constexprs.items():
+        signature[name], constexprs[name] = "constexpr", value
+    return Spec(kernel, label, signature, constexprs, attrs, launch.num_warps)
+
+
+def _key(spec: Spec) -> tuple:
+    return (spec.kernel.__name__, tuple(sorted(spec.signature.items())),
+            tuple(sorted((k, str(v)) for k, v in spec.constexprs.items())),
+            tuple(sorted(spec.attrs)))
+
+
+def specialisations(arch: int) -> list[Spec]:
+    """Distinct specialisations for one architecture (the merge kernels recur across plans)."""
+    target = triton_ops.Target(False, _SM_COUNT.get(arch, 132))
+    seen, specs = set(), []
+    for label, launch in triton_ops.launch_specialisations(target):
+        spec = _spec(label, launch)
+        if _key(spec) not in seen:
+            seen.add(_key(spec))
+            specs.append(spec)
+    return specs
+
+
+def _resources(cubin: bytes) -> tuple[int, int, int]:
+    """(registers, spill bytes (stack + local), shared bytes) from cuobjdump."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([triton.knobs.nvidia.cuobjdump.path, "--dump-resource-usage", f.name],
+                             capture_output=True, text=True, check=True).stdout
+    match = _RESOURCE.search(out)
+    if match is None:
+        raise RuntimeError(f"unexpected cuobjdump output:\n{out}")
+    regs, stack, shared, local = map(int, match.groups())
+    return regs, stack + local, shared
+
+
+# Work items for the pool: forked workers inherit this list instead of unpickling kernels.
+_WORK: list[tuple[int, Spec]] = []
+
+
+def _compile(index: int) -> Row:
+    arch, spec = _WORK[index]
+    name = spec.kernel.__name__
+    try:
+        src = ASTSource(fn=spec.kernel, signature=spec.signature, constexprs=spec.constexprs,
+                        attrs=spec.attrs)
+        compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                                  options={"num_warps": spec.num_warps, "enable_fp_fusion": True})
+        regs, spills, shared = _resources(compiled.asm["cubin"])
+        # Triton's own shared-memory plan (reductions) adds to the static amount.
+        return Row(name, spec.label, arch, regs, spills, max(shared, compiled.metadata.shared), "")
+    except Exception as exc:  # report every failure, keep compiling the rest
+        return Row(name, spec.label, arch, 0, 0, 0, f"{type(exc).__name__}: {exc}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", type=int, nargs="+", default=[80, 90],
+                        help="compute capabilities, e.g. 80 90")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
+                        help="parallel compiler processes")
+    parser.add_argument("--kernel", action="append", default=None,
+                        help="only kernels whose name contains this (repeatable)")
+    parser.add_argument("--limit", type=int, default=None,
+                        help="at most this many specialisations per kernel and arch (smoke test)")
+    parser.add_argument("--summary", action="store_true",
+                        help="print one line per kernel and arch instead of every specialisation")
+    args = parser.parse_args(argv)
+
+    start = time.perf_counter()
+    for arch in args.arch:
+        per_kernel: dict[str, int] = {}
+        for spec in specialisations(arch):
+            name = spec.kernel.__name__
+            if args.kernel and not any(k in name for k in args.kernel):
+                continue
+            if args.limit is not None and per_kernel.get(name, 0) >= args.limit:
+                continue
+            per_kernel[name] = per_kernel.get(name, 0) + 1
+            _WORK.append((arch, spec))
+    if not _WORK:
+        print("no specialisation selected", file=sys.stderr)
+        return 1
+
+    jobs = max(1, min(args.jobs, len(_WORK)))
+    if jobs == 1:
+        rows = [_compile(i) for i in range(len(_WORK))]
+    else:
+        with multiprocessing.get_context("fork").Pool(jobs) as pool:
+            rows = pool.map(_compile, range(len(_WORK)), chunksize=4)
+
+    failures = [r for r in rows if r.error]
+    spills = [r for r in rows if not r.error and r.spills]
+    if args.summary:
+        _print_summary(rows)
+    else:
+        _print_table(rows)
+    for r in failures:
+        print(f"COMPILE FAILURE {r.kernel} [{r.label}] sm_{r.arch}: {r.error}", file=sys.stderr)
+    for r in spills:
+        print(f"SPILL {r.kernel} [{r.label}] sm_{r.arch}: {r.spills} bytes", file=sys.stderr)
+    print(f"{len(rows)} specialisations, {len(failures)} failed, {len(spills)} spilling, "
+          f"{time.perf_counter() - start:.1f}s with {jobs} process(es)")
+    return 1 if failures or spills else 0
+
+
+def _print_table(rows: list[Row]) -> None:
+    width = max(len(r.label) for r in rows)
+    print(f"{'kernel':<26} {'specialisation':<{width}} {'arch':>6} {'regs':>5} {'spill':>6} "
+          f"{'smem':>6}")
+    for r in rows:
+        status = "FAILED" if r.error else f"{r.registers:>5} {r.spills:>6} {r.shared:>6}"
+        print(f"{r.kernel:<26} {r.label:<{width}} {'sm_' + str(r.arch):>6} {status}")
+
+
+def _print_summary(rows: list[Row]) -> None:
+    print(f"{'kernel':<26} {'arch':>6} {'variants':>8} {'regs min-max':>13} {'spills':>7} "
+          f"{'smem max':>9} {'failed':>6}")
+    groups: dict[tuple[str, int], list[Row]] = {}
+    for r in rows:
+        groups.setdefault((r.kernel, r.arch), []).append(r)
+    for (kernel, arch), group in groups.items():
+        ok = [r for r in group if not r.error]
+        regs = f"{min(r.registers for r in ok)}-{max(r.registers for r in ok)}" if ok else "-"
+        print(f"{kernel:<26} {'sm_' + str(arch):>6} {len(group):>8} {regs:>13} "
+              f"{sum(r.spills for r in ok):>7} {max((r.shared for r in ok), default=0):>9} "
+              f"{len(group) - len(ok):>6}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

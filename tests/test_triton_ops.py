@@ -1,0 +1,399 @@
+"""The Triton kernels against the ATen reference (``torch_ops``), on Triton's CPU interpreter.
+
+pytest imports every test module into one process: the interpreter switch must be in the
+environment before anything imports triton, hence the first statements below.
+"""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+
+import pytest  # noqa: E402
+
+pytest.importorskip("triton")
+
+import torch  # noqa: E402
+
+from encoding_syncbn.kernels import torch_ops  # noqa: E402
+from encoding_syncbn.kernels import triton_ops as T  # noqa: E402
+
+if T.INTERPRET:
+    DEVICE = "cpu"
+elif torch.cuda.is_available():
+    DEVICE = "cuda"
+else:
+    pytest.skip("triton was imported without TRITON_INTERPRET=1 and there is no GPU",
+                allow_module_level=True)
+
+# (rtol, atol) for results in each dtype. Statistics and reductions are float32 for the half
+# types, so they get float32's tolerance; elementwise outputs are compared after rounding.
+TOL = {
+    torch.float64: (1e-12, 1e-12),
+    torch.float32: (2e-6, 2e-6),
+    torch.float16: (1e-3, 1e-3),
+    torch.bfloat16: (8e-3, 8e-3),
+}
+# Sums over a channel: absolute error grows with the number of terms and their size.
+SUM_TOL = {torch.float64: 1e-12, torch.float32: 2e-6}
+
+ALL_ACTIVATIONS = ("none", "identity", "leaky_relu", "elu", "relu")
+SLOPE = {"none": 0.01, "identity": 0.01, "leaky_relu": 0.1, "elu": 1.3, "relu": 0.0}
+
+# (shape, layout): 2-D to 5-D, contiguous and channels-last, sizes not multiples of any block.
+CASES = [
+    ((7, 5), "nchw"),
+    ((4, 3, 10), "nchw"),
+    ((4, 3, 10), "last"),
+    ((3, 5, 7, 9), "nchw"),
+    ((3, 5, 7, 9), "last"),
+    ((2, 3, 4, 5, 6), "nchw"),
+    ((2, 3, 4, 5, 6), "last"),
+]
+CASE_IDS = [f"{'x'.join(map(str, s))}-{fmt}" for s, fmt in CASES]
+
+
+def layout(x: torch.Tensor, fmt: str) -> torch.Tensor:
+    """Same values; ``last`` puts channels innermost (channels_last / _3d for 4-D / 5-D)."""
+    if fmt == "nchw":
+        return x.contiguous()
+    last = x.permute(0, *range(2, x.dim()), 1).contiguous()
+    return last.permute(0, x.dim() - 1, *range(1, x.dim() - 1))
+
+
+def make_input(shape, dtype, fmt="nchw", seed=0, mean_scale=3.0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    c = shape[1]
+    per_channel = (1, c) + (1,) * (len(shape) - 2)
+    offset = torch.randn(per_channel, generator=g, dtype=torch.float64) * mean_scale
+    scale = torch.rand(per_channel, generator=g, dtype=torch.float64) * 2 + 0.25
+    x = torch.randn(shape, generator=g, dtype=torch.float64) * scale + offset
+    return layout(x.to(dtype), fmt).to(DEVICE)
+
+
+def make_params(c, acc, seed=1):
+    """mean, invstd, weight (both signs, |w| >= 0.5 so xhat is well conditioned), bias."""
+    g = torch.Generator().manual_seed(seed)
+    mean = torch.randn(c, generator=g, dtype=torch.float64)
+    invstd = torch.rand(c, generator=g, dtype=torch.float64) + 0.5
+    sign = torch.where(torch.rand(c, generator=g) > 0.3, 1.0, -1.0).double()
+    weight = sign * (torch.rand(c, generator=g, dtype=torch.float64) + 0.5)
+    bias = torch.randn(c, generator=g, dtype=torch.float64) * 0.5
+    return [v.to(acc).to(DEVICE) for v in (mean, invstd, weight, bias)]
+
+
+def assert_close(actual, expected, dtype, sum_terms=None):
+    rtol, atol = TOL[dtype]
+    if sum_terms is not None:
+        atol = SUM_TOL[torch_ops.stats_dtype(dtype)] * sum_terms
+    torch.testing.assert_close(actual.cpu(), expected.cpu(), rtol=rtol, atol=atol)
+
+
+def upcast(t: torch.Tensor) -> torch.Tensor:
+    """Half inputs in float32 for the reference: the ops promise float32 math for them, and
+    torch_ops' scalar steps (``y / alpha``, ``y + alpha``) would otherwise run in half."""
+    return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
+
+
+def reference_stats(x):
+    """The ATen reference, computed in float64 for a ground truth."""
+    mean, m2, count = torch_ops.channel_stats(x.cpu().double())
+    return mean, m2, count
+
+
+# ------------------------------------------------------------------------------------------
+# channel_stats
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("shape,fmt", CASES, ids=CASE_IDS)
+def test_channel_stats(shape, fmt, dtype):
+    x = make_input(shape, dtype, fmt)
+    mean, m2, count = T.channel_stats(x)
+    ref_mean, ref_m2, ref_count = torch_ops.channel_stats(upcast(x))
+    acc = torch_ops.stats_dtype(dtype)
+    assert count == ref_count and mean.dtype == acc and m2.dtype == acc
+    assert_close(mean, ref_mean, acc)
+    assert_close(m2, ref_m2, acc)
+
+
+@pytest.mark.parametrize("fmt", ["nchw", "last"])
+def test_channel_stats_split_reduction(fmt):
+    # Few channels, many tiles: the tiles of a channel are split over several programs and the
+    # partial (mean, M2, n) merged by the second kernel.
+    shape = (64, 2, 33, 9) if fmt == "nchw" else (64, 3, 17, 11)
+    x = make_input(shape, torch.float64, fmt)
+    launches, _ = T._plan_channel_stats(x, T._target(x.device))
+    assert [launch.kernel for launch in launches] == [T._channel_stats_kernel,
+                                                      T._welford_merge_kernel]
+    assert launches[0].grid[1] > 1
+    mean, m2, count = T.channel_stats(x)
+    ref_mean, ref_m2, _ = reference_stats(x)
+    assert_close(mean, ref_mean, torch.float64)
+    assert_close(m2, ref_m2, torch.float64)
+
+
+def test_channel_stats_large_mean_float32():
+    # mean 1e4, std 0.5: E[x^2] - E[x]^2 would lose every digit of the variance in float32.
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(16, 3, 20, 20, generator=g, dtype=torch.float64) * 0.5 + 1e4).float()
+    x = x.to(DEVICE)
+    mean, m2, count = T.channel_stats(x)
+    ref_mean, ref_m2, _ = reference_stats(x)
+    torch.testing.assert_close(mean.cpu().double(), ref_mean, rtol=1e-7, atol=0)
+    torch.testing.assert_close(m2.cpu().double(), ref_m2, rtol=1e-4, atol=0)
+
+
+def test_channel_stats_empty_batch():
+    x = torch.empty(0, 4, 3, 3, device=DEVICE)
+    mean, m2, count = T.channel_stats(x)
+    assert count == 0
+    assert torch.equal(mean.cpu(), torch.zeros(4)) and torch.equal(m2.cpu(), torch.zeros(4))
+
+
+# ------------------------------------------------------------------------------------------
+# normalize_act
+# ------------------------------------------------------------------------------------------
+
+
+def _check_normalize(x, activation, dtype, inplace):
+    acc = torch_ops.stats_dtype(dtype)
+    mean, invstd, weight, bias = make_params(x.shape[1], acc)
+    slope = SLOPE[activation]
+    expected = torch_ops.normalize_act(upcast(x), mean, invstd, weight, bias, activation, slope,
+                                       torch.empty_like(upcast(x))).to(dtype)
+    out = x if inplace else torch.empty_like(x)
+    result = T.normalize_act(x, mean, invstd, weight, bias, activation, slope, out)
+    assert result is out and result.dtype == dtype and result.stride() == expected.stride()
+    assert_close(result, expected, dtype)
+
+
+@pytest.mark.parametrize("activation", ALL_ACTIVATIONS)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("shape,fmt", CASES, ids=CASE_IDS)
+def test_normalize_act(shape, fmt, dtype, activation):
+    # float32 runs in place (out is x), float64 into a separate output.
+    _check_normalize(make_input(shape, dtype, fmt), activation, dtype,
+                     inplace=dtype == torch.float32)
+
+
+@pytest.mark.parametrize("activation", ALL_ACTIVATIONS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("fmt", ["nchw", "last"])
+def test_normalize_act_half_inplace(fmt, dtype, activation):
+    _check_normalize(make_input((3, 5, 7, 9), dtype, fmt), activation, dtype, inplace=True)
+
+
+def test_normalize_act_large_mean_float32():
+    # (x - mean) * scale + bias keeps the normalised value where x * scale + shift would not.
+    g = torch.Generator().manual_seed(4)
+    x = (torch.randn(8, 3, 9, 9, generator=g, dtype=torch.float64) * 0.5 + 1e4).float()
+    mean, m2, count = torch_ops.channel_stats(x)
+    invstd = (m2 / count).rsqrt()
+    weight, bias = torch.ones(3), torch.zeros(3)
+    out = T.normalize_act(x.to(DEVICE), mean.to(DEVICE), invstd.to(DEVICE), weight.to(DEVICE),
+                          bias.to(DEVICE), "identity", 0.0, torch.empty_like(x, device=DEVICE))
+    exact = (x.double() - mean.double().view(1, 3, 1, 1)) * invstd.double().view(1, 3, 1, 1)
+    torch.testing.assert_close(out.cpu().double(), exact, rtol=0, atol=1e-5)
+
+
+def test_elu_near_zero_is_accurate():
+    # expm1 for tiny negative z: exp(z) - 1 alone would keep only a few digits.
+    z = -torch.logspace(-12, 1, 60, dtype=torch.float64).view(1, 60)
+    ones, zeros = torch.ones(60, dtype=torch.float64), torch.zeros(60, dtype=torch.float64)
+    for dtype in (torch.float64, torch.float32):
+        x = z.to(dtype).to(DEVICE)
+        acc = [v.to(torch_ops.stats_dtype(dtype)).to(DEVICE) for v in (zeros, ones, ones, zeros)]
+        out = T.normalize_act(x, *acc, "elu", 1.0, torch.empty_like(x))
+        torch.testing.assert_close(out.cpu().double(), torch.expm1(x.cpu().double()),
+                                   rtol=TOL[dtype][0] * 4, atol=0)
+
+
+def test_normalize_act_other_strides_and_out_layouts():
+    base = make_input((6, 4, 5, 8), torch.float32)
+    x = base[:, :, :, ::2]  # neither NCHW nor channels_last: read through one copy
+    mean, invstd, weight, bias = make_params(4, torch.float32)
+    expected = torch_ops.normalize_act(x, mean, invstd, weight, bias, "elu", 1.0,
+                                       torch.empty_like(x))
+    for out in (torch.empty_like(x), torch.empty(x.shape, device=DEVICE),
+                layout(torch.empty(x.shape), "last").to(DEVICE)):
+        T.normalize_act(x, mean, invstd, weight, bias, "elu", 1.0, out)
+        assert_close(out, expected, torch.float32)
+    # In place on the strided view: its elements change, the ones between them do not.
+    untouched = base[:, :, :, 1::2].clone()
+    T.normalize_act(x, mean, invstd, weight, bias, "elu", 1.0, x)
+    assert_close(x, expected, torch.float32)
+    assert torch.equal(base[:, :, :, 1::2], untouched)
+
+
+# ------------------------------------------------------------------------------------------
+# backward_reduce and backward_dx
+# ------------------------------------------------------------------------------------------
+
+VARIANTS = [(a, False) for a in ALL_ACTIVATIONS] + [
+    (a, True) for a in ALL_ACTIVATIONS if a != "relu"
+]
+VARIANT_IDS = [f"{a}-{'y' if s else 'x'}" for a, s in VARIANTS]
+
+
+def _check_backward(shape, fmt, dtype, activation, saved_is_output, dy_fmt=None, seed=0):
+    acc = torch_ops.stats_dtype(dtype)
+    x = make_input(shape, dtype, fmt, seed=seed)
+    mean, invstd, weight, bias = make_params(shape[1], acc, seed=seed + 1)
+    slope = SLOPE[activation]
+    if saved_is_output:
+        saved = torch_ops.normalize_act(x, mean, invstd, weight, bias, activation, slope,
+                                        torch.empty_like(x))
+    else:
+        saved = x
+    dy = make_input(shape, dtype, dy_fmt or fmt, seed=seed + 2, mean_scale=0.0)
+    coefs = make_params(shape[1], acc, seed=seed + 3)[1:]
+    terms = x.numel() // shape[1]
+
+    sums = T.backward_reduce(saved, dy, mean, invstd, weight, bias, activation, slope,
+                             saved_is_output)
+    # The reference gets dy in saved's layout: same values, and torch_ops (as of writing) fails
+    # to write dx when saved is channels_last and dy is not.
+    ref_dy = upcast(layout(dy, fmt))
+    ref_sums = torch_ops.backward_reduce(upcast(saved), ref_dy, mean, invstd, weight, bias,
+                                         activation, slope, saved_is_output)
+    for got, ref in zip(sums, ref_sums):
+        assert got.dtype == acc
+        assert_close(got, ref, acc, sum_terms=terms)
+
+    dx = T.backward_dx(saved, dy, mean, invstd, weight, bias, activation, slope,
+                       saved_is_output, *coefs)
+    ref_dx = torch_ops.backward_dx(upcast(saved), ref_dy, mean, invstd, weight, bias,
+                                   activation, slope, saved_is_output, *coefs).to(dtype)
+    assert dx.dtype == dtype and dx.stride() == saved.stride()
+    assert_close(dx, ref_dx, dtype)
+
+
+@pytest.mark.parametrize("activation,saved_is_output", VARIANTS, ids=VARIANT_IDS)
+@pytest.mark.parametrize("shape,fmt", CASES, ids=CASE_IDS)
+def test_backward_float64(shape, fmt, activation, saved_is_output):
+    _check_backward(shape, fmt, torch.float64, activation, saved_is_output)
+
+
+@pytest.mark.parametrize("activation,saved_is_output", VARIANTS, ids=VARIANT_IDS)
+@pytest.mark.parametrize("fmt", ["nchw", "last"])
+def test_backward_float32(fmt, activation, saved_is_output):
+    _check_backward((3, 5, 7, 9), fmt, torch.float32, activation, saved_is_output)
+
+
+@pytest.mark.parametrize("activation,saved_is_output",
+                         [("leaky_relu", True), ("elu", True), ("relu", False)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("fmt", ["nchw", "last"])
+def test_backward_half(fmt, dtype, activation, saved_is_output):
+    _check_backward((3, 5, 7, 9), fmt, dtype, activation, saved_is_output)
+
+
+@pytest.mark.parametrize("fmt", ["nchw", "last"])
+def test_backward_split_reduction(fmt):
+    shape = (64, 2, 33, 9) if fmt == "nchw" else (64, 3, 17, 11)
+    x = make_input(shape, torch.float64, fmt)
+    launches, _ = T._plan_backward_reduce(x, x, *make_params(shape[1], torch.float64),
+                                          "elu", 1.0, True, T._target(x.device))
+    assert [launch.kernel for launch in launches] == [T._backward_reduce_kernel,
+                                                      T._sum_merge_kernel]
+    _check_backward(shape, fmt, torch.float64, "elu", True)
+
+
+def test_backward_dy_in_another_layout():
+    _check_backward((3, 5, 7, 9), "last", torch.float64, "leaky_relu", True, dy_fmt="nchw")
+    _check_backward((3, 5, 7, 9), "nchw", torch.float64, "leaky_relu", True, dy_fmt="last")
+
+
+def test_backward_gpu_tile_shapes(monkeypatch):
+    # The interpreter normally gets bigger tiles; run the GPU tile shapes too: several tiles and
+    # several channel blocks per launch, partial blocks on both axes.
+    monkeypatch.setattr(T, "_INTERPRET_TILE_ELEMS", T._GPU_TILE_ELEMS)
+    for shape, fmt in [((40, 3, 5, 13), "nchw"), ((3, 2, 41, 50), "nchw"),
+                       ((9, 70, 5, 7), "last"), ((30, 11, 9, 9), "last")]:
+        x = make_input(shape, torch.float64, fmt)
+        mean, m2, _ = T.channel_stats(x)
+        ref_mean, ref_m2, _ = reference_stats(x)
+        assert_close(mean, ref_mean, torch.float64)
+        assert_close(m2, ref_m2, torch.float64)
+        _check_backward(shape, fmt, torch.float64, "elu", True)
+
+
+def test_elu_inverse_clamp_matches_reference():
+    # Outputs at or just above -alpha (rounding can put y / alpha below -1): clamped, finite.
+    alpha = 1.3
+    for dtype in (torch.float64, torch.float32):
+        y = torch.tensor([-alpha, -alpha * (1 - 1e-9), -alpha * (1 - 1e-5), -0.5, 0.0, 2.0],
+                         dtype=torch.float64).to(dtype).view(1, 6)
+        dy = torch.ones_like(y)
+        ones = torch.ones(6, dtype=torch_ops.stats_dtype(dtype))
+        zeros = torch.zeros_like(ones)
+        args = (y.to(DEVICE), dy.to(DEVICE), *(v.to(DEVICE) for v in (zeros, ones, ones, zeros)),
+                "elu", alpha, True)
+        coefs = (ones.to(DEVICE), ones.to(DEVICE), zeros.to(DEVICE))
+        got = T.backward_dx(*args, *coefs)
+        ref = torch_ops.backward_dx(y, dy, zeros, ones, ones, zeros, "elu", alpha, True,
+                                    ones, ones, zeros)
+        assert torch.isfinite(got.cpu()).all()
+        assert_close(got, ref, dtype)
+
+
+def test_argument_errors():
+    x = make_input((2, 3, 4), torch.float32)
+    params = make_params(3, torch.float32)
+    with pytest.raises(ValueError, match="cannot be inverted"):
+        T.backward_reduce(x, x, *params, "relu", 0.0, True)
+    with pytest.raises(ValueError, match="unknown activation"):
+        T.normalize_act(x, *params, "gelu", 0.0, torch.empty_like(x))
+    with pytest.raises(TypeError, match="unsupported dtype"):
+        T.channel_stats(x.to(torch.int32))
+
+
+def test_empty_backward():
+    x = torch.empty(0, 3, 4, device=DEVICE)
+    params = make_params(3, torch.float32)
+    sums = T.backward_reduce(x, x, *params, "leaky_relu", 0.1, True)
+    assert all(torch.equal(s.cpu(), torch.zeros(3)) for s in sums)
+    assert T.backward_dx(x, x, *params, "leaky_relu", 0.1, True, *params[:3]).shape == x.shape
+
+
+# ------------------------------------------------------------------------------------------
+# torch.library registration
+# ------------------------------------------------------------------------------------------
+
+
+def test_opcheck():
+    for fmt in ("nchw", "last"):
+        x = make_input((3, 4, 5, 6), torch.float32, fmt)
+        params = make_params(4, torch.float32)
+        coefs = make_params(4, torch.float32, seed=5)[1:]
+        y = torch_ops.normalize_act(x, *params, "leaky_relu", 0.1, torch.empty_like(x))
+        ops = torch.ops.encoding_syncbn
+        torch.library.opcheck(ops.channel_stats.default, (x,))
+        torch.library.opcheck(ops.normalize_act_.default,
+                              (x, *params, "elu", 1.0, torch.empty_like(x)))
+        torch.library.opcheck(ops.backward_reduce.default,
+                              (y, x, *params, "leaky_relu", 0.1, True))
+        torch.library.opcheck(ops.backward_dx.default,
+                              (y, x, *params, "leaky_relu", 0.1, True, *coefs))
+
+
+# ------------------------------------------------------------------------------------------
+# The AOT check (real compiles for sm_90, no GPU needed)
+# ------------------------------------------------------------------------------------------
+
+
+def test_check_compiles_every_kernel():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "encoding_syncbn.kernels.check", "--arch", "90", "--limit", "1"],
+        capture_output=True, text=True, env=env, timeout=300,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for name in ("_channel_stats_kernel", "_welford_merge_kernel", "_normalize_act_kernel",
+                 "_backward_reduce_kernel", "_sum_merge_kernel", "_backward_dx_kernel"):
+        assert name in proc.stdout
