@@ -11,6 +11,7 @@ from encoding_syncbn import SyncBatchNorm
 from encoding_syncbn.testing import SimulatedDataParallel
 
 C = 4
+pytestmark = pytest.mark.usefixtures("each_backend")
 
 
 def make_layer(activation="leaky_relu", inplace=None, dtype=torch.float64, **kwargs):
@@ -176,14 +177,17 @@ def test_half_precision_input_with_float32_parameters(dtype, activation, inplace
     assert layer.running_mean.dtype == torch.float32
     assert_close(out, expected, dtype, "output")
     compared = torch.ones_like(expected, dtype=torch.bool)
+    weight_tolerance = 1e-2
     if activation == "elu":
         # In place, z = log1p(y / alpha) is rebuilt from a half-precision y; where ELU
         # saturates (y -> -alpha) that inverse amplifies y's rounding by 1 / (1 + y / alpha).
         compared = expected > -0.75 * SLOPES["elu"]
+        weight_tolerance = 5e-2
     assert_close(leaf.grad[compared], expected_dx[compared], dtype, "input grad")
     # Statistics and parameter gradients are accumulated in float32.
     torch.testing.assert_close(layer.running_var.double(), twin.running_var, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(layer.weight.grad.double(), twin.weight.grad, rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(layer.weight.grad.double(), twin.weight.grad,
+                               rtol=weight_tolerance, atol=weight_tolerance)
 
 
 @pytest.mark.parametrize("activation,inplace", [("leaky_relu", True), ("elu", False)])

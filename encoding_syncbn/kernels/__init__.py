@@ -54,6 +54,11 @@ def _load_triton() -> ModuleType | None:
     return _triton_ops
 
 
+def triton_available() -> bool:
+    """Whether the Triton kernels import here."""
+    return _load_triton() is not None
+
+
 def triton_interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
