@@ -36,6 +36,8 @@ def set_backend(name: str) -> None:
     """Select ``"auto"``, ``"torch"`` or ``"triton"`` for every layer of this process."""
     global _backend
     _backend = _validated(name)
+    if name != "torch":
+        _load_triton()  # now, not inside a traced (torch.compile) call
 
 
 def get_backend() -> str:
