@@ -153,7 +153,12 @@ def normalize_act(
 
 
 class _Backward:
-    """Rebuilds ``xhat`` and ``dz`` slab by slab from the saved input or output."""
+    """Rebuilds ``xhat`` and ``dz`` slab by slab from the saved input or output.
+
+    ``dz`` comes from ATen's own activation backward (``leaky_relu_backward`` and
+    ``elu_backward`` accept the output in place of the input), so the branch conventions are
+    exactly those of ``F.leaky_relu`` / ``F.elu`` / ``F.relu``.
+    """
 
     def __init__(self, saved, dy, mean, invstd, weight, bias, activation, slope,
                  saved_is_output):
@@ -169,49 +174,50 @@ class _Backward:
             self.dy = _as_rows(torch.empty_like(saved, dtype=dy.dtype).copy_(dy))
         self.mean, self.invstd = _channel(mean), _channel(invstd)
         self.weight, self.bias = _channel(weight), _channel(bias)
+        self.inverse_weight = _channel(weight.reciprocal())
         self.activation, self.slope, self.saved_is_output = activation, slope, saved_is_output
+        # Half-precision tensors are widened to the statistics dtype before any arithmetic
+        # (ATen's activation backwards compute in their inputs' dtype).
+        self.widen = saved.dtype != mean.dtype or dy.dtype != mean.dtype
         self.parts = _slabs(self.saved)
         shape = (self.parts[0].stop,) + self.saved.shape[1:]
-        self._xhat, self._dz = mean.new_empty(shape), mean.new_empty(shape)
-        self._mask = torch.empty(shape, dtype=torch.bool, device=mean.device)
+        self._xhat, self._dz, self._aux = (mean.new_empty(shape) for _ in range(3))
 
     def slab(self, part: slice) -> tuple[torch.Tensor, torch.Tensor]:
         """``(xhat, dz)`` of one slab, in scratch buffers valid until the next call."""
         n = part.stop - part.start
         s, dy = self.saved[part], self.dy[part]
-        xhat, dz, positive = self._xhat[:n], self._dz[:n], self._mask[:n]
+        xhat, dz, aux = self._xhat[:n], self._dz[:n], self._aux[:n]
         act, slope = self.activation, self.slope
+        aten = torch.ops.aten
+        if self.widen:
+            dy = aux.copy_(dy)
         if self.saved_is_output:
-            # y -> z by inverting the activation (z > 0 exactly where y > 0), then z -> xhat.
-            torch.gt(s, 0, out=positive)
-            if act == "leaky_relu":
-                # gain = act'(z): 1 or slope; z = y / gain.
-                gain = dz.copy_(positive).mul_(1.0 - slope).add_(slope)
-                torch.div(s, gain, out=xhat)
-                gain.mul_(dy)
-            elif act == "elu":
-                # y <= 0: z = log1p(y / alpha) (clamped), act'(z) = y + alpha.
-                # (out= does not promote: copy a half-precision y up to the scratch dtype first.)
-                xhat.copy_(s).div_(slope).clamp_(min=_ELU_INVERSE_FLOOR).log1p_()
-                torch.where(positive, s, xhat, out=xhat)
-                dz.copy_(s).add_(slope).masked_fill_(positive, 1.0).mul_(dy)
+            # Without widening, y is the layer's output itself: read it, never write it.
+            y = xhat.copy_(s) if self.widen else s
+            if act == "leaky_relu":  # z = y where y > 0, y / slope elsewhere
+                aten.leaky_relu_backward.grad_input(dy, y, slope, True, grad_input=dz)
+                aten.leaky_relu.out(y, 1.0 / slope, out=xhat)
+            elif act == "elu":  # z = y where y > 0, log1p(y / alpha) (clamped) elsewhere
+                aten.elu_backward.grad_input(dy, slope, 1, 1, True, y, grad_input=dz)
+                torch.clamp(y, max=0, out=aux).div_(slope)
+                aux.clamp_(min=_ELU_INVERSE_FLOOR).log1p_()
+                torch.clamp(y, min=0, out=xhat).add_(aux)
             else:
-                xhat.copy_(s)
                 dz.copy_(dy)
-            xhat.sub_(self.bias).div_(self.weight)
+                if not self.widen:
+                    xhat.copy_(y)
+            xhat.sub_(self.bias).mul_(self.inverse_weight)
         else:
             torch.sub(s, self.mean, out=xhat).mul_(self.invstd)
             if act in ("leaky_relu", "elu", "relu"):
-                # The sign of z = xhat * w + b decides the branch.
-                z = torch.mul(xhat, self.weight, out=dz).add_(self.bias)
-                torch.gt(z, 0, out=positive)
+                z = torch.addcmul(self.bias, xhat, self.weight, out=dz)
                 if act == "leaky_relu":
-                    dz.copy_(positive).mul_(1.0 - slope).add_(slope)
+                    aten.leaky_relu_backward.grad_input(dy, z, slope, False, grad_input=dz)
                 elif act == "elu":
-                    z.exp_().mul_(slope).masked_fill_(positive, 1.0)
+                    aten.elu_backward.grad_input(dy, slope, 1, 1, False, z, grad_input=dz)
                 else:
-                    dz.copy_(positive)
-                dz.mul_(dy)
+                    aten.threshold_backward.grad_input(dy, z, 0, grad_input=dz)
             else:
                 dz.copy_(dy)
         return xhat, dz
@@ -268,6 +274,6 @@ def backward_dx(
     def compute(rows_out: torch.Tensor) -> None:
         for part in walk.parts:
             xhat, dz = walk.slab(part)
-            rows_out[part].copy_(dz.mul_(a).add_(xhat.mul_(k)).add_(c))
+            torch.add(dz.mul_(a), torch.addcmul(c, xhat, k, out=xhat), out=rows_out[part])
 
     return _written_through(dx, compute)
