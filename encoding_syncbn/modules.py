@@ -273,15 +273,18 @@ class SyncBatchNorm(_BatchNorm):
         """Send local statistics to the master, get the global ``(mean, invstd)`` back."""
         own = _Contribution(mean_i, m2_i, count_i)
         if slot is None or slot.group.size == 1:
-            mean, invstd = self._merge([own], updates_running)
+            mean, m2, invstd, total = self._merge([own])
+            self._count_batch(updates_running, mean, m2, total)
         elif slot.rank == 0:
             group = slot.group
             call = group.begin_call(0)
             contributions = group.gather(call, own)
-            mean, invstd = self._merge(contributions, updates_running)
+            mean, m2, invstd, total = self._merge(contributions)
             group.scatter(
                 call, [(mean.to(c.mean.device), invstd.to(c.mean.device)) for c in contributions]
             )
+            # After the answers: the running statistics are no replica's business.
+            self._count_batch(updates_running, mean, m2, total)
         else:
             group = slot.group
             mean, invstd = group.exchange(slot.rank, group.begin_call(slot.rank), own)
@@ -293,8 +296,11 @@ class SyncBatchNorm(_BatchNorm):
         )
         return mean, invstd
 
-    def _merge(self, contributions: list[_Contribution], updates_running: bool):
-        """Master: merge every replica's (and process's) statistics; update running stats."""
+    def _merge(self, contributions: list[_Contribution]):
+        """Master: merge every replica's (and process's) statistics.
+
+        Returns the global ``(mean, M2, invstd, count)``.
+        """
         device = contributions[0].mean.device
         means = torch.stack([c.mean.to(device) for c in contributions])
         m2s = torch.stack([c.m2.to(device) for c in contributions])
@@ -310,11 +316,13 @@ class SyncBatchNorm(_BatchNorm):
                 "expected more than 1 value per channel when training, got 1 over the whole "
                 "synchronised batch"
             )
+        return mean, m2, invstd, total
+
+    def _count_batch(self, updates_running: bool, mean, m2, total: int) -> None:
         if updates_running:
             self.num_batches_tracked.add_(1)
             if total > 0:
                 self._update_running_stats(mean, m2, total)
-        return mean, invstd
 
     @torch.no_grad()
     def _update_running_stats(self, mean: torch.Tensor, m2: torch.Tensor, count: int) -> None:
