@@ -32,6 +32,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, RandomSampler, Subset
+from tqdm import tqdm
 
 _HERE = Path(__file__).resolve().parent
 # Runnable from a source checkout: the helper package sits next to this file, and the library
@@ -40,10 +41,12 @@ sys.path.insert(0, str(_HERE))
 if importlib.util.find_spec("encoding_syncbn") is None:
     sys.path.append(str(_HERE.parent))
 
-from encoding_syncbn.testing import SimulatedDataParallel  # noqa: E402
 from segmentation.data import IGNORE_INDEX, SyntheticShapes, VOCSegmentation  # noqa: E402
 from segmentation.metrics import confusion_matrix, scores  # noqa: E402
 from segmentation.model import NORM_CHOICES, DeepLabV3  # noqa: E402
+from segmentation.plots import save_curves, save_predictions  # noqa: E402
+
+from encoding_syncbn.testing import SimulatedDataParallel  # noqa: E402
 
 CHECKPOINT_NAME = "checkpoint.pt"
 
@@ -52,10 +55,11 @@ def _int_list(text: str) -> list[int]:
     try:
         return [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
+        msg = f"expected comma-separated integers, got {text!r}"
+        raise argparse.ArgumentTypeError(msg) from None
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     """Command-line flags; the defaults are the quick synthetic CPU run."""
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
@@ -93,7 +97,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         "busy training, 4 on GPU)")
 
     g = p.add_argument_group("optimisation")
-    g.add_argument("--epochs", type=int, default=8, help="total training epochs")
+    g.add_argument("--epochs", type=int, default=18, help="total training epochs")
     g.add_argument("--batch-size", type=int, default=16,
                    help="images per step and per process (split over DataParallel replicas)")
     g.add_argument("--lr", type=float, default=0.05,
@@ -125,6 +129,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     g.add_argument("--num-vis", type=int, default=4,
                    help="validation samples shown in predictions.png")
     g.add_argument("--no-progress", action="store_true", help="hide the per-epoch progress bar")
+    return p
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parse and cross-check the flags."""
+    p = build_parser()
     args = p.parse_args(argv)
     if args.replicas is not None and args.replicas < 1:
         p.error("--replicas must be at least 1")
@@ -196,8 +206,12 @@ class Runtime:
 def build_datasets(args: argparse.Namespace) -> tuple[Dataset, Dataset, Sequence[str]]:
     """Training set, validation set and class names."""
     if args.data_root is not None:
-        train = VOCSegmentation(args.data_root, "train", args.image_size)
-        val = VOCSegmentation(args.data_root, "val", args.image_size)
+        try:
+            train = VOCSegmentation(args.data_root, "train", args.image_size)
+            val = VOCSegmentation(args.data_root, "val", args.image_size)
+        except (FileNotFoundError, ValueError) as err:
+            # A usage error: the message names what is missing, a traceback adds nothing.
+            raise SystemExit(f"error: {err}") from None
     else:
         train = SyntheticShapes(args.train_images, args.image_size, args.seed, "train")
         val = SyntheticShapes(args.val_images, args.image_size, args.seed, "val")
@@ -237,8 +251,6 @@ def train_one_epoch(
     args: argparse.Namespace, rt: Runtime, epoch: int,
 ) -> float:
     """One pass over the training set; returns the mean loss over all processes' images."""
-    from tqdm import tqdm
-
     model.train()
     total_steps = args.epochs * len(loader)
     loss_sum = torch.zeros(2, dtype=torch.float64)  # (sum of per-image loss, images)
@@ -306,8 +318,6 @@ def save_figures(
     args: argparse.Namespace, rt: Runtime,
 ) -> None:
     """curves.png and predictions.png in the output folder (main process only)."""
-    from segmentation.plots import save_curves, save_predictions
-
     save_curves(history, args.output / "curves.png")
     count = min(args.num_vis, len(val_set))
     if count == 0:
@@ -347,6 +357,9 @@ def _run(args: argparse.Namespace, rt: Runtime) -> dict:
         optimizer.load_state_dict(state["optimizer"])
         start_epoch, history = state["epoch"], state["history"]
     net = rt.wrap(model)
+    # Eval-mode BN needs no synchronisation, so each process scores its own shard with the bare
+    # model (no DDP collectives); DataParallel still spreads the work over its devices.
+    eval_net = model if rt.distributed else net
 
     workers = args.workers if args.workers is not None else (
         4 if rt.device.type == "cuda" else 0)
@@ -386,9 +399,7 @@ def _run(args: argparse.Namespace, rt: Runtime) -> dict:
             shuffle_gen.manual_seed(args.seed * 1000 + epoch)
         start = time.perf_counter()
         loss = train_one_epoch(net, train_loader, optimizer, args, rt, epoch)
-        # Eval-mode BN needs no synchronisation, so every process may evaluate its own shard
-        # with the bare model; DataParallel still spreads the work over its devices.
-        val = evaluate(net if not rt.distributed else model, val_loader, num_classes, rt)
+        val = evaluate(eval_net, val_loader, num_classes, rt)
         history.append({"epoch": epoch + 1, "loss": loss, **val})
         if rt.is_main:
             print(f"epoch {epoch + 1}/{args.epochs}  loss {loss:.4f}  "
@@ -399,12 +410,10 @@ def _run(args: argparse.Namespace, rt: Runtime) -> dict:
                 "optimizer": optimizer.state_dict(), "history": history, "config": config,
             })
 
-    if not history or start_epoch >= args.epochs:
-        # Nothing left to train (resumed a finished run): report the loaded model's scores.
-        val = evaluate(net if not rt.distributed else model, val_loader, num_classes, rt)
-        if not history:
-            history.append({"epoch": start_epoch, "loss": math.nan, **val})
-        history[-1].update(val)
+    if not history:
+        # --epochs 0: nothing was trained; score the initial model so the report still holds.
+        history.append({"epoch": 0, "loss": math.nan,
+                        **evaluate(eval_net, val_loader, num_classes, rt)})
     if rt.is_main:
         save_figures(model, val_set, history, num_classes, args, rt)
         print(f"final mIoU: {history[-1]['miou']:.4f}", flush=True)

@@ -1,0 +1,220 @@
+#!/usr/bin/env python
+"""Forward+backward time and peak memory of the segmentation example's network, per norm layer.
+
+Compares ``nn.BatchNorm2d`` + ReLU, ``SyncBatchNorm`` + ReLU and in-place ABN
+(``SyncBatchNorm(activation="leaky_relu")``) in the DeepLabV3 / dilated ResNet of
+``examples/train_segmentation.py``. Each variant runs in a fresh subprocess so that one
+variant's allocations cannot inflate the next one's peak:
+
+* CUDA: peak of ``torch.cuda.max_memory_allocated`` minus what was allocated before the first
+  iteration (model and input), summed over the devices used;
+* CPU: peak resident set size (``ru_maxrss``) minus the peak reached after building the model
+  and the input. Includes allocator slack, so read it as an upper bound.
+
+Prints a markdown table with the machine, the configuration and the date. Example::
+
+    python benchmarks/bench_model.py                         # ResNet-18 widths, OS 8
+    python benchmarks/bench_model.py --width 64 --blocks 3,4,6,3 --image-size 512
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+_ROOT = Path(__file__).resolve().parent.parent
+# The network lives in the example's helper package; the library is used from the checkout
+# when it is not installed.
+sys.path.insert(0, str(_ROOT / "examples"))
+sys.path.append(str(_ROOT))
+
+from segmentation.model import NORM_CHOICES, DeepLabV3  # noqa: E402
+
+LABELS = {
+    "bn": "BatchNorm2d + ReLU",
+    "syncbn": "SyncBatchNorm + ReLU",
+    "inplace_abn": "In-place ABN (SyncBatchNorm, leaky_relu)",
+}
+
+
+def _int_list(text: str) -> list[int]:
+    return [int(v) for v in text.split(",") if v.strip()]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Flags; size defaults depend on the device (a realistic size that still runs on CPU)."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--norms", default=",".join(NORM_CHOICES),
+                   help="comma-separated variants to run, from: " + ", ".join(NORM_CHOICES))
+    p.add_argument("--width", type=int, default=64,
+                   help="first-stage channels (64 = ResNet-18/34 widths)")
+    p.add_argument("--blocks", type=_int_list, default=[2, 2, 2, 2],
+                   help="basic blocks per stage (2,2,2,2 = ResNet-18, 3,4,6,3 = ResNet-34)")
+    p.add_argument("--output-stride", type=int, choices=(8, 16), default=8,
+                   help="backbone output stride")
+    p.add_argument("--num-classes", type=int, default=21, help="classifier outputs (VOC: 21)")
+    p.add_argument("--image-size", type=int, default=None,
+                   help="square input side (default: 512 on CUDA, 256 on CPU)")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="images per iteration (default: 8 on CUDA, 4 on CPU)")
+    p.add_argument("--iters", type=int, default=None,
+                   help="timed iterations (default: 20 on CUDA, 3 on CPU)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed iterations first")
+    p.add_argument("--replicas", type=int, default=1,
+                   help="DataParallel replicas: GPUs on CUDA, simulated threads on CPU")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="auto = CUDA when available")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch intra-op threads on CPU (default: all available cores)")
+    p.add_argument("--worker", choices=NORM_CHOICES, default=None,
+                   help=argparse.SUPPRESS)  # internal: run one variant and print JSON
+    args = p.parse_args(argv)
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    cuda = args.device == "cuda"
+    args.image_size = args.image_size or (512 if cuda else 256)
+    args.batch_size = args.batch_size or (8 if cuda else 4)
+    args.iters = args.iters or (20 if cuda else 3)
+    return args
+
+
+def _available_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
+        os.cpu_count() or 1)
+
+
+def _wrap(model: nn.Module, args: argparse.Namespace) -> nn.Module:
+    if args.replicas == 1:
+        return model
+    if args.device == "cuda":
+        return nn.DataParallel(model, device_ids=list(range(args.replicas)))
+    from encoding_syncbn.testing import SimulatedDataParallel
+
+    return SimulatedDataParallel(model, args.replicas)
+
+
+def run_variant(args: argparse.Namespace, norm: str) -> dict:
+    """Time ``args.iters`` forward+backward passes of one variant; measure its peak memory."""
+    cuda = args.device == "cuda"
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    if not cuda:
+        torch.set_num_threads(args.threads or _available_cores())
+    torch.manual_seed(0)
+    model = DeepLabV3(args.num_classes, norm, args.width, args.blocks,
+                      args.output_stride).to(device).train()
+    net = _wrap(model, args)
+    size = (args.batch_size, 3, args.image_size, args.image_size)
+    x = torch.randn(size, device=device)
+    target = torch.randint(0, args.num_classes, (size[0], size[2], size[3]), device=device)
+
+    devices = list(range(args.replicas)) if cuda else []
+    if cuda:
+        torch.cuda.synchronize()
+        base = {d: torch.cuda.memory_allocated(d) for d in devices}
+        for d in devices:
+            torch.cuda.reset_peak_memory_stats(d)
+    else:
+        base_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+
+    times = []
+    for i in range(args.warmup + args.iters):
+        model.zero_grad(set_to_none=True)
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        loss = F.cross_entropy(net(x), target)
+        loss.backward()
+        if cuda:
+            torch.cuda.synchronize()
+        if i >= args.warmup:
+            times.append(time.perf_counter() - start)
+
+    if cuda:
+        peak = sum(torch.cuda.max_memory_allocated(d) - base[d] for d in devices)
+    else:
+        peak = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base_kib) * 1024
+    return {"norm": norm, "median_ms": statistics.median(times) * 1e3,
+            "min_ms": min(times) * 1e3, "peak_mib": peak / 2**20}
+
+
+def machine_info(args: argparse.Namespace) -> str:
+    """One line: CPU model, cores, GPU, torch and Python versions."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    parts = [f"CPU: {cpu}, {_available_cores()} cores"]
+    if args.device == "cuda":
+        parts.append(f"GPU: {torch.cuda.get_device_name(0)} x{args.replicas}")
+    else:
+        parts.append(f"threads: {args.threads or _available_cores()}")
+    parts += [f"torch {torch.__version__}", f"Python {platform.python_version()}"]
+    return " | ".join(parts)
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    """Run every variant in its own subprocess and print the markdown table."""
+    args = parse_args(argv)
+    if args.worker is not None:
+        print(json.dumps(run_variant(args, args.worker)))
+        return []
+    norms = [n for n in args.norms.split(",") if n]
+    unknown = set(norms) - set(NORM_CHOICES)
+    if unknown:
+        raise SystemExit(f"unknown --norms {sorted(unknown)}; choose from {NORM_CHOICES}")
+
+    forwarded = [
+        "--width", str(args.width), "--blocks", ",".join(map(str, args.blocks)),
+        "--output-stride", str(args.output_stride), "--num-classes", str(args.num_classes),
+        "--image-size", str(args.image_size), "--batch-size", str(args.batch_size),
+        "--iters", str(args.iters), "--warmup", str(args.warmup),
+        "--replicas", str(args.replicas), "--device", args.device,
+    ]
+    if args.threads:
+        forwarded += ["--threads", str(args.threads)]
+    results = []
+    for norm in norms:
+        print(f"running {norm} ...", file=sys.stderr, flush=True)
+        proc = subprocess.run([sys.executable, __file__, *forwarded, "--worker", norm],
+                              capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise SystemExit(f"variant {norm} failed:\n{proc.stderr}")
+        results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+
+    memory = "peak CUDA memory allocated" if args.device == "cuda" else "peak RSS increase"
+    print(f"## DeepLabV3 forward+backward, {datetime.date.today().isoformat()}\n")
+    print(machine_info(args) + "\n")
+    print(f"width {args.width}, blocks {','.join(map(str, args.blocks))}, output stride "
+          f"{args.output_stride}, {args.num_classes} classes, input {args.batch_size}x3x"
+          f"{args.image_size}x{args.image_size}, {args.replicas} replica(s), float32, "
+          f"median of {args.iters} iterations after {args.warmup} warm-up\n")
+    print(f"| norm layer | ms / iter (median) | ms / iter (min) | {memory} (MiB) | memory vs BN |")
+    print("|---|---:|---:|---:|---:|")
+    ref = next((r["peak_mib"] for r in results if r["norm"] == "bn"), None)
+    for r in results:
+        rel = f"{r['peak_mib'] / ref:.2f}x" if ref else "-"
+        print(f"| {LABELS[r['norm']]} | {r['median_ms']:.1f} | {r['min_ms']:.1f} | "
+              f"{r['peak_mib']:.0f} | {rel} |")
+    return results
+
+
+if __name__ == "__main__":
+    main()
