@@ -31,7 +31,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from .kernels import ops_for, torch_ops
+from .kernels import compile_ops, ops_for, reference_ops
 
 # A channel is rebuilt from y only if |w| > _MIN_INVERTIBLE_GAMMA * max(1, |b|): xhat =
 # (z - b) / w amplifies z's rounding by |b| / |w|.
@@ -69,26 +69,65 @@ class _Link:
         self.config: ActConfig | None = None
 
 
-def _keep_aside(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor):
-    """Indices and input of the channels that cannot be rebuilt from the output."""
+def _aside_channels(weight: torch.Tensor, bias: torch.Tensor, config: ActConfig):
+    """Indices of the channels that cannot be rebuilt from the output (none out of place).
+
+    Chosen before the autograd Function runs, and passed to it: while compiling, their number
+    is a data-dependent (unbacked) size, which must be bound outside the Function's forward.
+    """
+    weight, bias = weight.detach(), bias.detach()
+    if not config.inplace:
+        return torch.empty(0, dtype=torch.long, device=weight.device)
+    if torch.compiler.is_compiling():
+        # A custom op of data-dependent size: Dynamo would refuse nonzero itself.
+        return compile_ops.aside_channels(weight, bias, _MIN_INVERTIBLE_GAMMA)
     small = weight.abs() <= _MIN_INVERTIBLE_GAMMA * bias.abs().clamp_min(1.0)
-    channels = small.nonzero().flatten()
-    return channels, x.index_select(1, channels)
+    return small.nonzero().flatten()
 
 
-def _normalize(ctx, x, mean, invstd, weight, bias, config: ActConfig) -> torch.Tensor:
+def _has_aside(saved: _Saved, config: ActConfig) -> bool:
+    """Whether backward must recompute channels kept aside.
+
+    Eagerly: whether there are any. While compiling their number is data-dependent, so the
+    aside path (which handles none) is traced whenever the forward could keep any aside.
+    """
+    if torch.compiler.is_compiling():
+        return config.inplace
+    return saved.aside_channels.numel() > 0
+
+
+def _overwrites_input(config: ActConfig) -> bool:
+    """Whether the autograd Function itself writes its output over its input.
+
+    Not while compiling: AOTAutograd mis-routes the gradient of an autograd.Function that
+    overwrites (``mark_dirty``) a graph input (torch 2.13: the input's gradient bypasses the
+    Function). There the Function writes a fresh tensor, still keeping only the output for
+    backward, and ``_written_back`` copies it over the input, which functionalization turns
+    back into a plain reuse when the input is an intermediate of the compiled graph.
+    """
+    return config.inplace and not torch.compiler.is_compiling()
+
+
+def _written_back(x: torch.Tensor, out: torch.Tensor, config: ActConfig) -> torch.Tensor:
+    """The layer's result: ``out``, copied over ``x`` where the Function could not do so."""
+    if config.inplace and torch.compiler.is_compiling():
+        return x.copy_(out)
+    return out
+
+
+def _normalize(ctx, x, mean, invstd, weight, bias, config: ActConfig, aside_channels
+               ) -> torch.Tensor:
     """Run the forward pass, in place or not, and save what backward needs."""
     if config.inplace:
-        aside_channels, aside_input = _keep_aside(x, weight, bias)
-        out = x
+        aside_input = x.index_select(1, aside_channels)
+        out = x if _overwrites_input(config) else torch.empty_like(x)
     else:
-        aside_channels = torch.empty(0, dtype=torch.long, device=x.device)
         aside_input = x.new_empty(0)
         out = torch.empty_like(x)
     ops_for(x).normalize_act(
         x, mean, invstd, weight, bias, config.activation, config.slope, out
     )
-    if config.inplace:
+    if _overwrites_input(config):
         ctx.mark_dirty(x)
     ctx.save_for_backward(
         out if config.inplace else x, mean, invstd, weight, bias, aside_channels, aside_input
@@ -98,7 +137,7 @@ def _normalize(ctx, x, mean, invstd, weight, bias, config: ActConfig) -> torch.T
 
 
 def _aside_args(saved: _Saved, grad_output: torch.Tensor, config: ActConfig):
-    """The ``torch_ops`` arguments that recompute the channels kept aside from their input."""
+    """The ``reference_ops`` arguments that recompute the channels kept aside from their input."""
     idx = saved.aside_channels
     return (
         saved.aside_input,
@@ -120,8 +159,8 @@ def _reduce(saved: _Saved, grad_output: torch.Tensor, config: ActConfig):
         saved.tensor, grad_output, saved.mean, saved.invstd, saved.weight, saved.bias,
         config.activation, config.slope, from_output,
     )
-    if saved.aside_channels.numel():
-        exact_dz, exact_dz_xhat = torch_ops.backward_reduce(
+    if _has_aside(saved, config):
+        exact_dz, exact_dz_xhat = reference_ops().backward_reduce(
             *_aside_args(saved, grad_output, config)
         )
         sum_dz = sum_dz.index_copy(0, saved.aside_channels, exact_dz)
@@ -136,8 +175,8 @@ def _input_grad(saved: _Saved, grad_output, config: ActConfig, coef_dz, coef_xha
         config.activation, config.slope, config.inplace, coef_dz, coef_xhat, coef_const,
     )
     idx = saved.aside_channels
-    if idx.numel():
-        exact = torch_ops.backward_dx(
+    if _has_aside(saved, config):
+        exact = reference_ops().backward_dx(
             *_aside_args(saved, grad_output, config), coef_dz[idx], coef_xhat[idx], coef_const[idx]
         )
         dx.index_copy_(1, idx, exact)
@@ -158,9 +197,9 @@ class BatchNormAct(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, mean, invstd, weight, bias, config: ActConfig):
+    def forward(ctx, x, mean, invstd, weight, bias, config: ActConfig, aside_channels):
         ctx.count = x.numel() // x.shape[1]
-        return _normalize(ctx, x, mean, invstd, weight, bias, config)
+        return _normalize(ctx, x, mean, invstd, weight, bias, config, aside_channels)
 
     @staticmethod
     def backward(ctx, grad_output):
@@ -174,7 +213,7 @@ class BatchNormAct(torch.autograd.Function):
                 scale, -scale * sum_dz_xhat / ctx.count, -scale * sum_dz / ctx.count,
             )
         grad_weight, grad_bias = _param_grads(*ctx.needs_input_grad[3:5], sum_dz, sum_dz_xhat)
-        return grad_input, None, None, grad_weight, grad_bias, None
+        return grad_input, None, None, grad_weight, grad_bias, None, None
 
 
 class NormAct(torch.autograd.Function):
@@ -185,9 +224,10 @@ class NormAct(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, mean, invstd, weight, bias, config: ActConfig, link: _Link | None):
+    def forward(ctx, x, mean, invstd, weight, bias, config: ActConfig, link: _Link | None,
+                aside_channels):
         ctx.link = link
-        return _normalize(ctx, x, mean, invstd, weight, bias, config)
+        return _normalize(ctx, x, mean, invstd, weight, bias, config, aside_channels)
 
     @staticmethod
     def backward(ctx, grad_output):
@@ -207,7 +247,7 @@ class NormAct(torch.autograd.Function):
             grad_invstd = saved.weight * sum_dz_xhat / saved.invstd
         return (
             grad_input, grad_mean, grad_invstd,
-            *_param_grads(*ctx.needs_input_grad[3:5], sum_dz, sum_dz_xhat), None, None,
+            *_param_grads(*ctx.needs_input_grad[3:5], sum_dz, sum_dz_xhat), None, None, None,
         )
 
 
@@ -249,7 +289,9 @@ def batch_norm_act(
     with torch.no_grad():
         mean, m2, count = ops_for(x).channel_stats(x)
         invstd = torch.rsqrt(m2 / count + eps)
-    return BatchNormAct.apply(x, mean, invstd, weight, bias, config), mean, m2
+    aside = _aside_channels(weight, bias, config)
+    out = BatchNormAct.apply(x, mean, invstd, weight, bias, config, aside)
+    return _written_back(x, out, config), mean, m2
 
 
 def synced_batch_norm_act(
@@ -268,7 +310,9 @@ def synced_batch_norm_act(
     mean_i, m2_i = LocalStats.apply(x, link)
     count_i = x.numel() // x.shape[1]
     mean, invstd = exchange(mean_i, m2_i, count_i)
-    return NormAct.apply(x, mean, invstd, weight, bias, config, link)
+    aside = _aside_channels(weight, bias, config)
+    out = NormAct.apply(x, mean, invstd, weight, bias, config, link, aside)
+    return _written_back(x, out, config)
 
 
 def normalize_with(
@@ -280,4 +324,6 @@ def normalize_with(
     config: ActConfig,
 ) -> torch.Tensor:
     """Normalise with fixed statistics (evaluation, or a recompute reusing global ones)."""
-    return NormAct.apply(x, mean, invstd, weight, bias, config, None)
+    aside = _aside_channels(weight, bias, config)
+    out = NormAct.apply(x, mean, invstd, weight, bias, config, None, aside)
+    return _written_back(x, out, config)

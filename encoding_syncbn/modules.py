@@ -122,8 +122,9 @@ class SyncBatchNorm(_BatchNorm):
         self.slope = slope
         self.inplace = bool(inplace)
         # The rank of the last input, for revert_sync_batchnorm's choice of BatchNorm1d/2d/3d.
-        # A list, so that replicas (which copy __dict__ shallowly) report to the original.
-        self._last_input_dim: list[int] = []
+        # A list, so that replicas (which copy __dict__ shallowly) report to the original; of
+        # fixed length, so that torch.compile does not recompile once it has been set.
+        self._last_input_dim: list[int | None] = [None]
         self._reset_transient()
 
     # ---- replication: how the replicas of one DataParallel call find each other ----------
@@ -182,7 +183,7 @@ class SyncBatchNorm(_BatchNorm):
             group.close()
         try:
             self._check_input(input)
-            self._last_input_dim[:] = [input.dim()]
+            self._last_input_dim[0] = input.dim()
             return self._forward(input, slot)
         except BaseException as error:
             if slot is not None:

@@ -320,7 +320,8 @@ def test_step_after_failed_step_is_correct(monkeypatch, fault):
         x, y = batch(8, seed=seed)
         start = time.monotonic()
         out, grads = step(net, opt, x, y, 4)
-        assert time.monotonic() - start < 0.5, "the next step waited for a peer"
+        # Well under the 3 s timeout of this file: no wait on a peer of the failed step.
+        assert time.monotonic() - start < 2.0, "the next step waited for a peer"
         ref_out, ref_grads = step(ref, ref_opt, x, y)
         torch.testing.assert_close(out, ref_out, **TOL)
         for g, rg in zip(grads, ref_grads):
@@ -642,7 +643,7 @@ def test_checkpoint_non_reentrant_matches_plain_run(monkeypatch):
         y = torch.randn(10, 2, dtype=DT, generator=torch.Generator().manual_seed(s))
         start = time.monotonic()
         out_c, grads_c = step(ckpt, opts[1], x, y, 4)
-        assert time.monotonic() - start < 1.0, "a recomputation waited on a peer"
+        assert time.monotonic() - start < 2.0, "a recomputation waited on a peer"
         out_p, grads_p = step(plain, opts[0], x, y, 4)
         out_r, grads_r = step(ref, opts[2], x, y)
         torch.testing.assert_close(out_c, out_p, **TOL)

@@ -15,7 +15,7 @@ from types import ModuleType
 
 import torch
 
-from . import torch_ops
+from . import compile_ops, torch_ops
 
 BACKENDS = ("auto", "torch", "triton")
 BACKEND_ENV = "ENCODING_SYNCBN_BACKEND"
@@ -65,14 +65,23 @@ def triton_interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def reference_ops() -> ModuleType:
+    """``torch_ops``; while ``torch.compile`` traces, the same ops as opaque custom ops.
+
+    (``torch_ops`` is not traceable: it walks slabs with ``out=`` calls. The check is one
+    flag read, so the eager path keeps calling ATen directly.)
+    """
+    return compile_ops if torch.compiler.is_compiling() else torch_ops
+
+
 def ops_for(x: torch.Tensor) -> ModuleType:
     """The module implementing the ops for tensors like ``x`` under the current backend."""
     if _backend == "torch":
-        return torch_ops
+        return reference_ops()
     if _backend == "auto":
         if x.is_cuda and _load_triton() is not None:
             return _triton_ops
-        return torch_ops
+        return reference_ops()
     if not (x.is_cuda or triton_interpreted()):
         raise RuntimeError(
             f"backend 'triton' runs on CUDA tensors, got a {x.device.type} tensor; on the CPU it "
