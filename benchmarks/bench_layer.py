@@ -142,11 +142,12 @@ def sync_cost_us(replicas: int, sync: bool = True, calls: int = 200) -> float:
     model = SimulatedDataParallel(Repeat(), replicas)
     x = torch.randn(2 * replicas, 8, 2, 2)
     timings = []
-    for _ in range(5):
+    for _ in range(9):
         start = time.perf_counter()
         model(x).sum().backward()
         timings.append((time.perf_counter() - start) / calls)
-    return sorted(timings)[len(timings) // 2] * 1e6
+    # The minimum: thread scheduling on a busy machine only ever adds time.
+    return min(timings) * 1e6
 
 
 def kernel_bandwidth(x: torch.Tensor, repeats: int) -> list[tuple[str, float, float]]:
