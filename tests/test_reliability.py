@@ -154,24 +154,7 @@ def run_replicas(model: nn.Module, inputs: list[tuple], join_timeout: float = 30
 
     Returns (what each replica returned or raised, seconds until all had finished).
     """
-    replicas = replicate(model, len(inputs))
-    results: list = [None] * len(inputs)
-
-    def run(j):
-        try:
-            results[j] = replicas[j](*inputs[j])
-        except BaseException as error:
-            results[j] = error
-
-    threads = [threading.Thread(target=run, args=(j,), daemon=True) for j in range(len(inputs))]
-    start = time.monotonic()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(join_timeout)
-    elapsed = time.monotonic() - start
-    assert not any(t.is_alive() for t in threads), "a replica is still blocked"
-    return results, elapsed
+    return run_replicas_from(replicate(model, len(inputs)), inputs, join_timeout)
 
 
 def scattered(x: torch.Tensor, replicas: int):
@@ -466,7 +449,8 @@ def test_copies_work_before_during_and_after_parallel_forward():
         assert_same_state(original, ref)
 
 
-def run_replicas_from(replicas, inputs):
+def run_replicas_from(replicas, inputs, join_timeout: float = 30.0):
+    """Run replica j on ``inputs[j]`` in its own thread; see ``run_replicas``."""
     results: list = [None] * len(inputs)
 
     def run(j):
@@ -480,9 +464,10 @@ def run_replicas_from(replicas, inputs):
     for t in threads:
         t.start()
     for t in threads:
-        t.join(30)
-    assert not any(t.is_alive() for t in threads)
-    return results, time.monotonic() - start
+        t.join(join_timeout)
+    elapsed = time.monotonic() - start
+    assert not any(t.is_alive() for t in threads), "a replica is still blocked"
+    return results, elapsed
 
 
 def test_averaged_model_of_a_synced_model_matches_reference():
