@@ -211,7 +211,7 @@ class _Backward:
         else:
             torch.sub(s, self.mean, out=xhat).mul_(self.invstd)
             if act in ("leaky_relu", "elu", "relu"):
-                z = torch.addcmul(self.bias, xhat, self.weight, out=dz)
+                z = torch.mul(xhat, self.weight, out=dz).add_(self.bias)
                 if act == "leaky_relu":
                     aten.leaky_relu_backward.grad_input(dy, z, slope, False, grad_input=dz)
                 elif act == "elu":
@@ -274,6 +274,6 @@ def backward_dx(
     def compute(rows_out: torch.Tensor) -> None:
         for part in walk.parts:
             xhat, dz = walk.slab(part)
-            torch.add(dz.mul_(a), torch.addcmul(c, xhat, k, out=xhat), out=rows_out[part])
+            torch.add(dz.mul_(a), xhat.mul_(k).add_(c), out=rows_out[part])
 
     return _written_through(dx, compute)
