@@ -369,8 +369,10 @@ def _can_overwrite(x: torch.Tensor) -> bool:
         reason = "a leaf tensor that requires grad"
     elif torch.compiler.is_compiling():
         pass  # Dynamo cannot inspect view provenance; the traced graph is functionalised
-    elif x._is_view() and x.grad_fn is not None and _is_multi_output_view(x):
-        reason = f"a view produced by {x.grad_fn.name()} (torch.chunk, split, unbind, ...)"
+    elif x._is_view() and _view_kind(x) != _PLAIN_VIEW:
+        # Autograd refuses in-place writes to views made by a multi-output op (chunk, split,
+        # unbind, DataParallel's scatter), inside a custom Function, or in no-grad mode.
+        reason = f"a view autograd marks {_view_kind(x).name} (torch.chunk, split, ...)"
     if reason is None:
         return True
     if not _warned_out_of_place.is_set():
@@ -383,6 +385,5 @@ def _can_overwrite(x: torch.Tensor) -> bool:
     return False
 
 
-def _is_multi_output_view(x: torch.Tensor) -> bool:
-    name = x.grad_fn.name()
-    return name.startswith(("Split", "Unbind", "Chunk", "Unsafe"))
+_view_kind = torch._C._autograd._get_creation_meta
+_PLAIN_VIEW = torch._C._autograd.CreationMeta.DEFAULT

@@ -341,3 +341,26 @@ def test_bad_input_leaves_state_untouched(x, error, words, replicas):
         assert word in str(info.value)
     for key, value in layer.state_dict().items():
         assert torch.equal(value, before[key]), key
+
+
+@pytest.mark.parametrize("make_view", ["chunk", "no_grad_slice"])
+def test_views_autograd_will_not_let_us_overwrite(make_view):
+    """A chunk piece, or a view made under no_grad: computed out of place, exact gradients."""
+    layer = make_layer("leaky_relu")
+    twin = plain_twin(layer, 3)
+    leaf = torch.randn(6, C, 5, dtype=torch.float64, requires_grad=True)
+    base = leaf * 1
+    if make_view == "chunk":
+        x = base.chunk(2)[0]
+    else:
+        with torch.no_grad():
+            x = base[:3]
+    before = x.detach().clone()
+    grad = torch.randn_like(before)
+    out = layer(x)
+    assert out.data_ptr() != x.data_ptr() and torch.equal(x.detach(), before)
+    expected, expected_dx = reference_step(twin, before, grad, "leaky_relu", SLOPES["leaky_relu"])
+    assert_close(out, expected)
+    if make_view == "chunk":
+        out.backward(grad)
+        assert_close(leaf.grad[:3], expected_dx)
