@@ -243,13 +243,11 @@ class SyncBatchNorm(_BatchNorm):
                 f"expected more than 1 value per channel when training, got input of shape "
                 f"{tuple(x.shape)}"
             )
-        if updates_running:
-            self.num_batches_tracked.add_(1)
         if count == 0:
+            self._track_batch(updates_running, None, None, 0)
             return x if config.inplace else x.clone()
         out, mean, m2 = batch_norm_act(x, weight, bias, self.eps, config)
-        if updates_running:
-            self._update_running_stats(mean, m2, count)
+        self._track_batch(updates_running, mean, m2, count)
         return out
 
     def _recompute(self, x, weight, bias, config: ActConfig) -> torch.Tensor:
@@ -275,7 +273,7 @@ class SyncBatchNorm(_BatchNorm):
         own = _Contribution(mean_i, m2_i, count_i)
         if slot is None or slot.group.size == 1:
             mean, m2, invstd, total = self._merge([own])
-            self._count_batch(updates_running, mean, m2, total)
+            self._track_batch(updates_running, mean, m2, total)
         elif slot.rank == 0:
             group = slot.group
             call = group.begin_call(0)
@@ -285,7 +283,7 @@ class SyncBatchNorm(_BatchNorm):
                 call, [(mean.to(c.mean.device), invstd.to(c.mean.device)) for c in contributions]
             )
             # After the answers: the running statistics are no replica's business.
-            self._count_batch(updates_running, mean, m2, total)
+            self._track_batch(updates_running, mean, m2, total)
         else:
             group = slot.group
             mean, invstd = group.exchange(slot.rank, group.begin_call(slot.rank), own)
@@ -319,7 +317,9 @@ class SyncBatchNorm(_BatchNorm):
             )
         return mean, m2, invstd, total
 
-    def _count_batch(self, updates_running: bool, mean, m2, total: int) -> None:
+    def _track_batch(self, updates_running: bool, mean: torch.Tensor | None,
+                     m2: torch.Tensor | None, total: int) -> None:
+        """Count the batch and, unless it was empty, fold its statistics into the running ones."""
         if updates_running:
             self.num_batches_tracked.add_(1)
             if total > 0:
