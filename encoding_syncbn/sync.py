@@ -1,30 +1,35 @@
-"""How the replicas of one ``nn.DataParallel`` call meet: threads, queues and bounded waits.
+"""How the replicas of one ``nn.DataParallel`` call meet: threads, locks and bounded waits.
 
 No torch here: payloads are opaque. Vocabulary:
 
 - A *session* is one ``replicate()`` call: k replicas of the whole model, replica j run by
   thread j. It records each replica's thread and the first failure among them.
 - A *group* is one layer inside a session: its k replicas, rank j = the replica on
-  ``device_ids[j]``; rank 0 is the master. Every call of the layer is one exchange:
+  ``device_ids[j]``; rank 0 is the master. Every call of the layer is one *meeting*:
 
-      rank r > 0:  Contribution(rank, call, payload) ──inbox──▶ master
-      master:      gathers all k contributions, merges, and answers each rank
-      master:      Reply(call, payload_r) ──outbox[r]──▶ rank r
+      rank r > 0:  leaves its payload in the meeting; the last to arrive opens gate[0]
+      master:      waits at gate[0], takes every payload, merges, and for each rank r
+                   leaves Reply(call, payload_r) and opens gate[r]
+      rank r > 0:  waits at gate[r], takes its reply
 
-Groups are new at every ``replicate()``, so no message of a failed step can reach a later
-one. Every wait polls in short slices and gives up with ``SyncError`` when the deadline
+A gate is a lock the master or the last arrival releases once per call and its owner
+acquires once per call, so each call costs one thread wake-up per waiting replica: half the
+hand-offs of a queue per direction (on two cores, a wake-up is ~25 us). No rank can reach
+call c + 1 before every rank has reached call c, so one meeting at a time is open.
+
+Groups are new at every ``replicate()``, so nothing of a failed step can reach a later one.
+Every wait polls in short slices and gives up with ``SyncError`` when the deadline
 (``ENCODING_SYNCBN_TIMEOUT`` seconds, read at each call, default 60) passes, when a peer has
-failed, when a peer's thread has exited without delivering, or when a peer waits in another
+failed, when a peer's thread has exited without arriving, or when a peer waits in another
 layer for this replica (the replicas called the layers in different orders).
 """
 
 from __future__ import annotations
 
 import os
-import queue
 import threading
 import time
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 TIMEOUT_ENV = "ENCODING_SYNCBN_TIMEOUT"
 DEFAULT_TIMEOUT_SECONDS = 60.0
@@ -50,19 +55,22 @@ def timeout_seconds() -> float:
     return value
 
 
-class Contribution(NamedTuple):
-    """What rank ``rank`` sends the master for call number ``call`` of a layer."""
-
-    rank: int
-    call: int
-    payload: Any
-
-
 class Reply(NamedTuple):
-    """What the master sends one rank back for call number ``call`` of a layer."""
+    """What the master leaves rank r for call number ``call`` of a layer."""
 
     call: int
     payload: Any
+
+
+class _Meeting:
+    """The payloads of one call of a layer, filled in as the ranks arrive."""
+
+    __slots__ = ("call", "payloads", "missing")
+
+    def __init__(self, call: int, size: int) -> None:
+        self.call = call
+        self.payloads: list[Any] = [None] * size
+        self.missing = set(range(1, size))
 
 
 class _Waiting(NamedTuple):
@@ -117,19 +125,24 @@ class ReplicaGroup:
         self.session = session
         self.label = label
         self.closed = False
-        self._inbox: queue.Queue[Contribution] = queue.Queue()
-        self._outboxes: list[queue.Queue[Reply]] = []
+        self._lock = threading.Lock()
+        self._meeting: _Meeting | None = None
+        self._gates: list[threading.Lock] = []
+        self._replies: list[Reply | None] = []
         self._calls_begun: list[int] = []
 
     @property
     def size(self) -> int:
-        return len(self._outboxes)
+        return len(self._gates)
 
     def add_member(self) -> int:
         """Append one replica (called by ``replicate()``, in rank order); returns its rank."""
         if self.closed:
             raise RuntimeError(f"{self.label}: cannot add a replica after the group has run")
-        self._outboxes.append(queue.Queue())
+        gate = threading.Lock()
+        gate.acquire()  # closed until the master (or, for the master, the last arrival) opens it
+        self._gates.append(gate)
+        self._replies.append(None)
         self._calls_begun.append(0)
         self.session.last_grown = self
         return self.size - 1
@@ -165,73 +178,81 @@ class ReplicaGroup:
     def fail(self, rank: int, error: BaseException) -> None:
         self.session.fail(rank, error)
 
+    def _arrive(self, rank: int, call: int, payload: Any) -> _Meeting:
+        """Leave ``payload`` in the meeting of ``call``; the last peer to arrive opens gate[0]."""
+        with self._lock:
+            meeting = self._meeting
+            if meeting is None:
+                meeting = self._meeting = _Meeting(call, self.size)
+            elif meeting.call != call:
+                raise self._error(
+                    f"arrived for call {call} while call {meeting.call} is open: the replicas "
+                    f"called this layer a different number of times",
+                    rank,
+                )
+            meeting.payloads[rank] = payload
+            meeting.missing.discard(rank)
+            everyone_in = rank > 0 and not meeting.missing
+        if everyone_in:
+            self._gates[0].release()
+        return meeting
+
     def gather(self, call: int, own: Any) -> list[Any]:
         """Master: every rank's payload for ``call``, in rank order (its own first)."""
-        payloads: list[Any] = [own] + [None] * (self.size - 1)
-        missing = set(range(1, self.size))
-        while missing:
-            message = self._wait(self._inbox, 0, sorted(missing), call)
-            if message.call != call:
-                raise self._error(
-                    f"rank {message.rank} is at call {message.call} while the master is at call "
-                    f"{call}: the replicas called this layer a different number of times",
-                    0,
-                )
-            payloads[message.rank] = message.payload
-            missing.discard(message.rank)
-        return payloads
+        meeting = self._arrive(0, call, own)
+        self._wait(0, call, lambda: sorted(meeting.missing))
+        with self._lock:
+            self._meeting = None
+        return meeting.payloads
 
     def scatter(self, call: int, payloads: list[Any]) -> None:
         """Master: answer every other rank's ``call`` with its own payload."""
         for rank in range(1, self.size):
-            self._outboxes[rank].put(Reply(call, payloads[rank]))
-        # Hand the GIL over now: the woken replicas can start their next ATen calls (which run
-        # without the GIL) instead of waiting for the interpreter's 5 ms switch interval.
-        time.sleep(0)
+            self._replies[rank] = Reply(call, payloads[rank])
+            self._gates[rank].release()
 
     def exchange(self, rank: int, call: int, payload: Any) -> Any:
-        """Rank > 0: send the master this call's payload and wait for the answer."""
-        self._inbox.put(Contribution(rank, call, payload))
-        reply = self._wait(self._outboxes[rank], rank, [0], call)
-        if reply.call != call:
-            raise self._error(f"got the master's answer to call {reply.call}, not {call}", rank)
+        """Rank > 0: leave the master this call's payload and wait for the answer."""
+        self._arrive(rank, call, payload)
+        self._wait(rank, call, lambda: [0])
+        reply, self._replies[rank] = self._replies[rank], None
+        if reply is None or reply.call != call:
+            raise self._error(f"expected the master's answer to call {call}, got {reply}", rank)
         return reply.payload
 
-    def _wait(self, source: queue.Queue, rank: int, peers: list[int], call: int) -> Any:
-        """Take the next message from ``source``, or raise ``SyncError`` (see module doc)."""
+    def _wait(self, rank: int, call: int, peers: Callable[[], list[int]]) -> None:
+        """Pass ``rank``'s gate for ``call``, or raise ``SyncError`` (see the module doc).
+
+        ``peers()``: the ranks the gate still waits for.
+        """
+        gate = self._gates[rank]
         deadline = time.monotonic() + timeout_seconds()
         session = self.session
         session._waiting[rank] = _Waiting(self, call)
         try:
             while True:
                 remaining = deadline - time.monotonic()
-                try:
-                    return source.get(timeout=max(0.0, min(_POLL_SECONDS, remaining)))
-                except queue.Empty:
-                    pass
+                if gate.acquire(timeout=max(0.0, min(_POLL_SECONDS, remaining))):
+                    return
                 if session.failure is not None:
-                    raise self._error(f"{session.failure}; waiting for ranks {peers}", rank)
-                if any(session.exited(peer) for peer in peers):
-                    try:  # a peer may have delivered just before it exited
-                        return source.get_nowait()
-                    except queue.Empty:
-                        gone = [peer for peer in peers if session.exited(peer)]
-                        raise self._error(
-                            f"ranks {gone} exited without reaching call {call} of this layer "
-                            f"(they failed, or called it fewer times)",
-                            rank,
-                        ) from None
-                disorder = self._check_order(rank, peers)
-                if disorder is None and time.monotonic() < deadline:
+                    raise self._error(f"{session.failure}; waiting for ranks {peers()}", rank)
+                waited_for = peers()
+                gone = [peer for peer in waited_for if session.exited(peer)]
+                disorder = None if gone else self._check_order(rank, waited_for)
+                if not gone and disorder is None and time.monotonic() < deadline:
                     continue
-                try:  # what we wait for may have come while we looked at the peers
-                    return source.get_nowait()
-                except queue.Empty:
-                    pass
+                if gate.acquire(blocking=False):  # opened while we looked at the peers
+                    return
+                if gone:
+                    raise self._error(
+                        f"ranks {gone} exited without reaching call {call} of this layer "
+                        f"(they failed, or called it fewer times)",
+                        rank,
+                    )
                 if disorder is not None:
                     raise self._error(disorder, rank)
                 raise self._error(
-                    f"ranks {peers} did not arrive within {timeout_seconds():g} s "
+                    f"ranks {waited_for} did not arrive within {timeout_seconds():g} s "
                     f"(set {TIMEOUT_ENV} to change the bound)",
                     rank,
                 )
