@@ -27,6 +27,7 @@ value of gamma gets exact gradients.
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, NamedTuple
 
 import torch
@@ -75,14 +76,20 @@ def _aside_channels(weight: torch.Tensor, bias: torch.Tensor, config: ActConfig)
     Chosen before the autograd Function runs, and passed to it: while compiling, their number
     is a data-dependent (unbacked) size, which must be bound outside the Function's forward.
     """
-    weight, bias = weight.detach(), bias.detach()
     if not config.inplace:
-        return torch.empty(0, dtype=torch.long, device=weight.device)
+        return _no_channels(weight.device)
     if torch.compiler.is_compiling():
         # A custom op of data-dependent size: Dynamo would refuse nonzero itself.
-        return compile_ops.aside_channels(weight, bias, _MIN_INVERTIBLE_GAMMA)
-    small = weight.abs() <= _MIN_INVERTIBLE_GAMMA * bias.abs().clamp_min(1.0)
-    return small.nonzero().flatten()
+        return compile_ops.aside_channels(weight.detach(), bias.detach(), _MIN_INVERTIBLE_GAMMA)
+    with torch.no_grad():
+        small = weight.abs() <= bias.abs().clamp_min_(1.0).mul_(_MIN_INVERTIBLE_GAMMA)
+        return small.nonzero().view(-1)
+
+
+@functools.cache
+def _no_channels(device: torch.device) -> torch.Tensor:
+    """An empty index tensor (shared: nothing writes to it)."""
+    return torch.empty(0, dtype=torch.long, device=device)
 
 
 def _has_aside(saved: _Saved, config: ActConfig) -> bool:
@@ -208,9 +215,10 @@ class BatchNormAct(torch.autograd.Function):
         grad_input = None
         if ctx.needs_input_grad[0]:
             scale = saved.weight * saved.invstd
+            per_element = scale * (-1.0 / ctx.count)
             grad_input = _input_grad(
                 saved, grad_output, ctx.config,
-                scale, -scale * sum_dz_xhat / ctx.count, -scale * sum_dz / ctx.count,
+                scale, per_element * sum_dz_xhat, per_element * sum_dz,
             )
         grad_weight, grad_bias = _param_grads(*ctx.needs_input_grad[3:5], sum_dz, sum_dz_xhat)
         return grad_input, None, None, grad_weight, grad_bias, None, None
@@ -272,12 +280,12 @@ class LocalStats(torch.autograd.Function):
             )
         saved, grad_output, config = link.saved, link.grad_output, link.config
         link.saved = link.grad_output = None  # free y and dy as soon as dx exists
-        count = max(ctx.count, 1)
+        twice_grad_m2 = grad_m2 * 2
         grad_input = _input_grad(
             saved, grad_output, config,
             saved.weight * saved.invstd,
-            2 * grad_m2 / saved.invstd,
-            grad_mean / count + 2 * grad_m2 * (saved.mean - ctx.mean),
+            twice_grad_m2 / saved.invstd,
+            torch.addcmul(grad_mean / max(ctx.count, 1), twice_grad_m2, saved.mean - ctx.mean),
         )
         return grad_input, None
 

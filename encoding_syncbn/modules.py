@@ -193,12 +193,12 @@ class SyncBatchNorm(_BatchNorm):
     def _affine_params(self, dtype: torch.dtype, device: torch.device):
         """Weight and bias in the statistics dtype (ones and zeros where there are none)."""
         weight = (
-            self.weight.to(dtype)
+            _as_dtype(self.weight, dtype)
             if self.weight is not None
             else torch.ones(self.num_features, dtype=dtype, device=device)
         )
         bias = (
-            self.bias.to(dtype)
+            _as_dtype(self.bias, dtype)
             if self.bias is not None
             else torch.zeros(self.num_features, dtype=dtype, device=device)
         )
@@ -280,7 +280,8 @@ class SyncBatchNorm(_BatchNorm):
             contributions = group.gather(call, own)
             mean, m2, invstd, total = self._merge(contributions)
             group.scatter(
-                call, [(mean.to(c.mean.device), invstd.to(c.mean.device)) for c in contributions]
+                call, [(_on(mean, c.mean.device), _on(invstd, c.mean.device))
+                       for c in contributions]
             )
             # After the answers: the running statistics are no replica's business.
             self._track_batch(updates_running, mean, m2, total)
@@ -301,15 +302,15 @@ class SyncBatchNorm(_BatchNorm):
         Returns the global ``(mean, M2, invstd, count)``.
         """
         device = contributions[0].mean.device
-        means = torch.stack([c.mean.to(device) for c in contributions])
-        m2s = torch.stack([c.m2.to(device) for c in contributions])
-        counts = torch.tensor([c.count for c in contributions], dtype=means.dtype, device=device)
+        means = torch.stack([_on(c.mean, device) for c in contributions])
+        m2s = torch.stack([_on(c.m2, device) for c in contributions])
+        counts = [c.count for c in contributions]
         mean, m2, invstd = merge_stats(means, m2s, counts, self.eps)
-        total = sum(c.count for c in contributions)
+        total = sum(counts)
         if distributed.is_active(self.process_group):
-            means, m2s, counts = distributed.gather_stats(mean, m2, total, self.process_group)
-            mean, m2, invstd = merge_stats(means, m2s, counts, self.eps)
-            total = int(counts.sum().item())
+            means, m2s, rank_counts = distributed.gather_stats(mean, m2, total, self.process_group)
+            mean, m2, invstd = merge_stats(means, m2s, rank_counts, self.eps)
+            total = int(rank_counts.sum().item())
         if total == 1:
             raise ValueError(
                 "expected more than 1 value per channel when training, got 1 over the whole "
@@ -327,14 +328,14 @@ class SyncBatchNorm(_BatchNorm):
 
     @torch.no_grad()
     def _update_running_stats(self, mean: torch.Tensor, m2: torch.Tensor, count: int) -> None:
-        """In place (buffers are never rebound): ``r = (1 - f) r + f * stat``."""
+        """In place (buffers are never rebound): ``r = (1 - f) r + f * stat``, the variance
+        unbiased (``M2 / (count - 1)``); ATen casts the statistics to the buffers' dtype."""
         if self.momentum is None:
             factor = 1.0 / float(self.num_batches_tracked)
         else:
             factor = self.momentum
-        unbiased_var = m2.detach() / (count - 1)
-        for buffer, stat in ((self.running_mean, mean.detach()), (self.running_var, unbiased_var)):
-            buffer.mul_(1 - factor).add_(stat.to(buffer.dtype), alpha=factor)
+        self.running_mean.mul_(1 - factor).add_(mean, alpha=factor)
+        self.running_var.mul_(1 - factor).add_(m2, alpha=factor / (count - 1))
 
     @property
     def last_input_dim(self) -> int | None:
@@ -349,6 +350,16 @@ class SyncBatchNorm(_BatchNorm):
         if not self.sync:
             text += ", sync=False"
         return text
+
+
+def _as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` in ``dtype``; no call into torch when it is in it already."""
+    return t if t.dtype == dtype else t.to(dtype)
+
+
+def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device``; no call into torch when it is there already."""
+    return t if t.device == device else t.to(device)
 
 
 def _inside_backward() -> bool:

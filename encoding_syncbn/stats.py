@@ -3,7 +3,7 @@
 For k groups with counts n_i, means m_i and M2_i = sum_{e in i} (x_e - m_i)^2::
 
     n    = sum_i n_i
-    mean = sum_i n_i m_i / n
+    mean = sum_i (n_i / n) m_i
     M2   = sum_i [ M2_i + n_i (m_i - mean)^2 ]
     invstd = (M2 / n + eps)^(-1/2)
 
@@ -22,38 +22,71 @@ never runs it again.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Sequence
+from typing import NamedTuple
+
 import torch
 
 
+class _Counts(NamedTuple):
+    """The counts as the merge uses them: ``(k, 1)`` columns of the n_i and of the n_i / n,
+    and n on the host."""
+
+    column: torch.Tensor
+    shares: torch.Tensor
+    total: float
+
+
+def _counts_from_tensor(counts: torch.Tensor, dtype: torch.dtype) -> _Counts:
+    column = counts.to(dtype).unsqueeze(1)
+    total = float(counts.sum())
+    # All counts zero (a rank or replica set with an empty batch): zeros, not 0/0 = NaN,
+    # which would poison the cross-process merge it takes part in.
+    return _Counts(column, column / max(total, 1.0), total)
+
+
+@functools.lru_cache(maxsize=64)
+def _counts_from_ints(counts: tuple[int, ...], device: torch.device, dtype: torch.dtype
+                      ) -> _Counts:
+    """Cached: the replicas' counts repeat from step to step, and building the tensors from
+    host numbers costs a host-to-device copy, which waits for the device's queue."""
+    return _counts_from_tensor(torch.tensor(counts, dtype=torch.float64, device=device), dtype)
+
+
 class MergeStats(torch.autograd.Function):
-    """``(means[k, C], m2s[k, C], counts[k]) -> (mean[C], M2[C], invstd[C])``."""
+    """``(means[k, C], m2s[k, C]) -> (mean[C], M2[C], invstd[C])``, the counts given."""
 
     @staticmethod
-    def forward(ctx, means: torch.Tensor, m2s: torch.Tensor, counts: torch.Tensor, eps: float):
-        counts = counts.to(means.dtype)
-        # All counts zero (a rank or replica set with an empty batch): zeros, not 0/0 = NaN,
-        # which would poison the cross-process merge it takes part in.
-        total = counts.sum().clamp_min(1)
-        weights = (counts / total).unsqueeze(1)
-        mean = (weights * means).sum(0)
+    def forward(ctx, means: torch.Tensor, m2s: torch.Tensor, counts: _Counts, eps: float):
+        mean = (means * counts.shares).sum(0)
         deviation = means - mean
-        m2 = m2s.sum(0) + (counts.unsqueeze(1) * deviation * deviation).sum(0)
-        invstd = torch.rsqrt(m2 / total + eps)
-        ctx.deviation, ctx.counts, ctx.total, ctx.invstd = deviation, counts, total, invstd
+        m2 = torch.addcmul(m2s, deviation * counts.column, deviation).sum(0)
+        invstd = m2.div(max(counts.total, 1.0)).add_(eps).rsqrt_()
+        ctx.deviation, ctx.counts, ctx.invstd = deviation, counts, invstd
         return mean, m2, invstd
 
     @staticmethod
     def backward(ctx, grad_mean, grad_m2, grad_invstd):
-        counts = ctx.counts.unsqueeze(1)
-        grad_m2_total = grad_m2 - grad_invstd * ctx.invstd.pow(3) / (2 * ctx.total)
-        grad_means = (counts / ctx.total) * grad_mean + 2 * counts * ctx.deviation * grad_m2_total
-        grad_m2s = grad_m2_total.expand_as(ctx.deviation)
-        return grad_means, grad_m2s, None, None
+        counts = ctx.counts
+        d_invstd_d_m2 = ctx.invstd.pow(3).mul_(-0.5 / max(counts.total, 1.0))
+        grad_m2_total = torch.addcmul(grad_m2, grad_invstd, d_invstd_d_m2)
+        grad_means = torch.addcmul(
+            counts.shares * grad_mean, ctx.deviation * grad_m2_total, counts.column, value=2
+        )
+        return grad_means, grad_m2_total.expand_as(ctx.deviation), None, None
 
 
 def merge_stats(
-    means: torch.Tensor, m2s: torch.Tensor, counts: torch.Tensor, eps: float
+    means: torch.Tensor, m2s: torch.Tensor, counts: torch.Tensor | Sequence[int], eps: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Merge k groups' statistics; see the module docstring. ``counts`` may hold zeros."""
-    return MergeStats.apply(means, m2s, counts, eps)
+    """Merge k groups' statistics; see the module docstring.
 
+    ``counts``: a ``(k,)`` tensor, or the counts as host ints (no device copy after the first
+    time the same counts are seen). They may hold zeros.
+    """
+    if isinstance(counts, torch.Tensor):
+        merge_counts = _counts_from_tensor(counts, means.dtype)
+    else:
+        merge_counts = _counts_from_ints(tuple(counts), means.device, means.dtype)
+    return MergeStats.apply(means, m2s, merge_counts, eps)

@@ -10,14 +10,21 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 sys.path.insert(0, os.path.dirname(__file__))
 
 import encoding_syncbn  # noqa: E402
-from encoding_syncbn.kernels import triton_available  # noqa: E402
+from encoding_syncbn.kernels import torch_ops, triton_available  # noqa: E402
+
+# Elements per slab for "torch-slabs": small enough that the test shapes are cut in several
+# slabs, not a divisor of their sizes, so that the ATen path's slab walk runs (it is otherwise
+# reached only by inputs of over 65536 elements).
+TINY_SLAB = 20
 
 
-@pytest.fixture(params=["torch", "triton"])
-def each_backend(request):
+@pytest.fixture(params=["torch", "torch-slabs", "triton"])
+def each_backend(request, monkeypatch):
     """Run a test once per backend (modules opt in with ``usefixtures("each_backend")``)."""
     if request.param == "triton" and not triton_available():
         pytest.skip("triton is not installed (it is an optional, Linux-only dependency)")
-    encoding_syncbn.set_backend(request.param)
+    if request.param == "torch-slabs":
+        monkeypatch.setattr(torch_ops, "_SLAB_ELEMENTS", TINY_SLAB)
+    encoding_syncbn.set_backend(request.param.split("-")[0])
     yield request.param
     encoding_syncbn.set_backend("auto")

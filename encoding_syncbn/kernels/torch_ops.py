@@ -16,10 +16,13 @@ Notation, per channel c and element e of that channel::
 the output ``y`` (``saved_is_output=True``, the in-place case), from which ``z`` and ``xhat``
 are rebuilt by inverting the activation.
 
-Every op walks the tensors in slabs of at most ``_SLAB_ELEMENTS`` elements through small
-scratch buffers, with ``out=`` and in-place ATen calls: full-size temporaries would cost
-memory (the layer's point is to keep one activation, not three) and, on the CPU, more time
-in page faults than the arithmetic itself.
+A tensor of at most ``_SLAB_ELEMENTS`` elements is processed whole, in as few ATen calls as
+the math allows: on small inputs the per-call overhead is the cost (and, with replicas in
+threads, every call is a chance to lose the GIL). A larger one is walked in slabs of about
+``_SLAB_ELEMENTS`` elements along an ``(A, C, B)`` view, each slab's temporaries small enough
+to stay in cache and to be recycled by the allocator: full-size temporaries would cost memory
+(the layer's point is to keep one activation, not three) and, on the CPU, more time in page
+faults than the arithmetic itself.
 """
 
 from __future__ import annotations
@@ -58,40 +61,73 @@ def _as_rows(t: torch.Tensor) -> torch.Tensor | None:
     return None
 
 
-def _slabs(rows: torch.Tensor):
-    """Slices of the first dim of an ``(A, C, B)`` view, each about ``_SLAB_ELEMENTS``."""
-    per_row = max(1, rows.shape[1] * rows.shape[2])
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """An ``(A, C, B)`` view of ``t``, or of a contiguous copy if ``t`` has none."""
+    rows = _as_rows(t)
+    return rows if rows is not None else _as_rows(t.contiguous())
+
+
+def _pieces(*tensors: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
+    """Matching pieces of same-shaped tensors: the tensors themselves when they are one
+    slab, else slabs of their ``(A, C, B)`` views (which must have the same strides)."""
+    if tensors[0].numel() <= _SLAB_ELEMENTS:
+        return [tensors]
+    rows = [_as_rows(t) for t in tensors]
+    per_row = max(1, rows[0].shape[1] * rows[0].shape[2])
     step = max(1, _SLAB_ELEMENTS // per_row)
-    return [slice(a, min(a + step, rows.shape[0])) for a in range(0, rows.shape[0], step)]
+    return [tuple(r[a:a + step] for r in rows) for a in range(0, rows[0].shape[0], step)]
 
 
-def _channel(v: torch.Tensor) -> torch.Tensor:
-    """A (C,) vector broadcast against an ``(A, C, B)`` slab."""
-    return v.view(1, -1, 1)
+def _in_rows_layout(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself if it is one slab or has an ``(A, C, B)`` view, else a contiguous copy."""
+    if t.numel() <= _SLAB_ELEMENTS or _as_rows(t) is not None:
+        return t
+    return t.contiguous()
+
+
+def _channel_views(piece_dim: int, *vectors: torch.Tensor) -> list[torch.Tensor]:
+    """(C,) vectors viewed to broadcast against a piece of ``piece_dim`` dims, channel second."""
+    shape = (-1,) + (1,) * (piece_dim - 2)
+    return [v.view(shape) for v in vectors]
+
+
+def _reduced_dims(piece: torch.Tensor) -> list[int]:
+    """Every dim of a piece but the channel's."""
+    return [0, *range(2, piece.dim())]
 
 
 def channel_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Per-channel ``(mean, M2, count)`` with ``M2 = sum((x - mean)^2)``.
 
-    Two passes in the statistics dtype (the sum, then the centred squares), never
+    One slab: the mean, and ATen's Welford variance (accumulating in double on the CPU).
+    Larger: two passes in the statistics dtype (the sum, then the centred squares). Never
     ``E[x^2] - E[x]^2``. An empty batch gives zeros, so that it drops out of any Chan merge.
     """
     channels = x.shape[1]
     count = x.numel() // channels if channels else 0
     acc = stats_dtype(x.dtype)
-    mean = torch.zeros(channels, dtype=acc, device=x.device)
-    m2 = torch.zeros_like(mean)
     if count == 0:
-        return mean, m2, 0
-    rows = _as_rows(x)
-    if rows is None:
-        rows = x.contiguous().view(x.shape[0], channels, -1)
+        mean = torch.zeros(channels, dtype=acc, device=x.device)
+        return mean, torch.zeros_like(mean), 0
+    if x.numel() <= _SLAB_ELEMENTS:
+        wide, dims = _in_dtype(x, acc), _reduced_dims(x)
+        # The mean on its own, as BatchNorm takes it (an inf input gives an inf mean, where
+        # the Welford mean of var_mean is NaN).
+        return wide.mean(dim=dims), wide.var(dim=dims, correction=0).mul_(count), count
+    rows = _rows(x)
     mean = rows.sum(dim=(0, 2), dtype=acc).div_(count)
-    centred = mean.new_empty((_slabs(rows)[0].stop,) + rows.shape[1:])
-    for part in _slabs(rows):
-        slab = torch.sub(rows[part], _channel(mean), out=centred[: part.stop - part.start])
-        m2 += slab.mul_(slab).sum(dim=(0, 2))
+    m2 = torch.zeros_like(mean)
+    (mean_c,) = _channel_views(3, mean)
+    slabs = _pieces(rows)
+    scratch = mean.new_empty(slabs[0][0].shape)
+    for (slab,) in slabs:
+        centred = torch.sub(slab, mean_c, out=scratch[: slab.shape[0]])
+        m2 += centred.mul_(centred).sum(dim=(0, 2))
     return mean, m2, count
+
+
+def _in_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t if t.dtype == dtype else t.to(dtype)
 
 
 def _activate_(z: torch.Tensor, activation: str, slope: float) -> torch.Tensor:
@@ -102,17 +138,6 @@ def _activate_(z: torch.Tensor, activation: str, slope: float) -> torch.Tensor:
     if activation == "relu":
         return z.relu_()
     return z
-
-
-def _written_through(out: torch.Tensor, compute) -> torch.Tensor:
-    """Run ``compute(out_rows)`` on an (A, C, B) view of ``out``, or via a copy if it has none."""
-    rows = _as_rows(out)
-    if rows is not None:
-        compute(rows)
-        return out
-    dense = torch.empty_like(out, memory_format=torch.contiguous_format)
-    compute(dense.view(out.shape[0], out.shape[1], -1))
-    return out.copy_(dense)
 
 
 def normalize_act(
@@ -132,95 +157,101 @@ def normalize_act(
     """
     if x.numel() == 0:
         return out
-    mean_c, scale_c, bias_c = _channel(mean), _channel(invstd * weight), _channel(bias)
-    rows_in = _as_rows(x)
-    if rows_in is None or (out is not x and _as_rows(out) is None):
-        rows_in = x.contiguous().view(x.shape[0], x.shape[1], -1)
+    source = _in_rows_layout(x)
+    target = out
+    if source.numel() > _SLAB_ELEMENTS and (
+        _as_rows(out) is None or _as_rows(out).stride() != _as_rows(source).stride()
+    ):
+        target = torch.empty_like(source, dtype=out.dtype)
+    pieces = _pieces(source, target)
+    mean_c, scale_c, bias_c = _channel_views(pieces[0][0].dim(), mean, invstd * weight, bias)
+    for piece_in, piece_out in pieces:
+        # Computed in the statistics dtype: straight into the output when it has that dtype.
+        if piece_out.dtype == mean.dtype:
+            z = torch.sub(piece_in, mean_c, out=piece_out)
+        else:
+            z = torch.sub(piece_in, mean_c)
+        _activate_(z.mul_(scale_c).add_(bias_c), activation, slope)
+        if z is not piece_out:
+            piece_out.copy_(z)
+    if target is not out:
+        out.copy_(target)
+    return out
 
-    def compute(rows_out: torch.Tensor) -> None:
-        in_place = rows_out.data_ptr() == rows_in.data_ptr() and rows_out.dtype == mean.dtype
-        scratch = None if in_place else mean.new_empty(
-            (_slabs(rows_in)[0].stop,) + rows_in.shape[1:]
-        )
-        for part in _slabs(rows_in):
-            z = rows_out[part] if in_place else scratch[: part.stop - part.start]
-            torch.sub(rows_in[part], mean_c, out=z).mul_(scale_c).add_(bias_c)
-            _activate_(z, activation, slope)
-            if not in_place:
-                rows_out[part].copy_(z)
 
-    return _written_through(out, compute)
-
-
-class _Backward:
-    """Rebuilds ``xhat`` and ``dz`` slab by slab from the saved input or output.
+def _xhat_dz(saved, dy, mean, invstd, weight, inverse_weight, bias, activation: str,
+             slope: float, saved_is_output: bool, scratch) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(xhat, dz)`` of one piece, written into ``scratch = (xhat, dz, aux)``, buffers of the
+    piece's shape in the statistics dtype (the vectors are channel views).
 
     ``dz`` comes from ATen's own activation backward (``leaky_relu_backward`` and
     ``elu_backward`` accept the output in place of the input), so the branch conventions are
-    exactly those of ``F.leaky_relu`` / ``F.elu`` / ``F.relu``.
+    exactly those of ``F.leaky_relu`` / ``F.elu`` / ``F.relu``. Half-precision pieces are
+    widened first (ATen's activation backwards compute in their inputs' dtype).
     """
-
-    def __init__(self, saved, dy, mean, invstd, weight, bias, activation, slope,
-                 saved_is_output):
-        if saved_is_output and activation == "relu":
-            raise ValueError("activation 'relu' cannot be inverted from its output")
-        self.saved = _as_rows(saved)
-        if self.saved is None:
-            saved = saved.contiguous()
-            self.saved = _as_rows(saved)
-        self.dy = _as_rows(dy)
-        if self.dy is None or self.dy.stride() != self.saved.stride():
-            # One copy of dy into saved's layout, so that both walk in step.
-            self.dy = _as_rows(torch.empty_like(saved, dtype=dy.dtype).copy_(dy))
-        self.mean, self.invstd = _channel(mean), _channel(invstd)
-        self.weight, self.bias = _channel(weight), _channel(bias)
-        self.inverse_weight = _channel(weight.reciprocal())
-        self.activation, self.slope, self.saved_is_output = activation, slope, saved_is_output
-        # Half-precision tensors are widened to the statistics dtype before any arithmetic
-        # (ATen's activation backwards compute in their inputs' dtype).
-        self.widen = saved.dtype != mean.dtype or dy.dtype != mean.dtype
-        self.parts = _slabs(self.saved)
-        shape = (self.parts[0].stop,) + self.saved.shape[1:]
-        self._xhat, self._dz, self._aux = (mean.new_empty(shape) for _ in range(3))
-
-    def slab(self, part: slice) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(xhat, dz)`` of one slab, in scratch buffers valid until the next call."""
-        n = part.stop - part.start
-        s, dy = self.saved[part], self.dy[part]
-        xhat, dz, aux = self._xhat[:n], self._dz[:n], self._aux[:n]
-        act, slope = self.activation, self.slope
-        aten = torch.ops.aten
-        if self.widen:
-            dy = aux.copy_(dy)
-        if self.saved_is_output:
-            # Without widening, y is the layer's output itself: read it, never write it.
-            y = xhat.copy_(s) if self.widen else s
-            if act == "leaky_relu":  # z = y where y > 0, y / slope elsewhere
-                aten.leaky_relu_backward.grad_input(dy, y, slope, True, grad_input=dz)
-                aten.leaky_relu.out(y, 1.0 / slope, out=xhat)
-            elif act == "elu":  # z = y where y > 0, log1p(y / alpha) (clamped) elsewhere
-                aten.elu_backward.grad_input(dy, slope, 1, 1, True, y, grad_input=dz)
-                torch.clamp(y, max=0, out=aux).div_(slope)
-                aux.clamp_(min=_ELU_INVERSE_FLOOR).log1p_()
-                torch.clamp(y, min=0, out=xhat).add_(aux)
-            else:
-                dz.copy_(dy)
-                if not self.widen:
-                    xhat.copy_(y)
-            xhat.sub_(self.bias).mul_(self.inverse_weight)
+    xhat, dz, aux = scratch
+    widen = saved.dtype != mean.dtype or dy.dtype != mean.dtype
+    aten = torch.ops.aten
+    if widen:
+        dy = aux.copy_(dy)
+    if saved_is_output:
+        # Without widening, y is the layer's output itself: read it, never write it.
+        y = xhat.copy_(saved) if widen else saved
+        if activation == "leaky_relu":  # z = y where y > 0, y / slope elsewhere
+            aten.leaky_relu_backward.grad_input(dy, y, slope, True, grad_input=dz)
+            aten.leaky_relu.out(y, 1.0 / slope, out=xhat)
+        elif activation == "elu":  # z = y where y > 0, log1p(y / alpha) (clamped) elsewhere
+            aten.elu_backward.grad_input(dy, slope, 1, 1, True, y, grad_input=dz)
+            torch.clamp(y, max=0, out=aux).div_(slope)
+            aux.clamp_(min=_ELU_INVERSE_FLOOR).log1p_()
+            torch.clamp(y, min=0, out=xhat).add_(aux)
         else:
-            torch.sub(s, self.mean, out=xhat).mul_(self.invstd)
-            if act in ("leaky_relu", "elu", "relu"):
-                z = torch.mul(xhat, self.weight, out=dz).add_(self.bias)
-                if act == "leaky_relu":
-                    aten.leaky_relu_backward.grad_input(dy, z, slope, False, grad_input=dz)
-                elif act == "elu":
-                    aten.elu_backward.grad_input(dy, slope, 1, 1, False, z, grad_input=dz)
-                else:
-                    aten.threshold_backward.grad_input(dy, z, 0, grad_input=dz)
-            else:
-                dz.copy_(dy)
+            dz.copy_(dy)
+            if not widen:
+                xhat.copy_(y)
+        xhat.sub_(bias).mul_(inverse_weight)
         return xhat, dz
+    torch.sub(saved, mean, out=xhat).mul_(invstd)
+    if activation in ("leaky_relu", "elu", "relu"):
+        z = torch.addcmul(bias, xhat, weight, out=dz)
+        if activation == "leaky_relu":
+            aten.leaky_relu_backward.grad_input(dy, z, slope, False, grad_input=dz)
+        elif activation == "elu":
+            aten.elu_backward.grad_input(dy, slope, 1, 1, False, z, grad_input=dz)
+        else:
+            aten.threshold_backward.grad_input(dy, z, 0, grad_input=dz)
+    else:
+        dz.copy_(dy)
+    return xhat, dz
+
+
+def _backward_pieces(saved, dy, mean, invstd, weight, bias, activation, slope,
+                     saved_is_output, *outs):
+    """Yield ``(xhat, dz, *out_pieces)`` for each piece of ``saved``, ``dy`` and ``outs``.
+
+    ``saved`` must be one slab or have an ``(A, C, B)`` view, and ``outs`` its layout. The
+    ``(xhat, dz)`` of a piece are valid until the next one is yielded.
+    """
+    if saved_is_output and activation == "relu":
+        raise ValueError("activation 'relu' cannot be inverted from its output")
+    if saved.numel() <= _SLAB_ELEMENTS:
+        scratch = [torch.empty_like(saved, dtype=mean.dtype) for _ in range(3)]
+    else:
+        if _as_rows(dy) is None or _as_rows(dy).stride() != _as_rows(saved).stride():
+            # One copy of dy into saved's layout, so that both walk in step.
+            dy = torch.empty_like(saved, dtype=dy.dtype).copy_(dy)
+    pieces = _pieces(saved, dy, *outs)
+    if saved.numel() > _SLAB_ELEMENTS:
+        scratch = [mean.new_empty(pieces[0][0].shape) for _ in range(3)]
+    vectors = _channel_views(
+        pieces[0][0].dim(), mean, invstd, weight,
+        weight.reciprocal() if saved_is_output else weight, bias,
+    )
+    for s, d, *out_pieces in pieces:
+        rows = s.shape[0]
+        buffers = [b[:rows] for b in scratch] if rows < scratch[0].shape[0] else scratch
+        yield (*_xhat_dz(s, d, *vectors, activation, slope, saved_is_output, buffers),
+               *out_pieces)
 
 
 def backward_reduce(
@@ -235,15 +266,19 @@ def backward_reduce(
     saved_is_output: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-channel ``(sum(dz), sum(dz * xhat))`` in the statistics dtype."""
-    sum_dz, sum_dz_xhat = torch.zeros_like(mean), torch.zeros_like(mean)
     if saved.numel() == 0:
-        return sum_dz, sum_dz_xhat
-    walk = _Backward(saved, dy, mean, invstd, weight, bias, activation, slope, saved_is_output)
-    for part in walk.parts:
-        xhat, dz = walk.slab(part)
-        sum_dz += dz.sum(dim=(0, 2))
-        sum_dz_xhat += xhat.mul_(dz).sum(dim=(0, 2))
-    return sum_dz, sum_dz_xhat
+        return torch.zeros_like(mean), torch.zeros_like(mean)
+    saved = _in_rows_layout(saved)
+    sums = None
+    for xhat, dz in _backward_pieces(saved, dy, mean, invstd, weight, bias, activation, slope,
+                                     saved_is_output):
+        dims = _reduced_dims(dz)
+        piece_sums = dz.sum(dim=dims), xhat.mul_(dz).sum(dim=dims)
+        if sums is None:
+            sums = piece_sums
+        else:
+            torch._foreach_add_(sums, piece_sums)
+    return sums
 
 
 def backward_dx(
@@ -265,15 +300,17 @@ def backward_dx(
     Every input gradient of the layer has this form (see ``functional.py`` for the
     coefficients of the local and the synchronised case).
     """
-    dx = torch.empty_like(saved)
     if saved.numel() == 0:
-        return dx
-    walk = _Backward(saved, dy, mean, invstd, weight, bias, activation, slope, saved_is_output)
-    a, k, c = _channel(coef_dz), _channel(coef_xhat), _channel(coef_const)
-
-    def compute(rows_out: torch.Tensor) -> None:
-        for part in walk.parts:
-            xhat, dz = walk.slab(part)
-            torch.add(dz.mul_(a), xhat.mul_(k).add_(c), out=rows_out[part])
-
-    return _written_through(dx, compute)
+        return torch.empty_like(saved)
+    saved = _in_rows_layout(saved)
+    rank = 3 if saved.numel() > _SLAB_ELEMENTS else saved.dim()
+    a, k, c = _channel_views(rank, coef_dz, coef_xhat, coef_const)
+    if saved.numel() <= _SLAB_ELEMENTS:
+        ((xhat, dz),) = _backward_pieces(saved, dy, mean, invstd, weight, bias, activation,
+                                         slope, saved_is_output)
+        return _in_dtype(torch.addcmul(xhat.mul_(k).add_(c), dz, a), saved.dtype)
+    dx = torch.empty_like(saved)
+    for xhat, dz, piece_dx in _backward_pieces(saved, dy, mean, invstd, weight, bias,
+                                               activation, slope, saved_is_output, dx):
+        torch.addcmul(xhat.mul_(k).add_(c), dz, a, out=piece_dx)
+    return dx
