@@ -67,12 +67,23 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return rows if rows is not None else _as_rows(t.contiguous())
 
 
+def _channel_last(t: torch.Tensor) -> torch.Tensor:
+    """A view of ``(N, C, *)`` with the channel dim last, so that (C,) vectors broadcast
+    against it as they are (one view of the piece instead of one per vector)."""
+    return t if t.dim() == 2 else t.movedim(1, -1)
+
+
+def _channel_second(t: torch.Tensor) -> torch.Tensor:
+    """The inverse of ``_channel_last``."""
+    return t if t.dim() == 2 else t.movedim(-1, 1)
+
+
 def _pieces(*tensors: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
-    """Matching pieces of same-shaped tensors: the tensors themselves when they are one
-    slab, else slabs of their ``(A, C, B)`` views (which must have the same strides)."""
+    """Matching channel-last pieces of same-shaped tensors: the whole tensors when they are
+    one slab, else slabs of their ``(A, C, B)`` views (which must have the same strides)."""
     if tensors[0].numel() <= _SLAB_ELEMENTS:
-        return [tensors]
-    rows = [_as_rows(t) for t in tensors]
+        return [tuple(_channel_last(t) for t in tensors)]
+    rows = [_as_rows(t).transpose(1, 2) for t in tensors]
     per_row = max(1, rows[0].shape[1] * rows[0].shape[2])
     step = max(1, _SLAB_ELEMENTS // per_row)
     return [tuple(r[a:a + step] for r in rows) for a in range(0, rows[0].shape[0], step)]
@@ -85,15 +96,9 @@ def _in_rows_layout(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous()
 
 
-def _channel_views(piece_dim: int, *vectors: torch.Tensor) -> list[torch.Tensor]:
-    """(C,) vectors viewed to broadcast against a piece of ``piece_dim`` dims, channel second."""
-    shape = (-1,) + (1,) * (piece_dim - 2)
-    return [v.view(shape) for v in vectors]
-
-
 def _reduced_dims(piece: torch.Tensor) -> list[int]:
-    """Every dim of a piece but the channel's."""
-    return [0, *range(2, piece.dim())]
+    """Every dim of a channel-last piece but the channel's."""
+    return list(range(piece.dim() - 1))
 
 
 def channel_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -110,19 +115,18 @@ def channel_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
         mean = torch.zeros(channels, dtype=acc, device=x.device)
         return mean, torch.zeros_like(mean), 0
     if x.numel() <= _SLAB_ELEMENTS:
-        wide, dims = _in_dtype(x, acc), _reduced_dims(x)
+        wide, dims = _in_dtype(x, acc), [0, *range(2, x.dim())]
         # The mean on its own, as BatchNorm takes it (an inf input gives an inf mean, where
         # the Welford mean of var_mean is NaN).
         return wide.mean(dim=dims), wide.var(dim=dims, correction=0).mul_(count), count
     rows = _rows(x)
     mean = rows.sum(dim=(0, 2), dtype=acc).div_(count)
     m2 = torch.zeros_like(mean)
-    (mean_c,) = _channel_views(3, mean)
     slabs = _pieces(rows)
-    scratch = mean.new_empty(slabs[0][0].shape)
+    scratch = torch.empty_like(slabs[0][0], dtype=acc)
     for (slab,) in slabs:
-        centred = torch.sub(slab, mean_c, out=scratch[: slab.shape[0]])
-        m2 += centred.mul_(centred).sum(dim=(0, 2))
+        centred = torch.sub(slab, mean, out=scratch[: slab.shape[0]])
+        m2 += centred.mul_(centred).sum(dim=(0, 1))
     return mean, m2, count
 
 
@@ -163,15 +167,14 @@ def normalize_act(
         _as_rows(out) is None or _as_rows(out).stride() != _as_rows(source).stride()
     ):
         target = torch.empty_like(source, dtype=out.dtype)
-    pieces = _pieces(source, target)
-    mean_c, scale_c, bias_c = _channel_views(pieces[0][0].dim(), mean, invstd * weight, bias)
-    for piece_in, piece_out in pieces:
+    scale = invstd * weight
+    for piece_in, piece_out in _pieces(source, target):
         # Computed in the statistics dtype: straight into the output when it has that dtype.
         if piece_out.dtype == mean.dtype:
-            z = torch.sub(piece_in, mean_c, out=piece_out)
+            z = torch.sub(piece_in, mean, out=piece_out)
         else:
-            z = torch.sub(piece_in, mean_c)
-        _activate_(z.mul_(scale_c).add_(bias_c), activation, slope)
+            z = torch.sub(piece_in, mean)
+        _activate_(z.mul_(scale).add_(bias), activation, slope)
         if z is not piece_out:
             piece_out.copy_(z)
     if target is not out:
@@ -181,8 +184,8 @@ def normalize_act(
 
 def _xhat_dz(saved, dy, mean, invstd, weight, inverse_weight, bias, activation: str,
              slope: float, saved_is_output: bool, scratch) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(xhat, dz)`` of one piece, written into ``scratch = (xhat, dz, aux)``, buffers of the
-    piece's shape in the statistics dtype (the vectors are channel views).
+    """``(xhat, dz)`` of one channel-last piece, written into ``scratch = (xhat, dz, aux)``,
+    buffers of the piece's shape in the statistics dtype.
 
     ``dz`` comes from ATen's own activation backward (``leaky_relu_backward`` and
     ``elu_backward`` accept the output in place of the input), so the branch conventions are
@@ -234,19 +237,16 @@ def _backward_pieces(saved, dy, mean, invstd, weight, bias, activation, slope,
     """
     if saved_is_output and activation == "relu":
         raise ValueError("activation 'relu' cannot be inverted from its output")
-    if saved.numel() <= _SLAB_ELEMENTS:
-        scratch = [torch.empty_like(saved, dtype=mean.dtype) for _ in range(3)]
-    else:
-        if _as_rows(dy) is None or _as_rows(dy).stride() != _as_rows(saved).stride():
-            # One copy of dy into saved's layout, so that both walk in step.
-            dy = torch.empty_like(saved, dtype=dy.dtype).copy_(dy)
+    if saved.numel() > _SLAB_ELEMENTS and (
+        _as_rows(dy) is None or _as_rows(dy).stride() != _as_rows(saved).stride()
+    ):
+        # One copy of dy into saved's layout, so that both walk in step.
+        dy = torch.empty_like(saved, dtype=dy.dtype).copy_(dy)
     pieces = _pieces(saved, dy, *outs)
-    if saved.numel() > _SLAB_ELEMENTS:
-        scratch = [mean.new_empty(pieces[0][0].shape) for _ in range(3)]
-    vectors = _channel_views(
-        pieces[0][0].dim(), mean, invstd, weight,
-        weight.reciprocal() if saved_is_output else weight, bias,
-    )
+    # In the pieces' own layout (a transposed view for slabs): mixed layouts would stop
+    # TensorIterator from walking the memory in order.
+    scratch = [torch.empty_like(pieces[0][0], dtype=mean.dtype) for _ in range(3)]
+    vectors = (mean, invstd, weight, weight.reciprocal() if saved_is_output else weight, bias)
     for s, d, *out_pieces in pieces:
         rows = s.shape[0]
         buffers = [b[:rows] for b in scratch] if rows < scratch[0].shape[0] else scratch
@@ -303,12 +303,12 @@ def backward_dx(
     if saved.numel() == 0:
         return torch.empty_like(saved)
     saved = _in_rows_layout(saved)
-    rank = 3 if saved.numel() > _SLAB_ELEMENTS else saved.dim()
-    a, k, c = _channel_views(rank, coef_dz, coef_xhat, coef_const)
+    a, k, c = coef_dz, coef_xhat, coef_const
     if saved.numel() <= _SLAB_ELEMENTS:
         ((xhat, dz),) = _backward_pieces(saved, dy, mean, invstd, weight, bias, activation,
                                          slope, saved_is_output)
-        return _in_dtype(torch.addcmul(xhat.mul_(k).add_(c), dz, a), saved.dtype)
+        dx = torch.addcmul(xhat.mul_(k).add_(c), dz, a)
+        return _channel_second(_in_dtype(dx, saved.dtype))
     dx = torch.empty_like(saved)
     for xhat, dz, piece_dx in _backward_pieces(saved, dy, mean, invstd, weight, bias,
                                                activation, slope, saved_is_output, dx):
