@@ -13,8 +13,10 @@ Prints, measured in the same run:
   transients). On the CPU it is the growth of the process's peak resident memory (Linux
   VmHWM, reset through /proc/self/clear_refs just before the forward) in a fresh process per
   variant; on CUDA, ``torch.cuda.max_memory_allocated``;
-- the per-call cost of the synchronisation itself: a tiny input through 4 simulated replicas
-  against 1, per layer call, in microseconds;
+- on the CPU, the per-call cost of the synchronisation itself: a tiny input through 4
+  simulated replicas, synchronised and with ``sync=False``, and through 1, per layer call,
+  forward and backward, in microseconds; the cost of one bare meeting of 4 threads; and
+  that of 30 tiny ATen calls per thread in 1 and in 4 threads (the GIL's hand-offs);
 - on CUDA, each op's effective bandwidth (the bytes it must move over its time) against
   the device's peak memory bandwidth (``--peak-gbps``, default: the H100 SXM's 3350 GB/s).
 """
@@ -23,8 +25,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
+import threading
 import time
 
 import torch
@@ -129,31 +133,106 @@ def cuda_peak_growth(stack: nn.Module, x: torch.Tensor) -> int:
     return peak
 
 
-def sync_cost_us(replicas: int, sync: bool = True, calls: int = 200) -> tuple[float, float]:
-    """Microseconds of wall and of CPU time (all threads) per layer call (fwd+bwd) of a tiny
-    input under simulated DataParallel."""
-    layer = SyncBatchNorm(8, activation="leaky_relu", sync=sync)
+class _Repeat(nn.Module):
+    """One layer called ``calls`` times in a row, a multiplication between calls."""
 
-    class Repeat(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.layer = layer
+    def __init__(self, layer: nn.Module, calls: int) -> None:
+        super().__init__()
+        self.layer, self.calls = layer, calls
 
-        def forward(self, x):
-            for _ in range(calls):
-                x = self.layer(x * 1)
-            return x
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(self.calls):
+            x = self.layer(x * 1)
+        return x
 
-    model = SimulatedDataParallel(Repeat(), replicas)
-    x = torch.randn(2 * replicas, 8, 2, 2)
-    wall, cpu = [], []
-    for _ in range(9):
-        start, start_cpu = time.perf_counter(), time.process_time()
-        model(x).sum().backward()
-        wall.append((time.perf_counter() - start) / calls)
-        cpu.append((time.process_time() - start_cpu) / calls)
-    # The minimum: thread scheduling on a busy machine only ever adds time.
-    return min(wall) * 1e6, min(cpu) * 1e6
+
+def sync_cost_us(replicas: int = 4, calls: int = 50, repeats: int = 30
+                 ) -> dict[str, tuple[float, float]]:
+    """Microseconds per layer call, ``(forward, backward)``, of a tiny input (2 per replica,
+    8 channels, 2x2) under ``replicas`` simulated replicas, synchronised (``"sync"``) and
+    not (``"sync=False"``), and on one replica (``"1 replica"``, 2 per replica as well).
+
+    The variants take turns, ``repeats`` times, and each figure is the median: the replicas
+    are threads sharing a GIL, whose scheduling makes single runs vary widely.
+    """
+    def model(sync: bool, count: int) -> nn.Module:
+        layer = SyncBatchNorm(8, activation="leaky_relu", sync=sync)
+        return SimulatedDataParallel(_Repeat(layer, calls), count)
+
+    variants = {"sync": (model(True, replicas), replicas),
+                "sync=False": (model(False, replicas), replicas),
+                "1 replica": (model(True, 1), 1)}
+    times: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name in variants}
+    for _ in range(repeats):
+        for name, (net, count) in variants.items():
+            x = torch.randn(2 * count, 8, 2, 2)
+            start = time.perf_counter()
+            y = net(x)
+            middle = time.perf_counter()
+            y.sum().backward()
+            end = time.perf_counter()
+            times[name][0].append((middle - start) / calls * 1e6)
+            times[name][1].append((end - middle) / calls * 1e6)
+    return {name: (statistics.median(fwd), statistics.median(bwd))
+            for name, (fwd, bwd) in times.items()}
+
+
+def threaded_tiny_ops_us(replicas: int = 4, ops: int = 30, rounds: int = 300
+                         ) -> dict[int, float]:
+    """Microseconds per round of ``ops`` tiny ATen calls in each of 1 and of ``replicas``
+    threads, no synchronisation: what sharing the GIL costs (every call releases it)."""
+
+    def body() -> None:
+        t = torch.zeros(8)
+        for _ in range(rounds):
+            for _ in range(ops):
+                t = t.mul(1.0)
+
+    result = {}
+    for count in (1, replicas):
+        threads = [threading.Thread(target=body) for _ in range(count)]
+        start = time.perf_counter()
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        result[count] = (time.perf_counter() - start) / rounds * 1e6
+    return result
+
+
+def rendezvous_us(replicas: int = 4, rounds: int = 2000) -> dict[str, float]:
+    """Microseconds per meeting of ``replicas`` threads doing nothing else: this package's
+    protocol (master gathers and answers), and ``threading.Barrier`` for comparison."""
+    from encoding_syncbn.sync import ReplicaGroup, ReplicaSession
+
+    group = ReplicaGroup(ReplicaSession(), "rendezvous")
+    for _ in range(replicas):
+        group.add_member()
+    group.close()
+    barrier = threading.Barrier(replicas)
+
+    def ours(rank: int) -> None:
+        for _ in range(rounds):
+            call = group.begin_call(rank)
+            if rank == 0:
+                group.scatter(call, group.gather(call, rank))
+            else:
+                group.exchange(rank, call, rank)
+
+    def stdlib(rank: int) -> None:
+        for _ in range(rounds):
+            barrier.wait()
+
+    result = {}
+    for name, body in (("encoding_syncbn", ours), ("threading.Barrier", stdlib)):
+        threads = [threading.Thread(target=body, args=(r,)) for r in range(replicas)]
+        start = time.perf_counter()
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        result[name] = (time.perf_counter() - start) / rounds * 1e6
+    return result
 
 
 def kernel_bandwidth(x: torch.Tensor, repeats: int) -> list[tuple[str, float, float]]:
@@ -239,13 +318,21 @@ def main() -> None:
             print(f"{name:>26}: {micros:9.1f} us {gbps:8.0f} GB/s "
                   f"({100 * gbps / args.peak_gbps:.0f}% of peak)")
     if device.type == "cpu":
-        one, four, four_alone = sync_cost_us(1), sync_cost_us(4), sync_cost_us(4, sync=False)
-        for i, clock in enumerate(("wall", "CPU")):
-            print(f"per layer call (fwd+bwd, tiny input, {clock} time): 1 replica "
-                  f"{one[i]:.0f} us, 4 replicas {four[i]:.0f} us (difference "
-                  f"{four[i] - one[i]:.0f} us); 4 replicas with sync=False {four_alone[i]:.0f} "
-                  f"us, so the exchange itself costs {four[i] - four_alone[i]:.0f} us")
-
+        costs = sync_cost_us()
+        print("per layer call, tiny input, 4 simulated replicas (medians of 30 turns):")
+        for name, (fwd, bwd) in costs.items():
+            print(f"{name:>14}: forward {fwd:7.0f} us  backward {bwd:7.0f} us  "
+                  f"total {fwd + bwd:7.0f} us")
+        (sync_fwd, sync_bwd), (alone_fwd, alone_bwd) = costs["sync"], costs["sync=False"]
+        print(f"the exchange itself (sync - sync=False): forward {sync_fwd - alone_fwd:.0f} us, "
+              f"backward {sync_bwd - alone_bwd:.0f} us, total "
+              f"{sync_fwd + sync_bwd - alone_fwd - alone_bwd:.0f} us")
+        meeting = rendezvous_us()
+        print("one meeting of 4 threads doing nothing else: " + ", ".join(
+            f"{name} {micros:.0f} us" for name, micros in meeting.items()))
+        tiny = threaded_tiny_ops_us()
+        print("30 tiny ATen calls in each thread, no meeting: " + ", ".join(
+            f"{count} thread(s) {micros:.0f} us" for count, micros in tiny.items()))
 
 if __name__ == "__main__":
     main()

@@ -10,7 +10,7 @@ Training with the whole batch on one replica (``BatchNormAct``): with n elements
 
 Synchronised training splits that in three Functions, so that autograd itself carries the
 cross-replica terms through the master's merge (``stats.MergeStats``), and backward never
-waits on a queue:
+waits for another replica:
 
     LocalStats(x_i) -> (mean_i, M2_i)  ...merge on the master...  NormAct(x_i, mean, invstd)
 
@@ -62,12 +62,13 @@ class _Saved(NamedTuple):
 class _Link:
     """Hands what ``NormAct.backward`` read to ``LocalStats.backward`` of the same call."""
 
-    __slots__ = ("saved", "grad_output", "config")
+    __slots__ = ("saved", "grad_output", "config", "scale")
 
     def __init__(self) -> None:
         self.saved: _Saved | None = None
         self.grad_output: torch.Tensor | None = None
         self.config: ActConfig | None = None
+        self.scale: torch.Tensor | None = None  # weight * invstd
 
 
 def _aside_channels(weight: torch.Tensor, bias: torch.Tensor, config: ActConfig):
@@ -245,7 +246,10 @@ class NormAct(torch.autograd.Function):
         scale = saved.weight * saved.invstd
         grad_input = grad_mean = grad_invstd = None
         if ctx.link is not None:
-            ctx.link.saved, ctx.link.grad_output, ctx.link.config = saved, grad_output, config
+            link = ctx.link
+            link.saved, link.grad_output, link.config, link.scale = (
+                saved, grad_output, config, scale
+            )
         elif ctx.needs_input_grad[0]:
             zeros = torch.zeros_like(scale)
             grad_input = _input_grad(saved, grad_output, config, scale, zeros, zeros)
@@ -278,12 +282,12 @@ class LocalStats(torch.autograd.Function):
                 "SyncBatchNorm: the input gradient needs the normalisation's backward first; "
                 "differentiate through the layer's output"
             )
-        saved, grad_output, config = link.saved, link.grad_output, link.config
+        saved, grad_output, config, scale = link.saved, link.grad_output, link.config, link.scale
         link.saved = link.grad_output = None  # free y and dy as soon as dx exists
         twice_grad_m2 = grad_m2 * 2
         grad_input = _input_grad(
             saved, grad_output, config,
-            saved.weight * saved.invstd,
+            scale,
             twice_grad_m2 / saved.invstd,
             torch.addcmul(grad_mean / max(ctx.count, 1), twice_grad_m2, saved.mean - ctx.mean),
         )

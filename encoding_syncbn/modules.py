@@ -288,12 +288,13 @@ class SyncBatchNorm(_BatchNorm):
         else:
             group = slot.group
             mean, invstd = group.exchange(slot.rank, group.begin_call(slot.rank), own)
-        self._recompute_cache.append(
-            _SyncedCall(
-                mean_i.detach(), m2_i.detach(), mean.detach(), invstd.detach(),
-                torch.is_grad_enabled(),
+        if _may_be_recomputed():
+            self._recompute_cache.append(
+                _SyncedCall(
+                    mean_i.detach(), m2_i.detach(), mean.detach(), invstd.detach(),
+                    torch.is_grad_enabled(),
+                )
             )
-        )
         return mean, invstd
 
     def _merge(self, contributions: list[_Contribution]):
@@ -360,6 +361,16 @@ def _as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """``t`` on ``device``; no call into torch when it is there already."""
     return t if t.device == device else t.to(device)
+
+
+def _may_be_recomputed() -> bool:
+    """Whether this forward may run again inside backward: under ``torch.utils.checkpoint``,
+    whose non-reentrant mode packs saved tensors with hooks and whose reentrant mode runs the
+    forward without grad (where the recompute must fail with a clear message)."""
+    return (
+        not torch.is_grad_enabled()
+        or torch._C._autograd._top_saved_tensors_default_hooks(True) is not None
+    )
 
 
 def _inside_backward() -> bool:

@@ -13,9 +13,10 @@ No torch here: payloads are opaque. Vocabulary:
       rank r > 0:  waits at gate[r], takes its reply
 
 A gate is a lock the master or the last arrival releases once per call and its owner
-acquires once per call, so each call costs one thread wake-up per waiting replica: half the
-hand-offs of a queue per direction (on two cores, a wake-up is ~25 us). No rank can reach
-call c + 1 before every rank has reached call c, so one meeting at a time is open.
+acquires once per call, so a call wakes each waiting thread once: the master once however
+many replicas arrive (a queue would wake it per message), each other rank once for its
+reply. No rank can reach call c + 1 before every rank has reached call c, so one meeting at
+a time is open.
 
 Groups are new at every ``replicate()``, so nothing of a failed step can reach a later one.
 Every wait polls in short slices and gives up with ``SyncError`` when the deadline

@@ -81,12 +81,19 @@ def _channel_second(t: torch.Tensor) -> torch.Tensor:
 def _pieces(*tensors: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
     """Matching channel-last pieces of same-shaped tensors: the whole tensors when they are
     one slab, else slabs of their ``(A, C, B)`` views (which must have the same strides)."""
+    views: dict[int, torch.Tensor] = {}  # one view per distinct tensor (out may be x)
     if tensors[0].numel() <= _SLAB_ELEMENTS:
-        return [tuple(_channel_last(t) for t in tensors)]
-    rows = [_as_rows(t).transpose(1, 2) for t in tensors]
+        return [tuple(_view_once(views, t, _channel_last) for t in tensors)]
+    rows = [_view_once(views, t, lambda t: _as_rows(t).transpose(1, 2)) for t in tensors]
     per_row = max(1, rows[0].shape[1] * rows[0].shape[2])
     step = max(1, _SLAB_ELEMENTS // per_row)
     return [tuple(r[a:a + step] for r in rows) for a in range(0, rows[0].shape[0], step)]
+
+
+def _view_once(views: dict[int, torch.Tensor], t: torch.Tensor, make) -> torch.Tensor:
+    if id(t) not in views:
+        views[id(t)] = make(t)
+    return views[id(t)]
 
 
 def _in_rows_layout(t: torch.Tensor) -> torch.Tensor:
