@@ -177,27 +177,29 @@ def sync_cost_us(replicas: int = 4, calls: int = 50, repeats: int = 30
             for name, (fwd, bwd) in times.items()}
 
 
+def _threads_seconds(body, count: int) -> float:
+    """Wall seconds for ``body(rank)`` to run in ``count`` threads at once."""
+    threads = [threading.Thread(target=body, args=(rank,)) for rank in range(count)]
+    start = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return time.perf_counter() - start
+
+
 def threaded_tiny_ops_us(replicas: int = 4, ops: int = 30, rounds: int = 300
                          ) -> dict[int, float]:
     """Microseconds per round of ``ops`` tiny ATen calls in each of 1 and of ``replicas``
     threads, no synchronisation: what sharing the GIL costs (every call releases it)."""
 
-    def body() -> None:
+    def body(rank: int) -> None:
         t = torch.zeros(8)
         for _ in range(rounds):
             for _ in range(ops):
                 t = t.mul(1.0)
 
-    result = {}
-    for count in (1, replicas):
-        threads = [threading.Thread(target=body) for _ in range(count)]
-        start = time.perf_counter()
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        result[count] = (time.perf_counter() - start) / rounds * 1e6
-    return result
+    return {count: _threads_seconds(body, count) / rounds * 1e6 for count in (1, replicas)}
 
 
 def rendezvous_us(replicas: int = 4, rounds: int = 2000) -> dict[str, float]:
@@ -223,16 +225,8 @@ def rendezvous_us(replicas: int = 4, rounds: int = 2000) -> dict[str, float]:
         for _ in range(rounds):
             barrier.wait()
 
-    result = {}
-    for name, body in (("encoding_syncbn", ours), ("threading.Barrier", stdlib)):
-        threads = [threading.Thread(target=body, args=(r,)) for r in range(replicas)]
-        start = time.perf_counter()
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        result[name] = (time.perf_counter() - start) / rounds * 1e6
-    return result
+    return {name: _threads_seconds(body, replicas) / rounds * 1e6
+            for name, body in (("encoding_syncbn", ours), ("threading.Barrier", stdlib))}
 
 
 def kernel_bandwidth(x: torch.Tensor, repeats: int) -> list[tuple[str, float, float]]:

@@ -369,8 +369,12 @@ def _may_be_recomputed() -> bool:
     forward without grad (where the recompute must fail with a clear message)."""
     return (
         not torch.is_grad_enabled()
-        or torch._C._autograd._top_saved_tensors_default_hooks(True) is not None
+        or _top_saved_tensor_hooks is None  # unknown in this torch: assume it may
+        or _top_saved_tensor_hooks(True) is not None
     )
+
+
+_top_saved_tensor_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
 
 
 def _inside_backward() -> bool:
