@@ -193,7 +193,8 @@ class ReplicaGroup:
                 )
             meeting.payloads[rank] = payload
             meeting.missing.discard(rank)
-            everyone_in = rank > 0 and not meeting.missing
+            # The master's own arrival opens its gate only in a group of one.
+            everyone_in = not meeting.missing and (rank > 0 or self.size == 1)
         if everyone_in:
             self._gates[0].release()
         return meeting
