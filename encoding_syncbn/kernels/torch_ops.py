@@ -19,10 +19,11 @@ are rebuilt by inverting the activation.
 A tensor of at most ``_SLAB_ELEMENTS`` elements is processed whole, in as few ATen calls as
 the math allows: on small inputs the per-call overhead is the cost (and, with replicas in
 threads, every call is a chance to lose the GIL). A larger one is walked in slabs of about
-``_SLAB_ELEMENTS`` elements along an ``(A, C, B)`` view, each slab's temporaries small enough
-to stay in cache and to be recycled by the allocator: full-size temporaries would cost memory
-(the layer's point is to keep one activation, not three) and, on the CPU, more time in page
-faults than the arithmetic itself.
+``_SLAB_ELEMENTS`` elements along an ``(A, C, B)`` view, through small scratch buffers reused
+from slab to slab, with ``out=`` and in-place ATen calls: full-size temporaries would cost
+memory (the layer's point is to keep one activation, not three) and, on the CPU, more time
+in page faults than the arithmetic itself. Pieces are viewed channel-last, so that the (C,)
+vectors broadcast against them as they are.
 """
 
 from __future__ import annotations
