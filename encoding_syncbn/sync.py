@@ -202,10 +202,14 @@ class ReplicaGroup:
     def gather(self, call: int, own: Any) -> list[Any]:
         """Master: every rank's payload for ``call``, in rank order (its own first)."""
         meeting = self._arrive(0, call, own)
-        self._wait(0, call, lambda: sorted(meeting.missing))
+        self._wait(0, call, lambda: self._still_missing(meeting))
         with self._lock:
             self._meeting = None
         return meeting.payloads
+
+    def _still_missing(self, meeting: _Meeting) -> list[int]:
+        with self._lock:
+            return sorted(meeting.missing)
 
     def scatter(self, call: int, payloads: list[Any]) -> None:
         """Master: answer every other rank's ``call`` with its own payload."""
