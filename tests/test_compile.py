@@ -21,6 +21,7 @@ from torch._dynamo.backends.common import aot_autograd  # noqa: E402
 
 import encoding_syncbn  # noqa: E402
 from encoding_syncbn import SyncBatchNorm  # noqa: E402
+from encoding_syncbn.kernels import torch_ops  # noqa: E402
 
 C = 4
 
@@ -176,12 +177,18 @@ def test_inductor():
         torch.testing.assert_close(b, a)
 
 
-def test_opcheck_compile_ops():
-    """The custom ops that stand in for the ATen path while compiling."""
+@pytest.mark.parametrize("slab", [None, 20], ids=["whole", "slabs"])
+def test_opcheck_compile_ops(slab, monkeypatch):
+    """The custom ops that stand in for the ATen path while compiling, real against fake
+    (shapes, dtypes and strides), on dense, channels_last and strided inputs, processed whole
+    and in slabs."""
+    if slab is not None:
+        monkeypatch.setattr(torch_ops, "_SLAB_ELEMENTS", slab)
     ops = torch.ops.encoding_syncbn
     torch.manual_seed(3)
     dense = torch.randn(3, C, 5, 6)
-    for x in (dense, dense.to(memory_format=torch.channels_last)):
+    strided = torch.randn(3, C, 5, 12)[..., ::2]
+    for x in (dense, dense.to(memory_format=torch.channels_last), strided):
         params = torch.randn(C), torch.rand(C) + 0.5, torch.randn(C), torch.randn(C)
         coefs = torch.randn(C), torch.randn(C), torch.randn(C)
         torch.library.opcheck(ops.aten_channel_stats.default, (x,))

@@ -74,11 +74,6 @@ def _channel_last(t: torch.Tensor) -> torch.Tensor:
     return t if t.dim() == 2 else t.movedim(1, -1)
 
 
-def _channel_second(t: torch.Tensor) -> torch.Tensor:
-    """The inverse of ``_channel_last``."""
-    return t if t.dim() == 2 else t.movedim(-1, 1)
-
-
 def _pieces(*tensors: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
     """Matching channel-last pieces of same-shaped tensors: the whole tensors when they are
     one slab, else slabs of their ``(A, C, B)`` views (which must have the same strides)."""
@@ -102,6 +97,17 @@ def _in_rows_layout(t: torch.Tensor) -> torch.Tensor:
     if t.numel() <= _SLAB_ELEMENTS or _as_rows(t) is not None:
         return t
     return t.contiguous()
+
+
+def _target_for(out: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+    """``out`` if a walk over ``source`` can write into it piece by piece, else a temporary in
+    ``source``'s layout, for the caller to copy into ``out`` afterwards."""
+    if source.numel() <= _SLAB_ELEMENTS:
+        return out
+    rows = _as_rows(out)
+    if rows is not None and rows.stride() == _as_rows(source).stride():
+        return out
+    return torch.empty_like(source, dtype=out.dtype)
 
 
 def _reduced_dims(piece: torch.Tensor) -> list[int]:
@@ -170,11 +176,7 @@ def normalize_act(
     if x.numel() == 0:
         return out
     source = _in_rows_layout(x)
-    target = out
-    if source.numel() > _SLAB_ELEMENTS and (
-        _as_rows(out) is None or _as_rows(out).stride() != _as_rows(source).stride()
-    ):
-        target = torch.empty_like(source, dtype=out.dtype)
+    target = _target_for(out, source)
     scale = invstd * weight
     for piece_in, piece_out in _pieces(source, target):
         # Computed in the statistics dtype: straight into the output when it has that dtype.
@@ -308,17 +310,15 @@ def backward_dx(
     Every input gradient of the layer has this form (see ``functional.py`` for the
     coefficients of the local and the synchronised case).
     """
-    if saved.numel() == 0:
-        return torch.empty_like(saved)
-    saved = _in_rows_layout(saved)
-    a, k, c = coef_dz, coef_xhat, coef_const
-    if saved.numel() <= _SLAB_ELEMENTS:
-        ((xhat, dz),) = _backward_pieces(saved, dy, mean, invstd, weight, bias, activation,
-                                         slope, saved_is_output)
-        dx = torch.addcmul(xhat.mul_(k).add_(c), dz, a)
-        return _channel_second(_in_dtype(dx, saved.dtype))
+    # In saved's own layout, as the compiled path's fake implementation promises.
     dx = torch.empty_like(saved)
-    for xhat, dz, piece_dx in _backward_pieces(saved, dy, mean, invstd, weight, bias,
-                                               activation, slope, saved_is_output, dx):
-        torch.addcmul(xhat.mul_(k).add_(c), dz, a, out=piece_dx)
+    if saved.numel() == 0:
+        return dx
+    walked = _in_rows_layout(saved)
+    target = _target_for(dx, walked)
+    for xhat, dz, piece_dx in _backward_pieces(walked, dy, mean, invstd, weight, bias,
+                                               activation, slope, saved_is_output, target):
+        torch.addcmul(xhat.mul_(coef_xhat).add_(coef_const), dz, coef_dz, out=piece_dx)
+    if target is not dx:
+        dx.copy_(target)
     return dx
