@@ -310,8 +310,10 @@ class SyncBatchNorm(_BatchNorm):
         total = sum(counts)
         if distributed.is_active(self.process_group):
             means, m2s, rank_counts = distributed.gather_stats(mean, m2, total, self.process_group)
-            mean, m2, invstd = merge_stats(means, m2s, rank_counts, self.eps)
-            total = int(rank_counts.sum().item())
+            # One device-to-host copy; the merge then reuses its count tensors across steps.
+            counts = [int(count) for count in rank_counts.tolist()]
+            mean, m2, invstd = merge_stats(means, m2s, counts, self.eps)
+            total = sum(counts)
         if total == 1:
             raise ValueError(
                 "expected more than 1 value per channel when training, got 1 over the whole "
