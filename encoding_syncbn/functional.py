@@ -40,11 +40,16 @@ _MIN_INVERTIBLE_GAMMA = 1e-3
 
 
 class ActConfig(NamedTuple):
-    """The activation fused after the normalisation, and whether it overwrites its input."""
+    """The activation fused after the normalisation, and whether it overwrites its input.
+
+    ``aside``: the channels to keep aside in place (see ``small_gamma_channels``) when they
+    are known in advance, as host ints; None: look them up at each call.
+    """
 
     activation: str
     slope: float
     inplace: bool
+    aside: tuple[int, ...] | None = None
 
 
 class _Saved(NamedTuple):
@@ -71,26 +76,55 @@ class _Link:
         self.scale: torch.Tensor | None = None  # weight * invstd
 
 
+def _small_gamma(weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """The channels' indices whose output cannot be inverted: ``(k,)``, sized by the data."""
+    with torch.no_grad():
+        small = weight.abs() <= bias.abs().clamp_min_(1.0).mul_(_MIN_INVERTIBLE_GAMMA)
+        return small.nonzero().view(-1)
+
+
+def small_gamma_channels(weight: torch.Tensor | None, bias: torch.Tensor | None
+                         ) -> tuple[int, ...]:
+    """The channels an in-place layer with these parameters keeps aside, as host ints.
+
+    On a GPU this reads the parameters back (one device-to-host copy): ``SyncBatchNorm`` does
+    it once per ``replicate()`` on the original parameters, so that its replicas need none.
+    """
+    if weight is None:  # affine=False: gamma is 1 everywhere
+        return ()
+    bias = torch.zeros_like(weight) if bias is None else bias
+    return tuple(_small_gamma(weight, bias).tolist())
+
+
 def _aside_channels(weight: torch.Tensor, bias: torch.Tensor, config: ActConfig):
     """Indices of the channels that cannot be rebuilt from the output (none out of place).
 
     Chosen before the autograd Function runs, and passed to it: while compiling, their number
     is a data-dependent (unbacked) size, which must be bound outside the Function's forward.
+    Looking them up costs a device-to-host copy, unless ``config.aside`` already tells.
     """
     if not config.inplace:
         return _no_channels(weight.device)
     if torch.compiler.is_compiling():
         # A custom op of data-dependent size: Dynamo would refuse nonzero itself.
         return compile_ops.aside_channels(weight.detach(), bias.detach(), _MIN_INVERTIBLE_GAMMA)
-    with torch.no_grad():
-        small = weight.abs() <= bias.abs().clamp_min_(1.0).mul_(_MIN_INVERTIBLE_GAMMA)
-        return small.nonzero().view(-1)
+    if config.aside is not None:
+        return _channel_index(config.aside, weight.device)
+    return _small_gamma(weight, bias)
 
 
 @functools.cache
 def _no_channels(device: torch.device) -> torch.Tensor:
     """An empty index tensor (shared: nothing writes to it)."""
     return torch.empty(0, dtype=torch.long, device=device)
+
+
+@functools.lru_cache(maxsize=256)
+def _channel_index(channels: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """``channels`` as an index tensor on ``device``, built once (shared: read only)."""
+    if not channels:
+        return _no_channels(device)
+    return torch.tensor(channels, dtype=torch.long, device=device)
 
 
 def _has_aside(saved: _Saved, config: ActConfig) -> bool:

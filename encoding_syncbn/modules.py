@@ -12,13 +12,19 @@ import torch
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from . import distributed
-from .functional import ActConfig, batch_norm_act, normalize_with, synced_batch_norm_act
+from .functional import (
+    ActConfig,
+    batch_norm_act,
+    normalize_with,
+    small_gamma_channels,
+    synced_batch_norm_act,
+)
 from .kernels import torch_ops
 from .stats import merge_stats
 from .sync import ReplicaGroup, replication_session
 
 # Attributes that only make sense for the live object: dropped by pickle and deepcopy.
-_TRANSIENT = ("_open_group", "_replica_slot", "_recompute_cache")
+_TRANSIENT = ("_open_group", "_replica_slot", "_recompute_cache", "_open_aside", "_aside")
 # How many recent synchronised calls a replica remembers for checkpoint recomputation.
 _RECOMPUTE_CACHE_SIZE = 64
 
@@ -133,6 +139,10 @@ class SyncBatchNorm(_BatchNorm):
         self._open_group: weakref.ref[ReplicaGroup] | None = None
         self._replica_slot: _ReplicaSlot | None = None
         self._recompute_cache: deque[_SyncedCall] = deque(maxlen=_RECOMPUTE_CACHE_SIZE)
+        # In place: the channels kept aside, found once per replicate() for all replicas
+        # (``_open_aside``, on the original) and handed to each (``_aside``); None: unknown.
+        self._open_aside: tuple[int, ...] | None = None
+        self._aside: tuple[int, ...] | None = None
 
     def _replicate_for_data_parallel(self) -> SyncBatchNorm:
         """Called by ``torch.nn.parallel.replicate`` once per replica, in rank order."""
@@ -140,10 +150,16 @@ class SyncBatchNorm(_BatchNorm):
         if group is None or not group.accepts_members():
             group = ReplicaGroup(replication_session(), self._label())
             self._open_group = weakref.ref(group)
+            # The replicas' parameters are copies of these, made just now: reading them back
+            # here, once, spares every replica a device-to-host copy in each of its calls.
+            self._open_aside = (
+                small_gamma_channels(self.weight, self.bias) if self.inplace else None
+            )
         replica = super()._replicate_for_data_parallel()
         replica._replica_slot = _ReplicaSlot(group, group.add_member())
         replica._open_group = None
         replica._recompute_cache = deque(maxlen=_RECOMPUTE_CACHE_SIZE)
+        replica._aside = self._open_aside
         return replica
 
     def _label(self) -> str:
@@ -206,7 +222,7 @@ class SyncBatchNorm(_BatchNorm):
 
     def _act_config(self, x: torch.Tensor) -> ActConfig:
         inplace = self.inplace and _can_overwrite(x)
-        return ActConfig(self.activation, self.slope, inplace)
+        return ActConfig(self.activation, self.slope, inplace, self._aside)
 
     def _forward(self, x: torch.Tensor, slot: _ReplicaSlot | None) -> torch.Tensor:
         acc = torch_ops.stats_dtype(x.dtype)

@@ -80,6 +80,35 @@ def test_any_number_of_trailing_dims(shape, activation, inplace, replicas):
               activation)
 
 
+@pytest.mark.parametrize("activation", ["leaky_relu", "elu", "identity"])
+def test_gamma_changed_between_steps_under_replicas(activation, monkeypatch):
+    """In place, the channels kept aside are read from the parameters once per replicate()
+    (not by every replica at every call) and so follow the parameters from step to step:
+    a gamma set to zero, and one set back, between steps still get exact gradients."""
+    from encoding_syncbn import functional
+
+    lookups = []
+    small_gamma = functional._small_gamma
+    monkeypatch.setattr(functional, "_small_gamma",
+                        lambda w, b: lookups.append(1) or small_gamma(w, b))
+    layer = make_layer(activation, True)
+    twin = plain_twin(layer, 4)
+    gammas = [[1.5, -0.7, 0.0, 2.0], [0.0, -0.7, 1.0, 0.0], [1.5, 1e-9, 0.5, 2.0]]
+    gen = torch.Generator().manual_seed(5)
+    for step, gamma in enumerate(gammas):
+        with torch.no_grad():
+            for module in (layer, twin):
+                module.weight.copy_(torch.tensor(gamma))
+                module.weight.grad = module.bias.grad = None
+        lookups.clear()
+        run_steps(layer, twin, lambda s: torch.randn(8, C, 3, 2, generator=gen,
+                                                     dtype=torch.float64),
+                  4, activation, steps=1)
+        assert len(lookups) == 1, f"step {step}: {len(lookups)} lookups for 4 replicas"
+        layer.num_batches_tracked.zero_()
+        twin.num_batches_tracked.zero_()
+
+
 def test_output_overwrites_input_and_only_output_is_kept():
     """In place: the result lives in the input's storage; backward keeps one activation."""
     x = torch.randn(6, C, 5, 5, dtype=torch.float64, requires_grad=True)
