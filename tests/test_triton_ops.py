@@ -381,6 +381,40 @@ def test_opcheck():
                               (y, x, *params, "leaky_relu", 0.1, True, *coefs))
 
 
+def test_eager_calls_skip_the_dispatcher_and_tracers_still_see_the_ops():
+    """A plain eager call runs the implementation directly (the dispatcher's overhead is
+    paid under the GIL); under a dispatch mode, as while tracing, the registered op runs."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Recorder(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func.overloadpacket))
+            return func(*args, **(kwargs or {}))
+
+    x = make_input((3, 4, 5, 6), torch.float32, "nchw")
+    params = make_params(4, torch.float32)
+    coefs = make_params(4, torch.float32, seed=5)[1:]
+
+    def every_op():
+        T.channel_stats(x)
+        y = T.normalize_act(x, *params, "leaky_relu", 0.1, torch.empty_like(x))
+        T.backward_reduce(y, x, *params, "leaky_relu", 0.1, True)
+        T.backward_dx(y, x, *params, "leaky_relu", 0.1, True, *coefs)
+
+    ours = {f"encoding_syncbn::{name}" for name in
+            ("channel_stats", "normalize_act_", "backward_reduce", "backward_dx")}
+    with torch.profiler.profile() as profile:  # sees dispatched ops, is no dispatch mode
+        every_op()
+    assert ours.isdisjoint(event.name for event in profile.events())
+    with Recorder() as recorder:
+        every_op()
+    assert {name.replace(".", "::", 1) for name in recorder.ops} >= ours
+
+
 # ------------------------------------------------------------------------------------------
 # The AOT check (real compiles for sm_90, no GPU needed)
 # ------------------------------------------------------------------------------------------

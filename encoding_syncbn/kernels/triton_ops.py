@@ -36,6 +36,7 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from .torch_ops import _ELU_INVERSE_FLOOR, stats_dtype
 
@@ -854,12 +855,31 @@ def _(saved: torch.Tensor, dy: torch.Tensor, mean: torch.Tensor, invstd: torch.T
 # --------------------------------------------------------------------------------------------
 
 
+def _through_dispatcher(x: torch.Tensor) -> bool:
+    """Whether to call the registered op rather than its implementation directly.
+
+    While compiling (the graph must hold the opaque op), for tensor subclasses (a FakeTensor
+    gets the fake implementation) and under a dispatch mode (tracers must see the op). In
+    plain eager calls the dispatcher would only add its overhead, some 10-20 us per call
+    held under the GIL, which DataParallel's replica threads share.
+    """
+    return (
+        torch.compiler.is_compiling()
+        or type(x) is not torch.Tensor
+        or _get_current_dispatch_mode() is not None
+    )
+
+
+
 def channel_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Per-channel ``(mean, M2, count)``, ``M2 = sum((x - mean)^2)``, by Welford/Chan.
 
     An empty batch gives zeros (it drops out of any Chan merge).
     """
-    mean, m2 = torch.ops.encoding_syncbn.channel_stats(x)
+    if _through_dispatcher(x):
+        mean, m2 = torch.ops.encoding_syncbn.channel_stats(x)
+    else:
+        mean, m2 = _channel_stats_impl(x)
     channels = x.shape[1]
     return mean, m2, (x.numel() // channels if channels else 0)
 
@@ -868,8 +888,9 @@ def normalize_act(x: torch.Tensor, mean: torch.Tensor, invstd: torch.Tensor,
                   weight: torch.Tensor, bias: torch.Tensor, activation: str, slope: float,
                   out: torch.Tensor) -> torch.Tensor:
     """``out = act((x - mean) * (invstd * weight) + bias)``; ``out`` may be ``x`` itself."""
-    torch.ops.encoding_syncbn.normalize_act_(x, mean, invstd, weight, bias, activation,
-                                             float(slope), out)
+    normalize = (torch.ops.encoding_syncbn.normalize_act_ if _through_dispatcher(x)
+                 else _normalize_act_impl)
+    normalize(x, mean, invstd, weight, bias, activation, float(slope), out)
     return out
 
 
@@ -878,8 +899,10 @@ def backward_reduce(saved: torch.Tensor, dy: torch.Tensor, mean: torch.Tensor,
                     activation: str, slope: float, saved_is_output: bool
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-channel ``(sum(dz), sum(dz * xhat))`` in the statistics dtype."""
-    sum_dz, sum_dz_xhat = torch.ops.encoding_syncbn.backward_reduce(
-        saved, dy, mean, invstd, weight, bias, activation, float(slope), bool(saved_is_output))
+    reduce = (torch.ops.encoding_syncbn.backward_reduce if _through_dispatcher(saved)
+              else _backward_reduce_impl)
+    sum_dz, sum_dz_xhat = reduce(saved, dy, mean, invstd, weight, bias, activation,
+                                 float(slope), bool(saved_is_output))
     return sum_dz, sum_dz_xhat
 
 
@@ -888,6 +911,7 @@ def backward_dx(saved: torch.Tensor, dy: torch.Tensor, mean: torch.Tensor, invst
                 saved_is_output: bool, coef_dz: torch.Tensor, coef_xhat: torch.Tensor,
                 coef_const: torch.Tensor) -> torch.Tensor:
     """``dx = coef_dz * dz + coef_xhat * xhat + coef_const``, in ``saved``'s dtype."""
-    return torch.ops.encoding_syncbn.backward_dx(
-        saved, dy, mean, invstd, weight, bias, activation, float(slope), bool(saved_is_output),
-        coef_dz, coef_xhat, coef_const)
+    input_grad = (torch.ops.encoding_syncbn.backward_dx if _through_dispatcher(saved)
+                  else _backward_dx_impl)
+    return input_grad(saved, dy, mean, invstd, weight, bias, activation, float(slope),
+                      bool(saved_is_output), coef_dz, coef_xhat, coef_const)
