@@ -16,7 +16,8 @@ Prints, measured in the same run:
 - on the CPU, the per-call cost of the synchronisation itself: a tiny input through 4
   simulated replicas, synchronised and with ``sync=False``, and through 1, per layer call,
   forward and backward, in microseconds; the cost of one bare meeting of 4 threads; and
-  that of 30 tiny ATen calls per thread in 1 and in 4 threads (the GIL's hand-offs);
+  that of 30 tiny ATen calls per thread in 1 and in 4 threads (the GIL's hand-offs); and
+  a trivial ``torch.library`` custom op's per-call cost against a direct call;
 - on CUDA, each op's effective bandwidth (the bytes it must move over its time) against
   the device's peak memory bandwidth (``--peak-gbps``, default: the H100 SXM's 3350 GB/s).
 """
@@ -229,6 +230,29 @@ def rendezvous_us(replicas: int = 4, rounds: int = 2000) -> dict[str, float]:
             for name, body in (("encoding_syncbn", ours), ("threading.Barrier", stdlib))}
 
 
+def dispatcher_overhead_us(calls: int = 20000) -> dict[str, float]:
+    """Microseconds per call of a trivial ``torch.library`` custom op, functional and
+    mutating, and of the same Python function called directly: what the Triton backend saves
+    by calling its launchers directly in eager mode."""
+    import timeit
+
+    def body(x: torch.Tensor) -> torch.Tensor:
+        return torch.empty_like(x)
+
+    def body_(x: torch.Tensor, out: torch.Tensor) -> None:
+        return None
+
+    functional = torch.library.custom_op("bench_layer::functional", mutates_args=())(body)
+    functional.register_fake(body)
+    torch.library.custom_op("bench_layer::mutating_", mutates_args=("out",))(body_)
+    x = torch.zeros(8)
+    cases = {"custom op": lambda: torch.ops.bench_layer.functional(x),
+             "mutating custom op": lambda: torch.ops.bench_layer.mutating_(x, x),
+             "direct call": lambda: body(x)}
+    return {name: min(timeit.repeat(call, number=calls, repeat=5)) / calls * 1e6
+            for name, call in cases.items()}
+
+
 def kernel_bandwidth(x: torch.Tensor, repeats: int) -> list[tuple[str, float, float]]:
     """(op, microseconds, GB/s) for each of the layer's four ops on ``x``'s device."""
     from encoding_syncbn.kernels import ops_for
@@ -327,6 +351,8 @@ def main() -> None:
         tiny = threaded_tiny_ops_us()
         print("30 tiny ATen calls in each thread, no meeting: " + ", ".join(
             f"{count} thread(s) {micros:.0f} us" for count, micros in tiny.items()))
+        print("per call: " + ", ".join(
+            f"{name} {micros:.1f} us" for name, micros in dispatcher_overhead_us().items()))
 
 if __name__ == "__main__":
     main()
