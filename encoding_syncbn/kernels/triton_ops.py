@@ -222,6 +222,25 @@ def _xhat_dz(s, dy, mean, invstd, weight, bias, slope, ACTIVATION: tl.constexpr,
     return xhat, dz
 
 
+
+@triton.jit
+def _load_norm_params(mean_ptr, invstd_ptr, weight_ptr, bias_ptr, c0, C,
+                      CHANNELS_LAST: tl.constexpr, BLOCK_B: tl.constexpr):
+    """``(mean, invstd, weight, bias)`` of this program's channels, as ``_load_channel``."""
+    return (_load_channel(mean_ptr, c0, C, CHANNELS_LAST, BLOCK_B),
+            _load_channel(invstd_ptr, c0, C, CHANNELS_LAST, BLOCK_B),
+            _load_channel(weight_ptr, c0, C, CHANNELS_LAST, BLOCK_B),
+            _load_channel(bias_ptr, c0, C, CHANNELS_LAST, BLOCK_B))
+
+
+@triton.jit
+def _tile_xhat_dz(saved_ptr, dy_ptr, offsets, mask, mean, invstd, weight, bias, alpha,
+                  ACTIVATION: tl.constexpr, SAVED_IS_OUTPUT: tl.constexpr, ACC: tl.constexpr):
+    """``(xhat, dz)`` of one tile: saved and dy read once, widened to ``ACC``."""
+    s = tl.load(saved_ptr + offsets, mask=mask, other=0.0).to(ACC)
+    dy = tl.load(dy_ptr + offsets, mask=mask, other=0.0).to(ACC)
+    return _xhat_dz(s, dy, mean, invstd, weight, bias, alpha, ACTIVATION, SAVED_IS_OUTPUT)
+
 @triton.jit
 def _welford_combine(mean_a, m2_a, n_a, mean_b, m2_b, n_b):
     """Chan et al.: merge two (mean, M2, n) summaries of disjoint sets.
@@ -620,20 +639,16 @@ def _backward_reduce_kernel(saved_ptr, dy_ptr, mean_ptr, invstd_ptr, weight_ptr,
                             BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, ACC: tl.constexpr):
     """Partial sum(dz) and sum(dz * xhat) per channel over this program's tiles -> row pid_1."""
     c0 = _channel_block(CHANNELS_LAST, BLOCK_B)
-    mean = _load_channel(mean_ptr, c0, C, CHANNELS_LAST, BLOCK_B)
-    invstd = _load_channel(invstd_ptr, c0, C, CHANNELS_LAST, BLOCK_B)
-    weight = _load_channel(weight_ptr, c0, C, CHANNELS_LAST, BLOCK_B)
-    bias = _load_channel(bias_ptr, c0, C, CHANNELS_LAST, BLOCK_B)
+    mean, invstd, weight, bias = _load_norm_params(mean_ptr, invstd_ptr, weight_ptr, bias_ptr,
+                                                   c0, C, CHANNELS_LAST, BLOCK_B)
     alpha = tl.full([], slope, ACC)
     acc_dz = tl.zeros([BLOCK_A, BLOCK_B], ACC)
     acc_dz_xhat = tl.zeros([BLOCK_A, BLOCK_B], ACC)
     start, stop = _tile_range(tiles, tiles_per_prog)
     for t in range(start, stop):
         base, local, mask = _tile(t, c0, N, C, S, R, CS, tiles_s, CHANNELS_LAST, BLOCK_A, BLOCK_B)
-        s = tl.load(saved_ptr + base + local, mask=mask, other=0.0).to(ACC)
-        dy = tl.load(dy_ptr + base + local, mask=mask, other=0.0).to(ACC)
-        xhat, dz = _xhat_dz(s, dy, mean, invstd, weight, bias, alpha, ACTIVATION,
-                            SAVED_IS_OUTPUT)
+        xhat, dz = _tile_xhat_dz(saved_ptr, dy_ptr, base + local, mask, mean, invstd, weight,
+                                 bias, alpha, ACTIVATION, SAVED_IS_OUTPUT, ACC)
         # Padding lanes may hold inf/nan (0 / weight); keep them out of the sums.
         acc_dz += tl.where(mask, dz, 0.0)
         acc_dz_xhat += tl.where(mask, dz * xhat, 0.0)
@@ -717,10 +732,8 @@ def _backward_dx_kernel(saved_ptr, dy_ptr, dx_ptr, mean_ptr, invstd_ptr, weight_
                         BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, ACC: tl.constexpr):
     """dx = (coef_dz * dz + coef_xhat * xhat) + coef_const, written in saved's dtype."""
     c0 = _channel_block(CHANNELS_LAST, BLOCK_B)
-    mean = _load_channel(mean_ptr, c0, C, CHANNELS_LAST, BLOCK_B)
-    invstd = _load_channel(invstd_ptr, c0, C, CHANNELS_LAST, BLOCK_B)
-    weight = _load_channel(weight_ptr, c0, C, CHANNELS_LAST, BLOCK_B)
-    bias = _load_channel(bias_ptr, c0, C, CHANNELS_LAST, BLOCK_B)
+    mean, invstd, weight, bias = _load_norm_params(mean_ptr, invstd_ptr, weight_ptr, bias_ptr,
+                                                   c0, C, CHANNELS_LAST, BLOCK_B)
     coef_dz = _load_channel(coef_dz_ptr, c0, C, CHANNELS_LAST, BLOCK_B)
     coef_xhat = _load_channel(coef_xhat_ptr, c0, C, CHANNELS_LAST, BLOCK_B)
     coef_const = _load_channel(coef_const_ptr, c0, C, CHANNELS_LAST, BLOCK_B)
@@ -728,10 +741,8 @@ def _backward_dx_kernel(saved_ptr, dy_ptr, dx_ptr, mean_ptr, invstd_ptr, weight_
     start, stop = _tile_range(tiles, tiles_per_prog)
     for t in range(start, stop):
         base, local, mask = _tile(t, c0, N, C, S, R, CS, tiles_s, CHANNELS_LAST, BLOCK_A, BLOCK_B)
-        s = tl.load(saved_ptr + base + local, mask=mask, other=0.0).to(ACC)
-        dy = tl.load(dy_ptr + base + local, mask=mask, other=0.0).to(ACC)
-        xhat, dz = _xhat_dz(s, dy, mean, invstd, weight, bias, alpha, ACTIVATION,
-                            SAVED_IS_OUTPUT)
+        xhat, dz = _tile_xhat_dz(saved_ptr, dy_ptr, base + local, mask, mean, invstd, weight,
+                                 bias, alpha, ACTIVATION, SAVED_IS_OUTPUT, ACC)
         dx = (dz * coef_dz + xhat * coef_xhat) + coef_const
         tl.store(dx_ptr + base + local, dx.to(dx_ptr.dtype.element_ty), mask=mask)
 
