@@ -209,12 +209,12 @@ class SyncBatchNorm(_BatchNorm):
     def _affine_params(self, dtype: torch.dtype, device: torch.device):
         """Weight and bias in the statistics dtype (ones and zeros where there are none)."""
         weight = (
-            _as_dtype(self.weight, dtype)
+            torch_ops.as_dtype(self.weight, dtype)
             if self.weight is not None
             else torch.ones(self.num_features, dtype=dtype, device=device)
         )
         bias = (
-            _as_dtype(self.bias, dtype)
+            torch_ops.as_dtype(self.bias, dtype)
             if self.bias is not None
             else torch.zeros(self.num_features, dtype=dtype, device=device)
         )
@@ -369,11 +369,6 @@ class SyncBatchNorm(_BatchNorm):
         if not self.sync:
             text += ", sync=False"
         return text
-
-
-def _as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``t`` in ``dtype``; no call into torch when it is in it already."""
-    return t if t.dtype == dtype else t.to(dtype)
 
 
 def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:

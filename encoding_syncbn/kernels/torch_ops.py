@@ -62,12 +62,6 @@ def _as_rows(t: torch.Tensor) -> torch.Tensor | None:
     return None
 
 
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    """An ``(A, C, B)`` view of ``t``, or of a contiguous copy if ``t`` has none."""
-    rows = _as_rows(t)
-    return rows if rows is not None else _as_rows(t.contiguous())
-
-
 def _channel_last(t: torch.Tensor) -> torch.Tensor:
     """A view of ``(N, C, *)`` with the channel dim last, so that (C,) vectors broadcast
     against it as they are (one view of the piece instead of one per vector)."""
@@ -129,11 +123,11 @@ def channel_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
         mean = torch.zeros(channels, dtype=acc, device=x.device)
         return mean, torch.zeros_like(mean), 0
     if x.numel() <= _SLAB_ELEMENTS:
-        wide, dims = _in_dtype(x, acc), [0, *range(2, x.dim())]
+        wide, dims = as_dtype(x, acc), [0, *range(2, x.dim())]
         # The mean on its own, as BatchNorm takes it (an inf input gives an inf mean, where
         # the Welford mean of var_mean is NaN).
         return wide.mean(dim=dims), wide.var(dim=dims, correction=0).mul_(count), count
-    rows = _rows(x)
+    rows = _as_rows(_in_rows_layout(x))
     mean = rows.sum(dim=(0, 2), dtype=acc).div_(count)
     m2 = torch.zeros_like(mean)
     slabs = _pieces(rows)
@@ -144,7 +138,8 @@ def channel_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
     return mean, m2, count
 
 
-def _in_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` in ``dtype``; no call into torch (which would release the GIL) if it is already."""
     return t if t.dtype == dtype else t.to(dtype)
 
 
