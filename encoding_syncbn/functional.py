@@ -104,7 +104,7 @@ def _aside_channels(weight: torch.Tensor, bias: torch.Tensor, config: ActConfig)
     Looking them up costs a device-to-host copy, unless ``config.aside`` already tells.
     """
     if not config.inplace:
-        return _no_channels(weight.device)
+        return _nothing(torch.long, weight.device)
     if torch.compiler.is_compiling():
         # A custom op of data-dependent size: Dynamo would refuse nonzero itself.
         return compile_ops.aside_channels(weight.detach(), bias.detach(), _MIN_INVERTIBLE_GAMMA)
@@ -113,17 +113,17 @@ def _aside_channels(weight: torch.Tensor, bias: torch.Tensor, config: ActConfig)
     return _small_gamma(weight, bias)
 
 
-@functools.cache
-def _no_channels(device: torch.device) -> torch.Tensor:
-    """An empty index tensor (shared: nothing writes to it)."""
-    return torch.empty(0, dtype=torch.long, device=device)
+@functools.lru_cache(maxsize=64)
+def _nothing(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An empty tensor: no channels, or no inputs kept aside (shared: nothing writes to it)."""
+    return torch.empty(0, dtype=dtype, device=device)
 
 
 @functools.lru_cache(maxsize=256)
 def _channel_index(channels: tuple[int, ...], device: torch.device) -> torch.Tensor:
     """``channels`` as an index tensor on ``device``, built once (shared: read only)."""
     if not channels:
-        return _no_channels(device)
+        return _nothing(torch.long, device)
     return torch.tensor(channels, dtype=torch.long, device=device)
 
 
@@ -160,12 +160,11 @@ def _written_back(x: torch.Tensor, out: torch.Tensor, config: ActConfig) -> torc
 def _normalize(ctx, x, mean, invstd, weight, bias, config: ActConfig, aside_channels
                ) -> torch.Tensor:
     """Run the forward pass, in place or not, and save what backward needs."""
-    if config.inplace:
+    if config.inplace and (torch.compiler.is_compiling() or aside_channels.numel() > 0):
         aside_input = x.index_select(1, aside_channels)
-        out = x if _overwrites_input(config) else torch.empty_like(x)
     else:
-        aside_input = x.new_empty(0)
-        out = torch.empty_like(x)
+        aside_input = _nothing(x.dtype, x.device)
+    out = x if _overwrites_input(config) else torch.empty_like(x)
     ops_for(x).normalize_act(
         x, mean, invstd, weight, bias, config.activation, config.slope, out
     )

@@ -319,8 +319,8 @@ class SyncBatchNorm(_BatchNorm):
         Returns the global ``(mean, M2, invstd, count)``.
         """
         device = contributions[0].mean.device
-        means = torch.stack([_on(c.mean, device) for c in contributions])
-        m2s = torch.stack([_on(c.m2, device) for c in contributions])
+        means = [_on(c.mean, device) for c in contributions]
+        m2s = [_on(c.m2, device) for c in contributions]
         counts = [c.count for c in contributions]
         mean, m2, invstd = merge_stats(means, m2s, counts, self.eps)
         total = sum(counts)

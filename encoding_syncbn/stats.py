@@ -55,38 +55,77 @@ def _counts_from_ints(counts: tuple[int, ...], device: torch.device, dtype: torc
 
 
 class MergeStats(torch.autograd.Function):
-    """``(means[k, C], m2s[k, C]) -> (mean[C], M2[C], invstd[C])``, the counts given."""
+    """``(mean_1..mean_k, M2_1..M2_k) -> (mean[C], M2[C], invstd[C])``, the counts given.
+
+    The k groups come as separate (C,) inputs, not one stacked tensor: stacking them outside
+    would put two more nodes per call into the graph, and their backward on the master's
+    critical path. Gradients that never arrive (the merged M2 feeds only the running
+    statistics) stay ``None`` instead of being materialised as zeros.
+    """
 
     @staticmethod
-    def forward(ctx, means: torch.Tensor, m2s: torch.Tensor, counts: _Counts, eps: float):
+    def forward(ctx, counts: _Counts, eps: float, *stats: torch.Tensor):
+        groups = len(stats) // 2
+        means, m2s = torch.stack(stats[:groups]), torch.stack(stats[groups:])
         mean = (means * counts.shares).sum(0)
         deviation = means - mean
         m2 = torch.addcmul(m2s, deviation * counts.column, deviation).sum(0)
         invstd = m2.div(max(counts.total, 1.0)).add_(eps).rsqrt_()
         ctx.deviation, ctx.counts, ctx.invstd = deviation, counts, invstd
+        ctx.set_materialize_grads(False)
         return mean, m2, invstd
 
     @staticmethod
     def backward(ctx, grad_mean, grad_m2, grad_invstd):
         counts = ctx.counts
-        d_invstd_d_m2 = ctx.invstd.pow(3).mul_(-0.5 / max(counts.total, 1.0))
-        grad_m2_total = torch.addcmul(grad_m2, grad_invstd, d_invstd_d_m2)
-        grad_means = torch.addcmul(
-            counts.shares * grad_mean, ctx.deviation * grad_m2_total, counts.column, value=2
-        )
-        return grad_means, grad_m2_total.expand_as(ctx.deviation), None, None
+        grad_m2_total = grad_m2
+        if grad_invstd is not None:
+            d_invstd_d_m2 = ctx.invstd.pow(3).mul_(-0.5 / max(counts.total, 1.0))
+            grad_m2_total = (
+                grad_invstd * d_invstd_d_m2
+                if grad_m2 is None
+                else torch.addcmul(grad_m2, grad_invstd, d_invstd_d_m2)
+            )
+        groups = ctx.deviation.shape[0]
+        if grad_m2_total is None:
+            grad_m2s = (None,) * groups
+            if grad_mean is None:
+                return None, None, *grad_m2s, *grad_m2s
+            grad_means = counts.shares * grad_mean
+        else:
+            # Every M2_i enters the sum alike: each gets the same gradient tensor.
+            grad_m2s = (grad_m2_total,) * groups
+            spread = ctx.deviation * grad_m2_total
+            grad_means = (
+                spread.mul_(counts.column).mul_(2)
+                if grad_mean is None
+                else torch.addcmul(counts.shares * grad_mean, spread, counts.column, value=2)
+            )
+        return None, None, *grad_means.unbind(0), *grad_m2s
 
 
 def merge_stats(
-    means: torch.Tensor, m2s: torch.Tensor, counts: torch.Tensor | Sequence[int], eps: float
+    means: torch.Tensor | Sequence[torch.Tensor],
+    m2s: torch.Tensor | Sequence[torch.Tensor],
+    counts: torch.Tensor | Sequence[int],
+    eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Merge k groups' statistics; see the module docstring.
 
-    ``counts``: a ``(k,)`` tensor, or the counts as host ints (no device copy after the first
-    time the same counts are seen). They may hold zeros.
+    ``means``, ``m2s``: k (C,) tensors each, or (k, C) tensors. ``counts``: a ``(k,)``
+    tensor, or the counts as host ints (no device copy after the first time the same counts
+    are seen). They may hold zeros.
     """
+    if len(means) != len(m2s) or len(means) != len(counts):
+        raise ValueError(
+            f"expected as many means, M2s and counts, got {len(means)}, {len(m2s)} and "
+            f"{len(counts)}"
+        )
+    if isinstance(means, torch.Tensor):
+        means, m2s = means.unbind(0), m2s.unbind(0)
+    dtype, device = means[0].dtype, means[0].device
     if isinstance(counts, torch.Tensor):
-        merge_counts = _counts_from_tensor(counts, means.dtype)
+        merge_counts = _counts_from_tensor(counts, dtype)
     else:
-        merge_counts = _counts_from_ints(tuple(counts), means.device, means.dtype)
-    return MergeStats.apply(means, m2s, merge_counts, eps)
+        merge_counts = _counts_from_ints(tuple(counts), device, dtype)
+    return MergeStats.apply(merge_counts, eps, *means, *m2s)
