@@ -51,3 +51,16 @@ def test_counts_given_as_ints_become_tensors_once():
     for _ in range(3):
         stats.merge_stats(means, m2s, [5, 6, 7], 1e-5)
     assert stats._counts_from_ints.cache_info().misses == built
+
+
+def test_groups_as_separate_tensors_or_stacked_merge_alike():
+    means, m2s = torch.randn(3, 4, dtype=torch.float64), torch.rand(3, 4, dtype=torch.float64)
+    stacked = stats.merge_stats(means, m2s, [2, 5, 1], 1e-5)
+    separate = stats.merge_stats(list(means), list(m2s), [2, 5, 1], 1e-5)
+    for got, expected in zip(separate, stacked):
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+def test_mismatched_group_counts_are_refused():
+    with pytest.raises(ValueError, match="as many means, M2s and counts, got 3, 3 and 2"):
+        stats.merge_stats(torch.zeros(3, 4), torch.zeros(3, 4), [1, 2], 1e-5)
