@@ -15,7 +15,9 @@ Prints, measured in the same run:
   variant; on CUDA, ``torch.cuda.max_memory_allocated``;
 - on the CPU, the per-call cost of the synchronisation itself: a tiny input through 4
   simulated replicas, synchronised and with ``sync=False``, and through 1, per layer call,
-  forward and backward, in microseconds; the cost of one bare meeting of 4 threads; and
+  forward and backward, in microseconds; the same layer calls' work for 4 replicas run in
+  one thread, synchronised and not (the synchronisation's work without the threads'
+  hand-offs); the cost of one bare meeting of 4 threads; and
   that of 30 tiny ATen calls per thread in 1 and in 4 threads (the GIL's hand-offs); and
   a trivial ``torch.library`` custom op's per-call cost against a direct call;
 - on CUDA, each op's effective bandwidth (the bytes it must move over its time) against
@@ -171,6 +173,60 @@ def sync_cost_us(replicas: int = 4, calls: int = 50, repeats: int = 30
             y = net(x)
             middle = time.perf_counter()
             y.sum().backward()
+            end = time.perf_counter()
+            times[name][0].append((middle - start) / calls * 1e6)
+            times[name][1].append((end - middle) / calls * 1e6)
+    return {name: (statistics.median(fwd), statistics.median(bwd))
+            for name, (fwd, bwd) in times.items()}
+
+
+def sync_work_us(replicas: int = 4, calls: int = 50, repeats: int = 30
+                 ) -> dict[str, tuple[float, float]]:
+    """Microseconds per layer call, ``(forward, backward)``, of what ``replicas`` replicas
+    compute for a tiny input (2 per replica, 8 channels, 2x2), all in one thread: the
+    synchronised path's autograd Functions in the order the replica threads run them
+    (every replica's ``LocalStats``, the master's merge, every replica's ``NormAct``;
+    ``"sync"``), and the unsynchronised ``BatchNormAct`` once per replica (``"sync=False"``).
+    Their difference is the synchronisation's own work, without the threads' hand-offs.
+    """
+    from encoding_syncbn.functional import (
+        ActConfig,
+        LocalStats,
+        NormAct,
+        _Link,
+        _nothing,
+        batch_norm_act,
+    )
+    from encoding_syncbn.stats import merge_stats
+
+    weight = torch.ones(8, requires_grad=True)
+    bias = torch.zeros(8, requires_grad=True)
+    config = ActConfig("leaky_relu", 0.01, True, ())
+    no_channels = _nothing(torch.long, weight.device)
+
+    def synced(xs: list[torch.Tensor]) -> list[torch.Tensor]:
+        links = [_Link() for _ in xs]
+        local = [LocalStats.apply(x, link) for x, link in zip(xs, links)]
+        mean, _, invstd = merge_stats([m for m, _ in local], [q for _, q in local],
+                                      [x.numel() // 8 for x in xs], 1e-5)
+        return [NormAct.apply(x, mean, invstd, weight, bias, config, link, no_channels)
+                for x, link in zip(xs, links)]
+
+    def alone(xs: list[torch.Tensor]) -> list[torch.Tensor]:
+        return [batch_norm_act(x, weight, bias, 1e-5, config)[0] for x in xs]
+
+    variants = {"sync": synced, "sync=False": alone}
+    times: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name in variants}
+    for _ in range(repeats):
+        for name, layer in variants.items():
+            leaf = torch.randn(2 * replicas, 8, 2, 2, requires_grad=True)
+            start = time.perf_counter()
+            xs = list(leaf.split(2))
+            for _ in range(calls):
+                xs = layer([x * 1 for x in xs])
+            out = torch.cat(xs).sum()
+            middle = time.perf_counter()
+            out.backward()
             end = time.perf_counter()
             times[name][0].append((middle - start) / calls * 1e6)
             times[name][1].append((end - middle) / calls * 1e6)
@@ -345,6 +401,12 @@ def main() -> None:
         print(f"the exchange itself (sync - sync=False): forward {sync_fwd - alone_fwd:.0f} us, "
               f"backward {sync_bwd - alone_bwd:.0f} us, total "
               f"{sync_fwd + sync_bwd - alone_fwd - alone_bwd:.0f} us")
+        (sync_fwd, sync_bwd), (alone_fwd, alone_bwd) = sync_work_us().values()
+        print(f"the same work in one thread (no hand-offs), sync - sync=False: forward "
+              f"{sync_fwd - alone_fwd:.0f} us, backward {sync_bwd - alone_bwd:.0f} us, total "
+              f"{sync_fwd + sync_bwd - alone_fwd - alone_bwd:.0f} us "
+              f"(sync {sync_fwd:.0f} + {sync_bwd:.0f} us, sync=False {alone_fwd:.0f} + "
+              f"{alone_bwd:.0f} us)")
         meeting = rendezvous_us()
         print("one meeting of 4 threads doing nothing else: " + ", ".join(
             f"{name} {micros:.0f} us" for name, micros in meeting.items()))
