@@ -317,12 +317,15 @@ class LocalStats(torch.autograd.Function):
             )
         saved, grad_output, config, scale = link.saved, link.grad_output, link.config, link.scale
         link.saved = link.grad_output = None  # free y and dy as soon as dx exists
-        twice_grad_m2 = grad_m2 * 2
+        # Tensor-tensor calls only: ATen first copies a Python number operand (grad * 2,
+        # grad / n) into a tensor, which costs more than the arithmetic on C values.
+        twice_grad_m2 = grad_m2 + grad_m2
         grad_input = _input_grad(
             saved, grad_output, config,
             scale,
             twice_grad_m2 / saved.invstd,
-            torch.addcmul(grad_mean / max(ctx.count, 1), twice_grad_m2, saved.mean - ctx.mean),
+            torch.add(twice_grad_m2 * (saved.mean - ctx.mean), grad_mean,
+                      alpha=1 / max(ctx.count, 1)),
         )
         return grad_input, None
 
