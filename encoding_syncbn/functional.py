@@ -127,15 +127,15 @@ def _channel_index(channels: tuple[int, ...], device: torch.device) -> torch.Ten
     return torch.tensor(channels, dtype=torch.long, device=device)
 
 
-def _has_aside(saved: _Saved, config: ActConfig) -> bool:
-    """Whether backward must recompute channels kept aside.
+def _keeps_aside(config: ActConfig, aside_channels: torch.Tensor) -> bool:
+    """Whether the layer keeps channels aside: saves their input, recomputes their backward.
 
     Eagerly: whether there are any. While compiling their number is data-dependent, so the
-    aside path (which handles none) is traced whenever the forward could keep any aside.
+    aside path (which handles none) is traced whenever the layer is in place.
     """
     if torch.compiler.is_compiling():
         return config.inplace
-    return saved.aside_channels.numel() > 0
+    return aside_channels.numel() > 0
 
 
 def _overwrites_input(config: ActConfig) -> bool:
@@ -160,7 +160,7 @@ def _written_back(x: torch.Tensor, out: torch.Tensor, config: ActConfig) -> torc
 def _normalize(ctx, x, mean, invstd, weight, bias, config: ActConfig, aside_channels
                ) -> torch.Tensor:
     """Run the forward pass, in place or not, and save what backward needs."""
-    if config.inplace and (torch.compiler.is_compiling() or aside_channels.numel() > 0):
+    if _keeps_aside(config, aside_channels):
         aside_input = x.index_select(1, aside_channels)
     else:
         aside_input = _nothing(x.dtype, x.device)
@@ -200,7 +200,7 @@ def _reduce(saved: _Saved, grad_output: torch.Tensor, config: ActConfig):
         saved.tensor, grad_output, saved.mean, saved.invstd, saved.weight, saved.bias,
         config.activation, config.slope, from_output,
     )
-    if _has_aside(saved, config):
+    if _keeps_aside(config, saved.aside_channels):
         exact_dz, exact_dz_xhat = reference_ops().backward_reduce(
             *_aside_args(saved, grad_output, config)
         )
@@ -216,7 +216,7 @@ def _input_grad(saved: _Saved, grad_output, config: ActConfig, coef_dz, coef_xha
         config.activation, config.slope, config.inplace, coef_dz, coef_xhat, coef_const,
     )
     idx = saved.aside_channels
-    if _has_aside(saved, config):
+    if _keeps_aside(config, saved.aside_channels):
         exact = reference_ops().backward_dx(
             *_aside_args(saved, grad_output, config), coef_dz[idx], coef_xhat[idx], coef_const[idx]
         )
