@@ -77,7 +77,7 @@ class MergeStats(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_mean, grad_m2, grad_invstd):
-        counts = ctx.counts
+        counts, groups = ctx.counts, ctx.deviation.shape[0]
         grad_m2_total = grad_m2
         if grad_invstd is not None:
             d_invstd_d_m2 = ctx.invstd.pow(3).mul_(-0.5 / max(counts.total, 1.0))
@@ -86,22 +86,17 @@ class MergeStats(torch.autograd.Function):
                 if grad_m2 is None
                 else torch.addcmul(grad_m2, grad_invstd, d_invstd_d_m2)
             )
-        groups = ctx.deviation.shape[0]
-        if grad_m2_total is None:
-            grad_m2s = (None,) * groups
-            if grad_mean is None:
-                return None, None, *grad_m2s, *grad_m2s
-            grad_means = counts.shares * grad_mean
-        else:
-            # Every M2_i enters the sum alike: each gets the same gradient tensor.
-            grad_m2s = (grad_m2_total,) * groups
-            spread = ctx.deviation * grad_m2_total
+        grad_means = None if grad_mean is None else counts.shares * grad_mean
+        if grad_m2_total is not None:
+            through_m2 = ctx.deviation * grad_m2_total
             grad_means = (
-                spread.mul_(counts.column).mul_(2)
-                if grad_mean is None
-                else torch.addcmul(counts.shares * grad_mean, spread, counts.column, value=2)
+                through_m2.mul_(counts.column).mul_(2)
+                if grad_means is None
+                else torch.addcmul(grad_means, through_m2, counts.column, value=2)
             )
-        return None, None, *grad_means.unbind(0), *grad_m2s
+        grad_rows = (None,) * groups if grad_means is None else grad_means.unbind(0)
+        # Every M2_i enters the sum alike: each gets the same gradient tensor.
+        return None, None, *grad_rows, *((grad_m2_total,) * groups)
 
 
 def merge_stats(
