@@ -64,3 +64,19 @@ def test_groups_as_separate_tensors_or_stacked_merge_alike():
 def test_mismatched_group_counts_are_refused():
     with pytest.raises(ValueError, match="as many means, M2s and counts, got 3, 3 and 2"):
         stats.merge_stats(torch.zeros(3, 4), torch.zeros(3, 4), [1, 2], 1e-5)
+
+
+def test_groups_m2_gradients_stay_apart_when_accumulated():
+    """Every M2_i gets the same gradient tensor from the merge's backward: leaves that
+    accumulate it over two backward passes must each own their ``.grad``."""
+    means = [torch.randn(4, dtype=torch.float64, requires_grad=True) for _ in range(3)]
+    m2s = [(torch.rand(4, dtype=torch.float64) + 1).requires_grad_() for _ in range(3)]
+    grads = []
+    for _ in range(2):
+        _, m2, invstd = stats.merge_stats(means, m2s, [2, 5, 1], 1e-5)
+        (m2.sum() + invstd.sum()).backward()
+        grads.append(m2s[0].grad.clone())
+    torch.testing.assert_close(grads[1], 2 * grads[0], rtol=1e-14, atol=0)
+    assert len({m2.grad.data_ptr() for m2 in m2s}) == len(m2s)
+    for m2 in m2s[1:]:
+        torch.testing.assert_close(m2.grad, grads[1], rtol=0, atol=0)
