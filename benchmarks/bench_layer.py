@@ -173,6 +173,7 @@ def sync_cost_us(replicas: int = 4, calls: int = 50, repeats: int = 30
             y = net(x)
             middle = time.perf_counter()
             y.sum().backward()
+            del y  # each variant pays for freeing its own graph, not for the previous one's
             end = time.perf_counter()
             times[name][0].append((middle - start) / calls * 1e6)
             times[name][1].append((end - middle) / calls * 1e6)
@@ -227,6 +228,7 @@ def sync_work_us(replicas: int = 4, calls: int = 50, repeats: int = 30
             out = torch.cat(xs).sum()
             middle = time.perf_counter()
             out.backward()
+            del out, xs  # each variant pays for freeing its own graph
             end = time.perf_counter()
             times[name][0].append((middle - start) / calls * 1e6)
             times[name][1].append((end - middle) / calls * 1e6)
