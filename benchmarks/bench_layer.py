@@ -149,7 +149,7 @@ class _Repeat(nn.Module):
         return x
 
 
-def sync_cost_us(replicas: int = 4, calls: int = 50, repeats: int = 30
+def sync_cost_us(replicas: int = 4, calls: int = 50, repeats: int = 60
                  ) -> dict[str, tuple[float, float]]:
     """Microseconds per layer call, ``(forward, backward)``, of a tiny input (2 per replica,
     8 channels, 2x2) under ``replicas`` simulated replicas, synchronised (``"sync"``) and
@@ -181,7 +181,7 @@ def sync_cost_us(replicas: int = 4, calls: int = 50, repeats: int = 30
             for name, (fwd, bwd) in times.items()}
 
 
-def sync_work_us(replicas: int = 4, calls: int = 50, repeats: int = 30
+def sync_work_us(replicas: int = 4, calls: int = 50, repeats: int = 100
                  ) -> dict[str, tuple[float, float]]:
     """Microseconds per layer call, ``(forward, backward)``, of what ``replicas`` replicas
     compute for a tiny input (2 per replica, 8 channels, 2x2), all in one thread: the
@@ -395,7 +395,7 @@ def main() -> None:
                   f"({100 * gbps / args.peak_gbps:.0f}% of peak)")
     if device.type == "cpu":
         costs = sync_cost_us()
-        print("per layer call, tiny input, 4 simulated replicas (medians of 30 turns):")
+        print("per layer call, tiny input, 4 simulated replicas (medians of 60 turns):")
         for name, (fwd, bwd) in costs.items():
             print(f"{name:>14}: forward {fwd:7.0f} us  backward {bwd:7.0f} us  "
                   f"total {fwd + bwd:7.0f} us")
@@ -404,7 +404,8 @@ def main() -> None:
               f"backward {sync_bwd - alone_bwd:.0f} us, total "
               f"{sync_fwd + sync_bwd - alone_fwd - alone_bwd:.0f} us")
         (sync_fwd, sync_bwd), (alone_fwd, alone_bwd) = sync_work_us().values()
-        print(f"the same work in one thread (no hand-offs), sync - sync=False: forward "
+        print(f"the same work in one thread (no hand-offs, medians of 100 turns), "
+              f"sync - sync=False: forward "
               f"{sync_fwd - alone_fwd:.0f} us, backward {sync_bwd - alone_bwd:.0f} us, total "
               f"{sync_fwd + sync_bwd - alone_fwd - alone_bwd:.0f} us "
               f"(sync {sync_fwd:.0f} + {sync_bwd:.0f} us, sync=False {alone_fwd:.0f} + "
