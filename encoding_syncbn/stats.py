@@ -111,6 +111,8 @@ def merge_stats(
     tensor, or the counts as host ints (no device copy after the first time the same counts
     are seen). They may hold zeros.
     """
+    if len(means) == 0:
+        raise ValueError("expected the statistics of at least one group, got none")
     if len(means) != len(m2s) or len(means) != len(counts):
         raise ValueError(
             f"expected as many means, M2s and counts, got {len(means)}, {len(m2s)} and "

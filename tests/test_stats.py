@@ -61,9 +61,11 @@ def test_groups_as_separate_tensors_or_stacked_merge_alike():
         torch.testing.assert_close(got, expected, rtol=0, atol=0)
 
 
-def test_mismatched_group_counts_are_refused():
+def test_mismatched_or_no_groups_are_refused():
     with pytest.raises(ValueError, match="as many means, M2s and counts, got 3, 3 and 2"):
         stats.merge_stats(torch.zeros(3, 4), torch.zeros(3, 4), [1, 2], 1e-5)
+    with pytest.raises(ValueError, match="at least one group, got none"):
+        stats.merge_stats([], [], [], 1e-5)
 
 
 def test_groups_m2_gradients_stay_apart_when_accumulated():
