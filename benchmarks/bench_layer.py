@@ -33,6 +33,7 @@ import subprocess
 import sys
 import threading
 import time
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -149,6 +150,27 @@ class _Repeat(nn.Module):
         return x
 
 
+def _medians_us(losses: dict[str, Callable[[], torch.Tensor]], calls: int, repeats: int
+                ) -> dict[str, tuple[float, float]]:
+    """Median microseconds per layer call, ``(forward, backward)``, of each variant's
+    ``loss()`` (a forward through ``calls`` layer calls, from a fresh input) and of its
+    backward, the variants taking turns ``repeats`` times. Each variant pays for freeing its
+    own graph, in its backward."""
+    times: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name in losses}
+    for _ in range(repeats):
+        for name, loss in losses.items():
+            start = time.perf_counter()
+            out = loss()
+            middle = time.perf_counter()
+            out.backward()
+            del out
+            end = time.perf_counter()
+            times[name][0].append((middle - start) / calls * 1e6)
+            times[name][1].append((end - middle) / calls * 1e6)
+    return {name: (statistics.median(fwd), statistics.median(bwd))
+            for name, (fwd, bwd) in times.items()}
+
+
 def sync_cost_us(replicas: int = 4, calls: int = 50, repeats: int = 60
                  ) -> dict[str, tuple[float, float]]:
     """Microseconds per layer call, ``(forward, backward)``, of a tiny input (2 per replica,
@@ -158,27 +180,13 @@ def sync_cost_us(replicas: int = 4, calls: int = 50, repeats: int = 60
     The variants take turns, ``repeats`` times, and each figure is the median: the replicas
     are threads sharing a GIL, whose scheduling makes single runs vary widely.
     """
-    def model(sync: bool, count: int) -> nn.Module:
+    def loss(sync: bool, count: int) -> Callable[[], torch.Tensor]:
         layer = SyncBatchNorm(8, activation="leaky_relu", sync=sync)
-        return SimulatedDataParallel(_Repeat(layer, calls), count)
+        net = SimulatedDataParallel(_Repeat(layer, calls), count)
+        return lambda: net(torch.randn(2 * count, 8, 2, 2)).sum()
 
-    variants = {"sync": (model(True, replicas), replicas),
-                "sync=False": (model(False, replicas), replicas),
-                "1 replica": (model(True, 1), 1)}
-    times: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name in variants}
-    for _ in range(repeats):
-        for name, (net, count) in variants.items():
-            x = torch.randn(2 * count, 8, 2, 2)
-            start = time.perf_counter()
-            y = net(x)
-            middle = time.perf_counter()
-            y.sum().backward()
-            del y  # each variant pays for freeing its own graph, not for the previous one's
-            end = time.perf_counter()
-            times[name][0].append((middle - start) / calls * 1e6)
-            times[name][1].append((end - middle) / calls * 1e6)
-    return {name: (statistics.median(fwd), statistics.median(bwd))
-            for name, (fwd, bwd) in times.items()}
+    return _medians_us({"sync": loss(True, replicas), "sync=False": loss(False, replicas),
+                        "1 replica": loss(True, 1)}, calls, repeats)
 
 
 def sync_work_us(replicas: int = 4, calls: int = 50, repeats: int = 100
@@ -216,24 +224,22 @@ def sync_work_us(replicas: int = 4, calls: int = 50, repeats: int = 100
     def alone(xs: list[torch.Tensor]) -> list[torch.Tensor]:
         return [batch_norm_act(x, weight, bias, 1e-5, config)[0] for x in xs]
 
-    variants = {"sync": synced, "sync=False": alone}
-    times: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name in variants}
-    for _ in range(repeats):
-        for name, layer in variants.items():
-            leaf = torch.randn(2 * replicas, 8, 2, 2, requires_grad=True)
-            start = time.perf_counter()
-            xs = list(leaf.split(2))
+    def loss(layer: Callable[[list[torch.Tensor]], list[torch.Tensor]]
+             ) -> Callable[[], torch.Tensor]:
+        def run() -> torch.Tensor:
+            xs = list(torch.randn(2 * replicas, 8, 2, 2, requires_grad=True).split(2))
             for _ in range(calls):
                 xs = layer([x * 1 for x in xs])
-            out = torch.cat(xs).sum()
-            middle = time.perf_counter()
-            out.backward()
-            del out, xs  # each variant pays for freeing its own graph
-            end = time.perf_counter()
-            times[name][0].append((middle - start) / calls * 1e6)
-            times[name][1].append((end - middle) / calls * 1e6)
-    return {name: (statistics.median(fwd), statistics.median(bwd))
-            for name, (fwd, bwd) in times.items()}
+            return torch.cat(xs).sum()
+        return run
+
+    return _medians_us({"sync": loss(synced), "sync=False": loss(alone)}, calls, repeats)
+
+
+def _sync_minus_alone(costs: dict[str, tuple[float, float]]) -> tuple[float, float]:
+    """``(forward, backward)`` of ``"sync"`` minus those of ``"sync=False"``."""
+    (sync_fwd, sync_bwd), (alone_fwd, alone_bwd) = costs["sync"], costs["sync=False"]
+    return sync_fwd - alone_fwd, sync_bwd - alone_bwd
 
 
 def _threads_seconds(body, count: int) -> float:
@@ -399,17 +405,15 @@ def main() -> None:
         for name, (fwd, bwd) in costs.items():
             print(f"{name:>14}: forward {fwd:7.0f} us  backward {bwd:7.0f} us  "
                   f"total {fwd + bwd:7.0f} us")
-        (sync_fwd, sync_bwd), (alone_fwd, alone_bwd) = costs["sync"], costs["sync=False"]
-        print(f"the exchange itself (sync - sync=False): forward {sync_fwd - alone_fwd:.0f} us, "
-              f"backward {sync_bwd - alone_bwd:.0f} us, total "
-              f"{sync_fwd + sync_bwd - alone_fwd - alone_bwd:.0f} us")
-        (sync_fwd, sync_bwd), (alone_fwd, alone_bwd) = sync_work_us().values()
+        fwd, bwd = _sync_minus_alone(costs)
+        print(f"the exchange itself (sync - sync=False): forward {fwd:.0f} us, "
+              f"backward {bwd:.0f} us, total {fwd + bwd:.0f} us")
+        work = sync_work_us()
+        fwd, bwd = _sync_minus_alone(work)
         print(f"the same work in one thread (no hand-offs, medians of 100 turns), "
-              f"sync - sync=False: forward "
-              f"{sync_fwd - alone_fwd:.0f} us, backward {sync_bwd - alone_bwd:.0f} us, total "
-              f"{sync_fwd + sync_bwd - alone_fwd - alone_bwd:.0f} us "
-              f"(sync {sync_fwd:.0f} + {sync_bwd:.0f} us, sync=False {alone_fwd:.0f} + "
-              f"{alone_bwd:.0f} us)")
+              f"sync - sync=False: forward {fwd:.0f} us, backward {bwd:.0f} us, total "
+              f"{fwd + bwd:.0f} us (" + ", ".join(
+                  f"{name} {f:.0f} + {b:.0f} us" for name, (f, b) in work.items()) + ")")
         meeting = rendezvous_us()
         print("one meeting of 4 threads doing nothing else: " + ", ".join(
             f"{name} {micros:.0f} us" for name, micros in meeting.items()))
