@@ -193,20 +193,19 @@ def sync_work_us(replicas: int = 4, calls: int = 50, repeats: int = 100
                  ) -> dict[str, tuple[float, float]]:
     """Microseconds per layer call, ``(forward, backward)``, of what ``replicas`` replicas
     compute for a tiny input (2 per replica, 8 channels, 2x2), all in one thread: the
-    synchronised path's autograd Functions in the order the replica threads run them
-    (every replica's ``LocalStats``, the master's merge, every replica's ``NormAct``;
-    ``"sync"``), and the unsynchronised ``BatchNormAct`` once per replica (``"sync=False"``).
-    Their difference is the synchronisation's own work, without the threads' hand-offs.
+    synchronised path's steps in the order the replica threads run them (every replica's
+    statistics, the master's merge, every replica's ``NormAct``; ``"sync"``), and the
+    unsynchronised ``BatchNormAct`` once per replica (``"sync=False"``). Their difference
+    is the synchronisation's own work, without the threads' hand-offs.
     """
     from encoding_syncbn.functional import (
         ActConfig,
-        LocalStats,
         NormAct,
-        _Link,
         _nothing,
         batch_norm_act,
+        merge_replicas,
+        replica_stats,
     )
-    from encoding_syncbn.stats import merge_stats
 
     weight = torch.ones(8, requires_grad=True)
     bias = torch.zeros(8, requires_grad=True)
@@ -214,12 +213,10 @@ def sync_work_us(replicas: int = 4, calls: int = 50, repeats: int = 100
     no_channels = _nothing(torch.long, weight.device)
 
     def synced(xs: list[torch.Tensor]) -> list[torch.Tensor]:
-        links = [_Link() for _ in xs]
-        local = [LocalStats.apply(x, link) for x, link in zip(xs, links)]
-        mean, _, invstd = merge_stats([m for m, _ in local], [q for _, q in local],
-                                      [x.numel() // 8 for x in xs], 1e-5)
-        return [NormAct.apply(x, mean, invstd, weight, bias, config, link, no_channels)
-                for x, link in zip(xs, links)]
+        contributions = [replica_stats(x) for x in xs]
+        mean, _, invstd = merge_replicas(contributions, 1e-5)
+        return [NormAct.apply(c.x, mean, invstd, weight, bias, config, c.link, no_channels)
+                for c in contributions]
 
     def alone(xs: list[torch.Tensor]) -> list[torch.Tensor]:
         return [batch_norm_act(x, weight, bias, 1e-5, config)[0] for x in xs]

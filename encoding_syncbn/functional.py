@@ -8,17 +8,22 @@ Training with the whole batch on one replica (``BatchNormAct``): with n elements
 
     dx = w * invstd * (dz - sum(dz) / n - xhat * sum(dz * xhat) / n)
 
-Synchronised training splits that in three Functions, so that autograd itself carries the
-cross-replica terms through the master's merge (``stats.MergeStats``), and backward never
-waits for another replica:
+Synchronised training splits that in two Functions, so that autograd itself carries the
+cross-replica terms through the master's merge, and backward never waits for another replica:
 
-    LocalStats(x_i) -> (mean_i, M2_i)  ...merge on the master...  NormAct(x_i, mean, invstd)
+    replica i: (mean_i, M2_i) of x_i  ->  master: MergeReplicas(x_1..x_k) -> (mean, M2, invstd)
+    replica i: NormAct(x_i, mean, invstd)
 
 ``NormAct.backward`` returns the gradients of mean, invstd, w and b but none for x; it leaves
-what it read in a ``_Link`` for ``LocalStats.backward``, which autograd runs after it (through
-the merge) and which writes the whole input gradient in one pass:
+what it read in a ``_Link`` for ``MergeReplicas.backward``, which autograd runs after every
+replica's ``NormAct`` and which writes each replica's whole input gradient in one pass.
+With g_mean and g_M2 the gradients reaching the merged mean and M2 (directly or through
+invstd), n the merged count::
 
-    dx = w * invstd * dz + dmean_i / n_i + 2 * (x - mean_i) * dM2_i
+    dx_i = w * invstd * dz_i + g_mean / n + 2 * g_M2 * (x_i - mean)
+
+The last two terms' coefficients are the same for every replica: they are computed once per
+device, not once per replica.
 
 In place, only y is kept: x, z and xhat are rebuilt from it. Channels whose |w| is too small
 to divide by (zero-initialised residual BNs) keep their input aside instead, so every sign and
@@ -28,10 +33,12 @@ value of gamma gets exact gradients.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from typing import Callable, NamedTuple
 
 import torch
 
+from . import stats
 from .kernels import compile_ops, ops_for, reference_ops
 
 # A channel is rebuilt from y only if |w| > _MIN_INVERTIBLE_GAMMA * max(1, |b|): xhat =
@@ -65,7 +72,7 @@ class _Saved(NamedTuple):
 
 
 class _Link:
-    """Hands what ``NormAct.backward`` read to ``LocalStats.backward`` of the same call."""
+    """Hands what ``NormAct.backward`` read to ``MergeReplicas.backward`` of the same call."""
 
     __slots__ = ("saved", "grad_output", "config", "scale")
 
@@ -261,7 +268,7 @@ class BatchNormAct(torch.autograd.Function):
 class NormAct(torch.autograd.Function):
     """``y = act((x - mean) * invstd * w + b)`` with given statistics.
 
-    With a ``link`` (synchronised training), the input gradient is left to ``LocalStats``;
+    With a ``link`` (synchronised training), the input gradient is left to ``MergeReplicas``;
     without one (evaluation: constant statistics) it is ``w * invstd * dz``.
     """
 
@@ -278,7 +285,7 @@ class NormAct(torch.autograd.Function):
         sum_dz, sum_dz_xhat = _reduce(saved, grad_output, config)
         scale = saved.weight * saved.invstd
         grad_input = grad_mean = grad_invstd = None
-        if ctx.link is not None:
+        if ctx.link is not None and ctx.needs_input_grad[0]:
             link = ctx.link
             link.saved, link.grad_output, link.config, link.scale = (
                 saved, grad_output, config, scale
@@ -296,38 +303,114 @@ class NormAct(torch.autograd.Function):
         )
 
 
-class LocalStats(torch.autograd.Function):
-    """``x_i -> (mean_i, M2_i)`` of one replica; its backward writes the whole ``dx``."""
+class ReplicaStats(NamedTuple):
+    """What one replica brings to the merge: its input (only for autograd to route the input's
+    gradient to the merge), the input's per-channel mean and M2 and its count, and the link
+    its ``NormAct`` fills in backward."""
 
-    @staticmethod
-    def forward(ctx, x, link: _Link):
+    x: torch.Tensor
+    mean: torch.Tensor
+    m2: torch.Tensor
+    count: int
+    link: _Link
+
+
+def replica_stats(x: torch.Tensor) -> ReplicaStats:
+    """The calling replica's contribution to the merge."""
+    with torch.no_grad():
         mean, m2, count = ops_for(x).channel_stats(x)
-        # ctx attributes, not saved tensors: a checkpoint recompute must save exactly what
-        # NormAct saves, and these per-channel vectors are tiny.
-        ctx.link, ctx.mean, ctx.count = link, mean, count
-        return mean, m2
+    return ReplicaStats(x, mean, m2, count, _Link())
+
+
+# MergeReplicas.forward's arguments before the replicas' inputs.
+_MERGE_LEADING_ARGS = 5
+
+
+class MergeReplicas(torch.autograd.Function):
+    """``(x_1..x_k) -> (mean[C], M2[C], invstd[C])`` of their union (``stats.chan_merge``).
+
+    The statistics come precomputed (``means``, ``m2s``, on the merge's device); the inputs
+    are there so that autograd brings the merge's backward each replica's input gradient to
+    write (see the module docstring). Its per-channel tensors are ctx attributes, not saved
+    tensors: see ``stats``.
+    """
 
     @staticmethod
-    def backward(ctx, grad_mean, grad_m2):
-        link = ctx.link
-        if link.saved is None:
-            raise RuntimeError(
-                "SyncBatchNorm: the input gradient needs the normalisation's backward first; "
-                "differentiate through the layer's output"
-            )
-        saved, grad_output, config, scale = link.saved, link.grad_output, link.config, link.scale
-        link.saved = link.grad_output = None  # free y and dy as soon as dx exists
-        # Tensor-tensor calls only: ATen first copies a Python number operand (grad * 2,
-        # grad / n) into a tensor, which costs more than the arithmetic on C values.
+    def forward(ctx, counts: stats._Counts, eps: float, links: list[_Link],
+                means: list[torch.Tensor], m2s: list[torch.Tensor], *xs: torch.Tensor):
+        merged = stats.chan_merge(means, m2s, counts, eps)
+        ctx.links, ctx.total = links, counts.total
+        ctx.mean, ctx.invstd = merged.mean, merged.invstd
+        ctx.set_materialize_grads(False)
+        return merged.mean, merged.m2, merged.invstd
+
+    @staticmethod
+    def backward(ctx, grad_mean, grad_m2, grad_invstd):
+        grad_m2 = stats.total_grad_m2(grad_m2, grad_invstd, ctx.invstd, ctx.total)
+        # Per device: the replicas of one call all normalised with the same statistics.
+        coefficients: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        grads = []
+        for link, needed in zip(ctx.links, ctx.needs_input_grad[_MERGE_LEADING_ARGS:]):
+            saved = link.saved
+            if not needed:
+                grads.append(None)
+                continue
+            if saved is None:
+                raise RuntimeError(
+                    "SyncBatchNorm: a replica's input gradient needs its normalisation's "
+                    "backward first; differentiate through every replica's output"
+                )
+            device = saved.mean.device
+            if device not in coefficients:
+                coefficients[device] = _through_statistics(
+                    grad_mean, grad_m2, ctx.mean, ctx.total, saved
+                )
+            grads.append(_input_grad(saved, link.grad_output, link.config, link.scale,
+                                     *coefficients[device]))
+            link.saved = link.grad_output = None  # free y and dy as soon as dx exists
+        return (None,) * _MERGE_LEADING_ARGS + tuple(grads)
+
+
+def _through_statistics(grad_mean, grad_m2, mean, total: float, saved: _Saved):
+    """``(coef_xhat, coef_const)`` on ``saved``'s device, for the statistics' part of dx::
+
+        g_mean / n + 2 g_M2 (x - mean) = coef_xhat * xhat + coef_const,
+        xhat = (x - saved.mean) * saved.invstd,
+        coef_xhat = 2 g_M2 / saved.invstd,  coef_const = g_mean / n + 2 g_M2 (saved.mean - mean)
+
+    ``saved`` holds the statistics the replica normalised with: the merged ones, unless a
+    cross-process merge followed this one. Tensor-tensor calls: ATen first copies a Python
+    number operand (``g * 2``) into a tensor, which costs more than the arithmetic.
+    """
+    device = saved.mean.device
+    coef_xhat = coef_const = torch.zeros_like(saved.mean)
+    if grad_m2 is not None:
+        grad_m2 = on_device(grad_m2, device)
         twice_grad_m2 = grad_m2 + grad_m2
-        grad_input = _input_grad(
-            saved, grad_output, config,
-            scale,
-            twice_grad_m2 / saved.invstd,
-            torch.add(twice_grad_m2 * (saved.mean - ctx.mean), grad_mean,
-                      alpha=1 / max(ctx.count, 1)),
-        )
-        return grad_input, None
+        coef_xhat = twice_grad_m2 / saved.invstd
+        coef_const = twice_grad_m2 * (saved.mean - on_device(mean, device))
+    if grad_mean is not None:
+        coef_const = torch.add(coef_const, on_device(grad_mean, device),
+                               alpha=1 / max(total, 1.0))
+    return coef_xhat, coef_const
+
+
+def merge_replicas(replicas: Sequence[ReplicaStats], eps: float
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The merged ``(mean, M2, invstd)`` of ``replicas``, on the first one's device."""
+    device = replicas[0].mean.device
+    counts = stats.counts_of([r.count for r in replicas], device, replicas[0].mean.dtype)
+    return MergeReplicas.apply(
+        counts, eps, [r.link for r in replicas],
+        [on_device(r.mean, device) for r in replicas],
+        [on_device(r.m2, device) for r in replicas],
+        *(r.x for r in replicas),
+    )
+
+
+def on_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device``; no call into torch when it is there already."""
+    return t if t.device == device else t.to(device)
 
 
 def batch_norm_act(
@@ -347,19 +430,17 @@ def synced_batch_norm_act(
     weight: torch.Tensor,
     bias: torch.Tensor,
     config: ActConfig,
-    exchange: Callable[[torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]],
+    exchange: Callable[[ReplicaStats], tuple[torch.Tensor, torch.Tensor]],
 ) -> torch.Tensor:
     """Normalise ``x`` with statistics merged across replicas by ``exchange``.
 
-    ``exchange(mean_i, M2_i, count_i)`` returns the global ``(mean, invstd)`` on x's device,
-    still attached to the autograd graph of the merge.
+    ``exchange(replica_stats(x))`` returns the global ``(mean, invstd)`` on x's device, still
+    attached to the autograd graph of the merge (``merge_replicas``).
     """
-    link = _Link()
-    mean_i, m2_i = LocalStats.apply(x, link)
-    count_i = x.numel() // x.shape[1]
-    mean, invstd = exchange(mean_i, m2_i, count_i)
+    own = replica_stats(x)
+    mean, invstd = exchange(own)
     aside = _aside_channels(weight, bias, config)
-    out = NormAct.apply(x, mean, invstd, weight, bias, config, link, aside)
+    out = NormAct.apply(x, mean, invstd, weight, bias, config, own.link, aside)
     return _written_back(x, out, config)
 
 

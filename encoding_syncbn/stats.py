@@ -54,6 +54,45 @@ def _counts_from_ints(counts: tuple[int, ...], device: torch.device, dtype: torc
     return _counts_from_tensor(torch.tensor(counts, dtype=torch.float64, device=device), dtype)
 
 
+class Merged(NamedTuple):
+    """The merge's results, and each group's ``m_i - mean`` (``(k, C)``) for its backward."""
+
+    mean: torch.Tensor
+    m2: torch.Tensor
+    invstd: torch.Tensor
+    deviation: torch.Tensor
+
+
+def chan_merge(means: Sequence[torch.Tensor], m2s: Sequence[torch.Tensor], counts: _Counts,
+               eps: float) -> Merged:
+    """The formulas of the module docstring, on k (C,) means and M2s (no autograd)."""
+    means, m2s = torch.stack(tuple(means)), torch.stack(tuple(m2s))
+    mean = (means * counts.shares).sum(0)
+    deviation = means - mean
+    m2 = torch.addcmul(m2s, deviation * counts.column, deviation).sum(0)
+    invstd = m2.div(max(counts.total, 1.0)).add_(eps).rsqrt_()
+    return Merged(mean, m2, invstd, deviation)
+
+
+def total_grad_m2(grad_m2: torch.Tensor | None, grad_invstd: torch.Tensor | None,
+                  invstd: torch.Tensor, total: float) -> torch.Tensor | None:
+    """g_M2: the gradient reaching M2 directly and through invstd (None if neither does)."""
+    if grad_invstd is None:
+        return grad_m2
+    d_invstd_d_m2 = invstd.pow(3).mul_(-0.5 / max(total, 1.0))
+    if grad_m2 is None:
+        return grad_invstd * d_invstd_d_m2
+    return torch.addcmul(grad_m2, grad_invstd, d_invstd_d_m2)
+
+
+def counts_of(counts: torch.Tensor | Sequence[int], device: torch.device, dtype: torch.dtype
+              ) -> _Counts:
+    """The counts as the merge uses them, from a ``(k,)`` tensor or host ints."""
+    if isinstance(counts, torch.Tensor):
+        return _counts_from_tensor(counts, dtype)
+    return _counts_from_ints(tuple(counts), device, dtype)
+
+
 class MergeStats(torch.autograd.Function):
     """``(mean_1..mean_k, M2_1..M2_k) -> (mean[C], M2[C], invstd[C])``, the counts given.
 
@@ -66,26 +105,15 @@ class MergeStats(torch.autograd.Function):
     @staticmethod
     def forward(ctx, counts: _Counts, eps: float, *stats: torch.Tensor):
         groups = len(stats) // 2
-        means, m2s = torch.stack(stats[:groups]), torch.stack(stats[groups:])
-        mean = (means * counts.shares).sum(0)
-        deviation = means - mean
-        m2 = torch.addcmul(m2s, deviation * counts.column, deviation).sum(0)
-        invstd = m2.div(max(counts.total, 1.0)).add_(eps).rsqrt_()
-        ctx.deviation, ctx.counts, ctx.invstd = deviation, counts, invstd
+        merged = chan_merge(stats[:groups], stats[groups:], counts, eps)
+        ctx.deviation, ctx.counts, ctx.invstd = merged.deviation, counts, merged.invstd
         ctx.set_materialize_grads(False)
-        return mean, m2, invstd
+        return merged.mean, merged.m2, merged.invstd
 
     @staticmethod
     def backward(ctx, grad_mean, grad_m2, grad_invstd):
         counts, groups = ctx.counts, ctx.deviation.shape[0]
-        grad_m2_total = grad_m2
-        if grad_invstd is not None:
-            d_invstd_d_m2 = ctx.invstd.pow(3).mul_(-0.5 / max(counts.total, 1.0))
-            grad_m2_total = (
-                grad_invstd * d_invstd_d_m2
-                if grad_m2 is None
-                else torch.addcmul(grad_m2, grad_invstd, d_invstd_d_m2)
-            )
+        grad_m2_total = total_grad_m2(grad_m2, grad_invstd, ctx.invstd, counts.total)
         grad_means = None if grad_mean is None else counts.shares * grad_mean
         if grad_m2_total is not None:
             through_m2 = ctx.deviation * grad_m2_total
@@ -120,9 +148,5 @@ def merge_stats(
         )
     if isinstance(means, torch.Tensor):
         means, m2s = means.unbind(0), m2s.unbind(0)
-    dtype, device = means[0].dtype, means[0].device
-    if isinstance(counts, torch.Tensor):
-        merge_counts = _counts_from_tensor(counts, dtype)
-    else:
-        merge_counts = _counts_from_ints(tuple(counts), device, dtype)
+    merge_counts = counts_of(counts, means[0].device, means[0].dtype)
     return MergeStats.apply(merge_counts, eps, *means, *m2s)

@@ -8,9 +8,12 @@ import torch
 from encoding_syncbn import SyncBatchNorm
 from encoding_syncbn.functional import (
     ActConfig,
+    NormAct,
+    _aside_channels,
     batch_norm_act,
+    merge_replicas,
     normalize_with,
-    synced_batch_norm_act,
+    replica_stats,
 )
 from encoding_syncbn.stats import merge_stats
 from encoding_syncbn.testing import SimulatedDataParallel
@@ -70,20 +73,59 @@ def test_merge_stats():
     assert torch.autograd.gradcheck(lambda m, q: merge_stats(m, q, counts, 1e-3), (means, m2s))
 
 
+def synced_in_one_thread(x, w, b, config, split, other_ranks=None):
+    """The synchronised path as the replicas run it, the replicas one after the other: each
+    piece's statistics, the master's merge, then each piece's ``NormAct``. ``other_ranks``:
+    constant ``(means, m2s, counts)`` of other processes, merged after the replicas (the
+    cross-process step)."""
+    pieces = [piece.clone() for piece in x.split(split)]  # clones: in place is allowed
+    contributions = [replica_stats(piece) for piece in pieces]
+    mean, m2, invstd = merge_replicas(contributions, 1e-3)
+    if other_ranks is not None:
+        means, m2s, counts = other_ranks
+        own_count = sum(c.count for c in contributions)
+        mean, _, invstd = merge_stats([mean, *means], [m2, *m2s], [own_count, *counts], 1e-3)
+    aside = _aside_channels(w, b, config)
+    return [NormAct.apply(c.x, mean, invstd, w, b, config, c.link, aside)
+            for c in contributions]
+
+
 @pytest.mark.parametrize("activation,inplace", MODES)
-def test_local_stats_merge_and_norm_act_composed(activation, inplace):
-    """The synchronised path with one participant: LocalStats -> MergeStats -> NormAct."""
+@pytest.mark.parametrize("split", [(4,), (1, 3), (2, 1, 1)], ids=str)
+def test_merge_replicas_and_norm_act_composed(activation, inplace, split):
+    """Each replica's input gradient, written by the merge's backward (one coefficient pair
+    for all replicas)."""
     config = ActConfig(activation, 0.3, inplace)
-
-    def exchange(mean, m2, count):
-        counts = torch.tensor([count], dtype=torch.float64)
-        merged_mean, _, invstd = merge_stats(mean[None], m2[None], counts, 1e-3)
-        return merged_mean, invstd
-
     x, w, b = inputs()
     assert torch.autograd.gradcheck(
-        lambda x, w, b: synced_batch_norm_act(x.clone(), w, b, config, exchange), (x, w, b)
+        lambda x, w, b: torch.cat(synced_in_one_thread(x, w, b, config, split)), (x, w, b)
     )
+
+
+@pytest.mark.parametrize("activation,inplace", [("leaky_relu", True), ("elu", False)])
+def test_merge_replicas_followed_by_a_cross_process_merge(activation, inplace):
+    """The replicas normalise with statistics other than their merge's own: the
+    ``saved.mean - mean`` term of the coefficients."""
+    config = ActConfig(activation, 0.3, inplace)
+    x, w, b = inputs()
+    gen = torch.Generator().manual_seed(3)
+    other_ranks = (
+        list(torch.randn(2, 3, dtype=torch.float64, generator=gen)),
+        list(torch.rand(2, 3, dtype=torch.float64, generator=gen) + 1.0),
+        [6, 3],
+    )
+    assert torch.autograd.gradcheck(
+        lambda x, w, b: torch.cat(synced_in_one_thread(x, w, b, config, (1, 3), other_ranks)),
+        (x, w, b),
+    )
+
+
+def test_differentiating_one_replica_output_alone_is_a_clear_error():
+    x, w, b = inputs()
+    config = ActConfig("leaky_relu", 0.3, True)
+    first, _ = synced_in_one_thread(x, w, b, config, (2, 2))
+    with pytest.raises(RuntimeError, match="through every replica's output"):
+        first.sum().backward()
 
 
 @pytest.mark.parametrize("activation", ["leaky_relu", "elu"])
