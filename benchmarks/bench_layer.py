@@ -15,11 +15,11 @@ Prints, measured in the same run:
   variant; on CUDA, ``torch.cuda.max_memory_allocated``;
 - on the CPU, the per-call cost of the synchronisation itself: a tiny input through 4
   simulated replicas, synchronised and with ``sync=False``, and through 1, per layer call,
-  forward and backward, in microseconds; the same layer calls' work for 4 replicas run in
-  one thread, synchronised and not (the synchronisation's work without the threads'
-  hand-offs); the cost of one bare meeting of 4 threads; and
-  that of 30 tiny ATen calls per thread in 1 and in 4 threads (the GIL's hand-offs); and
-  a trivial ``torch.library`` custom op's per-call cost against a direct call;
+  forward and backward, in microseconds, in ``--sync-rounds`` rounds; the same layer calls'
+  work for 4 replicas run in one thread, synchronised and not (the synchronisation's work
+  without the threads' hand-offs); the cost of one bare meeting of 4 threads; that of 30
+  tiny ATen calls per thread in 1 and in 4 threads (the GIL's hand-offs); and a trivial
+  ``torch.library`` custom op's per-call cost against a direct call;
 - on CUDA, each op's effective bandwidth (the bytes it must move over its time) against
   the device's peak memory bandwidth (``--peak-gbps``, default: the H100 SXM's 3350 GB/s).
 """
@@ -365,6 +365,8 @@ def main() -> None:
     parser.add_argument("--peak-gbps", type=float, default=3350.0,
                         help="the device's peak memory bandwidth, GB/s (H100 SXM: 3350, "
                              "H200: 4800, A100 80GB: 2039)")
+    parser.add_argument("--sync-rounds", type=int, default=5,
+                        help="rounds of the threaded synchronisation-cost measurement (CPU)")
     parser.add_argument("--forward-memory-of", choices=STACKS, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.forward_memory_of:  # the fresh child process of peak_rss_growth
@@ -397,14 +399,21 @@ def main() -> None:
             print(f"{name:>26}: {micros:9.1f} us {gbps:8.0f} GB/s "
                   f"({100 * gbps / args.peak_gbps:.0f}% of peak)")
     if device.type == "cpu":
-        costs = sync_cost_us()
-        print("per layer call, tiny input, 4 simulated replicas (medians of 60 turns):")
+        # Rounds, not one longer run: the threads' scheduling drifts over tens of seconds, so
+        # that medians of one run still differ by 2x or more from the next run's.
+        rounds = sorted((sync_cost_us() for _ in range(args.sync_rounds)),
+                        key=lambda costs: sum(_sync_minus_alone(costs)))
+        costs = rounds[len(rounds) // 2]
+        print(f"per layer call, tiny input, 4 simulated replicas (medians of 60 turns; the "
+              f"median of {len(rounds)} rounds):")
         for name, (fwd, bwd) in costs.items():
             print(f"{name:>14}: forward {fwd:7.0f} us  backward {bwd:7.0f} us  "
                   f"total {fwd + bwd:7.0f} us")
         fwd, bwd = _sync_minus_alone(costs)
         print(f"the exchange itself (sync - sync=False): forward {fwd:.0f} us, "
-              f"backward {bwd:.0f} us, total {fwd + bwd:.0f} us")
+              f"backward {bwd:.0f} us, total {fwd + bwd:.0f} us; every round: " + ", ".join(
+                  "{:.0f} + {:.0f} = {:.0f} us".format(*pair, sum(pair))
+                  for pair in map(_sync_minus_alone, rounds)))
         work = sync_work_us()
         fwd, bwd = _sync_minus_alone(work)
         print(f"the same work in one thread (no hand-offs, medians of 100 turns), "

@@ -54,6 +54,14 @@ def _counts_from_ints(counts: tuple[int, ...], device: torch.device, dtype: torc
     return _counts_from_tensor(torch.tensor(counts, dtype=torch.float64, device=device), dtype)
 
 
+@functools.lru_cache(maxsize=64)
+def _constant(value: float, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """``value`` as a 0-dim tensor, built once (shared: read only). The merge passes its
+    constants as tensors (or ``alpha=``/``value=``): ATen first copies a Python number operand
+    into a tensor, which costs more than the arithmetic on these (C,) vectors."""
+    return torch.tensor(value, dtype=dtype, device=device)
+
+
 class Merged(NamedTuple):
     """The merge's results, and each group's ``m_i - mean`` (``(k, C)``) for its backward."""
 
@@ -70,7 +78,9 @@ def chan_merge(means: Sequence[torch.Tensor], m2s: Sequence[torch.Tensor], count
     mean = (means * counts.shares).sum(0)
     deviation = means - mean
     m2 = torch.addcmul(m2s, deviation * counts.column, deviation).sum(0)
-    invstd = m2.div(max(counts.total, 1.0)).add_(eps).rsqrt_()
+    invstd = torch.add(
+        _constant(eps, m2.device, m2.dtype), m2, alpha=1 / max(counts.total, 1.0)
+    ).rsqrt_()
     return Merged(mean, m2, invstd, deviation)
 
 
@@ -79,10 +89,10 @@ def total_grad_m2(grad_m2: torch.Tensor | None, grad_invstd: torch.Tensor | None
     """g_M2: the gradient reaching M2 directly and through invstd (None if neither does)."""
     if grad_invstd is None:
         return grad_m2
-    d_invstd_d_m2 = invstd.pow(3).mul_(-0.5 / max(total, 1.0))
-    if grad_m2 is None:
-        return grad_invstd * d_invstd_d_m2
-    return torch.addcmul(grad_m2, grad_invstd, d_invstd_d_m2)
+    # d invstd / d M2 = -invstd^3 / (2 n)
+    direct = _constant(0.0, invstd.device, invstd.dtype) if grad_m2 is None else grad_m2
+    return torch.addcmul(direct, grad_invstd, invstd * invstd * invstd,
+                         value=-0.5 / max(total, 1.0))
 
 
 def counts_of(counts: torch.Tensor | Sequence[int], device: torch.device, dtype: torch.dtype
