@@ -133,6 +133,23 @@ def test_output_overwrites_input_and_only_output_is_kept():
     assert len(full_size_saved) == 2
 
 
+@pytest.mark.parametrize("inplace", [False, True])
+@pytest.mark.parametrize("replicas", [1, 3])
+def test_input_without_grad_still_trains_the_parameters(inplace, replicas):
+    """A frozen part of the network before the layer: no input gradient is asked for, and the
+    parameters' gradients are still those of the whole batch."""
+    layer = make_layer("leaky_relu", inplace)
+    twin = plain_twin(layer, 3)
+    x = torch.randn(7, C, 5, dtype=torch.float64)
+    grad = torch.randn_like(x)
+    expected, _ = reference_step(twin, x, grad, "leaky_relu", SLOPES["leaky_relu"])
+    out = SimulatedDataParallel(layer, replicas)(x.clone())
+    out.backward(grad)
+    assert_close(out, expected, what="output")
+    assert_close(layer.weight.grad, twin.weight.grad, what="weight grad")
+    assert_close(layer.bias.grad, twin.bias.grad, what="bias grad")
+
+
 def test_layer_called_twice_in_one_forward():
     layer = make_layer("elu", True)
     twin = plain_twin(layer, 2)
