@@ -340,7 +340,9 @@ class MergeReplicas(torch.autograd.Function):
                 means: list[torch.Tensor], m2s: list[torch.Tensor], *xs: torch.Tensor):
         merged = stats.chan_merge(means, m2s, counts, eps)
         ctx.links, ctx.total = links, counts.total
-        ctx.mean, ctx.invstd = merged.mean, merged.invstd
+        # Detached aliases: an output kept on its own ctx would close a reference cycle
+        # through its grad_fn that Python's collector cannot see, keeping the whole graph.
+        ctx.mean, ctx.invstd = merged.mean.detach(), merged.invstd.detach()
         ctx.set_materialize_grads(False)
         return merged.mean, merged.m2, merged.invstd
 

@@ -116,7 +116,8 @@ class MergeStats(torch.autograd.Function):
     def forward(ctx, counts: _Counts, eps: float, *stats: torch.Tensor):
         groups = len(stats) // 2
         merged = chan_merge(stats[:groups], stats[groups:], counts, eps)
-        ctx.deviation, ctx.counts, ctx.invstd = merged.deviation, counts, merged.invstd
+        # A detached alias of the output: see functional.MergeReplicas.
+        ctx.deviation, ctx.counts, ctx.invstd = merged.deviation, counts, merged.invstd.detach()
         ctx.set_materialize_grads(False)
         return merged.mean, merged.m2, merged.invstd
 

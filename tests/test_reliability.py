@@ -13,6 +13,7 @@ import re
 import threading
 import time
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -24,6 +25,7 @@ from torch.utils.checkpoint import checkpoint
 from encoding_syncbn import SyncBatchNorm, SyncError
 from encoding_syncbn import modules as sbn_modules
 from encoding_syncbn import sync as sbn_sync
+from encoding_syncbn.stats import merge_stats
 from encoding_syncbn.testing import SimulatedDataParallel, replicate
 
 DT = torch.float64
@@ -770,3 +772,56 @@ def test_inplace_on_leaf_requiring_grad_warns_once_and_is_correct(monkeypatch, r
         for a, b in ((gx, rx), (gw, rw), (gb, rb)):
             torch.testing.assert_close(a, b, **TOL)
     assert_same_state(layer, ref)
+
+
+class _GraphWatch(torch.autograd.Function):
+    """Identity whose autograd node holds a marker: the marker dies with the graph."""
+
+    alive: set[int] = set()
+
+    @staticmethod
+    def forward(ctx, x):
+        marker = threading.Event()  # any object that can be weakly referenced
+        _GraphWatch.alive.add(id(marker))
+        weakref.finalize(marker, _GraphWatch.alive.discard, id(marker))
+        ctx.marker = marker
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class _Watched(nn.Module):
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x):
+        return self.layer(_GraphWatch.apply(x))
+
+
+@pytest.mark.parametrize("backward", [False, True], ids=["no backward", "backward"])
+@pytest.mark.parametrize("inplace", [False, True])
+def test_dropped_output_frees_the_whole_graph(backward, inplace):
+    """No reference cycle keeps a synchronised call's graph (and the activations it saved)
+    alive once its output is dropped, with or without a backward: Python's collector cannot
+    break cycles that pass through autograd's C++ nodes, so it must be freed by refcount."""
+    model = SimulatedDataParallel(_Watched(SyncBatchNorm(3, activation="elu", inplace=inplace)), 3)
+    x = torch.randn(6, 3, 4, dtype=DT, requires_grad=True)
+    _GraphWatch.alive.clear()
+    for _ in range(3):
+        out = model(x)
+        if backward:
+            out.sum().backward()
+        del out
+    assert _GraphWatch.alive == set()
+
+
+def test_dropped_cross_process_merge_frees_its_graph():
+    """The same for ``merge_stats`` (the cross-process merge), whose backward needs invstd."""
+    _GraphWatch.alive.clear()
+    means = _GraphWatch.apply(torch.randn(2, 3, dtype=DT, requires_grad=True))
+    merged = merge_stats(means, torch.rand(2, 3, dtype=DT), [4, 5], 1e-5)
+    del means, merged
+    assert _GraphWatch.alive == set()
