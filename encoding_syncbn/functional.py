@@ -353,10 +353,10 @@ class MergeReplicas(torch.autograd.Function):
         coefficients: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         grads = []
         for link, needed in zip(ctx.links, ctx.needs_input_grad[_MERGE_LEADING_ARGS:]):
-            saved = link.saved
             if not needed:
                 grads.append(None)
                 continue
+            saved = link.saved
             if saved is None:
                 raise RuntimeError(
                     "SyncBatchNorm: a replica's input gradient needs its normalisation's "
@@ -385,8 +385,9 @@ def _through_statistics(grad_mean, grad_m2, mean, total: float, saved: _Saved):
     number operand (``g * 2``) into a tensor, which costs more than the arithmetic.
     """
     device = saved.mean.device
-    coef_xhat = coef_const = torch.zeros_like(saved.mean)
-    if grad_m2 is not None:
+    if grad_m2 is None:
+        coef_xhat = coef_const = torch.zeros_like(saved.mean)
+    else:
         grad_m2 = on_device(grad_m2, device)
         twice_grad_m2 = grad_m2 + grad_m2
         coef_xhat = twice_grad_m2 / saved.invstd
