@@ -322,6 +322,23 @@ def test_backward_gpu_tile_shapes(monkeypatch):
         _check_backward(shape, fmt, torch.float64, "elu", True)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_gpu_tiles_keep_in_tile_offsets_within_int32(dtype):
+    """The kernels address a tile's elements with int32 offsets from its start: images of
+    over 2**31 / 32 elements each (a (32, 96, 1025, 1025) batch) must get the one-image tile,
+    whose offsets fit, not the 64-wide one that the padding cost alone would choose."""
+    for n, c, s in [(32, 96, 1025 * 1025), (32, 256, 769 * 769), (40, 3, 5 * 13)]:
+        geo = T._Geometry(False, n, c, s)
+        tile = T._pick_tile(geo, dtype, interpret=False)
+        assert (min(tile.block_a, n) - 1) * c * s + tile.block_b - 1 < 2**31, (geo, tile)
+        if c * s < 2**31 // 64:  # the 64-wide tile is safe and pads least: still chosen
+            assert tile.block_b == T._NCHW_WIDTH
+    # channels_last: rows of C channels; only absurd channel counts overflow.
+    assert T._pick_tile(T._Geometry(True, 8, 2**24, 4), dtype, interpret=False).block_b == 64
+    with pytest.raises(ValueError, match="channels are too many"):
+        T._pick_tile(T._Geometry(True, 8, 2**28, 4), dtype, interpret=False)
+
+
 def test_elu_inverse_clamp_matches_reference():
     # Outputs at or just above -alpha (rounding can put y / alpha below -1): clamped, finite.
     alpha = 1.3

@@ -73,6 +73,7 @@ _ELEMENTWISE_PROGRAMS_PER_SM = 16
 _INTERPRET_PROGRAMS = 16
 # CUDA limits grid axis 1 to 65535; splits beyond that take more tiles each instead.
 _MAX_SPLITS = 65535
+_INT32_MAX = 2**31 - 1
 # The partial-merge kernels: [_MERGE_ROWS splits, _MERGE_CHANNELS channels] per step.
 _MERGE_ROWS = 16
 _MERGE_CHANNELS = 64
@@ -91,7 +92,8 @@ def _tile(t, c0, N, C, S, R, CS, tiles_s, CHANNELS_LAST: tl.constexpr, BLOCK_A: 
     """``(base, local, mask)`` of tile ``t`` of the channel block starting at ``c0``.
 
     ``base`` is a scalar int64 element offset, ``local`` the int32 offsets inside the tile:
-    per-element address arithmetic stays 32-bit while tensors may exceed 2**31 elements.
+    per-element address arithmetic stays 32-bit while tensors may exceed 2**31 elements
+    (``_pick_tile`` only picks tiles whose offsets fit).
     """
     a = tl.arange(0, BLOCK_A)[:, None]
     b = tl.arange(0, BLOCK_B)[None, :]
@@ -322,16 +324,31 @@ def tile_choices(channels_last: bool, dtype: torch.dtype, interpret: bool = INTE
     return Tile(elems // _NCHW_WIDTH, _NCHW_WIDTH), Tile(1, elems)
 
 
+def _offsets_fit(geo: _Geometry, tile: Tile) -> bool:
+    """Whether every element a tile reads lies within int32 of the tile's start: ``_tile``
+    keeps the in-tile offsets (rows times the row stride, C*S in NCHW) in 32 bits."""
+    row_stride, rows = (geo.c, geo.n * geo.s) if geo.channels_last else (geo.c * geo.s, geo.n)
+    return (min(tile.block_a, rows) - 1) * row_stride + tile.block_b - 1 <= _INT32_MAX
+
+
 def _pick_tile(geo: _Geometry, dtype: torch.dtype, interpret: bool) -> Tile:
     """The tile with the least padding over the (rows, channels) or (images, positions) extent;
-    ties go to the wider tile (longer contiguous runs, fewer channel blocks)."""
+    ties go to the wider tile (longer contiguous runs, fewer channel blocks). Only tiles whose
+    offsets fit in int32: NCHW's one-row tile always does."""
     extent_a, extent_b = (geo.n * geo.s, geo.c) if geo.channels_last else (geo.n, geo.s)
 
     def cost(t: Tile) -> tuple[int, int]:
         padded = triton.cdiv(extent_a, t.block_a) * t.block_a
         return padded * triton.cdiv(extent_b, t.block_b) * t.block_b, -t.block_b
 
-    return min(tile_choices(geo.channels_last, dtype, interpret), key=cost)
+    choices = [t for t in tile_choices(geo.channels_last, dtype, interpret)
+               if _offsets_fit(geo, t)]
+    if not choices:
+        raise ValueError(
+            f"{geo.c} channels are too many for the Triton kernels' 32-bit in-tile offsets "
+            "in channels_last; use a contiguous (NCHW) input or the torch backend"
+        )
+    return min(choices, key=cost)
 
 
 @functools.cache
