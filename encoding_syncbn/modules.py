@@ -390,12 +390,24 @@ _warned_out_of_place = threading.Event()
 
 
 def _can_overwrite(x: torch.Tensor) -> bool:
-    """Whether autograd lets a custom Function overwrite ``x``; warn once if not."""
+    """Whether ``x`` may be overwritten by a custom Function; warn once if not.
+
+    Checked before anything is computed or updated: a refusal by autograd inside the Function
+    would come after the input, and the running statistics, had been written.
+    """
     reason = None
     if x.requires_grad and x.is_leaf:
         reason = "a leaf tensor that requires grad"
     elif torch.compiler.is_compiling():
         pass  # Dynamo cannot inspect view provenance; the traced graph is functionalised
+    elif x.is_inference() and not torch.is_inference_mode_enabled():
+        # Made under torch.inference_mode, used outside it (DataParallel's replica threads do
+        # not inherit the mode): torch refuses in-place updates there.
+        reason = "an inference tensor outside inference mode"
+    elif torch._debug_has_internal_overlap(x) == _OVERLAPS:
+        reason = "a tensor whose elements share memory (torch.expand, ...)"
+    elif x._is_view() and x._base.requires_grad and x._base.is_leaf:
+        reason = "a view of a leaf tensor that requires grad"
     elif x._is_view() and _view_kind(x) != _PLAIN_VIEW:
         # Autograd refuses in-place writes to views made by a multi-output op (chunk, split,
         # unbind, DataParallel's scatter), inside a custom Function, or in no-grad mode.
@@ -405,12 +417,15 @@ def _can_overwrite(x: torch.Tensor) -> bool:
     if not _warned_out_of_place.is_set():
         _warned_out_of_place.set()
         warnings.warn(
-            f"SyncBatchNorm(inplace=True) got {reason}, which autograd does not allow to be "
-            "overwritten; computing out of place (this warning is shown once)",
+            f"SyncBatchNorm(inplace=True) got {reason}, which cannot be overwritten; "
+            "computing out of place (this warning is shown once)",
             stacklevel=4,
         )
     return False
 
 
 _view_kind = torch._C._autograd._get_creation_meta
+# torch._debug_has_internal_overlap's answer for "some elements share memory" (0: none,
+# 2: too hard to tell, which strided views are; they are written correctly).
+_OVERLAPS = 1
 _PLAIN_VIEW = torch._C._autograd.CreationMeta.DEFAULT

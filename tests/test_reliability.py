@@ -774,6 +774,46 @@ def test_inplace_on_leaf_requiring_grad_warns_once_and_is_correct(monkeypatch, r
     assert_same_state(layer, ref)
 
 
+def _inference_tensor(x: torch.Tensor) -> torch.Tensor:
+    with torch.inference_mode():
+        return x.clone()
+
+
+@pytest.mark.parametrize("make_input", [
+    lambda base: base.requires_grad_()[1:],
+    lambda base: base.requires_grad_().transpose(2, 3),
+    lambda base: base[:1].expand(9, -1, -1, -1),
+    _inference_tensor,
+], ids=["slice of a leaf", "transpose of a leaf", "expanded", "inference tensor"])
+def test_inplace_on_an_input_that_cannot_be_overwritten_is_out_of_place(monkeypatch, make_input):
+    """Refused before anything is written: the input and its base stay as they were, and the
+    result and gradients are those of nn.BatchNorm2d + leaky_relu."""
+    monkeypatch.setattr(sbn_modules, "_warned_out_of_place", threading.Event())
+    layer = SyncBatchNorm(4, activation="leaky_relu", slope=0.1, dtype=DT)
+    ref = nn.BatchNorm2d(4, dtype=DT)
+    with torch.no_grad():
+        for m in (layer, ref):
+            m.weight.copy_(torch.tensor([1.5, -0.7, 0.3, 2.0]))
+            m.bias.copy_(torch.tensor([0.1, -0.2, 0.3, 0.0]))
+    base = torch.randn(9, 4, 3, 3, dtype=DT)
+    x = make_input(base)
+    kept = base.detach().clone()
+    # Autograd cannot save an inference tensor, for nn.BatchNorm2d neither: use it without.
+    with torch.set_grad_enabled(not x.is_inference()):
+        with pytest.warns(UserWarning, match="computing out of place"):
+            out = layer(x)
+    assert torch.equal(base.detach(), kept)
+    expected = F.leaky_relu(ref(x.detach().clone()), 0.1)
+    torch.testing.assert_close(out, expected, **TOL)
+    assert_same_state(layer, ref)
+    if base.requires_grad:
+        dy = torch.randn_like(expected)
+        xr = x.detach().clone().requires_grad_()
+        (gx,) = torch.autograd.grad((out * dy).sum(), x)
+        (rx,) = torch.autograd.grad((F.leaky_relu(ref(xr), 0.1) * dy).sum(), xr)
+        torch.testing.assert_close(gx, rx, **TOL)
+
+
 class _GraphWatch(torch.autograd.Function):
     """Identity whose autograd node holds a marker: the marker dies with the graph."""
 
