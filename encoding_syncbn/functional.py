@@ -82,6 +82,11 @@ class _Link:
         self.config: ActConfig | None = None
         self.scale: torch.Tensor | None = None  # weight * invstd
 
+    def clear(self) -> None:
+        """Drop y and dy. While filled, the link closes a cycle through autograd's C++ nodes
+        (y -> its node -> ctx.link -> y) that Python's collector cannot see."""
+        self.saved = self.grad_output = self.scale = None
+
 
 def _small_gamma(weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """The channels' indices whose output cannot be inverted: ``(k,)``, sized by the data."""
@@ -290,6 +295,9 @@ class NormAct(torch.autograd.Function):
             link.saved, link.grad_output, link.config, link.scale = (
                 saved, grad_output, config, scale
             )
+            # The merge's backward empties the link; one that stops short of the merge
+            # (``autograd.grad`` of the parameters alone) must not leave it filled.
+            _ENGINE.queue_callback(link.clear)
         elif ctx.needs_input_grad[0]:
             zeros = torch.zeros_like(scale)
             grad_input = _input_grad(saved, grad_output, config, scale, zeros, zeros)
@@ -321,6 +329,9 @@ def replica_stats(x: torch.Tensor) -> ReplicaStats:
         mean, m2, count = ops_for(x).channel_stats(x)
     return ReplicaStats(x, mean, m2, count, _Link())
 
+
+# Runs callbacks at the end of the current backward pass.
+_ENGINE = torch.autograd.Variable._execution_engine
 
 # MergeReplicas.forward's arguments before the replicas' inputs.
 _MERGE_LEADING_ARGS = 5
@@ -369,7 +380,7 @@ class MergeReplicas(torch.autograd.Function):
                 )
             grads.append(_input_grad(saved, link.grad_output, link.config, link.scale,
                                      *coefficients[device]))
-            link.saved = link.grad_output = None  # free y and dy as soon as dx exists
+            link.clear()  # free y and dy as soon as dx exists
         return (None,) * _MERGE_LEADING_ARGS + tuple(grads)
 
 
