@@ -270,8 +270,9 @@ def rendezvous_us(replicas: int = 4, rounds: int = 2000) -> dict[str, float]:
     from encoding_syncbn.sync import ReplicaGroup, ReplicaSession
 
     group = ReplicaGroup(ReplicaSession(), "rendezvous")
-    for _ in range(replicas):
-        group.add_member()
+    members = [threading.Event() for _ in range(replicas)]  # stand-ins for the replicas
+    for member in members:
+        group.add_member(member)
     group.close()
     barrier = threading.Barrier(replicas)
 

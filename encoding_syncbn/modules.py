@@ -153,7 +153,7 @@ class SyncBatchNorm(_BatchNorm):
                 small_gamma_channels(self.weight, self.bias) if self.inplace else None
             )
         replica = super()._replicate_for_data_parallel()
-        replica._replica_slot = _ReplicaSlot(group, group.add_member())
+        replica._replica_slot = _ReplicaSlot(group, group.add_member(replica))
         replica._open_group = None
         replica._recompute_cache = deque(maxlen=_RECOMPUTE_CACHE_SIZE)
         replica._aside = self._open_aside

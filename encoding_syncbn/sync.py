@@ -30,6 +30,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+import weakref
 from typing import Any, Callable, NamedTuple
 
 TIMEOUT_ENV = "ENCODING_SYNCBN_TIMEOUT"
@@ -128,6 +129,7 @@ class ReplicaGroup:
         self.closed = False
         self._lock = threading.Lock()
         self._meeting: _Meeting | None = None
+        self._members: list[weakref.ref] = []
         self._gates: list[threading.Lock] = []
         self._replies: list[Reply | None] = []
         self._calls_begun: list[int] = []
@@ -136,10 +138,12 @@ class ReplicaGroup:
     def size(self) -> int:
         return len(self._gates)
 
-    def add_member(self) -> int:
-        """Append one replica (called by ``replicate()``, in rank order); returns its rank."""
+    def add_member(self, member: Any) -> int:
+        """Append the replica ``member`` (called by ``replicate()``, in rank order); returns its
+        rank. Only a weak reference is kept: see ``accepts_members``."""
         if self.closed:
             raise RuntimeError(f"{self.label}: cannot add a replica after the group has run")
+        self._members.append(weakref.ref(member))
         gate = threading.Lock()
         gate.acquire()  # closed until the master (or, for the master, the last arrival) opens it
         self._gates.append(gate)
@@ -152,14 +156,17 @@ class ReplicaGroup:
         """Whether this layer's next replica joins this group rather than a new one.
 
         Not once any replica of the session has run a sync layer (even one whose own layer
-        never ran: an unused branch, or a failed step), nor when other layers were replicated
-        after this one's members: that is a new ``replicate()`` call after a step in which no
-        replica reached a sync layer. Then the stale session is closed too, so that the new
-        call gets a new session.
+        never ran: an unused branch, or a failed step). Nor when a step in which no replica
+        reached a sync layer came before: ``replicate()`` holds every replica it makes until it
+        returns, so a member that has been freed belongs to an earlier call; and other layers
+        replicated after this one's members mean a new call too (that catches replicas still
+        held, by an exception's traceback say, in a model with several sync layers). Then the
+        stale session is closed too, so that the new call gets a new session.
         """
         if self.closed or self.session.closed:
             return False
-        if self.size and self.session.last_grown is not self:
+        stale = any(member() is None for member in self._members)
+        if stale or (self.size and self.session.last_grown is not self):
             self.session.closed = True
             return False
         return True
@@ -202,9 +209,11 @@ class ReplicaGroup:
     def gather(self, call: int, own: Any) -> list[Any]:
         """Master: every rank's payload for ``call``, in rank order (its own first)."""
         meeting = self._arrive(0, call, own)
-        self._wait(0, call, lambda: self._still_missing(meeting))
-        with self._lock:
-            self._meeting = None
+        try:
+            self._wait(0, call, lambda: self._still_missing(meeting))
+        finally:  # a failed call keeps no payload (they hold the replicas' graphs) either
+            with self._lock:
+                self._meeting = None
         return meeting.payloads
 
     def _still_missing(self, meeting: _Meeting) -> list[int]:
@@ -219,8 +228,12 @@ class ReplicaGroup:
 
     def exchange(self, rank: int, call: int, payload: Any) -> Any:
         """Rank > 0: leave the master this call's payload and wait for the answer."""
-        self._arrive(rank, call, payload)
-        self._wait(rank, call, lambda: [0])
+        meeting = self._arrive(rank, call, payload)
+        try:
+            self._wait(rank, call, lambda: [0])
+        except BaseException:
+            meeting.payloads[rank] = None  # the master failed: drop what it will never take
+            raise
         reply, self._replies[rank] = self._replies[rank], None
         if reply is None or reply.call != call:
             raise self._error(f"expected the master's answer to call {call}, got {reply}", rank)

@@ -132,5 +132,13 @@ class SimulatedDataParallel(nn.Module):
         failures = [error for error in errors if error is not None]
         if failures:
             original = [error for error in failures if not isinstance(error, SyncError)]
-            raise (original or failures)[0]
+            first = (original or failures)[0]
+            # Hold no exception in this frame: the traceback holds the frame, so that would be
+            # a cycle keeping the failed step's replicas and graphs alive until a gc pass.
+            errors.clear()
+            del failures, original
+            try:
+                raise first
+            finally:
+                first = None
         return _gather(outputs)

@@ -6,6 +6,7 @@ batch) in float64. No test can hang: ``ENCODING_SYNCBN_TIMEOUT`` is small unless
 from __future__ import annotations
 
 import copy
+import gc
 import io
 import pickle
 import random
@@ -313,6 +314,90 @@ def test_step_after_failed_step_is_correct(monkeypatch, fault):
             torch.testing.assert_close(g, rg, **TOL)
         assert_same_state(net, ref)
     assert failed.value is not None
+
+
+class _OneSyncLayer(nn.Module):
+    """A model whose only sync layer a step may skip: its replicas fail before it, or it
+    sits in a head used only in training."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3, 4, dtype=DT)
+        self.aux = SyncBatchNorm(4, activation="leaky_relu", dtype=DT)
+        self.fail = False
+
+    def forward(self, x):
+        h = self.fc(x)
+        if self.fail:
+            raise UserError("before the only sync layer")
+        return h + self.aux(h * 1) if self.training else h
+
+
+def _fail_before_the_layer(model, parallel, x):
+    model.fail = True
+    with pytest.raises(UserError):
+        parallel(x)
+    model.fail = False
+
+
+def _two_eval_steps(model, parallel, x):
+    model.eval()
+    parallel(x)
+    parallel(x)
+    model.train()
+
+
+@pytest.mark.parametrize("skip", [_fail_before_the_layer, _two_eval_steps],
+                         ids=["replicas failed before it", "eval steps"])
+def test_steps_that_never_reach_the_only_sync_layer_do_not_grow_its_group(monkeypatch, skip):
+    """Its replicas of those steps were made and freed without running: the next step's
+    replicas form a group of their own (not one with the dead ones, waiting for them)."""
+    monkeypatch.setenv(sbn_sync.TIMEOUT_ENV, "0.5")
+    model = _OneSyncLayer()
+    parallel = SimulatedDataParallel(model, 2)
+    x = torch.randn(6, 3, dtype=DT)
+    parallel(x)
+    skip(model, parallel, x)
+    ref_layer = nn.BatchNorm1d(4, dtype=DT)
+    ref_layer.load_state_dict(model.aux.state_dict())
+    x = torch.randn(6, 3, dtype=DT)
+    out = parallel(x)
+    with torch.no_grad():
+        h = model.fc(x)
+        expected = h + F.leaky_relu(ref_layer(h), 0.01)
+    torch.testing.assert_close(out, expected, **TOL)
+    assert_same_state(model.aux, ref_layer)
+
+
+def test_failed_step_frees_its_graph_without_a_gc_pass():
+    """A replica raises between two sync layers: once the caller drops the exception, the
+    step's graph is freed by reference counting (no payload stays in a meeting, no cycle
+    through the exception's traceback)."""
+
+    class Failing(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = SyncBatchNorm(3, dtype=DT)
+            self.b = SyncBatchNorm(3, dtype=DT)
+
+        def forward(self, x):
+            h = self.a(_GraphWatch.apply(x))
+            if x[0, 0, 0] == 1234.0:
+                raise UserError("between the layers")
+            return self.b(h)
+
+    parallel = SimulatedDataParallel(Failing(), 3)
+    x = torch.randn(6, 3, 2, dtype=DT, requires_grad=True)
+    with torch.no_grad():
+        x[2, 0, 0] = 1234.0  # in the chunk of replica 1
+    _GraphWatch.alive.clear()
+    gc.disable()
+    try:
+        with pytest.raises(UserError):
+            parallel(x)
+        assert _GraphWatch.alive == set()
+    finally:
+        gc.enable()
 
 
 # ---- 4. several layers, one layer several times, and out-of-order calls ---------------------
@@ -635,9 +720,9 @@ def test_checkpoint_non_reentrant_matches_plain_run(monkeypatch):
         out_r, grads_r = step(ref, opts[2], x, y)
         torch.testing.assert_close(out_c, out_p, **TOL)
         torch.testing.assert_close(out_c, out_r, **TOL)
-        for gc, gp, gr in zip(grads_c, grads_p, grads_r):
-            torch.testing.assert_close(gc, gp, **TOL)
-            torch.testing.assert_close(gc, gr, **TOL)
+        for g_c, gp, gr in zip(grads_c, grads_p, grads_r):
+            torch.testing.assert_close(g_c, gp, **TOL)
+            torch.testing.assert_close(g_c, gr, **TOL)
         assert_same_state(ckpt, plain)  # running stats updated once a step, not at recompute
         assert_same_state(ckpt, ref)
     assert int(ckpt.block1.bn1.num_batches_tracked) == 3
