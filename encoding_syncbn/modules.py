@@ -237,11 +237,8 @@ class SyncBatchNorm(_BatchNorm):
         recomputing = _inside_backward()
         updates_running = self.training and self.track_running_stats and not recomputing
         group_size = slot.group.size if slot is not None else 1
-        synced = (
-            self.training
-            and self.sync
-            and (group_size > 1 or distributed.is_active(self.process_group))
-        )
+        # Batch statistics are the whole batch's, in evaluation too (track_running_stats=False).
+        synced = self.sync and (group_size > 1 or distributed.is_active(self.process_group))
         if synced:
             if recomputing:
                 return self._recompute(x, weight, bias, config)
@@ -258,7 +255,8 @@ class SyncBatchNorm(_BatchNorm):
             )
         if count == 0:
             self._track_batch(updates_running, None, None, 0)
-            return x if config.inplace else x.clone()
+            # Empty, and attached to the parameters (zero gradients) as nn.BatchNorm's result.
+            return torch.nn.functional.batch_norm(x, None, None, weight, bias, True, 0.0, self.eps)
         out, mean, m2 = batch_norm_act(x, weight, bias, self.eps, config)
         self._track_batch(updates_running, mean, m2, count)
         return out

@@ -308,27 +308,35 @@ def test_constructor_options_of_batchnorm(options, replicas):
     twin = plain_twin(layer, 3)
     run_steps(layer, twin, lambda s: torch.randn(6, C, 3, dtype=torch.float64) + s, replicas,
               "identity", steps=4)
-    if not layer.track_running_stats:  # in eval too, batch statistics are used
+    if not layer.track_running_stats:  # in eval too, the whole batch's statistics are used
         layer.eval()
         twin.eval()
         x = torch.randn(4, C, 3, dtype=torch.float64)
-        assert_close(layer(x.clone()), twin(x))
+        assert_close(SimulatedDataParallel(layer, replicas)(x.clone()), twin(x))
     if options.get("bias") is False:
         assert "bias" not in layer.state_dict()
 
 
+@pytest.mark.parametrize("shape,replicas", [((0, C, 3, 3), 1), ((4, C, 0, 3), 1),
+                                            ((4, C, 0, 3), 2)])
 @pytest.mark.parametrize("momentum", [0.1, None])
-def test_empty_batch_like_batchnorm(momentum):
+def test_empty_batch_like_batchnorm(momentum, shape, replicas):
+    """An empty output still attached to the parameters (zero gradients), and the running
+    statistics as nn.BatchNorm leaves them."""
     layer = make_layer("leaky_relu", momentum=momentum)
     twin = plain_twin(layer, 4)
     with torch.no_grad():
         for module in (layer, twin):
             module.running_mean.fill_(2.0)
             module.running_var.fill_(3.0)
-    x = torch.randn(0, C, 3, 3, dtype=torch.float64)
-    out = layer(x.clone())
+    x = torch.randn(shape, dtype=torch.float64)
+    out = SimulatedDataParallel(layer, replicas)(x.clone().requires_grad_() * 1)
     assert out.shape == x.shape
-    twin(x)
+    expected = twin(x.clone().requires_grad_())
+    out.sum().backward()
+    expected.sum().backward()
+    assert_close(layer.weight.grad, twin.weight.grad, what="weight grad")
+    assert_close(layer.bias.grad, twin.bias.grad, what="bias grad")
     assert_close(layer.running_mean, twin.running_mean)
     assert_close(layer.running_var, twin.running_var)
     assert layer.num_batches_tracked.item() == twin.num_batches_tracked.item() == 1
