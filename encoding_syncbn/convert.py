@@ -9,14 +9,17 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from .modules import SyncBatchNorm
 
+# In place where torch can differentiate that: not for leaky_relu or elu with slope <= 0.
 _ACTIVATION_MODULES = {
     "relu": lambda slope: nn.ReLU(inplace=True),
-    "leaky_relu": lambda slope: nn.LeakyReLU(slope, inplace=True),
-    "elu": lambda slope: nn.ELU(slope, inplace=True),
+    "leaky_relu": lambda slope: nn.LeakyReLU(slope, inplace=slope > 0),
+    "elu": lambda slope: nn.ELU(slope, inplace=slope > 0),
 }
 _BATCHNORM_BY_INPUT_DIM = {
     2: nn.BatchNorm1d, 3: nn.BatchNorm1d, 4: nn.BatchNorm2d, 5: nn.BatchNorm3d
 }
+# What a converted layer remembers as its input's rank until it sees one.
+_INPUT_DIM_BY_BATCHNORM = {nn.BatchNorm1d: 3, nn.BatchNorm2d: 4, nn.BatchNorm3d: 5}
 
 
 def _share_state(source: _BatchNorm, target: _BatchNorm) -> _BatchNorm:
@@ -47,6 +50,7 @@ def convert_sync_batchnorm(module: nn.Module, process_group: Any = None) -> nn.M
             device="meta",
             bias=module.bias is not None or not module.affine,
         )
+        converted._last_input_dim[0] = _INPUT_DIM_BY_BATCHNORM.get(type(module))
         return _share_state(module, converted)
     for name, child in module.named_children():
         new_child = convert_sync_batchnorm(child, process_group)
@@ -59,8 +63,9 @@ def revert_sync_batchnorm(module: nn.Module) -> nn.Module:
     """Return ``module`` with every ``SyncBatchNorm`` replaced by plain ``nn.BatchNorm*d``.
 
     The class follows the last input the layer saw (1d for 2-D and 3-D inputs, 3d for 5-D,
-    2d otherwise). A fused activation comes back as its own module after the BatchNorm, in an
-    ``nn.Sequential``. Parameters and buffers are shared, not copied.
+    2d otherwise), or before any, the class it was converted from. A fused activation comes
+    back as its own module after the BatchNorm, in an ``nn.Sequential``. Parameters and
+    buffers are shared, not copied.
     """
     if isinstance(module, SyncBatchNorm):
         cls = _BATCHNORM_BY_INPUT_DIM.get(module.last_input_dim, nn.BatchNorm2d)

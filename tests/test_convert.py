@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from reference import assert_close
 from torch import nn
@@ -85,3 +86,27 @@ def test_revert_gives_plain_batchnorm_and_activation_module():
     plain.eval()
     assert_close(plain(x.clone()), expected_eval)
     assert expected.shape == x.shape
+
+
+@pytest.mark.parametrize("cls,shape", [(nn.BatchNorm1d, (4, 3)), (nn.BatchNorm1d, (4, 3, 5)),
+                                       (nn.BatchNorm2d, (4, 3, 2, 2)),
+                                       (nn.BatchNorm3d, (4, 3, 2, 2, 2))])
+def test_revert_before_any_forward_gives_the_class_converted_from(cls, shape):
+    plain = revert_sync_batchnorm(convert_sync_batchnorm(nn.Sequential(cls(3))))
+    assert type(plain[0]) is cls
+    plain(torch.randn(shape))  # the reverted layer accepts the original's inputs
+
+
+@pytest.mark.parametrize("activation", ["leaky_relu", "elu"])
+@pytest.mark.parametrize("slope", [-0.3, 0.0, 0.2])
+def test_reverted_activation_trains_for_any_slope(activation, slope):
+    """Out of place, the layer takes any slope; the reverted activation must differentiate
+    like it (torch cannot run in-place leaky_relu / elu backward for slope <= 0)."""
+    layer = SyncBatchNorm(3, activation=activation, slope=slope, inplace=False).double()
+    x = torch.randn(6, 3, 4, dtype=torch.float64, requires_grad=True)
+    out = layer(x)
+    (expected,) = torch.autograd.grad(out.square().sum(), x)
+    plain = revert_sync_batchnorm(layer)
+    layer_x = x.detach().clone().requires_grad_()
+    (grad,) = torch.autograd.grad(plain(layer_x * 1).square().sum(), layer_x)
+    assert_close(grad, expected)
