@@ -179,6 +179,29 @@ def test_layer_called_twice_in_one_forward():
 
 
 @pytest.mark.parametrize("replicas", [1, 3])
+def test_inplace_elu_deep_in_saturation_float64(replicas):
+    """Pre-activations down to about -19: y + alpha ~ 1e-8 alpha, which float64 still holds to
+    ~1e-8 relative, so the rebuilt input and the gradients stay exact to ~1e-8 (an inverse
+    clamped at fp32's floor, z >= -16.1, was off by a third of a standard deviation there)."""
+    layer = make_layer("elu", True)
+    with torch.no_grad():
+        layer.weight.copy_(torch.tensor([11.0, -11.0, 1.0, 2.0]))
+        layer.bias.zero_()
+    twin = plain_twin(layer, 3)
+    x = torch.linspace(-1, 1, 6 * 5, dtype=torch.float64).view(5, 6).t().reshape(6, 1, 5)
+    x = x.expand(6, C, 5).contiguous()
+    grad = torch.randn(x.shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    expected, expected_dx = reference_step(twin, x, grad, "elu", SLOPES["elu"])
+    assert expected.min() + SLOPES["elu"] < 1e-7  # saturated far below fp32's floor
+    leaf = x.clone().requires_grad_()
+    out = SimulatedDataParallel(layer, replicas)(leaf * 1)
+    out.backward(grad)
+    assert_close(out, expected)
+    torch.testing.assert_close(leaf.grad, expected_dx, rtol=0, atol=1e-7)
+    torch.testing.assert_close(layer.weight.grad, twin.weight.grad, rtol=0, atol=1e-7)
+
+
+@pytest.mark.parametrize("replicas", [1, 3])
 def test_large_offset_float32(replicas):
     """mean 1e4, std 0.5 in float32: E[x^2] - E[x]^2 would lose the variance entirely."""
     layer = make_layer("leaky_relu", dtype=torch.float32)

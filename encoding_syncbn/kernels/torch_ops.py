@@ -33,9 +33,13 @@ import torch
 #: Activations and whether they can be inverted (needed to run in place).
 ACTIVATIONS = {"none": True, "identity": True, "leaky_relu": True, "elu": True, "relu": False}
 
-# ELU's inverse log1p(y / alpha) diverges as y -> -alpha; rounding can even put y / alpha below
-# -1. Clamping keeps z finite; such elements carry a vanishing gradient (dz = dy * (y + alpha)).
-_ELU_INVERSE_FLOOR = -1.0 + 1e-7
+
+def elu_inverse_floor(dtype: torch.dtype) -> float:
+    """Where ELU's inverse ``log1p(y / alpha)`` is clamped: the ``dtype`` number nearest -1
+    from above. The inverse diverges as y -> -alpha, and rounding can even put y / alpha below
+    -1; clamped elements carry a vanishing gradient (dz = dy * (y + alpha)). Any higher floor
+    would cut off z that ``dtype`` still holds (down to -16.6 in fp32, -36.7 in fp64)."""
+    return -1.0 + torch.finfo(dtype).eps / 2
 
 
 def stats_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -211,7 +215,7 @@ def _xhat_dz(saved, dy, mean, invstd, weight, inverse_weight, bias, activation: 
         elif activation == "elu":  # z = y where y > 0, log1p(y / alpha) (clamped) elsewhere
             aten.elu_backward.grad_input(dy, slope, 1, 1, True, y, grad_input=dz)
             torch.clamp(y, max=0, out=aux).div_(slope)
-            aux.clamp_(min=_ELU_INVERSE_FLOOR).log1p_()
+            aux.clamp_(min=elu_inverse_floor(aux.dtype)).log1p_()
             torch.clamp(y, min=0, out=xhat).add_(aux)
         else:
             dz.copy_(dy)

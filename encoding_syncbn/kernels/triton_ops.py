@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from .torch_ops import _ELU_INVERSE_FLOOR, stats_dtype
+from .torch_ops import elu_inverse_floor, stats_dtype
 
 #: Whether kernels run in Triton's CPU interpreter (fixed when ``triton.jit`` wrapped them).
 INTERPRET: bool = bool(triton.knobs.runtime.interpret)
@@ -78,7 +78,8 @@ _INT32_MAX = 2**31 - 1
 _MERGE_ROWS = 16
 _MERGE_CHANNELS = 64
 
-_ELU_FLOOR = tl.constexpr(_ELU_INVERSE_FLOOR)
+_ELU_FLOOR_FP32 = tl.constexpr(elu_inverse_floor(torch.float32))
+_ELU_FLOOR_FP64 = tl.constexpr(elu_inverse_floor(torch.float64))
 
 
 # --------------------------------------------------------------------------------------------
@@ -196,7 +197,7 @@ def _xhat_dz(s, dy, mean, invstd, weight, bias, slope, ACTIVATION: tl.constexpr,
     """``(xhat, dz)`` from the saved input ``x`` or output ``y``.
 
     from y:  leaky_relu  z = y if y > 0 else y / slope        dz = dy  or dy * slope
-             elu         z = y if y > 0 else log1p(max(y / alpha, -1 + 1e-7))
+             elu         z = y if y > 0 else log1p(max(y / alpha, -1 + ulp))
                                                                 dz = dy  or dy * (y + alpha)
              xhat = (z - bias) / weight
     from x:  xhat = (x - mean) * invstd,  z = xhat * weight + bias,  dz = dy * act'(z)
@@ -208,7 +209,11 @@ def _xhat_dz(s, dy, mean, invstd, weight, bias, slope, ACTIVATION: tl.constexpr,
             dz = tl.where(positive, dy, dy * slope)
         else:
             # elu (relu has no inverse; the launchers refuse it)
-            ratio = tl.maximum(s / slope, tl.full([], _ELU_FLOOR, s.dtype))
+            if s.dtype == tl.float64:
+                floor = tl.full([], _ELU_FLOOR_FP64, s.dtype)
+            else:
+                floor = tl.full([], _ELU_FLOOR_FP32, s.dtype)
+            ratio = tl.maximum(s / slope, floor)
             z = tl.where(positive, s, _log1p(ratio))
             dz = tl.where(positive, dy, dy * (s + slope))
         xhat = (z - bias) / weight
