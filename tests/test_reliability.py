@@ -827,15 +827,21 @@ def test_bad_constructor_arguments_raise_value_error(kwargs):
         SyncBatchNorm(**kwargs)
 
 
-@pytest.mark.parametrize("replicas", [None, 4])
-def test_inplace_on_leaf_requiring_grad_warns_once_and_is_correct(monkeypatch, replicas):
-    monkeypatch.setattr(sbn_modules, "_warned_out_of_place", threading.Event())
+def _inplace_layer_and_reference(reference_class: type[nn.Module]):
+    """An in-place leaky_relu layer, and ``reference_class`` with the same parameters."""
     layer = SyncBatchNorm(4, activation="leaky_relu", slope=0.1, dtype=DT)
-    ref = nn.BatchNorm1d(4, dtype=DT)
+    ref = reference_class(4, dtype=DT)
     with torch.no_grad():
         for m in (layer, ref):
             m.weight.copy_(torch.tensor([1.5, -0.7, 0.3, 2.0]))
             m.bias.copy_(torch.tensor([0.1, -0.2, 0.3, 0.0]))
+    return layer, ref
+
+
+@pytest.mark.parametrize("replicas", [None, 4])
+def test_inplace_on_leaf_requiring_grad_warns_once_and_is_correct(monkeypatch, replicas):
+    monkeypatch.setattr(sbn_modules, "_warned_out_of_place", threading.Event())
+    layer, ref = _inplace_layer_and_reference(nn.BatchNorm1d)
     runner = SimulatedDataParallel(layer, replicas) if replicas else layer
     dy = torch.randn(8, 4, 3, dtype=DT)
     for _ in range(2):
@@ -874,12 +880,7 @@ def test_inplace_on_an_input_that_cannot_be_overwritten_is_out_of_place(monkeypa
     """Refused before anything is written: the input and its base stay as they were, and the
     result and gradients are those of nn.BatchNorm2d + leaky_relu."""
     monkeypatch.setattr(sbn_modules, "_warned_out_of_place", threading.Event())
-    layer = SyncBatchNorm(4, activation="leaky_relu", slope=0.1, dtype=DT)
-    ref = nn.BatchNorm2d(4, dtype=DT)
-    with torch.no_grad():
-        for m in (layer, ref):
-            m.weight.copy_(torch.tensor([1.5, -0.7, 0.3, 2.0]))
-            m.bias.copy_(torch.tensor([0.1, -0.2, 0.3, 0.0]))
+    layer, ref = _inplace_layer_and_reference(nn.BatchNorm2d)
     base = torch.randn(9, 4, 3, 3, dtype=DT)
     x = make_input(base)
     kept = base.detach().clone()
