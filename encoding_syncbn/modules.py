@@ -423,7 +423,7 @@ def _can_overwrite(x: torch.Tensor) -> bool:
 
 
 _view_kind = torch._C._autograd._get_creation_meta
+_PLAIN_VIEW = torch._C._autograd.CreationMeta.DEFAULT
 # torch._debug_has_internal_overlap's answer for "some elements share memory" (0: none,
 # 2: too hard to tell, which strided views are; they are written correctly).
 _OVERLAPS = 1
-_PLAIN_VIEW = torch._C._autograd.CreationMeta.DEFAULT

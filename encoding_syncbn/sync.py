@@ -232,7 +232,9 @@ class ReplicaGroup:
         try:
             self._wait(rank, call, lambda: [0])
         except BaseException:
-            meeting.payloads[rank] = None  # the master failed: drop what it will never take
+            with self._lock:
+                if self._meeting is meeting:  # not taken by the master: it never will be
+                    meeting.payloads[rank] = None
             raise
         reply, self._replies[rank] = self._replies[rank], None
         if reply is None or reply.call != call:
