@@ -18,8 +18,8 @@ _ACTIVATION_MODULES = {
 _BATCHNORM_BY_INPUT_DIM = {
     2: nn.BatchNorm1d, 3: nn.BatchNorm1d, 4: nn.BatchNorm2d, 5: nn.BatchNorm3d
 }
-# What a converted layer remembers as its input's rank until it sees one.
-_INPUT_DIM_BY_BATCHNORM = {nn.BatchNorm1d: 3, nn.BatchNorm2d: 4, nn.BatchNorm3d: 5}
+# What a converted layer remembers as its input's rank until it sees one (1d: 3-D).
+_INPUT_DIM_BY_BATCHNORM = {cls: dim for dim, cls in _BATCHNORM_BY_INPUT_DIM.items()}
 
 
 def _share_state(source: _BatchNorm, target: _BatchNorm) -> _BatchNorm:

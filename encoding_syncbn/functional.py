@@ -44,6 +44,8 @@ from .kernels import compile_ops, ops_for, reference_ops
 # A channel is rebuilt from y only if |w| > _MIN_INVERTIBLE_GAMMA * max(1, |b|): xhat =
 # (z - b) / w amplifies z's rounding by |b| / |w|.
 _MIN_INVERTIBLE_GAMMA = 1e-3
+# Autograd's engine: runs callbacks at the end of the current backward pass.
+_ENGINE = torch.autograd.Variable._execution_engine
 
 
 class ActConfig(NamedTuple):
@@ -329,9 +331,6 @@ def replica_stats(x: torch.Tensor) -> ReplicaStats:
         mean, m2, count = ops_for(x).channel_stats(x)
     return ReplicaStats(x, mean, m2, count, _Link())
 
-
-# Runs callbacks at the end of the current backward pass.
-_ENGINE = torch.autograd.Variable._execution_engine
 
 # MergeReplicas.forward's arguments before the replicas' inputs.
 _MERGE_LEADING_ARGS = 5
