@@ -14,9 +14,14 @@ setup(
     ),
     long_description=(Path(__file__).parent / "README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",
+    license="MIT",
+    license_files=["LICENSE"],
     packages=find_packages(include=["encoding_syncbn", "encoding_syncbn.*"]),
+    # PEP 561: the package's type hints are visible to its users' type checkers.
+    package_data={"encoding_syncbn": ["py.typed"]},
     python_requires=">=3.9",
-    install_requires=["torch>=2.1", "numpy"],
+    # 2.4: the first release with torch.library.custom_op, register_fake and register_autograd.
+    install_requires=["torch>=2.4", "numpy"],
     extras_require={
         "test": ["pytest", "expecttest", "ruff", "triton; platform_system == 'Linux'"],
         "examples": ["tqdm", "matplotlib", "pillow"],
