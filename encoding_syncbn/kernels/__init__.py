@@ -33,11 +33,18 @@ _triton_import_error: str | None = None
 
 
 def set_backend(name: str) -> None:
-    """Select ``"auto"``, ``"torch"`` or ``"triton"`` for every layer of this process."""
+    """Select ``"auto"``, ``"torch"`` or ``"triton"`` for every layer of this process.
+
+    ``"triton"`` raises, and keeps the current backend, when the kernels cannot be imported.
+    """
     global _backend
-    _backend = _validated(name)
+    _validated(name)
     if name != "torch":
         _load_triton()  # now, not inside a traced (torch.compile) call
+    if name == "triton" and _triton_ops is None:
+        raise RuntimeError(f"set_backend('triton'): triton cannot be imported: "
+                           f"{_triton_import_error}; the 'torch' backend works without it")
+    _backend = name
 
 
 def get_backend() -> str:
@@ -51,7 +58,9 @@ def _load_triton() -> ModuleType | None:
     if _triton_ops is None and _triton_import_error is None:
         try:
             _triton_ops = importlib.import_module(f"{__name__}.triton_ops")
-        except ImportError as error:
+        # Not only ImportError: a Triton release that moved an API fails with AttributeError
+        # and the like, and must leave the torch backend working.
+        except Exception as error:
             _triton_import_error = f"{type(error).__name__}: {error}"
     return _triton_ops
 
