@@ -1,6 +1,6 @@
 """Synchronized BatchNorm for ``nn.DataParallel`` and ``torch.distributed``, with In-Place ABN."""
 
-from .convert import convert_sync_batchnorm, revert_sync_batchnorm
+from .convert import convert_sync_batchnorm, register_conversion, revert_sync_batchnorm
 from .kernels import get_backend, set_backend
 from .modules import SyncBatchNorm
 from .sync import SyncError
@@ -12,6 +12,7 @@ __all__ = [
     "__version__",
     "convert_sync_batchnorm",
     "get_backend",
+    "register_conversion",
     "revert_sync_batchnorm",
     "set_backend",
 ]

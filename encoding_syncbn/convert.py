@@ -1,25 +1,223 @@
-"""Swap every BatchNorm of a model for ``SyncBatchNorm`` and back."""
+"""Swap every norm layer of a model for a synchronised one and back, over a registry of
+conversions.
+
+A conversion says, for one source class, how to build the synchronised layer from an instance
+(``to_sync``) and how to build the source class back from that layer (``to_original``). torch's
+BatchNorms, timm's norm+activation layers and this package's ``BatchNormAct`` are registered
+here; other modules register their own with ``register_conversion``. Sources may be named by a
+string, so that timm (or any other library) is never imported by the converter.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+import importlib
+from typing import Any, Callable, NamedTuple
 
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.modules.lazy import LazyModuleMixin
 
+from . import activations
 from .modules import SyncBatchNorm
+from .norm_act import BatchNormAct, SyncBatchNormAct
 
-# In place where torch can differentiate that: not for leaky_relu or elu with slope <= 0.
-_ACTIVATION_MODULES = {
-    "relu": lambda slope: nn.ReLU(inplace=True),
-    "leaky_relu": lambda slope: nn.LeakyReLU(slope, inplace=slope > 0),
-    "elu": lambda slope: nn.ELU(slope, inplace=slope > 0),
-}
 _BATCHNORM_BY_INPUT_DIM = {
     2: nn.BatchNorm1d, 3: nn.BatchNorm1d, 4: nn.BatchNorm2d, 5: nn.BatchNorm3d
 }
 # What a converted layer remembers as its input's rank until it sees one (1d: 3-D).
 _INPUT_DIM_BY_BATCHNORM = {cls: dim for dim, cls in _BATCHNORM_BY_INPUT_DIM.items()}
+# The attribute of a converted module naming the registered source it came from: a string, so
+# that deepcopy, pickle and DataParallel's replicas keep it (load_state_dict leaves it alone).
+_SOURCE_ATTRIBUTE = "_converted_from"
+
+
+class _Conversion(NamedTuple):
+    source: str
+    to_sync: Callable[[nn.Module, Any], nn.Module]
+    to_original: Callable[[nn.Module], nn.Module] | None
+
+
+_CONVERSIONS: dict[str, _Conversion] = {}
+
+
+def _key(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def register_conversion(
+    source: type | str,
+    to_sync: Callable[[nn.Module, Any], nn.Module],
+    to_original: Callable[[nn.Module], nn.Module] | None = None,
+) -> None:
+    """Teach ``convert_sync_batchnorm`` (and ``revert_sync_batchnorm``) a norm layer class.
+
+    Args:
+        source: the class, or its ``"module.QualName"`` (matched against
+            ``f"{type(m).__module__}.{type(m).__qualname__}"``, so that its library need not
+            be imported). Its subclasses that do not override ``forward`` convert like it.
+        to_sync: ``(original, process_group) -> module``: the synchronised layer computing
+            what ``original`` computes, sharing its Parameters and buffers so that its
+            ``state_dict`` loads with the same keys.
+        to_original: ``(synced) -> module``: an instance of ``source`` (or what it stands for)
+            computing what ``synced`` computes. None: ``synced`` must be a ``SyncBatchNorm``
+            computing a plain BatchNorm (with its fused activation), and reverts as one built
+            directly does.
+
+    Registering a source again replaces its conversion.
+    """
+    if isinstance(source, type):
+        source = _key(source)
+    if not isinstance(source, str) or "." not in source:
+        raise TypeError(
+            f"register_conversion: source must be a class or its 'module.QualName', got "
+            f"{source!r}"
+        )
+    if not callable(to_sync) or not (to_original is None or callable(to_original)):
+        raise TypeError(
+            f"register_conversion({source!r}): to_sync must be callable and to_original "
+            f"callable or None, got {to_sync!r} and {to_original!r}"
+        )
+    _CONVERSIONS[source] = _Conversion(source, to_sync, to_original)
+
+
+def convert_sync_batchnorm(module: nn.Module, process_group: Any = None) -> nn.Module:
+    """Return ``module`` with every norm layer the registry knows replaced by a synchronised
+    one computing the same thing.
+
+    torch's ``BatchNorm1d/2d/3d``, ``SyncBatchNorm`` and lazy BatchNorms (once materialised)
+    become ``SyncBatchNorm``s; timm's ``BatchNormAct2d`` / ``SyncBatchNormAct`` too, with their
+    activation fused (out of place) when the layer has it, else kept as their ``drop`` and
+    ``act`` modules (``SyncBatchNormAct``). The new layers reuse the old ones' Parameter
+    objects and buffers (so an optimizer built before the conversion keeps working, and the
+    old ``state_dict`` loads), and their device, dtype and training flag. A module referenced
+    from several places stays one module. Works on a model already wrapped in
+    ``nn.DataParallel``. Also ``SyncBatchNorm.convert_sync_batchnorm``.
+
+    Raises:
+        TypeError: a subclass of a registered class (``_BatchNorm`` included) that overrides
+            ``forward`` and is not registered itself: converting it could change what it
+            computes (teach it with ``register_conversion``).
+        ValueError: a lazy BatchNorm that has not seen an input yet.
+    """
+
+    def to_sync(child: nn.Module, path: str) -> nn.Module | None:
+        conversion = _conversion_for(child, path)
+        if conversion is None:
+            return None
+        if isinstance(child, LazyModuleMixin) and child.has_uninitialized_params():
+            raise ValueError(
+                f"convert_sync_batchnorm: {type(child).__name__} at {_where(path)} has no "
+                "num_features yet; run one forward before converting the model"
+            )
+        converted = conversion.to_sync(child, process_group)
+        if not isinstance(converted, nn.Module):
+            raise TypeError(
+                f"convert_sync_batchnorm: the to_sync registered for {conversion.source} "
+                f"returned {type(converted).__name__}, expected an nn.Module"
+            )
+        setattr(converted, _SOURCE_ATTRIBUTE, conversion.source)
+        return converted
+
+    return _replace_all(module, to_sync)
+
+
+def revert_sync_batchnorm(module: nn.Module) -> nn.Module:
+    """Return ``module`` with every synchronised layer replaced by a per-replica one.
+
+    A converted layer becomes its source class again (the registered ``to_original``): timm's
+    layers come back with their ``act`` and ``drop``. torch's classes, and layers built
+    directly, become ``nn.BatchNorm1d/2d/3d`` chosen by the last input's rank (1d for 2-D and
+    3-D inputs, 3d for 5-D, 2d otherwise; before any input, the class converted from), or
+    ``BatchNormAct`` (any rank, ``drop`` and ``act`` modules after the normalisation) for a
+    layer with an activation or an input of more than 5 dimensions: the ``state_dict`` keys
+    stay the same. Parameters and buffers are shared, not copied; shared modules stay shared.
+    """
+
+    def to_original(child: nn.Module, path: str) -> nn.Module | None:
+        source = getattr(child, _SOURCE_ATTRIBUTE, None)
+        if source is None and not isinstance(child, SyncBatchNorm):
+            return None
+        if source is not None:
+            conversion = _CONVERSIONS.get(source)
+            if conversion is None:
+                raise LookupError(
+                    f"revert_sync_batchnorm: {type(child).__name__} at {_where(path)} was "
+                    f"converted from {source}, whose conversion is not registered in this "
+                    "process; import the module that registers it first"
+                )
+            if conversion.to_original is not None:
+                return conversion.to_original(child)
+        _check_plain_forward(child, path)
+        return _to_plain(child)
+
+    return _replace_all(module, to_original)
+
+
+def _replace_all(
+    root: nn.Module, replace: Callable[[nn.Module, str], nn.Module | None]
+) -> nn.Module:
+    """Apply ``replace(module, path)`` (None: keep it) to ``root`` and every module under it,
+    following every reference (``named_children`` lists a shared child once), so that a
+    module referenced twice is replaced in both places by one new module."""
+    done: dict[int, tuple[nn.Module, nn.Module]] = {}  # the original kept alive: ids stay unique
+
+    def visit(module: nn.Module, path: str) -> nn.Module:
+        seen = done.get(id(module))
+        if seen is not None:
+            return seen[1]
+        new = replace(module, path)
+        new = module if new is None else new
+        done[id(module)] = (module, new)
+        done[id(new)] = (new, new)
+        for name, child in list(new._modules.items()):
+            if child is not None:
+                new_child = visit(child, f"{path}.{name}" if path else name)
+                if new_child is not child:
+                    new.add_module(name, new_child)
+        return new
+
+    return visit(root, "")
+
+
+def _where(path: str) -> str:
+    return repr(path) if path else "the root of the model"
+
+
+def _conversion_for(module: nn.Module, path: str) -> _Conversion | None:
+    """The conversion of ``module``'s class, else of the nearest registered base class that
+    ``forward`` is inherited from; None for a module that is not a norm layer to convert."""
+    overriding = None
+    for cls in type(module).__mro__:
+        conversion = _CONVERSIONS.get(_key(cls))
+        if conversion is not None:
+            if overriding is not None:
+                raise TypeError(
+                    f"convert_sync_batchnorm: {_key(overriding)} at {_where(path)} subclasses "
+                    f"{conversion.source} but overrides forward, so converting it like "
+                    f"{cls.__name__} could change what the model computes; describe its "
+                    f"synchronised form with encoding_syncbn.register_conversion("
+                    f"{type(module).__name__}, to_sync, to_original)"
+                )
+            return conversion
+        if cls is SyncBatchNorm:
+            return None  # already synchronised
+        if overriding is None and "forward" in vars(cls):
+            overriding = cls
+    return None
+
+
+def _check_plain_forward(layer: SyncBatchNorm, path: str) -> None:
+    """A layer reverted without a ``to_original`` must compute a plain (Sync)BatchNorm."""
+    for cls in type(layer).__mro__:
+        if cls in (SyncBatchNorm, SyncBatchNormAct):
+            return
+        if "forward" in vars(cls):
+            raise TypeError(
+                f"revert_sync_batchnorm: {_key(cls)} at {_where(path)} overrides forward and "
+                "was not converted from a class registered with a to_original, so its plain "
+                "form is unknown; build it from a registered class, or register one with "
+                "encoding_syncbn.register_conversion"
+            )
 
 
 def _share_state(source: _BatchNorm, target: _BatchNorm) -> _BatchNorm:
@@ -32,59 +230,114 @@ def _share_state(source: _BatchNorm, target: _BatchNorm) -> _BatchNorm:
     return target
 
 
-def convert_sync_batchnorm(module: nn.Module, process_group: Any = None) -> nn.Module:
-    """Return ``module`` with every ``_BatchNorm`` in it replaced by a ``SyncBatchNorm``.
+def _norm_args(module: _BatchNorm) -> tuple:
+    return (module.num_features, module.eps, module.momentum, module.affine,
+            module.track_running_stats)
 
-    The new layers reuse the old ones' Parameter objects and buffers (so an optimizer built
-    before the conversion keeps working), and their device, dtype and training flag. Works on
-    a model already wrapped in ``nn.DataParallel``.
-    """
-    if isinstance(module, _BatchNorm) and not isinstance(module, SyncBatchNorm):
+
+def _has_bias(module: _BatchNorm) -> bool:
+    return module.bias is not None or not module.affine
+
+
+def _input_dim_of(module: _BatchNorm) -> int | None:
+    """The input rank ``module``'s class stands for (None: any, or unknown)."""
+    return next((_INPUT_DIM_BY_BATCHNORM[cls] for cls in type(module).__mro__
+                 if cls in _INPUT_DIM_BY_BATCHNORM), None)
+
+
+def _batchnorm_to_sync(module: _BatchNorm, process_group: Any) -> SyncBatchNorm:
+    """torch's BatchNorms (and their subclasses that keep ``forward``)."""
+    converted = SyncBatchNorm(
+        *_norm_args(module), process_group, device="meta", bias=_has_bias(module)
+    )
+    converted._last_input_dim[0] = _input_dim_of(module)
+    return _share_state(module, converted)
+
+
+def _norm_act_to_sync(module: _BatchNorm, process_group: Any) -> SyncBatchNorm:
+    """A BatchNorm followed by its ``drop`` and ``act`` modules (timm's layout, absent ones
+    standing for identity): the activation fused, out of place as the original, when there
+    is no drop and the layer has that activation; else the modules kept (``SyncBatchNormAct``)."""
+    drop, act = module._modules.get("drop"), module._modules.get("act")
+    fused = None
+    if drop is None or type(drop) is nn.Identity:
+        fused = activations.from_module(act) if act is not None else ("none", 0.0)
+    if fused is not None:
+        activation, slope = fused
         converted = SyncBatchNorm(
-            module.num_features,
-            module.eps,
-            module.momentum,
-            module.affine,
-            module.track_running_stats,
-            process_group,
-            device="meta",
-            bias=module.bias is not None or not module.affine,
+            *_norm_args(module), process_group, device="meta", bias=_has_bias(module),
+            activation=activation, slope=slope, inplace=False,
         )
-        converted._last_input_dim[0] = _INPUT_DIM_BY_BATCHNORM.get(type(module))
-        return _share_state(module, converted)
-    for name, child in module.named_children():
-        new_child = convert_sync_batchnorm(child, process_group)
-        if new_child is not child:
-            module.add_module(name, new_child)
-    return module
-
-
-def revert_sync_batchnorm(module: nn.Module) -> nn.Module:
-    """Return ``module`` with every ``SyncBatchNorm`` replaced by plain ``nn.BatchNorm*d``.
-
-    The class follows the last input the layer saw (1d for 2-D and 3-D inputs, 3d for 5-D,
-    2d otherwise), or before any, the class it was converted from. A fused activation comes
-    back as its own module after the BatchNorm, in an ``nn.Sequential``. Parameters and
-    buffers are shared, not copied.
-    """
-    if isinstance(module, SyncBatchNorm):
-        cls = _BATCHNORM_BY_INPUT_DIM.get(module.last_input_dim, nn.BatchNorm2d)
-        plain = cls(
-            module.num_features,
-            module.eps,
-            module.momentum,
-            module.affine,
-            module.track_running_stats,
-            device="meta",
-            bias=module.bias is not None or not module.affine,
+    else:
+        converted = SyncBatchNormAct(
+            *_norm_args(module), process_group, device="meta", bias=_has_bias(module),
+            drop=drop, act=act,
         )
-        plain = _share_state(module, plain)
-        make_activation = _ACTIVATION_MODULES.get(module.activation)
-        if make_activation is None:
-            return plain
-        return nn.Sequential(plain, make_activation(module.slope))
-    for name, child in module.named_children():
-        new_child = revert_sync_batchnorm(child)
-        if new_child is not child:
-            module.add_module(name, new_child)
-    return module
+    converted._last_input_dim[0] = _input_dim_of(module)
+    return _share_state(module, converted)
+
+
+def _drop_and_act(layer: SyncBatchNorm) -> tuple[nn.Module, nn.Module]:
+    """The ``drop`` and ``act`` modules computing what ``layer`` does after normalising."""
+    if isinstance(layer, SyncBatchNormAct):
+        return layer.drop, layer.act
+    act = activations.to_module(layer.activation, layer.slope)
+    return nn.Identity(), nn.Identity() if act is None else act
+
+
+def _to_plain(layer: SyncBatchNorm) -> _BatchNorm:
+    """A ``SyncBatchNorm`` (or ``SyncBatchNormAct``) as a per-replica layer."""
+    drop, act = _drop_and_act(layer)
+    dim = layer.last_input_dim
+    if type(drop) is nn.Identity and type(act) is nn.Identity and (dim is None or dim <= 5):
+        cls = _BATCHNORM_BY_INPUT_DIM.get(dim, nn.BatchNorm2d)
+        plain = cls(*_norm_args(layer), device="meta", bias=_has_bias(layer))
+    else:
+        plain = BatchNormAct(
+            *_norm_args(layer), device="meta", bias=_has_bias(layer), drop=drop, act=act
+        )
+    return _share_state(layer, plain)
+
+
+def _resolve(name: str) -> type:
+    """The class called ``"module.QualName"``, importing its module."""
+    parts = name.split(".")
+    for split in range(len(parts) - 1, 0, -1):
+        try:
+            found: Any = importlib.import_module(".".join(parts[:split]))
+        except ImportError:
+            continue
+        for attribute in parts[split:]:
+            found = getattr(found, attribute)
+        return found
+    raise ImportError(f"cannot import the module of {name}")
+
+
+def _norm_act_to_original(source: str, with_bias: bool) -> Callable[[nn.Module], nn.Module]:
+    """``to_original`` for a class built as ``cls(num_features, eps, momentum, affine,
+    track_running_stats, device=...)`` with ``drop`` and ``act`` modules (timm's layout)."""
+
+    def to_original(layer: SyncBatchNorm) -> nn.Module:
+        extra = {"bias": _has_bias(layer)} if with_bias else {}
+        plain = _resolve(source)(*_norm_args(layer), device="meta", **extra)
+        plain.drop, plain.act = _drop_and_act(layer)
+        return _share_state(layer, plain)
+
+    return to_original
+
+
+for _source in (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm,
+                nn.LazyBatchNorm1d, nn.LazyBatchNorm2d, nn.LazyBatchNorm3d, _BatchNorm):
+    register_conversion(_source, _batchnorm_to_sync)
+register_conversion(
+    BatchNormAct, _norm_act_to_sync, _norm_act_to_original(_key(BatchNormAct), True)
+)
+# timm: its synchronised variant reverts to the per-replica one, as nn.SyncBatchNorm does.
+register_conversion(
+    "timm.layers.norm_act.BatchNormAct2d", _norm_act_to_sync,
+    _norm_act_to_original("timm.layers.norm_act.BatchNormAct2d", False),
+)
+register_conversion(
+    "timm.layers.norm_act.SyncBatchNormAct", _norm_act_to_sync,
+    _norm_act_to_original("timm.layers.norm_act.BatchNormAct2d", False),
+)

@@ -347,6 +347,13 @@ class SyncBatchNorm(_BatchNorm):
         self.running_mean.mul_(1 - factor).add_(mean, alpha=factor)
         self.running_var.mul_(1 - factor).add_(m2, alpha=factor / (count - 1))
 
+    @classmethod
+    def convert_sync_batchnorm(cls, module: torch.nn.Module, process_group: Any = None):
+        """``encoding_syncbn.convert_sync_batchnorm``, where ``nn.SyncBatchNorm`` users look."""
+        from .convert import convert_sync_batchnorm  # convert.py imports this module
+
+        return convert_sync_batchnorm(module, process_group)
+
     @property
     def last_input_dim(self) -> int | None:
         """The number of dimensions of the last input seen (None before any forward)."""

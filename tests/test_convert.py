@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import copy
+import pickle
+
 import pytest
 import torch
+from convert_check import check_conversion
 from reference import assert_close
 from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
 
+import encoding_syncbn
 from encoding_syncbn import SyncBatchNorm, convert_sync_batchnorm, revert_sync_batchnorm
+from encoding_syncbn.norm_act import BatchNormAct, SyncBatchNormAct
 from encoding_syncbn.testing import SimulatedDataParallel
 
 
@@ -72,16 +79,17 @@ def test_revert_gives_plain_batchnorm_and_activation_module():
     net.eval()
     expected_eval = net(x.clone())
     running_means = [m.running_mean for m in net.modules() if isinstance(m, SyncBatchNorm)]
+    keys = list(net.state_dict())
     net.train()
     plain = revert_sync_batchnorm(net)
     kinds = [type(m) for m in plain.modules()]
     assert SyncBatchNorm not in kinds
-    assert isinstance(plain[0], nn.Sequential) and isinstance(plain[0][0], nn.BatchNorm2d)
-    assert isinstance(plain[0][1], nn.LeakyReLU) and plain[0][1].negative_slope == 0.2
-    assert isinstance(plain[2][0], nn.BatchNorm1d) and plain[2][1].alpha == 0.5
-    assert isinstance(plain[4], nn.BatchNorm2d)
-    assert [m.running_mean for m in plain.modules() if isinstance(m, nn.BatchNorm2d)
-            or isinstance(m, nn.BatchNorm1d)] == running_means  # shared, not copied
+    assert isinstance(plain[0], BatchNormAct) and isinstance(plain[0].act, nn.LeakyReLU)
+    assert plain[0].act.negative_slope == 0.2
+    assert isinstance(plain[2], BatchNormAct) and plain[2].act.alpha == 0.5
+    assert type(plain[4]) is nn.BatchNorm2d
+    assert list(plain.state_dict()) == keys  # the activation adds no key (issue 15 item 7)
+    assert [m.running_mean for m in plain.modules() if isinstance(m, _BatchNorm)] == running_means
     assert plain.training
     plain.eval()
     assert_close(plain(x.clone()), expected_eval)
@@ -110,3 +118,202 @@ def test_reverted_activation_trains_for_any_slope(activation, slope):
     layer_x = x.detach().clone().requires_grad_()
     (grad,) = torch.autograd.grad(plain(layer_x * 1).square().sum(), layer_x)
     assert_close(grad, expected)
+
+
+# ---- the registry ---------------------------------------------------------------------------
+
+
+class Scaled(nn.Module):
+    """A norm layer the registry does not know: BatchNorm2d then a fixed scale."""
+
+    def __init__(self, channels):
+        super().__init__()
+        self.bn = nn.BatchNorm2d(channels)
+        self.scale = 2.0
+
+    def forward(self, x):
+        return self.bn(x) * self.scale
+
+
+class SyncScaled(SyncBatchNorm):
+    def forward(self, x):
+        return super().forward(x) * 2.0
+
+
+class ScaledAgain(Scaled):
+    """Keeps ``Scaled.forward``: converts like it."""
+
+
+@pytest.fixture
+def scaled_registered(monkeypatch):
+    from encoding_syncbn import convert
+    monkeypatch.setattr(convert, "_CONVERSIONS", dict(convert._CONVERSIONS))
+    calls = []
+
+    def to_sync(module, process_group):
+        calls.append(process_group)
+        layer = SyncScaled(module.bn.num_features, process_group=process_group,
+                           dtype=module.bn.weight.dtype)
+        layer.load_state_dict(module.bn.state_dict())
+        return layer
+
+    def to_original(layer):
+        module = Scaled(layer.num_features).to(layer.weight.dtype)
+        module.bn.load_state_dict(layer.state_dict())
+        return module
+
+    yield to_sync, to_original, calls
+
+
+@pytest.mark.parametrize("by_name", [False, True])
+def test_registered_class_converts_and_reverts(scaled_registered, by_name):
+    to_sync, to_original, calls = scaled_registered
+    encoding_syncbn.register_conversion(f"{__name__}.Scaled" if by_name else Scaled,
+                                        to_sync, to_original)
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(2, 3, 1), Scaled(3), nn.Sequential(ScaledAgain(3))).double()
+    x = torch.randn(4, 2, 3, 3, dtype=torch.float64)
+    expected = net(x)
+    converted = convert_sync_batchnorm(copy.deepcopy(net), process_group="pg")
+    assert [type(m) for m in converted.modules()].count(SyncScaled) == 2 and calls == ["pg"] * 2
+    assert_close(converted(x), expected)
+    assert converted[1]._converted_from == f"{__name__}.Scaled"
+    reverted = revert_sync_batchnorm(pickle.loads(pickle.dumps(converted)))
+    assert type(reverted[1]) is Scaled and type(reverted[2][0]) is Scaled  # the registered one
+    assert_close(reverted(x), expected)
+
+
+def test_unknown_subclass_overriding_forward_is_an_error():
+    class Doubled(nn.BatchNorm2d):
+        def forward(self, x):
+            return super().forward(x) * 2
+
+    net = nn.Sequential(nn.Sequential(nn.Conv2d(3, 3, 1), nn.Sequential(Doubled(3))))
+    with pytest.raises(TypeError, match=r"Doubled at '0\.1\.0' .*BatchNorm2d.*overrides "
+                                        r"forward.*register_conversion\(Doubled"):
+        convert_sync_batchnorm(net)
+
+    class Renamed(nn.BatchNorm1d):  # keeps forward: converts like its base
+        pass
+
+    layer = convert_sync_batchnorm(nn.Sequential(Renamed(3)))[0]
+    assert type(layer) is SyncBatchNorm and layer.last_input_dim == 3
+
+
+def test_lazy_batchnorm_converts_once_materialised():
+    net = nn.Sequential(nn.Conv2d(2, 3, 1), nn.LazyBatchNorm2d())
+    with pytest.raises(ValueError, match=r"LazyBatchNorm2d at '1' has no num_features yet; "
+                                         r"run one forward"):
+        convert_sync_batchnorm(net)
+    net(torch.randn(2, 2, 3, 3))
+    assert type(convert_sync_batchnorm(net)[1]) is SyncBatchNorm
+
+
+def test_register_conversion_checks_its_arguments():
+    with pytest.raises(TypeError, match="module.QualName"):
+        encoding_syncbn.register_conversion("BatchNorm2d", lambda m, g: m)
+    with pytest.raises(TypeError, match="to_sync must be callable"):
+        encoding_syncbn.register_conversion(nn.BatchNorm2d, None)
+
+
+def test_revert_of_an_unregistered_source_is_an_error():
+    layer = convert_sync_batchnorm(nn.BatchNorm2d(3))
+    layer._converted_from = "nowhere.Norm"
+    with pytest.raises(LookupError, match="converted from nowhere.Norm, whose conversion is "
+                                          "not registered"):
+        revert_sync_batchnorm(layer)
+    with pytest.raises(TypeError, match=r"SyncScaled at the root of the model overrides "
+                                        r"forward .*plain form is unknown"):
+        revert_sync_batchnorm(SyncScaled(3))  # built directly: what it computes is unknown
+
+
+def test_classmethod_is_the_converter():
+    net = SyncBatchNorm.convert_sync_batchnorm(nn.Sequential(nn.BatchNorm2d(3)), "pg")
+    assert type(net[0]) is SyncBatchNorm and net[0].process_group == "pg"
+
+
+# ---- shared modules (issue 15 item 2) ---------------------------------------------------------
+
+
+class SharedNorm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 1)
+        self.bn = nn.BatchNorm2d(4)
+        self.norm = self.bn  # a second name for the same layer
+        self.body = nn.Sequential(self.bn, nn.ReLU(), self.bn)
+
+    def forward(self, x):
+        return self.body(self.norm(self.conv(x)))
+
+
+def test_shared_modules_convert_and_revert_as_one_module():
+    torch.manual_seed(0)
+    net = SharedNorm().double()
+    x = torch.randn(6, 3, 3, 3, dtype=torch.float64) * torch.arange(1.0, 7).view(6, 1, 1, 1)
+    with torch.no_grad():
+        expected = copy.deepcopy(net)(x)
+    converted = convert_sync_batchnorm(net)
+    assert type(converted.bn) is SyncBatchNorm
+    assert converted.norm is converted.bn and converted.body[0] is converted.body[2] is converted.bn
+    with torch.no_grad():
+        # Per-replica statistics in any of the three calls would be off by up to ~1.
+        assert_close(SimulatedDataParallel(converted, 3)(x), expected)
+    reverted = revert_sync_batchnorm(converted)
+    assert type(reverted.bn) is nn.BatchNorm2d
+    assert reverted.norm is reverted.bn and reverted.body[0] is reverted.body[2] is reverted.bn
+
+
+# ---- revert keeps what the layer computes and its keys (issue 15 item 7) ---------------------
+
+
+def test_reverted_checkpoint_round_trip(tmp_path):
+    torch.manual_seed(0)
+    net = nn.Sequential(
+        nn.Conv2d(3, 4, 1), SyncBatchNorm(4, activation="leaky_relu", slope=0.1),
+        nn.Conv2d(4, 4, 1), SyncBatchNorm(4, activation="relu"),
+    ).double()
+    x = torch.randn(4, 3, 2, 2, dtype=torch.float64)
+    net(x.clone())
+    torch.save(net.state_dict(), tmp_path / "synced.pt")
+    reverted = revert_sync_batchnorm(copy.deepcopy(net)).eval()
+    torch.save(reverted.state_dict(), tmp_path / "plain.pt")
+    fresh = revert_sync_batchnorm(copy.deepcopy(net))
+    fresh.load_state_dict(torch.load(tmp_path / "synced.pt"), strict=True)
+    net.load_state_dict(torch.load(tmp_path / "plain.pt"), strict=True)
+    assert_close(reverted(x), net.eval()(x.clone()))
+    again = convert_sync_batchnorm(copy.deepcopy(reverted))
+    assert [m.activation for m in again.modules() if isinstance(m, SyncBatchNorm)] == [
+        "leaky_relu", "relu"]
+    assert_close(again(x.clone()), reverted(x))
+
+
+def test_revert_after_a_6d_input_accepts_6d_input():
+    layer = SyncBatchNorm(3).double()
+    x = torch.randn(2, 3, 2, 2, 2, 2, dtype=torch.float64)
+    expected = layer(x)
+    plain = revert_sync_batchnorm(layer)
+    assert list(plain.state_dict()) == list(layer.state_dict())
+    assert_close(plain(x), expected)
+
+
+@pytest.mark.parametrize("act", [nn.SiLU(), nn.LeakyReLU(0.3), nn.ELU(0.5), nn.ReLU(),
+                                 nn.Identity(), nn.Hardswish()])
+def test_batchnorm_act_converts_exactly(act):
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(2, 3, 1), BatchNormAct(3, act=act))
+    converted = check_conversion(net, torch.randn(4, 2, 3, 3, dtype=torch.float64))
+    fused = type(act) in (nn.LeakyReLU, nn.ELU, nn.ReLU, nn.Identity)
+    assert type(converted[1]) is (SyncBatchNorm if fused else SyncBatchNormAct)
+    assert not converted[1].inplace  # the original does not overwrite its input
+
+
+def test_batchnorm_act_with_a_drop_keeps_its_modules():
+    class Half(nn.Module):
+        def forward(self, x):
+            return x * 0.5
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(2, 3, 1), BatchNormAct(3, drop=Half(), act=nn.ReLU()))
+    converted = check_conversion(net, torch.randn(4, 2, 3, 3, dtype=torch.float64))
+    assert type(converted[1]) is SyncBatchNormAct and type(converted[1].act) is nn.ReLU

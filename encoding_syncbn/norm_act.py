@@ -1,0 +1,100 @@
+"""Normalisation followed by a ``drop`` and an ``act`` module, synchronised or plain.
+
+The layout of timm's ``BatchNormAct2d``, so that ``state_dict`` keys match theirs:
+``SyncBatchNormAct`` is what a norm+activation layer converts to when the layer has no fused
+form of its activation (SiLU, GELU, any module); ``BatchNormAct`` is what
+``revert_sync_batchnorm`` gives for a layer with an activation (or for an input of more than
+5 dimensions, which no ``nn.BatchNorm*d`` accepts).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from .modules import SyncBatchNorm
+
+
+class SyncBatchNormAct(SyncBatchNorm):
+    r"""``SyncBatchNorm`` (no fused activation, out of place) followed by two modules:
+
+    .. math:: y = \mathrm{act}(\mathrm{drop}(\mathrm{SyncBatchNorm}(x)))
+
+    Args:
+        drop, act: modules applied in that order to the normalised output (None: identity).
+        The others: as ``SyncBatchNorm``.
+    """
+
+    def __init__(
+        self,
+        num_features: int,
+        eps: float = 1e-5,
+        momentum: float | None = 0.1,
+        affine: bool = True,
+        track_running_stats: bool = True,
+        process_group: Any = None,
+        device: Any = None,
+        dtype: torch.dtype | None = None,
+        *,
+        bias: bool = True,
+        sync: bool = True,
+        drop: nn.Module | None = None,
+        act: nn.Module | None = None,
+    ) -> None:
+        super().__init__(
+            num_features, eps, momentum, affine, track_running_stats, process_group, device,
+            dtype, bias=bias, sync=sync,
+        )
+        self.drop = nn.Identity() if drop is None else drop
+        self.act = nn.Identity() if act is None else act
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return self.act(self.drop(super().forward(input)))
+
+
+class BatchNormAct(_BatchNorm):
+    r"""``nn.BatchNorm`` over an input ``(N, C, *)`` of any rank, followed by two modules:
+
+    .. math::
+
+        y = \mathrm{act}\left(\mathrm{drop}\left(\frac{x - \mathrm{E}[x]}
+            {\sqrt{\mathrm{Var}[x] + \epsilon}} \cdot \gamma + \beta\right)\right)
+
+    Per replica, as ``nn.BatchNorm2d``; its ``state_dict`` keys are a ``SyncBatchNorm``'s.
+
+    Args:
+        drop, act: modules applied in that order to the normalised output (None: identity).
+        The others: as ``nn.BatchNorm2d``.
+    """
+
+    def __init__(
+        self,
+        num_features: int,
+        eps: float = 1e-5,
+        momentum: float | None = 0.1,
+        affine: bool = True,
+        track_running_stats: bool = True,
+        device: Any = None,
+        dtype: torch.dtype | None = None,
+        *,
+        bias: bool = True,
+        drop: nn.Module | None = None,
+        act: nn.Module | None = None,
+    ) -> None:
+        super().__init__(
+            num_features, eps, momentum, affine, track_running_stats, device, dtype, bias=bias
+        )
+        self.drop = nn.Identity() if drop is None else drop
+        self.act = nn.Identity() if act is None else act
+
+    def _check_input_dim(self, input: torch.Tensor) -> None:
+        if input.dim() < 2:
+            raise ValueError(
+                f"BatchNormAct: expected input of shape (N, C, *), got a {input.dim()}-D input"
+            )
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return self.act(self.drop(super().forward(input)))
