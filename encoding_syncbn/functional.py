@@ -38,14 +38,12 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from . import stats
+from . import _compat, stats
 from .kernels import compile_ops, ops_for, reference_ops
 
 # A channel is rebuilt from y only if |w| > _MIN_INVERTIBLE_GAMMA * max(1, |b|): xhat =
 # (z - b) / w amplifies z's rounding by |b| / |w|.
 _MIN_INVERTIBLE_GAMMA = 1e-3
-# Autograd's engine: runs callbacks at the end of the current backward pass.
-_ENGINE = torch.autograd.Variable._execution_engine
 
 
 class ActConfig(NamedTuple):
@@ -299,7 +297,7 @@ class NormAct(torch.autograd.Function):
             )
             # The merge's backward empties the link; one that stops short of the merge
             # (``autograd.grad`` of the parameters alone) must not leave it filled.
-            _ENGINE.queue_callback(link.clear)
+            _compat.queue_backward_callback(link.clear)
         elif ctx.needs_input_grad[0]:
             zeros = torch.zeros_like(scale)
             grad_input = _input_grad(saved, grad_output, config, scale, zeros, zeros)

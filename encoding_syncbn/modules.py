@@ -11,7 +11,7 @@ from typing import Any, NamedTuple
 import torch
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from . import distributed
+from . import _compat, distributed
 from .functional import (
     ActConfig,
     ReplicaStats,
@@ -373,14 +373,7 @@ def _may_be_recomputed() -> bool:
     """Whether this forward may run again inside backward: under ``torch.utils.checkpoint``,
     whose non-reentrant mode packs saved tensors with hooks and whose reentrant mode runs the
     forward without grad (where the recompute must fail with a clear message)."""
-    return (
-        not torch.is_grad_enabled()
-        or _top_saved_tensor_hooks is None  # unknown in this torch: assume it may
-        or _top_saved_tensor_hooks(True) is not None
-    )
-
-
-_top_saved_tensor_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return not torch.is_grad_enabled() or _compat.saved_tensor_hooks_may_be_active()
 
 
 def _inside_backward() -> bool:
@@ -388,7 +381,7 @@ def _inside_backward() -> bool:
 
     A compiled graph is traced once, not re-run eagerly by a recomputation.
     """
-    return not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1
+    return not torch.compiler.is_compiling() and _compat.inside_backward()
 
 
 _warned_out_of_place = threading.Event()
@@ -409,14 +402,14 @@ def _can_overwrite(x: torch.Tensor) -> bool:
         # Made under torch.inference_mode, used outside it (DataParallel's replica threads do
         # not inherit the mode): torch refuses in-place updates there.
         reason = "an inference tensor outside inference mode"
-    elif torch._debug_has_internal_overlap(x) == _OVERLAPS:
+    elif _compat.has_internal_overlap(x):
         reason = "a tensor whose elements share memory (torch.expand, ...)"
-    elif x._is_view() and x._base.requires_grad and x._base.is_leaf:
+    elif (base := _compat.view_base(x)) is not None and base.requires_grad and base.is_leaf:
         reason = "a view of a leaf tensor that requires grad"
-    elif x._is_view() and _view_kind(x) != _PLAIN_VIEW:
+    elif base is not None and (kind := _compat.view_kind(x)) is not None:
         # Autograd refuses in-place writes to views made by a multi-output op (chunk, split,
         # unbind, DataParallel's scatter), inside a custom Function, or in no-grad mode.
-        reason = f"a view autograd marks {_view_kind(x).name} (torch.chunk, split, ...)"
+        reason = f"a view autograd marks {kind} (torch.chunk, split, ...)"
     if reason is None:
         return True
     if not _warned_out_of_place.is_set():
@@ -427,10 +420,3 @@ def _can_overwrite(x: torch.Tensor) -> bool:
             stacklevel=4,
         )
     return False
-
-
-_view_kind = torch._C._autograd._get_creation_meta
-_PLAIN_VIEW = torch._C._autograd.CreationMeta.DEFAULT
-# torch._debug_has_internal_overlap's answer for "some elements share memory" (0: none,
-# 2: too hard to tell, which strided views are; they are written correctly).
-_OVERLAPS = 1

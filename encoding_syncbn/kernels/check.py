@@ -32,6 +32,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+from .. import _compat  # noqa: E402
 from . import triton_ops  # noqa: E402
 
 # SM counts of the reference parts (A100, H100 SXM): only the grid planning depends on them.
@@ -112,7 +113,7 @@ def _resources(cubin: bytes) -> tuple[int, int, int]:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        out = subprocess.run([triton.knobs.nvidia.cuobjdump.path, "--dump-resource-usage", f.name],
+        out = subprocess.run([_compat.cuobjdump_path(), "--dump-resource-usage", f.name],
                              capture_output=True, text=True, check=True).stdout
     match = _RESOURCE.search(out)
     if match is None:

@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import torch
 
+from .. import _compat
+
 #: Activations and whether they can be inverted (needed to run in place).
 ACTIVATIONS = {"none": True, "identity": True, "leaky_relu": True, "elu": True, "relu": False}
 
@@ -286,7 +288,7 @@ def backward_reduce(
         if sums is None:
             sums = piece_sums
         else:
-            torch._foreach_add_(sums, piece_sums)
+            _compat.foreach_add_(sums, piece_sums)
     return sums
 
 

@@ -36,12 +36,12 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
-from torch.utils._python_dispatch import _get_current_dispatch_mode
 
+from .. import _compat
 from .torch_ops import elu_inverse_floor, stats_dtype
 
 #: Whether kernels run in Triton's CPU interpreter (fixed when ``triton.jit`` wrapped them).
-INTERPRET: bool = bool(triton.knobs.runtime.interpret)
+INTERPRET: bool = _compat.triton_interpreting()
 
 #: Input dtypes the kernels are built for.
 DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -899,7 +899,7 @@ def _through_dispatcher(x: torch.Tensor) -> bool:
     return (
         torch.compiler.is_compiling()
         or type(x) is not torch.Tensor
-        or _get_current_dispatch_mode() is not None
+        or _compat.current_dispatch_mode() is not None
     )
 
 

@@ -1,0 +1,152 @@
+"""Every private torch and Triton API the package uses, in one place.
+
+Each is looked up on first use, never at import time, so that a torch or Triton release that
+moves one breaks only the feature that needs it: where a safe fallback exists it is used
+(conservative: out of place rather than a wrong overwrite); where none does, the call raises
+``RuntimeError`` naming the API and the installed version.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any, Callable
+
+import torch
+
+
+def _missing(api: str, error: Exception) -> RuntimeError:
+    return RuntimeError(
+        f"encoding_syncbn needs {api}, which this torch ({torch.__version__}) does not have "
+        f"({type(error).__name__}: {error}); please report it with your torch version"
+    )
+
+
+# ---- autograd ---------------------------------------------------------------------------
+
+@functools.cache
+def _graph_task_id() -> Callable[[], int]:
+    try:
+        return torch._C._current_graph_task_id
+    except AttributeError as error:
+        raise _missing("torch._C._current_graph_task_id", error) from error
+
+
+def inside_backward() -> bool:
+    """Whether this thread is running a backward pass (a checkpoint recomputation runs the
+    forward again there). No public API tells; without this one the recompute cannot work."""
+    return _graph_task_id()() != -1
+
+
+@functools.cache
+def _top_saved_tensor_hooks() -> Callable[[bool], Any] | None:
+    return getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+
+
+def saved_tensor_hooks_may_be_active() -> bool:
+    """Whether saved-tensor hooks (``torch.utils.checkpoint``'s non-reentrant mode) are set on
+    this thread; True when this torch cannot tell (the safe answer for its callers)."""
+    top = _top_saved_tensor_hooks()
+    return top is None or top(True) is not None
+
+
+@functools.cache
+def _execution_engine() -> Any:
+    try:
+        return torch.autograd.Variable._execution_engine
+    except AttributeError as error:
+        raise _missing("torch.autograd.Variable._execution_engine", error) from error
+
+
+def queue_backward_callback(callback: Callable[[], None]) -> None:
+    """Run ``callback`` when the current backward pass ends (only valid inside backward)."""
+    _execution_engine().queue_callback(callback)
+
+
+# ---- tensors and views ------------------------------------------------------------------
+
+# torch._debug_has_internal_overlap's answer for "some elements share memory" (0: none,
+# 2: too hard to tell, which strided views are; they are written correctly).
+_OVERLAPS = 1
+
+
+def has_internal_overlap(x: torch.Tensor) -> bool:
+    """Whether some elements of ``x`` share memory (``torch.expand``); without torch's check,
+    any zero stride over a dimension longer than 1 counts (a superset of the real cases)."""
+    check = getattr(torch, "_debug_has_internal_overlap", None)
+    if check is None:
+        return any(stride == 0 and size > 1 for size, stride in zip(x.shape, x.stride()))
+    return check(x) == _OVERLAPS
+
+
+def view_base(x: torch.Tensor) -> torch.Tensor | None:
+    """The tensor ``x`` is a view of (autograd's notion), or None."""
+    return x._base if x._is_view() else None
+
+
+@functools.cache
+def _creation_meta() -> tuple[Callable[[torch.Tensor], Any], Any] | None:
+    autograd = torch._C._autograd
+    try:
+        return autograd._get_creation_meta, autograd.CreationMeta.DEFAULT
+    except AttributeError:
+        return None
+
+
+def view_kind(x: torch.Tensor) -> str | None:
+    """For a view autograd restricts in-place writes to (made by a multi-output op such as
+    chunk/split/unbind, in a custom Function, or in no-grad mode), its kind's name; None for a
+    plain view. Where this torch cannot tell, every view counts as restricted (``"unknown"``),
+    which only costs an out-of-place computation."""
+    meta = _creation_meta()
+    if meta is None:
+        return "unknown"
+    get, plain = meta
+    kind = get(x)
+    return None if kind == plain else kind.name
+
+
+# ---- dispatch ---------------------------------------------------------------------------
+
+def current_dispatch_mode() -> Any:
+    """The innermost active ``TorchDispatchMode`` (None when there is none, or when this torch
+    moved the query: then modes are not detected and kernels launch directly)."""
+    try:
+        from torch.utils._python_dispatch import _get_current_dispatch_mode
+    except ImportError:
+        return None
+    return _get_current_dispatch_mode()
+
+
+def foreach_add_(targets: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+    """``targets[i] += values[i]`` for every i, in one fused call where torch has it."""
+    fused = getattr(torch, "_foreach_add_", None)
+    if fused is not None:
+        fused(targets, values)
+        return
+    for target, value in zip(targets, values):
+        target.add_(value)
+
+
+# ---- Triton -----------------------------------------------------------------------------
+
+def triton_interpreting() -> bool:
+    """Whether Triton runs kernels in its interpreter (``triton.knobs`` since Triton 3.4; the
+    environment variable it reads otherwise)."""
+    import triton
+
+    knobs = getattr(triton, "knobs", None)
+    if knobs is not None:
+        return bool(knobs.runtime.interpret)
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def cuobjdump_path() -> str:
+    """The ``cuobjdump`` shipped with Triton's NVIDIA backend."""
+    import triton
+
+    knobs = getattr(triton, "knobs", None)
+    if knobs is not None:
+        return knobs.nvidia.cuobjdump.path
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
+                        "cuobjdump")

@@ -1,0 +1,73 @@
+"""``_compat``: the private torch APIs the package uses, and what happens where they moved."""
+
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+from encoding_syncbn import SyncBatchNorm, _compat
+
+
+@pytest.fixture
+def fresh_lookups():
+    """Forget the cached look-ups before and after a test that hides an API."""
+    lookups = (_compat._graph_task_id, _compat._creation_meta, _compat._execution_engine,
+               _compat._top_saved_tensor_hooks)
+    for lookup in lookups:
+        lookup.cache_clear()
+    yield
+    for lookup in lookups:
+        lookup.cache_clear()
+
+
+def test_import_touches_no_private_api():
+    """With the private APIs gone, the package still imports and an eval forward runs."""
+    code = """
+import torch
+for owner, name in [(torch._C, "_current_graph_task_id"), (torch._C._autograd,
+        "_get_creation_meta"), (torch, "_debug_has_internal_overlap"),
+        (torch._C._autograd, "_top_saved_tensors_default_hooks")]:
+    delattr(owner, name)
+import encoding_syncbn
+layer = encoding_syncbn.SyncBatchNorm(3, activation="leaky_relu").eval()
+print(tuple(layer(torch.randn(2, 3, 4, 4)).shape))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "(2, 3, 4, 4)"
+
+
+@pytest.mark.usefixtures("fresh_lookups")
+def test_without_graph_task_id_training_says_which_api(monkeypatch):
+    monkeypatch.delattr(torch._C, "_current_graph_task_id")
+    with pytest.raises(RuntimeError, match=r"torch\._C\._current_graph_task_id.*torch \("):
+        SyncBatchNorm(3)(torch.randn(4, 3, 2, 2))
+
+
+@pytest.mark.usefixtures("fresh_lookups")
+def test_without_view_provenance_views_go_out_of_place(monkeypatch):
+    """Unknown view kinds are treated as restricted: out of place, never a refused write."""
+    monkeypatch.delattr(torch._C._autograd, "_get_creation_meta")
+    base = torch.randn(4, 3, 5, 5, dtype=torch.float64)
+    view = base[:, :, 1:]
+    layer = SyncBatchNorm(3, activation="leaky_relu").double()
+    before = base.clone()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the fallback's warning (shown once)
+        out = layer(view)
+    assert torch.equal(base, before)
+    expected = torch.nn.functional.leaky_relu(
+        torch.nn.functional.batch_norm(before[:, :, 1:], None, None, training=True), 0.01)
+    torch.testing.assert_close(out, expected)
+
+
+def test_overlap_fallback_matches_torch(monkeypatch):
+    x = torch.randn(1, 3, 1, 4)
+    cases = [x, x.expand(5, 3, 2, 4), x.transpose(1, 3), torch.randn(3, 1).expand(3, 1)]
+    expected = [_compat.has_internal_overlap(case) for case in cases]
+    assert expected == [False, True, False, False]
+    monkeypatch.delattr(torch, "_debug_has_internal_overlap")
+    assert [_compat.has_internal_overlap(case) for case in cases] == expected
