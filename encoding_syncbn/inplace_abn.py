@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .convert import _SOURCE_ATTRIBUTE, _resolve, _share_state, register_conversion
 from .modules import SyncBatchNorm
 
 __all__ = [
@@ -104,6 +105,8 @@ class ABN(SyncBatchNorm):
             activation=activation, slope=activation_param,
             inplace=self._runs_in_place(activation, float(activation_param)),
         )
+        # revert_sync_batchnorm turns it into mapillary's class of the same name.
+        setattr(self, _SOURCE_ATTRIBUTE, _MAPILLARY + type(self).__name__)
 
     @staticmethod
     def _runs_in_place(activation: str, param: float) -> bool:
@@ -131,7 +134,7 @@ class ABN(SyncBatchNorm):
         )
         if self.activation in ("leaky_relu", "elu"):
             text += f"[{self.activation_param}]"
-        return text + f", inplace={self.inplace}"
+        return text + f", inplace={self.inplace}" + ("" if self.sync else ", sync=False")
 
 
 class InPlaceABN(ABN):
@@ -332,6 +335,62 @@ def set_active_group(module: nn.Module, group: Any) -> None:
     for child in module.modules():
         if hasattr(child, "set_group"):
             child.set_group(group)
+
+
+# ---- conversions -------------------------------------------------------------------------
+
+_MAPILLARY = "inplace_abn.abn."  # where mapillary's classes live
+
+
+def _mapillary_args(layer: nn.Module) -> tuple:
+    """mapillary's positional arguments, from one of their layers or a ``SyncBatchNorm``."""
+    param = layer.slope if isinstance(layer, SyncBatchNorm) else layer.activation_param
+    return (layer.num_features, layer.eps, layer.momentum, layer.affine,
+            layer.track_running_stats, layer.activation, param)
+
+
+def _abn_to_sync(module: nn.Module, process_group: Any) -> SyncBatchNorm:
+    """mapillary's ``ABN``: BatchNorm + activation out of place, synchronised over
+    ``process_group``: ``SyncBatchNorm`` with the activation fused, the same parameters."""
+    args = _mapillary_args(module)
+    converted = SyncBatchNorm(*args[:5], process_group, device="meta", activation=args[5],
+                              slope=args[6], inplace=False)
+    return _share_state(module, converted)
+
+
+def _inplace_abn_to_sync(module: nn.Module, process_group: Any) -> InPlaceABNSync:
+    """mapillary's ``InPlaceABN`` / ``InPlaceABNSync``: ``InPlaceABNSync`` over the module's
+    own group if it has one, else ``process_group``; the same ``weight`` (used as
+    ``|w| + eps`` by both), bias and buffers."""
+    group = getattr(module, "group", None)
+    converted = InPlaceABNSync(*_mapillary_args(module), process_group if group is None
+                               else group, device="meta")
+    return _share_state(module, converted)
+
+
+def _to_mapillary(name: str):
+    """``to_original`` for mapillary's class ``name``: that class when mapillary's package
+    imports, else (also after ``install()``) ours, with ``sync=False``: per replica too."""
+
+    def to_original(layer: SyncBatchNorm) -> nn.Module:
+        try:
+            cls = _resolve(_MAPILLARY + name)
+        except (ImportError, AttributeError):
+            cls = globals()[name]
+        group = {"group": layer.process_group} if name == "InPlaceABNSync" else {}
+        original = _share_state(layer, cls(*_mapillary_args(layer), **group))
+        if isinstance(original, SyncBatchNorm):
+            original.sync = False
+        return original
+
+    return to_original
+
+
+register_conversion(_MAPILLARY + "ABN", _abn_to_sync, _to_mapillary("ABN"))
+register_conversion(_MAPILLARY + "InPlaceABN", _inplace_abn_to_sync, _to_mapillary("InPlaceABN"))
+register_conversion(
+    _MAPILLARY + "InPlaceABNSync", _inplace_abn_to_sync, _to_mapillary("InPlaceABNSync")
+)
 
 
 # ---- install -----------------------------------------------------------------------------

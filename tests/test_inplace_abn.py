@@ -22,8 +22,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 from reference import activate, assert_close
+from torch import nn
 
-from encoding_syncbn import distributed
+from encoding_syncbn import (
+    SyncBatchNorm,
+    convert_sync_batchnorm,
+    distributed,
+    revert_sync_batchnorm,
+)
 from encoding_syncbn.inplace_abn import (
     ABN,
     InPlaceABN,
@@ -94,7 +100,7 @@ class Formula:
 
 def check_step(layer, ref, model, x, step, momentum):
     grad = torch.randn_like(x)
-    param = layer.activation_param
+    param = layer.slope  # activation_param on ours, and on SyncBatchNorm
     expected, expected_dx = ref.step(x, grad, layer.training, momentum, layer.activation, param)
     leaf = x.clone().requires_grad_()
     out = model(leaf * 1)  # a non-leaf: the in-place layers really run in place
@@ -267,6 +273,67 @@ def test_the_functions(function):
     x = torch.randn(3, C, 5, dtype=torch.float64)
     out = function(x.clone(), None, None, None, None, False)
     assert_close(out, F.leaky_relu(F.batch_norm(x, None, None, training=True), 0.01))
+
+
+# ---- conversions ---------------------------------------------------------------------------
+
+
+def mapillary_named(name, group=None):
+    """A module whose class is named like mapillary's ``inplace_abn.abn.<name>``, holding
+    their attributes, Parameters and buffers: only for the converter's class-path matching
+    (what the converted layer computes is checked against the formula)."""
+    cls = type(name, (nn.Module,), {"__module__": "inplace_abn.abn", "__qualname__": name})
+    module = cls()
+    module.num_features, module.eps, module.momentum, module.affine = C, 1e-4, 0.2, True
+    module.track_running_stats, module.activation, module.activation_param = True, "elu", 0.7
+    if name == "InPlaceABNSync":
+        module.group = group
+    module.weight = nn.Parameter(torch.tensor(WEIGHT, dtype=torch.float64))
+    module.bias = nn.Parameter(torch.tensor(BIAS, dtype=torch.float64))
+    module.register_buffer("running_mean", torch.linspace(-1, 1, C, dtype=torch.float64))
+    module.register_buffer("running_var", torch.linspace(0.5, 2, C, dtype=torch.float64))
+    module.register_buffer("num_batches_tracked", torch.tensor(3))
+    return module
+
+
+@pytest.mark.parametrize("name", ["ABN", "InPlaceABN", "InPlaceABNSync"])
+def test_mapillarys_layers_convert_and_revert_exactly(name):
+    """A model mixing torch's and mapillary's layers converts whole (nothing left per
+    replica), loads its own state_dict strict, computes the formula on the whole batch under
+    DataParallel, and reverts to the same state_dict: mapillary's class if it imports, else
+    ours with sync=False."""
+    torch.manual_seed(5)
+    model = nn.Sequential(mapillary_named(name), nn.BatchNorm1d(C).double())
+    state = {key: value.clone() for key, value in model.state_dict().items()}
+    weight = model[0].weight
+    converted = convert_sync_batchnorm(model, process_group="pg")
+    layer = converted[0]
+    assert all(isinstance(m, SyncBatchNorm) and m.sync for m in converted)
+    assert layer.weight is weight and layer.process_group == "pg"
+    assert layer.inplace == (name != "ABN") and layer.activation == "elu"
+    assert isinstance(layer, InPlaceABNSync) == (name != "ABN")
+    converted.load_state_dict(state, strict=True)
+    ref = Formula(weight, layer.bias, layer.running_mean, layer.running_var, 1e-4,
+                  magnitude=name != "ABN")
+    check_step(layer, ref, SimulatedDataParallel(layer, 2),
+               torch.randn(5, C, 3, dtype=torch.float64), 0, 0.2)
+
+    reverted = revert_sync_batchnorm(converted)
+    assert type(reverted[0]) is globals()[name] and not reverted[0].sync
+    assert type(reverted[1]) is nn.BatchNorm1d
+    assert list(reverted.state_dict()) == list(state)
+    x = torch.randn(4, C, 2, dtype=torch.float64)
+    reverted.eval()
+    assert_close(reverted[0](x.clone()), ref.step(x, x, False, 0.2, "elu", 0.7)[0])
+
+
+def test_a_mapillary_sync_layer_keeps_its_group_and_ours_revert_to_themselves():
+    assert convert_sync_batchnorm(mapillary_named("InPlaceABNSync", "own"), "pg").group == "own"
+    # Built directly, ours revert to their class, never to a plain BatchNorm (which would
+    # drop |w| + eps).
+    for cls in CLASSES:
+        reverted = revert_sync_batchnorm(nn.Sequential(make(cls)))[0]
+        assert type(reverted) is cls and not reverted.sync
 
 
 # ---- install(): fresh interpreters --------------------------------------------------------
