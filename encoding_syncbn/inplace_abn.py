@@ -253,8 +253,8 @@ def _call(
     layer = cls(x.shape[1], eps, momentum, activation=activation,
                 activation_param=activation_param, device="meta")
     layer._parameters.update(weight=weight, bias=bias)
-    layer._buffers.update(running_mean=running_mean, running_var=running_var)
-    # The meta counter absorbs the increments: the function has no num_batches_tracked.
+    layer._buffers.update(running_mean=running_mean, running_var=running_var,
+                          num_batches_tracked=None)
     layer.track_running_stats = running_mean is not None and running_var is not None
     if group is not None:
         layer.process_group = group
@@ -386,6 +386,24 @@ def _to_mapillary(name: str):
     return to_original
 
 
+def _timm_to_sync(module: nn.Module, process_group: Any) -> InPlaceABNSync:
+    """timm's ``InplaceAbn`` calls ``inplace_abn`` (per replica): ``InPlaceABNSync`` over
+    ``process_group``, the same parameters and buffers (it has no ``num_batches_tracked``)."""
+    converted = InPlaceABNSync(
+        module.num_features, module.eps, module.momentum, module.affine, True,
+        module.act_name, module.act_param, process_group, device="meta",
+    )
+    return _share_state(module, converted)
+
+
+def _timm_to_original(layer: SyncBatchNorm) -> nn.Module:
+    original = _resolve(_TIMM)(layer.num_features, layer.eps, layer.momentum, layer.affine,
+                               act_layer=layer.activation, act_param=layer.slope)
+    return _share_state(layer, original)
+
+
+_TIMM = "timm.layers.inplace_abn.InplaceAbn"
+register_conversion(_TIMM, _timm_to_sync, _timm_to_original)
 register_conversion(_MAPILLARY + "ABN", _abn_to_sync, _to_mapillary("ABN"))
 register_conversion(_MAPILLARY + "InPlaceABN", _inplace_abn_to_sync, _to_mapillary("InPlaceABN"))
 register_conversion(

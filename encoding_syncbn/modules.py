@@ -337,7 +337,9 @@ class SyncBatchNorm(_BatchNorm):
                      m2: torch.Tensor | None, total: int) -> None:
         """Count the batch and, unless it was empty, fold its statistics into the running ones."""
         if updates_running:
-            self.num_batches_tracked.add_(1)
+            # None, as nn.BatchNorm allows: layers converted from classes without a counter.
+            if self.num_batches_tracked is not None:
+                self.num_batches_tracked.add_(1)
             if total > 0:
                 self._update_running_stats(mean, m2, total)
 

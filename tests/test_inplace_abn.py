@@ -380,6 +380,27 @@ norms = [m for m in model.decoder.modules() if isinstance(m, ours.InPlaceABN)]
 assert norms and all(m.activation_param == 0.0 for m in norms), norms
 model(torch.randn(2, 3, 32, 32, dtype=torch.float64)).square().mean().backward()
 assert all(m.weight.grad is not None for m in norms)
+from encoding_syncbn import SyncBatchNorm, convert_sync_batchnorm, revert_sync_batchnorm
+from encoding_syncbn.testing import SimulatedDataParallel
+model = convert_sync_batchnorm(model)  # mixed: torch's BatchNorm2d and InPlaceABN
+assert all(isinstance(m, SyncBatchNorm) and m.sync for m in model.modules()
+           if isinstance(m, torch.nn.modules.batchnorm._BatchNorm))
+# timm's InplaceAbn calls the function (per replica): converted, it is synchronised.
+net = torch.nn.Sequential(timm.layers.InplaceAbn(3, act_layer="elu", act_param=0.5)).double()
+state = {key: value.clone() for key, value in net.state_dict().items()}
+x = torch.randn(6, 3, 2, 2, dtype=torch.float64)
+expected = net(x.clone())
+after = {key: value.clone() for key, value in net.state_dict().items()}
+net.load_state_dict(state, strict=True)
+net = convert_sync_batchnorm(net)
+assert isinstance(net[0], ours.InPlaceABNSync) and net[0].inplace
+torch.testing.assert_close(SimulatedDataParallel(net, 3)(x.clone()), expected,
+                           rtol=1e-12, atol=1e-12)
+net = revert_sync_batchnorm(net)
+assert type(net[0]) is timm.layers.InplaceAbn and net[0].act_name == "elu"
+for key, value in net.state_dict().items():
+    torch.testing.assert_close(value, after[key], rtol=1e-12, atol=1e-12)
+assert list(net.state_dict()) == list(after)
 print("OK")
 """
 
