@@ -19,7 +19,7 @@ one batch; mapillary's layers normalised each replica apart). Across processes
 (``torch.distributed``) ``ABN`` and ``InPlaceABN`` stay per process, as mapillary's;
 ``InPlaceABNSync`` merges over ``group`` (None: WORLD). The functions ``inplace_abn`` and
 ``inplace_abn_sync`` see one tensor, so under DataParallel they are per replica (timm's
-``InplaceAbn`` calls them: convert that module, or use the classes, to synchronise it);
+``InplaceAbn`` calls them: ``convert_sync_batchnorm`` makes it an ``InPlaceABNSync``);
 ``inplace_abn_sync`` merges across the processes of ``group``.
 
 Where in place is not possible. A leaky_relu of slope <= 0 (smp's ``decoder_use_norm=
