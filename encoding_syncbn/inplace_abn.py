@@ -124,6 +124,18 @@ class ABN(SyncBatchNorm):
     def _syncs_processes(self) -> bool:
         return False  # per process, as mapillary's (InPlaceABNSync synchronises)
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        if "slope" not in state:
+            # Pickled by mapillary's package (torch.save of a whole model), unpickled after
+            # install(): their attributes only; ``group`` is ours under its other name.
+            param = float(state.pop("activation_param"))
+            state.update(
+                slope=param, sync=True, process_group=state.pop("group", None),
+                inplace=self._runs_in_place(state["activation"], param), _last_input_dim=[None],
+            )
+            state[_SOURCE_ATTRIBUTE] = _MAPILLARY + type(self).__name__
+        super().__setstate__(state)
+
     def _label(self) -> str:
         return f"{type(self).__name__}({self.num_features}) at {id(self):#x}"
 

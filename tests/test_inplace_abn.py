@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import inspect
 import os
+import pickle
 import subprocess
 import sys
 import textwrap
+import types
 
 import pytest
 import torch
@@ -334,6 +336,26 @@ def test_a_mapillary_sync_layer_keeps_its_group_and_ours_revert_to_themselves():
     for cls in CLASSES:
         reverted = revert_sync_batchnorm(nn.Sequential(make(cls)))[0]
         assert type(reverted) is cls and not reverted.sync
+
+
+def test_a_model_pickled_by_mapillarys_package_loads_after_install(monkeypatch):
+    """torch.save(model) with their classes: unpickled where ``inplace_abn.abn`` is ours."""
+    torch.manual_seed(6)
+    original = mapillary_named("InPlaceABNSync")
+    fake_abn = types.ModuleType("inplace_abn.abn")
+    fake_abn.InPlaceABNSync = type(original)
+    monkeypatch.setitem(sys.modules, "inplace_abn", types.ModuleType("inplace_abn"))
+    monkeypatch.setitem(sys.modules, "inplace_abn.abn", fake_abn)
+    saved = pickle.dumps(nn.Sequential(original))
+    fake_abn.InPlaceABNSync = InPlaceABNSync  # what install() makes the name resolve to
+    layer = pickle.loads(saved)[0]
+    assert type(layer) is InPlaceABNSync and layer.inplace and layer.sync
+    assert (layer.activation, layer.activation_param, layer.group) == ("elu", 0.7, None)
+    ref = Formula(original.weight, original.bias, original.running_mean, original.running_var,
+                  1e-4, magnitude=True)
+    check_step(layer, ref, SimulatedDataParallel(layer, 2),
+               torch.randn(5, C, 3, dtype=torch.float64), 0, 0.2)
+    assert type(revert_sync_batchnorm(nn.Sequential(layer))[0]) is InPlaceABNSync
 
 
 # ---- install(): fresh interpreters --------------------------------------------------------
