@@ -63,6 +63,7 @@ __all__ = [
 # mapillary's activation names; the in-place layers cannot invert relu, so they refuse it.
 _ABN_ACTIVATIONS = ("relu", "leaky_relu", "elu", "identity")
 _INPLACE_ACTIVATIONS = ("leaky_relu", "elu", "identity")
+_MAPILLARY = "inplace_abn.abn."  # where mapillary's classes live
 
 
 class ABN(SyncBatchNorm):
@@ -81,6 +82,7 @@ class ABN(SyncBatchNorm):
     """
 
     _activations = _ABN_ACTIVATIONS
+    _stands_for = "ABN"  # the mapillary class revert_sync_batchnorm turns it into
 
     def __init__(
         self,
@@ -105,8 +107,7 @@ class ABN(SyncBatchNorm):
             activation=activation, slope=activation_param,
             inplace=self._runs_in_place(activation, float(activation_param)),
         )
-        # revert_sync_batchnorm turns it into mapillary's class of the same name.
-        setattr(self, _SOURCE_ATTRIBUTE, _MAPILLARY + type(self).__name__)
+        setattr(self, _SOURCE_ATTRIBUTE, _MAPILLARY + self._stands_for)
 
     @staticmethod
     def _runs_in_place(activation: str, param: float) -> bool:
@@ -133,7 +134,7 @@ class ABN(SyncBatchNorm):
                 slope=param, sync=True, process_group=state.pop("group", None),
                 inplace=self._runs_in_place(state["activation"], param), _last_input_dim=[None],
             )
-            state[_SOURCE_ATTRIBUTE] = _MAPILLARY + type(self).__name__
+            state[_SOURCE_ATTRIBUTE] = _MAPILLARY + self._stands_for
         super().__setstate__(state)
 
     def _label(self) -> str:
@@ -162,6 +163,7 @@ class InPlaceABN(ABN):
     """
 
     _activations = _INPLACE_ACTIVATIONS
+    _stands_for = "InPlaceABN"
 
     @staticmethod
     def _runs_in_place(activation: str, param: float) -> bool:
@@ -192,6 +194,8 @@ class InPlaceABNSync(InPlaceABN):
     Args: as ``InPlaceABN``, plus ``group``: the process group (``process_group`` of
     ``SyncBatchNorm``; ``group`` is the same attribute).
     """
+
+    _stands_for = "InPlaceABNSync"
 
     def __init__(
         self,
@@ -351,7 +355,6 @@ def set_active_group(module: nn.Module, group: Any) -> None:
 
 # ---- conversions -------------------------------------------------------------------------
 
-_MAPILLARY = "inplace_abn.abn."  # where mapillary's classes live
 
 
 def _mapillary_args(layer: nn.Module) -> tuple:
