@@ -365,8 +365,8 @@ def _mapillary_args(layer: nn.Module) -> tuple:
 
 
 def _abn_to_sync(module: nn.Module, process_group: Any) -> SyncBatchNorm:
-    """mapillary's ``ABN``: BatchNorm + activation out of place, synchronised over
-    ``process_group``: ``SyncBatchNorm`` with the activation fused, the same parameters."""
+    """An ``ABN`` (BatchNorm + activation out of place) synchronised over ``process_group``:
+    ``SyncBatchNorm`` with the activation fused, the same parameters."""
     args = _mapillary_args(module)
     converted = SyncBatchNorm(*args[:5], process_group, device="meta", activation=args[5],
                               slope=args[6], inplace=False)
@@ -374,9 +374,9 @@ def _abn_to_sync(module: nn.Module, process_group: Any) -> SyncBatchNorm:
 
 
 def _inplace_abn_to_sync(module: nn.Module, process_group: Any) -> InPlaceABNSync:
-    """mapillary's ``InPlaceABN`` / ``InPlaceABNSync``: ``InPlaceABNSync`` over the module's
-    own group if it has one, else ``process_group``; the same ``weight`` (used as
-    ``|w| + eps`` by both), bias and buffers."""
+    """An ``InPlaceABN`` / ``InPlaceABNSync``: ``InPlaceABNSync`` over the module's own group
+    if it has one, else ``process_group``; the same ``weight`` (used as ``|w| + eps`` by
+    both), bias and buffers."""
     group = getattr(module, "group", None)
     converted = InPlaceABNSync(*_mapillary_args(module), process_group if group is None
                                else group, device="meta")
@@ -419,11 +419,12 @@ def _timm_to_original(layer: SyncBatchNorm) -> nn.Module:
 
 _TIMM = "timm.layers.inplace_abn.InplaceAbn"
 register_conversion(_TIMM, _timm_to_sync, _timm_to_original)
-register_conversion(_MAPILLARY + "ABN", _abn_to_sync, _to_mapillary("ABN"))
-register_conversion(_MAPILLARY + "InPlaceABN", _inplace_abn_to_sync, _to_mapillary("InPlaceABN"))
-register_conversion(
-    _MAPILLARY + "InPlaceABNSync", _inplace_abn_to_sync, _to_mapillary("InPlaceABNSync")
-)
+# Theirs, and ours: ours are synchronised under DataParallel already, but ABN and InPlaceABN
+# are per process under torch.distributed, which a conversion must not leave.
+for _source, _to_sync in ((ABN, _abn_to_sync), (InPlaceABN, _inplace_abn_to_sync),
+                          (InPlaceABNSync, _inplace_abn_to_sync)):
+    register_conversion(_source, _to_sync, _to_mapillary(_source.__name__))
+    register_conversion(_MAPILLARY + _source.__name__, _to_sync, _to_mapillary(_source.__name__))
 
 
 # ---- install -----------------------------------------------------------------------------

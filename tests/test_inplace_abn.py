@@ -329,8 +329,14 @@ def test_mapillarys_layers_convert_and_revert_exactly(name):
     assert_close(reverted[0](x.clone()), ref.step(x, x, False, 0.2, "elu", 0.7)[0])
 
 
-def test_a_mapillary_sync_layer_keeps_its_group_and_ours_revert_to_themselves():
+def test_ours_convert_to_process_synchronised_layers_and_revert_to_themselves(monkeypatch):
     assert convert_sync_batchnorm(mapillary_named("InPlaceABNSync", "own"), "pg").group == "own"
+    # ABN and InPlaceABN are per process under torch.distributed: a conversion synchronises.
+    model = convert_sync_batchnorm(nn.Sequential(*(make(cls) for cls in CLASSES)), "pg")
+    assert [type(m) for m in model] == [SyncBatchNorm, InPlaceABNSync, InPlaceABNSync]
+    monkeypatch.setattr(distributed, "is_active", lambda group=None: group == "pg")
+    assert all(m._syncs_processes() for m in model)
+    assert [type(m) for m in revert_sync_batchnorm(model)] == list(CLASSES)
     # Built directly, ours revert to their class, never to a plain BatchNorm (which would
     # drop |w| + eps).
     for cls in CLASSES:
@@ -407,6 +413,7 @@ from encoding_syncbn.testing import SimulatedDataParallel
 model = convert_sync_batchnorm(model)  # mixed: torch's BatchNorm2d and InPlaceABN
 assert all(isinstance(m, SyncBatchNorm) and m.sync for m in model.modules()
            if isinstance(m, torch.nn.modules.batchnorm._BatchNorm))
+assert not any(type(m) is ours.InPlaceABN for m in model.modules())  # per process in DDP
 # timm's InplaceAbn calls the function (per replica): converted, it is synchronised.
 net = torch.nn.Sequential(timm.layers.InplaceAbn(3, act_layer="elu", act_param=0.5)).double()
 state = {key: value.clone() for key, value in net.state_dict().items()}
