@@ -172,6 +172,11 @@ class SyncBatchNorm(_BatchNorm):
 
     # ---- forward -------------------------------------------------------------------------
 
+    def _syncs_processes(self) -> bool:
+        """Whether batch statistics are merged over ``process_group`` too (a subclass that
+        normalises per process, as mapillary's ``ABN``, says no)."""
+        return distributed.is_active(self.process_group)
+
     def _check_input(self, x: torch.Tensor) -> None:
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"expected a torch.Tensor, got {type(x).__name__}")
@@ -238,7 +243,7 @@ class SyncBatchNorm(_BatchNorm):
         updates_running = self.training and self.track_running_stats and not recomputing
         group_size = slot.group.size if slot is not None else 1
         # Batch statistics are the whole batch's, in evaluation too (track_running_stats=False).
-        synced = self.sync and (group_size > 1 or distributed.is_active(self.process_group))
+        synced = self.sync and (group_size > 1 or self._syncs_processes())
         if synced:
             if recomputing:
                 return self._recompute(x, weight, bias, config)
@@ -315,7 +320,7 @@ class SyncBatchNorm(_BatchNorm):
         """
         mean, m2, invstd = merge_replicas(contributions, self.eps)
         total = sum(c.count for c in contributions)
-        if distributed.is_active(self.process_group):
+        if self._syncs_processes():
             means, m2s, rank_counts = distributed.gather_stats(mean, m2, total, self.process_group)
             # One device-to-host copy; the merge then reuses its count tensors across steps.
             counts = [int(count) for count in rank_counts.tolist()]
@@ -332,7 +337,9 @@ class SyncBatchNorm(_BatchNorm):
                      m2: torch.Tensor | None, total: int) -> None:
         """Count the batch and, unless it was empty, fold its statistics into the running ones."""
         if updates_running:
-            self.num_batches_tracked.add_(1)
+            # None, as nn.BatchNorm allows: layers converted from classes without a counter.
+            if self.num_batches_tracked is not None:
+                self.num_batches_tracked.add_(1)
             if total > 0:
                 self._update_running_stats(mean, m2, total)
 

@@ -348,9 +348,57 @@ def scenario_ddp_subgroup(ctx):
         _check(out, ref_out, "non-member output")
 
 
+def scenario_inplace_abn(ctx):
+    """mapillary's API (encoding_syncbn.inplace_abn): InPlaceABNSync and inplace_abn_sync
+    merge over their group (WORLD, active_group's pair), ABN and InPlaceABN stay per process.
+    Output, input gradient and running statistics vs y = elu(xhat * (|w| + eps) + b) (ABN: w)
+    on the batch of the ranks that merge."""
+    from encoding_syncbn import inplace_abn as iabn
+
+    rank, world = dist.get_rank(), ctx["world"]
+    pair = iabn.active_group(rank != 0)
+    assert iabn.active_group(True) is dist.group.WORLD and iabn.active_group(False) is None
+    everyone = list(range(world))
+    cases = [(iabn.ABN, {}, [rank]), (iabn.InPlaceABN, {}, [rank]),
+             (iabn.InPlaceABNSync, {}, everyone),
+             (iabn.InPlaceABNSync, {"group": pair}, [1, 2] if rank else [0]),
+             (iabn.inplace_abn_sync, {}, everyone)]
+    batches = [3, 2, 4]
+    x, grad = _full_batch(batches, 0, seed=5)
+    pieces = _offsets(batches)
+    for make, kwargs, ranks in cases:
+        what = f"{make.__name__}{kwargs} over {ranks}"
+        layer = _make_layer("elu", False)
+        if make is not iabn.inplace_abn_sync:
+            module = make(C, activation="elu", activation_param=SLOPES["elu"], **kwargs).double()
+            module.load_state_dict(layer.state_dict())
+            layer = module
+        gamma = layer.weight.detach().clone()
+        if make is not iabn.ABN:
+            gamma = gamma.abs() + layer.eps
+        merged = torch.cat([x[pieces[r]] for r in ranks]).requires_grad_()
+        running = [torch.zeros(C, dtype=torch.float64), torch.ones(C, dtype=torch.float64)]
+        expected = activate(F.batch_norm(merged, *running, gamma, layer.bias.detach(), True,
+                                         0.1, layer.eps), "elu", SLOPES["elu"])
+        mine = slice(sum(batches[r] for r in ranks if r < rank), None)
+        expected.backward(torch.cat([grad[pieces[r]] for r in ranks]))
+        leaf = x[pieces[rank]].clone().requires_grad_()
+        if make is iabn.inplace_abn_sync:
+            out = make(leaf * 1, layer.weight, layer.bias, layer.running_mean,
+                       layer.running_var, True, 0.1, layer.eps, "elu", SLOPES["elu"])
+        else:
+            out = layer(leaf * 1)
+        out.backward(grad[pieces[rank]])
+        _check(out, expected[mine][: batches[rank]], what + " output")
+        _check(leaf.grad, merged.grad[mine][: batches[rank]], what + " input grad")
+        _check(layer.running_mean, running[0], what + " running_mean")
+        _check(layer.running_var, running[1], what + " running_var")
+
+
 SCENARIOS = {
     2: ["uneven", "empty_rank", "replicas", "collective_count", "solo_group", "ddp"],
-    3: ["uneven", "empty_rank", "replicas", "collective_count", "subgroup", "ddp_subgroup"],
+    3: ["uneven", "empty_rank", "replicas", "collective_count", "subgroup", "ddp_subgroup",
+        "inplace_abn"],
 }
 
 
