@@ -1,6 +1,7 @@
 """Synchronized BatchNorm for ``nn.DataParallel`` and ``torch.distributed``, with In-Place ABN."""
 
 from .convert import convert_sync_batchnorm, register_conversion, revert_sync_batchnorm
+from .fuse import convert_inplace_abn
 from .inplace_check import check_inplace
 from .kernels import get_backend, set_backend
 from .modules import SyncBatchNorm
@@ -12,6 +13,7 @@ __all__ = [
     "SyncError",
     "__version__",
     "check_inplace",
+    "convert_inplace_abn",
     "convert_sync_batchnorm",
     "get_backend",
     "register_conversion",
