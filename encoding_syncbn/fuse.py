@@ -93,8 +93,16 @@ def convert_inplace_abn(module: nn.Module, process_group: Any = None) -> nn.Modu
     Modules ``torch.fx`` cannot trace are looked into child by child, with a warning naming
     them (a child called from their untraced code in another way is not seen).
     """
-    plan = _Planner()
-    plan.visit(module, "")
+    # Traced in both modes: tracing fixes `if self.training:` branches to the current one.
+    flags = [(m, m.training) for m in module.modules()]
+    plans = []
+    for training in (True, False):
+        module.train(training)
+        plans.append(_Planner())
+        plans[-1].visit(module, "")
+    for child, training in flags:
+        child.training = training
+    plan = plans[0]
     if plan.untraced:
         warnings.warn(
             "convert_inplace_abn: torch.fx could not trace "
@@ -104,7 +112,9 @@ def convert_inplace_abn(module: nn.Module, process_group: Any = None) -> nn.Modu
             "directly stay out of place",
             stacklevel=2,
         )
-    decisions = plan.decide()
+    train_decisions, eval_decisions = (p.decide() for p in plans)
+    decisions = {key: value for key, value in train_decisions.items()
+                 if eval_decisions.get(key) == value}
 
     def to_inplace(child: nn.Module, path: str) -> nn.Module | None:
         decision = decisions.get(id(child))

@@ -188,9 +188,9 @@ def test_shared_batchnorm_and_elu():
             return self.conv(z) if self.second_ok else self.conv(z) + h
 
     x = torch.randn(4, 4, 5, 5, dtype=torch.float64)
-    assert modes(check_exact(Twice(True), x))["bn"] == ("elu", True)
+    converted = check_exact(Twice(True), x)
+    assert modes(converted)["bn"] == ("elu", True) and converted.bn.slope == 0.7
     assert modes(check_exact(Twice(False), x))["bn"] == ("none", False)
-    assert check_exact(Twice(True), x).bn.slope == 0.7
 
 
 def test_untraceable_module_warns_and_converts_its_children():
@@ -250,14 +250,38 @@ def test_torchvision_and_smp_models():
     torchvision = import_or_skip("torchvision")
     smp = import_or_skip("segmentation_models_pytorch")
     torch.manual_seed(0)
-    x = torch.randn(2, 3, 32, 32, dtype=torch.float64)
+    x = torch.randn(2, 3, 16, 16, dtype=torch.float64)
     resnet = torchvision.models.ResNet(torchvision.models.resnet.BasicBlock, [1, 1, 1, 1],
                                        num_classes=4)
-    resnet = check_exact(_leaky(resnet), x[:, :, :16, :16], deep=True)
+    resnet = check_exact(_leaky(resnet), x, deep=True)
     # Every block applies one LeakyReLU(inplace=True) module twice, once after `out +=
     # identity`: only the stem's BN (its own activation module) is fused.
     assert [n for n, m in modes(resnet).items() if m[1]] == ["bn1"]
     unet = check_exact(_leaky(smp.Unet("resnet18", encoder_weights=None, encoder_depth=2,
-                                       decoder_channels=(8, 4), classes=2)), x, deep=True)
+                                       decoder_channels=(8, 4), classes=2)),
+                       x, deep=True)
     fused = [n for n, m in modes(unet).items() if m == ("leaky_relu", True)]
     assert "decoder.blocks.0.conv1.1" in fused and "encoder.bn1" in fused
+
+
+def test_training_branches_are_judged_in_both_modes():
+    """fx fixes `if self.training:` to the mode traced: both are, and must agree."""
+
+    class Branch(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv, self.bn = conv_bn()
+            self.act = nn.LeakyReLU(0.1)
+            self.head = nn.Conv2d(4, 2, 1)
+
+        def forward(self, x):
+            out = self.act(self.bn(self.conv(x)))
+            if not self.training:
+                out.mul_(2)  # fused, this write would reach the layer's saved output
+            return self.head(out)
+
+    for training in (True, False):
+        converted = check_exact(Branch().train(training),
+                                torch.randn(4, 4, 5, 5, dtype=torch.float64))
+        # Fused in training only, in place without activation in eval: neither in both.
+        assert modes(converted) == {"bn": ("none", False)}
