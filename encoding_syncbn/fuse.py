@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.modules.lazy import LazyModuleMixin
 
 from . import activations, convert
 from .convert import convert_sync_batchnorm
@@ -206,8 +207,9 @@ def _norm_kind(module: nn.Module) -> tuple[str, float] | None:
             conversion = convert._conversion_for(module, "")
         except TypeError:  # convert_sync_batchnorm raises it, with the module's path
             return None
-        if conversion is None:
-            return None
+        if conversion is None or (isinstance(module, LazyModuleMixin)
+                                  and module.has_uninitialized_params()):
+            return None  # convert_sync_batchnorm says why
         synced = conversion.to_sync(module, None)
     else:
         return None

@@ -177,6 +177,8 @@ class SyncBatchNorm(_BatchNorm):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
+        if "_label_text" not in state:  # pickled by a version that did not name layers
+            self._set_path(None)
         self._reset_transient()
 
     # ---- forward -------------------------------------------------------------------------
