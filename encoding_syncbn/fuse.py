@@ -37,7 +37,8 @@ _FUNCTIONAL_ACTIVATIONS = {F.leaky_relu: ("leaky_relu", "negative_slope", 0.01),
                            F.elu: ("elu", "alpha", 1.0)}
 
 # Producers whose output is a fresh tensor (never an alias of their input).
-_FRESH_MODULES = (nn.modules.conv._ConvNd, nn.Linear, nn.Bilinear)
+_FRESH_MODULES = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d,
+                  nn.ConvTranspose3d, nn.Linear, nn.Bilinear)
 _FRESH_FUNCTIONS = {
     F.conv1d, F.conv2d, F.conv3d, F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d,
     F.linear, torch.conv1d, torch.conv2d, torch.conv3d, torch.cat, torch.stack, torch.add,
@@ -56,7 +57,8 @@ _READER_METHODS = {
     "norm", "sigmoid", "tanh", "relu", "softmax", "exp", "log", "abs", "clamp", "pow",
 }
 # torch.nn leaf modules that return their input itself, or a view of it.
-_ALIAS_MODULES = (nn.Identity, nn.modules.dropout._DropoutNd, nn.Flatten, nn.Unflatten)
+_ALIAS_MODULES = (nn.Identity, nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d,
+                  nn.AlphaDropout, nn.FeatureAlphaDropout, nn.Flatten, nn.Unflatten)
 # The decision for an activation module a fused layer absorbs: it becomes nn.Identity.
 _ABSORBED = "absorbed"
 # In place as operators: how fx sees `out += x`, `out[i] = v` (see _Tracer).
