@@ -72,10 +72,16 @@ def test_parameter_modified_before_backward_is_not_blamed_on_the_output():
     assert "`out += identity`" not in str(info.value)
 
 
-def test_paths_reach_the_sync_errors_label():
-    model = nn.Sequential(nn.Conv2d(3, 3, 1), SyncBatchNorm(3))
-    record_paths(model)
-    assert model[1]._label() == "SyncBatchNorm(3) '1'"
+def test_converters_record_paths_for_every_error():
+    """Converted layers and layers built directly alike; SyncError's label is the same text."""
+    model = nn.Sequential(nn.Conv2d(3, 3, 1), SyncBatchNorm(3), nn.BatchNorm2d(3))
+    model = encoding_syncbn.convert_sync_batchnorm(model)
+    assert [model[1]._label(), model[2]._label()] == ["SyncBatchNorm(3) '1'",
+                                                      "SyncBatchNorm(3) '2'"]
+    block = encoding_syncbn.convert_inplace_abn(
+        nn.Sequential(nn.Conv2d(3, 3, 1), nn.BatchNorm2d(3), nn.LeakyReLU(), nn.Conv2d(3, 3, 1))
+    )
+    assert block[1].inplace and block[1]._label() == "SyncBatchNorm(3) '1'"
 
 
 # ---- opt-in checks (Python-level, the same for every backend) -----------------------------
