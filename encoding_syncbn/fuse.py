@@ -16,6 +16,7 @@ warning says which modules were not traced.
 
 from __future__ import annotations
 
+import logging
 import operator
 import warnings
 from collections import Counter
@@ -31,6 +32,7 @@ from . import activations, convert
 from .convert import convert_sync_batchnorm
 from .modules import SyncBatchNorm
 
+_log = logging.getLogger(__name__)
 # What may run in place after a BatchNorm: the activations the layer inverts.
 _INVERTIBLE = ("leaky_relu", "elu")
 _FUNCTIONAL_ACTIVATIONS = {F.leaky_relu: ("leaky_relu", "negative_slope", 0.01),
@@ -94,7 +96,8 @@ def convert_inplace_abn(module: nn.Module, process_group: Any = None) -> nn.Modu
     into the result with the same keys; the result computes what the original computed.
 
     Modules ``torch.fx`` cannot trace are looked into child by child, with a warning naming
-    them (a child called from their untraced code in another way is not seen).
+    them (a child called from their untraced code in another way is not seen). Why each
+    BatchNorm stays out of place: ``logging.getLogger("encoding_syncbn.fuse")`` at DEBUG.
     """
     # Traced in both modes: tracing fixes `if self.training:` branches to the current one.
     flags = [(m, m.training) for m in module.modules()]
@@ -118,6 +121,13 @@ def convert_inplace_abn(module: nn.Module, process_group: Any = None) -> nn.Modu
     train_decisions, eval_decisions = (p.decide() for p in plans)
     decisions = {key: value for key, value in train_decisions.items()
                  if eval_decisions.get(key) == value}
+    for training, p in zip((True, False), plans):
+        for norm_id, calls in p.calls.items():
+            if norm_id not in decisions:
+                reasons = sorted({c.reason or "its activation module also runs elsewhere"
+                                  for c in calls})
+                _log.debug("convert_inplace_abn: %s stays out of place (%s mode): %s",
+                           p.paths[norm_id], "train" if training else "eval", "; ".join(reasons))
 
     def to_inplace(child: nn.Module, path: str) -> nn.Module | None:
         decision = decisions.get(id(child))
@@ -149,6 +159,7 @@ class _Planner:
     def __init__(self) -> None:
         self.untraced: list[tuple[str, str]] = []
         self.calls: dict[int, list[_Call]] = {}  # BatchNorm id -> its calls
+        self.paths: dict[int, str] = {}  # BatchNorm id -> its path, for the debug log
         self.module_calls: Counter[int] = Counter()  # module id -> its calls, all graphs
 
     def visit(self, module: nn.Module, path: str) -> None:
@@ -169,6 +180,8 @@ class _Planner:
             kind = _norm_kind(target)
             if kind is not None:
                 self.calls.setdefault(id(target), []).append(_judge(node, kind, module))
+                self.paths.setdefault(id(target), f"{path}.{node.target}" if path
+                                      else node.target)
 
     def decide(self) -> dict[int, Any]:
         """id -> ``(activation, slope)`` for each BatchNorm to make in place, ``_ABSORBED``
