@@ -3,6 +3,8 @@
 # The drop-in for mapillary's inplace_abn registers the conversions of their classes.
 from . import inplace_abn  # noqa: F401
 from .convert import convert_sync_batchnorm, register_conversion, revert_sync_batchnorm
+from .fuse import convert_inplace_abn
+from .inplace_check import check_inplace
 from .kernels import get_backend, set_backend
 from .modules import SyncBatchNorm
 from .sync import SyncError
@@ -12,6 +14,8 @@ __all__ = [
     "SyncBatchNorm",
     "SyncError",
     "__version__",
+    "check_inplace",
+    "convert_inplace_abn",
     "convert_sync_batchnorm",
     "get_backend",
     "register_conversion",

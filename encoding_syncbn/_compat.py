@@ -24,6 +24,16 @@ def _missing(api: str, error: Exception) -> RuntimeError:
 
 # ---- autograd ---------------------------------------------------------------------------
 
+def disable_torch_function_subclass() -> Any:
+    """A context in which tensor subclasses' ``__torch_function__`` is not called (what a
+    subclass's own ``__torch_function__`` runs torch under; ``inplace_check``'s checked
+    tensors). Only the opt-in checks need it."""
+    try:
+        return torch._C.DisableTorchFunctionSubclass()
+    except AttributeError as error:
+        raise _missing("torch._C.DisableTorchFunctionSubclass", error) from error
+
+
 @functools.cache
 def _graph_task_id() -> Callable[[], int]:
     try:

@@ -18,7 +18,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.lazy import LazyModuleMixin
 
 from . import activations
-from .modules import SyncBatchNorm
+from .modules import SyncBatchNorm, record_paths
 from .norm_act import BatchNormAct, SyncBatchNormAct
 
 _BATCHNORM_BY_INPUT_DIM = {
@@ -118,7 +118,9 @@ def convert_sync_batchnorm(module: nn.Module, process_group: Any = None) -> nn.M
         setattr(converted, _SOURCE_ATTRIBUTE, conversion.source)
         return converted
 
-    return _replace_all(module, to_sync)
+    module = _replace_all(module, to_sync)
+    record_paths(module)  # errors name each layer by its path in the model
+    return module
 
 
 def revert_sync_batchnorm(module: nn.Module) -> nn.Module:

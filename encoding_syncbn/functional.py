@@ -50,13 +50,15 @@ class ActConfig(NamedTuple):
     """The activation fused after the normalisation, and whether it overwrites its input.
 
     ``aside``: the channels to keep aside in place (see ``small_gamma_channels``) when they
-    are known in advance, as host ints; None: look them up at each call.
+    are known in advance, as host ints; None: look them up at each call. ``layer``: how
+    errors name the layer (``SyncBatchNorm._label``).
     """
 
     activation: str
     slope: float
     inplace: bool
     aside: tuple[int, ...] | None = None
+    layer: str = "SyncBatchNorm"
 
 
 class _Saved(NamedTuple):
@@ -189,6 +191,37 @@ def _normalize(ctx, x, mean, invstd, weight, bias, config: ActConfig, aside_chan
     return out
 
 
+def _unpack(ctx) -> _Saved:
+    """``ctx``'s saved tensors; a tensor modified in place since the forward is named.
+
+    torch's own error names no layer and, for an in-place layer whose output was modified
+    (``out += identity``), no fix.
+    """
+    try:
+        return _Saved(*ctx.saved_tensors)
+    except RuntimeError as error:
+        if "modified by an inplace operation" not in str(error):
+            raise
+        raise RuntimeError(_modified_message(ctx.config, str(error))) from error
+
+
+def _modified_message(config: ActConfig, torch_message: str) -> str:
+    if config.inplace and "which is output 0 of" in torch_message:
+        return (
+            f"{config.layer} (inplace=True) wrote its output over its input and its backward "
+            "rebuilds the input from that output, but the output was modified in place after "
+            "the layer's forward (`out += identity` after the layer, or another in-place layer "
+            "fed this output directly). Fix: write `out = out + identity` instead of "
+            "`out += identity`, or use inplace=False for that layer "
+            "(encoding_syncbn.convert_inplace_abn chooses the layers that may stay in place). "
+            f"PyTorch said: {torch_message}"
+        )
+    return (
+        f"{config.layer}: a tensor its backward needs (its input, weight or bias) was modified "
+        f"in place after the layer's forward. PyTorch said: {torch_message}"
+    )
+
+
 def _aside_args(saved: _Saved, grad_output: torch.Tensor, config: ActConfig):
     """The ``reference_ops`` arguments that recompute the channels kept aside from their input."""
     idx = saved.aside_channels
@@ -256,7 +289,7 @@ class BatchNormAct(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        saved = _Saved(*ctx.saved_tensors)
+        saved = _unpack(ctx)
         sum_dz, sum_dz_xhat = _reduce(saved, grad_output, ctx.config)
         grad_input = None
         if ctx.needs_input_grad[0]:
@@ -285,7 +318,7 @@ class NormAct(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        saved = _Saved(*ctx.saved_tensors)
+        saved = _unpack(ctx)
         config = ctx.config
         sum_dz, sum_dz_xhat = _reduce(saved, grad_output, config)
         scale = saved.weight * saved.invstd

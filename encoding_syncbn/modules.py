@@ -11,7 +11,7 @@ from typing import Any, NamedTuple
 import torch
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from . import _compat, distributed
+from . import _compat, distributed, inplace_check
 from .functional import (
     ActConfig,
     ReplicaStats,
@@ -128,6 +128,8 @@ class SyncBatchNorm(_BatchNorm):
         # A list, so that replicas (which copy __dict__ shallowly) report to the original; of
         # fixed length, so that torch.compile does not recompile once it has been set.
         self._last_input_dim: list[int | None] = [None]
+        # The layer's path in its model ("layer1.0.bn2"), for error messages; see record_paths.
+        self._set_path(None)
         self._reset_transient()
 
     # ---- replication: how the replicas of one DataParallel call find each other ----------
@@ -160,7 +162,14 @@ class SyncBatchNorm(_BatchNorm):
         return replica
 
     def _label(self) -> str:
-        return f"SyncBatchNorm({self.num_features}) at {id(self):#x}"
+        """How errors name the layer: its path in the model once a converter recorded it
+        (``record_paths``), else its size and address. Formatted once, not per call."""
+        return self._label_text
+
+    def _set_path(self, path: str | None) -> None:
+        self._path = path
+        where = repr(path) if path else f"at {id(self):#x}"
+        self._label_text = f"SyncBatchNorm({self.num_features}) {where}"
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
@@ -168,6 +177,8 @@ class SyncBatchNorm(_BatchNorm):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
+        if "_label_text" not in state:  # pickled by a version that did not name layers
+            self._set_path(None)
         self._reset_transient()
 
     # ---- forward -------------------------------------------------------------------------
@@ -202,6 +213,11 @@ class SyncBatchNorm(_BatchNorm):
         try:
             self._check_input(input)
             self._last_input_dim[0] = input.dim()
+            if self.inplace and inplace_check.checking():
+                inplace_check.before_write(input, self._label())
+                out = self._forward(input, slot)
+                # ``out is input``: written in place (not a fallback out of place).
+                return inplace_check.after_write(input, out, self._label()) if out is input else out
             return self._forward(input, slot)
         except BaseException as error:
             if slot is not None:
@@ -224,7 +240,7 @@ class SyncBatchNorm(_BatchNorm):
 
     def _act_config(self, x: torch.Tensor) -> ActConfig:
         inplace = self.inplace and _can_overwrite(x)
-        return ActConfig(self.activation, self.slope, inplace, self._aside)
+        return ActConfig(self.activation, self.slope, inplace, self._aside, self._label())
 
     def _forward(self, x: torch.Tensor, slot: _ReplicaSlot | None) -> torch.Tensor:
         acc = torch_ops.stats_dtype(x.dtype)
@@ -374,6 +390,15 @@ class SyncBatchNorm(_BatchNorm):
         if not self.sync:
             text += ", sync=False"
         return text
+
+
+def record_paths(root: torch.nn.Module) -> None:
+    """Let every ``SyncBatchNorm`` under ``root`` name itself in errors by its path there
+    (``"layer1.0.bn2"``; a module shared under several names takes the first). The
+    converters call it on the model they return."""
+    for path, module in root.named_modules():
+        if isinstance(module, SyncBatchNorm) and path:
+            module._set_path(path)
 
 
 def _may_be_recomputed() -> bool:

@@ -1,0 +1,434 @@
+"""``convert_inplace_abn``: the In-Place ABN memory saving on an existing model, in one call.
+
+Which BatchNorms may run in place is a property of the model's dataflow, not of the layer:
+the layer overwrites its input and keeps only its output for backward, so
+
+- its input must be a fresh tensor that nothing else reads (``abn(x) + x`` would read the
+  output twice) and that aliases nothing (a view of another tensor would be overwritten too);
+- its output must never be modified in place while backward needs it (``out += identity``).
+
+``torch.fx`` gives that dataflow: the model is traced (norm layers and torch's own modules
+kept whole), and each BatchNorm call is judged on its graph. A module the tracer cannot follow
+(data-dependent control flow) is not traced itself; its children are, each on its own, which
+only loses pairs (a child's inputs come from outside, so they are never overwritten), and a
+warning says which modules were not traced.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+import warnings
+from collections import Counter
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import fx, nn
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.modules.lazy import LazyModuleMixin
+
+from . import activations, convert
+from .convert import convert_sync_batchnorm
+from .modules import SyncBatchNorm
+
+_log = logging.getLogger(__name__)
+# What may run in place after a BatchNorm: the activations the layer inverts.
+_INVERTIBLE = ("leaky_relu", "elu")
+_FUNCTIONAL_ACTIVATIONS = {F.leaky_relu: ("leaky_relu", "negative_slope", 0.01),
+                           F.elu: ("elu", "alpha", 1.0)}
+
+# Producers whose output is a fresh tensor (never an alias of their input).
+_FRESH_MODULES = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d,
+                  nn.ConvTranspose3d, nn.Linear, nn.Bilinear)
+_FRESH_FUNCTIONS = {
+    F.conv1d, F.conv2d, F.conv3d, F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d,
+    F.linear, torch.conv1d, torch.conv2d, torch.conv3d, torch.cat, torch.stack, torch.add,
+    torch.sub, torch.mul, torch.matmul, operator.add, operator.sub, operator.mul,
+    operator.truediv, operator.matmul, operator.neg,
+}
+# Readers of a tensor whose result is a fresh tensor: past them, no write reaches the layer's
+# output. Anything not listed (and not a torch.nn leaf module) is assumed to return an alias.
+_READER_FUNCTIONS = _FRESH_FUNCTIONS | {
+    F.relu, F.leaky_relu, F.elu, F.gelu, F.silu, F.hardswish, F.sigmoid, F.tanh,
+    F.interpolate, F.avg_pool2d, F.max_pool2d, F.adaptive_avg_pool2d, F.adaptive_max_pool2d,
+    F.softmax, torch.sigmoid, torch.tanh, torch.relu, torch.mean, torch.sum,
+}
+_READER_METHODS = {
+    "add", "sub", "mul", "div", "matmul", "sum", "mean", "amax", "amin", "std", "var",
+    "norm", "sigmoid", "tanh", "relu", "softmax", "exp", "log", "abs", "clamp", "pow",
+}
+# torch.nn leaf modules that return their input itself, or a view of it.
+_ALIAS_MODULES = (nn.Identity, nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d,
+                  nn.AlphaDropout, nn.FeatureAlphaDropout, nn.Flatten, nn.Unflatten)
+# The decision for an activation module a fused layer absorbs: it becomes nn.Identity.
+_ABSORBED = "absorbed"
+# In place as operators: how fx sees `out += x`, `out[i] = v` (see _Tracer).
+_INPLACE_OPERATORS = {
+    "__iadd__": operator.iadd, "__isub__": operator.isub, "__imul__": operator.imul,
+    "__itruediv__": operator.itruediv, "__ifloordiv__": operator.ifloordiv,
+    "__imod__": operator.imod, "__ipow__": operator.ipow, "__imatmul__": operator.imatmul,
+    "__iand__": operator.iand, "__ior__": operator.ior, "__ixor__": operator.ixor,
+    "__ilshift__": operator.ilshift, "__irshift__": operator.irshift,
+}
+
+
+def convert_inplace_abn(module: nn.Module, process_group: Any = None) -> nn.Module:
+    """Return ``module`` synchronised as ``convert_sync_batchnorm`` does, with every BatchNorm
+    that may safely run in place turned into an In-Place Activated BatchNorm.
+
+    A BatchNorm (``nn.BatchNorm*d``, ``nn.SyncBatchNorm``, timm's ``BatchNormAct2d`` ...)
+    whose output feeds only a ``LeakyReLU`` or ``ELU`` (slope > 0) becomes
+    ``SyncBatchNorm(activation=..., inplace=True)``:
+
+    - **fused**, when the activation is a module applied only right after such BatchNorms
+      (it becomes ``nn.Identity``), or the norm layer's own (timm's ``act``): only the
+      activation's output is kept for backward, one tensor instead of three;
+    - **in place without activation** (``activation="identity"``), when the activation is a
+      ``torch.nn.functional`` call or a module also applied elsewhere, out of place: the
+      BatchNorm's input is no longer kept (two tensors instead of three).
+
+    Only where the traced graph shows it is safe: the BatchNorm's input comes from a
+    convolution, linear layer or arithmetic op and is read by nothing else, and the output
+    (after any view) is never modified in place (``out += identity``, ``add_``, an in-place
+    module) nor returned by the traced module. Every other BatchNorm is synchronised out of
+    place. Parameters and buffers are shared with the original, whose ``state_dict`` loads
+    into the result with the same keys; the result computes what the original computed.
+
+    Modules ``torch.fx`` cannot trace are looked into child by child, with a warning naming
+    them (a child called from their untraced code in another way is not seen). Why each
+    BatchNorm stays out of place: ``logging.getLogger("encoding_syncbn.fuse")`` at DEBUG.
+    """
+    # Traced in both modes: tracing fixes `if self.training:` branches to the current one.
+    flags = [(m, m.training) for m in module.modules()]
+    plans = []
+    for training in (True, False):
+        module.train(training)
+        plans.append(_Planner())
+        plans[-1].visit(module, "")
+    for child, training in flags:
+        child.training = training
+    plan = plans[0]
+    if plan.untraced:
+        warnings.warn(
+            "convert_inplace_abn: torch.fx could not trace "
+            + "; ".join(f"{_where(path)} ({reason})" for path, reason in plan.untraced)
+            + ". Their children were traced one by one, so only BatchNorm + activation pairs "
+            "inside one child can run in place; the BatchNorms their own forward calls "
+            "directly stay out of place",
+            stacklevel=2,
+        )
+    train_decisions, eval_decisions = (p.decide() for p in plans)
+    decisions = {key: value for key, value in train_decisions.items()
+                 if eval_decisions.get(key) == value}
+    for training, p in zip((True, False), plans):
+        for norm_id, calls in p.calls.items():
+            if norm_id not in decisions:
+                reasons = sorted({c.reason or "its activation module also runs elsewhere"
+                                  for c in calls})
+                _log.debug("convert_inplace_abn: %s stays out of place (%s mode): %s",
+                           p.paths[norm_id], "train" if training else "eval", "; ".join(reasons))
+
+    def to_inplace(child: nn.Module, path: str) -> nn.Module | None:
+        decision = decisions.get(id(child))
+        if decision is None:
+            return None
+        if decision == _ABSORBED:
+            return nn.Identity()
+        return _inplace_layer(child, path, process_group, *decision)
+
+    module = convert._replace_all(module, to_inplace)
+    return convert_sync_batchnorm(module, process_group)
+
+
+# ---- what a BatchNorm call is followed by ------------------------------------------------------
+
+
+class _Call(NamedTuple):
+    """One call of a BatchNorm module in a traced graph, judged."""
+
+    activation: str | None  # None: stays out of place; "identity": in place, no activation
+    slope: float
+    act: nn.Module | None  # the activation module absorbed (fused), if any
+    reason: str  # why it stays out of place ("" otherwise)
+
+
+class _Planner:
+    """Traces a module tree and collects every BatchNorm call and activation call in it."""
+
+    def __init__(self) -> None:
+        self.untraced: list[tuple[str, str]] = []
+        self.calls: dict[int, list[_Call]] = {}  # BatchNorm id -> its calls
+        self.paths: dict[int, str] = {}  # BatchNorm id -> its path, for the debug log
+        self.module_calls: Counter[int] = Counter()  # module id -> its calls, all graphs
+
+    def visit(self, module: nn.Module, path: str) -> None:
+        if _is_leaf(module):
+            return
+        try:
+            graph = _Tracer().trace(module)
+        except Exception as error:  # any failure of the tracer: the module's own code
+            self.untraced.append((path, f"{type(error).__name__}: {str(error)[:120]}"))
+            for name, child in module.named_children():
+                self.visit(child, f"{path}.{name}" if path else name)
+            return
+        for node in graph.nodes:
+            if node.op != "call_module":
+                continue
+            target = module.get_submodule(node.target)
+            self.module_calls[id(target)] += 1
+            kind = _norm_kind(target)
+            if kind is not None:
+                self.calls.setdefault(id(target), []).append(_judge(node, kind, module))
+                self.paths.setdefault(id(target), f"{path}.{node.target}" if path
+                                      else node.target)
+
+    def decide(self) -> dict[int, Any]:
+        """id -> ``(activation, slope)`` for each BatchNorm to make in place, ``_ABSORBED``
+        for each activation module they absorb.
+
+        A BatchNorm called several times is in place only if every call agrees; an activation
+        module is absorbed only if every one of its calls follows a BatchNorm absorbing it
+        (else it stays, and those BatchNorms run in place without activation before it,
+        when it is out of place)."""
+        chosen = {}
+        for norm_id, calls in self.calls.items():
+            first = calls[0]
+            if first.activation is not None and all(c[:3] == first[:3] for c in calls):
+                chosen[norm_id] = first
+        absorbing = Counter(
+            id(call.act) for norm_id in chosen for call in self.calls[norm_id]
+            if call.act is not None
+        )
+        decisions: dict[int, Any] = {}
+        for norm_id, call in chosen.items():
+            act = call.act
+            if act is None or absorbing[id(act)] == self.module_calls[id(act)]:
+                decisions[norm_id] = (call.activation, call.slope)
+                if act is not None:
+                    decisions[id(act)] = _ABSORBED
+            elif not getattr(act, "inplace", False):
+                decisions[norm_id] = ("identity", 0.0)
+        return decisions
+
+
+def _norm_kind(module: nn.Module) -> tuple[str, float] | None:
+    """``(activation, slope)`` of the out-of-place layer ``module`` converts to, when that is
+    a plain ``SyncBatchNorm`` whose activation is none or may run in place; else None."""
+    if type(module) is SyncBatchNorm:
+        synced = module
+    elif isinstance(module, _BatchNorm):
+        try:
+            conversion = convert._conversion_for(module, "")
+        except TypeError:  # convert_sync_batchnorm raises it, with the module's path
+            return None
+        if conversion is None or (isinstance(module, LazyModuleMixin)
+                                  and module.has_uninitialized_params()):
+            return None  # convert_sync_batchnorm says why
+        synced = conversion.to_sync(module, None)
+    else:
+        return None
+    if type(synced) is not SyncBatchNorm or synced.inplace:
+        return None
+    if synced.activation == "none" or (synced.activation in _INVERTIBLE and synced.slope > 0):
+        return synced.activation, synced.slope
+    return None
+
+
+def _judge(node: fx.Node, kind: tuple[str, float], root: nn.Module) -> _Call:
+    """Whether this call of a norm layer (``kind``: its activation and slope) may run in
+    place, and with which activation."""
+    producer = node.args[0] if node.args else None
+    if not isinstance(producer, fx.Node) or len(node.args) != 1 or node.kwargs:
+        return _Call(None, 0.0, None, "called with other arguments")
+    if not _is_fresh(producer, root):
+        return _Call(None, 0.0, None, f"its input comes from {_describe(producer)}")
+    if len(producer.users) != 1:
+        return _Call(None, 0.0, None, "its input is also read elsewhere")
+    if kind[0] != "none":  # the norm layer's own activation (timm's BatchNormAct2d)
+        if _written_later(node, root):
+            return _Call(None, 0.0, None, "its output is modified in place or returned")
+        return _Call(*kind, None, "")
+    # Through nn.Identity modules (timm's disabled drop_block), to the activation.
+    value = node
+    while True:
+        if len(value.users) != 1:
+            return _Call(None, 0.0, None, "its output is read by several operations")
+        act_node = next(iter(value.users))
+        if act_node.args[:1] != (value,) or _count_uses(act_node, value) != 1:
+            return _Call(None, 0.0, None, "its output does not feed a LeakyReLU or ELU")
+        if act_node.op != "call_module" or type(root.get_submodule(act_node.target)) \
+                is not nn.Identity:
+            break
+        value = act_node
+    found = _activation_of(act_node, root)
+    if found is None:
+        return _Call(None, 0.0, None, "its output does not feed a LeakyReLU or ELU")
+    activation, slope, act_module, inplace = found
+    if slope <= 0:
+        return _Call(None, 0.0, None, f"{activation} with slope {slope} is not invertible")
+    if act_module is not None and not _written_later(act_node, root):
+        return _Call(activation, slope, act_module, "")
+    if not inplace:
+        # The activation stays; it only reads the BatchNorm's output.
+        return _Call("identity", 0.0, None, "")
+    return _Call(None, 0.0, None, "its activation runs in place after it")
+
+
+def _activation_of(node: fx.Node, root: nn.Module):
+    """``(activation, slope, module or None, inplace)`` of a LeakyReLU/ELU call, else None."""
+    if node.op == "call_module":
+        module = root.get_submodule(node.target)
+        found = activations.from_module(module)
+        if found is None or found[0] not in _INVERTIBLE:
+            return None
+        return (*found, module, bool(getattr(module, "inplace", False)))
+    if node.op == "call_function" and node.target in _FUNCTIONAL_ACTIVATIONS:
+        activation, name, default = _FUNCTIONAL_ACTIVATIONS[node.target]
+        slope = node.args[1] if len(node.args) > 1 else node.kwargs.get(name, default)
+        inplace = node.args[2] if len(node.args) > 2 else node.kwargs.get("inplace", False)
+        if not isinstance(slope, (int, float)) or not isinstance(inplace, bool):
+            return None
+        return activation, float(slope), None, inplace
+    return None
+
+
+def _is_fresh(node: fx.Node, root: nn.Module) -> bool:
+    """Whether ``node``'s result is a new tensor (aliases none of the graph's tensors)."""
+    if node.op == "call_module":
+        return isinstance(root.get_submodule(node.target), _FRESH_MODULES)
+    if node.op == "call_function":
+        return node.target in _FRESH_FUNCTIONS and "out" not in node.kwargs
+    return False
+
+
+def _written_later(node: fx.Node, root: nn.Module) -> bool:
+    """Whether ``node``'s result, or a possible alias of it, is modified in place or leaves
+    the graph (its caller may modify it)."""
+    pending, seen = [node], {node}
+    while pending:
+        current = pending.pop()
+        for user in current.users:
+            if user.op == "output" or _writes(user, current, root):
+                return True
+            if user not in seen and not _returns_fresh(user, root):
+                seen.add(user)
+                pending.append(user)
+    return False
+
+
+def _writes(user: fx.Node, value: fx.Node, root: nn.Module) -> bool:
+    """Whether ``user`` modifies ``value`` in place."""
+    if "out" in user.kwargs:
+        return True
+    first = user.args[0] if user.args else None
+    if first is not value:
+        return False
+    if user.op == "call_method":
+        return user.target.endswith("_") and not user.target.startswith("__")
+    if user.op == "call_function":
+        if user.target in _INPLACE_OPERATORS.values() or user.target is operator.setitem:
+            return True
+        if user.kwargs.get("inplace") is True:
+            return True
+        name = getattr(user.target, "__name__", "")
+        return name.endswith("_") or any(arg is True for arg in user.args[1:])
+    if user.op == "call_module":
+        return bool(getattr(root.get_submodule(user.target), "inplace", False))
+    return False
+
+
+def _returns_fresh(user: fx.Node, root: nn.Module) -> bool:
+    """Whether ``user``'s result certainly aliases none of its inputs."""
+    if user.op == "call_module":
+        module = root.get_submodule(user.target)
+        return _is_leaf(module) and not isinstance(module, _ALIAS_MODULES)
+    if user.op == "call_function":
+        return user.target in _READER_FUNCTIONS
+    if user.op == "call_method":
+        return user.target in _READER_METHODS
+    return False
+
+
+def _count_uses(user: fx.Node, value: fx.Node) -> int:
+    """How many times ``value`` appears in ``user``'s arguments."""
+    count = 0
+
+    def seen(node: fx.Node) -> fx.Node:
+        nonlocal count
+        count += node is value
+        return node
+
+    fx.node.map_arg((user.args, user.kwargs), seen)
+    return count
+
+
+def _describe(node: fx.Node) -> str:
+    if node.op == "placeholder":
+        return "the traced module's own input"
+    return f"{node.op} {getattr(node.target, '__name__', node.target)}"
+
+
+def _where(path: str) -> str:
+    return repr(path) if path else "the model"
+
+
+def _is_leaf(module: nn.Module) -> bool:
+    """torch's own modules and norm layers are traced as single calls."""
+    return isinstance(module, _BatchNorm) or (
+        module.__module__.startswith(("torch.nn", "torch.ao.nn"))
+        and not isinstance(module, nn.Sequential)
+    )
+
+
+class _InplaceAwareProxy(fx.Proxy):
+    """fx records ``out += x`` as ``out + x`` (a Proxy has no ``__iadd__``, so Python falls
+    back to ``__add__``), which would hide the write: these record it as ``operator.iadd``,
+    and ``out[i] = v`` as ``operator.setitem``."""
+
+    def __setitem__(self, index: Any, value: Any) -> None:
+        self.tracer.create_proxy("call_function", operator.setitem, (self, index, value), {})
+
+
+def _inplace_operator(function):
+    def method(self, other):
+        return self.tracer.create_proxy("call_function", function, (self, other), {})
+
+    return method
+
+
+for _name, _function in _INPLACE_OPERATORS.items():
+    setattr(_InplaceAwareProxy, _name, _inplace_operator(_function))
+
+
+class _Tracer(fx.Tracer):
+    def is_leaf_module(self, module: nn.Module, qualified_name: str) -> bool:
+        return _is_leaf(module)
+
+    def proxy(self, node: fx.Node) -> fx.Proxy:
+        return _InplaceAwareProxy(node, self)
+
+
+def _inplace_layer(norm: nn.Module, path: str, process_group: Any, activation: str,
+                   slope: float) -> SyncBatchNorm:
+    """``norm`` as an in-place ``SyncBatchNorm``, sharing its Parameters and buffers, and
+    reverting as the out-of-place layer it converts to would."""
+    if type(norm) is SyncBatchNorm:
+        synced = norm
+    else:
+        conversion = convert._conversion_for(norm, path)
+        synced = conversion.to_sync(norm, process_group)
+        setattr(synced, convert._SOURCE_ATTRIBUTE, conversion.source)
+    layer = SyncBatchNorm(
+        *convert._norm_args(synced), synced.process_group, device="meta",
+        bias=convert._has_bias(synced), sync=synced.sync, activation=activation, slope=slope,
+        inplace=True,
+    )
+    layer._last_input_dim[0] = synced._last_input_dim[0]
+    source = getattr(synced, convert._SOURCE_ATTRIBUTE, None)
+    if source is not None:
+        setattr(layer, convert._SOURCE_ATTRIBUTE, source)
+    return convert._share_state(synced, layer)
+
+
+__all__ = ["convert_inplace_abn"]
