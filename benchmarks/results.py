@@ -98,12 +98,18 @@ def command() -> str:
 
 
 def _commit() -> str:
+    """The checkout's commit, "-dirty" if tracked files other than RESULTS.md differ from it."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True,
+                              timeout=10).stdout.strip()
+
     try:
-        out = subprocess.run(["git", "-C", str(ROOT), "describe", "--always", "--dirty"],
-                             capture_output=True, text=True, timeout=10)
+        commit = git("rev-parse", "--short", "HEAD")
+        changed = git("status", "--porcelain", "--untracked-files=no", "--", ".",
+                      f":(exclude){RESULTS.relative_to(ROOT).as_posix()}")
     except (OSError, subprocess.SubprocessError):
         return "unknown"
-    return out.stdout.strip() or "unknown"
+    return (commit + ("-dirty" if changed else "")) if commit else "unknown"
 
 
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
