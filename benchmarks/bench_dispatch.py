@@ -14,7 +14,6 @@ the table to benchmarks/RESULTS.md.
 from __future__ import annotations
 
 import argparse
-import statistics
 import timeit
 
 import results
@@ -35,6 +34,7 @@ def main() -> None:
     args = parse_args()
     # Imported after the flags are read, so that --help needs no torch.
     import torch
+    from timing import median_range
 
     torch.set_num_threads(1)
 
@@ -59,8 +59,7 @@ def main() -> None:
     for name, call in cases.items():
         micros = [seconds / args.calls * 1e6
                   for seconds in timeit.repeat(call, number=args.calls, repeat=args.repeats)]
-        rows.append([name, f"{statistics.median(micros):.2f} [{min(micros):.2f}, "
-                           f"{max(micros):.2f}]"])
+        rows.append([name, median_range(micros, 2)])
     table = results.markdown_table(["call", "us per call, median [min, max]"], rows)
     notes = (f"One thread, an 8-element CPU tensor: microseconds per call, the median of "
              f"{args.repeats} `timeit` runs of {args.calls} calls [min, max over the runs]. The "

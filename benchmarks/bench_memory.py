@@ -81,6 +81,7 @@ def main() -> None:
     # Imported after the flags are read, so that --help needs no torch.
     import torch
     from stacks import LABELS, LAYERS, SHAPE, STACKS
+    from timing import median_range
 
     device = torch.device(args.device)
     activation = torch.Size(SHAPE).numel() * 4
@@ -101,9 +102,8 @@ def main() -> None:
     measure = cuda_growth if device.type == "cuda" else cpu_growth
     growth = {name: [measure(name) for _ in range(args.repeats)] for name in STACKS}
     median = {name: statistics.median(values) for name, values in growth.items()}
-    rows = [[LABELS[name], f"{median[name] / 2**20:.1f} [{min(values) / 2**20:.1f}, "
-             f"{max(values) / 2**20:.1f}]", f"{median[name] / activation:.2f}"]
-            for name, values in growth.items()]
+    rows = [[LABELS[name], median_range([v / 2**20 for v in values], 1),
+             f"{median[name] / activation:.2f}"] for name, values in growth.items()]
     rows.append(["ratio, ours / plain (medians)",
                  f"{median['inplace_abn'] / median['bn+leaky_relu']:.2f}", ""])
     kind = ("peak RSS growth (VmHWM), a fresh process each" if device.type == "cpu"

@@ -195,20 +195,15 @@ def tiny_ops_us(replicas: int, ops: int = 30, repeats: int = 300) -> dict[int, f
     return {count: threads_seconds(body, count) / repeats * 1e6 for count in (1, replicas)}
 
 
-def _cell(per_round: list[float]) -> str:
-    """The median round [min, max over the rounds]."""
-    return f"{statistics.median(per_round):.0f} [{min(per_round):.0f}, {max(per_round):.0f}]"
-
-
-def _cells(per_round: list[tuple[float, float]]) -> list[str]:
-    """Forward, backward and total cells."""
-    return [_cell([f for f, _ in per_round]), _cell([b for _, b in per_round]),
-            _cell([f + b for f, b in per_round])]
-
-
 def main() -> None:
     args = parse_args()
     import torch
+    from timing import median_range
+
+    def cells(per_round: list[tuple[float, float]]) -> list[str]:
+        """Forward, backward and total: the median round [min, max over the rounds]."""
+        return [median_range([f for f, _ in per_round]), median_range([b for _, b in per_round]),
+                median_range([f + b for f, b in per_round])]
 
     torch.set_num_threads(args.threads)
     k = args.replicas
@@ -229,28 +224,29 @@ def main() -> None:
     per_call = results.markdown_table(
         ["per layer call", "relative to", "forward us", "backward us", "total us"], [
             [f"(1) `SyncBatchNorm`, synchronised, {k} replicas: what a user pays", "absolute",
-             *_cells(absolute("sync"))],
+             *cells(absolute("sync"))],
             [f"(2) `SyncBatchNorm(sync=False)`, {k} replicas", "absolute",
-             *_cells(absolute("sync=False"))],
+             *cells(absolute("sync=False"))],
             [f"(3) `nn.BatchNorm2d` + `nn.LeakyReLU`, {k} replicas", "absolute",
-             *_cells(absolute("bn"))],
-            ["(4) `SyncBatchNorm`, 1 replica", "absolute", *_cells(absolute("1 replica"))],
+             *cells(absolute("bn"))],
+            ["(4) `SyncBatchNorm`, 1 replica", "absolute", *cells(absolute("1 replica"))],
             ["(5a) synchronisation cost, (1) - (2)", f"(2): same layer, {k} replicas, unsynced",
-             *_cells(minus("sync", "sync=False"))],
+             *cells(minus("sync", "sync=False"))],
             ["(5b) synchronisation cost, (1) - (3)", f"(3): BatchNorm2d, {k} replicas",
-             *_cells(minus("sync", "bn"))],
+             *cells(minus("sync", "bn"))],
             [f"(6) the synchronisation's own work, {k} replicas' calls in one thread",
-             f"{k} unsynchronised calls in one thread", *_cells(minus("sync", "sync=False", 1))],
+             f"{k} unsynchronised calls in one thread", *cells(minus("sync", "sync=False", 1))],
         ])
     meetings = [r[2] for r in rounds]
     tiny = [r[3] for r in rounds]
     where = results.markdown_table(["where (5) goes, per event", "us"], [
         [f"one meeting of {k} threads doing nothing else, this package's protocol",
-         _cell([m["encoding_syncbn"] for m in meetings])],
+         median_range([m["encoding_syncbn"] for m in meetings])],
         [f"one meeting of {k} threads doing nothing else, `threading.Barrier`",
-         _cell([m["threading.Barrier"] for m in meetings])],
-        ["30 tiny ATen calls, 1 thread", _cell([t[1] for t in tiny])],
-        [f"30 tiny ATen calls in each of {k} threads at once", _cell([t[k] for t in tiny])],
+         median_range([m["threading.Barrier"] for m in meetings])],
+        ["30 tiny ATen calls, 1 thread", median_range([t[1] for t in tiny])],
+        [f"30 tiny ATen calls in each of {k} threads at once",
+         median_range([t[k] for t in tiny])],
     ])
     notes = (f"{k} simulated replicas (threads, `SimulatedDataParallel`), a tiny input (2 "
              f"samples per replica, 8 channels, 2x2), {args.calls} layer calls per forward, "

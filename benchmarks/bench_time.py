@@ -37,7 +37,7 @@ def main() -> None:
     # Imported after the flags are read, so that --help needs no torch.
     import torch
     from stacks import LABELS, LAYERS, SHAPE, STACKS
-    from timing import forward_backward, spread, take_turns
+    from timing import forward_backward, median_iqr, take_turns
 
     device = torch.device(args.device)
     if device.type == "cpu":
@@ -57,12 +57,12 @@ def main() -> None:
     for name in STACKS:
         fwd = [f * 1e3 for f, _ in times[name]]
         bwd = [b * 1e3 for _, b in times[name]]
-        rows.append([LABELS[name], spread(fwd, 2), spread(bwd, 2),
-                     spread([f + b for f, b in zip(fwd, bwd)], 2)])
+        rows.append([LABELS[name], median_iqr(fwd, 2), median_iqr(bwd, 2),
+                     median_iqr([f + b for f, b in zip(fwd, bwd)], 2)])
     rows.append(["ratio, ours / plain (turn by turn)",
-                 spread([o[0] / p[0] for o, p in zip(ours, plain)], 2),
-                 spread([o[1] / p[1] for o, p in zip(ours, plain)], 2),
-                 spread([sum(o) / sum(p) for o, p in zip(ours, plain)], 2)])
+                 median_iqr([o[0] / p[0] for o, p in zip(ours, plain)], 2),
+                 median_iqr([o[1] / p[1] for o, p in zip(ours, plain)], 2),
+                 median_iqr([sum(o) / sum(p) for o, p in zip(ours, plain)], 2)])
     table = results.markdown_table(
         ["stack", "forward ms", "backward ms", "forward+backward ms"], rows)
     threads = f"{torch.get_num_threads()} thread(s)" if device.type == "cpu" else "GPU"

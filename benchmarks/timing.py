@@ -1,8 +1,8 @@
 """The benchmarks' timing: variants taking turns, forward and backward timed apart, summaries.
 
 On a shared machine whose speed drifts, variants that are compared run in turns (A, B, A,
-B, ...) so that a slow spell hits each alike, and a figure is a median with its spread (the
-interquartile range), never a single run.
+B, ...) so that a slow spell hits each alike, and a figure is a median with its spread,
+never a single run.
 """
 
 from __future__ import annotations
@@ -60,15 +60,15 @@ def threads_seconds(body: Callable[[int], None], count: int) -> float:
     return time.perf_counter() - start
 
 
-def quartiles(values: Sequence[float]) -> tuple[float, float, float]:
-    """``(median, first quartile, third quartile)``."""
+def median_iqr(values: Sequence[float], digits: int = 0) -> str:
+    """``"median [first quartile, third quartile]"``: for many samples (turns)."""
     if len(values) < 2:
-        return values[0], values[0], values[0]
+        return f"{values[0]:.{digits}f}"
     q1, median, q3 = statistics.quantiles(values, n=4, method="inclusive")
-    return median, q1, q3
-
-
-def spread(values: Sequence[float], digits: int = 0) -> str:
-    """``"median [q1-q3]"`` of ``values``, ``digits`` after the point."""
-    median, q1, q3 = quartiles(values)
     return f"{median:.{digits}f} [{q1:.{digits}f}, {q3:.{digits}f}]"
+
+
+def median_range(values: Sequence[float], digits: int = 0) -> str:
+    """``"median [min, max]"``: for a few samples (rounds, repeated runs)."""
+    return (f"{statistics.median(values):.{digits}f} [{min(values):.{digits}f}, "
+            f"{max(values):.{digits}f}]")
