@@ -202,5 +202,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
     results.record(args, f"bench_model.py ({args.device})", table, notes, gpu)
     return measured
 
+
 if __name__ == "__main__":
     main()

@@ -23,9 +23,9 @@ And where the difference between (5) and (6) goes: one meeting of k threads that
 else (this package's protocol, and ``threading.Barrier``), and 30 tiny ATen calls in each of
 1 and of k threads (each ATen call releases the GIL: a hand-off between threads).
 
-The variants take turns ``--turns`` times (each turn's figure per call: the median over the
-turns); that is repeated in ``--rounds`` rounds, because the threads' scheduling drifts over
-tens of seconds. Each figure is the median round with the range over the rounds. Writes the
+In a round the variants take turns, ``--turns`` times, and the round's figure is the median
+over its turns; there are ``--rounds`` rounds, because the threads' scheduling drifts over
+tens of seconds. Each figure shown is the median round [min, max over the rounds]. Writes the
 tables to benchmarks/RESULTS.md.
 """
 
