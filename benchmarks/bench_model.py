@@ -11,7 +11,8 @@ variant's allocations cannot inflate the next one's peak:
 * CPU: peak resident set size (``ru_maxrss``) minus the peak reached after building the model
   and the input. Includes allocator slack, so read it as an upper bound.
 
-Prints a markdown table with the machine, the configuration and the date. Example::
+Prints a markdown table with the machine, the configuration and the date, and writes it to
+benchmarks/RESULTS.md. Example::
 
     python benchmarks/bench_model.py                         # ResNet-18 widths, OS 8
     python benchmarks/bench_model.py --width 64 --blocks 3,4,6,3 --image-size 512
@@ -20,10 +21,7 @@ Prints a markdown table with the machine, the configuration and the date. Exampl
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
-import platform
 import resource
 import statistics
 import subprocess
@@ -31,6 +29,7 @@ import sys
 import time
 from pathlib import Path
 
+import results
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -56,32 +55,39 @@ def _int_list(text: str) -> list[int]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Flags; size defaults depend on the device (a realistic size that still runs on CPU)."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    # Defaults written into each help text: ArgumentDefaultsHelpFormatter would add
+    # "(default: None)" after the device-dependent defaults that the texts spell out.
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--norms", default=",".join(NORM_CHOICES),
-                   help="comma-separated variants to run, from: " + ", ".join(NORM_CHOICES))
+                   help="comma-separated variants to run, from: " + ", ".join(NORM_CHOICES)
+                        + " (default: all)")
     p.add_argument("--width", type=int, default=64,
-                   help="first-stage channels (64 = ResNet-18/34 widths)")
+                   help="first-stage channels (default: %(default)s = ResNet-18/34 widths)")
     p.add_argument("--blocks", type=_int_list, default=[2, 2, 2, 2],
-                   help="basic blocks per stage (2,2,2,2 = ResNet-18, 3,4,6,3 = ResNet-34)")
+                   help="basic blocks per stage (default: 2,2,2,2 = ResNet-18; 3,4,6,3 = "
+                        "ResNet-34)")
     p.add_argument("--output-stride", type=int, choices=(8, 16), default=8,
-                   help="backbone output stride")
-    p.add_argument("--num-classes", type=int, default=21, help="classifier outputs (VOC: 21)")
+                   help="backbone output stride (default: %(default)s)")
+    p.add_argument("--num-classes", type=int, default=21,
+                   help="classifier outputs (default: %(default)s, as VOC)")
     p.add_argument("--image-size", type=int, default=None,
                    help="square input side (default: 512 on CUDA, 256 on CPU)")
     p.add_argument("--batch-size", type=int, default=None,
                    help="images per iteration (default: 8 on CUDA, 4 on CPU)")
     p.add_argument("--iters", type=int, default=None,
                    help="timed iterations (default: 20 on CUDA, 3 on CPU)")
-    p.add_argument("--warmup", type=int, default=1, help="untimed iterations first")
+    p.add_argument("--warmup", type=int, default=1,
+                   help="untimed iterations first (default: %(default)s)")
     p.add_argument("--replicas", type=int, default=1,
-                   help="DataParallel replicas: GPUs on CUDA, simulated threads on CPU")
+                   help="DataParallel replicas: GPUs on CUDA, simulated threads on CPU "
+                        "(default: %(default)s)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                   help="auto = CUDA when available")
+                   help="auto = CUDA when available (default: %(default)s)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads on CPU (default: all available cores)")
     p.add_argument("--worker", choices=NORM_CHOICES, default=None,
                    help=argparse.SUPPRESS)  # internal: run one variant and print JSON
+    results.add_arguments(p)
     args = p.parse_args(argv)
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -90,11 +96,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.batch_size = args.batch_size or (8 if cuda else 4)
     args.iters = args.iters or (20 if cuda else 3)
     return args
-
-
-def _available_cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
-        os.cpu_count() or 1)
 
 
 def _wrap(model: nn.Module, args: argparse.Namespace) -> nn.Module:
@@ -112,7 +113,7 @@ def run_variant(args: argparse.Namespace, norm: str) -> dict:
     cuda = args.device == "cuda"
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     if not cuda:
-        torch.set_num_threads(args.threads or _available_cores())
+        torch.set_num_threads(args.threads or results.cores())
     torch.manual_seed(0)
     model = DeepLabV3(args.num_classes, norm, args.width, args.blocks,
                       args.output_stride).to(device).train()
@@ -151,25 +152,6 @@ def run_variant(args: argparse.Namespace, norm: str) -> dict:
             "min_ms": min(times) * 1e3, "peak_mib": peak / 2**20}
 
 
-def machine_info(args: argparse.Namespace) -> str:
-    """One line: CPU model, cores, GPU, torch and Python versions."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    parts = [f"CPU: {cpu}, {_available_cores()} cores"]
-    if args.device == "cuda":
-        parts.append(f"GPU: {torch.cuda.get_device_name(0)} x{args.replicas}")
-    else:
-        parts.append(f"threads: {args.threads or _available_cores()}")
-    parts += [f"torch {torch.__version__}", f"Python {platform.python_version()}"]
-    return " | ".join(parts)
-
-
 def main(argv: list[str] | None = None) -> list[dict]:
     """Run every variant in its own subprocess and print the markdown table."""
     args = parse_args(argv)
@@ -190,30 +172,35 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ]
     if args.threads:
         forwarded += ["--threads", str(args.threads)]
-    results = []
+    measured = []
     for norm in norms:
         print(f"running {norm} ...", file=sys.stderr, flush=True)
         proc = subprocess.run([sys.executable, __file__, *forwarded, "--worker", norm],
                               capture_output=True, text=True)
         if proc.returncode != 0:
             raise SystemExit(f"variant {norm} failed:\n{proc.stderr}")
-        results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+        measured.append(json.loads(proc.stdout.strip().splitlines()[-1]))
 
-    memory = "peak CUDA memory allocated" if args.device == "cuda" else "peak RSS increase"
-    print(f"## DeepLabV3 forward+backward, {datetime.date.today().isoformat()}\n")
-    print(machine_info(args) + "\n")
-    print(f"width {args.width}, blocks {','.join(map(str, args.blocks))}, output stride "
-          f"{args.output_stride}, {args.num_classes} classes, input {args.batch_size}x3x"
-          f"{args.image_size}x{args.image_size}, {args.replicas} replica(s), float32, "
-          f"median of {args.iters} iterations after {args.warmup} warm-up\n")
-    print(f"| norm layer | ms / iter (median) | ms / iter (min) | {memory} (MiB) | memory vs BN |")
-    print("|---|---:|---:|---:|---:|")
-    ref = next((r["peak_mib"] for r in results if r["norm"] == "bn"), None)
-    for r in results:
-        rel = f"{r['peak_mib'] / ref:.2f}x" if ref else "-"
-        print(f"| {LABELS[r['norm']]} | {r['median_ms']:.1f} | {r['min_ms']:.1f} | "
-              f"{r['peak_mib']:.0f} | {rel} |")
-    return results
+    cuda = args.device == "cuda"
+    memory = "peak CUDA memory allocated" if cuda else "peak RSS increase"
+    ref = next((r["peak_mib"] for r in measured if r["norm"] == "bn"), None)
+    table = results.markdown_table(
+        ["norm layer", "ms / iter (median)", "ms / iter (min)", f"{memory} (MiB)",
+         "memory vs BN"],
+        [[LABELS[r["norm"]], round(r["median_ms"], 1), round(r["min_ms"], 1),
+          round(r["peak_mib"]), f"{r['peak_mib'] / ref:.2f}x" if ref else "-"]
+         for r in measured])
+    threads = "" if cuda else f", {args.threads or results.cores()} thread(s)"
+    notes = (f"DeepLabV3 forward+backward: width {args.width}, blocks "
+             f"{','.join(map(str, args.blocks))}, output stride {args.output_stride}, "
+             f"{args.num_classes} classes, input {args.batch_size}x3x{args.image_size}x"
+             f"{args.image_size}, {args.replicas} replica(s), float32{threads}, median of "
+             f"{args.iters} iterations after {args.warmup} warm-up, each variant in a fresh "
+             f"process.")
+    gpu = f"{torch.cuda.get_device_name(0)} x{args.replicas}" if cuda else None
+    print(f"{notes}\n{results.machine(gpu)}\n\n{table}")
+    results.record(args, f"bench_model.py ({args.device})", table, notes, gpu)
+    return measured
 
 
 if __name__ == "__main__":

@@ -24,7 +24,6 @@ from contextlib import contextmanager  # noqa: E402
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from triton.runtime import interpreter  # noqa: E402
 
 import encoding_syncbn  # noqa: E402
 
@@ -42,6 +41,8 @@ class Launch:
 @contextmanager
 def count_traffic() -> Iterator[list[Launch]]:
     """Record one :class:`Launch` per kernel launch with the bytes of its unmasked lanes."""
+    from triton.runtime import interpreter  # triton is optional: imported after --help
+
     launches: list[Launch] = []
     builder = interpreter.interpreter_builder
     load, store = builder.create_masked_load, builder.create_masked_store
@@ -93,9 +94,13 @@ def report(title: str, launches: list[Launch], activation_bytes: int, target: fl
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shape", type=int, nargs="+", default=[8, 64, 64, 64])
-    parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
-    parser.add_argument("--channels-last", action="store_true")
+    parser.add_argument("--shape", type=int, nargs="+", default=[8, 64, 64, 64],
+                        metavar="SIZE", help="the input's shape, N C [H W ...] "
+                                             "(default: 8 64 64 64)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"],
+                        help="the input's and the layer's dtype (default: %(default)s)")
+    parser.add_argument("--channels-last", action="store_true",
+                        help="a channels_last input (needs a 4-d --shape)")
     args = parser.parse_args()
 
     dtype = getattr(torch, args.dtype)

@@ -14,6 +14,7 @@ encoding_syncbn.testing.SimulatedDataParallel, which has the same semantics.
 
 from __future__ import annotations
 
+import argparse
 import copy
 
 import torch
@@ -57,6 +58,8 @@ def running_stats(model: nn.Module) -> torch.Tensor:
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     torch.manual_seed(0)
     # Per-image brightness varies a lot, as in real data: per-replica statistics then differ.
     batches = [(torch.randn(8, 3, 16, 16, dtype=torch.float64) * 2
