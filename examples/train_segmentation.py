@@ -45,7 +45,13 @@ sys.path.insert(0, str(_HERE))
 if importlib.util.find_spec("encoding_syncbn") is None:
     sys.path.append(str(_HERE.parent))
 
-from segmentation.data import IGNORE_INDEX, SyntheticShapes, VOCSegmentation  # noqa: E402
+from segmentation.data import (  # noqa: E402
+    DEFAULT_MAX_SHAPES,
+    DEFAULT_SHAPE_SIZE,
+    IGNORE_INDEX,
+    SyntheticShapes,
+    VOCSegmentation,
+)
 from segmentation.metrics import confusion_matrix, scores  # noqa: E402
 from segmentation.model import (  # noqa: E402
     ACTIVATION_CHOICES,
@@ -76,6 +82,15 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         if action.default is None or action.default is False or "default" in text:
             return text
         return super()._get_help_string(action)
+
+
+def _float_pair(text: str) -> tuple[float, float]:
+    try:
+        low, high = (float(v) for v in text.split(","))
+    except ValueError:
+        msg = f"expected two comma-separated numbers, got {text!r}"
+        raise argparse.ArgumentTypeError(msg) from None
+    return low, high
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -114,6 +129,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="synthetic training set size (ignored for VOC)")
     g.add_argument("--val-images", type=int, default=128,
                    help="synthetic validation set size (ignored for VOC)")
+    g.add_argument("--max-shapes", type=int, default=DEFAULT_MAX_SHAPES,
+                   help="synthetic: at most this many shapes per image (at least one)")
+    g.add_argument("--shape-size", type=_float_pair, default=",".join(map(str, DEFAULT_SHAPE_SIZE)),
+                   help="synthetic: range of the shapes' radius as fractions of the image side, "
+                        "MIN,MAX")
     g.add_argument("--workers", type=int, default=None,
                    help="DataLoader worker processes (default: 0 on CPU, where the cores are "
                         "busy training, 4 on GPU)")
@@ -252,8 +272,13 @@ def build_datasets(args: argparse.Namespace) -> tuple[Dataset, Dataset, Sequence
             # A usage error: the message names what is missing, a traceback adds nothing.
             raise SystemExit(f"error: {err}") from None
     else:
-        train = SyntheticShapes(args.train_images, args.image_size, args.seed, "train")
-        val = SyntheticShapes(args.val_images, args.image_size, args.seed, "val")
+        shapes = {"max_shapes": args.max_shapes, "shape_size": args.shape_size}
+        try:
+            train = SyntheticShapes(args.train_images, args.image_size, args.seed, "train",
+                                    **shapes)
+            val = SyntheticShapes(args.val_images, args.image_size, args.seed, "val", **shapes)
+        except ValueError as err:
+            raise SystemExit(f"error: {err}") from None
     return train, val, train.classes
 
 

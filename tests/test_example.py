@@ -123,7 +123,7 @@ def test_synthetic_is_deterministic() -> None:
 
 
 def test_synthetic_masks_match_shapes() -> None:
-    ds = SyntheticShapes(40, 64, seed=0)
+    ds = SyntheticShapes(40, 64, seed=0, max_shapes=3, shape_size=(0.1, 0.2))
     checked_areas = 0
     for i in range(len(ds)):
         image, mask, shapes = ds.render(i)
@@ -144,6 +144,16 @@ def test_synthetic_masks_match_shapes() -> None:
             assert abs(inside.sum() - expected) / expected < 0.1, name
             checked_areas += 1
     assert checked_areas >= 3
+
+
+def test_synthetic_shape_count_and_size() -> None:
+    ds = SyntheticShapes(20, 64, seed=0, max_shapes=4, shape_size=(0.05, 0.1))
+    shapes = [s for i in range(len(ds)) for s in ds.render(i)[2]]
+    assert all(0.05 * 64 <= s["radius"] <= 0.1 * 64 for s in shapes)
+    assert max(len(ds.render(i)[2]) for i in range(len(ds))) == 4
+    for bad in ((0.2, 0.1), (0.0, 0.1), (0.1, 0.4)):
+        with pytest.raises(ValueError, match="shape_size"):
+            SyntheticShapes(2, 64, shape_size=bad)
 
 
 def _fake_voc(root: Path, train_ids: list[str], val_ids: list[str]) -> Path:
@@ -316,3 +326,30 @@ def test_distributed_run_under_torchrun(tmp_path: Path, train_main) -> None:
     assert re.fullmatch(r"final mIoU: [01]\.\d{4}", lines[-1])
     assert sum(line.startswith("final mIoU") for line in lines) == 1  # main process only
     assert (tmp_path / "checkpoint.pt").is_file()
+
+
+# ----------------------------------------------------------------------------- comparison
+
+
+def test_comparison_writes_table_and_plot(tmp_path: Path, train_main, capsys) -> None:
+    """A run per (setting, norm) from one command (one here: each is a process), a table row
+    and a curve each, the data and sizes passed through."""
+    import compare_norms
+
+    sizes = ["--image-size", "32", "--width", "8", "--train-images", "4", "--val-images", "2",
+             "--num-vis", "1", "--epochs", "2", "--max-shapes", "2"]
+    results = compare_norms.main(["--settings", "noisy", "--norms", "inplace_abn", *sizes,
+                                  "--output", str(tmp_path)])
+    assert [(r["setting"], r["norm"], len(r["history"])) for r in results] == [
+        ("noisy", "inplace_abn", 2)]
+    rows = [line for line in (tmp_path / "compare.md").read_text().splitlines()
+            if line.startswith("| noisy")]
+    assert len(rows) == 1 and "4 replicas x 1 image | In-Place ABN" in rows[0]
+    assert (tmp_path / "compare.png").stat().st_size > 0
+    log = (tmp_path / "noisy-inplace_abn" / "log.txt").read_text()
+    assert "norm=inplace_abn activation=leaky_relu" in log and "replicas=4" in log
+
+    # What the comparison sets per run cannot be passed through.
+    with pytest.raises(SystemExit):
+        compare_norms.main(["--batch-size", "4", "--output", str(tmp_path)])
+    assert "set by this script" in capsys.readouterr().err
