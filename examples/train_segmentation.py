@@ -316,8 +316,8 @@ class PeakMemory:
 
     CUDA: tensors allocated on this process's devices (``max_memory_allocated``), summed.
     CPU: the process's peak resident set size (``ru_maxrss``, allocator slack included) minus its
-    resident set size before the first step; a peak over the process's life, so it covers all
-    the epochs so far (the first step's, when the steps are alike).
+    resident set size before the first step; a peak over the process's life so far, so only the
+    first epoch's figure is the training steps' alone (later ones include the validations).
     """
 
     def __init__(self, rt: Runtime) -> None:
