@@ -2,7 +2,7 @@
 """Forward+backward time and peak memory of the segmentation example's network, per norm layer.
 
 Compares ``nn.BatchNorm2d`` + ReLU, ``SyncBatchNorm`` + ReLU and in-place ABN
-(``SyncBatchNorm(activation="leaky_relu")``) in the DeepLabV3 / dilated ResNet of
+(``convert_inplace_abn``, leaky ReLU) in the DeepLabV3 / dilated ResNet of
 ``examples/train_segmentation.py``. Each variant runs in a fresh subprocess so that one
 variant's allocations cannot inflate the next one's peak:
 
@@ -40,7 +40,7 @@ _ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(_ROOT / "examples"))
 sys.path.append(str(_ROOT))
 
-from segmentation.model import NORM_CHOICES, DeepLabV3  # noqa: E402
+from segmentation.model import NORM_CHOICES, DeepLabV3, convert_norm  # noqa: E402
 
 LABELS = {
     "bn": "BatchNorm2d + ReLU",
@@ -115,8 +115,9 @@ def run_variant(args: argparse.Namespace, norm: str) -> dict:
     if not cuda:
         torch.set_num_threads(args.threads or results.cores())
     torch.manual_seed(0)
-    model = DeepLabV3(args.num_classes, norm, args.width, args.blocks,
-                      args.output_stride).to(device).train()
+    activation = "leaky_relu" if norm == "inplace_abn" else "relu"  # as LABELS says
+    model = DeepLabV3(args.num_classes, activation, args.width, args.blocks, args.output_stride)
+    model = convert_norm(model, norm).to(device).train()
     net = _wrap(model, args)
     size = (args.batch_size, 3, args.image_size, args.image_size)
     x = torch.randn(size, device=device)

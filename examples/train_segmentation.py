@@ -6,14 +6,19 @@ through two simulated DataParallel replicas so the statistics really are synchro
 finishes in a few minutes. Examples::
 
     python examples/train_segmentation.py                      # synthetic, in-place ABN
-    python examples/train_segmentation.py --norm bn            # plain BatchNorm baseline
-    torchrun --nproc_per_node 2 examples/train_segmentation.py --distributed
+    python examples/train_segmentation.py --norm bn            # per-replica BatchNorm baseline
+    python examples/train_segmentation.py --norm syncbn --activation relu
+    torchrun --nproc_per_node 2 examples/train_segmentation.py --distributed --replicas 2
     python examples/train_segmentation.py --data-root VOCdevkit/VOC2012 --image-size 321 \\
         --width 64 --blocks 2,2,2,2 --batch-size 16 --epochs 50 --lr 0.01
 
-Several visible GPUs are used through stock ``nn.DataParallel``; ``--distributed`` (under
-torchrun) uses one process per GPU, or per CPU slot with gloo. The network's SyncBatchNorm
-layers synchronise across replicas and processes by themselves.
+The network is written with plain ``nn.BatchNorm2d`` and converted with
+``encoding_syncbn.convert_sync_batchnorm`` or ``encoding_syncbn.convert_inplace_abn``
+(``--norm``); the activation is chosen separately (``--activation``). Several visible GPUs are
+used through stock ``nn.DataParallel``; ``--distributed`` (under torchrun) runs one process per
+``--replicas`` GPUs (nccl), or per CPU slot with gloo, each process driving its replicas with
+DataParallel (simulated in threads on the CPU) inside DistributedDataParallel. The
+SyncBatchNorm layers synchronise across replicas and processes at once, by themselves.
 """
 
 from __future__ import annotations
@@ -32,7 +37,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, RandomSampler, Subset
-from tqdm import tqdm
 
 _HERE = Path(__file__).resolve().parent
 # Runnable from a source checkout: the helper package sits next to this file, and the library
@@ -41,9 +45,20 @@ sys.path.insert(0, str(_HERE))
 if importlib.util.find_spec("encoding_syncbn") is None:
     sys.path.append(str(_HERE.parent))
 
-from segmentation.data import IGNORE_INDEX, SyntheticShapes, VOCSegmentation  # noqa: E402
+from segmentation.data import (  # noqa: E402
+    DEFAULT_MAX_SHAPES,
+    DEFAULT_SHAPE_SIZE,
+    IGNORE_INDEX,
+    SyntheticShapes,
+    VOCSegmentation,
+)
 from segmentation.metrics import confusion_matrix, scores  # noqa: E402
-from segmentation.model import NORM_CHOICES, DeepLabV3  # noqa: E402
+from segmentation.model import (  # noqa: E402
+    ACTIVATION_CHOICES,
+    NORM_CHOICES,
+    DeepLabV3,
+    convert_norm,
+)
 from segmentation.plots import save_curves, save_predictions  # noqa: E402
 
 from encoding_syncbn.testing import SimulatedDataParallel  # noqa: E402
@@ -59,17 +74,39 @@ def _int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(msg) from None
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends "(default: X)" only where the help does not already say what the default is."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.default is None or action.default is False or "default" in text:
+            return text
+        return super()._get_help_string(action)
+
+
+def _float_pair(text: str) -> tuple[float, float]:
+    try:
+        low, high = (float(v) for v in text.split(","))
+    except ValueError:
+        msg = f"expected two comma-separated numbers, got {text!r}"
+        raise argparse.ArgumentTypeError(msg) from None
+    return low, high
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Command-line flags; the defaults are the quick synthetic CPU run."""
     p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description=__doc__.split("\n\n")[0], formatter_class=_HelpFormatter,
     )
     g = p.add_argument_group("model")
     g.add_argument("--norm", choices=NORM_CHOICES, default="inplace_abn",
-                   help="normalisation: bn = nn.BatchNorm2d + ReLU (per-replica statistics), "
-                        "syncbn = SyncBatchNorm + ReLU, inplace_abn = SyncBatchNorm fused with "
-                        "an in-place leaky ReLU (one stored activation per BN+act pair)")
+                   help="normalisation: bn = nn.BatchNorm2d (per-replica statistics, what "
+                        "plain DataParallel gives), syncbn = convert_sync_batchnorm (whole-batch "
+                        "statistics), inplace_abn = convert_inplace_abn (synchronised and fused "
+                        "in place with the leaky ReLU after it: one stored activation per pair)")
+    g.add_argument("--activation", choices=ACTIVATION_CHOICES, default="leaky_relu",
+                   help="activation after each normalisation, the same for every --norm "
+                        "(inplace_abn needs leaky_relu: ReLU cannot be inverted)")
     g.add_argument("--width", type=int, default=16,
                    help="channels of the first ResNet stage; stages use 1x, 2x, 4x, 8x this "
                         "(64 = ResNet-18/34 widths)")
@@ -92,6 +129,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="synthetic training set size (ignored for VOC)")
     g.add_argument("--val-images", type=int, default=128,
                    help="synthetic validation set size (ignored for VOC)")
+    g.add_argument("--max-shapes", type=int, default=DEFAULT_MAX_SHAPES,
+                   help="synthetic: at most this many shapes per image (at least one)")
+    g.add_argument("--shape-size", type=_float_pair, default=",".join(map(str, DEFAULT_SHAPE_SIZE)),
+                   help="synthetic: range of the shapes' radius as fractions of the image side, "
+                        "MIN,MAX")
     g.add_argument("--workers", type=int, default=None,
                    help="DataLoader worker processes (default: 0 on CPU, where the cores are "
                         "busy training, 4 on GPU)")
@@ -110,12 +152,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = p.add_argument_group("parallelism")
     g.add_argument("--replicas", type=int, default=None,
-                   help="DataParallel replicas. CPU: simulated replicas in threads (default 2, "
-                        "1 under --distributed). GPU: number of GPUs for nn.DataParallel "
-                        "(default all visible)")
+                   help="DataParallel replicas per process. CPU: simulated replicas in threads "
+                        "(default 2, 1 under --distributed). GPU: number of GPUs for "
+                        "nn.DataParallel (default all visible; 1 under --distributed, where "
+                        "process LOCAL_RANK drives GPUs LOCAL_RANK*R .. LOCAL_RANK*R+R-1)")
     g.add_argument("--distributed", action="store_true",
-                   help="one process per device under torchrun: gloo on CPU, nccl on GPU, "
-                        "DistributedSampler and DistributedDataParallel")
+                   help="one process per --replicas devices under torchrun: gloo on CPU, nccl "
+                        "on GPU, DistributedSampler and DistributedDataParallel around the "
+                        "(simulated) DataParallel replicas")
     g.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads per replica thread on CPU (default: the "
                         "available cores divided among replicas and local processes)")
@@ -138,38 +182,47 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.replicas is not None and args.replicas < 1:
         p.error("--replicas must be at least 1")
-    if args.distributed and (args.replicas or 1) > 1:
-        p.error("--replicas > 1 cannot be combined with --distributed (one replica per process)")
+    if args.norm == "inplace_abn" and args.activation != "leaky_relu":
+        p.error(f"--norm inplace_abn needs --activation leaky_relu, got {args.activation} "
+                "(the in-place layer rebuilds its input from its output: ReLU is not invertible)")
     return args
 
 
 class Runtime:
-    """Where this process runs: device, rank and world size, and how many replicas it drives."""
+    """Where this process runs: device, rank and world size, and the replicas it drives.
+
+    ``device_ids`` are this process's GPUs (the first is ``device``, where DataParallel gathers),
+    empty on the CPU, where ``replicas`` threads simulate DataParallel.
+    """
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.distributed = args.distributed
+        cuda = torch.cuda.is_available()
+        gpus = torch.cuda.device_count() if cuda else 0
         if self.distributed:
             if "RANK" not in os.environ:
                 raise SystemExit("--distributed needs torchrun (RANK/WORLD_SIZE are not set)")
             local_rank = int(os.environ.get("LOCAL_RANK", 0))
-            if torch.cuda.is_available():
-                self.device = torch.device("cuda", local_rank)
-                torch.cuda.set_device(self.device)
-            else:
-                self.device = torch.device("cpu")
-            dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
-            self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
             self.local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-            self.replicas = 1
+            self.replicas = args.replicas or 1
+            first = local_rank * self.replicas
+            if cuda and first + self.replicas > gpus:
+                raise SystemExit(
+                    f"--replicas {self.replicas} GPUs per process for {self.local_world_size} "
+                    f"local processes needs {self.local_world_size * self.replicas} GPUs, "
+                    f"this node has {gpus}"
+                )
+            self.device_ids = list(range(first, first + self.replicas)) if cuda else []
+            self.device = torch.device("cuda", first) if cuda else torch.device("cpu")
+            if cuda:
+                torch.cuda.set_device(self.device)
+            dist.init_process_group("nccl" if cuda else "gloo")
+            self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         else:
             self.rank, self.world_size, self.local_world_size = 0, 1, 1
-            if torch.cuda.is_available():
-                self.device = torch.device("cuda", 0)
-                self.replicas = min(args.replicas or torch.cuda.device_count(),
-                                    torch.cuda.device_count())
-            else:
-                self.device = torch.device("cpu")
-                self.replicas = args.replicas or 2
+            self.replicas = min(args.replicas or gpus, gpus) if cuda else args.replicas or 2
+            self.device_ids = list(range(self.replicas)) if cuda else []
+            self.device = torch.device("cuda", 0) if cuda else torch.device("cpu")
         if self.device.type == "cpu":
             # Each replica thread runs its own intra-op thread team; more threads than cores in
             # total only adds contention.
@@ -183,15 +236,21 @@ class Runtime:
         return self.rank == 0
 
     def wrap(self, model: nn.Module) -> nn.Module:
-        """The model as trained: DDP, DataParallel, simulated DataParallel, or bare."""
-        if self.distributed:
-            ids = [self.device.index] if self.device.type == "cuda" else None
-            return nn.parallel.DistributedDataParallel(model, device_ids=ids)
+        """The model as trained: (simulated) DataParallel over this process's replicas, inside
+        DistributedDataParallel when distributed; or bare."""
+        net = model
         if self.replicas > 1:
             if self.device.type == "cuda":
-                return nn.DataParallel(model, device_ids=list(range(self.replicas)))
-            return SimulatedDataParallel(model, self.replicas)
-        return model
+                net = nn.DataParallel(model, device_ids=self.device_ids)
+            else:
+                net = SimulatedDataParallel(model, self.replicas)
+        if self.distributed:
+            # DDP takes device_ids only for a module on one device that it runs itself; around
+            # DataParallel (which scatters the batch) it gets None. It all-reduces the gradients
+            # that DataParallel's backward summed onto the module's own parameters.
+            ids = [self.device.index] if self.device.type == "cuda" and self.replicas == 1 else None
+            net = nn.parallel.DistributedDataParallel(net, device_ids=ids)
+        return net
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum over processes (identity when not distributed)."""
@@ -213,8 +272,13 @@ def build_datasets(args: argparse.Namespace) -> tuple[Dataset, Dataset, Sequence
             # A usage error: the message names what is missing, a traceback adds nothing.
             raise SystemExit(f"error: {err}") from None
     else:
-        train = SyntheticShapes(args.train_images, args.image_size, args.seed, "train")
-        val = SyntheticShapes(args.val_images, args.image_size, args.seed, "val")
+        shapes = {"max_shapes": args.max_shapes, "shape_size": args.shape_size}
+        try:
+            train = SyntheticShapes(args.train_images, args.image_size, args.seed, "train",
+                                    **shapes)
+            val = SyntheticShapes(args.val_images, args.image_size, args.seed, "val", **shapes)
+        except ValueError as err:
+            raise SystemExit(f"error: {err}") from None
     return train, val, train.classes
 
 
@@ -240,10 +304,41 @@ def make_optimizer(model: nn.Module, args: argparse.Namespace) -> torch.optim.Op
 def model_config(args: argparse.Namespace, num_classes: int) -> dict:
     """What a checkpoint must match to be loaded into this run's model."""
     return {
-        "num_classes": num_classes, "norm": args.norm, "width": args.width,
+        "num_classes": num_classes, "norm": args.norm, "activation": args.activation,
+        "width": args.width,
         "blocks": list(args.blocks), "output_stride": args.output_stride,
         "aspp_rates": None if args.aspp_rates is None else list(args.aspp_rates),
     }
+
+
+class PeakMemory:
+    """Peak memory of training above what the process held before its first step, in MiB.
+
+    CUDA: tensors allocated on this process's devices (``max_memory_allocated``), summed.
+    CPU: the process's peak resident set size (``ru_maxrss``, allocator slack included) minus its
+    resident set size before the first step; a peak over the process's life so far, so only the
+    first epoch's figure is the training steps' alone (later ones include the validations).
+    """
+
+    def __init__(self, rt: Runtime) -> None:
+        self.devices = rt.device_ids
+        if self.devices:
+            self.base = sum(torch.cuda.memory_allocated(d) for d in self.devices)
+            for d in self.devices:
+                torch.cuda.reset_peak_memory_stats(d)
+        else:
+            # Linux: the second field of statm is the resident set size in pages.
+            pages = int(Path("/proc/self/statm").read_text().split()[1])
+            self.base = pages * os.sysconf("SC_PAGE_SIZE")
+
+    def peak_mib(self) -> float:
+        if self.devices:
+            peak = sum(torch.cuda.max_memory_allocated(d) for d in self.devices)
+        else:
+            import resource
+
+            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+        return max(0, peak - self.base) / 2**20
 
 
 def train_one_epoch(
@@ -254,10 +349,14 @@ def train_one_epoch(
     model.train()
     total_steps = args.epochs * len(loader)
     loss_sum = torch.zeros(2, dtype=torch.float64)  # (sum of per-image loss, images)
-    bar = tqdm(loader, desc=f"epoch {epoch + 1}/{args.epochs}", unit="batch", leave=False,
-               disable=args.no_progress or not rt.is_main, dynamic_ncols=True)
+    bar = None
+    if rt.is_main and not args.no_progress:
+        from tqdm import tqdm  # only for the progress bar: --help and --no-progress need none
+
+        bar = tqdm(loader, desc=f"epoch {epoch + 1}/{args.epochs}", unit="batch", leave=False,
+                   dynamic_ncols=True)
     start = time.perf_counter()
-    for step, (images, targets) in enumerate(bar):
+    for step, (images, targets) in enumerate(bar if bar is not None else loader):
         lr = learning_rate(args, epoch * len(loader) + step, total_steps)
         for group in optimizer.param_groups:
             group["lr"] = lr
@@ -272,10 +371,12 @@ def train_one_epoch(
 
         n = images.shape[0]
         loss_sum += torch.tensor([loss.item() * n, n], dtype=torch.float64)
-        rate = (step + 1) * n * rt.world_size / (time.perf_counter() - start)
-        bar.set_postfix(loss=f"{loss_sum[0].item() / loss_sum[1].item():.4f}",
-                        lr=f"{lr:.4f}", img_s=f"{rate:.1f}")
-    bar.close()
+        if bar is not None:
+            rate = (step + 1) * n * rt.world_size / (time.perf_counter() - start)
+            bar.set_postfix(loss=f"{loss_sum[0].item() / loss_sum[1].item():.4f}",
+                            lr=f"{lr:.4f}", img_s=f"{rate:.1f}")
+    if bar is not None:
+        bar.close()
     loss_sum = rt.all_reduce(loss_sum)
     return (loss_sum[0] / loss_sum[1]).item()
 
@@ -347,8 +448,10 @@ def _run(args: argparse.Namespace, rt: Runtime) -> dict:
     num_classes = len(classes)
     config = model_config(args, num_classes)
 
-    model = DeepLabV3(num_classes, args.norm, args.width, args.blocks, args.output_stride,
-                      args.aspp_rates).to(rt.device)
+    # Written with plain nn.BatchNorm2d, converted as any user model would be (--norm).
+    model = DeepLabV3(num_classes, args.activation, args.width, args.blocks,
+                      args.output_stride, args.aspp_rates)
+    model = convert_norm(model, args.norm).to(rt.device)
     optimizer = make_optimizer(model, args)
     start_epoch, history = 0, []
     if args.resume is not None:
@@ -385,12 +488,14 @@ def _run(args: argparse.Namespace, rt: Runtime) -> dict:
     if rt.is_main:
         args.output.mkdir(parents=True, exist_ok=True)
         params = sum(p.numel() for p in model.parameters())
-        print(f"DeepLabV3 norm={args.norm} width={args.width} blocks={args.blocks} "
+        print(f"DeepLabV3 norm={args.norm} activation={args.activation} width={args.width} "
+              f"blocks={args.blocks} "
               f"OS={args.output_stride} params={params / 1e6:.2f}M | device={rt.device} "
               f"replicas={rt.replicas} processes={rt.world_size} "
               f"threads={torch.get_num_threads()} | train={len(train_set)} "
               f"val={len(val_set)} classes={num_classes}", flush=True)
 
+    memory = PeakMemory(rt)
     for epoch in range(start_epoch, args.epochs):
         if rt.distributed:
             train_sampler.set_epoch(epoch)
@@ -399,12 +504,15 @@ def _run(args: argparse.Namespace, rt: Runtime) -> dict:
             shuffle_gen.manual_seed(args.seed * 1000 + epoch)
         start = time.perf_counter()
         loss = train_one_epoch(net, train_loader, optimizer, args, rt, epoch)
+        train_s, peak_mib = time.perf_counter() - start, memory.peak_mib()
         val = evaluate(eval_net, val_loader, num_classes, rt)
-        history.append({"epoch": epoch + 1, "loss": loss, **val})
+        history.append({"epoch": epoch + 1, "loss": loss, **val, "train_s": train_s,
+                        "peak_mib": peak_mib})
         if rt.is_main:
             print(f"epoch {epoch + 1}/{args.epochs}  loss {loss:.4f}  "
                   f"pixel acc {val['pixel_acc']:.4f}  mIoU {val['miou']:.4f}  "
-                  f"({time.perf_counter() - start:.1f} s)", flush=True)
+                  f"({train_s:.1f} s training, peak {peak_mib:.0f} MiB, "
+                  f"{time.perf_counter() - start:.1f} s)", flush=True)
             save_checkpoint(args.output / CHECKPOINT_NAME, {
                 "epoch": epoch + 1, "model": model.state_dict(),
                 "optimizer": optimizer.state_dict(), "history": history, "config": config,

@@ -5,6 +5,7 @@ Everything runs at tiny sizes on CPU; the whole file takes well under a minute o
 
 from __future__ import annotations
 
+import copy
 import math
 import re
 import subprocess
@@ -27,7 +28,7 @@ from segmentation.data import (  # noqa: E402
     VOCSegmentation,
 )
 from segmentation.metrics import confusion_matrix, scores  # noqa: E402
-from segmentation.model import NORM_CHOICES, DeepLabV3  # noqa: E402
+from segmentation.model import NORM_CHOICES, DeepLabV3, convert_norm  # noqa: E402
 
 from encoding_syncbn import SyncBatchNorm  # noqa: E402
 from encoding_syncbn.testing import SimulatedDataParallel  # noqa: E402
@@ -38,9 +39,10 @@ TINY_SIZES = ["--image-size", "32", "--width", "8", "--train-images", "8", "--va
 TINY = [*TINY_SIZES, "--replicas", "2"]
 
 
-def _tiny_model(norm: str, output_stride: int = 8) -> DeepLabV3:
-    return DeepLabV3(len(SHAPE_CLASSES), norm, width=8, blocks=[1, 1, 1, 1],
-                     output_stride=output_stride)
+def _tiny_model(norm: str, output_stride: int = 8, activation: str = "leaky_relu") -> DeepLabV3:
+    model = DeepLabV3(len(SHAPE_CLASSES), activation, width=8, blocks=[1, 1, 1, 1],
+                      output_stride=output_stride)
+    return convert_norm(model, norm)
 
 
 # ---------------------------------------------------------------------------------- model
@@ -73,13 +75,35 @@ def test_norm_choice_builds_the_right_layers() -> None:
         return [m for m in _tiny_model(norm).modules()
                 if isinstance(m, (torch.nn.BatchNorm2d, SyncBatchNorm))]
 
-    assert all(type(m) is torch.nn.BatchNorm2d for m in layers("bn"))
+    plain = layers("bn")
+    assert plain and all(type(m) is torch.nn.BatchNorm2d for m in plain)
     sync = layers("syncbn")
     assert all(isinstance(m, SyncBatchNorm) and m.activation == "none" for m in sync)
     abn = layers("inplace_abn")
-    assert {m.activation for m in abn} == {"leaky_relu", "identity"}
-    assert all(m.inplace for m in abn)
-    assert len(abn) == len(sync)
+    assert all(isinstance(m, SyncBatchNorm) for m in abn)
+    fused = [m for m in abn if m.activation == "leaky_relu"]
+    # Every BN+leaky ReLU pair is fused (all but the BNs that feed a residual add).
+    assert fused and all(m.inplace for m in fused)
+    assert len(abn) == len(sync) == len(plain)
+    assert sum(isinstance(m, torch.nn.LeakyReLU) for m in _tiny_model("inplace_abn").modules()) \
+        < sum(isinstance(m, torch.nn.LeakyReLU) for m in _tiny_model("bn").modules())
+
+
+@pytest.mark.parametrize("norm", ["syncbn", "inplace_abn"])
+def test_conversion_computes_what_the_plain_model_computes(norm: str) -> None:
+    """The converted network = the plain one in training (one replica, float64): the loss and
+    every parameter's gradient."""
+    torch.manual_seed(0)
+    plain = _tiny_model("bn").double().train()
+    converted = convert_norm(copy.deepcopy(plain), norm)
+    x = torch.randn(2, 3, 32, 32, dtype=torch.float64)
+    target = torch.randint(0, len(SHAPE_CLASSES), (2, 32, 32))
+    grads = []
+    for model in (plain, converted):
+        loss = F.cross_entropy(model(x.clone()), target)
+        grads.append([loss.detach(), *torch.autograd.grad(loss, list(model.parameters()))])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
 
 
 # ----------------------------------------------------------------------------------- data
@@ -99,7 +123,7 @@ def test_synthetic_is_deterministic() -> None:
 
 
 def test_synthetic_masks_match_shapes() -> None:
-    ds = SyntheticShapes(40, 64, seed=0)
+    ds = SyntheticShapes(40, 64, seed=0, max_shapes=3, shape_size=(0.1, 0.2))
     checked_areas = 0
     for i in range(len(ds)):
         image, mask, shapes = ds.render(i)
@@ -120,6 +144,16 @@ def test_synthetic_masks_match_shapes() -> None:
             assert abs(inside.sum() - expected) / expected < 0.1, name
             checked_areas += 1
     assert checked_areas >= 3
+
+
+def test_synthetic_shape_count_and_size() -> None:
+    ds = SyntheticShapes(20, 64, seed=0, max_shapes=4, shape_size=(0.05, 0.1))
+    shapes = [s for i in range(len(ds)) for s in ds.render(i)[2]]
+    assert all(0.05 * 64 <= s["radius"] <= 0.1 * 64 for s in shapes)
+    assert max(len(ds.render(i)[2]) for i in range(len(ds))) == 4
+    for bad in ((0.2, 0.1), (0.0, 0.1), (0.1, 0.4)):
+        with pytest.raises(ValueError, match="shape_size"):
+            SyntheticShapes(2, 64, shape_size=bad)
 
 
 def _fake_voc(root: Path, train_ids: list[str], val_ids: list[str]) -> Path:
@@ -209,7 +243,10 @@ def _last_line(out: str) -> str:
     return out.strip().splitlines()[-1]
 
 
-def test_training_run_writes_outputs_and_resumes(tmp_path: Path, train_main, capsys) -> None:
+def test_training_run_writes_outputs_and_resumes(
+    tmp_path: Path, train_main, capsys, monkeypatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "tqdm", None)  # --no-progress needs no tqdm
     out = tmp_path / "run"
     result = train_main([*TINY, "--epochs", "1", "--output", str(out)])
     stdout = capsys.readouterr().out
@@ -219,6 +256,7 @@ def test_training_run_writes_outputs_and_resumes(tmp_path: Path, train_main, cap
         assert (out / name).stat().st_size > 0, name
     state = torch.load(out / "checkpoint.pt", weights_only=True)
     assert state["epoch"] == 1 and len(state["history"]) == 1
+    assert state["history"][0]["train_s"] > 0 and state["history"][0]["peak_mib"] >= 0
 
     train_main([*TINY, "--epochs", "2", "--output", str(out),
                 "--resume", str(out / "checkpoint.pt")])
@@ -248,18 +286,70 @@ def test_help_explains_every_flag(train_main, capsys) -> None:
         train_main(["--help"])
     assert info.value.code == 0
     text = capsys.readouterr().out
-    for flag in ("--norm", "--replicas", "--distributed", "--data-root", "--resume", "--output"):
+    for flag in ("--norm", "--activation", "--replicas", "--distributed", "--data-root",
+                 "--resume", "--output"):
         assert flag in text
+    # The formatter's "(default: X)" only where the help does not say the default itself.
+    for entry in re.split(r"\n  (?=-)", text):
+        assert "(default:" not in entry or entry.count("default") == 1, entry
+
+
+def test_help_needs_no_tqdm() -> None:
+    """tqdm is imported where the progress bar is drawn, not when the script starts."""
+    code = ("import runpy, sys; sys.modules['tqdm'] = None; "
+            f"sys.argv = ['train_segmentation.py', '--help']; "
+            f"runpy.run_path({str(EXAMPLES / 'train_segmentation.py')!r}, run_name='__main__')")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "--activation" in proc.stdout
+
+
+def test_inplace_abn_needs_an_invertible_activation(train_main, capsys) -> None:
+    with pytest.raises(SystemExit) as info:
+        train_main([*TINY, "--norm", "inplace_abn", "--activation", "relu"])
+    assert info.value.code == 2
+    assert "--activation leaky_relu" in capsys.readouterr().err
 
 
 def test_distributed_run_under_torchrun(tmp_path: Path, train_main) -> None:
-    """Two gloo processes, each with one replica: the layers sync across processes."""
+    """Two gloo processes, each with two simulated replicas: the layers sync across replicas
+    and processes at once."""
     script = EXAMPLES / "train_segmentation.py"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-           str(script), "--distributed", *TINY_SIZES, "--epochs", "1", "--output", str(tmp_path)]
+           str(script), "--distributed", "--replicas", "2", *TINY_SIZES, "--epochs", "1",
+           "--output", str(tmp_path)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.strip().splitlines()
+    assert "replicas=2 processes=2" in lines[0]
     assert re.fullmatch(r"final mIoU: [01]\.\d{4}", lines[-1])
     assert sum(line.startswith("final mIoU") for line in lines) == 1  # main process only
     assert (tmp_path / "checkpoint.pt").is_file()
+
+
+# ----------------------------------------------------------------------------- comparison
+
+
+def test_comparison_writes_table_and_plot(tmp_path: Path, train_main, capsys) -> None:
+    """A run per (setting, norm) from one command (one here: each is a process), a table row
+    and a curve each, the data and sizes passed through."""
+    import compare_norms
+
+    sizes = ["--image-size", "32", "--width", "8", "--train-images", "4", "--val-images", "2",
+             "--num-vis", "1", "--epochs", "2", "--max-shapes", "2"]
+    results = compare_norms.main(["--settings", "noisy", "--norms", "inplace_abn", *sizes,
+                                  "--output", str(tmp_path)])
+    assert [(r["setting"], r["norm"], len(r["history"])) for r in results] == [
+        ("noisy", "inplace_abn", 2)]
+    rows = [line for line in (tmp_path / "compare.md").read_text().splitlines()
+            if line.startswith("| noisy")]
+    assert len(rows) == 1 and "4 replicas x 1 image | In-Place ABN" in rows[0]
+    assert (tmp_path / "compare.png").stat().st_size > 0
+    log = (tmp_path / "noisy-inplace_abn" / "log.txt").read_text()
+    assert "norm=inplace_abn activation=leaky_relu" in log and "replicas=4" in log
+
+    # What the comparison sets per run cannot be passed through.
+    with pytest.raises(SystemExit):
+        compare_norms.main(["--batch-size", "4", "--output", str(tmp_path)])
+    assert "set by this script" in capsys.readouterr().err

@@ -24,6 +24,11 @@ MEAN = np.array([0.485, 0.456, 0.406], dtype=np.float32)
 STD = np.array([0.229, 0.224, 0.225], dtype=np.float32)
 
 SHAPE_CLASSES = ("background", "circle", "square", "triangle")
+#: Shapes per image (at most) and their radius range as fractions of the side, by default:
+#: a few large shapes, several 8x8 feature cells across at output stride 8, so that a short
+#: run's predictions follow their outlines.
+DEFAULT_MAX_SHAPES = 2
+DEFAULT_SHAPE_SIZE = (0.2, 0.3)
 VOC_CLASSES = (
     "background", "aeroplane", "bicycle", "bird", "boat", "bottle", "bus", "car", "cat",
     "chair", "cow", "diningtable", "dog", "horse", "motorbike", "person", "pottedplant",
@@ -52,23 +57,35 @@ class SyntheticShapes(Dataset):
     shapes may occlude earlier ones and the mask follows the painting order. Squares are
     axis-aligned and triangles point up: random rotations make the task markedly slower to
     learn, too slow for the few-minute CPU demo this dataset exists for.
+
+    Each image holds 1 to ``max_shapes`` shapes whose radius (half the side of a square) is
+    drawn uniformly from ``shape_size``, as fractions of the image side.
     """
 
     SPLITS = ("train", "val")
 
     def __init__(
         self, num_images: int, image_size: int = 64, seed: int = 0, split: str = "train",
-        max_shapes: int = 3,
+        max_shapes: int = DEFAULT_MAX_SHAPES,
+        shape_size: tuple[float, float] = DEFAULT_SHAPE_SIZE,
     ) -> None:
         if split not in self.SPLITS:
             raise ValueError(f"split must be one of {self.SPLITS}, got {split!r}")
         if image_size < 16:
             raise ValueError(f"image_size must be at least 16, got {image_size}")
+        if max_shapes < 1:
+            raise ValueError(f"max_shapes must be at least 1, got {max_shapes}")
+        low, high = shape_size
+        if not 0 < low <= high <= 1 / 3:
+            # A triangle reaches 1.5 radii from its centre, which must fit inside the image.
+            raise ValueError(f"shape_size must be (min, max) with 0 < min <= max <= 1/3 of the "
+                             f"image side, got {tuple(shape_size)}")
         self.num_images = num_images
         self.image_size = image_size
         self.seed = seed
         self.split = split
         self.max_shapes = max_shapes
+        self.shape_size = (low, high)
         self.classes = SHAPE_CLASSES
 
     def __len__(self) -> int:
@@ -97,7 +114,7 @@ class SyntheticShapes(Dataset):
         shapes = []
         for _ in range(rng.integers(1, self.max_shapes + 1)):
             label = int(rng.integers(1, len(SHAPE_CLASSES)))
-            radius = rng.uniform(0.1, 0.2) * size
+            radius = rng.uniform(*self.shape_size) * size
             cx, cy = rng.uniform(radius, size - radius, size=2)
             inside = _shape_mask(label, xs - cx, ys - cy, radius)
             # A colour clearly different from the background, or the shape would be invisible.

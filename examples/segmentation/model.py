@@ -1,62 +1,84 @@
-"""DeepLabV3 on a dilated ResNet, with the normalisation layers chosen by a factory.
+"""DeepLabV3 on a dilated ResNet, written with plain ``nn.BatchNorm2d``, and its conversions.
 
-The same network code runs with three normalisations (``--norm``):
+The network is written the way any PyTorch model is: ``nn.BatchNorm2d`` followed by the
+activation chosen with ``activation`` (``nn.ReLU`` or ``nn.LeakyReLU``, in place). The
+normalisation is then chosen by converting the built model (:func:`convert_norm`), the way a
+user converts their own model:
 
-* ``bn``: ``nn.BatchNorm2d`` followed by ``nn.ReLU`` (statistics per replica);
-* ``syncbn``: ``encoding_syncbn.SyncBatchNorm`` followed by ``nn.ReLU`` (statistics of the
-  whole batch, across DataParallel replicas and distributed processes);
-* ``inplace_abn``: ``SyncBatchNorm(C, activation="leaky_relu")``, BN and activation fused, the
-  output overwriting the conv output, so each pair keeps one activation alive instead of two.
-  The BN right before a residual add uses ``activation="identity"`` and the activation after
-  the add is an in-place leaky ReLU.
+* ``bn``: left as it is, statistics per replica (what plain ``nn.DataParallel`` gives);
+* ``syncbn``: ``encoding_syncbn.convert_sync_batchnorm``, statistics of the whole batch across
+  DataParallel replicas and distributed processes, activation unchanged;
+* ``inplace_abn``: ``encoding_syncbn.convert_inplace_abn``, every BatchNorm followed only by a
+  leaky ReLU fused with it into one in-place synchronised layer (one activation kept alive per
+  pair instead of two); the BatchNorms before a residual add stay synchronised out of place.
+  It needs an invertible activation, so ``activation="leaky_relu"``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from encoding_syncbn import SyncBatchNorm
+import encoding_syncbn
 
 NORM_CHOICES = ("bn", "syncbn", "inplace_abn")
+ACTIVATION_CHOICES = ("relu", "leaky_relu")
 
-#: Negative slope of the leaky ReLU used by in-place ABN (ReLU itself is not invertible, so the
+#: Negative slope of the leaky ReLU (In-Place ABN's; ReLU itself is not invertible, so the
 #: fused in-place layer cannot use it).
 LEAKY_SLOPE = 0.01
 
 
-class NormFactory:
-    """Builds the normalisation and activation layers of the network for one ``--norm`` choice."""
+def make_activation(activation: str) -> Callable[[], nn.Module]:
+    """A factory of the in-place activation modules named by ``activation``."""
+    if activation == "relu":
+        return lambda: nn.ReLU(inplace=True)
+    if activation == "leaky_relu":
+        return lambda: nn.LeakyReLU(LEAKY_SLOPE, inplace=True)
+    raise ValueError(
+        f"unknown activation {activation!r}; choose one of {', '.join(ACTIVATION_CHOICES)}"
+    )
 
-    def __init__(self, kind: str) -> None:
-        if kind not in NORM_CHOICES:
-            raise ValueError(f"unknown norm {kind!r}; choose one of {', '.join(NORM_CHOICES)}")
-        self.kind = kind
 
-    def bn_act(self, channels: int) -> nn.Module:
-        """Normalisation followed by the activation (what sits after most convolutions)."""
-        if self.kind == "bn":
-            return nn.Sequential(nn.BatchNorm2d(channels), nn.ReLU(inplace=True))
-        if self.kind == "syncbn":
-            return nn.Sequential(SyncBatchNorm(channels), nn.ReLU(inplace=True))
-        return SyncBatchNorm(channels, activation="leaky_relu", slope=LEAKY_SLOPE)
+def convert_norm(model: nn.Module, norm: str) -> nn.Module:
+    """``model`` (written with ``nn.BatchNorm2d``) with the normalisation ``norm``.
 
-    def bn(self, channels: int) -> nn.Module:
-        """Normalisation without activation, for the branch that feeds a residual add."""
-        if self.kind == "bn":
-            return nn.BatchNorm2d(channels)
-        if self.kind == "syncbn":
-            return SyncBatchNorm(channels)
-        return SyncBatchNorm(channels, activation="identity")
+    Uses the package's one-call conversions, as a user converting their own model would.
+    """
+    if norm == "bn":
+        return model
+    if norm == "syncbn":
+        return encoding_syncbn.convert_sync_batchnorm(model)
+    if norm == "inplace_abn":
+        return getattr(encoding_syncbn, "convert_inplace_abn", _standin_convert_inplace_abn)(model)
+    raise ValueError(f"unknown norm {norm!r}; choose one of {', '.join(NORM_CHOICES)}")
 
-    def act(self) -> nn.Module:
-        """The activation applied after a residual add (or where no normalisation is wanted)."""
-        if self.kind == "inplace_abn":
-            return nn.LeakyReLU(LEAKY_SLOPE, inplace=True)
-        return nn.ReLU(inplace=True)
+
+def _standin_convert_inplace_abn(model: nn.Module) -> nn.Module:  # TEMPORARY, until it lands
+    from encoding_syncbn.convert import _share_state
+
+    model = encoding_syncbn.convert_sync_batchnorm(model)
+    for seq in model.modules():
+        if not isinstance(seq, nn.Sequential):
+            continue
+        names = list(seq._modules)
+        for a, b in zip(names, names[1:]):
+            bn, act = seq._modules[a], seq._modules[b]
+            if isinstance(bn, encoding_syncbn.SyncBatchNorm) and isinstance(act, nn.LeakyReLU):
+                fused = encoding_syncbn.SyncBatchNorm(bn.num_features, bn.eps, bn.momentum,
+                                                      activation="leaky_relu",
+                                                      slope=act.negative_slope)
+                seq._modules[a] = _share_state(bn, fused)
+                seq._modules[b] = nn.Identity()
+    return model
+
+
+def _bn_act(channels: int, act: Callable[[], nn.Module]) -> nn.Sequential:
+    """BatchNorm followed by the activation (what sits after most convolutions)."""
+    return nn.Sequential(nn.BatchNorm2d(channels), act())
 
 
 def _conv3x3(in_ch: int, out_ch: int, stride: int = 1, dilation: int = 1) -> nn.Conv2d:
@@ -72,17 +94,18 @@ class BasicBlock(nn.Module):
     """ResNet basic block (two 3x3 convs) with an optional stride and dilation."""
 
     def __init__(
-        self, in_ch: int, out_ch: int, stride: int, dilation: int, norm: NormFactory
+        self, in_ch: int, out_ch: int, stride: int, dilation: int, act: Callable[[], nn.Module]
     ) -> None:
         super().__init__()
         self.conv1 = _conv3x3(in_ch, out_ch, stride, dilation)
-        self.bn1 = norm.bn_act(out_ch)
+        self.bn1 = _bn_act(out_ch, act)
         self.conv2 = _conv3x3(out_ch, out_ch, 1, dilation)
-        self.bn2 = norm.bn(out_ch)
+        self.bn2 = nn.BatchNorm2d(out_ch)
         self.downsample: nn.Module | None = None
         if stride != 1 or in_ch != out_ch:
-            self.downsample = nn.Sequential(_conv1x1(in_ch, out_ch, stride), norm.bn(out_ch))
-        self.act = norm.act()
+            self.downsample = nn.Sequential(_conv1x1(in_ch, out_ch, stride),
+                                            nn.BatchNorm2d(out_ch))
+        self.act = act()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         identity = x if self.downsample is None else self.downsample(x)
@@ -100,7 +123,7 @@ class DilatedResNet(nn.Module):
 
     def __init__(
         self,
-        norm: NormFactory,
+        act: Callable[[], nn.Module],
         width: int = 64,
         blocks: Sequence[int] = (2, 2, 2, 2),
         output_stride: int = 8,
@@ -114,11 +137,11 @@ class DilatedResNet(nn.Module):
         half = max(width // 2, 8)
         self.stem = nn.Sequential(
             _conv3x3(3, half, stride=2),
-            norm.bn_act(half),
+            _bn_act(half, act),
             _conv3x3(half, half),
-            norm.bn_act(half),
+            _bn_act(half, act),
             _conv3x3(half, width),
-            norm.bn_act(width),
+            _bn_act(width, act),
             nn.MaxPool2d(3, stride=2, padding=1),
         )
         strides = (1, 2, 2, 1) if output_stride == 16 else (1, 2, 1, 1)
@@ -127,8 +150,8 @@ class DilatedResNet(nn.Module):
         in_ch = width
         for i, (n, stride, dilation) in enumerate(zip(blocks, strides, dilations)):
             out_ch = width * 2**i
-            stage = [BasicBlock(in_ch, out_ch, stride, dilation, norm)]
-            stage += [BasicBlock(out_ch, out_ch, 1, dilation, norm) for _ in range(n - 1)]
+            stage = [BasicBlock(in_ch, out_ch, stride, dilation, act)]
+            stage += [BasicBlock(out_ch, out_ch, 1, dilation, act) for _ in range(n - 1)]
             layers.append(nn.Sequential(*stage))
             in_ch = out_ch
         self.layer1, self.layer2, self.layer3, self.layer4 = layers
@@ -142,11 +165,13 @@ class DilatedResNet(nn.Module):
 class ASPP(nn.Module):
     """Atrous spatial pyramid pooling: a 1x1 branch, one 3x3 branch per rate, image pooling."""
 
-    def __init__(self, in_ch: int, out_ch: int, rates: Sequence[int], norm: NormFactory) -> None:
+    def __init__(
+        self, in_ch: int, out_ch: int, rates: Sequence[int], act: Callable[[], nn.Module]
+    ) -> None:
         super().__init__()
-        branches = [nn.Sequential(_conv1x1(in_ch, out_ch), norm.bn_act(out_ch))]
+        branches = [nn.Sequential(_conv1x1(in_ch, out_ch), _bn_act(out_ch, act))]
         branches += [
-            nn.Sequential(_conv3x3(in_ch, out_ch, dilation=rate), norm.bn_act(out_ch))
+            nn.Sequential(_conv3x3(in_ch, out_ch, dilation=rate), _bn_act(out_ch, act))
             for rate in rates
         ]
         self.branches = nn.ModuleList(branches)
@@ -154,10 +179,13 @@ class ASPP(nn.Module):
         # and image, which breaks (or is meaningless) for small per-replica batches, so it uses a
         # biased conv and no normalisation.
         self.pool = nn.Sequential(
-            nn.AdaptiveAvgPool2d(1), nn.Conv2d(in_ch, out_ch, 1, bias=True), norm.act()
+            nn.AdaptiveAvgPool2d(1), nn.Conv2d(in_ch, out_ch, 1, bias=True), act()
         )
+        # No dropout after the projection (DeepLab has one): on the CPU the simulated replicas
+        # would draw its masks from the one CPU generator in thread order, and runs of the same
+        # command, the norm comparison's among them, would no longer be repeatable.
         self.project = nn.Sequential(
-            _conv1x1(out_ch * (len(rates) + 2), out_ch), norm.bn_act(out_ch), nn.Dropout(0.1)
+            _conv1x1(out_ch * (len(rates) + 2), out_ch), _bn_act(out_ch, act)
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -177,21 +205,21 @@ class DeepLabV3(nn.Module):
     def __init__(
         self,
         num_classes: int,
-        norm: str = "inplace_abn",
+        activation: str = "leaky_relu",
         width: int = 64,
         blocks: Sequence[int] = (2, 2, 2, 2),
         output_stride: int = 8,
         aspp_rates: Sequence[int] | None = None,
     ) -> None:
         super().__init__()
-        factory = NormFactory(norm)
-        self.backbone = DilatedResNet(factory, width, blocks, output_stride)
+        act = make_activation(activation)
+        self.backbone = DilatedResNet(act, width, blocks, output_stride)
         head_ch = max(4 * width, 32)
         rates = default_aspp_rates(output_stride) if aspp_rates is None else tuple(aspp_rates)
         self.head = nn.Sequential(
-            ASPP(self.backbone.out_channels, head_ch, rates, factory),
+            ASPP(self.backbone.out_channels, head_ch, rates, act),
             _conv3x3(head_ch, head_ch),
-            factory.bn_act(head_ch),
+            _bn_act(head_ch, act),
             nn.Conv2d(head_ch, num_classes, 1),
         )
         self._init_weights()

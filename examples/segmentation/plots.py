@@ -58,6 +58,28 @@ def save_curves(history: Sequence[dict[str, float]], path: Path) -> None:
     plt.close(fig)
 
 
+def save_comparison(
+    panels: dict[str, dict[str, Sequence[dict[str, float]]]], path: Path
+) -> None:
+    """Validation mIoU per epoch: one panel per title, one curve per label in it.
+
+    ``panels`` maps a panel's title to ``{curve label: history}``, histories as the training
+    script records them (dicts with ``epoch`` and ``miou``).
+    """
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), squeeze=False)
+    for ax, (title, curves) in zip(axes[0], panels.items()):
+        for label, history in curves.items():
+            ax.plot([h["epoch"] for h in history], [h["miou"] for h in history], marker="o",
+                    markersize=3, label=label)
+        ax.set(title=title, xlabel="epoch", ylabel="validation mIoU", ylim=(0, 1))
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def save_predictions(
     images: torch.Tensor, targets: torch.Tensor, preds: torch.Tensor, num_classes: int,
     path: Path,
