@@ -152,10 +152,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = p.add_argument_group("parallelism")
     g.add_argument("--replicas", type=int, default=None,
-                   help="DataParallel replicas per process. CPU: simulated replicas in threads "
-                        "(default 2, 1 under --distributed). GPU: number of GPUs for "
-                        "nn.DataParallel (default all visible; 1 under --distributed, where "
-                        "process LOCAL_RANK drives GPUs LOCAL_RANK*R .. LOCAL_RANK*R+R-1)")
+                   help="DataParallel replicas per process. CPU: simulated replicas in threads, "
+                        "2 (1 under --distributed). GPU: GPUs for nn.DataParallel, all visible "
+                        "(1 under --distributed, where process LOCAL_RANK drives GPUs "
+                        "LOCAL_RANK*R .. LOCAL_RANK*R+R-1) (default: as just said)")
     g.add_argument("--distributed", action="store_true",
                    help="one process per --replicas devices under torchrun: gloo on CPU, nccl "
                         "on GPU, DistributedSampler and DistributedDataParallel around the "

@@ -70,14 +70,7 @@ def test_scripts_found():
     assert {"benchmarks/bench_time.py", "examples/quickstart.py"} <= set(SCRIPTS)
 
 
-# Fixed on another branch (issue 17): delete the entry when that lands (strict: it then fails).
-PENDING = {"examples/train_segmentation.py": "imports tqdm at module level; states some "
-                                             "defaults twice"}
-
-
-@pytest.mark.parametrize("script", [
-    pytest.param(script, marks=pytest.mark.xfail(reason=PENDING[script], strict=True))
-    if script in PENDING else script for script in SCRIPTS])
+@pytest.mark.parametrize("script", SCRIPTS)
 def test_script_help(helps, script):
     out, err = helps[script].communicate(timeout=180)
     assert helps[script].returncode == 0, err
