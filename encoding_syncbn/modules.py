@@ -22,7 +22,7 @@ from .functional import (
     small_gamma_channels,
     synced_batch_norm_act,
 )
-from .kernels import torch_ops
+from .kernels import ops_for, torch_ops
 from .stats import merge_stats
 from .sync import ReplicaGroup, replication_session
 
@@ -38,8 +38,10 @@ class _ReplicaSlot(NamedTuple):
 
 
 class _SyncedCall(NamedTuple):
-    """A synchronised call's local and global statistics, for recomputation."""
+    """A synchronised call's local and global statistics, for recomputation, and the ops that
+    computed the local ones (a recompute must compare statistics of the same backend)."""
 
+    ops: Any
     local_mean: torch.Tensor
     local_m2: torch.Tensor
     mean: torch.Tensor
@@ -283,10 +285,17 @@ class SyncBatchNorm(_BatchNorm):
         return out
 
     def _recompute(self, x, weight, bias, config: ActConfig) -> torch.Tensor:
-        """Checkpoint recomputation: reuse the global statistics of the original call."""
-        with torch.no_grad():
-            local_mean, local_m2, _ = torch_ops.channel_stats(x)
+        """Checkpoint recomputation: reuse the global statistics of the original call.
+
+        The call is found by its input's statistics, recomputed by the backend that computed
+        them then (another backend's differ in the last bits: Triton's against ATen's).
+        """
+        local: dict[Any, tuple[torch.Tensor, torch.Tensor]] = {}
         for call in self._recompute_cache:
+            if call.ops not in local:
+                with torch.no_grad():
+                    local[call.ops] = call.ops.channel_stats(x)[:2]
+            local_mean, local_m2 = local[call.ops]
             if torch.equal(call.local_mean, local_mean) and torch.equal(call.local_m2, local_m2):
                 if not call.grad_enabled:
                     raise RuntimeError(
@@ -323,7 +332,7 @@ class SyncBatchNorm(_BatchNorm):
         if _may_be_recomputed():
             self._recompute_cache.append(
                 _SyncedCall(
-                    own.mean, own.m2, mean.detach(), invstd.detach(),
+                    ops_for(own.x), own.mean, own.m2, mean.detach(), invstd.detach(),
                     torch.is_grad_enabled(),
                 )
             )

@@ -17,6 +17,9 @@ from encoding_syncbn import SyncBatchNorm, convert_sync_batchnorm, revert_sync_b
 from encoding_syncbn.norm_act import BatchNormAct, SyncBatchNormAct
 from encoding_syncbn.testing import SimulatedDataParallel
 
+# Every path on every backend (the Triton kernels under the interpreter on CPU).
+pytestmark = pytest.mark.usefixtures("each_backend")
+
 
 def model():
     torch.manual_seed(0)
