@@ -1,11 +1,11 @@
 """The cross-process step of the merge, over ``torch.distributed``.
 
 After the master replica of each process has merged its replicas' statistics, it gathers one
-``(mean, M2, count)`` per rank of the process group, and the master merges those again with
-Chan's formula (``stats.merge_stats``). Gathering is an autograd Function whose backward
-all-reduces the gradients of the gathered statistics and keeps its own rank's row: one
-collective forward, one backward, per layer call. A rank with an empty batch takes part with
-count 0 and gets zero gradients.
+``(mean, M2, count)`` per rank of the process group and merges those again with Chan's
+formula. Gathering and merging are one autograd Function, whose backward all-reduces the 2C
+gradients of the merged statistics and applies its own rank's Jacobian: one collective
+forward (W rows of 2C+1), one backward (2C values, whatever the world size), per layer call.
+A rank with an empty batch takes part with count 0 and gets zero gradients.
 
 (The design sketch puts this beside the thread protocol in ``sync.py``; it lives here so that
 ``sync.py`` stays free of torch.)
@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from . import stats
 
 
 def is_active(process_group: Any = None) -> bool:
@@ -34,17 +36,26 @@ def is_active(process_group: Any = None) -> bool:
     return dist.get_world_size(process_group) > 1
 
 
-class _GatherStats(torch.autograd.Function):
-    """``(mean[C], M2[C], count) -> (means[W, C], m2s[W, C], counts[W])`` over the group.
+class _MergeAcrossProcesses(torch.autograd.Function):
+    """``(mean[C], M2[C], count) -> (mean[C], M2[C], invstd[C], counts[W])`` of the whole group.
 
-    ``counts`` stay float64 (exact up to 2^53), the statistics come back in ``mean``'s dtype.
-    Rows are in group-rank order; backward keeps the row of this rank *in the group*.
+    Forward: one all_gather of every rank's ``(mean, M2, count)`` (float64: counts exact up to
+    2^53), then Chan's merge (``stats.chan_merge``), the same on every rank. Backward: every
+    rank computed the same function of the same gathered rows, so the gradient of the total
+    loss with respect to the merged statistics is the sum over ranks of each rank's: one
+    all_reduce of 2C values ``(g_mean, g_M2)`` (g_M2 folds in invstd's gradient, a function of
+    the merged M2 alone), then this rank's own row of the merge's Jacobian, locally::
+
+        d mean_r = g_mean * n_r / n + 2 n_r (mean_r - mean) g_M2,   d M2_r = g_M2
+
+    A rank whose outputs get no gradient still takes part in the all_reduce, with zeros.
+    ``counts`` (float64 on the host, group-rank order) is not differentiable.
     """
 
     @staticmethod
-    def forward(ctx, mean: torch.Tensor, m2: torch.Tensor, count: int, process_group: Any):
+    def forward(ctx, mean: torch.Tensor, m2: torch.Tensor, count: int, eps: float,
+                process_group: Any):
         channels = mean.numel()
-        # float64 packing keeps counts exact far beyond float32's 2^24.
         packed = torch.cat(
             [mean.double(), m2.double(), mean.new_tensor([count], dtype=torch.float64)]
         )
@@ -52,27 +63,41 @@ class _GatherStats(torch.autograd.Function):
         rows = [torch.empty_like(packed) for _ in range(world)]
         dist.all_gather(rows, packed, group=process_group)
         gathered = torch.stack(rows)
-        ctx.process_group, ctx.dtype = process_group, mean.dtype
-        ctx.rank = dist.get_rank(process_group)
-        counts = gathered[:, -1].clone()
-        ctx.mark_non_differentiable(counts)
-        return (
-            gathered[:, :channels].to(mean.dtype),
-            gathered[:, channels:-1].to(mean.dtype),
-            counts,
+        # The one device-to-host copy: the global count is a host number (running variance's
+        # unbiased factor, the merge's 1 / n).
+        counts = gathered[:, -1].cpu()
+        host_counts = [int(c) for c in counts.tolist()]
+        rank = dist.get_rank(process_group)
+        merged = stats.chan_merge(
+            gathered[:, :channels].to(mean.dtype).unbind(0),
+            gathered[:, channels:-1].to(mean.dtype).unbind(0),
+            stats.counts_of(host_counts, mean.device, mean.dtype), eps,
         )
+        total = float(sum(host_counts))
+        ctx.process_group, ctx.total, ctx.count = process_group, total, host_counts[rank]
+        # Detached: see functional.MergeReplicas.
+        ctx.deviation, ctx.invstd = merged.deviation[rank], merged.invstd.detach()
+        ctx.mark_non_differentiable(counts)
+        ctx.set_materialize_grads(False)
+        return merged.mean, merged.m2, merged.invstd, counts
 
     @staticmethod
-    def backward(ctx, grad_means: torch.Tensor, grad_m2s: torch.Tensor, _grad_counts):
-        packed = torch.cat([grad_means, grad_m2s], dim=1).contiguous()
+    def backward(ctx, grad_mean, grad_m2, grad_invstd, _grad_counts):
+        grad_m2 = stats.total_grad_m2(grad_m2, grad_invstd, ctx.invstd, ctx.total)
+        zeros = torch.zeros_like(ctx.invstd)
+        packed = torch.cat([zeros if grad_mean is None else grad_mean,
+                            zeros if grad_m2 is None else grad_m2])
         dist.all_reduce(packed, group=ctx.process_group)
-        own = packed[ctx.rank]
-        channels = grad_means.shape[1]
-        return own[:channels], own[channels:], None, None
+        grad_mean, grad_m2 = packed.chunk(2)
+        share = ctx.count / max(ctx.total, 1.0)
+        grad_own_mean = torch.addcmul(grad_mean * share, ctx.deviation, grad_m2,
+                                      value=2.0 * ctx.count)
+        return grad_own_mean, grad_m2, None, None, None
 
 
-def gather_stats(
-    mean: torch.Tensor, m2: torch.Tensor, count: int, process_group: Any = None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Every rank's ``(mean, M2, count)``, rows in rank order, differentiable."""
-    return _GatherStats.apply(mean, m2, count, process_group)
+def merge_across_processes(
+    mean: torch.Tensor, m2: torch.Tensor, count: int, eps: float, process_group: Any = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """The whole group's ``(mean, M2, invstd, count)`` from this rank's, differentiable."""
+    mean, m2, invstd, counts = _MergeAcrossProcesses.apply(mean, m2, count, eps, process_group)
+    return mean, m2, invstd, int(counts.sum())

@@ -23,7 +23,6 @@ from .functional import (
     synced_batch_norm_act,
 )
 from .kernels import ops_for, torch_ops
-from .stats import merge_stats
 from .sync import ReplicaGroup, replication_session
 
 # Attributes that only make sense for the live object: dropped by pickle and deepcopy.
@@ -346,11 +345,9 @@ class SyncBatchNorm(_BatchNorm):
         mean, m2, invstd = merge_replicas(contributions, self.eps)
         total = sum(c.count for c in contributions)
         if self._syncs_processes():
-            means, m2s, rank_counts = distributed.gather_stats(mean, m2, total, self.process_group)
-            # One device-to-host copy; the merge then reuses its count tensors across steps.
-            counts = [int(count) for count in rank_counts.tolist()]
-            mean, m2, invstd = merge_stats(means, m2s, counts, self.eps)
-            total = sum(counts)
+            mean, m2, invstd, total = distributed.merge_across_processes(
+                mean, m2, total, self.eps, self.process_group
+            )
         if total == 1:
             raise ValueError(
                 "expected more than 1 value per channel when training, got 1 over the whole "

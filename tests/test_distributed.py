@@ -156,6 +156,7 @@ class _CollectiveCounter:
 
     def __enter__(self):
         self.calls: Counter[str] = Counter()
+        self.reduced: list[int] = []  # elements of each all_reduce
         self._saved = {name: getattr(dist, name) for name in self.NAMES}
         for name, fn in self._saved.items():
             setattr(dist, name, self._wrap(name, fn))
@@ -164,6 +165,8 @@ class _CollectiveCounter:
     def _wrap(self, name, fn):
         def counted(*args, **kwargs):
             self.calls[name] += 1
+            if name == "all_reduce":
+                self.reduced.append(args[0].numel())
             return fn(*args, **kwargs)
 
         return counted
@@ -212,7 +215,8 @@ def _two_layer_model(**kwargs):
 
 
 def scenario_collective_count(ctx):
-    """Exactly one all_gather forward and one all_reduce backward per layer call."""
+    """Exactly one all_gather forward and one all_reduce of 2C values backward per layer
+    call, whatever the world size."""
     rank = dist.get_rank()
     for replicas in (1, 2):
         model = _two_layer_model()
@@ -221,8 +225,10 @@ def scenario_collective_count(ctx):
         with _CollectiveCounter() as counter:
             out = runner(x * 1)
             forward = counter.take()
+            counter.reduced.clear()
             out.square().sum().backward()
             backward = counter.take()
+            assert counter.reduced == [2 * C, 2 * C], f"all_reduce sizes {counter.reduced}"
             model.eval()
             runner(x * 1)
             evaluation = counter.take()
