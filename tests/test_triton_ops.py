@@ -16,6 +16,8 @@ import pytest  # noqa: E402
 pytest.importorskip("triton")
 
 import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 from encoding_syncbn.kernels import torch_ops  # noqa: E402
 from encoding_syncbn.kernels import triton_ops as T  # noqa: E402
@@ -337,6 +339,70 @@ def test_gpu_tiles_keep_in_tile_offsets_within_int32(dtype):
     assert T._pick_tile(T._Geometry(True, 8, 2**24, 4), dtype, interpret=False).block_b == 64
     with pytest.raises(ValueError, match="channels are too many"):
         T._pick_tile(T._Geometry(True, 8, 2**28, 4), dtype, interpret=False)
+
+
+@triton.jit
+def _tile_offsets_kernel(off_ptr, mask_ptr, t, c0, N, C, S, R, CS, tiles_s,
+                         CHANNELS_LAST: tl.constexpr, BLOCK_A: tl.constexpr,
+                         BLOCK_B: tl.constexpr):
+    """Stores the element offsets and mask that ``_tile`` gives tile ``t`` (nothing else)."""
+    base, local, mask = T._tile(t, c0, N, C, S, R, CS, tiles_s, CHANNELS_LAST, BLOCK_A,
+                                BLOCK_B)
+    i = tl.arange(0, BLOCK_A)[:, None] * BLOCK_B + tl.arange(0, BLOCK_B)[None, :]
+    tl.store(off_ptr + i, base + local)
+    tl.store(mask_ptr + i, mask)
+
+
+def _tile_offsets(geo, tile, t, c0):
+    """``_tile``'s (offsets, mask) for a tensor of geometry ``geo``, which is never allocated:
+    the kernel only computes addresses. The arguments are typed as the launchers pass them
+    (int32 below 2**31, int64 above), and the interpreter wraps int32 as a GPU does."""
+    n, c, s = geo.n, geo.c, geo.s
+    tiles_s = 1 if geo.channels_last else -(-s // tile.block_b)
+    off = torch.empty(tile.block_a * tile.block_b, dtype=torch.int64)
+    mask = torch.empty(tile.block_a * tile.block_b, dtype=torch.bool)
+    with T._INTERPRETER_LOCK:
+        _tile_offsets_kernel[(1,)](off, mask, t, c0, n, c, s, n * s, c * s, tiles_s,
+                                   geo.channels_last, tile.block_a, tile.block_b)
+    return off.view(tile), mask.view(tile)
+
+
+def _expected_tile_offsets(geo, tile, t, c0):
+    """The same in exact Python integers (layouts of the module docstring)."""
+    a = torch.arange(tile.block_a, dtype=torch.int64)[:, None]
+    b = torch.arange(tile.block_b, dtype=torch.int64)[None, :]
+    n, c, s = geo.n, geo.c, geo.s
+    if geo.channels_last:
+        r, ch = t * tile.block_a + a, c0 + b
+        return r * c + ch, (r < n * s) & (ch < c)
+    tiles_s = -(-s // tile.block_b)
+    img, pos = (t // tiles_s) * tile.block_a + a, (t % tiles_s) * tile.block_b + b
+    return (img * c + c0) * s + pos, (img < n) & (pos < s)
+
+
+@pytest.mark.skipif(not T.INTERPRET, reason="reads addresses through the interpreter")
+@pytest.mark.parametrize("geo, tile, t, c0", [
+    # One plane past 2**31 elements: the last tile's positions (s0 was int32).
+    (T._Geometry(False, 1, 1, 2**31 + 100), T.Tile(1, 2048), (2**31 + 100) // 2048, 0),
+    (T._Geometry(False, 2, 3, 2**31 + 100), T.Tile(1, 2048), 2 * 1048577 - 1, 2),
+    # The whole tensor past 2**31 (and 2**32), each plane small: image and channel offsets.
+    (T._Geometry(False, 2**20, 5, 1000), T.Tile(32, 64), 32767 * 16 + 15, 4),
+    (T._Geometry(False, 3, 2**12, 2**20 + 3), T.Tile(1, 2048), 2 * 513 + 512, 4095),
+    # channels_last: rows past 2**31 / C, the last channel block.
+    (T._Geometry(True, 2**16, 70, 2**16), T.Tile(32, 64), 2**27 - 1, 64),
+    (T._Geometry(True, 7, 2**24, 33), T.Tile(128, 16), 1, 2**24 - 16),
+], ids=["plane", "plane-last-channel", "batch-nchw", "batch-long-run", "batch-last",
+        "many-channels"])
+def test_tile_addresses_past_2_31_elements(geo, tile, t, c0):
+    """Every element offset ``_tile`` computes for tensors past 2**31 elements, against exact
+    integers, through the kernels' own index code (int32 wraps in the interpreter as on a
+    GPU: with the plane's position offset in int32 the first case gives negative offsets)."""
+    assert T._offsets_fit(geo, tile)
+    offsets, mask = _tile_offsets(geo, tile, t, c0)
+    want_offsets, want_mask = _expected_tile_offsets(geo, tile, t, c0)
+    assert torch.equal(mask, want_mask)
+    assert torch.equal(offsets[mask], want_offsets[want_mask])
+    assert int(want_offsets[want_mask].max()) >= 2**31
 
 
 def test_elu_inverse_clamp_matches_reference():

@@ -106,7 +106,8 @@ def _tile(t, c0, N, C, S, R, CS, tiles_s, CHANNELS_LAST: tl.constexpr, BLOCK_A: 
     else:
         tn = t // tiles_s
         n0 = tl.cast(tn, tl.int64) * BLOCK_A
-        s0 = (t - tn * tiles_s) * BLOCK_B
+        # One plane may pass 2**31 elements: the position offset is int64 too.
+        s0 = tl.cast(t - tn * tiles_s, tl.int64) * BLOCK_B
         base = n0 * CS + tl.cast(c0, tl.int64) * S + s0
         local = a * CS + b
         mask = (a < N - n0) & (b < S - s0)
