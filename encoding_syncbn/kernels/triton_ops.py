@@ -318,6 +318,11 @@ class _Geometry(NamedTuple):
     s: int
 
 
+def _cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` in plain ints (``triton.cdiv`` is a jitted function: ~10 us a call)."""
+    return -(-a // b)
+
+
 def tile_choices(channels_last: bool, dtype: torch.dtype, interpret: bool = INTERPRET
                  ) -> tuple[Tile, ...]:
     """Every tile shape the launchers may pick (the AOT check compiles each)."""
@@ -344,8 +349,8 @@ def _pick_tile(geo: _Geometry, dtype: torch.dtype, interpret: bool) -> Tile:
     extent_a, extent_b = (geo.n * geo.s, geo.c) if geo.channels_last else (geo.n, geo.s)
 
     def cost(t: Tile) -> tuple[int, int]:
-        padded = triton.cdiv(extent_a, t.block_a) * t.block_a
-        return padded * triton.cdiv(extent_b, t.block_b) * t.block_b, -t.block_b
+        padded = _cdiv(extent_a, t.block_a) * t.block_a
+        return padded * _cdiv(extent_b, t.block_b) * t.block_b, -t.block_b
 
     choices = [t for t in tile_choices(geo.channels_last, dtype, interpret)
                if _offsets_fit(geo, t)]
@@ -370,14 +375,34 @@ def _target(device: torch.device) -> Target:
 
 def _geometry(x: torch.Tensor) -> _Geometry | None:
     """How ``x`` lies in memory, or None when it is neither NCHW nor channels_last dense."""
-    n, c = x.shape[0], x.shape[1]
-    s = math.prod(x.shape[2:])
-    if s == 1 and x.is_contiguous():
+    return _layout(tuple(x.shape), x.stride())
+
+
+def _dense(sizes: tuple[int, ...], strides: tuple[int, ...]) -> bool:
+    """``is_contiguous`` in ints: the strides of a C-contiguous tensor, size-1 axes free."""
+    if 0 in sizes:
+        return True
+    expected = 1
+    for size, stride in zip(reversed(sizes), reversed(strides)):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+@functools.lru_cache(maxsize=1024)
+def _layout(sizes: tuple[int, ...], strides: tuple[int, ...]) -> _Geometry | None:
+    """``_geometry`` of a tensor with these sizes and strides (memoised: host ints only)."""
+    n, c = sizes[0], sizes[1]
+    s = math.prod(sizes[2:])
+    contiguous = _dense(sizes, strides)
+    if s == 1 and contiguous:
         # (N, C) and (N, C, 1, ...): channels are the innermost axis, read rows of C.
         return _Geometry(True, n, c, s)
-    if x.is_contiguous():
+    if contiguous:
         return _Geometry(False, n, c, s)
-    if _to_last(x).is_contiguous():
+    last = (0, *range(2, len(sizes)), 1)
+    if _dense(tuple(sizes[i] for i in last), tuple(strides[i] for i in last)):
         return _Geometry(True, n, c, s)
     return None
 
@@ -389,10 +414,11 @@ def _to_last(x: torch.Tensor) -> torch.Tensor:
 
 def _in_layout(t: torch.Tensor, channels_last: bool) -> torch.Tensor:
     """``t`` itself when it lies like the planned geometry, else one copy that does."""
+    geo = _geometry(t)
+    if geo is not None and (geo.channels_last == channels_last or geo.s == 1):
+        return t
     if not channels_last:
         return t.contiguous()
-    if _to_last(t).is_contiguous():
-        return t
     return _to_last(t).contiguous().permute(0, t.dim() - 1, *range(1, t.dim() - 1))
 
 
@@ -413,26 +439,35 @@ def _plan_tiles(geo: _Geometry, dtype: torch.dtype, target: Target, reduction: b
     """Tile, grid and the kernels' geometry arguments ``(N, C, S, R, CS, tiles, tiles_s, tpp)``.
 
     Reductions aim at a few programs per SM (split reduction when C is small), elementwise
-    passes at enough programs to cover every SM many times over.
+    passes at enough programs to cover every SM many times over. Memoised by everything the
+    plan depends on (the tile sizes too: tests change them).
     """
+    sizes = (_INTERPRET_TILE_ELEMS, _GPU_TILE_ELEMS, _GPU_TILE_ELEMS_FP64)
+    return _plan_tiles_memo(geo, dtype, target, reduction, tile, sizes)
+
+
+@functools.lru_cache(maxsize=1024)
+def _plan_tiles_memo(geo: _Geometry, dtype: torch.dtype, target: Target, reduction: bool,
+                     tile: Tile | None, _tile_sizes: tuple[int, int, int]
+                     ) -> tuple[Tile, tuple[int, int], tuple[int, ...]]:
     tile = tile or _pick_tile(geo, dtype, target.interpret)
     n, c, s = geo.n, geo.c, geo.s
     if geo.channels_last:
-        channel_blocks = triton.cdiv(c, tile.block_b)
+        channel_blocks = _cdiv(c, tile.block_b)
         tiles_s = 1
-        tiles = triton.cdiv(n * s, tile.block_a)
+        tiles = _cdiv(n * s, tile.block_a)
     else:
         channel_blocks = c
-        tiles_s = triton.cdiv(s, tile.block_b)
-        tiles = triton.cdiv(n, tile.block_a) * tiles_s
+        tiles_s = _cdiv(s, tile.block_b)
+        tiles = _cdiv(n, tile.block_a) * tiles_s
     if target.interpret:
         programs = _INTERPRET_PROGRAMS
     else:
         per_sm = _REDUCE_PROGRAMS_PER_SM if reduction else _ELEMENTWISE_PROGRAMS_PER_SM
         programs = per_sm * target.sm_count
     splits = min(tiles, max(1, programs // channel_blocks))
-    tiles_per_prog = max(triton.cdiv(tiles, splits), triton.cdiv(tiles, _MAX_SPLITS))
-    splits = triton.cdiv(tiles, tiles_per_prog)
+    tiles_per_prog = max(_cdiv(tiles, splits), _cdiv(tiles, _MAX_SPLITS))
+    splits = _cdiv(tiles, tiles_per_prog)
     args = (n, c, s, n * s, c * s, tiles, tiles_s, tiles_per_prog)
     return tile, (channel_blocks, splits), args
 
@@ -449,7 +484,7 @@ def _tile_constexprs(geo: _Geometry, tile: Tile, dtype: torch.dtype) -> dict:
 def _merge_launch(kernel: object, partials: tuple[torch.Tensor, ...],
                   outputs: tuple[torch.Tensor, ...]) -> Launch:
     splits, c = partials[0].shape
-    return Launch(kernel, (triton.cdiv(c, _MERGE_CHANNELS), 1), (*partials, *outputs, c, splits),
+    return Launch(kernel, (_cdiv(c, _MERGE_CHANNELS), 1), (*partials, *outputs, c, splits),
                   {"BLOCK_P": _MERGE_ROWS, "BLOCK_C": _MERGE_CHANNELS}, _NUM_WARPS)
 
 
@@ -482,8 +517,10 @@ def _kernel_activation(activation: str, slope: float, saved_is_output: bool = Fa
 
 
 def _channel_vectors(acc: torch.dtype, *vectors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Per-channel inputs as contiguous vectors of the statistics dtype (no-ops normally)."""
-    return tuple(v.to(acc).contiguous() for v in vectors)
+    """Per-channel inputs as contiguous vectors of the statistics dtype (no-ops normally, and
+    then no ATen call)."""
+    return tuple(v if v.dtype == acc and v.is_contiguous() else v.to(acc).contiguous()
+                 for v in vectors)
 
 
 def _empty_dx(saved: torch.Tensor) -> torch.Tensor:
