@@ -76,18 +76,42 @@ class _Saved(NamedTuple):
 class _Link:
     """Hands what ``NormAct.backward`` read to ``MergeReplicas.backward`` of the same call."""
 
-    __slots__ = ("saved", "grad_output", "config", "scale")
+    __slots__ = ("saved", "grad_output", "config", "scale", "ready")
 
     def __init__(self) -> None:
         self.saved: _Saved | None = None
         self.grad_output: torch.Tensor | None = None
         self.config: ActConfig | None = None
         self.scale: torch.Tensor | None = None  # weight * invstd
+        self.ready: torch.cuda.Event | None = None  # see ``stream_event``
 
     def clear(self) -> None:
         """Drop y and dy. While filled, the link closes a cycle through autograd's C++ nodes
         (y -> its node -> ctx.link -> y) that Python's collector cannot see."""
-        self.saved = self.grad_output = self.scale = None
+        self.saved = self.grad_output = self.scale = self.ready = None
+
+
+def stream_event(like: torch.Tensor) -> torch.cuda.Event | None:
+    """For tensors another thread (another replica, or autograd's thread for another device)
+    will read: an event on the current stream of ``like``'s device, recorded after everything
+    that wrote them; None on the CPU, where an op is done when it returns."""
+    if not like.is_cuda:
+        return None
+    ready = torch.cuda.Event()
+    ready.record(torch.cuda.current_stream(like.device))
+    return ready
+
+
+def wait_for(ready: torch.cuda.Event | None, tensors: Sequence[torch.Tensor]) -> None:
+    """Make this thread's current streams wait for ``ready`` before reading ``tensors``, and
+    tell the caching allocator they are used there (their memory is not reused before those
+    streams are done with them). Nothing on the CPU."""
+    if ready is None:
+        return
+    for t in tensors:
+        stream = torch.cuda.current_stream(t.device)
+        stream.wait_event(ready)
+        t.record_stream(stream)
 
 
 def _small_gamma(weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
@@ -328,6 +352,7 @@ class NormAct(torch.autograd.Function):
             link.saved, link.grad_output, link.config, link.scale = (
                 saved, grad_output, config, scale
             )
+            link.ready = stream_event(grad_output)
             # The merge's backward empties the link; one that stops short of the merge
             # (``autograd.grad`` of the parameters alone) must not leave it filled.
             _compat.queue_backward_callback(link.clear)
@@ -403,6 +428,9 @@ class MergeReplicas(torch.autograd.Function):
                     "SyncBatchNorm: a replica's input gradient needs its normalisation's "
                     "backward first; differentiate through every replica's output"
                 )
+            # The replica's NormAct.backward ran on its forward's stream, which need not be
+            # this node's: read what it left only after it.
+            wait_for(link.ready, (saved.tensor, link.grad_output))
             device = saved.mean.device
             if device not in coefficients:
                 coefficients[device] = _through_statistics(

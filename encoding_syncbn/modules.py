@@ -20,7 +20,9 @@ from .functional import (
     normalize_with,
     on_device,
     small_gamma_channels,
+    stream_event,
     synced_batch_norm_act,
+    wait_for,
 )
 from .kernels import ops_for, torch_ops
 from .sync import ReplicaGroup, replication_session
@@ -316,18 +318,21 @@ class SyncBatchNorm(_BatchNorm):
         elif slot.rank == 0:
             group = slot.group
             call = group.begin_call(0)
-            contributions = group.gather(call, own)
+            contributions = [_received(c) for c in group.gather(call, _handed(own, own.mean))]
             mean, m2, invstd, total = self._merge(contributions)
             # Before the answers: once the replicas run again, every ATen call of the master
             # waits for the GIL in turn with theirs (measured on 2 cores: forward 0-2% faster).
             self._track_batch(updates_running, mean, m2, total)
-            group.scatter(
-                call, [(on_device(mean, c.mean.device), on_device(invstd, c.mean.device))
-                       for c in contributions]
-            )
+            answers = []
+            for c in contributions:
+                answer = (on_device(mean, c.mean.device), on_device(invstd, c.mean.device))
+                answers.append(_handed(answer, answer[0]))
+            group.scatter(call, answers)
         else:
             group = slot.group
-            mean, invstd = group.exchange(slot.rank, group.begin_call(slot.rank), own)
+            mean, invstd = _received(
+                group.exchange(slot.rank, group.begin_call(slot.rank), _handed(own, own.mean))
+            )
         if _may_be_recomputed():
             self._recompute_cache.append(
                 _SyncedCall(
@@ -405,6 +410,38 @@ def record_paths(root: torch.nn.Module) -> None:
     for path, module in root.named_modules():
         if isinstance(module, SyncBatchNorm) and path:
             module._set_path(path)
+
+
+class _OnStream(NamedTuple):
+    """A payload handed to another replica's thread, with the CUDA event after which it is
+    ready: DataParallel runs each replica on its device's current stream, and another
+    thread's ops on that device go to its own current stream."""
+
+    payload: Any
+    ready: torch.cuda.Event
+
+
+def _handed(payload: Any, like: torch.Tensor) -> Any:
+    """``payload`` as handed to another thread: on CUDA, with an event recorded on the current
+    stream of ``like``'s device after everything that wrote it (on the CPU, as it is)."""
+    ready = stream_event(like)
+    return payload if ready is None else _OnStream(payload, ready)
+
+
+def _received(handed: Any) -> Any:
+    """The payload of ``_handed``, safe to read on this thread's current streams: they wait
+    for its event, and the allocator learns that its tensors are used there (so that their
+    memory is not reused before those streams are done with them)."""
+    if not isinstance(handed, _OnStream):
+        return handed
+    wait_for(handed.ready, _tensors_of(handed.payload))
+    return handed.payload
+
+
+def _tensors_of(payload: Any) -> list[torch.Tensor]:
+    if isinstance(payload, ReplicaStats):
+        return [payload.mean, payload.m2]
+    return [t for t in payload if isinstance(t, torch.Tensor)]
 
 
 def _may_be_recomputed() -> bool:

@@ -1,0 +1,254 @@
+"""The GPU suite: real Triton kernels on CUDA tensors (skipped where there is no GPU).
+
+    TRITON_INTERPRET=0 python -m pytest -q -m cuda tests/test_cuda.py
+
+(``tests/conftest.py`` otherwise selects Triton's interpreter for the CPU tests.) Every result
+is compared with plain PyTorch: the kernels with ``torch_ops`` in float64 on the CPU, the
+layers with ``nn.BatchNorm`` + activation on the whole batch.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from reference import activate
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import encoding_syncbn
+from encoding_syncbn import SyncBatchNorm
+from encoding_syncbn.kernels import torch_ops
+from encoding_syncbn.testing import SimulatedDataParallel
+
+pytestmark = pytest.mark.cuda
+
+TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+SLOPES = {"leaky_relu": 0.1, "elu": 1.3, "relu": 0.0, "identity": 0.0}
+
+
+@pytest.fixture(autouse=True)
+def triton_on_gpu():
+    """The real kernels: the Triton backend, not interpreted."""
+    from encoding_syncbn.kernels import triton_ops
+
+    if triton_ops.INTERPRET:
+        pytest.skip("Triton's interpreter is on: run with TRITON_INTERPRET=0")
+    encoding_syncbn.set_backend("triton")
+    yield triton_ops
+    encoding_syncbn.set_backend("auto")
+
+
+def _input(shape, dtype, channels_last, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    c = shape[1]
+    offset = torch.randn((1, c) + (1,) * (len(shape) - 2), generator=g) * 3
+    x = (torch.randn(shape, generator=g, dtype=torch.float64) * 2 + offset).to(dtype)
+    if channels_last:
+        x = x.permute(0, *range(2, x.dim()), 1).contiguous()
+        x = x.permute(0, x.dim() - 1, *range(1, x.dim() - 1))
+    return x.cuda()
+
+
+def _close(actual, expected, dtype, scale=1.0):
+    tol = TOL[dtype] * scale
+    torch.testing.assert_close(actual.double().cpu(), expected.double().cpu(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "channels_last"])
+@pytest.mark.parametrize("shape", [(3, 5, 7, 9), (2, 3, 4, 5, 6), (7, 5), (16, 64, 129, 131),
+                                   (64, 256, 56, 56), (2, 3, 1024, 1031)])
+@pytest.mark.parametrize("activation,saved_is_output", [
+    ("leaky_relu", True), ("elu", True), ("identity", True), ("relu", False),
+    ("leaky_relu", False)])
+def test_kernels_match_reference(triton_on_gpu, dtype, channels_last, shape, activation,
+                                 saved_is_output):
+    T = triton_on_gpu
+    if channels_last and len(shape) < 3:
+        pytest.skip("2-D inputs have one layout")
+    x = _input(shape, dtype, channels_last)
+    ref_x = x.double().cpu()
+    c, acc = shape[1], torch_ops.stats_dtype(dtype)
+    count = x.numel() // c
+    mean, m2, _ = T.channel_stats(x)
+    ref_mean, ref_m2, _ = torch_ops.channel_stats(ref_x)
+    _close(mean, ref_mean, torch.float32)
+    _close(m2 / count, ref_m2 / count, torch.float32, 10)
+    g = torch.Generator().manual_seed(1)
+    weight = (torch.rand(c, generator=g, dtype=torch.float64) + 0.5) * torch.where(
+        torch.rand(c, generator=g) > 0.3, 1.0, -1.0).double()
+    bias = torch.randn(c, generator=g, dtype=torch.float64) * 0.5
+    invstd = (ref_m2 / count + 1e-5).rsqrt()
+    vecs = [v.to(acc).cuda() for v in (ref_mean, invstd, weight, bias)]
+    slope = SLOPES[activation]
+    out = torch.empty_like(x)
+    T.normalize_act(x, *vecs, activation, slope, out)
+    ref_out = torch.empty_like(ref_x)
+    torch_ops.normalize_act(ref_x, ref_mean, invstd, weight, bias, activation, slope, ref_out)
+    _close(out, ref_out, dtype)
+    saved = out if saved_is_output else x
+    ref_saved = out.double().cpu() if saved_is_output else ref_x
+    dy = _input(shape, dtype, channels_last, seed=2)
+    ref_dy = dy.double().cpu()
+    sums = T.backward_reduce(saved, dy, *vecs, activation, slope, saved_is_output)
+    ref_sums = torch_ops.backward_reduce(ref_saved, ref_dy, ref_mean, invstd, weight, bias,
+                                         activation, slope, saved_is_output)
+    for got, want in zip(sums, ref_sums):
+        _close(got / count, want / count, torch.float32, 10)
+    coefs = [torch.randn(c, generator=g, dtype=torch.float64) for _ in range(3)]
+    dx = T.backward_dx(saved, dy, *vecs, activation, slope, saved_is_output,
+                       *(v.to(acc).cuda() for v in coefs))
+    ref_dx = torch_ops.backward_dx(ref_saved, ref_dy, ref_mean, invstd, weight, bias, activation,
+                                   slope, saved_is_output, *coefs)
+    _close(dx, ref_dx, dtype, 4)
+
+
+def _network(inplace=True):
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1),
+        SyncBatchNorm(16, activation="leaky_relu", slope=0.1, inplace=inplace),
+        nn.Conv2d(16, 8, 3, padding=1),
+        SyncBatchNorm(8, activation="elu", slope=1.0, inplace=inplace),
+    ).cuda()
+
+
+def _reference_of(net):
+    ref = nn.Sequential(
+        net[0], nn.BatchNorm2d(16), nn.LeakyReLU(0.1), net[2], nn.BatchNorm2d(8), nn.ELU(1.0)
+    ).cuda()
+    ref[1].load_state_dict(net[1].state_dict())
+    ref[4].load_state_dict(net[3].state_dict())
+    return ref
+
+
+def _train_and_compare(runner, net, batch=12):
+    import copy
+
+    ref = _reference_of(copy.deepcopy(net))
+    x = torch.randn(batch, 3, 17, 19, device="cuda")
+    out = runner(x)
+    expected = ref(x)
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+    out.square().sum().backward()
+    expected.square().sum().backward()
+    for got, want in ((net[1], ref[1]), (net[3], ref[4]), (net[0], ref[0])):
+        torch.testing.assert_close(got.weight.grad, want.weight.grad, rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(net[1].running_var, ref[1].running_var, rtol=1e-4, atol=1e-5)
+
+
+def test_data_parallel_on_every_gpu_matches_the_whole_batch():
+    net = _network()
+    devices = list(range(torch.cuda.device_count()))
+    _train_and_compare(nn.DataParallel(net, device_ids=devices), net, batch=4 * len(devices) + 1)
+
+
+def test_simulated_data_parallel_on_one_gpu_matches_the_whole_batch():
+    net = _network()
+    _train_and_compare(SimulatedDataParallel(net, 3), net)
+
+
+def test_checkpoint_under_sync_on_gpu():
+    net = _network()
+    plain = _network()
+
+    class Checkpointed(nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            return checkpoint(self.inner, x, use_reentrant=False)
+
+    x = torch.randn(8, 3, 9, 9, device="cuda")
+    SimulatedDataParallel(Checkpointed(net), 2)(x).square().sum().backward()
+    SimulatedDataParallel(plain, 2)(x).square().sum().backward()
+    for a, b in zip(net.parameters(), plain.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("zero_gamma", [False, True])
+def test_in_place_layer_under_cuda_graph_capture(zero_gamma):
+    layer = SyncBatchNorm(16, activation="leaky_relu", slope=0.1).cuda()
+    if zero_gamma:
+        with torch.no_grad():
+            layer.weight[::3] = 0.0
+    static_x = torch.randn(8, 16, 12, 12, device="cuda")
+    static_dy = torch.randn_like(static_x)
+    leaf = torch.zeros(1, device="cuda", requires_grad=True)
+
+    def step():
+        x = static_x + leaf  # a non-leaf: overwritten in place
+        out = layer(x)
+        out.backward(static_dy)
+        return out
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    layer.zero_grad(set_to_none=False)
+    with torch.cuda.graph(graph):
+        static_out = step()
+    layer.weight.grad.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    w = layer.weight.detach().clone().requires_grad_()
+    b = layer.bias.detach().clone().requires_grad_()
+    expected = F.leaky_relu(F.batch_norm(static_x, None, None, w, b, True), 0.1)
+    expected.backward(static_dy)
+    torch.testing.assert_close(static_out, expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(layer.weight.grad, w.grad, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("activation", ["leaky_relu", "elu", "identity", "relu"])
+def test_compiled_single_replica_layer(activation):
+    layer = SyncBatchNorm(8, activation=activation, slope=0.2).cuda()
+    compiled = torch.compile(layer, fullgraph=True)
+    x = torch.randn(4, 8, 10, 10, device="cuda")
+    ref_x = x.clone().requires_grad_()
+    x = x.clone().requires_grad_()
+    out = compiled(x * 1)
+    w = layer.weight.detach().clone().requires_grad_()
+    b = layer.bias.detach().clone().requires_grad_()
+    expected = activate(F.batch_norm(ref_x, None, None, w, b, True), activation, 0.2)
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+    dy = torch.randn_like(out)
+    out.backward(dy)
+    expected.backward(dy)
+    torch.testing.assert_close(x.grad, ref_x.grad, rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(layer.weight.grad, w.grad, rtol=1e-3, atol=1e-3)
+
+
+class _OnOwnStream(nn.Module):
+    """Runs ``inner`` on a fresh side stream that first sleeps: what one replica writes is
+    late on its stream, so a peer that reads it without waiting for that stream reads
+    garbage."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            torch.cuda._sleep(50_000_000)
+            out = self.inner(x)
+        torch.cuda.current_stream().wait_stream(stream)
+        return out
+
+
+@pytest.mark.parametrize("data_parallel", ["simulated", "torch"])
+def test_replicas_on_their_own_streams_match_the_whole_batch(data_parallel):
+    net = _network()
+    wrapped = _OnOwnStream(net)
+    if data_parallel == "simulated":
+        runner = SimulatedDataParallel(wrapped, 3)
+    else:
+        runner = nn.DataParallel(wrapped, device_ids=list(range(torch.cuda.device_count())))
+    _train_and_compare(runner, net, batch=13)
