@@ -375,7 +375,11 @@ def _target(device: torch.device) -> Target:
 
 def _geometry(x: torch.Tensor) -> _Geometry | None:
     """How ``x`` lies in memory, or None when it is neither NCHW nor channels_last dense."""
-    return _layout(tuple(x.shape), x.stride())
+    sizes, strides = tuple(x.shape), x.stride()
+    try:
+        return _layout(sizes, strides)
+    except TypeError:  # symbolic sizes (fake tensors while tracing) cannot key the memo
+        return _layout.__wrapped__(sizes, strides)
 
 
 def _dense(sizes: tuple[int, ...], strides: tuple[int, ...]) -> bool:
