@@ -2,6 +2,7 @@ import os
 import sys
 
 import pytest
+import torch
 
 # On a machine without a GPU the Triton kernels run in Triton's interpreter, which must be
 # chosen before triton is first imported.
@@ -16,6 +17,16 @@ from encoding_syncbn.kernels import torch_ops, triton_available  # noqa: E402
 # slabs, not a divisor of their sizes, so that the ATen path's slab walk runs (it is otherwise
 # reached only by inputs of over 65536 elements).
 TINY_SLAB = 20
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``cuda`` run only where a GPU is."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
 
 
 @pytest.fixture(params=["torch", "torch-slabs", "triton"])

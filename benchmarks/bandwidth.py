@@ -1,0 +1,95 @@
+"""Effective memory bandwidth of each Triton op on a GPU, against the device's peak.
+
+    python benchmarks/bandwidth.py [--peak-gbps 3350] [--repeats 50]
+
+For each shape and op: the bytes the op must move (channel_stats reads x; normalize_act reads
+x and writes y; backward_reduce reads y and dy; backward_dx reads y and dy and writes dx) over
+its median time (CUDA events, after a warm-up), in GB/s and as a share of ``--peak-gbps``
+(default: the H100 SXM's 3350 GB/s). Needs a CUDA GPU; refuses to run without one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+
+import torch
+
+SHAPES = [
+    ((8, 256, 128, 128), torch.float16, False),
+    ((8, 256, 128, 128), torch.float16, True),
+    ((32, 64, 112, 112), torch.bfloat16, True),
+    ((8, 1024, 14, 14), torch.float32, False),
+    ((64, 2048, 7, 7), torch.float16, True),
+]
+# Elements read or written per element of the activation.
+TRAFFIC = {"channel_stats": 1, "normalize_act": 2, "backward_reduce": 2, "backward_dx": 3}
+
+
+def _ops(T, x, dy, vec, out):
+    """The four ops on one activation (leaky_relu, rebuilt from the output in backward)."""
+    return {
+        "channel_stats": lambda: T.channel_stats(x),
+        "normalize_act": lambda: T.normalize_act(x, *vec, "leaky_relu", 0.01, out),
+        "backward_reduce": lambda: T.backward_reduce(out, dy, *vec, "leaky_relu", 0.01, True),
+        "backward_dx": lambda: T.backward_dx(out, dy, *vec, "leaky_relu", 0.01, True, *vec[:3]),
+    }
+
+
+def _time(fn, repeats: int) -> float:
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--peak-gbps", type=float, default=3350.0)
+    parser.add_argument("--repeats", type=int, default=50)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("bandwidth.py measures GPU kernels and needs a CUDA GPU; none is visible here "
+              "(torch.cuda.is_available() is False)", file=sys.stderr)
+        return 2
+    from encoding_syncbn.kernels import torch_ops
+    from encoding_syncbn.kernels import triton_ops as T
+
+    if T.INTERPRET:
+        print("TRITON_INTERPRET is set: unset it to time the compiled kernels", file=sys.stderr)
+        return 2
+    name = torch.cuda.get_device_name()
+    print(f"device: {name}; peak {args.peak_gbps:.0f} GB/s")
+    results = []
+    for shape, dtype, channels_last in SHAPES:
+        fmt = torch.channels_last if channels_last else torch.contiguous_format
+        x = torch.randn(shape, device="cuda", dtype=dtype).to(memory_format=fmt)
+        dy = torch.randn_like(x)
+        c, acc = shape[1], torch_ops.stats_dtype(dtype)
+        vec = [torch.rand(c, device="cuda", dtype=acc) + 0.5 for _ in range(4)]
+        ops = _ops(T, x, dy, vec, torch.empty_like(x))
+        layout = "channels_last" if channels_last else "nchw"
+        for op, fn in ops.items():
+            seconds = _time(fn, args.repeats)
+            gbps = TRAFFIC[op] * x.numel() * x.element_size() / seconds / 1e9
+            row = {"device": name, "shape": list(shape), "dtype": str(dtype).split(".")[1],
+                   "layout": layout, "op": op, "us": round(seconds * 1e6, 1),
+                   "gbps": round(gbps, 1), "of_peak": round(gbps / args.peak_gbps, 3)}
+            results.append(row)
+            print(f"{str(shape):>20} {row['dtype']:>8} {layout:>13} {op:>16} "
+                  f"{row['us']:9.1f} us {gbps:8.1f} GB/s {100 * row['of_peak']:5.1f}%")
+    print(json.dumps(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
