@@ -114,11 +114,65 @@ def wait_for(ready: torch.cuda.Event | None, tensors: Sequence[torch.Tensor]) ->
         t.record_stream(stream)
 
 
+def _small_gamma_mask(weight: torch.Tensor, bias: torch.Tensor, margin: float = 1.0
+                     ) -> torch.Tensor:
+    """Per channel: ``|w| <= margin * _MIN_INVERTIBLE_GAMMA * max(1, |b|)`` (no host sync)."""
+    with torch.no_grad():
+        limit = bias.abs().clamp_min_(1.0).mul_(margin * _MIN_INVERTIBLE_GAMMA)
+        return weight.abs() <= limit
+
+
 def _small_gamma(weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """The channels' indices whose output cannot be inverted: ``(k,)``, sized by the data."""
-    with torch.no_grad():
-        small = weight.abs() <= bias.abs().clamp_min_(1.0).mul_(_MIN_INVERTIBLE_GAMMA)
-        return small.nonzero().view(-1)
+    return _small_gamma_mask(weight, bias).nonzero().view(-1)
+
+
+# AsideWatch keeps aside channels up to this many times the invertibility limit: its answer
+# may be a few calls old, and gamma rarely shrinks that much in a few optimiser steps.
+_ASIDE_MARGIN = 16.0
+
+
+class AsideWatch:
+    """The channels a single-replica in-place layer keeps aside, known on the host without
+    waiting for the device.
+
+    Choosing them from the current parameters needs their values on the host: a device
+    sync per call (``nonzero``). Instead each call launches a check of the parameters and
+    copies its answer to (pinned) host memory without waiting; a call uses the newest answer
+    whose copy is done (on the CPU: its own), and only a layer's first call on a GPU waits for
+    one. The check keeps aside every channel with ``|w|`` up to ``_ASIDE_MARGIN`` times the
+    invertibility limit, so an answer a few calls old still covers a channel whose gamma
+    shrank below the limit since, unless it shrank more than that many times over.
+    """
+
+    __slots__ = ("known", "_host", "_ready")
+
+    def __init__(self) -> None:
+        self.known: tuple[int, ...] | None = None
+        self._host: torch.Tensor | None = None  # an answer on its way
+        self._ready: torch.cuda.Event | None = None
+
+    def channels(self, weight: torch.Tensor | None, bias: torch.Tensor | None,
+                 refresh: bool = True) -> tuple[int, ...]:
+        """The channels to keep aside now; ``refresh=False`` (a checkpoint's recompute):
+        the answer the original call used."""
+        if weight is None:  # affine=False: gamma is 1 everywhere
+            return ()
+        if not refresh and self.known is not None:
+            return self.known
+        if self._host is None:
+            bias = torch.zeros_like(weight) if bias is None else bias
+            small = _small_gamma_mask(weight, bias, _ASIDE_MARGIN)
+            self._host = torch.empty(small.shape, dtype=torch.bool, pin_memory=small.is_cuda)
+            self._host.copy_(small, non_blocking=True)
+            self._ready = stream_event(small)
+        if self.known is None and self._ready is not None:
+            self._ready.synchronize()  # the layer's first call on a GPU: once
+        if self._ready is None or self._ready.query():
+            # numpy reads host memory as it lies: no ATen call, no device sync.
+            self.known = tuple(int(i) for i in self._host.numpy().nonzero()[0])
+            self._host = self._ready = None
+        return self.known
 
 
 def small_gamma_channels(weight: torch.Tensor | None, bias: torch.Tensor | None
@@ -132,6 +186,7 @@ def small_gamma_channels(weight: torch.Tensor | None, bias: torch.Tensor | None
         return ()
     bias = torch.zeros_like(weight) if bias is None else bias
     return tuple(_small_gamma(weight, bias).tolist())
+
 
 
 def _aside_channels(weight: torch.Tensor, bias: torch.Tensor, config: ActConfig):

@@ -14,6 +14,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from . import _compat, distributed, inplace_check
 from .functional import (
     ActConfig,
+    AsideWatch,
     ReplicaStats,
     batch_norm_act,
     merge_replicas,
@@ -28,7 +29,8 @@ from .kernels import ops_for, torch_ops
 from .sync import ReplicaGroup, replication_session
 
 # Attributes that only make sense for the live object: dropped by pickle and deepcopy.
-_TRANSIENT = ("_open_group", "_replica_slot", "_recompute_cache", "_open_aside", "_aside")
+_TRANSIENT = ("_open_group", "_replica_slot", "_recompute_cache", "_open_aside", "_aside",
+              "_aside_watch")
 # How many recent synchronised calls a replica remembers for checkpoint recomputation.
 _RECOMPUTE_CACHE_SIZE = 64
 
@@ -145,6 +147,8 @@ class SyncBatchNorm(_BatchNorm):
         # (``_open_aside``, on the original) and handed to each (``_aside``); None: unknown.
         self._open_aside: tuple[int, ...] | None = None
         self._aside: tuple[int, ...] | None = None
+        # Without replicate(): the same, known without a device sync (see AsideWatch).
+        self._aside_watch = AsideWatch()
 
     def _replicate_for_data_parallel(self) -> SyncBatchNorm:
         """Called by ``torch.nn.parallel.replicate`` once per replica, in rank order."""
@@ -243,7 +247,11 @@ class SyncBatchNorm(_BatchNorm):
 
     def _act_config(self, x: torch.Tensor) -> ActConfig:
         inplace = self.inplace and _can_overwrite(x)
-        return ActConfig(self.activation, self.slope, inplace, self._aside, self._label())
+        aside = self._aside
+        if inplace and aside is None and not torch.compiler.is_compiling():
+            aside = self._aside_watch.channels(self.weight, self.bias,
+                                               refresh=not _inside_backward())
+        return ActConfig(self.activation, self.slope, inplace, aside, self._label())
 
     def _forward(self, x: torch.Tensor, slot: _ReplicaSlot | None) -> torch.Tensor:
         acc = torch_ops.stats_dtype(x.dtype)
@@ -375,9 +383,13 @@ class SyncBatchNorm(_BatchNorm):
         """In place (buffers are never rebound): ``r = (1 - f) r + f * stat``, the variance
         unbiased (``M2 / (count - 1)``); ATen casts the statistics to the buffers' dtype."""
         if self.momentum is None:
-            factor = 1.0 / float(self.num_batches_tracked)
-        else:
-            factor = self.momentum
+            # The cumulative average's factor 1 / batches, read on the device: float() of the
+            # counter would wait for it.
+            factor = self.num_batches_tracked.to(self.running_mean.dtype).reciprocal()
+            self.running_mean.lerp_(mean.to(self.running_mean.dtype), factor)
+            self.running_var.lerp_((m2 / (count - 1)).to(self.running_var.dtype), factor)
+            return
+        factor = self.momentum
         self.running_mean.mul_(1 - factor).add_(mean, alpha=factor)
         self.running_var.mul_(1 - factor).add_(m2, alpha=factor / (count - 1))
 

@@ -1,0 +1,112 @@
+"""A single-replica training step makes no device sync: no ``nonzero``, ``item``,
+``_local_scalar_dense`` or ``tolist`` in forward or backward (on a GPU each would stall the
+host until the device's queue drains, and forbid CUDA graph capture).
+
+Checked on the CPU with a dispatch mode that fails on those ops, for each backend and each
+activation, in place and not, with a zero gamma among the channels.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+from reference import activate
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from encoding_syncbn import SyncBatchNorm
+
+pytestmark = pytest.mark.usefixtures("each_backend")
+
+DT = torch.float64
+aten = torch.ops.aten
+
+
+class NoHostSync(TorchDispatchMode):
+    """Fails on every op that reads a device value back to the host."""
+
+    FORBIDDEN = {aten.nonzero.default, aten._local_scalar_dense.default, aten.item.default,
+                 aten.is_nonzero.default, aten.equal.default}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in self.FORBIDDEN:
+            raise AssertionError(f"{func} syncs with the device")
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture
+def no_tolist(monkeypatch):
+    """``Tensor.tolist`` reads values without dispatching an op: refuse it by hand."""
+
+    def refuse(self):
+        raise AssertionError("tolist syncs with the device")
+
+    monkeypatch.setattr(torch.Tensor, "tolist", refuse)
+
+
+MODES = [("identity", True), ("leaky_relu", True), ("elu", True),
+         ("none", False), ("leaky_relu", False), ("elu", False), ("relu", False)]
+
+
+@pytest.mark.parametrize("activation,inplace", MODES)
+def test_single_replica_training_step_has_no_host_sync(request, activation, inplace):
+    layer = SyncBatchNorm(4, activation=activation, slope=0.3, inplace=inplace, momentum=None,
+                          dtype=DT)
+    with torch.no_grad():
+        layer.weight.copy_(torch.tensor([1.5, 0.0, -0.7, 0.02]))
+        layer.bias.copy_(torch.tensor([0.1, 0.2, -0.3, 0.5]))
+    opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(0)
+    running_mean, running_var = torch.zeros(4, dtype=DT), torch.ones(4, dtype=DT)
+    calls = []
+
+    def step(check):
+        calls.append(check)
+        cumulative = 1.0 / len(calls)  # momentum=None: the cumulative average
+        x = torch.randn(6, 4, 3, 5, dtype=DT, generator=gen).requires_grad_()
+        ref_x = x.detach().clone().requires_grad_()
+        dy = torch.randn(6, 4, 3, 5, dtype=DT, generator=gen)
+        w = layer.weight.detach().clone().requires_grad_()
+        b = layer.bias.detach().clone().requires_grad_()
+        expected = activate(
+            F.batch_norm(ref_x, running_mean, running_var, w, b, True, cumulative, 1e-5),
+            activation, 0.3,
+        )
+        expected.backward(dy)
+        opt.zero_grad()
+        with check:
+            out = layer(x * 1)  # a non-leaf: the in-place layer overwrites it
+            out.backward(dy)
+        torch.testing.assert_close(out, expected.detach(), rtol=1e-9, atol=1e-10)
+        torch.testing.assert_close(x.grad, ref_x.grad, rtol=1e-9, atol=1e-10)
+        for got, want in ((layer.weight.grad, w.grad), (layer.bias.grad, b.grad)):
+            torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-10)
+        opt.step()
+
+    step(contextlib.nullcontext())  # a layer's first call may wait once (on a GPU)
+    request.getfixturevalue("no_tolist")
+    for _ in range(2):
+        step(NoHostSync())
+    torch.testing.assert_close(layer.running_var, running_var, rtol=1e-9, atol=1e-10)
+
+
+def test_a_gamma_that_becomes_zero_is_kept_aside_at_the_next_call():
+    """The in-place layer's choice of channels follows the parameters (on the CPU the check's
+    answer is there at once): a gamma zeroed between calls gets exact gradients."""
+    layer = SyncBatchNorm(3, activation="leaky_relu", slope=0.2, dtype=DT)
+    x = torch.randn(5, 3, 4, dtype=DT)
+    layer(x * 1).sum().backward()
+    with torch.no_grad():
+        layer.weight[1] = 0.0
+    layer.zero_grad()
+    leaf = x.clone().requires_grad_()
+    dy = torch.randn_like(x)
+    layer(leaf * 1).backward(dy)
+    w = layer.weight.detach().clone().requires_grad_()
+    b = layer.bias.detach().clone().requires_grad_()
+    ref_x = x.clone().requires_grad_()
+    F.leaky_relu(F.batch_norm(ref_x, None, None, w, b, True), 0.2).backward(dy)
+    torch.testing.assert_close(layer.weight.grad, w.grad, rtol=1e-9, atol=1e-10)
+    torch.testing.assert_close(leaf.grad, ref_x.grad, rtol=1e-9, atol=1e-10)
