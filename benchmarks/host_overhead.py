@@ -77,7 +77,7 @@ def measure(shape, dtype, channels_last, iters, repeats):
 
     triton_ops._run = no_launch
     triton_ops._target = lambda device: triton_ops.Target(False, H100_SMS)
-    layer = SyncBatchNorm(shape[1], activation="leaky_relu").to(dtype)
+    layer = SyncBatchNorm(shape[1], activation="leaky_relu")  # float32 parameters, as under AMP
     like = torch.empty(shape, dtype=dtype, requires_grad=True)
     fmt = torch.channels_last if channels_last else torch.contiguous_format
     dy = torch.empty(shape, dtype=dtype, memory_format=fmt)
