@@ -188,7 +188,6 @@ def small_gamma_channels(weight: torch.Tensor | None, bias: torch.Tensor | None
     return tuple(_small_gamma(weight, bias).tolist())
 
 
-
 def _aside_channels(weight: torch.Tensor, bias: torch.Tensor, config: ActConfig):
     """Indices of the channels that cannot be rebuilt from the output (none out of place).
 
