@@ -155,10 +155,12 @@ class AsideWatch:
     def channels(self, weight: torch.Tensor | None, bias: torch.Tensor | None,
                  refresh: bool = True) -> tuple[int, ...]:
         """The channels to keep aside now; ``refresh=False`` (a checkpoint's recompute):
-        the answer the original call used."""
+        the answer the original call used. While a CUDA graph is captured, the answer of the
+        warm-up calls (querying an event is not allowed there)."""
         if weight is None:  # affine=False: gamma is 1 everywhere
             return ()
-        if not refresh and self.known is not None:
+        capturing = weight.is_cuda and torch.cuda.is_current_stream_capturing()
+        if self.known is not None and (capturing or not refresh):
             return self.known
         if self._host is None:
             bias = torch.zeros_like(weight) if bias is None else bias
