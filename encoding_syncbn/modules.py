@@ -249,8 +249,9 @@ class SyncBatchNorm(_BatchNorm):
         inplace = self.inplace and _can_overwrite(x)
         aside = self._aside
         if inplace and aside is None and not torch.compiler.is_compiling():
-            aside = self._aside_watch.channels(self.weight, self.bias,
-                                               refresh=not _inside_backward())
+            # (Eval never asks autograd: its private API stays untouched there.)
+            recomputing = self.training and _inside_backward()
+            aside = self._aside_watch.channels(self.weight, self.bias, refresh=not recomputing)
         return ActConfig(self.activation, self.slope, inplace, aside, self._label())
 
     def _forward(self, x: torch.Tensor, slot: _ReplicaSlot | None) -> torch.Tensor:
