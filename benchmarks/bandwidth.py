@@ -54,8 +54,10 @@ def _time(fn, repeats: int) -> float:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--peak-gbps", type=float, default=3350.0)
-    parser.add_argument("--repeats", type=int, default=50)
+    parser.add_argument("--peak-gbps", type=float, default=3350.0,
+                        help="the device's peak memory bandwidth (default 3350, an H100 SXM)")
+    parser.add_argument("--repeats", type=int, default=50,
+                        help="timed calls per op and shape; the median is reported (default 50)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("bandwidth.py measures GPU kernels and needs a CUDA GPU; none is visible here "

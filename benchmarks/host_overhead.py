@@ -33,7 +33,6 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 import encoding_syncbn  # noqa: E402
 from encoding_syncbn import SyncBatchNorm  # noqa: E402
-from encoding_syncbn.kernels import triton_ops  # noqa: E402
 
 SHAPES = [
     ((8, 256, 128, 128), torch.float16, False),
@@ -69,7 +68,7 @@ class _CountAten(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def measure(shape, dtype, channels_last, iters, repeats):
+def measure(triton_ops, shape, dtype, channels_last, iters, repeats):
     launches = [0]
 
     def no_launch(planned, device):
@@ -109,16 +108,19 @@ def measure(shape, dtype, channels_last, iters, repeats):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--iters", type=int, default=200)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--iters", type=int, default=200, help="calls per repeat (default 200)")
+    parser.add_argument("--repeats", type=int, default=5,
+                        help="repeats; the fastest is reported (default 5)")
     args = parser.parse_args()
+    from encoding_syncbn.kernels import triton_ops  # triton: after --help
+
     torch.set_num_threads(1)
     encoding_syncbn.set_backend("triton")
     print(f"{'shape':>22} {'dtype':>8} {'layout':>13} {'fwd us':>8} {'bwd us':>8} "
           f"{'total us':>9} {'launches':>8} {'aten ops':>8}")
     key = None
     for shape, dtype, channels_last in SHAPES:
-        fwd, bwd, launches, ops = measure(shape, dtype, channels_last, args.iters,
+        fwd, bwd, launches, ops = measure(triton_ops, shape, dtype, channels_last, args.iters,
                                           args.repeats)
         layout = "channels_last" if channels_last else "nchw"
         print(f"{str(shape):>22} {str(dtype).split('.')[1]:>8} {layout:>13} {fwd:8.1f} "
