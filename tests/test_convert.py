@@ -17,9 +17,6 @@ from encoding_syncbn import SyncBatchNorm, convert_sync_batchnorm, revert_sync_b
 from encoding_syncbn.norm_act import BatchNormAct, SyncBatchNormAct
 from encoding_syncbn.testing import SimulatedDataParallel
 
-# Every path on every backend (the Triton kernels under the interpreter on CPU).
-pytestmark = pytest.mark.usefixtures("each_backend")
-
 
 def model():
     torch.manual_seed(0)
@@ -50,6 +47,7 @@ def test_convert_reuses_parameters_buffers_and_flags():
                    for t in layer.state_dict().values() if t.is_floating_point())
 
 
+@pytest.mark.usefixtures("each_backend")
 def test_converted_model_trains_like_the_original():
     reference, net = model(), convert_sync_batchnorm(model())
     x = torch.randn(6, 3, 6, 6, dtype=torch.float64)
@@ -64,6 +62,7 @@ def test_converted_model_trains_like_the_original():
         assert_close(b, a, what=name)
 
 
+@pytest.mark.usefixtures("each_backend")
 def test_convert_inside_data_parallel_wrapper():
     wrapped = nn.DataParallel(model())
     converted = convert_sync_batchnorm(wrapped)
