@@ -158,12 +158,12 @@ def test_across_processes_only_the_sync_class_merges(monkeypatch):
     its group: seen through the layer's one door to the cross-process merge."""
     gathered = []
 
-    def gather_stats(mean, m2, count, group):
+    def merge_across_processes(mean, m2, count, eps, group):
         gathered.append(group)
-        return mean[None], m2[None], torch.tensor([count])
+        return mean, m2, (m2 / count + eps).rsqrt(), count
 
     monkeypatch.setattr(distributed, "is_active", lambda group=None: True)
-    monkeypatch.setattr(distributed, "gather_stats", gather_stats)
+    monkeypatch.setattr(distributed, "merge_across_processes", merge_across_processes)
     x = torch.randn(4, C, 3, dtype=torch.float64)
     for cls in (ABN, InPlaceABN):
         make(cls)(x.clone())
