@@ -1,6 +1,6 @@
 """How much activation memory ``convert_inplace_abn`` saves on real models (CPU).
 
-    python benchmarks/bench_inplace_memory.py [--batch 8] [--size 128]
+    python benchmarks/bench_inplace_memory.py [--batch 8] [--size 128] [--no-record]
 
 For each model (built with LeakyReLU where it had ReLU, random weights), one training step
 (forward, backward) in float32, three ways: the original model, ``convert_sync_batchnorm``
@@ -19,6 +19,7 @@ import copy
 import os
 import sys
 
+import results
 import torch
 from torch import nn
 
@@ -72,21 +73,29 @@ def saved_bytes(model: nn.Module, x: torch.Tensor) -> int:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--size", type=int, default=128)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=int, default=8,
+                        help="images per training step (default: %(default)s)")
+    parser.add_argument("--size", type=int, default=128,
+                        help="height and width of each image (default: %(default)s)")
+    results.add_arguments(parser)
     args = parser.parse_args()
     torch.manual_seed(0)
     x = torch.randn(args.batch, 3, args.size, args.size)
-    print(f"input {tuple(x.shape)} float32; MiB kept for backward (saved-tensors hook)\n")
-    print("| model | original | convert_sync_batchnorm | convert_inplace_abn "
-          "| in place / original |")
-    print("|---|---|---|---|---|")
+    rows = []
     for name, model in models().items():
         sizes = [saved_bytes(convert(copy.deepcopy(model)), x) / 2**20 for convert in
                  (lambda m: m, convert_sync_batchnorm, convert_inplace_abn)]
-        print(f"| {name} | {sizes[0]:.1f} | {sizes[1]:.1f} | {sizes[2]:.1f} | "
-              f"{sizes[2] / sizes[0]:.2f} |")
+        rows.append([name, *(f"{size:.1f}" for size in sizes), f"{sizes[2] / sizes[0]:.2f}"])
+    table = results.markdown_table(
+        ["model", "original MiB", "convert_sync_batchnorm MiB", "convert_inplace_abn MiB",
+         "in place / original"], rows)
+    notes = (f"One training step, input {tuple(x.shape)} float32, random weights: the bytes "
+             "autograd keeps for backward (distinct storages packed by a saved-tensors hook, "
+             "parameters excluded).")
+    print(notes + "\n\n" + table)
+    results.record(args, "bench_inplace_memory.py", table, notes)
 
 
 if __name__ == "__main__":
