@@ -80,7 +80,11 @@ class SyncBatchNorm(_BatchNorm):
 
     In place, the tensor passed in is overwritten and returned. A tensor autograd will not let
     us overwrite (a leaf that requires grad, an output of ``torch.chunk``/``split``) is
-    processed out of place, with a warning the first time.
+    processed out of place, with a warning the first time. Do not use the input again
+    (``abn(x) + x`` silently adds the output to itself), nor modify the output in place while
+    backward needs it (``out += identity``: backward then raises, naming this layer);
+    ``encoding_syncbn.check_inplace()`` reports both at the offending operation, and
+    ``convert_inplace_abn`` chooses the layers of a model that may run in place.
     """
 
     def __init__(
