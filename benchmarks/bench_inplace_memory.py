@@ -23,10 +23,9 @@ import results
 import torch
 from torch import nn
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-from third_party import import_or_skip  # noqa: E402  (torchvision's CUDA-only ops, see there)
-
-from encoding_syncbn import convert_inplace_abn, convert_sync_batchnorm  # noqa: E402
+# The model zoos, pytest (tests/third_party.py) and the package load after the flags, so
+# that --help stays quick.
+TESTS = os.path.join(os.path.dirname(__file__), "..", "tests")
 
 
 def leaky(model: nn.Module) -> nn.Module:
@@ -39,6 +38,9 @@ def leaky(model: nn.Module) -> nn.Module:
 
 
 def models() -> dict[str, nn.Module]:
+    sys.path.insert(0, TESTS)
+    from third_party import import_or_skip  # torchvision's CUDA-only ops: see there
+
     timm = import_or_skip("timm")
     torchvision = import_or_skip("torchvision")
     smp = import_or_skip("segmentation_models_pytorch")
@@ -81,6 +83,8 @@ def main() -> None:
                         help="height and width of each image (default: %(default)s)")
     results.add_arguments(parser)
     args = parser.parse_args()
+    from encoding_syncbn import convert_inplace_abn, convert_sync_batchnorm
+
     torch.manual_seed(0)
     x = torch.randn(args.batch, 3, args.size, args.size)
     rows = []
