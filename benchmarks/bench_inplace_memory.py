@@ -19,6 +19,7 @@ import copy
 import os
 import sys
 
+import results
 import torch
 from torch import nn
 
@@ -72,21 +73,28 @@ def saved_bytes(model: nn.Module, x: torch.Tensor) -> int:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--size", type=int, default=128)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=int, default=8,
+                        help="images per step (default: %(default)s)")
+    parser.add_argument("--size", type=int, default=128,
+                        help="square image side (default: %(default)s)")
+    results.add_arguments(parser)
     args = parser.parse_args()
     torch.manual_seed(0)
     x = torch.randn(args.batch, 3, args.size, args.size)
-    print(f"input {tuple(x.shape)} float32; MiB kept for backward (saved-tensors hook)\n")
-    print("| model | original | convert_sync_batchnorm | convert_inplace_abn "
-          "| in place / original |")
-    print("|---|---|---|---|---|")
+    rows = []
     for name, model in models().items():
         sizes = [saved_bytes(convert(copy.deepcopy(model)), x) / 2**20 for convert in
                  (lambda m: m, convert_sync_batchnorm, convert_inplace_abn)]
-        print(f"| {name} | {sizes[0]:.1f} | {sizes[1]:.1f} | {sizes[2]:.1f} | "
-              f"{sizes[2] / sizes[0]:.2f} |")
+        rows.append([name, *(round(size, 1) for size in sizes), round(sizes[2] / sizes[0], 2)])
+    table = results.markdown_table(["model", "original", "convert_sync_batchnorm",
+                                    "convert_inplace_abn", "in place / original"], rows)
+    notes = (f"Input {tuple(x.shape)} float32, one training step: MiB kept for backward "
+             f"(distinct non-parameter storages, counted by a saved-tensors hook; exact, "
+             f"independent of allocator caching and of the machine's load).")
+    print(notes + "\n\n" + table)
+    results.record(args, "bench_inplace_memory.py (cpu)", table, notes)
 
 
 if __name__ == "__main__":
