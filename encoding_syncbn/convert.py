@@ -136,7 +136,8 @@ def revert_sync_batchnorm(module: nn.Module) -> nn.Module:
     """
 
     def to_original(child: nn.Module, path: str) -> nn.Module | None:
-        source = getattr(child, _SOURCE_ATTRIBUTE, None)
+        # Its own attribute: a wrapper may forward attribute reads to the module it wraps.
+        source = vars(child).get(_SOURCE_ATTRIBUTE)
         if source is None and not isinstance(child, SyncBatchNorm):
             return None
         if source is not None:

@@ -321,3 +321,23 @@ def test_batchnorm_act_with_a_drop_keeps_its_modules():
     net = nn.Sequential(nn.Conv2d(2, 3, 1), BatchNormAct(3, drop=Half(), act=nn.ReLU()))
     converted = check_conversion(net, torch.randn(4, 2, 3, 3, dtype=torch.float64))
     assert type(converted[1]) is SyncBatchNormAct and type(converted[1].act) is nn.ReLU
+
+
+def test_revert_reads_the_source_of_the_layer_itself():
+    class Forwarding(nn.Module):  # reads attributes through to the module it wraps
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def __getattr__(self, name):
+            try:
+                return super().__getattr__(name)
+            except AttributeError:
+                return getattr(self._modules["inner"], name)
+
+        def forward(self, x):
+            return self.inner(x)
+
+    net = nn.Sequential(Forwarding(convert_sync_batchnorm(nn.BatchNorm2d(3))))
+    reverted = revert_sync_batchnorm(net)
+    assert type(reverted[0]) is Forwarding and type(reverted[0].inner) is nn.BatchNorm2d
