@@ -12,6 +12,7 @@ runs in fresh interpreters, before and after timm / segmentation_models_pytorch 
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 import os
 import pickle
@@ -42,6 +43,7 @@ from encoding_syncbn.inplace_abn import (
 )
 from encoding_syncbn.testing import SimulatedDataParallel
 
+TESTS = os.path.dirname(os.path.abspath(__file__))
 C = 4
 CLASSES = (ABN, InPlaceABN, InPlaceABNSync)
 PARAMS = {"leaky_relu": 0.1, "elu": 0.7, "identity": 0.01, "relu": 0.01}
@@ -366,23 +368,13 @@ def test_a_model_pickled_by_mapillarys_package_loads_after_install(monkeypatch):
 
 # ---- install(): fresh interpreters --------------------------------------------------------
 
-# torchvision (imported by timm) is a CUDA build here: its register_fake calls for
-# torchvision:: ops fail beside the CPU torch. The models are pure Python, so those
-# registrations are let fail quietly before the first import.
+# timm and smp import torchvision, a CUDA build here: tests/third_party.py lets its op
+# registrations fail quietly (its docstring says why that is safe).
 _QUIET_TORCHVISION = """
-import torch.library
-_register_fake = torch.library.register_fake
-def _quiet(op, func=None, /, *args, **kwargs):
-    if not (isinstance(op, str) and op.startswith("torchvision::")):
-        return _register_fake(op, func, *args, **kwargs)
-    def register(fn):
-        try:
-            _register_fake(op, *args, **kwargs)(fn)
-        except RuntimeError:
-            pass
-        return fn
-    return register if func is None else register(func)
-torch.library.register_fake = _quiet
+import sys
+sys.path.insert(0, sys.argv[2])
+from third_party import import_or_skip
+import_or_skip("torchvision")
 """
 
 _USE_THEM = """
@@ -476,11 +468,15 @@ def test_install_in_fresh_interpreters(tmp_path):
     for kind, body in packages.items():
         (tmp_path / kind / "inplace_abn").mkdir(parents=True)
         (tmp_path / kind / "inplace_abn" / "__init__.py").write_text(body)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(TESTS)
     env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    for library in ("timm", "segmentation_models_pytorch"):
+        if importlib.util.find_spec(library) is None:
+            pytest.skip(f"{library} is not installed")
     runs = {
         name: subprocess.Popen(
-            [sys.executable, "-c", textwrap.dedent(script), str(tmp_path)], cwd=root, env=env,
+            [sys.executable, "-c", textwrap.dedent(script), str(tmp_path), TESTS], cwd=root,
+            env=env,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )
         for name, script in _SCRIPTS.items()
