@@ -34,7 +34,8 @@ def test_convert_reuses_parameters_buffers_and_flags():
     originals = [m for m in net.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
     params = [(m.weight, m.bias) for m in originals]
     buffers = [(m.running_mean, m.running_var) for m in originals]
-    converted = convert_sync_batchnorm(net, process_group="pg")
+    group = object()  # stands for a torch.distributed group (never used: not initialised)
+    converted = convert_sync_batchnorm(net, process_group=group)
     layers = [m for m in converted.modules() if isinstance(m, SyncBatchNorm)]
     assert len(layers) == 4
     for layer, original, (w, b), (rm, rv) in zip(layers, originals, params, buffers):
@@ -42,7 +43,7 @@ def test_convert_reuses_parameters_buffers_and_flags():
         assert layer.running_mean is rm and layer.running_var is rv
         assert (layer.eps, layer.momentum, layer.affine, layer.track_running_stats) == (
             original.eps, original.momentum, original.affine, original.track_running_stats)
-        assert not layer.training and layer.process_group == "pg"
+        assert not layer.training and layer.process_group is group
         assert all(t.dtype == torch.float64 and t.device.type == "cpu"
                    for t in layer.state_dict().values() if t.is_floating_point())
 

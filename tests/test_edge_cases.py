@@ -1,0 +1,121 @@
+"""Edge cases (issue 15): bad arguments, a stale group after a failed step, 0-D inputs under
+SimulatedDataParallel, the out-of-place warning per layer. Float64 references: nn.BatchNorm."""
+
+from __future__ import annotations
+
+import sys
+import time
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from encoding_syncbn import SyncBatchNorm, SyncError
+from encoding_syncbn import sync as sbn_sync
+from encoding_syncbn.testing import SimulatedDataParallel
+
+DT = torch.float64
+TOL = {"rtol": 1e-9, "atol": 1e-11}
+
+
+# ---- 3. arguments refused at construction, with a message that says what to do --------------
+
+
+@pytest.mark.parametrize("args,kwargs,error,words", [
+    ((4,), {"eps": 0.0}, ValueError, ["eps must be a positive number", "0.0"]),
+    ((4,), {"eps": -1e-5}, ValueError, ["eps must be a positive number"]),
+    ((4,), {"eps": float("nan")}, ValueError, ["eps must be a positive number"]),
+    # nn.BatchNorm2d's 6th positional argument is device; here it is process_group.
+    ((4, 1e-5, 0.1, True, True, "cpu"), {}, TypeError, ["process_group", "device="]),
+    ((4, 1e-5, 0.1, True, True, torch.device("cpu")), {}, TypeError, ["process_group"]),
+    ((4, 1e-5, 0.1, True, True, 0), {}, TypeError, ["process_group"]),
+    ((4,), {"activation": "none", "inplace": True}, ValueError, ["'none'", "identity"]),
+    ((4,), {"activation": "leaky_relu", "slope": 1e-39}, ValueError, ["1/slope", "float32"]),
+    ((4,), {"activation": "elu", "slope": 1e-39}, ValueError, ["1/slope", "inplace=False"]),
+    ((4,), {"activation": "leaky_relu", "slope": 1e-309, "dtype": torch.float64}, ValueError,
+     ["float64"]),
+    ((4,), {"activation": "leaky_relu", "slope": float("inf")}, ValueError, ["slope=inf"]),
+])
+def test_bad_arguments_are_refused_at_construction(args, kwargs, error, words):
+    with pytest.raises(error) as caught:
+        SyncBatchNorm(*args, **kwargs)
+    for word in words:
+        assert word in str(caught.value), (word, str(caught.value))
+
+
+def test_arguments_at_the_edge_are_accepted():
+    assert SyncBatchNorm(4, activation="none", inplace=False).inplace is False
+    # Out of place nothing is inverted: any slope (as nn.LeakyReLU).
+    assert SyncBatchNorm(4, activation="leaky_relu", slope=1e-39, inplace=False).slope == 1e-39
+    # A float64 layer inverts in float64.
+    layer = SyncBatchNorm(4, activation="leaky_relu", slope=1e-39, dtype=DT)
+    x = torch.randn(6, 4, dtype=DT) * 1
+    x.requires_grad_()
+    layer(x * 1).sum().backward()
+    assert torch.isfinite(x.grad).all()
+    assert SyncBatchNorm(4, 1e-5, 0.1, True, True, None).process_group is None
+
+
+# ---- 6. a failed step whose replicas are kept alive does not stall the next one ---------------
+
+
+class _StemThenSync(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3, 4, dtype=DT)
+        self.bn = SyncBatchNorm(4, activation="leaky_relu", dtype=DT)
+
+    def forward(self, x):
+        return self.bn(self.fc(x))
+
+
+def test_failed_step_with_replicas_kept_alive_does_not_stall_the_next(monkeypatch):
+    """Every replica fails in the stem (a shape error), before the only sync layer; the
+    exception is kept (as a notebook keeps ``sys.last_value``), and with it the replicas and
+    their group. The next step must form a group of its own, not wait for the dead ranks."""
+    monkeypatch.setenv(sbn_sync.TIMEOUT_ENV, "2")
+    model = _StemThenSync()
+    parallel = SimulatedDataParallel(model, 2)
+    parallel(torch.randn(6, 3, dtype=DT))
+    with pytest.raises(RuntimeError) as failed:
+        parallel(torch.randn(6, 5, dtype=DT))  # wrong width for fc
+    monkeypatch.setattr(sys, "last_value", failed.value, raising=False)
+    ref = nn.BatchNorm1d(4, dtype=DT)
+    ref.load_state_dict(model.bn.state_dict())
+    x = torch.randn(6, 3, dtype=DT)
+    start = time.monotonic()
+    out = parallel(x)
+    assert time.monotonic() - start < 1.0, "the step waited for the failed step's replicas"
+    with torch.no_grad():
+        expected = F.leaky_relu(ref(model.fc(x)), 0.01)
+    torch.testing.assert_close(out, expected, **TOL)
+    # Twice in a row, with the exception still alive.
+    with pytest.raises(RuntimeError):
+        parallel(torch.randn(6, 5, dtype=DT))
+    out = parallel(x)
+    assert not isinstance(out, SyncError)
+
+
+# ---- 7. smaller ones ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("replicas", [1, 3])
+def test_zero_dim_input_under_simulated_data_parallel_is_the_layers_error(replicas):
+    layer = SyncBatchNorm(4, dtype=DT)
+    with pytest.raises(ValueError, match=r"expected input of shape \(N, C, \*\).*0-D"):
+        SimulatedDataParallel(layer, replicas)(torch.tensor(1.0, dtype=DT))
+
+
+def test_out_of_place_fallback_warns_once_per_layer():
+    first, second = (SyncBatchNorm(4, activation="leaky_relu", dtype=DT) for _ in range(2))
+    messages = []
+    for layer in (first, second, first, second):
+        x = torch.randn(6, 4, dtype=DT, requires_grad=True)  # a leaf: cannot be overwritten
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            layer(x)
+        messages.append([w for w in caught if "out of place" in str(w.message)])
+    assert [len(m) for m in messages] == [1, 1, 0, 0]
+
