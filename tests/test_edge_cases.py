@@ -10,6 +10,9 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from reference import activate
 from torch import nn
 
 from encoding_syncbn import SyncBatchNorm, SyncError
@@ -119,3 +122,66 @@ def test_out_of_place_fallback_warns_once_per_layer():
         messages.append([w for w in caught if "out of place" in str(w.message)])
     assert [len(m) for m in messages] == [1, 1, 0, 0]
 
+
+# ---- 1. double backward: a gradient penalty through conv + SyncBatchNorm --------------------
+
+
+def _penalty_grads(conv, norm, x, activation, slope, replicas=None, plain=False):
+    """WGAN-GP / R1 style: the gradient of ``sum(act(bn(conv(x))) * w)`` w.r.t. x, with
+    create_graph, then backward of its squared norm; returns the conv's weight gradient, the
+    layer's parameter gradients and the penalty's value."""
+    body = nn.Sequential(conv, norm)
+    runner = SimulatedDataParallel(body, replicas) if replicas else body
+    x = x.clone().requires_grad_()
+    out = runner(x)
+    if plain:
+        out = activate(out, activation, slope)
+    weights = torch.linspace(-1, 1, out[0].numel(), dtype=out.dtype).view(out[0].shape)
+    (gx,) = torch.autograd.grad((out * weights).sum(), x, create_graph=True)
+    penalty = (gx.square().sum() - 1).square()
+    params = [conv.weight, *(p for p in (norm.weight, norm.bias) if p is not None)]
+    grads = torch.autograd.grad(penalty, params, allow_unused=True, materialize_grads=True)
+    return penalty.detach(), grads
+
+
+@pytest.mark.usefixtures("each_backend")
+@settings(max_examples=6, deadline=None, derandomize=True)
+@given(
+    activation=st.sampled_from(["none", "identity", "leaky_relu", "elu", "relu"]),
+    replicas=st.sampled_from([None, 2, 3]),
+    batch=st.integers(3, 5),
+    training=st.booleans(),
+)
+def test_gradient_penalty_matches_batchnorm(activation, replicas, batch, training):
+    slope = {"leaky_relu": 0.1, "elu": 0.7}.get(activation, 0.01)
+    gen = torch.Generator().manual_seed(batch)
+    conv = nn.Conv2d(2, 3, 2, dtype=DT)
+    layer = SyncBatchNorm(3, activation=activation, slope=slope, inplace=False, dtype=DT)
+    with torch.no_grad():
+        for p in (conv.weight, conv.bias, layer.weight, layer.bias):
+            p.copy_(torch.randn(p.shape, generator=gen, dtype=DT))
+        layer.running_mean.copy_(torch.randn(3, generator=gen, dtype=DT))
+        layer.running_var.copy_(torch.rand(3, generator=gen, dtype=DT) + 0.5)
+    ref_conv = nn.Conv2d(2, 3, 2, dtype=DT)
+    ref_conv.load_state_dict(conv.state_dict())
+    ref = nn.BatchNorm2d(3, dtype=DT)
+    ref.load_state_dict(layer.state_dict())
+    layer.train(training)
+    ref.train(training)
+    x = torch.randn(batch, 2, 3, 3, generator=gen, dtype=DT)
+    value, grads = _penalty_grads(conv, layer, x, activation, slope, replicas)
+    ref_value, ref_grads = _penalty_grads(ref_conv, ref, x, activation, slope, plain=True)
+    torch.testing.assert_close(value, ref_value, rtol=1e-9, atol=1e-9)
+    for name, got, want in zip(("conv", "gamma", "beta"), grads, ref_grads):
+        torch.testing.assert_close(got, want, rtol=1e-8, atol=1e-9,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("replicas", [None, 2])
+@pytest.mark.parametrize("training", [True, False])
+def test_double_backward_in_place_is_a_clear_error(replicas, training):
+    conv = nn.Conv2d(2, 3, 2, dtype=DT)
+    layer = SyncBatchNorm(3, activation="leaky_relu", dtype=DT).train(training)
+    with pytest.raises(RuntimeError, match="double backward.*inplace=False"):
+        _penalty_grads(conv, layer, torch.randn(4, 2, 3, 3, dtype=DT), "leaky_relu", 0.01,
+                       replicas)

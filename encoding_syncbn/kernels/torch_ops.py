@@ -149,6 +149,18 @@ def as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t if t.dtype == dtype else t.to(dtype)
 
 
+def activate(z: torch.Tensor, activation: str, slope: float) -> torch.Tensor:
+    """``act(z)`` out of place, differentiable any number of times (the double-backward path
+    of ``functional.py``)."""
+    if activation == "leaky_relu":
+        return torch.nn.functional.leaky_relu(z, slope)
+    if activation == "elu":
+        return torch.nn.functional.elu(z, slope)
+    if activation == "relu":
+        return torch.relu(z)
+    return z
+
+
 def _activate_(z: torch.Tensor, activation: str, slope: float) -> torch.Tensor:
     if activation == "leaky_relu":
         return torch.nn.functional.leaky_relu_(z, slope)
