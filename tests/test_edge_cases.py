@@ -185,3 +185,60 @@ def test_double_backward_in_place_is_a_clear_error(replicas, training):
     with pytest.raises(RuntimeError, match="double backward.*inplace=False"):
         _penalty_grads(conv, layer, torch.randn(4, 2, 3, 3, dtype=DT), "leaky_relu", 0.01,
                        replicas)
+
+
+# ---- 4. NaN and inf propagate as through nn.BatchNorm2d + the activation --------------------
+
+
+@pytest.mark.usefixtures("each_backend")
+@pytest.mark.parametrize("activation,inplace", [
+    ("none", False), ("identity", True), ("leaky_relu", False), ("leaky_relu", True),
+    ("elu", False), ("elu", True), ("relu", False),
+])
+@pytest.mark.parametrize("replicas", [None, 2])
+def test_nan_and_inf_propagate_as_batchnorm(activation, inplace, replicas):
+    """Channel 0 holds a NaN, channel 1 a +inf, channel 2 is finite."""
+    slope = {"leaky_relu": 0.1, "elu": 0.7}.get(activation, 0.01)
+    layer = SyncBatchNorm(3, activation=activation, slope=slope, inplace=inplace, dtype=DT)
+    ref = nn.BatchNorm2d(3, dtype=DT)
+    with torch.no_grad():
+        for m in (layer, ref):
+            m.weight.copy_(torch.tensor([1.5, -0.7, 0.5]))
+            m.bias.copy_(torch.tensor([0.1, -0.2, 0.3]))
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(6, 3, 2, 2, generator=gen, dtype=DT)
+    x[1, 0, 0, 1] = float("nan")
+    x[4, 1, 1, 0] = float("inf")
+    dy = torch.randn(x.shape, generator=gen, dtype=DT)
+    leaf = x.clone().requires_grad_()
+    runner = SimulatedDataParallel(layer, replicas) if replicas else layer
+    out = runner(leaf * 1)
+    out.backward(dy)
+    ref_leaf = x.clone().requires_grad_()
+    expected = activate(ref(ref_leaf), activation, slope)
+    expected.backward(dy)
+    for name, got, want in [
+        ("output", out, expected), ("input grad", leaf.grad, ref_leaf.grad),
+        ("weight grad", layer.weight.grad, ref.weight.grad),
+        ("bias grad", layer.bias.grad, ref.bias.grad),
+        ("running_mean", layer.running_mean, ref.running_mean),
+        ("running_var", layer.running_var, ref.running_var),
+    ]:
+        torch.testing.assert_close(got, want, equal_nan=True, rtol=1e-9, atol=1e-9,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("where", [(0, 0), (200, 0), (0, 1), (600, 1)])
+def test_triton_stats_of_an_infinite_element_across_split_programs(where):
+    """A channels_last input of 2 tiles, so that the partial (mean, M2, n) of two programs
+    are merged: an inf gives the mean inf (as x.mean), in either program."""
+    triton_ops = pytest.importorskip("encoding_syncbn.kernels.triton_ops")
+    x = torch.randn(160, 2, 2, 2, dtype=DT).contiguous(memory_format=torch.channels_last)
+    row, channel = where
+    x.movedim(1, -1).reshape(-1, 2)[row, channel] = float("inf")
+    launches, _ = triton_ops._plan_channel_stats(x, triton_ops._target(x.device))
+    assert launches[0].grid[1] > 1  # split programs, merged by the second kernel
+    mean, m2 = triton_ops.channel_stats(x)[:2]
+    expected = x.mean(dim=(0, 2, 3))
+    torch.testing.assert_close(mean, expected, equal_nan=True)
+    assert torch.isnan(m2[channel]) and torch.isfinite(m2[1 - channel])
