@@ -467,6 +467,7 @@ class NormAct(torch.autograd.Function):
                                           _norm_act_composite(config))
             if ctx.link is not None and ctx.needs_input_grad[0]:
                 ctx.link.saved, ctx.link.config = saved, config
+                ctx.link.ready = stream_event(saved.tensor)
                 _compat.queue_backward_callback(ctx.link.clear)
             return (*grads, None, None, None)
         sum_dz, sum_dz_xhat = _reduce(saved, grad_output, config)
@@ -559,25 +560,21 @@ class MergeReplicas(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_mean, grad_m2, grad_invstd):
         needed = ctx.needs_input_grad[_MERGE_LEADING_ARGS:]
-        if torch.is_grad_enabled() or any(
-            need and link.saved is None for link, need in zip(ctx.links, needed)
-        ):
-            grads = _merge_backward_composite(ctx, grad_mean, grad_m2, grad_invstd)
-            return (None,) * _MERGE_LEADING_ARGS + tuple(grads)
+        create_graph = torch.is_grad_enabled()
+        # Recomputed: every replica under create_graph; otherwise those whose NormAct has not
+        # run in this pass (a gradient penalty's backward reaching the merge through the
+        # statistics' history), from the inputs a create_graph pass kept.
+        recomputed = [need and (create_graph or link.saved is None)
+                      for link, need in zip(ctx.links, needed)]
+        grads = (_merge_backward_composite(ctx, grad_mean, grad_m2, grad_invstd, recomputed)
+                 if any(recomputed) else [None] * len(ctx.links))
         grad_m2 = stats.total_grad_m2(grad_m2, grad_invstd, ctx.invstd, ctx.total)
         # Per device: the replicas of one call all normalised with the same statistics.
         coefficients: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
-        grads = []
-        for link, needed in zip(ctx.links, ctx.needs_input_grad[_MERGE_LEADING_ARGS:]):
-            if not needed:
-                grads.append(None)
+        for i, link in enumerate(ctx.links):
+            if not needed[i] or recomputed[i]:
                 continue
             saved = link.saved
-            if saved is None:
-                raise RuntimeError(
-                    "SyncBatchNorm: a replica's input gradient needs its normalisation's "
-                    "backward first; differentiate through every replica's output"
-                )
             # The replica's NormAct.backward ran on its forward's stream, which need not be
             # this node's: read what it left only after it.
             wait_for(link.ready, (saved.tensor, link.grad_output))
@@ -586,36 +583,35 @@ class MergeReplicas(torch.autograd.Function):
                 coefficients[device] = _through_statistics(
                     grad_mean, grad_m2, ctx.mean, ctx.total, saved
                 )
-            grads.append(_input_grad(saved, link.grad_output, link.config, link.scale,
-                                     *coefficients[device]))
+            grads[i] = _input_grad(saved, link.grad_output, link.config, link.scale,
+                                   *coefficients[device])
             link.clear()  # free y and dy as soon as dx exists
         return (None,) * _MERGE_LEADING_ARGS + tuple(grads)
 
 
-def _merge_backward_composite(ctx, grad_mean, grad_m2, grad_invstd
+def _merge_backward_composite(ctx, grad_mean, grad_m2, grad_invstd, recomputed: list[bool]
                               ) -> list[torch.Tensor | None]:
-    """MergeReplicas' input gradients as autograd's gradient of the merge recomputed from the
-    replicas' inputs in differentiable ATen ops (``stats.chan_merge``).
+    """The input gradients of the ``recomputed`` replicas, as autograd's gradient of the merge
+    recomputed from their inputs in differentiable ATen ops (``stats.chan_merge``; the other
+    replicas' statistics are constants there: partial derivatives).
 
-    Taken under ``create_graph`` (the gradients carry their graph), and when a later backward
-    (a gradient penalty's) reaches the merge through the statistics' history without passing
-    through every replica's NormAct: the inputs come from the links (an out-of-place NormAct
-    saves x) and are kept on ctx for such later passes. A replica whose NormAct did run a
-    fused backward in this pass left its direct term ``w * invstd * dz`` in its link.
+    Under ``create_graph`` (the gradients then carry their graph) the inputs come from the
+    links (an out-of-place NormAct saves x), and are kept on ctx for a later backward that
+    reaches the merge without passing through the replicas' NormAct (a gradient penalty's).
     """
-    needed = ctx.needs_input_grad[_MERGE_LEADING_ARGS:]
+    create_graph = torch.is_grad_enabled()
     inputs = list(ctx.inputs) if ctx.inputs is not None else [None] * len(ctx.links)
     for i, link in enumerate(ctx.links):
-        if link.saved is not None:
+        if recomputed[i] and create_graph and link.saved is not None:
             if link.config.inplace:
                 raise RuntimeError(DOUBLE_BACKWARD_IN_PLACE)
+            wait_for(link.ready, (link.saved.tensor,))  # see MergeReplicas.backward
             inputs[i] = link.saved.tensor
-    if any(need and x is None for x, need in zip(inputs, needed)):
-        raise RuntimeError(
-            "SyncBatchNorm: a replica's input gradient needs its normalisation's "
-            "backward first; differentiate through every replica's output"
-        )
-    create_graph = torch.is_grad_enabled()
+        if recomputed[i] and inputs[i] is None:
+            raise RuntimeError(
+                "SyncBatchNorm: a replica's input gradient needs its normalisation's "
+                "backward first; differentiate through every replica's output"
+            )
     if create_graph:
         ctx.inputs = inputs
     means, m2s = list(ctx.means), list(ctx.m2s)
@@ -623,7 +619,7 @@ def _merge_backward_composite(ctx, grad_mean, grad_m2, grad_invstd
     sources = {}
     with torch.enable_grad():
         for i, x in enumerate(inputs):
-            if not needed[i] or x.numel() == 0:  # no gradient, or nothing to differentiate
+            if not recomputed[i] or x.numel() == 0:  # an empty batch: nothing to differentiate
                 continue
             source = x if create_graph else x.detach().requires_grad_()
             wide = on_device(source, device).to(merge_dtype)
@@ -640,16 +636,13 @@ def _merge_backward_composite(ctx, grad_mean, grad_m2, grad_invstd
                                      allow_unused=True)
                  if pairs and sources else [None] * len(sources))
     grads: list[torch.Tensor | None] = [None] * len(inputs)
-    for (i, source), grad in zip(sources.items(), found):
-        grads[i] = torch.zeros_like(source) if grad is None else grad
-    for i, (link, x) in enumerate(zip(ctx.links, inputs)):
-        if needed[i] and grads[i] is None:  # an empty batch
+    for i, x in enumerate(inputs):
+        if recomputed[i]:
             grads[i] = torch.zeros_like(x)
-        if needed[i] and link.grad_output is not None:  # a fused NormAct backward ran
-            saved, zeros = link.saved, torch.zeros_like(link.scale)
-            grads[i] = grads[i] + _input_grad(saved, link.grad_output, link.config, link.scale,
-                                              zeros, zeros)
-        link.clear()
+            ctx.links[i].clear()
+    for (i, _), grad in zip(sources.items(), found):
+        if grad is not None:
+            grads[i] = grad
     return grads
 
 

@@ -10,7 +10,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from reference import activate
 from torch import nn
@@ -126,10 +126,12 @@ def test_out_of_place_fallback_warns_once_per_layer():
 # ---- 1. double backward: a gradient penalty through conv + SyncBatchNorm --------------------
 
 
-def _penalty_grads(conv, norm, x, activation, slope, replicas=None, plain=False):
-    """WGAN-GP / R1 style: the gradient of ``sum(act(bn(conv(x))) * w)`` w.r.t. x, with
-    create_graph, then backward of its squared norm; returns the conv's weight gradient, the
-    layer's parameter gradients and the penalty's value."""
+def _penalty_grads(conv, norm, x, activation, slope, replicas=None, plain=False,
+                   squared=False):
+    """WGAN-GP / R1 style: the gradient of ``sum(f(act(bn(conv(x)))) * w)`` w.r.t. x, with
+    create_graph, then backward of its squared norm; returns the penalty's value and the
+    gradients of the conv's weight and the layer's parameters. ``f`` is the identity, or the
+    square (then the second backward also runs through the layer's own node)."""
     body = nn.Sequential(conv, norm)
     runner = SimulatedDataParallel(body, replicas) if replicas else body
     x = x.clone().requires_grad_()
@@ -137,7 +139,8 @@ def _penalty_grads(conv, norm, x, activation, slope, replicas=None, plain=False)
     if plain:
         out = activate(out, activation, slope)
     weights = torch.linspace(-1, 1, out[0].numel(), dtype=out.dtype).view(out[0].shape)
-    (gx,) = torch.autograd.grad((out * weights).sum(), x, create_graph=True)
+    (gx,) = torch.autograd.grad(((out.square() if squared else out) * weights).sum(), x,
+                                create_graph=True)
     penalty = (gx.square().sum() - 1).square()
     params = [conv.weight, *(p for p in (norm.weight, norm.bias) if p is not None)]
     grads = torch.autograd.grad(penalty, params, allow_unused=True, materialize_grads=True)
@@ -145,14 +148,17 @@ def _penalty_grads(conv, norm, x, activation, slope, replicas=None, plain=False)
 
 
 @pytest.mark.usefixtures("each_backend")
-@settings(max_examples=6, deadline=None, derandomize=True)
+@settings(max_examples=8, deadline=None, derandomize=True)
 @given(
     activation=st.sampled_from(["none", "identity", "leaky_relu", "elu", "relu"]),
     replicas=st.sampled_from([None, 2, 3]),
     batch=st.integers(3, 5),
     training=st.booleans(),
+    squared=st.booleans(),
 )
-def test_gradient_penalty_matches_batchnorm(activation, replicas, batch, training):
+# The second backward through the layer's own nodes too, and the merge's fast path with it.
+@example(activation="elu", replicas=3, batch=5, training=True, squared=True)
+def test_gradient_penalty_matches_batchnorm(activation, replicas, batch, training, squared):
     slope = {"leaky_relu": 0.1, "elu": 0.7}.get(activation, 0.01)
     gen = torch.Generator().manual_seed(batch)
     conv = nn.Conv2d(2, 3, 2, dtype=DT)
@@ -169,8 +175,9 @@ def test_gradient_penalty_matches_batchnorm(activation, replicas, batch, trainin
     layer.train(training)
     ref.train(training)
     x = torch.randn(batch, 2, 3, 3, generator=gen, dtype=DT)
-    value, grads = _penalty_grads(conv, layer, x, activation, slope, replicas)
-    ref_value, ref_grads = _penalty_grads(ref_conv, ref, x, activation, slope, plain=True)
+    value, grads = _penalty_grads(conv, layer, x, activation, slope, replicas, squared=squared)
+    ref_value, ref_grads = _penalty_grads(ref_conv, ref, x, activation, slope, plain=True,
+                                          squared=squared)
     torch.testing.assert_close(value, ref_value, rtol=1e-9, atol=1e-9)
     for name, got, want in zip(("conv", "gamma", "beta"), grads, ref_grads):
         torch.testing.assert_close(got, want, rtol=1e-8, atol=1e-9,
