@@ -76,11 +76,14 @@ class SyncBatchNorm(_BatchNorm):
         slope: the negative slope of leaky_relu, or the alpha of elu.
         inplace: write the output over the input and keep only the output for backward.
             ``None``: in place exactly when the activation is invertible (identity,
-            leaky_relu, elu); always False for ``"none"``; ``"relu"`` cannot be in place.
+            leaky_relu, elu); ``"none"`` and ``"relu"`` cannot be in place (True is an error).
+            In place, 1/slope must be finite in the compute dtype (float32 unless ``dtype``
+            is float64).
 
     In place, the tensor passed in is overwritten and returned. A tensor autograd will not let
     us overwrite (a leaf that requires grad, an output of ``torch.chunk``/``split``) is
-    processed out of place, with a warning the first time.
+    processed out of place, with a warning the first time (per layer). Out of place, the layer
+    supports double backward (gradient penalties); in place it raises.
     """
 
     def __init__(
@@ -475,8 +478,10 @@ def _end_at_next_step(session: ReplicaSession) -> None:
     def end(module: torch.nn.Module, args: Any) -> None:
         if session.closed or threading.get_ident() == session.owner:
             session.closed = True
-            handle.remove()
+            with removing:  # replica threads may get here at once: remove() checks, then deletes
+                handle.remove()
 
+    removing = threading.Lock()
     handle = torch.nn.modules.module.register_module_forward_pre_hook(end)
 
 
