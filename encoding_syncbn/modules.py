@@ -486,18 +486,26 @@ def _end_at_next_step(session: ReplicaSession) -> None:
 
 
 def _check_process_group(process_group: Any) -> None:
-    """Refuse what cannot be a ``torch.distributed`` group: nn.BatchNorm2d's 6th positional
-    argument is ``device``, and a device passed there would otherwise be taken for a group
-    (and ignored until ``torch.distributed`` is initialised). Anything else is left to
+    """Refuse a device (or a bool) passed as ``process_group``: nn.BatchNorm2d's 6th positional
+    argument is ``device``, and a device there would otherwise be taken for a group (and
+    ignored until ``torch.distributed`` is initialised). Anything else is left to
     ``torch.distributed`` (wrapped or test groups need not subclass ProcessGroup)."""
-    if isinstance(process_group, (str, torch.device, bool)) or (
+    if isinstance(process_group, (torch.device, bool)) or (
         isinstance(process_group, int) and process_group != _NON_GROUP_MEMBER
-    ):
+    ) or (isinstance(process_group, str) and _names_a_device(process_group)):
         raise TypeError(
             f"SyncBatchNorm: process_group must be a torch.distributed process group or None, "
             f"got {type(process_group).__name__} {process_group!r}; the 6th positional "
             "argument is process_group (nn.BatchNorm2d's is device): pass device= by keyword"
         )
+
+
+def _names_a_device(text: str) -> bool:
+    try:
+        torch.device(text)
+    except (RuntimeError, ValueError):
+        return False
+    return True
 
 
 # What dist.new_group hands a rank outside the group (an int in torch 2.x).

@@ -32,6 +32,7 @@ TOL = {"rtol": 1e-9, "atol": 1e-11}
     ((4,), {"eps": float("nan")}, ValueError, ["eps must be a positive number"]),
     # nn.BatchNorm2d's 6th positional argument is device; here it is process_group.
     ((4, 1e-5, 0.1, True, True, "cpu"), {}, TypeError, ["process_group", "device="]),
+    ((4, 1e-5, 0.1, True, True, "cuda:1"), {}, TypeError, ["process_group"]),
     ((4, 1e-5, 0.1, True, True, torch.device("cpu")), {}, TypeError, ["process_group"]),
     ((4, 1e-5, 0.1, True, True, 0), {}, TypeError, ["process_group"]),
     ((4,), {"activation": "none", "inplace": True}, ValueError, ["'none'", "identity"]),
