@@ -12,6 +12,8 @@ the input gradient of the in-place layer and of the out-of-place one against flo
 
 from __future__ import annotations
 
+import argparse
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -29,6 +31,7 @@ def input_grad(layer: nn.Module, x: torch.Tensor, dy: torch.Tensor, plain: bool)
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(64, 4, 8, 8, generator=gen, dtype=torch.float64) * 8
     dy = torch.randn(x.shape, generator=gen, dtype=torch.float64)
