@@ -83,6 +83,13 @@ class _MergeAcrossProcesses(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_mean, grad_m2, grad_invstd, _grad_counts):
+        if torch.is_grad_enabled():
+            # all_reduce is invisible to autograd: a graph built here would be silently wrong.
+            raise RuntimeError(
+                "SyncBatchNorm: double backward (create_graph=True) is not supported across "
+                "processes; for the layers a gradient penalty differentiates twice, use "
+                "sync=False or a process_group of this rank alone"
+            )
         grad_m2 = stats.total_grad_m2(grad_m2, grad_invstd, ctx.invstd, ctx.total)
         zeros = torch.zeros_like(ctx.invstd)
         packed = torch.cat([zeros if grad_mean is None else grad_mean,

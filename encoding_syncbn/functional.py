@@ -28,6 +28,13 @@ device, not once per replica.
 In place, only y is kept: x, z and xhat are rebuilt from it. Channels whose |w| is too small
 to divide by (zero-initialised residual BNs) keep their input aside instead, so every sign and
 value of gamma gets exact gradients.
+
+Double backward (a gradient penalty: ``torch.autograd.grad(..., create_graph=True)``, then a
+backward through that gradient): under ``create_graph`` each backward is autograd's gradient of
+the forward recomputed in differentiable ATen ops (``_differentiable_grads``,
+``_merge_backward_composite``), so that the gradients carry their own graph; the fused
+single-pass ops stay the default. In place it is refused: the input is gone, and the second
+derivative needs the statistics as a function of it.
 """
 
 from __future__ import annotations
@@ -39,11 +46,16 @@ from typing import Callable, NamedTuple
 import torch
 
 from . import _compat, stats
-from .kernels import compile_ops, ops_for, reference_ops
+from .kernels import compile_ops, ops_for, reference_ops, torch_ops
 
 # A channel is rebuilt from y only if |w| > _MIN_INVERTIBLE_GAMMA * max(1, |b|): xhat =
 # (z - b) / w amplifies z's rounding by |b| / |w|.
 _MIN_INVERTIBLE_GAMMA = 1e-3
+DOUBLE_BACKWARD_IN_PLACE = (
+    "SyncBatchNorm(inplace=True) does not support double backward (differentiating its "
+    "gradient, e.g. a gradient penalty with torch.autograd.grad(..., create_graph=True)): its "
+    "input was overwritten by its output; use inplace=False for this layer"
+)
 
 
 class ActConfig(NamedTuple):
@@ -349,6 +361,43 @@ def _input_grad(saved: _Saved, grad_output, config: ActConfig, coef_dz, coef_xha
     return dx
 
 
+def _channel_view(v: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """A (C,) vector shaped to broadcast against an ``(N, C, *)`` tensor like ``x``."""
+    return v.view(1, -1, *([1] * (x.dim() - 2)))
+
+
+def _differentiable_grads(ctx, grad_output: torch.Tensor, inputs: Sequence[torch.Tensor],
+                          composite: Callable[..., torch.Tensor]) -> list[torch.Tensor | None]:
+    """The gradients of ``inputs`` under ``create_graph=True``: autograd's, of the forward
+    recomputed by ``composite(*inputs)`` in differentiable ATen ops, so that they carry their
+    own graph (torch refuses to differentiate the fused ops' ``out=`` calls, and does not see
+    inside the Triton kernels)."""
+    if ctx.config.inplace:
+        raise RuntimeError(DOUBLE_BACKWARD_IN_PLACE)
+    wanted = [i for i, t in enumerate(inputs) if ctx.needs_input_grad[i] and t.requires_grad]
+    grads: list[torch.Tensor | None] = [None] * len(inputs)
+    if wanted:
+        # Differentiated at aliases: x is reachable through the merged statistics' history
+        # too, and that path is MergeReplicas' (the gradients still lead to the originals).
+        aliases = [t.view_as(t) if t.requires_grad else t for t in inputs]
+        found = torch.autograd.grad(composite(*aliases), [aliases[i] for i in wanted],
+                                    grad_output, create_graph=True, allow_unused=True)
+        for i, grad in zip(wanted, found):
+            grads[i] = grad
+    return grads
+
+
+def _norm_act_composite(config: ActConfig):
+    """``(x, mean, invstd, w, b) -> y`` in differentiable ATen ops, in the statistics dtype."""
+
+    def composite(x, mean, invstd, weight, bias):
+        v = functools.partial(_channel_view, x=x)
+        z = (x.to(mean.dtype) - v(mean)) * v(invstd) * v(weight) + v(bias)
+        return torch_ops.activate(z, config.activation, config.slope).to(x.dtype)
+
+    return composite
+
+
 def _param_grads(needs_weight: bool, needs_bias: bool, sum_dz, sum_dz_xhat):
     """``dw = sum(dz * xhat)``, ``db = sum(dz)``, where autograd asks for them."""
     return (sum_dz_xhat if needs_weight else None), (sum_dz if needs_bias else None)
@@ -363,13 +412,24 @@ class BatchNormAct(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, mean, invstd, weight, bias, config: ActConfig, aside_channels):
-        ctx.count = x.numel() // x.shape[1]
+    def forward(ctx, x, mean, invstd, weight, bias, config: ActConfig, aside_channels,
+                eps: float):
+        ctx.count, ctx.eps = x.numel() // x.shape[1], eps
         return _normalize(ctx, x, mean, invstd, weight, bias, config, aside_channels)
 
     @staticmethod
     def backward(ctx, grad_output):
         saved = _unpack(ctx)
+        if torch.is_grad_enabled():  # create_graph: the batch's statistics recomputed too
+            config = ctx.config
+
+            def composite(x, mean, invstd, weight, bias):
+                z = torch.nn.functional.batch_norm(x.to(weight.dtype), None, None, weight,
+                                                   bias, True, 0.0, ctx.eps)
+                return torch_ops.activate(z, config.activation, config.slope).to(x.dtype)
+
+            grads = _differentiable_grads(ctx, grad_output, saved[:5], composite)
+            return (*grads, None, None, None)
         sum_dz, sum_dz_xhat = _reduce(saved, grad_output, ctx.config)
         grad_input = None
         if ctx.needs_input_grad[0]:
@@ -380,7 +440,7 @@ class BatchNormAct(torch.autograd.Function):
                 scale, per_element * sum_dz_xhat, per_element * sum_dz,
             )
         grad_weight, grad_bias = _param_grads(*ctx.needs_input_grad[3:5], sum_dz, sum_dz_xhat)
-        return grad_input, None, None, grad_weight, grad_bias, None, None
+        return grad_input, None, None, grad_weight, grad_bias, None, None, None
 
 
 class NormAct(torch.autograd.Function):
@@ -400,6 +460,16 @@ class NormAct(torch.autograd.Function):
     def backward(ctx, grad_output):
         saved = _unpack(ctx)
         config = ctx.config
+        if torch.is_grad_enabled():
+            # create_graph: the gradient through x directly here, the one through the merged
+            # statistics (whose history leads to the merge) in MergeReplicas, from x.
+            grads = _differentiable_grads(ctx, grad_output, saved[:5],
+                                          _norm_act_composite(config))
+            if ctx.link is not None and ctx.needs_input_grad[0]:
+                ctx.link.saved, ctx.link.config = saved, config
+                ctx.link.ready = stream_event(saved.tensor)
+                _compat.queue_backward_callback(ctx.link.clear)
+            return (*grads, None, None, None)
         sum_dz, sum_dz_xhat = _reduce(saved, grad_output, config)
         scale = saved.weight * saved.invstd
         grad_input = grad_mean = grad_invstd = None
@@ -427,21 +497,34 @@ class NormAct(torch.autograd.Function):
 
 class ReplicaStats(NamedTuple):
     """What one replica brings to the merge: its input (only for autograd to route the input's
-    gradient to the merge), the input's per-channel mean and M2 and its count, and the link
-    its ``NormAct`` fills in backward."""
+    gradient to the merge), the input's per-channel mean and M2 and its count, the link its
+    ``NormAct`` fills in backward, and the mean in float64 where the statistics dtype rounds
+    it too coarsely for the merge (see ``replica_stats``; None: ``mean`` is precise enough)."""
 
     x: torch.Tensor
     mean: torch.Tensor
     m2: torch.Tensor
     count: int
     link: _Link
+    precise_mean: torch.Tensor | None = None
 
 
 def replica_stats(x: torch.Tensor) -> ReplicaStats:
-    """The calling replica's contribution to the merge."""
+    """The calling replica's contribution to the merge.
+
+    A float32 input also brings its mean in float64 (one more read of x, no temporary): the
+    merge's ``n_i (mean_i - mean)^2`` terms are differences of nearby means, so a mean rounded
+    to float32 (half an ulp: 0.03 at 1e6) costs the merged variance far more than it costs
+    one replica's (at mean 1e6, std 1 and 2-4 replicas: ~1e-3 relative, against ~1e-8).
+    Half-precision inputs have float32 statistics, finer than their own rounding.
+    """
     with torch.no_grad():
         mean, m2, count = ops_for(x).channel_stats(x)
-    return ReplicaStats(x, mean, m2, count, _Link())
+        precise_mean = None
+        if x.dtype == torch.float32 and count > 0:
+            dims = [0, *range(2, x.dim())]
+            precise_mean = x.sum(dim=dims, dtype=torch.float64).div_(count)
+    return ReplicaStats(x, mean, m2, count, _Link(), precise_mean)
 
 
 # MergeReplicas.forward's arguments before the replicas' inputs.
@@ -460,30 +543,38 @@ class MergeReplicas(torch.autograd.Function):
     @staticmethod
     def forward(ctx, counts: stats._Counts, eps: float, links: list[_Link],
                 means: list[torch.Tensor], m2s: list[torch.Tensor], *xs: torch.Tensor):
+        # In float64 (see replica_stats), returned in the replicas' statistics dtype.
         merged = stats.chan_merge(means, m2s, counts, eps)
+        dtype = torch_ops.stats_dtype(xs[0].dtype)
+        mean, m2, invstd = (t.to(dtype) for t in merged[:3])
         ctx.links, ctx.total = links, counts.total
+        # For a backward that recomputes the merge (see _merge_backward_composite).
+        ctx.counts, ctx.eps, ctx.means, ctx.m2s = counts, eps, means, m2s
+        ctx.inputs = None
         # Detached aliases: an output kept on its own ctx would close a reference cycle
         # through its grad_fn that Python's collector cannot see, keeping the whole graph.
-        ctx.mean, ctx.invstd = merged.mean.detach(), merged.invstd.detach()
+        ctx.mean, ctx.invstd = mean.detach(), invstd.detach()
         ctx.set_materialize_grads(False)
-        return merged.mean, merged.m2, merged.invstd
+        return mean, m2, invstd
 
     @staticmethod
     def backward(ctx, grad_mean, grad_m2, grad_invstd):
+        needed = ctx.needs_input_grad[_MERGE_LEADING_ARGS:]
+        create_graph = torch.is_grad_enabled()
+        # Recomputed: every replica under create_graph; otherwise those whose NormAct has not
+        # run in this pass (a gradient penalty's backward reaching the merge through the
+        # statistics' history), from the inputs a create_graph pass kept.
+        recomputed = [need and (create_graph or link.saved is None)
+                      for link, need in zip(ctx.links, needed)]
+        grads = (_merge_backward_composite(ctx, grad_mean, grad_m2, grad_invstd, recomputed)
+                 if any(recomputed) else [None] * len(ctx.links))
         grad_m2 = stats.total_grad_m2(grad_m2, grad_invstd, ctx.invstd, ctx.total)
         # Per device: the replicas of one call all normalised with the same statistics.
         coefficients: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
-        grads = []
-        for link, needed in zip(ctx.links, ctx.needs_input_grad[_MERGE_LEADING_ARGS:]):
-            if not needed:
-                grads.append(None)
+        for i, link in enumerate(ctx.links):
+            if not needed[i] or recomputed[i]:
                 continue
             saved = link.saved
-            if saved is None:
-                raise RuntimeError(
-                    "SyncBatchNorm: a replica's input gradient needs its normalisation's "
-                    "backward first; differentiate through every replica's output"
-                )
             # The replica's NormAct.backward ran on its forward's stream, which need not be
             # this node's: read what it left only after it.
             wait_for(link.ready, (saved.tensor, link.grad_output))
@@ -492,10 +583,67 @@ class MergeReplicas(torch.autograd.Function):
                 coefficients[device] = _through_statistics(
                     grad_mean, grad_m2, ctx.mean, ctx.total, saved
                 )
-            grads.append(_input_grad(saved, link.grad_output, link.config, link.scale,
-                                     *coefficients[device]))
+            grads[i] = _input_grad(saved, link.grad_output, link.config, link.scale,
+                                   *coefficients[device])
             link.clear()  # free y and dy as soon as dx exists
         return (None,) * _MERGE_LEADING_ARGS + tuple(grads)
+
+
+def _merge_backward_composite(ctx, grad_mean, grad_m2, grad_invstd, recomputed: list[bool]
+                              ) -> list[torch.Tensor | None]:
+    """The input gradients of the ``recomputed`` replicas, as autograd's gradient of the merge
+    recomputed from their inputs in differentiable ATen ops (``stats.chan_merge``; the other
+    replicas' statistics are constants there: partial derivatives).
+
+    Under ``create_graph`` (the gradients then carry their graph) the inputs come from the
+    links (an out-of-place NormAct saves x), and are kept on ctx for a later backward that
+    reaches the merge without passing through the replicas' NormAct (a gradient penalty's).
+    """
+    create_graph = torch.is_grad_enabled()
+    inputs = list(ctx.inputs) if ctx.inputs is not None else [None] * len(ctx.links)
+    for i, link in enumerate(ctx.links):
+        if recomputed[i] and create_graph and link.saved is not None:
+            if link.config.inplace:
+                raise RuntimeError(DOUBLE_BACKWARD_IN_PLACE)
+            wait_for(link.ready, (link.saved.tensor,))  # see MergeReplicas.backward
+            inputs[i] = link.saved.tensor
+        if recomputed[i] and inputs[i] is None:
+            raise RuntimeError(
+                "SyncBatchNorm: a replica's input gradient needs its normalisation's "
+                "backward first; differentiate through every replica's output"
+            )
+    if create_graph:
+        ctx.inputs = inputs
+    means, m2s = list(ctx.means), list(ctx.m2s)
+    device, merge_dtype = means[0].device, means[0].dtype
+    sources = {}
+    with torch.enable_grad():
+        for i, x in enumerate(inputs):
+            if not recomputed[i] or x.numel() == 0:  # an empty batch: nothing to differentiate
+                continue
+            source = x if create_graph else x.detach().requires_grad_()
+            wide = on_device(source, device).to(merge_dtype)
+            dims = [0, *range(2, x.dim())]
+            means[i] = wide.mean(dims)
+            m2s[i] = (wide - _channel_view(means[i], wide)).square().sum(dims)
+            sources[i] = source
+        merged = stats.chan_merge(means, m2s, ctx.counts, ctx.eps)
+        pairs = [(out.to(grad.dtype), grad)
+                 for out, grad in zip(merged[:3], (grad_mean, grad_m2, grad_invstd))
+                 if grad is not None]
+        found = (torch.autograd.grad([o for o, _ in pairs], list(sources.values()),
+                                     [g for _, g in pairs], create_graph=create_graph,
+                                     allow_unused=True)
+                 if pairs and sources else [None] * len(sources))
+    grads: list[torch.Tensor | None] = [None] * len(inputs)
+    for i, x in enumerate(inputs):
+        if recomputed[i]:
+            grads[i] = torch.zeros_like(x)
+            ctx.links[i].clear()
+    for (i, _), grad in zip(sources.items(), found):
+        if grad is not None:
+            grads[i] = grad
+    return grads
 
 
 def _through_statistics(grad_mean, grad_m2, mean, total: float, saved: _Saved):
@@ -525,13 +673,15 @@ def _through_statistics(grad_mean, grad_m2, mean, total: float, saved: _Saved):
 
 def merge_replicas(replicas: Sequence[ReplicaStats], eps: float
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The merged ``(mean, M2, invstd)`` of ``replicas``, on the first one's device."""
-    device = replicas[0].mean.device
-    counts = stats.counts_of([r.count for r in replicas], device, replicas[0].mean.dtype)
+    """The merged ``(mean, M2, invstd)`` of ``replicas``, on the first one's device, in their
+    statistics dtype; merged in float64 (per-channel vectors: cheap)."""
+    device, wide = replicas[0].mean.device, torch.float64
+    counts = stats.counts_of([r.count for r in replicas], device, wide)
     return MergeReplicas.apply(
         counts, eps, [r.link for r in replicas],
-        [on_device(r.mean, device) for r in replicas],
-        [on_device(r.m2, device) for r in replicas],
+        [on_device(r.mean if r.precise_mean is None else r.precise_mean, device).to(wide)
+         for r in replicas],
+        [on_device(r.m2, device).to(wide) for r in replicas],
         *(r.x for r in replicas),
     )
 
@@ -549,7 +699,7 @@ def batch_norm_act(
         mean, m2, count = ops_for(x).channel_stats(x)
         invstd = torch.rsqrt(m2 / count + eps)
     aside = _aside_channels(weight, bias, config)
-    out = BatchNormAct.apply(x, mean, invstd, weight, bias, config, aside)
+    out = BatchNormAct.apply(x, mean, invstd, weight, bias, config, aside, eps)
     return _written_back(x, out, config), mean, m2
 
 

@@ -26,11 +26,11 @@ from .functional import (
     wait_for,
 )
 from .kernels import ops_for, torch_ops
-from .sync import ReplicaGroup, replication_session
+from .sync import ReplicaGroup, ReplicaSession, replication_session
 
 # Attributes that only make sense for the live object: dropped by pickle and deepcopy.
 _TRANSIENT = ("_open_group", "_replica_slot", "_recompute_cache", "_open_aside", "_aside",
-              "_aside_watch")
+              "_aside_watch", "_warned_out_of_place")
 # How many recent synchronised calls a replica remembers for checkpoint recomputation.
 _RECOMPUTE_CACHE_SIZE = 64
 
@@ -76,15 +76,18 @@ class SyncBatchNorm(_BatchNorm):
         slope: the negative slope of leaky_relu, or the alpha of elu.
         inplace: write the output over the input and keep only the output for backward.
             ``None``: in place exactly when the activation is invertible (identity,
-            leaky_relu, elu); always False for ``"none"``; ``"relu"`` cannot be in place.
+            leaky_relu, elu); ``"none"`` and ``"relu"`` cannot be in place (True is an error).
+            In place, 1/slope must be finite in the compute dtype (float32 unless ``dtype``
+            is float64).
 
     In place, the tensor passed in is overwritten and returned. A tensor autograd will not let
     us overwrite (a leaf that requires grad, an output of ``torch.chunk``/``split``) is
-    processed out of place, with a warning the first time. Do not use the input again
-    (``abn(x) + x`` silently adds the output to itself), nor modify the output in place while
-    backward needs it (``out += identity``: backward then raises, naming this layer);
+    processed out of place, with a warning the first time (per layer). Do not use the input
+    again (``abn(x) + x`` silently adds the output to itself), nor modify the output in place
+    while backward needs it (``out += identity``: backward then raises, naming this layer);
     ``encoding_syncbn.check_inplace()`` reports both at the offending operation, and
-    ``convert_inplace_abn`` chooses the layers of a model that may run in place.
+    ``convert_inplace_abn`` chooses the layers of a model that may run in place. Out of place,
+    the layer supports double backward (gradient penalties); in place it raises.
     """
 
     def __init__(
@@ -106,6 +109,10 @@ class SyncBatchNorm(_BatchNorm):
     ) -> None:
         if not isinstance(num_features, int) or num_features < 1:
             raise ValueError(f"num_features must be a positive int, got {num_features!r}")
+        if not (isinstance(eps, (int, float)) and eps > 0):
+            # eps = 0 divides by zero on a constant channel (NaN outputs and gradients).
+            raise ValueError(f"SyncBatchNorm: eps must be a positive number, got {eps!r}")
+        _check_process_group(process_group)
         if activation not in torch_ops.ACTIVATIONS:
             raise ValueError(
                 f"activation must be one of {sorted(torch_ops.ACTIVATIONS)}, got {activation!r}"
@@ -118,13 +125,14 @@ class SyncBatchNorm(_BatchNorm):
                 f"activation {activation!r} is not invertible, so it cannot run in place; "
                 "use leaky_relu, elu or identity, or inplace=False"
             )
-        elif activation == "none":
-            inplace = False
-        slope = float(slope)
-        if inplace and activation in ("leaky_relu", "elu") and not slope > 0:
+        elif inplace and activation == "none":
             raise ValueError(
-                f"in-place {activation} needs slope > 0 to be invertible, got slope={slope}"
+                "activation 'none' does not run in place (a plain BatchNorm keeps its input); "
+                "use activation='identity' for an in-place BatchNorm, or inplace=False"
             )
+        slope = float(slope)
+        if inplace and activation in ("leaky_relu", "elu"):
+            _check_invertible_slope(activation, slope, dtype)
         super().__init__(
             num_features, eps, momentum, affine, track_running_stats, device, dtype, bias=bias
         )
@@ -153,12 +161,15 @@ class SyncBatchNorm(_BatchNorm):
         self._aside: tuple[int, ...] | None = None
         # Without replicate(): the same, known without a device sync (see AsideWatch).
         self._aside_watch = AsideWatch()
+        # Whether this layer has warned that it ran out of place: once per layer, shared with
+        # its replicas (which copy __dict__ shallowly), so that each layer's fallback is told.
+        self._warned_out_of_place: list[bool] = [False]
 
     def _replicate_for_data_parallel(self) -> SyncBatchNorm:
         """Called by ``torch.nn.parallel.replicate`` once per replica, in rank order."""
         group = self._open_group() if self._open_group is not None else None
         if group is None or not group.accepts_members():
-            group = ReplicaGroup(replication_session(), self._label())
+            group = ReplicaGroup(replication_session(_end_at_next_step), self._label())
             self._open_group = weakref.ref(group)
             # The replicas' parameters are copies of these, made just now: reading them back
             # here, once, spares every replica a device-to-host copy in each of its calls.
@@ -250,7 +261,7 @@ class SyncBatchNorm(_BatchNorm):
         return weight, bias
 
     def _act_config(self, x: torch.Tensor) -> ActConfig:
-        inplace = self.inplace and _can_overwrite(x)
+        inplace = self.inplace and _can_overwrite(x, self._warned_out_of_place)
         aside = self._aside
         if inplace and aside is None and not torch.compiler.is_compiling():
             # (Eval never asks autograd: its private API stays untouched there.)
@@ -461,6 +472,69 @@ def _tensors_of(payload: Any) -> list[torch.Tensor]:
     return [t for t in payload if isinstance(t, torch.Tensor)]
 
 
+def _end_at_next_step(session: ReplicaSession) -> None:
+    """Close ``session`` at the next module call of the thread that replicated (the next
+    step's ``DataParallel.forward``), so that a group belongs to one ``replicate()`` call even
+    when no replica reached a sync layer and something (a notebook's ``sys.last_value``) keeps
+    that step's replicas alive. Until then a global forward pre-hook looks at each module call;
+    it removes itself once the session is closed (usually by the first sync layer's forward)."""
+
+    def end(module: torch.nn.Module, args: Any) -> None:
+        if session.closed or threading.get_ident() == session.owner:
+            session.closed = True
+            with removing:  # replica threads may get here at once: remove() checks, then deletes
+                handle.remove()
+
+    removing = threading.Lock()
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(end)
+
+
+def _check_process_group(process_group: Any) -> None:
+    """Refuse a device (or a bool) passed as ``process_group``: nn.BatchNorm2d's 6th positional
+    argument is ``device``, and a device there would otherwise be taken for a group (and
+    ignored until ``torch.distributed`` is initialised). Anything else is left to
+    ``torch.distributed`` (wrapped or test groups need not subclass ProcessGroup)."""
+    if isinstance(process_group, (torch.device, bool)) or (
+        isinstance(process_group, int) and process_group != _NON_GROUP_MEMBER
+    ) or (isinstance(process_group, str) and _names_a_device(process_group)):
+        raise TypeError(
+            f"SyncBatchNorm: process_group must be a torch.distributed process group or None, "
+            f"got {type(process_group).__name__} {process_group!r}; the 6th positional "
+            "argument is process_group (nn.BatchNorm2d's is device): pass device= by keyword"
+        )
+
+
+def _names_a_device(text: str) -> bool:
+    try:
+        torch.device(text)
+    except (RuntimeError, ValueError):
+        return False
+    return True
+
+
+# What dist.new_group hands a rank outside the group (an int in torch 2.x).
+_NON_GROUP_MEMBER = (
+    torch.distributed.GroupMember.NON_GROUP_MEMBER if torch.distributed.is_available() else None
+)
+
+
+def _check_invertible_slope(activation: str, slope: float, dtype: torch.dtype | None) -> None:
+    """In place, backward divides by the slope (leaky_relu: z = y / slope; elu: y / alpha):
+    refuse a slope that is not positive, or whose inverse overflows the statistics dtype the
+    layer computes in (float32 unless the layer is built in float64)."""
+    acc = torch_ops.stats_dtype(dtype or torch.get_default_dtype())
+    if not slope > 0:
+        raise ValueError(
+            f"in-place {activation} needs slope > 0 to be invertible, got slope={slope}"
+        )
+    if not 1.0 / slope <= torch.finfo(acc).max or not slope <= torch.finfo(acc).max:
+        raise ValueError(
+            f"in-place {activation}: slope={slope} cannot be inverted in {acc} (1/slope "
+            f"overflows); use a slope in [{1 / torch.finfo(acc).max:.3g}, "
+            f"{torch.finfo(acc).max:.3g}] or inplace=False"
+        )
+
+
 def _may_be_recomputed() -> bool:
     """Whether this forward may run again inside backward: under ``torch.utils.checkpoint``,
     whose non-reentrant mode packs saved tensors with hooks and whose reentrant mode runs the
@@ -476,11 +550,9 @@ def _inside_backward() -> bool:
     return not torch.compiler.is_compiling() and _compat.inside_backward()
 
 
-_warned_out_of_place = threading.Event()
-
-
-def _can_overwrite(x: torch.Tensor) -> bool:
-    """Whether ``x`` may be overwritten by a custom Function; warn once if not.
+def _can_overwrite(x: torch.Tensor, warned: list[bool]) -> bool:
+    """Whether ``x`` may be overwritten by a custom Function; if not, warn unless ``warned[0]``
+    (the layer's flag: once per layer).
 
     Checked before anything is computed or updated: a refusal by autograd inside the Function
     would come after the input, and the running statistics, had been written.
@@ -504,11 +576,11 @@ def _can_overwrite(x: torch.Tensor) -> bool:
         reason = f"a view autograd marks {kind} (torch.chunk, split, ...)"
     if reason is None:
         return True
-    if not _warned_out_of_place.is_set():
-        _warned_out_of_place.set()
+    if not warned[0]:
+        warned[0] = True
         warnings.warn(
             f"SyncBatchNorm(inplace=True) got {reason}, which cannot be overwritten; "
-            "computing out of place (this warning is shown once)",
+            "computing out of place (this warning is shown once per layer)",
             stacklevel=4,
         )
     return False

@@ -85,6 +85,9 @@ class ReplicaSession:
 
     def __init__(self) -> None:
         self.closed = False
+        # The thread that replicates: its next module call after replicate() (the next step's
+        # DataParallel.forward) ends the session, whatever keeps its replicas alive.
+        self.owner = threading.get_ident()
         self._lock = threading.Lock()
         self._threads: dict[int, threading.Thread] = {}
         self._waiting: dict[int, _Waiting] = {}
@@ -111,12 +114,16 @@ class ReplicaSession:
 _replicating = threading.local()
 
 
-def replication_session() -> ReplicaSession:
-    """The session the calling thread is replicating into: open until a replica runs."""
+def replication_session(on_new: Callable[[ReplicaSession], None] | None = None
+                        ) -> ReplicaSession:
+    """The session the calling thread is replicating into: open until a replica runs (or the
+    caller's ``on_new(session)``, called once for a new session, arranges to close it)."""
     session = getattr(_replicating, "session", None)
     if session is None or session.closed:
         session = ReplicaSession()
         _replicating.session = session
+        if on_new is not None:
+            on_new(session)
     return session
 
 

@@ -107,6 +107,10 @@ class SimulatedDataParallel(nn.Module):
         first = _first_tensor((inputs, kwargs))
         if first is None:
             raise ValueError("SimulatedDataParallel needs at least one tensor argument")
+        if first.dim() == 0:
+            # A 0-D tensor has no batch dim to split: let the module say what it expected,
+            # rather than torch.chunk's error.
+            return self.module(*inputs, **kwargs)
         chunks = len(torch.chunk(first, self.num_replicas, dim=0))
         if chunks <= 1:
             return self.module(*inputs, **kwargs)

@@ -18,6 +18,13 @@ from encoding_syncbn.norm_act import BatchNormAct, SyncBatchNormAct
 from encoding_syncbn.testing import SimulatedDataParallel
 
 
+class _Group:
+    """Stands for a torch.distributed process group (never used: not initialised)."""
+
+
+GROUP = _Group()
+
+
 def model():
     torch.manual_seed(0)
     net = nn.Sequential(
@@ -34,7 +41,7 @@ def test_convert_reuses_parameters_buffers_and_flags():
     originals = [m for m in net.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
     params = [(m.weight, m.bias) for m in originals]
     buffers = [(m.running_mean, m.running_var) for m in originals]
-    converted = convert_sync_batchnorm(net, process_group="pg")
+    converted = convert_sync_batchnorm(net, process_group=GROUP)
     layers = [m for m in converted.modules() if isinstance(m, SyncBatchNorm)]
     assert len(layers) == 4
     for layer, original, (w, b), (rm, rv) in zip(layers, originals, params, buffers):
@@ -42,7 +49,7 @@ def test_convert_reuses_parameters_buffers_and_flags():
         assert layer.running_mean is rm and layer.running_var is rv
         assert (layer.eps, layer.momentum, layer.affine, layer.track_running_stats) == (
             original.eps, original.momentum, original.affine, original.track_running_stats)
-        assert not layer.training and layer.process_group == "pg"
+        assert not layer.training and layer.process_group is GROUP
         assert all(t.dtype == torch.float64 and t.device.type == "cpu"
                    for t in layer.state_dict().values() if t.is_floating_point())
 
@@ -176,8 +183,8 @@ def test_registered_class_converts_and_reverts(scaled_registered, by_name):
     net = nn.Sequential(nn.Conv2d(2, 3, 1), Scaled(3), nn.Sequential(ScaledAgain(3))).double()
     x = torch.randn(4, 2, 3, 3, dtype=torch.float64)
     expected = net(x)
-    converted = convert_sync_batchnorm(copy.deepcopy(net), process_group="pg")
-    assert [type(m) for m in converted.modules()].count(SyncScaled) == 2 and calls == ["pg"] * 2
+    converted = convert_sync_batchnorm(copy.deepcopy(net), process_group=GROUP)
+    assert [type(m) for m in converted.modules()].count(SyncScaled) == 2 and calls == [GROUP] * 2
     assert_close(converted(x), expected)
     assert converted[1]._converted_from == f"{__name__}.Scaled"
     reverted = revert_sync_batchnorm(pickle.loads(pickle.dumps(converted)))
@@ -230,8 +237,8 @@ def test_revert_of_an_unregistered_source_is_an_error():
 
 
 def test_classmethod_is_the_converter():
-    net = SyncBatchNorm.convert_sync_batchnorm(nn.Sequential(nn.BatchNorm2d(3)), "pg")
-    assert type(net[0]) is SyncBatchNorm and net[0].process_group == "pg"
+    net = SyncBatchNorm.convert_sync_batchnorm(nn.Sequential(nn.BatchNorm2d(3)), GROUP)
+    assert type(net[0]) is SyncBatchNorm and net[0].process_group is GROUP
 
 
 # ---- shared modules (issue 15 item 2) ---------------------------------------------------------

@@ -401,8 +401,23 @@ def scenario_inplace_abn(ctx):
         _check(layer.running_var, running[1], what + " running_var")
 
 
+def scenario_double_backward(ctx):
+    """A gradient penalty through a layer synchronised across processes: a clear error on
+    every rank (before any collective of that backward), never a silently wrong graph."""
+    layer = SyncBatchNorm(C, activation="leaky_relu", inplace=False, dtype=torch.float64)
+    x = torch.randn(4, C, 3, dtype=torch.float64, requires_grad=True)
+    out = layer(x * 1)
+    try:
+        torch.autograd.grad(out.square().sum(), x, create_graph=True)
+    except RuntimeError as error:
+        assert "double backward" in str(error) and "across processes" in str(error), error
+    else:
+        raise AssertionError("double backward across processes did not raise")
+
+
 SCENARIOS = {
-    2: ["uneven", "empty_rank", "replicas", "collective_count", "solo_group", "ddp"],
+    2: ["uneven", "empty_rank", "replicas", "collective_count", "solo_group", "ddp",
+        "double_backward"],
     3: ["uneven", "empty_rank", "replicas", "collective_count", "subgroup", "ddp_subgroup",
         "inplace_abn"],
 }

@@ -376,7 +376,6 @@ def test_state_dict_is_that_of_batchnorm():
 
 def test_default_inplace_follows_invertibility():
     assert SyncBatchNorm(3).inplace is False
-    assert SyncBatchNorm(3, activation="none", inplace=True).inplace is False
     assert SyncBatchNorm(3, activation="relu").inplace is False
     for activation in ("identity", "leaky_relu", "elu"):
         layer = SyncBatchNorm(3, activation=activation)

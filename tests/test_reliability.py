@@ -24,7 +24,6 @@ from torch.optim.swa_utils import AveragedModel, update_bn
 from torch.utils.checkpoint import checkpoint
 
 from encoding_syncbn import SyncBatchNorm, SyncError
-from encoding_syncbn import modules as sbn_modules
 from encoding_syncbn import sync as sbn_sync
 from encoding_syncbn.stats import merge_stats
 from encoding_syncbn.testing import SimulatedDataParallel, replicate
@@ -872,8 +871,7 @@ def _inplace_layer_and_reference(reference_class: type[nn.Module]):
 
 
 @pytest.mark.parametrize("replicas", [None, 4])
-def test_inplace_on_leaf_requiring_grad_warns_once_and_is_correct(monkeypatch, replicas):
-    monkeypatch.setattr(sbn_modules, "_warned_out_of_place", threading.Event())
+def test_inplace_on_leaf_requiring_grad_warns_once_and_is_correct(replicas):
     layer, ref = _inplace_layer_and_reference(nn.BatchNorm1d)
     runner = SimulatedDataParallel(layer, replicas) if replicas else layer
     dy = torch.randn(8, 4, 3, dtype=DT)
@@ -909,10 +907,9 @@ def _inference_tensor(x: torch.Tensor) -> torch.Tensor:
     lambda base: base[:1].expand(9, -1, -1, -1),
     _inference_tensor,
 ], ids=["slice of a leaf", "transpose of a leaf", "expanded", "inference tensor"])
-def test_inplace_on_an_input_that_cannot_be_overwritten_is_out_of_place(monkeypatch, make_input):
+def test_inplace_on_an_input_that_cannot_be_overwritten_is_out_of_place(make_input):
     """Refused before anything is written: the input and its base stay as they were, and the
     result and gradients are those of nn.BatchNorm2d + leaky_relu."""
-    monkeypatch.setattr(sbn_modules, "_warned_out_of_place", threading.Event())
     layer, ref = _inplace_layer_and_reference(nn.BatchNorm2d)
     base = torch.randn(9, 4, 3, 3, dtype=DT)
     x = make_input(base)

@@ -119,7 +119,8 @@ def channel_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Per-channel ``(mean, M2, count)`` with ``M2 = sum((x - mean)^2)``.
 
     One slab: the mean, and ATen's Welford variance (accumulating in double on the CPU).
-    Larger: two passes in the statistics dtype (the sum, then the centred squares). Never
+    Larger: two passes in the statistics dtype (the sum, then the centred squares, corrected
+    by the centred sum: ``sum(c^2) - sum(c)^2 / n``, exact for a rounded mean). Never
     ``E[x^2] - E[x]^2``. An empty batch gives zeros, so that it drops out of any Chan merge.
     """
     channels = x.shape[1]
@@ -135,18 +136,32 @@ def channel_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
         return wide.mean(dim=dims), wide.var(dim=dims, correction=0).mul_(count), count
     rows = _as_rows(_in_rows_layout(x))
     mean = rows.sum(dim=(0, 2), dtype=acc).div_(count)
-    m2 = torch.zeros_like(mean)
+    m2, centred_sum = torch.zeros_like(mean), torch.zeros_like(mean)
     slabs = _pieces(rows)
     scratch = torch.empty_like(slabs[0][0], dtype=acc)
     for (slab,) in slabs:
         centred = torch.sub(slab, mean, out=scratch[: slab.shape[0]])
+        centred_sum += centred.sum(dim=(0, 1))
         m2 += centred.mul_(centred).sum(dim=(0, 1))
-    return mean, m2, count
+    # The mean's error (an fp32 sum's, or its rounding) would add n * error^2 to M2.
+    return mean, m2.addcmul_(centred_sum, centred_sum, value=-1.0 / count), count
 
 
 def as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``t`` in ``dtype``; no call into torch (which would release the GIL) if it is already."""
     return t if t.dtype == dtype else t.to(dtype)
+
+
+def activate(z: torch.Tensor, activation: str, slope: float) -> torch.Tensor:
+    """``act(z)`` out of place, differentiable any number of times (the double-backward path
+    of ``functional.py``)."""
+    if activation == "leaky_relu":
+        return torch.nn.functional.leaky_relu(z, slope)
+    if activation == "elu":
+        return torch.nn.functional.elu(z, slope)
+    if activation == "relu":
+        return torch.relu(z)
+    return z
 
 
 def _activate_(z: torch.Tensor, activation: str, slope: float) -> torch.Tensor:

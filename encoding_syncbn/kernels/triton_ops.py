@@ -185,7 +185,8 @@ def _activate(z, slope, ACTIVATION: tl.constexpr):
     if ACTIVATION == "leaky_relu":
         y = tl.where(z > 0.0, z, z * slope)
     elif ACTIVATION == "elu":
-        y = tl.where(z > 0.0, z, slope * _expm1_nonpos(tl.minimum(z, 0.0)))
+        # NaN passes through, as in torch's elu.
+        y = tl.where(z <= 0.0, slope * _expm1_nonpos(tl.minimum(z, 0.0)), z)
     else:
         # relu. NaN passes through, as in torch.relu.
         y = tl.where((z > 0.0) | (z != z), z, 0.0)
@@ -221,12 +222,15 @@ def _xhat_dz(s, dy, mean, invstd, weight, bias, slope, ACTIVATION: tl.constexpr,
     else:
         xhat = (s - mean) * invstd
         z = xhat * weight + bias
+        # Branch tests as ATen's CPU kernels, so that a NaN z takes the same branch (relu's
+        # threshold_backward passes dy unless z <= 0).
         if ACTIVATION == "leaky_relu":
             dz = tl.where(z > 0.0, dy, dy * slope)
         elif ACTIVATION == "elu":
-            dz = tl.where(z > 0.0, dy, dy * (slope * tl.exp(tl.minimum(z, 0.0))))
+            # Not tl.minimum(z, 0): it turns a NaN into 0 (ATen's exp(NaN) gives NaN).
+            dz = tl.where(z > 0.0, dy, dy * (slope * tl.exp(tl.where(z > 0.0, 0.0, z))))
         else:
-            dz = tl.where(z > 0.0, dy, 0.0)
+            dz = tl.where(z <= 0.0, 0.0, dy)
     return xhat, dz
 
 
@@ -277,6 +281,8 @@ def _merge_lanes(mean, m2, n, AXIS: tl.constexpr):
     inv = tl.where(total > 0.0, 1.0 / tl.maximum(total, 1.0), 0.0)
     m0 = tl.sum(n * mean, AXIS, keep_dims=True) * inv
     m1 = m0 + tl.sum(n * (mean - m0), AXIS, keep_dims=True) * inv
+    # An infinite m0 makes the correction inf - inf: keep m0 (the sum's mean, as BatchNorm's).
+    m1 = tl.where(m1 == m1, m1, m0)
     d = mean - m1
     # Summing the kept size-1 axes away only drops them.
     return tl.sum(m1, AXIS), tl.sum(m2 + n * d * d, AXIS), tl.sum(total, AXIS)
@@ -548,19 +554,24 @@ def _channel_stats_kernel(x_ptr, mean_ptr, m2_ptr, count_ptr, N, C, S, R, CS, ti
     Every lane runs Welford's update over the elements it visits,
         n += 1,  d = x - mean,  mean += d / n,  M2 += d * (x - mean),
     then the lanes of a channel are merged with Chan's formula (:func:`_merge_lanes`).
+    An infinite element turns a lane's Welford mean into inf - inf = NaN: such a lane takes
+    the mean of its plain sum instead (inf, or NaN for both signs, as BatchNorm's mean).
     """
     c0 = _channel_block(CHANNELS_LAST, BLOCK_B)
     mean = tl.zeros([BLOCK_A, BLOCK_B], ACC)
     m2 = tl.zeros([BLOCK_A, BLOCK_B], ACC)
     cnt = tl.zeros([BLOCK_A, BLOCK_B], ACC)
+    total = tl.zeros([BLOCK_A, BLOCK_B], ACC)
     start, stop = _tile_range(tiles, tiles_per_prog)
     for t in range(start, stop):
         base, local, mask = _tile(t, c0, N, C, S, R, CS, tiles_s, CHANNELS_LAST, BLOCK_A, BLOCK_B)
         x = tl.load(x_ptr + base + local, mask=mask, other=0.0).to(ACC)
         cnt += mask.to(ACC)
+        total += x
         d = tl.where(mask, x - mean, 0.0)
         mean += d / tl.maximum(cnt, 1.0)
         m2 += d * (x - mean)
+    mean = tl.where(mean == mean, mean, total / tl.maximum(cnt, 1.0))
     row = tl.program_id(1)
     if CHANNELS_LAST:
         mean_c, m2_c, cnt_c = _merge_lanes(mean, m2, cnt, 0)
@@ -578,22 +589,28 @@ def _channel_stats_kernel(x_ptr, mean_ptr, m2_ptr, count_ptr, N, C, S, R, CS, ti
 @triton.jit
 def _welford_merge_kernel(pmean_ptr, pm2_ptr, pcount_ptr, mean_ptr, m2_ptr, C, splits,
                           BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
-    """Merge the [splits, C] partial (mean, M2, n) into (mean, M2) per channel (Chan)."""
+    """Merge the [splits, C] partial (mean, M2, n) into (mean, M2) per channel (Chan).
+
+    Infinite partial means: as in the stats kernel, a lane whose merged mean is NaN takes the
+    mean of the plain sums ``sum(n_p * mean_p) / n``.
+    """
     c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)[None, :]
     p = tl.arange(0, BLOCK_P)[:, None]
     acc_ty = pmean_ptr.dtype.element_ty
     mean = tl.zeros([BLOCK_P, BLOCK_C], acc_ty)
     m2 = tl.zeros([BLOCK_P, BLOCK_C], acc_ty)
     cnt = tl.zeros([BLOCK_P, BLOCK_C], acc_ty)
+    total = tl.zeros([BLOCK_P, BLOCK_C], acc_ty)
     for p0 in range(0, splits, BLOCK_P):
         mask = (p0 + p < splits) & (c < C)
         offs = (p0 + p) * C + c
+        part_mean = tl.load(pmean_ptr + offs, mask=mask, other=0.0)
+        part_cnt = tl.load(pcount_ptr + offs, mask=mask, other=0.0)
+        total += tl.where(part_cnt > 0.0, part_mean * part_cnt, 0.0)
         mean, m2, cnt = _welford_combine(
-            mean, m2, cnt,
-            tl.load(pmean_ptr + offs, mask=mask, other=0.0),
-            tl.load(pm2_ptr + offs, mask=mask, other=0.0),
-            tl.load(pcount_ptr + offs, mask=mask, other=0.0),
+            mean, m2, cnt, part_mean, tl.load(pm2_ptr + offs, mask=mask, other=0.0), part_cnt,
         )
+    mean = tl.where(mean == mean, mean, total / tl.maximum(cnt, 1.0))
     mean_c, m2_c, _ = _merge_lanes(mean, m2, cnt, 0)
     c1 = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     tl.store(mean_ptr + c1, mean_c, mask=c1 < C)

@@ -1,0 +1,275 @@
+"""Edge cases (issue 15): bad arguments, a stale group after a failed step, 0-D inputs under
+SimulatedDataParallel, the out-of-place warning per layer. Float64 references: nn.BatchNorm."""
+
+from __future__ import annotations
+
+import sys
+import time
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+from reference import activate
+from torch import nn
+
+from encoding_syncbn import SyncBatchNorm, SyncError
+from encoding_syncbn import sync as sbn_sync
+from encoding_syncbn.testing import SimulatedDataParallel
+
+DT = torch.float64
+TOL = {"rtol": 1e-9, "atol": 1e-11}
+
+
+# ---- 3. arguments refused at construction, with a message that says what to do --------------
+
+
+@pytest.mark.parametrize("args,kwargs,error,words", [
+    ((4,), {"eps": 0.0}, ValueError, ["eps must be a positive number", "0.0"]),
+    ((4,), {"eps": -1e-5}, ValueError, ["eps must be a positive number"]),
+    ((4,), {"eps": float("nan")}, ValueError, ["eps must be a positive number"]),
+    # nn.BatchNorm2d's 6th positional argument is device; here it is process_group.
+    ((4, 1e-5, 0.1, True, True, "cpu"), {}, TypeError, ["process_group", "device="]),
+    ((4, 1e-5, 0.1, True, True, "cuda:1"), {}, TypeError, ["process_group"]),
+    ((4, 1e-5, 0.1, True, True, torch.device("cpu")), {}, TypeError, ["process_group"]),
+    ((4, 1e-5, 0.1, True, True, 0), {}, TypeError, ["process_group"]),
+    ((4,), {"activation": "none", "inplace": True}, ValueError, ["'none'", "identity"]),
+    ((4,), {"activation": "leaky_relu", "slope": 1e-39}, ValueError, ["1/slope", "float32"]),
+    ((4,), {"activation": "elu", "slope": 1e-39}, ValueError, ["1/slope", "inplace=False"]),
+    ((4,), {"activation": "leaky_relu", "slope": 1e-309, "dtype": torch.float64}, ValueError,
+     ["float64"]),
+    ((4,), {"activation": "leaky_relu", "slope": float("inf")}, ValueError, ["slope=inf"]),
+])
+def test_bad_arguments_are_refused_at_construction(args, kwargs, error, words):
+    with pytest.raises(error) as caught:
+        SyncBatchNorm(*args, **kwargs)
+    for word in words:
+        assert word in str(caught.value), (word, str(caught.value))
+
+
+def test_arguments_at_the_edge_are_accepted():
+    assert SyncBatchNorm(4, activation="none", inplace=False).inplace is False
+    # Out of place nothing is inverted: any slope (as nn.LeakyReLU).
+    assert SyncBatchNorm(4, activation="leaky_relu", slope=1e-39, inplace=False).slope == 1e-39
+    # A float64 layer inverts in float64.
+    layer = SyncBatchNorm(4, activation="leaky_relu", slope=1e-39, dtype=DT)
+    x = torch.randn(6, 4, dtype=DT) * 1
+    x.requires_grad_()
+    layer(x * 1).sum().backward()
+    assert torch.isfinite(x.grad).all()
+    assert SyncBatchNorm(4, 1e-5, 0.1, True, True, None).process_group is None
+
+
+# ---- 6. a failed step whose replicas are kept alive does not stall the next one ---------------
+
+
+class _StemThenSync(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3, 4, dtype=DT)
+        self.bn = SyncBatchNorm(4, activation="leaky_relu", dtype=DT)
+
+    def forward(self, x):
+        return self.bn(self.fc(x))
+
+
+def test_failed_step_with_replicas_kept_alive_does_not_stall_the_next(monkeypatch):
+    """Every replica fails in the stem (a shape error), before the only sync layer; the
+    exception is kept (as a notebook keeps ``sys.last_value``), and with it the replicas and
+    their group. The next step must form a group of its own, not wait for the dead ranks."""
+    monkeypatch.setenv(sbn_sync.TIMEOUT_ENV, "2")
+    model = _StemThenSync()
+    parallel = SimulatedDataParallel(model, 2)
+    parallel(torch.randn(6, 3, dtype=DT))
+    with pytest.raises(RuntimeError) as failed:
+        parallel(torch.randn(6, 5, dtype=DT))  # wrong width for fc
+    monkeypatch.setattr(sys, "last_value", failed.value, raising=False)
+    ref = nn.BatchNorm1d(4, dtype=DT)
+    ref.load_state_dict(model.bn.state_dict())
+    x = torch.randn(6, 3, dtype=DT)
+    start = time.monotonic()
+    out = parallel(x)
+    assert time.monotonic() - start < 1.0, "the step waited for the failed step's replicas"
+    with torch.no_grad():
+        expected = F.leaky_relu(ref(model.fc(x)), 0.01)
+    torch.testing.assert_close(out, expected, **TOL)
+    # Twice in a row, with the exception still alive.
+    with pytest.raises(RuntimeError):
+        parallel(torch.randn(6, 5, dtype=DT))
+    out = parallel(x)
+    assert not isinstance(out, SyncError)
+
+
+# ---- 7. smaller ones ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("replicas", [1, 3])
+def test_zero_dim_input_under_simulated_data_parallel_is_the_layers_error(replicas):
+    layer = SyncBatchNorm(4, dtype=DT)
+    with pytest.raises(ValueError, match=r"expected input of shape \(N, C, \*\).*0-D"):
+        SimulatedDataParallel(layer, replicas)(torch.tensor(1.0, dtype=DT))
+
+
+def test_out_of_place_fallback_warns_once_per_layer():
+    first, second = (SyncBatchNorm(4, activation="leaky_relu", dtype=DT) for _ in range(2))
+    messages = []
+    for layer in (first, second, first, second):
+        x = torch.randn(6, 4, dtype=DT, requires_grad=True)  # a leaf: cannot be overwritten
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            layer(x)
+        messages.append([w for w in caught if "out of place" in str(w.message)])
+    assert [len(m) for m in messages] == [1, 1, 0, 0]
+
+
+# ---- 1. double backward: a gradient penalty through conv + SyncBatchNorm --------------------
+
+
+def _penalty_grads(conv, norm, x, activation, slope, replicas=None, plain=False,
+                   squared=False):
+    """WGAN-GP / R1 style: the gradient of ``sum(f(act(bn(conv(x)))) * w)`` w.r.t. x, with
+    create_graph, then backward of its squared norm; returns the penalty's value and the
+    gradients of the conv's weight and the layer's parameters. ``f`` is the identity, or the
+    square (then the second backward also runs through the layer's own node)."""
+    body = nn.Sequential(conv, norm)
+    runner = SimulatedDataParallel(body, replicas) if replicas else body
+    x = x.clone().requires_grad_()
+    out = runner(x)
+    if plain:
+        out = activate(out, activation, slope)
+    weights = torch.linspace(-1, 1, out[0].numel(), dtype=out.dtype).view(out[0].shape)
+    (gx,) = torch.autograd.grad(((out.square() if squared else out) * weights).sum(), x,
+                                create_graph=True)
+    penalty = (gx.square().sum() - 1).square()
+    params = [conv.weight, *(p for p in (norm.weight, norm.bias) if p is not None)]
+    grads = torch.autograd.grad(penalty, params, allow_unused=True, materialize_grads=True)
+    return penalty.detach(), grads
+
+
+@pytest.mark.usefixtures("each_backend")
+@settings(max_examples=8, deadline=None, derandomize=True)
+@given(
+    activation=st.sampled_from(["none", "identity", "leaky_relu", "elu", "relu"]),
+    replicas=st.sampled_from([None, 2, 3]),
+    batch=st.integers(3, 5),
+    training=st.booleans(),
+    squared=st.booleans(),
+)
+# The second backward through the layer's own nodes too, and the merge's fast path with it.
+@example(activation="elu", replicas=3, batch=5, training=True, squared=True)
+def test_gradient_penalty_matches_batchnorm(activation, replicas, batch, training, squared):
+    slope = {"leaky_relu": 0.1, "elu": 0.7}.get(activation, 0.01)
+    gen = torch.Generator().manual_seed(batch)
+    conv = nn.Conv2d(2, 3, 2, dtype=DT)
+    layer = SyncBatchNorm(3, activation=activation, slope=slope, inplace=False, dtype=DT)
+    with torch.no_grad():
+        for p in (conv.weight, conv.bias, layer.weight, layer.bias):
+            p.copy_(torch.randn(p.shape, generator=gen, dtype=DT))
+        layer.running_mean.copy_(torch.randn(3, generator=gen, dtype=DT))
+        layer.running_var.copy_(torch.rand(3, generator=gen, dtype=DT) + 0.5)
+    ref_conv = nn.Conv2d(2, 3, 2, dtype=DT)
+    ref_conv.load_state_dict(conv.state_dict())
+    ref = nn.BatchNorm2d(3, dtype=DT)
+    ref.load_state_dict(layer.state_dict())
+    layer.train(training)
+    ref.train(training)
+    x = torch.randn(batch, 2, 3, 3, generator=gen, dtype=DT)
+    value, grads = _penalty_grads(conv, layer, x, activation, slope, replicas, squared=squared)
+    ref_value, ref_grads = _penalty_grads(ref_conv, ref, x, activation, slope, plain=True,
+                                          squared=squared)
+    torch.testing.assert_close(value, ref_value, rtol=1e-9, atol=1e-9)
+    for name, got, want in zip(("conv", "gamma", "beta"), grads, ref_grads):
+        torch.testing.assert_close(got, want, rtol=1e-8, atol=1e-9,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("replicas", [None, 2])
+@pytest.mark.parametrize("training", [True, False])
+def test_double_backward_in_place_is_a_clear_error(replicas, training):
+    conv = nn.Conv2d(2, 3, 2, dtype=DT)
+    layer = SyncBatchNorm(3, activation="leaky_relu", dtype=DT).train(training)
+    with pytest.raises(RuntimeError, match="double backward.*inplace=False"):
+        _penalty_grads(conv, layer, torch.randn(4, 2, 3, 3, dtype=DT), "leaky_relu", 0.01,
+                       replicas)
+
+
+# ---- 4. NaN and inf propagate as through nn.BatchNorm2d + the activation --------------------
+
+
+@pytest.mark.usefixtures("each_backend")
+@pytest.mark.parametrize("activation,inplace", [
+    ("none", False), ("identity", True), ("leaky_relu", False), ("leaky_relu", True),
+    ("elu", False), ("elu", True), ("relu", False),
+])
+@pytest.mark.parametrize("replicas", [None, 2])
+def test_nan_and_inf_propagate_as_batchnorm(activation, inplace, replicas):
+    """Channel 0 holds a NaN, channel 1 a +inf, channel 2 is finite."""
+    slope = {"leaky_relu": 0.1, "elu": 0.7}.get(activation, 0.01)
+    layer = SyncBatchNorm(3, activation=activation, slope=slope, inplace=inplace, dtype=DT)
+    ref = nn.BatchNorm2d(3, dtype=DT)
+    with torch.no_grad():
+        for m in (layer, ref):
+            m.weight.copy_(torch.tensor([1.5, -0.7, 0.5]))
+            m.bias.copy_(torch.tensor([0.1, -0.2, 0.3]))
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(6, 3, 2, 2, generator=gen, dtype=DT)
+    x[1, 0, 0, 1] = float("nan")
+    x[4, 1, 1, 0] = float("inf")
+    dy = torch.randn(x.shape, generator=gen, dtype=DT)
+    leaf = x.clone().requires_grad_()
+    runner = SimulatedDataParallel(layer, replicas) if replicas else layer
+    out = runner(leaf * 1)
+    out.backward(dy)
+    ref_leaf = x.clone().requires_grad_()
+    expected = activate(ref(ref_leaf), activation, slope)
+    expected.backward(dy)
+    for name, got, want in [
+        ("output", out, expected), ("input grad", leaf.grad, ref_leaf.grad),
+        ("weight grad", layer.weight.grad, ref.weight.grad),
+        ("bias grad", layer.bias.grad, ref.bias.grad),
+        ("running_mean", layer.running_mean, ref.running_mean),
+        ("running_var", layer.running_var, ref.running_var),
+    ]:
+        torch.testing.assert_close(got, want, equal_nan=True, rtol=1e-9, atol=1e-9,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("where", [(0, 0), (200, 0), (0, 1), (600, 1)])
+def test_triton_stats_of_an_infinite_element_across_split_programs(where):
+    """A channels_last input of 2 tiles, so that the partial (mean, M2, n) of two programs
+    are merged: an inf gives the mean inf (as x.mean), in either program."""
+    triton_ops = pytest.importorskip("encoding_syncbn.kernels.triton_ops")
+    x = torch.randn(160, 2, 2, 2, dtype=DT).contiguous(memory_format=torch.channels_last)
+    row, channel = where
+    x.movedim(1, -1).reshape(-1, 2)[row, channel] = float("inf")
+    launches, _ = triton_ops._plan_channel_stats(x, triton_ops._target(x.device))
+    assert launches[0].grid[1] > 1  # split programs, merged by the second kernel
+    mean, m2 = triton_ops.channel_stats(x)[:2]
+    expected = x.mean(dim=(0, 2, 3))
+    torch.testing.assert_close(mean, expected, equal_nan=True)
+    assert torch.isnan(m2[channel]) and torch.isfinite(m2[1 - channel])
+
+
+# ---- 5. the running variance at a large offset under DataParallel --------------------------
+
+
+@pytest.mark.usefixtures("each_backend")
+@pytest.mark.parametrize("offset", [1e4, 1e6])
+def test_running_variance_at_large_offset_is_as_precise_as_batchnorm(offset):
+    """float32 input, std 1 around ``offset``: whatever the replica count, the running
+    variance is within 3x of nn.BatchNorm2d's error on the same input (the replicas' means
+    are merged in float64, not rounded to float32 first)."""
+    gen = torch.Generator().manual_seed(int(offset))
+    x = (torch.randn(12, 4, 4, 4, generator=gen, dtype=DT) + offset).float()
+    truth = 0.9 + 0.1 * x.double().var(dim=(0, 2, 3))
+    plain = nn.BatchNorm2d(4)
+    plain(x)
+    plain_error = (plain.running_var.double() - truth).abs().max().item()
+    for replicas in (1, 2, 3, 4):
+        layer = SyncBatchNorm(4)
+        SimulatedDataParallel(layer, replicas)(x.clone())
+        error = (layer.running_var.double() - truth).abs().max().item()
+        # (An absolute floor of a few float32 ulps of the variance: BN may round luckily.)
+        assert error <= 3 * plain_error + 3e-7, (replicas, error, plain_error)
