@@ -272,6 +272,15 @@ def test_training_run_writes_outputs_and_resumes(
                     "--resume", str(out / "checkpoint.pt")])
 
 
+def test_training_repeats_bitwise(tmp_path: Path, train_main) -> None:
+    """Same command, same weights: the comparison of norms relies on it."""
+    states = []
+    for run in ("a", "b"):
+        train_main([*TINY, "--epochs", "1", "--num-vis", "0", "--output", str(tmp_path / run)])
+        states.append(torch.load(tmp_path / run / "checkpoint.pt", weights_only=True)["model"])
+    assert all(torch.equal(states[0][key], states[1][key]) for key in states[0])
+
+
 def test_training_with_bad_data_root_exits_with_message(tmp_path: Path, train_main) -> None:
     with pytest.raises(SystemExit, match="JPEGImages"):
         train_main([*TINY, "--data-root", str(tmp_path), "--output", str(tmp_path / "o")])

@@ -53,27 +53,8 @@ def convert_norm(model: nn.Module, norm: str) -> nn.Module:
     if norm == "syncbn":
         return encoding_syncbn.convert_sync_batchnorm(model)
     if norm == "inplace_abn":
-        return getattr(encoding_syncbn, "convert_inplace_abn", _standin_convert_inplace_abn)(model)
+        return encoding_syncbn.convert_inplace_abn(model)
     raise ValueError(f"unknown norm {norm!r}; choose one of {', '.join(NORM_CHOICES)}")
-
-
-def _standin_convert_inplace_abn(model: nn.Module) -> nn.Module:  # TEMPORARY, until it lands
-    from encoding_syncbn.convert import _share_state
-
-    model = encoding_syncbn.convert_sync_batchnorm(model)
-    for seq in model.modules():
-        if not isinstance(seq, nn.Sequential):
-            continue
-        names = list(seq._modules)
-        for a, b in zip(names, names[1:]):
-            bn, act = seq._modules[a], seq._modules[b]
-            if isinstance(bn, encoding_syncbn.SyncBatchNorm) and isinstance(act, nn.LeakyReLU):
-                fused = encoding_syncbn.SyncBatchNorm(bn.num_features, bn.eps, bn.momentum,
-                                                      activation="leaky_relu",
-                                                      slope=act.negative_slope)
-                seq._modules[a] = _share_state(bn, fused)
-                seq._modules[b] = nn.Identity()
-    return model
 
 
 def _bn_act(channels: int, act: Callable[[], nn.Module]) -> nn.Sequential:
