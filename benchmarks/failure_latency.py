@@ -1,4 +1,4 @@
-"""How fast a DataParallel call fails when one replica fails (README, "Failure behaviour").
+"""How fast a DataParallel call fails when one replica fails (docs/failures.md).
 
     python benchmarks/failure_latency.py
 

@@ -56,13 +56,22 @@ BACKWARD_VARIANTS = tuple((False, a) for a in KERNEL_ACTIVATIONS) + tuple(
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.float64: tl.float64}
 
-# Elements per tile, 8 (fp64: 4) per thread. fp64 gets half: its divisions are register-hungry
-# subroutines that spill at 8 per thread. The interpreter pays per program and per operation,
+# Elements per tile, 8 (fp64: 1) per thread. fp64's divisions, exp and log are register-hungry
+# subroutines: at 2, 4 and 8 elements a thread the AOT check found fp64 specialisations of the
+# backward reduction and the statistics spilling (8-16 bytes, sm_80 and sm_90); at 1 none.
+# (fp64 on a GPU is for checking, not speed.) The interpreter pays per program and per operation,
 # not per element, so it gets bigger tiles (and fewer programs, below).
 _GPU_TILE_ELEMS = 2048
-_GPU_TILE_ELEMS_FP64 = 1024
+_GPU_TILE_ELEMS_FP64 = 128
 _INTERPRET_TILE_ELEMS = 8192
 _NUM_WARPS = 8
+_NUM_WARPS_FP64 = 4
+
+
+def _num_warps(dtype: torch.dtype) -> int:
+    return _NUM_WARPS_FP64 if dtype == torch.float64 else _NUM_WARPS
+
+
 # Tile widths. NCHW: rows of 64 positions over many images (small and medium maps), or one long
 # run of a single image. channels_last: rows of 16 channels (C <= 16) or 64.
 _NCHW_WIDTH = 64
@@ -631,7 +640,7 @@ def _plan_channel_stats(x: torch.Tensor, target: Target, tile: Tile | None = Non
         partials = tuple(torch.empty((splits, geo.c), dtype=acc, device=x.device)
                          for _ in range(3))
     launches = [Launch(_channel_stats_kernel, grid, (x, *partials, *geo_args),
-                       _tile_constexprs(geo, tile, x.dtype), _NUM_WARPS)]
+                       _tile_constexprs(geo, tile, x.dtype), _num_warps(x.dtype))]
     if splits > 1:
         launches.append(_merge_launch(_welford_merge_kernel, partials, (mean, m2)))
     return launches, (mean, m2)
@@ -690,7 +699,7 @@ def _plan_normalize_act(x: torch.Tensor, mean: torch.Tensor, invstd: torch.Tenso
     tile, grid, geo_args = _plan_tiles(geo, x.dtype, target, False, tile)
     constexprs = {"ACTIVATION": activation, **_tile_constexprs(geo, tile, x.dtype)}
     launch = Launch(_normalize_act_kernel, grid, (x, dst, *params, slope, *geo_args),
-                    constexprs, _NUM_WARPS)
+                    constexprs, _num_warps(x.dtype))
     return [launch], dst
 
 
@@ -780,7 +789,7 @@ def _plan_backward_reduce(saved: torch.Tensor, dy: torch.Tensor, mean: torch.Ten
                   **_tile_constexprs(geo, tile, saved.dtype)}
     launches = [Launch(_backward_reduce_kernel, grid,
                        (saved, dy, *params, *partials, slope, *geo_args), constexprs,
-                       _NUM_WARPS)]
+                       _num_warps(saved.dtype))]
     if splits > 1:
         launches.append(_merge_launch(_sum_merge_kernel, partials, (sum_dz, sum_dz_xhat)))
     return launches, (sum_dz, sum_dz_xhat)
@@ -844,7 +853,8 @@ def _plan_backward_dx(saved: torch.Tensor, dy: torch.Tensor, mean: torch.Tensor,
     constexprs = {"ACTIVATION": activation, "SAVED_IS_OUTPUT": bool(saved_is_output),
                   **_tile_constexprs(geo, tile, saved.dtype)}
     launch = Launch(_backward_dx_kernel, grid,
-                    (saved, dy, dx, *params, slope, *geo_args), constexprs, _NUM_WARPS)
+                    (saved, dy, dx, *params, slope, *geo_args), constexprs,
+                    _num_warps(saved.dtype))
     return [launch], dx
 
 
