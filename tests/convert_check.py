@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 
 import torch
+from reference import assert_close
 from torch import nn
 
 from encoding_syncbn import convert_sync_batchnorm, revert_sync_batchnorm
@@ -74,7 +75,7 @@ def per_replica_norms(model: nn.Module) -> list[str]:
 
 
 def check_conversion(original: nn.Module, x: torch.Tensor, replicas: int = 0) -> nn.Module:
-    """Convert a copy of ``original`` and check, in float64:
+    """Convert a copy of ``original`` with ``convert_sync_batchnorm`` and check, in float64:
 
     - nothing per-replica is left, and ``original``'s ``state_dict`` loads with strict=True;
     - train mode: the same outputs, input gradients and gradients of the replaced layers'
@@ -82,8 +83,7 @@ def check_conversion(original: nn.Module, x: torch.Tensor, replicas: int = 0) ->
       same again (the other parameters are frozen: their gradients follow from the input
       gradients of the replaced layers, and take most of the time);
     - with ``replicas``, the converted model under ``SimulatedDataParallel`` matches the
-      original on the whole batch (train-mode forward; the model must not draw random
-      numbers, such as dropout, whose draws differ between replicas);
+      original on the whole batch (see ``check_replicas``);
     - revert gives back the original classes, the same state and the same outputs (in
       eval mode).
 
@@ -95,23 +95,49 @@ def check_conversion(original: nn.Module, x: torch.Tensor, replicas: int = 0) ->
     for p in original.parameters():
         p.requires_grad_(id(p) in replaced)
     converted = convert_sync_batchnorm(copy.deepcopy(original))
+    check_converted(converted, original, x, replicas)
+    reverted = check_reverted(converted, original, x)
+    assert [type(m) for m in reverted.modules()] == [type(m) for m in original.modules()]
+    return converted
+
+
+def check_converted(converted: nn.Module, original: nn.Module, x: torch.Tensor,
+                    replicas: int = 0, same_run=assert_same_run) -> None:
+    """What every converter must keep (float64 ``original``, ``converted`` a copy of it):
+    nothing per-replica left; ``original``'s ``state_dict`` loads strictly; in train then
+    eval mode, ``same_run`` of one step each and the same state after it; with ``replicas``,
+    ``check_replicas``."""
     assert per_replica_norms(converted) == []
     converted.load_state_dict(original.state_dict(), strict=True)
     for training in (True, False):
         original.train(training)
         converted.train(training)
         mode = "train" if training else "eval"
-        assert_same_run(run(converted, x), run(original, x), f"converted, {mode}")
+        same_run(run(converted, x), run(original, x), f"converted, {mode}")
         assert_same_state(converted, original, f"converted, after a {mode} step")
     if replicas:
-        original.train()
-        converted.train()
-        with torch.no_grad():
-            expected = tensors(original(x))
-            got = tensors(SimulatedDataParallel(converted, replicas)(x))
-        assert_all_close(dict(enumerate(got)), dict(enumerate(expected)), f"{replicas} replicas")
+        check_replicas(converted, original, x, replicas)
+
+
+def check_replicas(converted: nn.Module, original: nn.Module, x: torch.Tensor,
+                   replicas: int) -> None:
+    """``converted`` under ``SimulatedDataParallel`` computes ``original``'s train-mode output
+    on the whole batch (the model must not draw random numbers, such as dropout, whose draws
+    differ between replicas). The input is a non-leaf copy: in-place layers may overwrite it."""
+    original.train()
+    converted.train()
+    with torch.no_grad():
+        expected = tensors(original(x))
+        got = tensors(SimulatedDataParallel(converted, replicas)(x * 1))
+    assert len(got) == len(expected)
+    for out, ref in zip(got, expected):
+        assert_close(out, ref, what=f"{replicas} replicas")
+
+
+def check_reverted(converted: nn.Module, original: nn.Module, x: torch.Tensor) -> nn.Module:
+    """``revert_sync_batchnorm`` of a copy of ``converted`` keeps the state and, in eval
+    mode, computes what ``original`` does. Returns the reverted copy."""
     reverted = revert_sync_batchnorm(copy.deepcopy(converted))
-    assert [type(m) for m in reverted.modules()] == [type(m) for m in original.modules()]
     assert_same_state(reverted, original, "reverted")
     assert_same_run(run(reverted.eval(), x), run(original.eval(), x), "reverted")
-    return converted
+    return reverted

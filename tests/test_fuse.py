@@ -12,13 +12,12 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from convert_check import assert_same_run, assert_same_state, per_replica_norms, run, tensors
+from convert_check import assert_same_run, check_converted, check_reverted
 from reference import assert_close
 from third_party import import_or_skip
 from torch import nn
 
-from encoding_syncbn import SyncBatchNorm, convert_inplace_abn, revert_sync_batchnorm
-from encoding_syncbn.testing import SimulatedDataParallel
+from encoding_syncbn import SyncBatchNorm, convert_inplace_abn
 
 
 def modes(model: nn.Module) -> dict[str, tuple[str, bool]]:
@@ -29,9 +28,10 @@ def modes(model: nn.Module) -> dict[str, tuple[str, bool]]:
 
 def check_exact(original: nn.Module, x: torch.Tensor, replicas: int = 0,
                 deep: bool = False) -> nn.Module:
-    """Convert a copy of ``original`` (float64) and check that it computes the same: train and
+    """``convert_inplace_abn`` of a copy of ``original`` (float64) computes the same: train and
     eval, outputs, input and parameter gradients, buffers after each step; the original
-    ``state_dict`` loads strictly; optionally under SimulatedDataParallel; revert too.
+    ``state_dict`` loads strictly; optionally under SimulatedDataParallel; revert too (see
+    ``convert_check``; every parameter's gradient is compared here).
 
     ``deep``: gradients to 1e-7 relative instead of 1e-10. In place, each layer's backward
     rebuilds its input from its output; through a deep model's BatchNorm backwards (which
@@ -39,27 +39,12 @@ def check_exact(original: nn.Module, x: torch.Tensor, replicas: int = 0,
     1e-9 of their scale (smp's Unet: 3e-9 of 17). Outputs and statistics stay at 1e-10.
     """
     original = original.double()
-    _assert_same_run = assert_same_run if not deep else _assert_same_run_deep
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # untraceable models warn; tested apart
         converted = convert_inplace_abn(copy.deepcopy(original))
-    assert per_replica_norms(converted) == []
-    converted.load_state_dict(original.state_dict(), strict=True)
-    for training in (True, False):
-        original.train(training)
-        converted.train(training)
-        mode = "train" if training else "eval"
-        _assert_same_run(run(converted, x), run(original, x), f"converted, {mode}")
-        assert_same_state(converted, original, f"converted, after a {mode} step")
-    if replicas:
-        with torch.no_grad():
-            expected = tensors(original(x))
-            got = tensors(SimulatedDataParallel(converted, replicas)(x * 1))
-        for out, ref in zip(got, expected):
-            assert_close(out, ref, what=f"{replicas} replicas")
-    reverted = revert_sync_batchnorm(copy.deepcopy(converted))
-    assert_same_state(reverted, original, "reverted")
-    assert_same_run(run(reverted, x), run(original, x), "reverted")
+    check_converted(converted, original, x, replicas,
+                    same_run=_assert_same_run_deep if deep else assert_same_run)
+    check_reverted(converted, original, x)
     return converted
 
 
