@@ -64,9 +64,10 @@ def main() -> int:
               "(torch.cuda.is_available() is False)", file=sys.stderr)
         return 2
     from encoding_syncbn.kernels import torch_ops
-    from encoding_syncbn.kernels import triton_ops as T
+    from encoding_syncbn.kernels.triton import ops as T
+    from encoding_syncbn.kernels.triton.plan import INTERPRET
 
-    if T.INTERPRET:
+    if INTERPRET:
         print("TRITON_INTERPRET is set: unset it to time the compiled kernels", file=sys.stderr)
         return 2
     name = torch.cuda.get_device_name()

@@ -69,13 +69,15 @@ class _CountAten(TorchDispatchMode):
 
 
 def measure(triton_ops, shape, dtype, channels_last, iters, repeats):
+    from encoding_syncbn.kernels.triton.plan import Target
+
     launches = [0]
 
     def no_launch(planned, device):
         launches[0] += len(planned)
 
     triton_ops._run = no_launch
-    triton_ops._target = lambda device: triton_ops.Target(False, H100_SMS)
+    triton_ops._target = lambda device: Target(False, H100_SMS)
     layer = SyncBatchNorm(shape[1], activation="leaky_relu")  # float32 parameters, as under AMP
     like = torch.empty(shape, dtype=dtype, requires_grad=True)
     fmt = torch.channels_last if channels_last else torch.contiguous_format
@@ -112,7 +114,7 @@ def main():
     parser.add_argument("--repeats", type=int, default=5,
                         help="repeats; the fastest is reported (default 5)")
     args = parser.parse_args()
-    from encoding_syncbn.kernels import triton_ops  # triton: after --help
+    from encoding_syncbn.kernels.triton import ops as triton_ops  # triton: after --help
 
     torch.set_num_threads(1)
     encoding_syncbn.set_backend("triton")

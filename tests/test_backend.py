@@ -17,7 +17,7 @@ def broken_triton(monkeypatch):
     real_import = importlib.import_module
 
     def import_module(name, *args):
-        if name.endswith(".triton_ops"):
+        if name.endswith(".triton.ops"):
             raise AttributeError("module 'triton' has no attribute 'knobs'")
         return real_import(name, *args)
 

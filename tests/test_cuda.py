@@ -30,12 +30,12 @@ SLOPES = {"leaky_relu": 0.1, "elu": 1.3, "relu": 0.0, "identity": 0.0}
 @pytest.fixture(autouse=True)
 def triton_on_gpu():
     """The real kernels: the Triton backend, not interpreted."""
-    from encoding_syncbn.kernels import triton_ops
+    from encoding_syncbn.kernels.triton import ops, plan
 
-    if triton_ops.INTERPRET:
+    if plan.INTERPRET:
         pytest.skip("Triton's interpreter is on: run with TRITON_INTERPRET=0")
     encoding_syncbn.set_backend("triton")
-    yield triton_ops
+    yield ops
     encoding_syncbn.set_backend("auto")
 
 

@@ -240,13 +240,14 @@ def test_nan_and_inf_propagate_as_batchnorm(activation, inplace, replicas):
 def test_triton_stats_of_an_infinite_element_across_split_programs(where):
     """A channels_last input of 2 tiles, so that the partial (mean, M2, n) of two programs
     are merged: an inf gives the mean inf (as x.mean), in either program."""
-    triton_ops = pytest.importorskip("encoding_syncbn.kernels.triton_ops")
+    ops = pytest.importorskip("encoding_syncbn.kernels.triton.ops")
+    from encoding_syncbn.kernels.triton import channel_stats, plan
     x = torch.randn(160, 2, 2, 2, dtype=DT).contiguous(memory_format=torch.channels_last)
     row, channel = where
     x.movedim(1, -1).reshape(-1, 2)[row, channel] = float("inf")
-    launches, _ = triton_ops._plan_channel_stats(x, triton_ops._target(x.device))
+    launches, _ = channel_stats._plan_channel_stats(x, plan._target(x.device))
     assert launches[0].grid[1] > 1  # split programs, merged by the second kernel
-    mean, m2 = triton_ops.channel_stats(x)[:2]
+    mean, m2 = ops.channel_stats(x)[:2]
     expected = x.mean(dim=(0, 2, 3))
     torch.testing.assert_close(mean, expected, equal_nan=True)
     assert torch.isnan(m2[channel]) and torch.isfinite(m2[1 - channel])

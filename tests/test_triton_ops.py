@@ -20,9 +20,13 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from encoding_syncbn.kernels import torch_ops  # noqa: E402
-from encoding_syncbn.kernels import triton_ops as T  # noqa: E402
+from encoding_syncbn.kernels.triton import backward_reduce as TB  # noqa: E402
+from encoding_syncbn.kernels.triton import channel_stats as TS  # noqa: E402
+from encoding_syncbn.kernels.triton import ops as T  # noqa: E402
+from encoding_syncbn.kernels.triton import plan as P  # noqa: E402
+from encoding_syncbn.kernels.triton import tiles as TT  # noqa: E402
 
-if T.INTERPRET:
+if P.INTERPRET:
     DEVICE = "cpu"
 elif torch.cuda.is_available():
     DEVICE = "cuda"
@@ -128,9 +132,9 @@ def test_channel_stats_split_reduction(fmt):
     # partial (mean, M2, n) merged by the second kernel.
     shape = (64, 2, 33, 9) if fmt == "nchw" else (64, 3, 17, 11)
     x = make_input(shape, torch.float64, fmt)
-    launches, _ = T._plan_channel_stats(x, T._target(x.device))
-    assert [launch.kernel for launch in launches] == [T._channel_stats_kernel,
-                                                      T._welford_merge_kernel]
+    launches, _ = TS._plan_channel_stats(x, P._target(x.device))
+    assert [launch.kernel for launch in launches] == [TS._channel_stats_kernel,
+                                                      TS._welford_merge_kernel]
     assert launches[0].grid[1] > 1
     mean, m2, count = T.channel_stats(x)
     ref_mean, ref_m2, _ = reference_stats(x)
@@ -298,10 +302,10 @@ def test_backward_half(fmt, dtype, activation, saved_is_output):
 def test_backward_split_reduction(fmt):
     shape = (64, 2, 33, 9) if fmt == "nchw" else (64, 3, 17, 11)
     x = make_input(shape, torch.float64, fmt)
-    launches, _ = T._plan_backward_reduce(x, x, *make_params(shape[1], torch.float64),
-                                          "elu", 1.0, True, T._target(x.device))
-    assert [launch.kernel for launch in launches] == [T._backward_reduce_kernel,
-                                                      T._sum_merge_kernel]
+    launches, _ = TB._plan_backward_reduce(x, x, *make_params(shape[1], torch.float64),
+                                          "elu", 1.0, True, P._target(x.device))
+    assert [launch.kernel for launch in launches] == [TB._backward_reduce_kernel,
+                                                      TB._sum_merge_kernel]
     _check_backward(shape, fmt, torch.float64, "elu", True)
 
 
@@ -313,7 +317,7 @@ def test_backward_dy_in_another_layout():
 def test_backward_gpu_tile_shapes(monkeypatch):
     # The interpreter normally gets bigger tiles; run the GPU tile shapes too: several tiles and
     # several channel blocks per launch, partial blocks on both axes.
-    monkeypatch.setattr(T, "_INTERPRET_TILE_ELEMS", T._GPU_TILE_ELEMS)
+    monkeypatch.setattr(P, "_INTERPRET_TILE_ELEMS", P._GPU_TILE_ELEMS)
     for shape, fmt in [((40, 3, 5, 13), "nchw"), ((3, 2, 41, 50), "nchw"),
                        ((9, 70, 5, 7), "last"), ((30, 11, 9, 9), "last")]:
         x = make_input(shape, torch.float64, fmt)
@@ -330,18 +334,18 @@ def test_gpu_tiles_keep_in_tile_offsets_within_int32(dtype):
     over 2**31 / 32 elements each (a (32, 96, 1025, 1025) batch) must get the one-image tile,
     whose offsets fit, not the 64-wide one that the padding cost alone would choose."""
     for n, c, s in [(32, 96, 1025 * 1025), (32, 256, 769 * 769), (40, 3, 5 * 13)]:
-        geo = T._Geometry(False, n, c, s)
-        tile = T._pick_tile(geo, dtype, interpret=False)
+        geo = P._Geometry(False, n, c, s)
+        tile = P._pick_tile(geo, dtype, interpret=False)
         assert (min(tile.block_a, n) - 1) * c * s + tile.block_b - 1 < 2**31, (geo, tile)
         if c * s < 2**31 // 64:  # every tile is safe: the padding cost alone decides
             # fp32: the 32x64 tile pads least; fp64's tiles are 2x64 and 1x128, which pad the
             # same here, and the tie goes to the wider one.
-            wide = T.Tile(1, 128) if dtype == torch.float64 else T.Tile(32, T._NCHW_WIDTH)
+            wide = P.Tile(1, 128) if dtype == torch.float64 else P.Tile(32, P._NCHW_WIDTH)
             assert tile == wide, (geo, tile)
     # channels_last: rows of C channels; only absurd channel counts overflow.
-    assert T._pick_tile(T._Geometry(True, 8, 2**24, 4), dtype, interpret=False).block_b == 64
+    assert P._pick_tile(P._Geometry(True, 8, 2**24, 4), dtype, interpret=False).block_b == 64
     with pytest.raises(ValueError, match="channels are too many"):
-        T._pick_tile(T._Geometry(True, 8, 2**31, 4), dtype, interpret=False)
+        P._pick_tile(P._Geometry(True, 8, 2**31, 4), dtype, interpret=False)
 
 
 @triton.jit
@@ -349,8 +353,8 @@ def _tile_offsets_kernel(off_ptr, mask_ptr, t, c0, N, C, S, R, CS, tiles_s,
                          CHANNELS_LAST: tl.constexpr, BLOCK_A: tl.constexpr,
                          BLOCK_B: tl.constexpr):
     """Stores the element offsets and mask that ``_tile`` gives tile ``t`` (nothing else)."""
-    base, local, mask = T._tile(t, c0, N, C, S, R, CS, tiles_s, CHANNELS_LAST, BLOCK_A,
-                                BLOCK_B)
+    base, local, mask = TT._tile(t, c0, N, C, S, R, CS, tiles_s, CHANNELS_LAST, BLOCK_A,
+                                 BLOCK_B)
     i = tl.arange(0, BLOCK_A)[:, None] * BLOCK_B + tl.arange(0, BLOCK_B)[None, :]
     tl.store(off_ptr + i, base + local)
     tl.store(mask_ptr + i, mask)
@@ -383,24 +387,24 @@ def _expected_tile_offsets(geo, tile, t, c0):
     return (img * c + c0) * s + pos, (img < n) & (pos < s)
 
 
-@pytest.mark.skipif(not T.INTERPRET, reason="reads addresses through the interpreter")
+@pytest.mark.skipif(not P.INTERPRET, reason="reads addresses through the interpreter")
 @pytest.mark.parametrize("geo, tile, t, c0", [
     # One plane past 2**31 elements: the last tile's positions (s0 was int32).
-    (T._Geometry(False, 1, 1, 2**31 + 100), T.Tile(1, 2048), (2**31 + 100) // 2048, 0),
-    (T._Geometry(False, 2, 3, 2**31 + 100), T.Tile(1, 2048), 2 * 1048577 - 1, 2),
+    (P._Geometry(False, 1, 1, 2**31 + 100), P.Tile(1, 2048), (2**31 + 100) // 2048, 0),
+    (P._Geometry(False, 2, 3, 2**31 + 100), P.Tile(1, 2048), 2 * 1048577 - 1, 2),
     # The whole tensor past 2**31 (and 2**32), each plane small: image and channel offsets.
-    (T._Geometry(False, 2**20, 5, 1000), T.Tile(32, 64), 32767 * 16 + 15, 4),
-    (T._Geometry(False, 3, 2**12, 2**20 + 3), T.Tile(1, 2048), 2 * 513 + 512, 4095),
+    (P._Geometry(False, 2**20, 5, 1000), P.Tile(32, 64), 32767 * 16 + 15, 4),
+    (P._Geometry(False, 3, 2**12, 2**20 + 3), P.Tile(1, 2048), 2 * 513 + 512, 4095),
     # channels_last: rows past 2**31 / C, the last channel block.
-    (T._Geometry(True, 2**16, 70, 2**16), T.Tile(32, 64), 2**27 - 1, 64),
-    (T._Geometry(True, 7, 2**24, 33), T.Tile(128, 16), 1, 2**24 - 16),
+    (P._Geometry(True, 2**16, 70, 2**16), P.Tile(32, 64), 2**27 - 1, 64),
+    (P._Geometry(True, 7, 2**24, 33), P.Tile(128, 16), 1, 2**24 - 16),
 ], ids=["plane", "plane-last-channel", "batch-nchw", "batch-long-run", "batch-last",
         "many-channels"])
 def test_tile_addresses_past_2_31_elements(geo, tile, t, c0):
     """Every element offset ``_tile`` computes for tensors past 2**31 elements, against exact
     integers, through the kernels' own index code (int32 wraps in the interpreter as on a
     GPU: with the plane's position offset in int32 the first case gives negative offsets)."""
-    assert T._offsets_fit(geo, tile)
+    assert P._offsets_fit(geo, tile)
     offsets, mask = _tile_offsets(geo, tile, t, c0)
     want_offsets, want_mask = _expected_tile_offsets(geo, tile, t, c0)
     assert torch.equal(mask, want_mask)

@@ -57,7 +57,7 @@ def _load_triton() -> ModuleType | None:
     global _triton_ops, _triton_import_error
     if _triton_ops is None and _triton_import_error is None:
         try:
-            _triton_ops = importlib.import_module(f"{__name__}.triton_ops")
+            _triton_ops = importlib.import_module(f"{__name__}.triton.ops")
         # Not only ImportError: a Triton release that moved an API fails with AttributeError
         # and the like, and must leave the torch backend working.
         except Exception as error:

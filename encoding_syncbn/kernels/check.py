@@ -2,8 +2,9 @@
 
     python -m encoding_syncbn.kernels.check --arch 80 90
 
-Needs no GPU. The specialisations come from :func:`triton_ops.launch_specialisations`, which
-plans launches with the same helpers as the ops themselves (dtypes, layouts, every tile shape,
+Needs no GPU. The specialisations come from
+:func:`encoding_syncbn.kernels.triton.specialisations.launch_specialisations`, which plans
+launches with the same helpers as the ops themselves (dtypes, layouts, every tile shape,
 activations, saved input/output, merge kernels). Arguments are typed the way Triton's JIT would
 type them (ints equal to 1 become constants, multiples of 16 carry a divisibility hint, tensors
 are assumed 16-byte aligned). Each cubin is read with the ``cuobjdump --dump-resource-usage``
@@ -33,7 +34,8 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from .. import _compat  # noqa: E402
-from . import triton_ops  # noqa: E402
+from .triton.plan import Launch, Target  # noqa: E402
+from .triton.specialisations import launch_specialisations  # noqa: E402
 
 # SM counts of the reference parts (A100, H100 SXM): only the grid planning depends on them.
 _SM_COUNT = {80: 108, 86: 84, 89: 128, 90: 132}
@@ -63,7 +65,7 @@ class Row(NamedTuple):
     error: str
 
 
-def _spec(label: str, launch: triton_ops.Launch) -> Spec:
+def _spec(label: str, launch: Launch) -> Spec:
     """Type a planned launch's arguments as Triton's JIT specialises them."""
     kernel = launch.kernel
     signature, constexprs, attrs = {}, {}, {}
@@ -98,9 +100,9 @@ def _key(spec: Spec) -> tuple:
 
 def specialisations(arch: int) -> list[Spec]:
     """Distinct specialisations for one architecture (the merge kernels recur across plans)."""
-    target = triton_ops.Target(False, _SM_COUNT.get(arch, 132))
+    target = Target(False, _SM_COUNT.get(arch, 132))
     seen, specs = set(), []
-    for label, launch in triton_ops.launch_specialisations(target):
+    for label, launch in launch_specialisations(target):
         spec = _spec(label, launch)
         if _key(spec) not in seen:
             seen.add(_key(spec))

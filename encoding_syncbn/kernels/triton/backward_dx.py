@@ -1,0 +1,74 @@
+"""backward_dx: one read of saved and dy, one write of dx."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..torch_ops import stats_dtype
+from .plan import (
+    Launch,
+    Target,
+    Tile,
+    _channel_vectors,
+    _empty_dx,
+    _in_layout,
+    _kernel_activation,
+    _num_warps,
+    _plan_tiles,
+    _prepare,
+    _tile_constexprs,
+)
+from .tiles import (
+    _channel_block,
+    _load_channel,
+    _load_norm_params,
+    _tile,
+    _tile_range,
+    _tile_xhat_dz,
+)
+
+
+@triton.jit
+def _backward_dx_kernel(saved_ptr, dy_ptr, dx_ptr, mean_ptr, invstd_ptr, weight_ptr, bias_ptr,
+                        coef_dz_ptr, coef_xhat_ptr, coef_const_ptr, slope: tl.float64, N, C, S, R,
+                        CS, tiles, tiles_s, tiles_per_prog, ACTIVATION: tl.constexpr,
+                        SAVED_IS_OUTPUT: tl.constexpr, CHANNELS_LAST: tl.constexpr,
+                        BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, ACC: tl.constexpr):
+    """dx = (coef_dz * dz + coef_xhat * xhat) + coef_const, written in saved's dtype."""
+    c0 = _channel_block(CHANNELS_LAST, BLOCK_B)
+    mean, invstd, weight, bias = _load_norm_params(mean_ptr, invstd_ptr, weight_ptr, bias_ptr,
+                                                   c0, C, CHANNELS_LAST, BLOCK_B)
+    coef_dz = _load_channel(coef_dz_ptr, c0, C, CHANNELS_LAST, BLOCK_B)
+    coef_xhat = _load_channel(coef_xhat_ptr, c0, C, CHANNELS_LAST, BLOCK_B)
+    coef_const = _load_channel(coef_const_ptr, c0, C, CHANNELS_LAST, BLOCK_B)
+    alpha = tl.full([], slope, ACC)
+    start, stop = _tile_range(tiles, tiles_per_prog)
+    for t in range(start, stop):
+        base, local, mask = _tile(t, c0, N, C, S, R, CS, tiles_s, CHANNELS_LAST, BLOCK_A, BLOCK_B)
+        xhat, dz = _tile_xhat_dz(saved_ptr, dy_ptr, base + local, mask, mean, invstd, weight,
+                                 bias, alpha, ACTIVATION, SAVED_IS_OUTPUT, ACC)
+        dx = (dz * coef_dz + xhat * coef_xhat) + coef_const
+        tl.store(dx_ptr + base + local, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+
+
+def _plan_backward_dx(saved: torch.Tensor, dy: torch.Tensor, mean: torch.Tensor,
+                      invstd: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                      activation: str, slope: float, saved_is_output: bool,
+                      coef_dz: torch.Tensor, coef_xhat: torch.Tensor, coef_const: torch.Tensor,
+                      target: Target, tile: Tile | None = None
+                      ) -> tuple[list[Launch], torch.Tensor]:
+    activation, slope = _kernel_activation(activation, slope, saved_is_output)
+    dx = _empty_dx(saved)
+    saved, geo = _prepare(saved)
+    dy = _in_layout(dy, geo.channels_last)
+    params = _channel_vectors(stats_dtype(saved.dtype), mean, invstd, weight, bias, coef_dz,
+                              coef_xhat, coef_const)
+    tile, grid, geo_args = _plan_tiles(geo, saved.dtype, target, False, tile)
+    constexprs = {"ACTIVATION": activation, "SAVED_IS_OUTPUT": bool(saved_is_output),
+                  **_tile_constexprs(geo, tile, saved.dtype)}
+    launch = Launch(_backward_dx_kernel, grid,
+                    (saved, dy, dx, *params, slope, *geo_args), constexprs,
+                    _num_warps(saved.dtype))
+    return [launch], dx

@@ -1,0 +1,104 @@
+"""backward_reduce: sum(dz) and sum(dz * xhat), partials then a fixed-order sum."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..torch_ops import stats_dtype
+from .plan import (
+    Launch,
+    Target,
+    Tile,
+    _channel_vectors,
+    _in_layout,
+    _kernel_activation,
+    _merge_launch,
+    _num_warps,
+    _plan_tiles,
+    _prepare,
+    _tile_constexprs,
+)
+from .tiles import (
+    _channel_block,
+    _load_norm_params,
+    _store_channel_sum,
+    _tile,
+    _tile_range,
+    _tile_xhat_dz,
+)
+
+
+@triton.jit
+def _backward_reduce_kernel(saved_ptr, dy_ptr, mean_ptr, invstd_ptr, weight_ptr, bias_ptr,
+                            sum_dz_ptr, sum_dz_xhat_ptr, slope: tl.float64, N, C, S, R, CS, tiles,
+                            tiles_s, tiles_per_prog, ACTIVATION: tl.constexpr,
+                            SAVED_IS_OUTPUT: tl.constexpr, CHANNELS_LAST: tl.constexpr,
+                            BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, ACC: tl.constexpr):
+    """Partial sum(dz) and sum(dz * xhat) per channel over this program's tiles -> row pid_1."""
+    c0 = _channel_block(CHANNELS_LAST, BLOCK_B)
+    mean, invstd, weight, bias = _load_norm_params(mean_ptr, invstd_ptr, weight_ptr, bias_ptr,
+                                                   c0, C, CHANNELS_LAST, BLOCK_B)
+    alpha = tl.full([], slope, ACC)
+    acc_dz = tl.zeros([BLOCK_A, BLOCK_B], ACC)
+    acc_dz_xhat = tl.zeros([BLOCK_A, BLOCK_B], ACC)
+    start, stop = _tile_range(tiles, tiles_per_prog)
+    for t in range(start, stop):
+        base, local, mask = _tile(t, c0, N, C, S, R, CS, tiles_s, CHANNELS_LAST, BLOCK_A, BLOCK_B)
+        xhat, dz = _tile_xhat_dz(saved_ptr, dy_ptr, base + local, mask, mean, invstd, weight,
+                                 bias, alpha, ACTIVATION, SAVED_IS_OUTPUT, ACC)
+        # Padding lanes may hold inf/nan (0 / weight); keep them out of the sums.
+        acc_dz += tl.where(mask, dz, 0.0)
+        acc_dz_xhat += tl.where(mask, dz * xhat, 0.0)
+    row = tl.program_id(1)
+    _store_channel_sum(sum_dz_ptr, acc_dz, row, c0, C, CHANNELS_LAST, BLOCK_B)
+    _store_channel_sum(sum_dz_xhat_ptr, acc_dz_xhat, row, c0, C, CHANNELS_LAST, BLOCK_B)
+
+
+@triton.jit
+def _sum_merge_kernel(pa_ptr, pb_ptr, a_ptr, b_ptr, C, splits, BLOCK_P: tl.constexpr,
+                      BLOCK_C: tl.constexpr):
+    """a[c] = sum_p pa[p, c] and b[c] = sum_p pb[p, c], always in the same order."""
+    c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)[None, :]
+    p = tl.arange(0, BLOCK_P)[:, None]
+    acc_ty = pa_ptr.dtype.element_ty
+    acc_a = tl.zeros([BLOCK_P, BLOCK_C], acc_ty)
+    acc_b = tl.zeros([BLOCK_P, BLOCK_C], acc_ty)
+    for p0 in range(0, splits, BLOCK_P):
+        mask = (p0 + p < splits) & (c < C)
+        offs = (p0 + p) * C + c
+        acc_a += tl.load(pa_ptr + offs, mask=mask, other=0.0)
+        acc_b += tl.load(pb_ptr + offs, mask=mask, other=0.0)
+    c1 = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    tl.store(a_ptr + c1, tl.sum(acc_a, 0), mask=c1 < C)
+    tl.store(b_ptr + c1, tl.sum(acc_b, 0), mask=c1 < C)
+
+
+def _plan_backward_reduce(saved: torch.Tensor, dy: torch.Tensor, mean: torch.Tensor,
+                          invstd: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                          activation: str, slope: float, saved_is_output: bool, target: Target,
+                          tile: Tile | None = None
+                          ) -> tuple[list[Launch], tuple[torch.Tensor, torch.Tensor]]:
+    activation, slope = _kernel_activation(activation, slope, saved_is_output)
+    saved, geo = _prepare(saved)
+    dy = _in_layout(dy, geo.channels_last)
+    acc = stats_dtype(saved.dtype)
+    params = _channel_vectors(acc, mean, invstd, weight, bias)
+    tile, grid, geo_args = _plan_tiles(geo, saved.dtype, target, True, tile)
+    splits = grid[1]
+    sum_dz = torch.empty(geo.c, dtype=acc, device=saved.device)
+    sum_dz_xhat = torch.empty_like(sum_dz)
+    if splits == 1:
+        partials = (sum_dz, sum_dz_xhat)
+    else:
+        partials = tuple(torch.empty((splits, geo.c), dtype=acc, device=saved.device)
+                         for _ in range(2))
+    constexprs = {"ACTIVATION": activation, "SAVED_IS_OUTPUT": bool(saved_is_output),
+                  **_tile_constexprs(geo, tile, saved.dtype)}
+    launches = [Launch(_backward_reduce_kernel, grid,
+                       (saved, dy, *params, *partials, slope, *geo_args), constexprs,
+                       _num_warps(saved.dtype))]
+    if splits > 1:
+        launches.append(_merge_launch(_sum_merge_kernel, partials, (sum_dz, sum_dz_xhat)))
+    return launches, (sum_dz, sum_dz_xhat)

@@ -1,0 +1,147 @@
+"""channel_stats: Welford per lane, Chan across lanes and programs."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..torch_ops import stats_dtype
+from .plan import (
+    Launch,
+    Target,
+    Tile,
+    _merge_launch,
+    _num_warps,
+    _plan_tiles,
+    _prepare,
+    _tile_constexprs,
+)
+from .tiles import _channel_block, _tile, _tile_range
+
+
+@triton.jit
+def _welford_combine(mean_a, m2_a, n_a, mean_b, m2_b, n_b):
+    """Chan et al.: merge two (mean, M2, n) summaries of disjoint sets.
+
+    n = n_a + n_b,  d = mean_b - mean_a,  mean = mean_a + d * n_b / n,
+    M2 = M2_a + M2_b + d^2 * n_a * n_b / n.   Empty summaries (n = 0) are neutral.
+    """
+    n = n_a + n_b
+    w_b = tl.where(n > 0.0, n_b / tl.maximum(n, 1.0), 0.0)
+    d = mean_b - mean_a
+    return mean_a + d * w_b, m2_a + m2_b + d * d * n_a * w_b, n
+
+
+@triton.jit
+def _merge_lanes(mean, m2, n, AXIS: tl.constexpr):
+    """Chan's formula for all the (mean, M2, n) lanes along AXIS (None: every lane) at once:
+
+        n = sum n_i,   mean = sum n_i mean_i / n,   M2 = sum M2_i + sum n_i (mean_i - mean)^2
+
+    The mean is taken in two passes (the residual sum n_i (mean_i - m0) / n corrects the first
+    estimate m0), so a large common offset costs no precision. Plain sums rather than
+    tl.reduce with a tuple combine: the same math, and the interpreter runs tuple reductions
+    as a Python loop over every element.
+    """
+    total = tl.sum(n, AXIS, keep_dims=True)
+    inv = tl.where(total > 0.0, 1.0 / tl.maximum(total, 1.0), 0.0)
+    m0 = tl.sum(n * mean, AXIS, keep_dims=True) * inv
+    m1 = m0 + tl.sum(n * (mean - m0), AXIS, keep_dims=True) * inv
+    # An infinite m0 makes the correction inf - inf: keep m0 (the sum's mean, as BatchNorm's).
+    m1 = tl.where(m1 == m1, m1, m0)
+    d = mean - m1
+    # Summing the kept size-1 axes away only drops them.
+    return tl.sum(m1, AXIS), tl.sum(m2 + n * d * d, AXIS), tl.sum(total, AXIS)
+
+
+@triton.jit
+def _channel_stats_kernel(x_ptr, mean_ptr, m2_ptr, count_ptr, N, C, S, R, CS, tiles, tiles_s,
+                          tiles_per_prog, CHANNELS_LAST: tl.constexpr, BLOCK_A: tl.constexpr,
+                          BLOCK_B: tl.constexpr, ACC: tl.constexpr):
+    """Partial (mean, M2, n) of each channel over this program's tiles -> row pid_1.
+
+    Every lane runs Welford's update over the elements it visits,
+        n += 1,  d = x - mean,  mean += d / n,  M2 += d * (x - mean),
+    then the lanes of a channel are merged with Chan's formula (:func:`_merge_lanes`).
+    An infinite element turns a lane's Welford mean into inf - inf = NaN: such a lane takes
+    the mean of its plain sum instead (inf, or NaN for both signs, as BatchNorm's mean).
+    """
+    c0 = _channel_block(CHANNELS_LAST, BLOCK_B)
+    mean = tl.zeros([BLOCK_A, BLOCK_B], ACC)
+    m2 = tl.zeros([BLOCK_A, BLOCK_B], ACC)
+    cnt = tl.zeros([BLOCK_A, BLOCK_B], ACC)
+    total = tl.zeros([BLOCK_A, BLOCK_B], ACC)
+    start, stop = _tile_range(tiles, tiles_per_prog)
+    for t in range(start, stop):
+        base, local, mask = _tile(t, c0, N, C, S, R, CS, tiles_s, CHANNELS_LAST, BLOCK_A, BLOCK_B)
+        x = tl.load(x_ptr + base + local, mask=mask, other=0.0).to(ACC)
+        cnt += mask.to(ACC)
+        total += x
+        d = tl.where(mask, x - mean, 0.0)
+        mean += d / tl.maximum(cnt, 1.0)
+        m2 += d * (x - mean)
+    mean = tl.where(mean == mean, mean, total / tl.maximum(cnt, 1.0))
+    row = tl.program_id(1)
+    if CHANNELS_LAST:
+        mean_c, m2_c, cnt_c = _merge_lanes(mean, m2, cnt, 0)
+        c = c0 + tl.arange(0, BLOCK_B)
+        tl.store(mean_ptr + row * C + c, mean_c, mask=c < C)
+        tl.store(m2_ptr + row * C + c, m2_c, mask=c < C)
+        tl.store(count_ptr + row * C + c, cnt_c, mask=c < C)
+    else:
+        mean_c, m2_c, cnt_c = _merge_lanes(mean, m2, cnt, None)
+        tl.store(mean_ptr + row * C + c0, mean_c)
+        tl.store(m2_ptr + row * C + c0, m2_c)
+        tl.store(count_ptr + row * C + c0, cnt_c)
+
+
+@triton.jit
+def _welford_merge_kernel(pmean_ptr, pm2_ptr, pcount_ptr, mean_ptr, m2_ptr, C, splits,
+                          BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Merge the [splits, C] partial (mean, M2, n) into (mean, M2) per channel (Chan).
+
+    Infinite partial means: as in the stats kernel, a lane whose merged mean is NaN takes the
+    mean of the plain sums ``sum(n_p * mean_p) / n``.
+    """
+    c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)[None, :]
+    p = tl.arange(0, BLOCK_P)[:, None]
+    acc_ty = pmean_ptr.dtype.element_ty
+    mean = tl.zeros([BLOCK_P, BLOCK_C], acc_ty)
+    m2 = tl.zeros([BLOCK_P, BLOCK_C], acc_ty)
+    cnt = tl.zeros([BLOCK_P, BLOCK_C], acc_ty)
+    total = tl.zeros([BLOCK_P, BLOCK_C], acc_ty)
+    for p0 in range(0, splits, BLOCK_P):
+        mask = (p0 + p < splits) & (c < C)
+        offs = (p0 + p) * C + c
+        part_mean = tl.load(pmean_ptr + offs, mask=mask, other=0.0)
+        part_cnt = tl.load(pcount_ptr + offs, mask=mask, other=0.0)
+        total += tl.where(part_cnt > 0.0, part_mean * part_cnt, 0.0)
+        mean, m2, cnt = _welford_combine(
+            mean, m2, cnt, part_mean, tl.load(pm2_ptr + offs, mask=mask, other=0.0), part_cnt,
+        )
+    mean = tl.where(mean == mean, mean, total / tl.maximum(cnt, 1.0))
+    mean_c, m2_c, _ = _merge_lanes(mean, m2, cnt, 0)
+    c1 = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    tl.store(mean_ptr + c1, mean_c, mask=c1 < C)
+    tl.store(m2_ptr + c1, m2_c, mask=c1 < C)
+
+
+def _plan_channel_stats(x: torch.Tensor, target: Target, tile: Tile | None = None
+                        ) -> tuple[list[Launch], tuple[torch.Tensor, torch.Tensor]]:
+    x, geo = _prepare(x)
+    acc = stats_dtype(x.dtype)
+    tile, grid, geo_args = _plan_tiles(geo, x.dtype, target, True, tile)
+    splits = grid[1]
+    mean = torch.empty(geo.c, dtype=acc, device=x.device)
+    m2 = torch.empty_like(mean)
+    if splits == 1:
+        partials = (mean, m2, torch.empty_like(mean))
+    else:
+        partials = tuple(torch.empty((splits, geo.c), dtype=acc, device=x.device)
+                         for _ in range(3))
+    launches = [Launch(_channel_stats_kernel, grid, (x, *partials, *geo_args),
+                       _tile_constexprs(geo, tile, x.dtype), _num_warps(x.dtype))]
+    if splits > 1:
+        launches.append(_merge_launch(_welford_merge_kernel, partials, (mean, m2)))
+    return launches, (mean, m2)

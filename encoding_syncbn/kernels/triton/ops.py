@@ -1,0 +1,190 @@
+"""The ops as the layer calls them: launch, torch.library registration, public functions
+(``torch_ops``' signatures)."""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from ... import _compat
+from ..torch_ops import stats_dtype
+from .backward_dx import _plan_backward_dx
+from .backward_reduce import _plan_backward_reduce
+from .channel_stats import _plan_channel_stats
+from .normalize_act import _plan_normalize_act
+from .plan import Launch, _empty_dx, _kernel_activation, _target
+
+# Triton's interpreter swaps the triton.language functions for its own while a kernel runs, so
+# two threads (DataParallel replicas) interpreting at once break each other; a GPU needs no lock.
+_INTERPRETER_LOCK = threading.Lock()
+
+
+def _run(launches: list[Launch], device: torch.device) -> None:
+    if device.type == "cuda":
+        guard = torch.cuda.device(device)
+    else:
+        guard = _INTERPRETER_LOCK
+    with guard:
+        for launch in launches:
+            launch.kernel[launch.grid](*launch.args, **launch.constexprs,
+                                       num_warps=launch.num_warps, enable_fp_fusion=True)
+
+
+def _channel_stats_impl(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    c = x.shape[1]
+    if x.numel() == 0:
+        zeros = torch.zeros(c, dtype=stats_dtype(x.dtype), device=x.device)
+        return zeros, zeros.clone()
+    launches, result = _plan_channel_stats(x, _target(x.device))
+    _run(launches, x.device)
+    return result
+
+
+def _normalize_act_impl(x: torch.Tensor, mean: torch.Tensor, invstd: torch.Tensor,
+                        weight: torch.Tensor, bias: torch.Tensor, activation: str, slope: float,
+                        out: torch.Tensor) -> None:
+    if x.numel() == 0:
+        _kernel_activation(activation, slope)
+        return
+    launches, dst = _plan_normalize_act(x, mean, invstd, weight, bias, activation, slope, out,
+                                        _target(x.device))
+    _run(launches, x.device)
+    if dst is not out:
+        out.copy_(dst)
+
+
+def _backward_reduce_impl(saved: torch.Tensor, dy: torch.Tensor, mean: torch.Tensor,
+                          invstd: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                          activation: str, slope: float, saved_is_output: bool
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    if saved.numel() == 0:
+        _kernel_activation(activation, slope, saved_is_output)
+        zeros = torch.zeros(saved.shape[1], dtype=stats_dtype(saved.dtype), device=saved.device)
+        return zeros, zeros.clone()
+    launches, result = _plan_backward_reduce(saved, dy, mean, invstd, weight, bias, activation,
+                                             slope, saved_is_output, _target(saved.device))
+    _run(launches, saved.device)
+    return result
+
+
+def _backward_dx_impl(saved: torch.Tensor, dy: torch.Tensor, mean: torch.Tensor,
+                      invstd: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                      activation: str, slope: float, saved_is_output: bool,
+                      coef_dz: torch.Tensor, coef_xhat: torch.Tensor, coef_const: torch.Tensor
+                      ) -> torch.Tensor:
+    if saved.numel() == 0:
+        _kernel_activation(activation, slope, saved_is_output)
+        return _empty_dx(saved)
+    launches, dx = _plan_backward_dx(saved, dy, mean, invstd, weight, bias, activation, slope,
+                                     saved_is_output, coef_dz, coef_xhat, coef_const,
+                                     _target(saved.device))
+    _run(launches, saved.device)
+    return dx
+
+
+# --------------------------------------------------------------------------------------------
+# torch.library registration: opaque to torch.compile, with fake (meta) implementations.
+# --------------------------------------------------------------------------------------------
+
+_channel_stats_op = torch.library.custom_op(
+    "encoding_syncbn::channel_stats", mutates_args=())(_channel_stats_impl)
+
+# Mutates ``out`` and returns nothing: torch derives its fake implementation.
+_normalize_act_op = torch.library.custom_op(
+    "encoding_syncbn::normalize_act_", mutates_args=("out",))(_normalize_act_impl)
+
+_backward_reduce_op = torch.library.custom_op(
+    "encoding_syncbn::backward_reduce", mutates_args=())(_backward_reduce_impl)
+
+_backward_dx_op = torch.library.custom_op(
+    "encoding_syncbn::backward_dx", mutates_args=())(_backward_dx_impl)
+
+
+@_channel_stats_op.register_fake
+def _(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    acc = stats_dtype(x.dtype)
+    return x.new_empty(x.shape[1], dtype=acc), x.new_empty(x.shape[1], dtype=acc)
+
+
+@_backward_reduce_op.register_fake
+def _(saved: torch.Tensor, dy: torch.Tensor, mean: torch.Tensor, invstd: torch.Tensor,
+      weight: torch.Tensor, bias: torch.Tensor, activation: str, slope: float,
+      saved_is_output: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    acc = stats_dtype(saved.dtype)
+    return saved.new_empty(saved.shape[1], dtype=acc), saved.new_empty(saved.shape[1], dtype=acc)
+
+
+@_backward_dx_op.register_fake
+def _(saved: torch.Tensor, dy: torch.Tensor, mean: torch.Tensor, invstd: torch.Tensor,
+      weight: torch.Tensor, bias: torch.Tensor, activation: str, slope: float,
+      saved_is_output: bool, coef_dz: torch.Tensor, coef_xhat: torch.Tensor,
+      coef_const: torch.Tensor) -> torch.Tensor:
+    return _empty_dx(saved)
+
+
+# --------------------------------------------------------------------------------------------
+# Public functions: torch_ops' signatures
+# --------------------------------------------------------------------------------------------
+
+
+def _through_dispatcher(x: torch.Tensor) -> bool:
+    """Whether to call the registered op rather than its implementation directly.
+
+    While compiling (the graph must hold the opaque op), for tensor subclasses (a FakeTensor
+    gets the fake implementation) and under a dispatch mode (tracers must see the op). In
+    plain eager calls the dispatcher would only add its overhead, some 10-20 us per call
+    held under the GIL, which DataParallel's replica threads share.
+    """
+    return (
+        torch.compiler.is_compiling()
+        or type(x) is not torch.Tensor
+        or _compat.current_dispatch_mode() is not None
+    )
+
+
+
+def channel_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Per-channel ``(mean, M2, count)``, ``M2 = sum((x - mean)^2)``, by Welford/Chan.
+
+    An empty batch gives zeros (it drops out of any Chan merge).
+    """
+    if _through_dispatcher(x):
+        mean, m2 = torch.ops.encoding_syncbn.channel_stats(x)
+    else:
+        mean, m2 = _channel_stats_impl(x)
+    channels = x.shape[1]
+    return mean, m2, (x.numel() // channels if channels else 0)
+
+
+def normalize_act(x: torch.Tensor, mean: torch.Tensor, invstd: torch.Tensor,
+                  weight: torch.Tensor, bias: torch.Tensor, activation: str, slope: float,
+                  out: torch.Tensor) -> torch.Tensor:
+    """``out = act((x - mean) * (invstd * weight) + bias)``; ``out`` may be ``x`` itself."""
+    normalize = (torch.ops.encoding_syncbn.normalize_act_ if _through_dispatcher(x)
+                 else _normalize_act_impl)
+    normalize(x, mean, invstd, weight, bias, activation, float(slope), out)
+    return out
+
+
+def backward_reduce(saved: torch.Tensor, dy: torch.Tensor, mean: torch.Tensor,
+                    invstd: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                    activation: str, slope: float, saved_is_output: bool
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-channel ``(sum(dz), sum(dz * xhat))`` in the statistics dtype."""
+    reduce = (torch.ops.encoding_syncbn.backward_reduce if _through_dispatcher(saved)
+              else _backward_reduce_impl)
+    sum_dz, sum_dz_xhat = reduce(saved, dy, mean, invstd, weight, bias, activation,
+                                 float(slope), bool(saved_is_output))
+    return sum_dz, sum_dz_xhat
+
+
+def backward_dx(saved: torch.Tensor, dy: torch.Tensor, mean: torch.Tensor, invstd: torch.Tensor,
+                weight: torch.Tensor, bias: torch.Tensor, activation: str, slope: float,
+                saved_is_output: bool, coef_dz: torch.Tensor, coef_xhat: torch.Tensor,
+                coef_const: torch.Tensor) -> torch.Tensor:
+    """``dx = coef_dz * dz + coef_xhat * xhat + coef_const``, in ``saved``'s dtype."""
+    input_grad = (torch.ops.encoding_syncbn.backward_dx if _through_dispatcher(saved)
+                  else _backward_dx_impl)
+    return input_grad(saved, dy, mean, invstd, weight, bias, activation, float(slope),
+                      bool(saved_is_output), coef_dz, coef_xhat, coef_const)

@@ -1,0 +1,295 @@
+"""Launch planning shared by the ops: dtypes, tile sizes, geometry, memoised tiles and grids.
+
+Host code only (plain ints, memoised by shape, strides, dtype and target); see the package
+docstring for the geometry the kernels address.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+import torch
+import triton.language as tl
+
+from ... import _compat
+from ..torch_ops import stats_dtype
+
+#: Whether kernels run in Triton's CPU interpreter (fixed when ``triton.jit`` wrapped them).
+INTERPRET: bool = _compat.triton_interpreting()
+
+#: Input dtypes the kernels are built for.
+DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+#: Activations the kernels are specialised on. "none" and "identity" run as leaky_relu with
+#: slope 1, which is exact (z * 1 == z, y / 1 == y) and saves a specialisation of every kernel.
+KERNEL_ACTIVATIONS = ("leaky_relu", "elu", "relu")
+#: (saved_is_output, activation) pairs the backward kernels are built for: relu has no inverse.
+BACKWARD_VARIANTS = tuple((False, a) for a in KERNEL_ACTIVATIONS) + tuple(
+    (True, a) for a in KERNEL_ACTIVATIONS if a != "relu"
+)
+
+_TL_DTYPES = {torch.float32: tl.float32, torch.float64: tl.float64}
+
+# Elements per tile, 8 (fp64: 1) per thread. fp64's divisions, exp and log are register-hungry
+# subroutines: at 2, 4 and 8 elements a thread the AOT check found fp64 specialisations of the
+# backward reduction and the statistics spilling (8-16 bytes, sm_80 and sm_90); at 1 none.
+# (fp64 on a GPU is for checking, not speed.) The interpreter pays per program and per operation,
+# not per element, so it gets bigger tiles (and fewer programs, below).
+_GPU_TILE_ELEMS = 2048
+_GPU_TILE_ELEMS_FP64 = 128
+_INTERPRET_TILE_ELEMS = 8192
+_NUM_WARPS = 8
+_NUM_WARPS_FP64 = 4
+
+
+def _num_warps(dtype: torch.dtype) -> int:
+    return _NUM_WARPS_FP64 if dtype == torch.float64 else _NUM_WARPS
+
+
+# Tile widths. NCHW: rows of 64 positions over many images (small and medium maps), or one long
+# run of a single image. channels_last: rows of 16 channels (C <= 16) or 64.
+_NCHW_WIDTH = 64
+_CHANNELS_LAST_WIDTHS = (16, 64)
+# Programs per launch to aim for, per SM on a GPU / in total in the interpreter.
+_REDUCE_PROGRAMS_PER_SM = 4
+_ELEMENTWISE_PROGRAMS_PER_SM = 16
+_INTERPRET_PROGRAMS = 16
+# CUDA limits grid axis 1 to 65535; splits beyond that take more tiles each instead.
+_MAX_SPLITS = 65535
+_INT32_MAX = 2**31 - 1
+# The partial-merge kernels: [_MERGE_ROWS splits, _MERGE_CHANNELS channels] per step.
+_MERGE_ROWS = 16
+_MERGE_CHANNELS = 64
+
+
+class Tile(NamedTuple):
+    """Tile shape: [block_a images or rows, block_b positions or channels]."""
+
+    block_a: int
+    block_b: int
+
+
+class Target(NamedTuple):
+    """What block sizes and grids are planned for."""
+
+    interpret: bool
+    sm_count: int
+
+
+class Launch(NamedTuple):
+    """One kernel launch, fully planned (``check.py`` compiles these ahead of time)."""
+
+    kernel: object
+    grid: tuple[int, int]
+    args: tuple
+    constexprs: dict
+    num_warps: int
+
+
+class _Geometry(NamedTuple):
+    channels_last: bool
+    n: int
+    c: int
+    s: int
+
+
+def _cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` in plain ints (``triton.cdiv`` is a jitted function: ~10 us a call)."""
+    return -(-a // b)
+
+
+def tile_choices(channels_last: bool, dtype: torch.dtype, interpret: bool = INTERPRET
+                 ) -> tuple[Tile, ...]:
+    """Every tile shape the launchers may pick (the AOT check compiles each)."""
+    if interpret:
+        elems = _INTERPRET_TILE_ELEMS
+    else:
+        elems = _GPU_TILE_ELEMS_FP64 if dtype == torch.float64 else _GPU_TILE_ELEMS
+    if channels_last:
+        return tuple(Tile(elems // w, w) for w in _CHANNELS_LAST_WIDTHS)
+    return Tile(elems // _NCHW_WIDTH, _NCHW_WIDTH), Tile(1, elems)
+
+
+def _offsets_fit(geo: _Geometry, tile: Tile) -> bool:
+    """Whether every element a tile reads lies within int32 of the tile's start: ``_tile``
+    keeps the in-tile offsets (rows times the row stride, C*S in NCHW) in 32 bits."""
+    row_stride, rows = (geo.c, geo.n * geo.s) if geo.channels_last else (geo.c * geo.s, geo.n)
+    return (min(tile.block_a, rows) - 1) * row_stride + tile.block_b - 1 <= _INT32_MAX
+
+
+def _pick_tile(geo: _Geometry, dtype: torch.dtype, interpret: bool) -> Tile:
+    """The tile with the least padding over the (rows, channels) or (images, positions) extent;
+    ties go to the wider tile (longer contiguous runs, fewer channel blocks). Only tiles whose
+    offsets fit in int32: NCHW's one-row tile always does."""
+    extent_a, extent_b = (geo.n * geo.s, geo.c) if geo.channels_last else (geo.n, geo.s)
+
+    def cost(t: Tile) -> tuple[int, int]:
+        padded = _cdiv(extent_a, t.block_a) * t.block_a
+        return padded * _cdiv(extent_b, t.block_b) * t.block_b, -t.block_b
+
+    choices = [t for t in tile_choices(geo.channels_last, dtype, interpret)
+               if _offsets_fit(geo, t)]
+    if not choices:
+        raise ValueError(
+            f"{geo.c} channels are too many for the Triton kernels' 32-bit in-tile offsets "
+            "in channels_last; use a contiguous (NCHW) input or the torch backend"
+        )
+    return min(choices, key=cost)
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _target(device: torch.device) -> Target:
+    if INTERPRET or device.type != "cuda":
+        return Target(INTERPRET, 0)
+    return Target(False, _sm_count(device.index if device.index is not None else 0))
+
+
+def _geometry(x: torch.Tensor) -> _Geometry | None:
+    """How ``x`` lies in memory, or None when it is neither NCHW nor channels_last dense."""
+    sizes, strides = tuple(x.shape), x.stride()
+    try:
+        return _layout(sizes, strides)
+    except TypeError:  # symbolic sizes (fake tensors while tracing) cannot key the memo
+        return _layout.__wrapped__(sizes, strides)
+
+
+def _dense(sizes: tuple[int, ...], strides: tuple[int, ...]) -> bool:
+    """``is_contiguous`` in ints: the strides of a C-contiguous tensor, size-1 axes free."""
+    if 0 in sizes:
+        return True
+    expected = 1
+    for size, stride in zip(reversed(sizes), reversed(strides)):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+@functools.lru_cache(maxsize=1024)
+def _layout(sizes: tuple[int, ...], strides: tuple[int, ...]) -> _Geometry | None:
+    """``_geometry`` of a tensor with these sizes and strides (memoised: host ints only)."""
+    n, c = sizes[0], sizes[1]
+    s = math.prod(sizes[2:])
+    contiguous = _dense(sizes, strides)
+    if s == 1 and contiguous:
+        # (N, C) and (N, C, 1, ...): channels are the innermost axis, read rows of C.
+        return _Geometry(True, n, c, s)
+    if contiguous:
+        return _Geometry(False, n, c, s)
+    last = (0, *range(2, len(sizes)), 1)
+    if _dense(tuple(sizes[i] for i in last), tuple(strides[i] for i in last)):
+        return _Geometry(True, n, c, s)
+    return None
+
+
+def _to_last(x: torch.Tensor) -> torch.Tensor:
+    """(N, C, *) -> (N, *, C) view: channels_last of any rank is contiguous there."""
+    return x.permute(0, *range(2, x.dim()), 1)
+
+
+def _in_layout(t: torch.Tensor, channels_last: bool) -> torch.Tensor:
+    """``t`` itself when it lies like the planned geometry, else one copy that does."""
+    geo = _geometry(t)
+    if geo is not None and (geo.channels_last == channels_last or geo.s == 1):
+        return t
+    if not channels_last:
+        return t.contiguous()
+    return _to_last(t).contiguous().permute(0, t.dim() - 1, *range(1, t.dim() - 1))
+
+
+def _prepare(x: torch.Tensor) -> tuple[torch.Tensor, _Geometry]:
+    if x.dtype not in DTYPES:
+        raise TypeError(f"unsupported dtype {x.dtype}; expected one of {DTYPES}")
+    if x.dim() < 2:
+        raise ValueError(f"expected an (N, C, *) input, got shape {tuple(x.shape)}")
+    geo = _geometry(x)
+    if geo is None:
+        x = x.contiguous()
+        geo = _geometry(x)
+    return x, geo
+
+
+def _plan_tiles(geo: _Geometry, dtype: torch.dtype, target: Target, reduction: bool,
+                tile: Tile | None) -> tuple[Tile, tuple[int, int], tuple[int, ...]]:
+    """Tile, grid and the kernels' geometry arguments ``(N, C, S, R, CS, tiles, tiles_s, tpp)``.
+
+    Reductions aim at a few programs per SM (split reduction when C is small), elementwise
+    passes at enough programs to cover every SM many times over. Memoised by everything the
+    plan depends on (the tile sizes too: tests change them).
+    """
+    sizes = (_INTERPRET_TILE_ELEMS, _GPU_TILE_ELEMS, _GPU_TILE_ELEMS_FP64)
+    return _plan_tiles_memo(geo, dtype, target, reduction, tile, sizes)
+
+
+@functools.lru_cache(maxsize=1024)
+def _plan_tiles_memo(geo: _Geometry, dtype: torch.dtype, target: Target, reduction: bool,
+                     tile: Tile | None, _tile_sizes: tuple[int, int, int]
+                     ) -> tuple[Tile, tuple[int, int], tuple[int, ...]]:
+    tile = tile or _pick_tile(geo, dtype, target.interpret)
+    n, c, s = geo.n, geo.c, geo.s
+    if geo.channels_last:
+        channel_blocks = _cdiv(c, tile.block_b)
+        tiles_s = 1
+        tiles = _cdiv(n * s, tile.block_a)
+    else:
+        channel_blocks = c
+        tiles_s = _cdiv(s, tile.block_b)
+        tiles = _cdiv(n, tile.block_a) * tiles_s
+    if target.interpret:
+        programs = _INTERPRET_PROGRAMS
+    else:
+        per_sm = _REDUCE_PROGRAMS_PER_SM if reduction else _ELEMENTWISE_PROGRAMS_PER_SM
+        programs = per_sm * target.sm_count
+    splits = min(tiles, max(1, programs // channel_blocks))
+    tiles_per_prog = max(_cdiv(tiles, splits), _cdiv(tiles, _MAX_SPLITS))
+    splits = _cdiv(tiles, tiles_per_prog)
+    args = (n, c, s, n * s, c * s, tiles, tiles_s, tiles_per_prog)
+    return tile, (channel_blocks, splits), args
+
+
+def _tile_constexprs(geo: _Geometry, tile: Tile, dtype: torch.dtype) -> dict:
+    return {
+        "CHANNELS_LAST": geo.channels_last,
+        "BLOCK_A": tile.block_a,
+        "BLOCK_B": tile.block_b,
+        "ACC": _TL_DTYPES[stats_dtype(dtype)],
+    }
+
+
+def _merge_launch(kernel: object, partials: tuple[torch.Tensor, ...],
+                  outputs: tuple[torch.Tensor, ...]) -> Launch:
+    splits, c = partials[0].shape
+    return Launch(kernel, (_cdiv(c, _MERGE_CHANNELS), 1), (*partials, *outputs, c, splits),
+                  {"BLOCK_P": _MERGE_ROWS, "BLOCK_C": _MERGE_CHANNELS}, _NUM_WARPS)
+
+
+def _kernel_activation(activation: str, slope: float, saved_is_output: bool = False
+                       ) -> tuple[str, float]:
+    """The kernel specialisation and slope that compute ``activation``."""
+    if activation in ("none", "identity"):
+        return "leaky_relu", 1.0
+    if activation not in KERNEL_ACTIVATIONS:
+        raise ValueError(f"unknown activation {activation!r}")
+    if saved_is_output and activation == "relu":
+        raise ValueError(f"activation {activation!r} cannot be inverted from its output")
+    return activation, float(slope)
+
+
+def _channel_vectors(acc: torch.dtype, *vectors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Per-channel inputs as contiguous vectors of the statistics dtype (no-ops normally, and
+    then no ATen call)."""
+    return tuple(v if v.dtype == acc and v.is_contiguous() else v.to(acc).contiguous()
+                 for v in vectors)
+
+
+def _empty_dx(saved: torch.Tensor) -> torch.Tensor:
+    """dx lies like saved when saved is NCHW or channels_last, else contiguous."""
+    if _geometry(saved) is None:
+        return torch.empty(saved.shape, dtype=saved.dtype, device=saved.device)
+    return torch.empty_like(saved)

@@ -1,0 +1,74 @@
+"""Every specialisation the launchers can produce (compiled ahead of time by check.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from ..torch_ops import stats_dtype
+from .backward_dx import _plan_backward_dx
+from .backward_reduce import _plan_backward_reduce
+from .channel_stats import _plan_channel_stats
+from .normalize_act import _plan_normalize_act
+from .plan import (
+    BACKWARD_VARIANTS,
+    DTYPES,
+    KERNEL_ACTIVATIONS,
+    Launch,
+    Target,
+    _geometry,
+    _offsets_fit,
+    tile_choices,
+)
+
+# (shape, memory format) of the planned launches above: a split reduction (C small) and one
+# program per channel block (C large); a single odd image; one plane of over 2**31 elements;
+# C*S over 2**31; 2-D rows; rows past 2**31 in channels_last.
+_SPECIALISATION_SHAPES = (
+    ((32, 16, 64, 64), torch.contiguous_format),
+    ((4, 4096, 8, 8), torch.contiguous_format),
+    ((1, 3, 7, 9), torch.contiguous_format),
+    ((1, 2, 46341, 46341), torch.contiguous_format),
+    ((4, 65537, 128, 128), torch.contiguous_format),
+    ((32, 64, 32, 32), torch.channels_last),
+    ((8, 7), torch.contiguous_format),
+    ((2**17, 3, 128, 128), torch.channels_last),
+)
+
+
+def launch_specialisations(target: Target) -> Iterator[tuple[str, Launch]]:
+    """Every kernel specialisation the launchers can produce for ``target``, as planned launches
+    over meta tensors (never run): what ``check.py`` compiles ahead of time.
+
+    Walks the same choices the launchers make: dtypes, both layouts, every tile of
+    :func:`tile_choices` whose offsets fit, every activation and saved input/output, the merge
+    kernels, and shapes that change how Triton types the integer arguments: sizes of 1
+    (constants), odd sizes (no divisibility hint), 2-D inputs, and sizes past 2**31 (int64).
+    """
+    for dtype in DTYPES:
+        acc = stats_dtype(dtype)
+        for shape, fmt in _SPECIALISATION_SHAPES:
+            x = torch.empty(shape, dtype=dtype, device="meta", memory_format=fmt)
+            vec = torch.empty(shape[1], dtype=acc, device="meta")
+            geo = _geometry(x)
+            layout = "channels_last" if geo.channels_last else "nchw"
+            for tile in tile_choices(geo.channels_last, dtype, target.interpret):
+                if not _offsets_fit(geo, tile):
+                    continue
+                where = f"{dtype} {layout} {tuple(shape)} tile={tile.block_a}x{tile.block_b}"
+                launches, _ = _plan_channel_stats(x, target, tile)
+                for launch in launches:
+                    yield where, launch
+                for act in KERNEL_ACTIVATIONS:
+                    launches, _ = _plan_normalize_act(x, vec, vec, vec, vec, act, 0.01, x,
+                                                      target, tile)
+                    yield f"{where} {act}", launches[0]
+                for saved_is_output, act in BACKWARD_VARIANTS:
+                    label = f"{where} {act} saved={'y' if saved_is_output else 'x'}"
+                    common = (x, x, vec, vec, vec, vec, act, 0.01, saved_is_output)
+                    launches, _ = _plan_backward_reduce(*common, target, tile)
+                    for launch in launches:
+                        yield label, launch
+                    launches, _ = _plan_backward_dx(*common, vec, vec, vec, target, tile)
+                    yield label, launches[0]

@@ -1,0 +1,91 @@
+"""Device functions shared by the kernels: where a tile lies, which channels a program owns,
+per-channel loads and stores."""
+
+import triton
+import triton.language as tl
+
+from .activations import _xhat_dz
+
+
+@triton.jit
+def _tile(t, c0, N, C, S, R, CS, tiles_s, CHANNELS_LAST: tl.constexpr, BLOCK_A: tl.constexpr,
+          BLOCK_B: tl.constexpr):
+    """``(base, local, mask)`` of tile ``t`` of the channel block starting at ``c0``.
+
+    ``base`` is a scalar int64 element offset, ``local`` the int32 offsets inside the tile:
+    per-element address arithmetic stays 32-bit while tensors may exceed 2**31 elements
+    (``_pick_tile`` only picks tiles whose offsets fit).
+    """
+    a = tl.arange(0, BLOCK_A)[:, None]
+    b = tl.arange(0, BLOCK_B)[None, :]
+    if CHANNELS_LAST:
+        r0 = tl.cast(t, tl.int64) * BLOCK_A
+        base = r0 * C + c0
+        local = a * C + b
+        mask = (a < R - r0) & (b < C - c0)
+    else:
+        tn = t // tiles_s
+        n0 = tl.cast(tn, tl.int64) * BLOCK_A
+        # One plane may pass 2**31 elements: the position offset is int64 too.
+        s0 = tl.cast(t - tn * tiles_s, tl.int64) * BLOCK_B
+        base = n0 * CS + tl.cast(c0, tl.int64) * S + s0
+        local = a * CS + b
+        mask = (a < N - n0) & (b < S - s0)
+    return base, local, mask
+
+
+@triton.jit
+def _channel_block(CHANNELS_LAST: tl.constexpr, BLOCK_B: tl.constexpr):
+    """First channel of this program: channels_last programs own BLOCK_B channels, NCHW one."""
+    if CHANNELS_LAST:
+        c0 = tl.program_id(0) * BLOCK_B
+    else:
+        c0 = tl.program_id(0)
+    return c0
+
+
+@triton.jit
+def _load_channel(ptr, c0, C, CHANNELS_LAST: tl.constexpr, BLOCK_B: tl.constexpr):
+    """A per-channel vector, shaped to broadcast over a tile: [1, BLOCK_B] or a scalar."""
+    if CHANNELS_LAST:
+        c = c0 + tl.arange(0, BLOCK_B)[None, :]
+        v = tl.load(ptr + c, mask=c < C, other=1.0)
+    else:
+        v = tl.load(ptr + c0)
+    return v
+
+
+@triton.jit
+def _store_channel_sum(ptr, acc, row, c0, C, CHANNELS_LAST: tl.constexpr, BLOCK_B: tl.constexpr):
+    """``ptr[row, c] = sum of acc over its lanes of channel c`` (partial buffer [splits, C])."""
+    if CHANNELS_LAST:
+        c = c0 + tl.arange(0, BLOCK_B)
+        tl.store(ptr + row * C + c, tl.sum(acc, 0), mask=c < C)
+    else:
+        tl.store(ptr + row * C + c0, tl.sum(acc))
+
+
+@triton.jit
+def _tile_range(tiles, tiles_per_prog):
+    """This program's contiguous range of tiles in its channel block."""
+    start = tl.program_id(1) * tiles_per_prog
+    return start, tl.minimum(start + tiles_per_prog, tiles)
+
+
+@triton.jit
+def _load_norm_params(mean_ptr, invstd_ptr, weight_ptr, bias_ptr, c0, C,
+                      CHANNELS_LAST: tl.constexpr, BLOCK_B: tl.constexpr):
+    """``(mean, invstd, weight, bias)`` of this program's channels, as ``_load_channel``."""
+    return (_load_channel(mean_ptr, c0, C, CHANNELS_LAST, BLOCK_B),
+            _load_channel(invstd_ptr, c0, C, CHANNELS_LAST, BLOCK_B),
+            _load_channel(weight_ptr, c0, C, CHANNELS_LAST, BLOCK_B),
+            _load_channel(bias_ptr, c0, C, CHANNELS_LAST, BLOCK_B))
+
+
+@triton.jit
+def _tile_xhat_dz(saved_ptr, dy_ptr, offsets, mask, mean, invstd, weight, bias, alpha,
+                  ACTIVATION: tl.constexpr, SAVED_IS_OUTPUT: tl.constexpr, ACC: tl.constexpr):
+    """``(xhat, dz)`` of one tile: saved and dy read once, widened to ``ACC``."""
+    s = tl.load(saved_ptr + offsets, mask=mask, other=0.0).to(ACC)
+    dy = tl.load(dy_ptr + offsets, mask=mask, other=0.0).to(ACC)
+    return _xhat_dz(s, dy, mean, invstd, weight, bias, alpha, ACTIVATION, SAVED_IS_OUTPUT)
