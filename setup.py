@@ -23,8 +23,10 @@ setup(
     # 2.4: the first release with torch.library.custom_op, register_fake and register_autograd.
     install_requires=["torch>=2.4", "numpy"],
     extras_require={
-        # The real models the converter is tested on (tests/test_convert_models.py).
-        "test": ["pytest", "expecttest", "ruff", "triton; platform_system == 'Linux'",
+        # pytest-xdist runs the suite on every core (-n auto); torchvision, timm and smp are
+        # the real models the converters are tested on (tests/test_convert_models.py).
+        "test": ["pytest", "pytest-xdist", "hypothesis", "expecttest", "ruff",
+                 "triton; platform_system == 'Linux'",
                  "torchvision", "timm", "segmentation-models-pytorch"],
         "examples": ["tqdm", "matplotlib", "pillow"],
     },
