@@ -46,7 +46,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from . import _compat, stats
-from .kernels import compile_ops, ops_for, reference_ops, torch_ops
+from .kernels import DxCoefs, NormParams, compile_ops, ops_for, reference_ops, torch_ops
 
 # A channel is rebuilt from y only if |w| > _MIN_INVERTIBLE_GAMMA * max(1, |b|): xhat =
 # (z - b) / w amplifies z's rounding by |b| / |w|.
@@ -272,7 +272,7 @@ def _normalize(ctx, x, mean, invstd, weight, bias, config: ActConfig, aside_chan
         aside_input = _nothing(x.dtype, x.device)
     out = x if _overwrites_input(config) else torch.empty_like(x)
     ops_for(x).normalize_act(
-        x, mean, invstd, weight, bias, config.activation, config.slope, out
+        x, NormParams(mean, invstd, weight, bias, config.activation, config.slope), out
     )
     if _overwrites_input(config):
         ctx.mark_dirty(x)
@@ -317,25 +317,21 @@ def _modified_message(config: ActConfig, torch_message: str) -> str:
 def _aside_args(saved: _Saved, grad_output: torch.Tensor, config: ActConfig):
     """The ``reference_ops`` arguments that recompute the channels kept aside from their input."""
     idx = saved.aside_channels
-    return (
-        saved.aside_input,
-        grad_output.index_select(1, idx),
-        saved.mean[idx],
-        saved.invstd[idx],
-        saved.weight[idx],
-        saved.bias[idx],
-        config.activation,
-        config.slope,
-        False,
-    )
+    params = NormParams(saved.mean[idx], saved.invstd[idx], saved.weight[idx], saved.bias[idx],
+                        config.activation, config.slope)
+    return saved.aside_input, grad_output.index_select(1, idx), params, False
+
+
+def _params(saved: _Saved, config: ActConfig) -> NormParams:
+    return NormParams(saved.mean, saved.invstd, saved.weight, saved.bias, config.activation,
+                      config.slope)
 
 
 def _reduce(saved: _Saved, grad_output: torch.Tensor, config: ActConfig):
     """Per-channel ``(sum(dz), sum(dz * xhat))``."""
     from_output = config.inplace
     sum_dz, sum_dz_xhat = ops_for(saved.tensor).backward_reduce(
-        saved.tensor, grad_output, saved.mean, saved.invstd, saved.weight, saved.bias,
-        config.activation, config.slope, from_output,
+        saved.tensor, grad_output, _params(saved, config), from_output
     )
     if _keeps_aside(config, saved.aside_channels):
         exact_dz, exact_dz_xhat = reference_ops().backward_reduce(
@@ -349,13 +345,14 @@ def _reduce(saved: _Saved, grad_output: torch.Tensor, config: ActConfig):
 def _input_grad(saved: _Saved, grad_output, config: ActConfig, coef_dz, coef_xhat, coef_const):
     """``dx = coef_dz * dz + coef_xhat * xhat + coef_const`` in one pass."""
     dx = ops_for(saved.tensor).backward_dx(
-        saved.tensor, grad_output, saved.mean, saved.invstd, saved.weight, saved.bias,
-        config.activation, config.slope, config.inplace, coef_dz, coef_xhat, coef_const,
+        saved.tensor, grad_output, _params(saved, config), config.inplace,
+        DxCoefs(coef_dz, coef_xhat, coef_const),
     )
     idx = saved.aside_channels
     if _keeps_aside(config, saved.aside_channels):
         exact = reference_ops().backward_dx(
-            *_aside_args(saved, grad_output, config), coef_dz[idx], coef_xhat[idx], coef_const[idx]
+            *_aside_args(saved, grad_output, config),
+            DxCoefs(coef_dz[idx], coef_xhat[idx], coef_const[idx]),
         )
         dx.index_copy_(1, idx, exact)
     return dx

@@ -1,6 +1,7 @@
 """Backend selection when Triton is broken: the torch backend keeps working, and asking for
 Triton says why it cannot run."""
 
+import collections
 import importlib
 
 import pytest
@@ -44,3 +45,56 @@ def test_torch_backend_works_without_triton():
         torch.nn.functional.batch_norm(x, None, None, training=True), 0.01
     )
     torch.testing.assert_close(layer(x.clone()), expected)
+
+
+class _Counting:
+    """A test double: the torch backend, counting the calls of each op."""
+
+    name = "counting"
+
+    def __init__(self):
+        self.calls = collections.Counter()
+
+    def __getattr__(self, op):
+        def call(*args):
+            self.calls[op] += 1
+            return getattr(kernels.TORCH, op)(*args)
+        return call
+
+
+@pytest.fixture
+def counting():
+    double = _Counting()
+    kernels.register_backend("counting", double)
+    encoding_syncbn.set_backend("counting")
+    yield double
+    kernels.unregister_backend("counting")
+    assert encoding_syncbn.get_backend() == "auto"
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_a_registered_backend_runs_the_layer(counting, inplace):
+    """A backend is one class: registered, selected, and then every op of the layer (forward
+    and backward, in place or not) goes through it, with the torch backend's results."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 3, 5, 5, dtype=torch.float64)
+    dy = torch.randn_like(x)
+    results = {}
+    for name in ("counting", "torch"):
+        encoding_syncbn.set_backend(name)
+        layer = encoding_syncbn.SyncBatchNorm(3, activation="leaky_relu", inplace=inplace).double()
+        x_in = x.clone().requires_grad_()
+        out = layer(x_in.clone() if inplace else x_in)
+        out.backward(dy)
+        results[name] = (out.detach(), x_in.grad)
+    assert counting.calls == {"channel_stats": 1, "normalize_act": 1, "backward_reduce": 1,
+                              "backward_dx": 1}
+    torch.testing.assert_close(results["counting"], results["torch"], rtol=0, atol=0)
+    encoding_syncbn.set_backend("counting")  # for the fixture's check
+
+
+def test_unknown_and_builtin_backend_names_are_refused():
+    with pytest.raises(ValueError, match="must be one of .*'auto'.*got 'nope'"):
+        encoding_syncbn.set_backend("nope")
+    with pytest.raises(ValueError, match="built-in backend name"):
+        kernels.register_backend("torch", kernels.TORCH)

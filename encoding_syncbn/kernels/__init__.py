@@ -1,10 +1,13 @@
-"""Backend choice for the layer's four ops (see ``torch_ops`` for what they compute).
+"""Backend choice for the layer's four ops (see ``torch_ops`` for what they compute, ``backend``
+for the protocol a backend implements).
 
 ``"torch"``: ATen calls, any device. ``"triton"``: the Triton kernels; CUDA tensors, or CPU
 tensors under Triton's interpreter (``TRITON_INTERPRET=1`` set before triton is imported).
 ``"auto"`` (the default): Triton for CUDA tensors when triton imports, ATen otherwise.
 The initial choice comes from ``ENCODING_SYNCBN_BACKEND``. Asking for ``"triton"`` never
-falls back silently: where it cannot run, the call raises and says why.
+falls back silently: where it cannot run, the call raises and says why. Other backends (a test
+double, say) are registered under a name by :func:`register_backend` and then selected like
+these.
 """
 
 from __future__ import annotations
@@ -16,15 +19,42 @@ from types import ModuleType
 import torch
 
 from . import compile_ops, torch_ops
+from .backend import Backend, DxCoefs, FunctionsBackend, NormParams
+
+__all__ = ["Backend", "DxCoefs", "NormParams", "get_backend", "ops_for", "reference_ops",
+           "register_backend", "set_backend"]
 
 BACKENDS = ("auto", "torch", "triton")
 BACKEND_ENV = "ENCODING_SYNCBN_BACKEND"
 
+TORCH = FunctionsBackend("torch", torch_ops)
+#: What ``torch.compile`` traces in place of ``TORCH`` (the same functions as opaque ops).
+COMPILED = FunctionsBackend("compiled", compile_ops)
+
+# Backends registered by name beside BACKENDS (tests' doubles, out-of-tree backends).
+_registered: dict[str, Backend] = {}
+
 
 def _validated(name: str) -> str:
-    if name not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {name!r}")
+    if name not in BACKENDS and name not in _registered:
+        raise ValueError(f"backend must be one of {(*BACKENDS, *_registered)}, got {name!r}")
     return name
+
+
+def register_backend(name: str, backend: Backend) -> None:
+    """Make ``backend`` selectable as ``set_backend(name)``: every layer then calls its four
+    ops, on any device (while ``torch.compile`` traces too: it must be traceable)."""
+    if name in BACKENDS:
+        raise ValueError(f"{name!r} is a built-in backend name; choose another")
+    _registered[name] = backend
+
+
+def unregister_backend(name: str) -> None:
+    """Forget a registered backend; selecting it falls back to ``"auto"`` if it was current."""
+    global _backend
+    del _registered[name]
+    if _backend == name:
+        _backend = "auto"
 
 
 _backend = _validated(os.environ.get(BACKEND_ENV, "auto") or "auto")
@@ -33,13 +63,14 @@ _triton_import_error: str | None = None
 
 
 def set_backend(name: str) -> None:
-    """Select ``"auto"``, ``"torch"`` or ``"triton"`` for every layer of this process.
+    """Select ``"auto"``, ``"torch"``, ``"triton"`` or a registered backend for every layer of
+    this process.
 
     ``"triton"`` raises, and keeps the current backend, when the kernels cannot be imported.
     """
     global _backend
     _validated(name)
-    if name != "torch":
+    if name in ("auto", "triton"):
         _load_triton()  # now, not inside a traced (torch.compile) call
     if name == "triton" and _triton_ops is None:
         raise RuntimeError(f"set_backend('triton'): triton cannot be imported: "
@@ -74,23 +105,31 @@ def triton_interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def reference_ops() -> ModuleType:
-    """``torch_ops``; while ``torch.compile`` traces, the same ops as opaque custom ops.
 
-    (``torch_ops`` is not traceable: it walks slabs with ``out=`` calls. The check is one
-    flag read, so the eager path keeps calling ATen directly.)
+def reference_ops() -> Backend:
+    """``TORCH``; while ``torch.compile`` traces, ``COMPILED`` (the same ops as opaque custom
+    ops: ``torch_ops`` is not traceable, it walks slabs with ``out=`` calls).
+
+    The check is one flag read, so the eager path keeps calling ATen directly.
     """
-    return compile_ops if torch.compiler.is_compiling() else torch_ops
+    return COMPILED if torch.compiler.is_compiling() else TORCH
 
 
-def ops_for(x: torch.Tensor) -> ModuleType:
-    """The module implementing the ops for tensors like ``x`` under the current backend."""
-    if _backend == "torch":
+def ops_for(x: torch.Tensor) -> Backend:
+    """The backend for tensors like ``x`` under the current choice.
+
+    Bitwise agreement between two calls (the checkpoint recompute's lookup) needs the same
+    backend for both: callers that must agree keep the backend this returned.
+    """
+    name = _backend
+    if name == "torch":
         return reference_ops()
-    if _backend == "auto":
+    if name == "auto":
         if x.is_cuda and _load_triton() is not None:
-            return _triton_ops
+            return _triton_ops.backend_for(x)
         return reference_ops()
+    if name != "triton":
+        return _registered[name]
     if not (x.is_cuda or triton_interpreted()):
         raise RuntimeError(
             f"backend 'triton' runs on CUDA tensors, got a {x.device.type} tensor; on the CPU it "
@@ -100,4 +139,4 @@ def ops_for(x: torch.Tensor) -> ModuleType:
     if _load_triton() is None:
         raise RuntimeError(f"backend 'triton' was asked for but triton cannot be imported: "
                            f"{_triton_import_error}")
-    return _triton_ops
+    return _triton_ops.backend_for(x)

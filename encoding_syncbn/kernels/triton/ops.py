@@ -8,6 +8,7 @@ import threading
 import torch
 
 from ... import _compat
+from ..backend import DxCoefs, NormParams
 from ..torch_ops import stats_dtype
 from .backward_dx import _plan_backward_dx
 from .backward_reduce import _plan_backward_reduce
@@ -124,7 +125,7 @@ def _(saved: torch.Tensor, dy: torch.Tensor, mean: torch.Tensor, invstd: torch.T
 
 
 # --------------------------------------------------------------------------------------------
-# Public functions: torch_ops' signatures
+# The backend, and the public functions of torch_ops' signatures
 # --------------------------------------------------------------------------------------------
 
 
@@ -143,48 +144,89 @@ def _through_dispatcher(x: torch.Tensor) -> bool:
     )
 
 
+class TritonBackend:
+    """The Triton kernels as a :class:`~encoding_syncbn.kernels.backend.Backend`: through the
+    registered ops (``through_dispatcher``) or straight to their implementations."""
+
+    def __init__(self, through_dispatcher: bool) -> None:
+        self.name = "triton"
+        ops = torch.ops.encoding_syncbn
+        self._stats = ops.channel_stats if through_dispatcher else _channel_stats_impl
+        self._normalize = ops.normalize_act_ if through_dispatcher else _normalize_act_impl
+        self._reduce = ops.backward_reduce if through_dispatcher else _backward_reduce_impl
+        self._dx = ops.backward_dx if through_dispatcher else _backward_dx_impl
+
+    def __repr__(self) -> str:
+        return "<backend 'triton'>"
+
+    def channel_stats(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Per-channel ``(mean, M2, count)``, ``M2 = sum((x - mean)^2)``, by Welford/Chan.
+
+        An empty batch gives zeros (it drops out of any Chan merge).
+        """
+        mean, m2 = self._stats(x)
+        channels = x.shape[1]
+        return mean, m2, (x.numel() // channels if channels else 0)
+
+    def normalize_act(self, x: torch.Tensor, params: NormParams,
+                      out: torch.Tensor) -> torch.Tensor:
+        """``out = act((x - mean) * (invstd * weight) + bias)``; ``out`` may be ``x`` itself."""
+        mean, invstd, weight, bias, activation, slope = params
+        self._normalize(x, mean, invstd, weight, bias, activation, float(slope), out)
+        return out
+
+    def backward_reduce(self, saved: torch.Tensor, dy: torch.Tensor, params: NormParams,
+                        saved_is_output: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-channel ``(sum(dz), sum(dz * xhat))`` in the statistics dtype."""
+        mean, invstd, weight, bias, activation, slope = params
+        sum_dz, sum_dz_xhat = self._reduce(saved, dy, mean, invstd, weight, bias, activation,
+                                           float(slope), bool(saved_is_output))
+        return sum_dz, sum_dz_xhat
+
+    def backward_dx(self, saved: torch.Tensor, dy: torch.Tensor, params: NormParams,
+                    saved_is_output: bool, coefs: DxCoefs) -> torch.Tensor:
+        """``dx = coef_dz * dz + coef_xhat * xhat + coef_const``, in ``saved``'s dtype."""
+        mean, invstd, weight, bias, activation, slope = params
+        return self._dx(saved, dy, mean, invstd, weight, bias, activation, float(slope),
+                        bool(saved_is_output), *coefs)
+
+
+DIRECT = TritonBackend(through_dispatcher=False)
+DISPATCHED = TritonBackend(through_dispatcher=True)
+
+
+def backend_for(x: torch.Tensor) -> TritonBackend:
+    """:data:`DISPATCHED` where the registered ops must be seen (``_through_dispatcher``),
+    else :data:`DIRECT`."""
+    return DISPATCHED if _through_dispatcher(x) else DIRECT
+
+
+# The flat functions of ``torch_ops``' signatures (the tests compare them one to one).
+
 
 def channel_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Per-channel ``(mean, M2, count)``, ``M2 = sum((x - mean)^2)``, by Welford/Chan.
-
-    An empty batch gives zeros (it drops out of any Chan merge).
-    """
-    if _through_dispatcher(x):
-        mean, m2 = torch.ops.encoding_syncbn.channel_stats(x)
-    else:
-        mean, m2 = _channel_stats_impl(x)
-    channels = x.shape[1]
-    return mean, m2, (x.numel() // channels if channels else 0)
+    return backend_for(x).channel_stats(x)
 
 
 def normalize_act(x: torch.Tensor, mean: torch.Tensor, invstd: torch.Tensor,
                   weight: torch.Tensor, bias: torch.Tensor, activation: str, slope: float,
                   out: torch.Tensor) -> torch.Tensor:
-    """``out = act((x - mean) * (invstd * weight) + bias)``; ``out`` may be ``x`` itself."""
-    normalize = (torch.ops.encoding_syncbn.normalize_act_ if _through_dispatcher(x)
-                 else _normalize_act_impl)
-    normalize(x, mean, invstd, weight, bias, activation, float(slope), out)
-    return out
+    return backend_for(x).normalize_act(
+        x, NormParams(mean, invstd, weight, bias, activation, slope), out)
 
 
 def backward_reduce(saved: torch.Tensor, dy: torch.Tensor, mean: torch.Tensor,
                     invstd: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
                     activation: str, slope: float, saved_is_output: bool
                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-channel ``(sum(dz), sum(dz * xhat))`` in the statistics dtype."""
-    reduce = (torch.ops.encoding_syncbn.backward_reduce if _through_dispatcher(saved)
-              else _backward_reduce_impl)
-    sum_dz, sum_dz_xhat = reduce(saved, dy, mean, invstd, weight, bias, activation,
-                                 float(slope), bool(saved_is_output))
-    return sum_dz, sum_dz_xhat
+    return backend_for(saved).backward_reduce(
+        saved, dy, NormParams(mean, invstd, weight, bias, activation, slope), saved_is_output)
 
 
 def backward_dx(saved: torch.Tensor, dy: torch.Tensor, mean: torch.Tensor, invstd: torch.Tensor,
                 weight: torch.Tensor, bias: torch.Tensor, activation: str, slope: float,
                 saved_is_output: bool, coef_dz: torch.Tensor, coef_xhat: torch.Tensor,
                 coef_const: torch.Tensor) -> torch.Tensor:
-    """``dx = coef_dz * dz + coef_xhat * xhat + coef_const``, in ``saved``'s dtype."""
-    input_grad = (torch.ops.encoding_syncbn.backward_dx if _through_dispatcher(saved)
-                  else _backward_dx_impl)
-    return input_grad(saved, dy, mean, invstd, weight, bias, activation, float(slope),
-                      bool(saved_is_output), coef_dz, coef_xhat, coef_const)
+    return backend_for(saved).backward_dx(
+        saved, dy, NormParams(mean, invstd, weight, bias, activation, slope), saved_is_output,
+        DxCoefs(coef_dz, coef_xhat, coef_const))
