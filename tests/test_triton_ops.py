@@ -442,6 +442,22 @@ def test_argument_errors():
         T.channel_stats(x.to(torch.int32))
 
 
+def test_launch_plans_are_memoised_per_geometry_and_choice():
+    """The host path plans an op once per (shape, strides, dtype, target, activation, ...):
+    later calls are one memo lookup; a new stride or activation is a new plan."""
+    x = make_input((4, 3, 5, 5), torch.float64)
+    params = make_params(3, torch.float64)
+    P._plan_op_memo.cache_clear()
+    for _ in range(3):
+        T.channel_stats(x)
+        T.backward_reduce(x, x, *params, "leaky_relu", 0.1, True)
+    info = P._plan_op_memo.cache_info()
+    assert (info.misses, info.hits) == (2, 4)
+    T.backward_reduce(x, x, *params, "elu", 1.0, True)
+    T.channel_stats(x.contiguous(memory_format=torch.channels_last))
+    assert P._plan_op_memo.cache_info().misses == 4
+
+
 def test_empty_backward():
     x = torch.empty(0, 3, 4, device=DEVICE)
     params = make_params(3, torch.float32)

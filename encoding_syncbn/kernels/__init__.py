@@ -130,13 +130,16 @@ def ops_for(x: torch.Tensor) -> Backend:
         return reference_ops()
     if name != "triton":
         return _registered[name]
-    if not (x.is_cuda or triton_interpreted()):
+    triton_ops = _load_triton()
+    # Where the kernels imported, they know whether they are interpreted (no environment read).
+    interpreted = triton_ops.INTERPRET if triton_ops is not None else triton_interpreted()
+    if not (x.is_cuda or interpreted):
         raise RuntimeError(
             f"backend 'triton' runs on CUDA tensors, got a {x.device.type} tensor; on the CPU it "
             "runs only under Triton's interpreter (set TRITON_INTERPRET=1 before triton is "
             "imported), or choose set_backend('torch')"
         )
-    if _load_triton() is None:
+    if triton_ops is None:
         raise RuntimeError(f"backend 'triton' was asked for but triton cannot be imported: "
                            f"{_triton_import_error}")
-    return _triton_ops.backend_for(x)
+    return triton_ops.backend_for(x)

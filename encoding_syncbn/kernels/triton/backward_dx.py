@@ -6,7 +6,6 @@ import torch
 import triton
 import triton.language as tl
 
-from ..torch_ops import stats_dtype
 from .plan import (
     Launch,
     Target,
@@ -14,11 +13,8 @@ from .plan import (
     _channel_vectors,
     _empty_dx,
     _in_layout,
-    _kernel_activation,
-    _num_warps,
-    _plan_tiles,
     _prepare,
-    _tile_constexprs,
+    plan_op,
 )
 from .tiles import (
     _channel_block,
@@ -59,16 +55,13 @@ def _plan_backward_dx(saved: torch.Tensor, dy: torch.Tensor, mean: torch.Tensor,
                       coef_dz: torch.Tensor, coef_xhat: torch.Tensor, coef_const: torch.Tensor,
                       target: Target, tile: Tile | None = None
                       ) -> tuple[list[Launch], torch.Tensor]:
-    activation, slope = _kernel_activation(activation, slope, saved_is_output)
-    dx = _empty_dx(saved)
-    saved, geo = _prepare(saved)
-    dy = _in_layout(dy, geo.channels_last)
-    params = _channel_vectors(stats_dtype(saved.dtype), mean, invstd, weight, bias, coef_dz,
-                              coef_xhat, coef_const)
-    tile, grid, geo_args = _plan_tiles(geo, saved.dtype, target, False, tile)
-    constexprs = {"ACTIVATION": activation, "SAVED_IS_OUTPUT": bool(saved_is_output),
-                  **_tile_constexprs(geo, tile, saved.dtype)}
-    launch = Launch(_backward_dx_kernel, grid,
-                    (saved, dy, dx, *params, slope, *geo_args), constexprs,
-                    _num_warps(saved.dtype))
+    plan = plan_op(saved, target, False, tile, activation, slope, bool(saved_is_output))
+    dx = _empty_dx(saved, not plan.copy)
+    saved = _prepare(saved, plan)
+    dy = _in_layout(dy, plan.geo.channels_last)
+    params = _channel_vectors(plan.acc, mean, invstd, weight, bias, coef_dz, coef_xhat,
+                              coef_const)
+    launch = Launch(_backward_dx_kernel, plan.grid,
+                    (saved, dy, dx, *params, plan.slope, *plan.args), plan.constexprs,
+                    plan.num_warps)
     return [launch], dx

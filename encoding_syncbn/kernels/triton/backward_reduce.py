@@ -6,19 +6,15 @@ import torch
 import triton
 import triton.language as tl
 
-from ..torch_ops import stats_dtype
 from .plan import (
     Launch,
     Target,
     Tile,
     _channel_vectors,
     _in_layout,
-    _kernel_activation,
     _merge_launch,
-    _num_warps,
-    _plan_tiles,
     _prepare,
-    _tile_constexprs,
+    plan_op,
 )
 from .tiles import (
     _channel_block,
@@ -80,25 +76,21 @@ def _plan_backward_reduce(saved: torch.Tensor, dy: torch.Tensor, mean: torch.Ten
                           activation: str, slope: float, saved_is_output: bool, target: Target,
                           tile: Tile | None = None
                           ) -> tuple[list[Launch], tuple[torch.Tensor, torch.Tensor]]:
-    activation, slope = _kernel_activation(activation, slope, saved_is_output)
-    saved, geo = _prepare(saved)
-    dy = _in_layout(dy, geo.channels_last)
-    acc = stats_dtype(saved.dtype)
+    plan = plan_op(saved, target, True, tile, activation, slope, bool(saved_is_output))
+    saved = _prepare(saved, plan)
+    dy = _in_layout(dy, plan.geo.channels_last)
+    acc, grid, c = plan.acc, plan.grid, plan.geo.c
     params = _channel_vectors(acc, mean, invstd, weight, bias)
-    tile, grid, geo_args = _plan_tiles(geo, saved.dtype, target, True, tile)
     splits = grid[1]
-    sum_dz = torch.empty(geo.c, dtype=acc, device=saved.device)
+    sum_dz = torch.empty(c, dtype=acc, device=saved.device)
     sum_dz_xhat = torch.empty_like(sum_dz)
     if splits == 1:
         partials = (sum_dz, sum_dz_xhat)
     else:
-        partials = tuple(torch.empty((splits, geo.c), dtype=acc, device=saved.device)
-                         for _ in range(2))
-    constexprs = {"ACTIVATION": activation, "SAVED_IS_OUTPUT": bool(saved_is_output),
-                  **_tile_constexprs(geo, tile, saved.dtype)}
+        partials = torch.empty((2, splits, c), dtype=acc, device=saved.device).unbind()
     launches = [Launch(_backward_reduce_kernel, grid,
-                       (saved, dy, *params, *partials, slope, *geo_args), constexprs,
-                       _num_warps(saved.dtype))]
+                       (saved, dy, *params, *partials, plan.slope, *plan.args), plan.constexprs,
+                       plan.num_warps)]
     if splits > 1:
         launches.append(_merge_launch(_sum_merge_kernel, partials, (sum_dz, sum_dz_xhat)))
     return launches, (sum_dz, sum_dz_xhat)

@@ -6,16 +6,13 @@ import torch
 import triton
 import triton.language as tl
 
-from ..torch_ops import stats_dtype
 from .plan import (
     Launch,
     Target,
     Tile,
     _merge_launch,
-    _num_warps,
-    _plan_tiles,
     _prepare,
-    _tile_constexprs,
+    plan_op,
 )
 from .tiles import _channel_block, _tile, _tile_range
 
@@ -129,19 +126,18 @@ def _welford_merge_kernel(pmean_ptr, pm2_ptr, pcount_ptr, mean_ptr, m2_ptr, C, s
 
 def _plan_channel_stats(x: torch.Tensor, target: Target, tile: Tile | None = None
                         ) -> tuple[list[Launch], tuple[torch.Tensor, torch.Tensor]]:
-    x, geo = _prepare(x)
-    acc = stats_dtype(x.dtype)
-    tile, grid, geo_args = _plan_tiles(geo, x.dtype, target, True, tile)
+    plan = plan_op(x, target, True, tile)
+    x = _prepare(x, plan)
+    acc, grid, c = plan.acc, plan.grid, plan.geo.c
     splits = grid[1]
-    mean = torch.empty(geo.c, dtype=acc, device=x.device)
+    mean = torch.empty(c, dtype=acc, device=x.device)
     m2 = torch.empty_like(mean)
     if splits == 1:
         partials = (mean, m2, torch.empty_like(mean))
     else:
-        partials = tuple(torch.empty((splits, geo.c), dtype=acc, device=x.device)
-                         for _ in range(3))
-    launches = [Launch(_channel_stats_kernel, grid, (x, *partials, *geo_args),
-                       _tile_constexprs(geo, tile, x.dtype), _num_warps(x.dtype))]
+        partials = torch.empty((3, splits, c), dtype=acc, device=x.device).unbind()
+    launches = [Launch(_channel_stats_kernel, grid, (x, *partials, *plan.args),
+                       plan.constexprs, plan.num_warps)]
     if splits > 1:
         launches.append(_merge_launch(_welford_merge_kernel, partials, (mean, m2)))
     return launches, (mean, m2)

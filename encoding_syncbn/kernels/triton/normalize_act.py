@@ -6,7 +6,6 @@ import torch
 import triton
 import triton.language as tl
 
-from ..torch_ops import stats_dtype
 from .activations import _activate
 from .plan import (
     Launch,
@@ -14,11 +13,8 @@ from .plan import (
     Tile,
     _channel_vectors,
     _geometry,
-    _kernel_activation,
-    _num_warps,
-    _plan_tiles,
     _prepare,
-    _tile_constexprs,
+    plan_op,
 )
 from .tiles import _channel_block, _load_channel, _tile, _tile_range
 
@@ -53,13 +49,11 @@ def _plan_normalize_act(x: torch.Tensor, mean: torch.Tensor, invstd: torch.Tenso
                         ) -> tuple[list[Launch], torch.Tensor]:
     """Plan into ``out`` when it lies like (the possibly copied) x, else into a temporary that
     the caller copies to ``out`` (returned as the tensor the kernel writes)."""
-    activation, slope = _kernel_activation(activation, slope)
-    x, geo = _prepare(x)
-    same_layout = out.shape == x.shape and _geometry(out) == geo
+    plan = plan_op(x, target, False, tile, activation, slope)
+    x = _prepare(x, plan)
+    same_layout = out is x or (out.shape == x.shape and _geometry(out) == plan.geo)
     dst = out if same_layout else torch.empty_like(x, dtype=out.dtype)
-    params = _channel_vectors(stats_dtype(x.dtype), mean, invstd, weight, bias)
-    tile, grid, geo_args = _plan_tiles(geo, x.dtype, target, False, tile)
-    constexprs = {"ACTIVATION": activation, **_tile_constexprs(geo, tile, x.dtype)}
-    launch = Launch(_normalize_act_kernel, grid, (x, dst, *params, slope, *geo_args),
-                    constexprs, _num_warps(x.dtype))
+    params = _channel_vectors(plan.acc, mean, invstd, weight, bias)
+    launch = Launch(_normalize_act_kernel, plan.grid, (x, dst, *params, plan.slope, *plan.args),
+                    plan.constexprs, plan.num_warps)
     return [launch], dst

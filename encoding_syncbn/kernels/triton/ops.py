@@ -14,7 +14,8 @@ from .backward_dx import _plan_backward_dx
 from .backward_reduce import _plan_backward_reduce
 from .channel_stats import _plan_channel_stats
 from .normalize_act import _plan_normalize_act
-from .plan import Launch, _empty_dx, _kernel_activation, _target
+from .plan import INTERPRET as INTERPRET
+from .plan import Launch, _empty_dx, _geometry, _kernel_activation, _target
 
 # Triton's interpreter swaps the triton.language functions for its own while a kernel runs, so
 # two threads (DataParallel replicas) interpreting at once break each other; a GPU needs no lock.
@@ -76,7 +77,7 @@ def _backward_dx_impl(saved: torch.Tensor, dy: torch.Tensor, mean: torch.Tensor,
                       ) -> torch.Tensor:
     if saved.numel() == 0:
         _kernel_activation(activation, slope, saved_is_output)
-        return _empty_dx(saved)
+        return _empty_dx(saved, _geometry(saved) is not None)
     launches, dx = _plan_backward_dx(saved, dy, mean, invstd, weight, bias, activation, slope,
                                      saved_is_output, coef_dz, coef_xhat, coef_const,
                                      _target(saved.device))
@@ -121,7 +122,7 @@ def _(saved: torch.Tensor, dy: torch.Tensor, mean: torch.Tensor, invstd: torch.T
       weight: torch.Tensor, bias: torch.Tensor, activation: str, slope: float,
       saved_is_output: bool, coef_dz: torch.Tensor, coef_xhat: torch.Tensor,
       coef_const: torch.Tensor) -> torch.Tensor:
-    return _empty_dx(saved)
+    return _empty_dx(saved, _geometry(saved) is not None)
 
 
 # --------------------------------------------------------------------------------------------

@@ -203,34 +203,13 @@ def _in_layout(t: torch.Tensor, channels_last: bool) -> torch.Tensor:
     return _to_last(t).contiguous().permute(0, t.dim() - 1, *range(1, t.dim() - 1))
 
 
-def _prepare(x: torch.Tensor) -> tuple[torch.Tensor, _Geometry]:
-    if x.dtype not in DTYPES:
-        raise TypeError(f"unsupported dtype {x.dtype}; expected one of {DTYPES}")
-    if x.dim() < 2:
-        raise ValueError(f"expected an (N, C, *) input, got shape {tuple(x.shape)}")
-    geo = _geometry(x)
-    if geo is None:
-        x = x.contiguous()
-        geo = _geometry(x)
-    return x, geo
-
-
 def _plan_tiles(geo: _Geometry, dtype: torch.dtype, target: Target, reduction: bool,
                 tile: Tile | None) -> tuple[Tile, tuple[int, int], tuple[int, ...]]:
     """Tile, grid and the kernels' geometry arguments ``(N, C, S, R, CS, tiles, tiles_s, tpp)``.
 
     Reductions aim at a few programs per SM (split reduction when C is small), elementwise
-    passes at enough programs to cover every SM many times over. Memoised by everything the
-    plan depends on (the tile sizes too: tests change them).
+    passes at enough programs to cover every SM many times over.
     """
-    sizes = (_INTERPRET_TILE_ELEMS, _GPU_TILE_ELEMS, _GPU_TILE_ELEMS_FP64)
-    return _plan_tiles_memo(geo, dtype, target, reduction, tile, sizes)
-
-
-@functools.lru_cache(maxsize=1024)
-def _plan_tiles_memo(geo: _Geometry, dtype: torch.dtype, target: Target, reduction: bool,
-                     tile: Tile | None, _tile_sizes: tuple[int, int, int]
-                     ) -> tuple[Tile, tuple[int, int], tuple[int, ...]]:
     tile = tile or _pick_tile(geo, dtype, target.interpret)
     n, c, s = geo.n, geo.c, geo.s
     if geo.channels_last:
@@ -262,6 +241,75 @@ def _tile_constexprs(geo: _Geometry, tile: Tile, dtype: torch.dtype) -> dict:
     }
 
 
+class OpPlan(NamedTuple):
+    """Everything about one op's main launch but its tensors (memoised by :func:`plan_op`)."""
+
+    copy: bool  # the input is neither NCHW nor channels_last dense: launch on a contiguous copy
+    geo: _Geometry
+    acc: torch.dtype  # the statistics dtype
+    grid: tuple[int, int]
+    args: tuple[int, ...]  # the kernels' geometry arguments, as _plan_tiles
+    constexprs: dict
+    num_warps: int
+    slope: float  # the kernel's slope (1.0 for the identity, which runs as leaky_relu)
+
+
+def plan_op(x: torch.Tensor, target: Target, reduction: bool, tile: Tile | None = None,
+            activation: str | None = None, slope: float = 0.0,
+            saved_is_output: bool | None = None) -> OpPlan:
+    """The launch plan of an op on ``x``: input checks, geometry, tile, grid, constexprs.
+
+    One dictionary lookup per call once an input geometry was seen: memoised by sizes, strides,
+    dtype, target and the op's choices (and the tile sizes: tests change them). ``activation``
+    None plans the statistics (no activation constexpr), ``saved_is_output`` None a forward.
+    """
+    if x.dtype not in DTYPES:
+        raise TypeError(f"unsupported dtype {x.dtype}; expected one of {DTYPES}")
+    key = (tuple(x.shape), x.stride(), x.dtype, target, reduction, tile, activation, slope,
+           saved_is_output, (_INTERPRET_TILE_ELEMS, _GPU_TILE_ELEMS, _GPU_TILE_ELEMS_FP64))
+    try:
+        return _plan_op_memo(*key)
+    except TypeError:  # symbolic sizes (fake tensors while tracing) cannot key the memo
+        return _plan_op_memo.__wrapped__(*key)
+
+
+@functools.lru_cache(maxsize=1024)
+def _plan_op_memo(sizes: tuple[int, ...], strides: tuple[int, ...], dtype: torch.dtype,
+                  target: Target, reduction: bool, tile: Tile | None, activation: str | None,
+                  slope: float, saved_is_output: bool | None, _tile_sizes: tuple[int, int, int]
+                  ) -> OpPlan:
+    if len(sizes) < 2:
+        raise ValueError(f"expected an (N, C, *) input, got shape {sizes}")
+    constexprs = {}
+    if activation is not None:
+        activation, slope = _kernel_activation(activation, slope, bool(saved_is_output))
+        constexprs["ACTIVATION"] = activation
+        if saved_is_output is not None:
+            constexprs["SAVED_IS_OUTPUT"] = bool(saved_is_output)
+    layout = _layout.__wrapped__  # this memo covers it (and symbolic sizes cannot key _layout's)
+    geo = layout(sizes, strides)
+    copy = geo is None
+    if copy:
+        geo = layout(sizes, _contiguous_strides(sizes))
+    tile, grid, args = _plan_tiles(geo, dtype, target, reduction, tile)
+    constexprs.update(_tile_constexprs(geo, tile, dtype))
+    return OpPlan(copy, geo, stats_dtype(dtype), grid, args, constexprs, _num_warps(dtype),
+                  float(slope))
+
+
+def _contiguous_strides(sizes: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(sizes):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def _prepare(x: torch.Tensor, plan: OpPlan) -> torch.Tensor:
+    """``x`` as the plan launches on it (a contiguous copy where ``plan.copy``)."""
+    return x.contiguous() if plan.copy else x
+
+
 def _merge_launch(kernel: object, partials: tuple[torch.Tensor, ...],
                   outputs: tuple[torch.Tensor, ...]) -> Launch:
     splits, c = partials[0].shape
@@ -288,8 +336,8 @@ def _channel_vectors(acc: torch.dtype, *vectors: torch.Tensor) -> tuple[torch.Te
                  for v in vectors)
 
 
-def _empty_dx(saved: torch.Tensor) -> torch.Tensor:
-    """dx lies like saved when saved is NCHW or channels_last, else contiguous."""
-    if _geometry(saved) is None:
+def _empty_dx(saved: torch.Tensor, dense: bool) -> torch.Tensor:
+    """dx lies like saved when saved is ``dense`` (NCHW or channels_last), else contiguous."""
+    if not dense:
         return torch.empty(saved.shape, dtype=saved.dtype, device=saved.device)
     return torch.empty_like(saved)
