@@ -5,7 +5,8 @@
 For each shape and op: the bytes the op must move (channel_stats reads x; normalize_act reads
 x and writes y; backward_reduce reads y and dy; backward_dx reads y and dy and writes dx) over
 its median time (CUDA events, after a warm-up), in GB/s and as a share of ``--peak-gbps``
-(default: the H100 SXM's 3350 GB/s). Needs a CUDA GPU; refuses to run without one.
+(default: the H100 SXM's 3350 GB/s). Needs a CUDA GPU: without one it says so and exits (0,
+nothing recorded). Writes its table to benchmarks/RESULTS.md (``--no-record``: print only).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import json
 import statistics
 import sys
 
+import results
 import torch
 
 SHAPES = [
@@ -58,11 +60,12 @@ def main() -> int:
                         help="the device's peak memory bandwidth (default 3350, an H100 SXM)")
     parser.add_argument("--repeats", type=int, default=50,
                         help="timed calls per op and shape; the median is reported (default 50)")
+    results.add_arguments(parser)
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("bandwidth.py measures GPU kernels and needs a CUDA GPU; none is visible here "
-              "(torch.cuda.is_available() is False)", file=sys.stderr)
-        return 2
+              "(torch.cuda.is_available() is False): nothing measured, nothing recorded")
+        return 0
     from encoding_syncbn.kernels import torch_ops
     from encoding_syncbn.kernels.triton import ops as T
     from encoding_syncbn.kernels.triton.plan import INTERPRET
@@ -72,7 +75,7 @@ def main() -> int:
         return 2
     name = torch.cuda.get_device_name()
     print(f"device: {name}; peak {args.peak_gbps:.0f} GB/s")
-    results = []
+    rows = []
     for shape, dtype, channels_last in SHAPES:
         fmt = torch.channels_last if channels_last else torch.contiguous_format
         x = torch.randn(shape, device="cuda", dtype=dtype).to(memory_format=fmt)
@@ -87,10 +90,18 @@ def main() -> int:
             row = {"device": name, "shape": list(shape), "dtype": str(dtype).split(".")[1],
                    "layout": layout, "op": op, "us": round(seconds * 1e6, 1),
                    "gbps": round(gbps, 1), "of_peak": round(gbps / args.peak_gbps, 3)}
-            results.append(row)
+            rows.append(row)
             print(f"{str(shape):>20} {row['dtype']:>8} {layout:>13} {op:>16} "
                   f"{row['us']:9.1f} us {gbps:8.1f} GB/s {100 * row['of_peak']:5.1f}%")
-    print(json.dumps(results))
+    table = results.markdown_table(
+        ["shape", "dtype", "layout", "op", "us", "GB/s", "of peak"],
+        [[str(tuple(r["shape"])), r["dtype"], r["layout"], r["op"], r["us"], r["gbps"],
+          r["of_peak"]] for r in rows])
+    results.record(args, f"bandwidth.py ({name})", table,
+                   notes=f"Bytes each op must move over its median time (CUDA events, "
+                         f"{args.repeats} calls after a warm-up), against a peak of "
+                         f"{args.peak_gbps:.0f} GB/s.", gpu=name)
+    print(json.dumps(rows))
     return 0
 
 

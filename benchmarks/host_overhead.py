@@ -13,9 +13,13 @@ Times are this thread's CPU time (``time.thread_time``; CPU backward runs on the
 thread): on a shared machine the time spent waiting for a core is not counted, but contention
 for caches still inflates it, so the fastest of ``--repeats`` is reported. Prints, per shape,
 the host microseconds of the forward, the backward and their sum (the
-fastest of ``--repeats`` means over ``--iters`` calls), the Triton launches and the ATen ops per
-forward+backward; the last line is one JSON object with ``host_us_fwd_bwd`` for
-(8, 256, 128, 128) float16 NCHW.
+fastest of ``--repeats`` means over ``--iters`` calls), of that the part spent inside the
+Triton backend's four ops (planning, allocating outputs, launching: timed in a separate pass
+with the ops wrapped, so the other columns carry no timer), the Triton launches and the ATen ops
+outside the four ops per forward+backward. On the CPU the ops' part includes ``torch.empty_like``
+of dx, an mmap of the whole activation (~30 us at 64 MiB here); a GPU's caching allocator
+serves it in a few us. The table goes to benchmarks/RESULTS.md (``--no-record``: print only);
+the last line is one JSON object with ``host_us_fwd_bwd`` for (8, 256, 128, 128) float16 NCHW.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import time
 # The Triton path accepts CPU tensors only under the interpreter; no kernel runs here.
 os.environ["TRITON_INTERPRET"] = "1"
 
+import results  # noqa: E402
 import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
@@ -104,8 +109,32 @@ def measure(triton_ops, shape, dtype, channels_last, iters, repeats):
         times = [call() for _ in range(iters)]
         fwd_means.append(sum(t[0] for t in times) / iters * 1e6)
         bwd_means.append(sum(t[1] for t in times) / iters * 1e6)
-    return (min(fwd_means), min(bwd_means), per_call_launches,
-            counter.ops)
+    in_ops = [0.0]
+    direct = triton_ops.DIRECT
+    plain = {name: getattr(direct, name) for name in ("_stats", "_normalize", "_reduce", "_dx")}
+
+    def timed(op):
+        def call(*args):
+            start = time.thread_time()
+            try:
+                return op(*args)
+            finally:
+                in_ops[0] += time.thread_time() - start
+        return call
+
+    for name, op in plain.items():
+        setattr(direct, name, timed(op))
+    try:
+        ops_means = []
+        for _ in range(repeats):
+            in_ops[0] = 0.0
+            for _ in range(iters):
+                call()
+            ops_means.append(in_ops[0] / iters * 1e6)
+    finally:
+        for name, op in plain.items():
+            setattr(direct, name, op)
+    return (min(fwd_means), min(bwd_means), min(ops_means), per_call_launches, counter.ops)
 
 
 def main():
@@ -113,23 +142,32 @@ def main():
     parser.add_argument("--iters", type=int, default=200, help="calls per repeat (default 200)")
     parser.add_argument("--repeats", type=int, default=5,
                         help="repeats; the fastest is reported (default 5)")
+    results.add_arguments(parser)
     args = parser.parse_args()
     from encoding_syncbn.kernels.triton import ops as triton_ops  # triton: after --help
 
     torch.set_num_threads(1)
     encoding_syncbn.set_backend("triton")
-    print(f"{'shape':>22} {'dtype':>8} {'layout':>13} {'fwd us':>8} {'bwd us':>8} "
-          f"{'total us':>9} {'launches':>8} {'aten ops':>8}")
-    key = None
+    header = ["shape", "dtype", "layout", "fwd us", "bwd us", "total us", "in the ops us",
+              "launches", "ATen ops"]
+    rows = []
     for shape, dtype, channels_last in SHAPES:
-        fwd, bwd, launches, ops = measure(triton_ops, shape, dtype, channels_last, args.iters,
-                                          args.repeats)
+        fwd, bwd, in_ops, launches, ops = measure(triton_ops, shape, dtype, channels_last,
+                                                  args.iters, args.repeats)
         layout = "channels_last" if channels_last else "nchw"
-        print(f"{str(shape):>22} {str(dtype).split('.')[1]:>8} {layout:>13} {fwd:8.1f} "
-              f"{bwd:8.1f} {fwd + bwd:9.1f} {launches:8d} {ops:8d}")
-        if key is None:
-            key = fwd + bwd
-    print(json.dumps({"host_us_fwd_bwd": round(key, 1), "shape": list(SHAPES[0][0]),
+        rows.append([str(shape), str(dtype).split(".")[1], layout, round(fwd, 1),
+                     round(bwd, 1), round(fwd + bwd, 1), round(in_ops, 1), launches, ops])
+        print(" ".join(str(cell) for cell in rows[-1]), flush=True)
+    key = rows[0][5]
+    table = results.markdown_table(header, rows)
+    print(table)
+    results.record(args, "host_overhead.py (cpu)", table, notes=(
+        "Host time per layer forward+backward on the Triton path, kernel launches replaced by "
+        "no-ops, planned for a 132-SM GPU: thread CPU time, the fastest of "
+        f"{args.repeats} means over {args.iters} calls. 'in the ops': the part inside the four "
+        "ops of the Triton backend (dx's allocation included: an mmap on the CPU). "
+        "ATen ops: outside the four ops."))
+    print(json.dumps({"host_us_fwd_bwd": key, "shape": list(SHAPES[0][0]),
                       "dtype": "float16", "layout": "nchw"}))
 
 
