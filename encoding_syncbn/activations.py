@@ -1,54 +1,214 @@
-"""The activations the layer fuses, and the torch module each one converts to and from.
+"""The activations the layer fuses: one definition each, the one place that lists them.
 
-The one table of activation modules: ``convert_sync_batchnorm`` reads it to fuse a norm layer's
-activation module, ``revert_sync_batchnorm`` to give a fused activation back as a module.
+Per activation: its name, its torch forward (out of place, differentiable; and in place), its
+derivative from the pre-activation ``z``, its inverse from the output ``y`` when it has one
+(which alone decides whether the layer may run in place: backward then rebuilds ``z`` from
+``y``), the torch modules it converts to and from, and the id its Triton code is selected by.
+The torch ops, the Triton kernels, the argument checks, convert/revert, ``convert_inplace_abn``
+and ``inplace_abn`` all read this table. Adding an activation is one entry here, its Triton
+code under that id, and its tests.
+
+``slope`` is the activation's one float parameter where it has one (leaky_relu's negative
+slope, ELU's alpha); activations without one ignore it. Derivatives come from ATen's own
+activation backwards, so that every branch convention (NaN, z == 0) is exactly torch's.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
+import torch
+import torch.nn.functional as F
 from torch import nn
 
-
-class TorchActivation(NamedTuple):
-    """The torch module computing one fused activation."""
-
-    module: type[nn.Module]
-    #: The module attribute holding the layer's ``slope`` (None: the activation has none).
-    slope_attribute: str | None
+_aten = torch.ops.aten
 
 
-#: Fused activation name -> its torch module ("none" has no module).
-TORCH_MODULES: dict[str, TorchActivation] = {
-    "identity": TorchActivation(nn.Identity, None),
-    "relu": TorchActivation(nn.ReLU, None),
-    "leaky_relu": TorchActivation(nn.LeakyReLU, "negative_slope"),
-    "elu": TorchActivation(nn.ELU, "alpha"),
-}
-# Exact classes only: a subclass may compute something else.
-_NAME_BY_MODULE = {entry.module: name for name, entry in TORCH_MODULES.items()}
+def elu_inverse_floor(dtype: torch.dtype) -> float:
+    """Where ELU's inverse ``log1p(y / alpha)`` is clamped: the ``dtype`` number nearest -1
+    from above. The inverse diverges as y -> -alpha, and rounding can even put y / alpha below
+    -1; clamped elements carry a vanishing gradient (dz = dy * (y + alpha)). Any higher floor
+    would cut off z that ``dtype`` still holds (down to -16.6 in fp32, -36.7 in fp64)."""
+    return -1.0 + torch.finfo(dtype).eps / 2
+
+
+class TorchModule(NamedTuple):
+    """A torch module class computing the activation (exact class: a subclass may compute
+    something else)."""
+
+    cls: type[nn.Module]
+    #: The attribute (and constructor keyword) holding ``slope``; None: the module has none.
+    parameter: str | None = None
+    #: Attributes the module must have, with these values, to compute this activation
+    #: (``nn.GELU``'s ``approximate``); also passed to its constructor.
+    fixed: tuple[tuple[str, object], ...] = ()
+
+
+class Activation(NamedTuple):
+    """One fused activation. Functions take ``(tensor, slope)`` unless said otherwise."""
+
+    name: str
+    #: ``act(z)`` out of place, differentiable any number of times (double backward).
+    forward: Callable[[torch.Tensor, float], torch.Tensor]
+    #: ``act(z)`` written over ``z``.
+    forward_: Callable[[torch.Tensor, float], torch.Tensor]
+    #: ``(dy, z, slope, out) -> out = dy * act'(z)`` (``out`` may be ``z``); None: act' = 1.
+    derivative: Callable[..., torch.Tensor] | None
+    #: ``(y, dy, slope, z_out, dz_out, aux) -> None``: writes ``z = act^-1(y)`` into ``z_out``
+    #: and ``dy * act'(z)`` into ``dz_out``, from the output alone (``z_out`` may be ``y``;
+    #: ``aux`` is scratch, and may hold ``dy``). None: not invertible, never in place.
+    inverse: Callable[..., None] | None
+    #: Torch modules computing it: the first is what revert builds, all convert to it.
+    modules: tuple[TorchModule, ...]
+    #: The Triton ``ACTIVATION`` constexpr its kernels are specialised on, and the slope they
+    #: are called with (None: the layer's own). "none" and "identity" run as leaky_relu with
+    #: slope 1, which is exact (z * 1 == z, y / 1 == y) and saves a specialisation per kernel.
+    kernel: str
+    kernel_slope: float | None = None
+    #: Whether the inverse needs ``slope > 0`` (it divides by the slope).
+    inverse_needs_positive_slope: bool = False
+    #: ``(slope) -> bool``: the ``inplace`` of the module ``to_module`` builds (True where
+    #: torch differentiates it from its output; it applies to a fresh tensor, the norm's
+    #: output). None: the module takes no ``inplace``.
+    module_inplace: Callable[[float], bool] | None = None
+    #: ``torch.nn.functional`` forms ``convert_inplace_abn`` recognises in a traced model, with
+    #: the keyword and default of their slope.
+    functional: tuple[tuple[Callable, str, float], ...] = ()
+
+    @property
+    def has_slope(self) -> bool:
+        return any(module.parameter for module in self.modules)
+
+
+def _identity(z: torch.Tensor, slope: float) -> torch.Tensor:
+    return z
+
+
+def _invert_identity(y, dy, slope, z_out, dz_out, aux) -> None:
+    dz_out.copy_(dy)
+    if z_out is not y:
+        z_out.copy_(y)
+
+
+def _invert_leaky_relu(y, dy, slope, z_out, dz_out, aux) -> None:
+    # z = y where y > 0, y / slope elsewhere
+    _aten.leaky_relu_backward.grad_input(dy, y, slope, True, grad_input=dz_out)
+    _aten.leaky_relu.out(y, 1.0 / slope, out=z_out)
+
+
+def _invert_elu(y, dy, slope, z_out, dz_out, aux) -> None:
+    # z = y where y > 0, log1p(y / alpha) (clamped) elsewhere; aux (maybe dy) used after dz.
+    _aten.elu_backward.grad_input(dy, slope, 1, 1, True, y, grad_input=dz_out)
+    torch.clamp(y, max=0, out=aux).div_(slope)
+    aux.clamp_(min=elu_inverse_floor(aux.dtype)).log1p_()
+    torch.clamp(y, min=0, out=z_out).add_(aux)
+
+
+def _positive(slope: float) -> bool:
+    return slope > 0
+
+
+def _gelu(approximate: str) -> dict:
+    """The fields of GELU in its exact (erf) or its tanh form."""
+    return dict(
+        forward=lambda z, slope: F.gelu(z, approximate=approximate),
+        forward_=lambda z, slope: _aten.gelu_(z, approximate=approximate),
+        derivative=lambda dy, z, slope, out: _aten.gelu_backward.grad_input(
+            dy, z, approximate=approximate, grad_input=out),
+        inverse=None, modules=(TorchModule(nn.GELU, None, (("approximate", approximate),)),),
+    )
+
+
+_DEFINITIONS = (
+    # A plain BatchNorm: no activation. Invertible, but never in place by the layer's
+    # contract (it keeps its input; "identity" is the in-place form).
+    Activation(name="none", forward=_identity, forward_=_identity, derivative=None,
+               inverse=_invert_identity, modules=(), kernel="leaky_relu", kernel_slope=1.0),
+    Activation(name="identity", forward=_identity, forward_=_identity, derivative=None,
+               inverse=_invert_identity, modules=(TorchModule(nn.Identity),),
+               kernel="leaky_relu", kernel_slope=1.0),
+    Activation(
+        name="leaky_relu", forward=F.leaky_relu, forward_=F.leaky_relu_,
+        derivative=lambda dy, z, slope, out: _aten.leaky_relu_backward.grad_input(
+            dy, z, slope, False, grad_input=out),
+        inverse=_invert_leaky_relu, inverse_needs_positive_slope=True,
+        modules=(TorchModule(nn.LeakyReLU, "negative_slope"),), module_inplace=_positive,
+        kernel="leaky_relu", functional=((F.leaky_relu, "negative_slope", 0.01),),
+    ),
+    Activation(
+        name="elu", forward=F.elu, forward_=F.elu_,
+        derivative=lambda dy, z, slope, out: _aten.elu_backward.grad_input(
+            dy, slope, 1, 1, False, z, grad_input=out),
+        inverse=_invert_elu, inverse_needs_positive_slope=True,
+        modules=(TorchModule(nn.ELU, "alpha"),), module_inplace=_positive,
+        kernel="elu", functional=((F.elu, "alpha", 1.0),),
+    ),
+    # relu loses z < 0: not invertible.
+    Activation(
+        name="relu", forward=lambda z, slope: torch.relu(z), forward_=lambda z, slope: z.relu_(),
+        derivative=lambda dy, z, slope, out: _aten.threshold_backward.grad_input(
+            dy, z, 0, grad_input=out),
+        inverse=None, modules=(TorchModule(nn.ReLU),), module_inplace=lambda slope: True,
+        kernel="relu",
+    ),
+    # SiLU and GELU are not monotonic: not invertible, out of place only.
+    Activation(
+        name="silu", forward=lambda z, slope: F.silu(z),
+        forward_=lambda z, slope: F.silu(z, inplace=True),
+        derivative=lambda dy, z, slope, out: _aten.silu_backward.grad_input(
+            dy, z, grad_input=out),
+        inverse=None, modules=(TorchModule(nn.SiLU),), kernel="silu",
+    ),
+    Activation(name="gelu", kernel="gelu", **_gelu("none")),
+    Activation(name="gelu_tanh", kernel="gelu_tanh", **_gelu("tanh")),
+)
+
+#: Name -> definition, for every activation the layer fuses.
+ACTIVATIONS: dict[str, Activation] = {a.name: a for a in _DEFINITIONS}
+
+
+def get(name: str, layer: str = "SyncBatchNorm") -> Activation:
+    """The definition of ``name``; a ValueError naming ``layer`` and the choices if unknown."""
+    try:
+        return ACTIVATIONS[name]
+    except (KeyError, TypeError):
+        raise ValueError(
+            f"{layer}: activation must be one of {sorted(ACTIVATIONS)}, got {name!r}"
+        ) from None
+
+
+def runs_in_place(name: str, slope: float) -> bool:
+    """Whether ``name`` at ``slope`` can be inverted from its output (so may run in place)."""
+    definition = ACTIVATIONS[name]
+    return definition.inverse is not None and (
+        not definition.inverse_needs_positive_slope or slope > 0
+    )
 
 
 def to_module(activation: str, slope: float) -> nn.Module | None:
-    """The torch module computing ``activation`` (None for ``"none"``).
-
-    In place where torch can differentiate that (it applies to a fresh tensor, the norm's
-    output): ReLU always, leaky_relu and ELU for slope > 0.
-    """
-    entry = TORCH_MODULES.get(activation)
-    if entry is None:
+    """The torch module computing ``activation`` (None for ``"none"``), in place where torch
+    can differentiate that."""
+    definition = ACTIVATIONS[activation]
+    if not definition.modules:
         return None
-    if entry.slope_attribute is None:
-        return entry.module(inplace=True) if entry.module is nn.ReLU else entry.module()
-    return entry.module(slope, inplace=slope > 0)
+    entry = definition.modules[0]
+    kwargs = dict(entry.fixed)
+    if entry.parameter:
+        kwargs[entry.parameter] = slope
+    if definition.module_inplace is not None:
+        kwargs["inplace"] = definition.module_inplace(slope)
+    return entry.cls(**kwargs)
 
 
 def from_module(module: nn.Module) -> tuple[str, float] | None:
     """``(activation, slope)`` of the fused activation computing what ``module`` does, or None
-    when the layer has no fused form of it (SiLU, GELU, a subclass, ...)."""
-    name = _NAME_BY_MODULE.get(type(module))
-    if name is None:
-        return None
-    attribute = TORCH_MODULES[name].slope_attribute
-    return name, float(getattr(module, attribute)) if attribute else 0.0
+    when the layer has no fused form of it (Hardswish, a subclass, ...)."""
+    for definition in _DEFINITIONS:
+        for entry in definition.modules:
+            if type(module) is entry.cls and all(
+                getattr(module, attribute, None) == value for attribute, value in entry.fixed
+            ):
+                slope = float(getattr(module, entry.parameter)) if entry.parameter else 0.0
+                return definition.name, slope
+    return None

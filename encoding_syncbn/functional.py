@@ -45,7 +45,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from . import _compat, stats
+from . import _compat, activations, stats
 from .kernels import DxCoefs, NormParams, compile_ops, ops_for, reference_ops, torch_ops
 
 # A channel is rebuilt from y only if |w| > _MIN_INVERTIBLE_GAMMA * max(1, |b|): xhat =
@@ -390,7 +390,7 @@ def _norm_act_composite(config: ActConfig):
     def composite(x, mean, invstd, weight, bias):
         v = functools.partial(_channel_view, x=x)
         z = (x.to(mean.dtype) - v(mean)) * v(invstd) * v(weight) + v(bias)
-        return torch_ops.activate(z, config.activation, config.slope).to(x.dtype)
+        return activations.ACTIVATIONS[config.activation].forward(z, config.slope).to(x.dtype)
 
     return composite
 
@@ -423,7 +423,8 @@ class BatchNormAct(torch.autograd.Function):
             def composite(x, mean, invstd, weight, bias):
                 z = torch.nn.functional.batch_norm(x.to(weight.dtype), None, None, weight,
                                                    bias, True, 0.0, ctx.eps)
-                return torch_ops.activate(z, config.activation, config.slope).to(x.dtype)
+                act = activations.ACTIVATIONS[config.activation].forward
+                return act(z, config.slope).to(x.dtype)
 
             grads = _differentiable_grads(ctx, grad_output, saved[:5], composite)
             return (*grads, None, None, None)

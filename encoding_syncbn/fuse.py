@@ -33,10 +33,13 @@ from .convert import convert_sync_batchnorm
 from .modules import SyncBatchNorm
 
 _log = logging.getLogger(__name__)
-# What may run in place after a BatchNorm: the activations the layer inverts.
-_INVERTIBLE = ("leaky_relu", "elu")
-_FUNCTIONAL_ACTIVATIONS = {F.leaky_relu: ("leaky_relu", "negative_slope", 0.01),
-                           F.elu: ("elu", "alpha", 1.0)}
+# The functional forms of the activations the layer inverts: what may run in place after a
+# BatchNorm (identity runs through nn.Identity modules, never reaching this table).
+_FUNCTIONAL_ACTIVATIONS = {
+    function: (definition.name, keyword, default)
+    for definition in activations.ACTIVATIONS.values() if definition.inverse
+    for function, keyword, default in definition.functional
+}
 
 # Producers whose output is a fresh tensor (never an alias of their input).
 _FRESH_MODULES = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d,
@@ -230,7 +233,9 @@ def _norm_kind(module: nn.Module) -> tuple[str, float] | None:
         return None
     if type(synced) is not SyncBatchNorm or synced.inplace:
         return None
-    if synced.activation == "none" or (synced.activation in _INVERTIBLE and synced.slope > 0):
+    # Of the invertible ones, identity is left out of place: its conversion chose that.
+    if synced.activation == "none" or (synced.activation != "identity" and activations
+                                       .runs_in_place(synced.activation, synced.slope)):
         return synced.activation, synced.slope
     return None
 
@@ -280,7 +285,7 @@ def _activation_of(node: fx.Node, root: nn.Module):
     if node.op == "call_module":
         module = root.get_submodule(node.target)
         found = activations.from_module(module)
-        if found is None or found[0] not in _INVERTIBLE:
+        if found is None or activations.ACTIVATIONS[found[0]].inverse is None:
             return None
         return (*found, module, bool(getattr(module, "inplace", False)))
     if node.op == "call_function" and node.target in _FUNCTIONAL_ACTIVATIONS:

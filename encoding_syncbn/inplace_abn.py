@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from . import activations
 from .convert import _SOURCE_ATTRIBUTE, _resolve, _share_state, register_conversion
 from .modules import SyncBatchNorm
 
@@ -60,9 +61,10 @@ __all__ = [
     "set_active_group",
 ]
 
-# mapillary's activation names; the in-place layers cannot invert relu, so they refuse it.
+# The activation names mapillary's layers accept; the in-place ones refuse those this layer
+# cannot invert (relu).
 _ABN_ACTIVATIONS = ("relu", "leaky_relu", "elu", "identity")
-_INPLACE_ACTIVATIONS = ("leaky_relu", "elu", "identity")
+_INPLACE_ACTIVATIONS = tuple(a for a in _ABN_ACTIVATIONS if activations.ACTIVATIONS[a].inverse)
 _MAPILLARY = "inplace_abn.abn."  # where mapillary's classes live
 
 
@@ -145,7 +147,7 @@ class ABN(SyncBatchNorm):
             f"{self.num_features}, eps={self.eps}, momentum={self.momentum}, "
             f"affine={self.affine}, activation={self.activation}"
         )
-        if self.activation in ("leaky_relu", "elu"):
+        if activations.ACTIVATIONS[self.activation].has_slope:
             text += f"[{self.activation_param}]"
         return text + f", inplace={self.inplace}" + ("" if self.sync else ", sync=False")
 
@@ -167,7 +169,7 @@ class InPlaceABN(ABN):
 
     @staticmethod
     def _runs_in_place(activation: str, param: float) -> bool:
-        return activation == "identity" or param > 0
+        return activations.runs_in_place(activation, param)
 
     def _affine_params(self, dtype: torch.dtype, device: torch.device):
         """The weight as ``|w| + eps``: ``w * sign`` with a constant sign (+1 at 0), so that

@@ -11,7 +11,7 @@ from typing import Any, NamedTuple
 import torch
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from . import _compat, distributed, inplace_check
+from . import _compat, activations, distributed, inplace_check
 from .functional import (
     ActConfig,
     AsideWatch,
@@ -72,11 +72,13 @@ class SyncBatchNorm(_BatchNorm):
             (``momentum=None``: cumulative average).
         process_group: the ``torch.distributed`` group to synchronise over (None: WORLD).
         sync: False makes it a per-replica BatchNorm (still with the fused activation).
-        activation: ``"none"``, ``"identity"``, ``"leaky_relu"``, ``"elu"`` or ``"relu"``.
+        activation: ``"none"``, ``"identity"``, ``"leaky_relu"``, ``"elu"``, ``"relu"``,
+            ``"silu"``, ``"gelu"`` (erf) or ``"gelu_tanh"`` (see ``activations.py``).
         slope: the negative slope of leaky_relu, or the alpha of elu.
         inplace: write the output over the input and keep only the output for backward.
             ``None``: in place exactly when the activation is invertible (identity,
-            leaky_relu, elu); ``"none"`` and ``"relu"`` cannot be in place (True is an error).
+            leaky_relu, elu); ``"none"``, relu, silu and gelu cannot be in place (True is an
+            error).
             In place, 1/slope must be finite in the compute dtype (float32 unless ``dtype``
             is float64).
 
@@ -113,17 +115,16 @@ class SyncBatchNorm(_BatchNorm):
             # eps = 0 divides by zero on a constant channel (NaN outputs and gradients).
             raise ValueError(f"SyncBatchNorm: eps must be a positive number, got {eps!r}")
         _check_process_group(process_group)
-        if activation not in torch_ops.ACTIVATIONS:
-            raise ValueError(
-                f"activation must be one of {sorted(torch_ops.ACTIVATIONS)}, got {activation!r}"
-            )
-        invertible = torch_ops.ACTIVATIONS[activation]
+        definition = activations.get(activation, f"SyncBatchNorm({num_features})")
+        invertible = definition.inverse is not None
         if inplace is None:
             inplace = invertible and activation != "none"
         elif inplace and not invertible:
+            choices = [a for a, d in activations.ACTIVATIONS.items() if d.inverse and a != "none"]
             raise ValueError(
-                f"activation {activation!r} is not invertible, so it cannot run in place; "
-                "use leaky_relu, elu or identity, or inplace=False"
+                f"SyncBatchNorm({num_features}, activation={activation!r}, inplace=True): "
+                f"{activation} is not invertible, so it cannot run in place; use one of "
+                f"{choices}, or inplace=False"
             )
         elif inplace and activation == "none":
             raise ValueError(
@@ -131,7 +132,7 @@ class SyncBatchNorm(_BatchNorm):
                 "use activation='identity' for an in-place BatchNorm, or inplace=False"
             )
         slope = float(slope)
-        if inplace and activation in ("leaky_relu", "elu"):
+        if inplace and definition.inverse_needs_positive_slope:
             _check_invertible_slope(activation, slope, dtype)
         super().__init__(
             num_features, eps, momentum, affine, track_running_stats, device, dtype, bias=bias
@@ -423,7 +424,7 @@ class SyncBatchNorm(_BatchNorm):
 
     def extra_repr(self) -> str:
         text = super().extra_repr() + f", activation={self.activation!r}"
-        if self.activation in ("leaky_relu", "elu"):
+        if activations.ACTIVATIONS[self.activation].has_slope:
             text += f", slope={self.slope}"
         text += f", inplace={self.inplace}"
         if not self.sync:

@@ -9,6 +9,8 @@ from torch import nn
 from encoding_syncbn import SyncBatchNorm
 
 ACTIVATIONS = ("none", "identity", "leaky_relu", "elu", "relu")
+# Fused out of place only (not invertible); tested on their own (tests/test_activations.py).
+SMOOTH_ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
 # Non-default slopes, so that a slope mix-up cannot pass.
 SLOPES = {"leaky_relu": 0.1, "elu": 0.7}
 _BATCHNORM_BY_DIM = {2: nn.BatchNorm1d, 3: nn.BatchNorm1d, 4: nn.BatchNorm2d, 5: nn.BatchNorm3d}
@@ -21,6 +23,10 @@ def activate(z: torch.Tensor, activation: str, slope: float) -> torch.Tensor:
         return F.elu(z, slope)
     if activation == "relu":
         return F.relu(z)
+    if activation == "silu":
+        return F.silu(z)
+    if activation in ("gelu", "gelu_tanh"):
+        return F.gelu(z, approximate="tanh" if activation == "gelu_tanh" else "none")
     return z
 
 

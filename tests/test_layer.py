@@ -387,7 +387,7 @@ def test_default_inplace_follows_invertibility():
     "kwargs",
     [
         dict(num_features=0),
-        dict(num_features=3, activation="gelu"),
+        dict(num_features=3, activation="hardswish"),
         dict(num_features=3, activation="relu", inplace=True),
         dict(num_features=3, activation="leaky_relu", slope=0.0),
         dict(num_features=3, activation="elu", slope=-1.0),

@@ -30,18 +30,8 @@ from __future__ import annotations
 
 import torch
 
-from .. import _compat
-
-#: Activations and whether they can be inverted (needed to run in place).
-ACTIVATIONS = {"none": True, "identity": True, "leaky_relu": True, "elu": True, "relu": False}
-
-
-def elu_inverse_floor(dtype: torch.dtype) -> float:
-    """Where ELU's inverse ``log1p(y / alpha)`` is clamped: the ``dtype`` number nearest -1
-    from above. The inverse diverges as y -> -alpha, and rounding can even put y / alpha below
-    -1; clamped elements carry a vanishing gradient (dz = dy * (y + alpha)). Any higher floor
-    would cut off z that ``dtype`` still holds (down to -16.6 in fp32, -36.7 in fp64)."""
-    return -1.0 + torch.finfo(dtype).eps / 2
+from .. import _compat, activations
+from ..activations import elu_inverse_floor  # noqa: F401  (triton_ops's, until it moves)
 
 
 def stats_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -152,28 +142,6 @@ def as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t if t.dtype == dtype else t.to(dtype)
 
 
-def activate(z: torch.Tensor, activation: str, slope: float) -> torch.Tensor:
-    """``act(z)`` out of place, differentiable any number of times (the double-backward path
-    of ``functional.py``)."""
-    if activation == "leaky_relu":
-        return torch.nn.functional.leaky_relu(z, slope)
-    if activation == "elu":
-        return torch.nn.functional.elu(z, slope)
-    if activation == "relu":
-        return torch.relu(z)
-    return z
-
-
-def _activate_(z: torch.Tensor, activation: str, slope: float) -> torch.Tensor:
-    if activation == "leaky_relu":
-        return torch.nn.functional.leaky_relu_(z, slope)
-    if activation == "elu":
-        return torch.nn.functional.elu_(z, slope)
-    if activation == "relu":
-        return z.relu_()
-    return z
-
-
 def normalize_act(
     x: torch.Tensor,
     mean: torch.Tensor,
@@ -194,13 +162,14 @@ def normalize_act(
     source = _in_rows_layout(x)
     target = _target_for(out, source)
     scale = invstd * weight
+    activate_ = activations.ACTIVATIONS[activation].forward_
     for piece_in, piece_out in _pieces(source, target):
         # Computed in the statistics dtype: straight into the output when it has that dtype.
         if piece_out.dtype == mean.dtype:
             z = torch.sub(piece_in, mean, out=piece_out)
         else:
             z = torch.sub(piece_in, mean)
-        _activate_(z.mul_(scale).add_(bias), activation, slope)
+        activate_(z.mul_(scale).add_(bias), slope)
         if z is not piece_out:
             piece_out.copy_(z)
     if target is not out:
@@ -213,44 +182,25 @@ def _xhat_dz(saved, dy, mean, invstd, weight, inverse_weight, bias, activation: 
     """``(xhat, dz)`` of one channel-last piece, written into ``scratch = (xhat, dz, aux)``,
     buffers of the piece's shape in the statistics dtype.
 
-    ``dz`` comes from ATen's own activation backward (``leaky_relu_backward`` and
-    ``elu_backward`` accept the output in place of the input), so the branch conventions are
-    exactly those of ``F.leaky_relu`` / ``F.elu`` / ``F.relu``. Half-precision pieces are
-    widened first (ATen's activation backwards compute in their inputs' dtype).
+    ``dz`` and the inverse are the activation's definition (``activations.py``). Half-precision
+    pieces are widened first (ATen's activation backwards compute in their inputs' dtype).
     """
     xhat, dz, aux = scratch
+    definition = activations.ACTIVATIONS[activation]
     widen = saved.dtype != mean.dtype or dy.dtype != mean.dtype
-    aten = torch.ops.aten
     if widen:
         dy = aux.copy_(dy)
     if saved_is_output:
         # Without widening, y is the layer's output itself: read it, never write it.
         y = xhat.copy_(saved) if widen else saved
-        if activation == "leaky_relu":  # z = y where y > 0, y / slope elsewhere
-            aten.leaky_relu_backward.grad_input(dy, y, slope, True, grad_input=dz)
-            aten.leaky_relu.out(y, 1.0 / slope, out=xhat)
-        elif activation == "elu":  # z = y where y > 0, log1p(y / alpha) (clamped) elsewhere
-            aten.elu_backward.grad_input(dy, slope, 1, 1, True, y, grad_input=dz)
-            torch.clamp(y, max=0, out=aux).div_(slope)
-            aux.clamp_(min=elu_inverse_floor(aux.dtype)).log1p_()
-            torch.clamp(y, min=0, out=xhat).add_(aux)
-        else:
-            dz.copy_(dy)
-            if not widen:
-                xhat.copy_(y)
+        definition.inverse(y, dy, slope, xhat, dz, aux)
         xhat.sub_(bias).mul_(inverse_weight)
         return xhat, dz
     torch.sub(saved, mean, out=xhat).mul_(invstd)
-    if activation in ("leaky_relu", "elu", "relu"):
-        z = torch.addcmul(bias, xhat, weight, out=dz)
-        if activation == "leaky_relu":
-            aten.leaky_relu_backward.grad_input(dy, z, slope, False, grad_input=dz)
-        elif activation == "elu":
-            aten.elu_backward.grad_input(dy, slope, 1, 1, False, z, grad_input=dz)
-        else:
-            aten.threshold_backward.grad_input(dy, z, 0, grad_input=dz)
-    else:
+    if definition.derivative is None:
         dz.copy_(dy)
+    else:
+        definition.derivative(dy, torch.addcmul(bias, xhat, weight, out=dz), slope, dz)
     return xhat, dz
 
 
@@ -261,8 +211,8 @@ def _backward_pieces(saved, dy, mean, invstd, weight, bias, activation, slope,
     ``saved`` must be one slab or have an ``(A, C, B)`` view, and ``outs`` its layout. The
     ``(xhat, dz)`` of a piece are valid until the next one is yielded.
     """
-    if saved_is_output and activation == "relu":
-        raise ValueError("activation 'relu' cannot be inverted from its output")
+    if saved_is_output and activations.ACTIVATIONS[activation].inverse is None:
+        raise ValueError(f"activation {activation!r} cannot be inverted from its output")
     if saved.numel() > _SLAB_ELEMENTS and (
         _as_rows(dy) is None or _as_rows(dy).stride() != _as_rows(saved).stride()
     ):
