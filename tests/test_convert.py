@@ -307,14 +307,14 @@ def test_revert_after_a_6d_input_accepts_6d_input():
 
 
 @pytest.mark.usefixtures("each_backend")
-@pytest.mark.parametrize("act", [nn.SiLU(), nn.LeakyReLU(0.3), nn.ELU(0.5), nn.ReLU(),
-                                 nn.Identity()])
+@pytest.mark.parametrize("act", [nn.Hardswish(), nn.SiLU(), nn.GELU(), nn.LeakyReLU(0.3),
+                                 nn.ELU(0.5), nn.ReLU(), nn.Identity()])
 def test_batchnorm_act_converts_exactly(act):
     torch.manual_seed(0)
     net = nn.Sequential(nn.Conv2d(2, 3, 1), BatchNormAct(3, act=act))
     x = torch.randn(4, 2, 3, 3, dtype=torch.float64)
     converted = check_conversion(net, x, replicas=2)
-    fused = type(act) in (nn.LeakyReLU, nn.ELU, nn.ReLU, nn.Identity)
+    fused = type(act) is not nn.Hardswish  # the layer has no fused form of it
     assert type(converted[1]) is (SyncBatchNorm if fused else SyncBatchNormAct)
     assert not converted[1].inplace  # the original does not overwrite its input
 

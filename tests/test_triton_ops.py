@@ -20,6 +20,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from encoding_syncbn.kernels import torch_ops  # noqa: E402
+from encoding_syncbn.kernels.triton import activations as TA  # noqa: E402
 from encoding_syncbn.kernels.triton import backward_reduce as TB  # noqa: E402
 from encoding_syncbn.kernels.triton import channel_stats as TS  # noqa: E402
 from encoding_syncbn.kernels.triton import ops as T  # noqa: E402
@@ -46,7 +47,8 @@ TOL = {
 SUM_TOL = {torch.float64: 1e-12, torch.float32: 2e-6}
 
 ALL_ACTIVATIONS = ("none", "identity", "leaky_relu", "elu", "relu")
-SLOPE = {"none": 0.01, "identity": 0.01, "leaky_relu": 0.1, "elu": 1.3, "relu": 0.0}
+SLOPE = {"none": 0.01, "identity": 0.01, "leaky_relu": 0.1, "elu": 1.3, "relu": 0.0,
+         "silu": 0.0, "gelu": 0.0, "gelu_tanh": 0.0}
 
 # (shape, layout): 2-D to 5-D, contiguous and channels-last, sizes not multiples of any block.
 CASES = [
@@ -298,6 +300,65 @@ def test_backward_half(fmt, dtype, activation, saved_is_output):
     _check_backward((3, 5, 7, 9), fmt, dtype, activation, saved_is_output)
 
 
+# SiLU and GELU (out of place only: saved x). Few cases: the interpreter is slow.
+SMOOTH = ("silu", "gelu", "gelu_tanh")
+
+
+@pytest.mark.parametrize("activation", SMOOTH)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("shape,fmt", [((4, 3, 10), "nchw"), ((3, 5, 7, 9), "last")],
+                         ids=["4x3x10-nchw", "3x5x7x9-last"])
+def test_smooth_activations(shape, fmt, dtype, activation):
+    _check_normalize(make_input(shape, dtype, fmt), activation, dtype, inplace=False)
+    _check_backward(shape, fmt, dtype, activation, False)
+
+
+@pytest.mark.parametrize("activation", SMOOTH)
+def test_smooth_activations_float32_accuracy(activation):
+    """Over z in [-30, 30] (both tails, and near 0), in float32: act(z) and dy * act'(z) within
+    a few float32 roundings of float64 torch."""
+    z = torch.cat([torch.linspace(-30, 30, 601), torch.logspace(-8, 0, 40),
+                   -torch.logspace(-8, 0, 40)]).view(1, -1)
+    n = z.shape[1]
+    ones, zeros = torch.ones(n), torch.zeros(n)
+    params = [v.to(DEVICE) for v in (zeros, ones, ones, zeros)]
+    x = z.to(DEVICE)
+    want = torch_ops.normalize_act(z.double(), *(v.double() for v in (zeros, ones, ones, zeros)),
+                                   activation, 0.0, torch.empty_like(z.double()))
+    got = T.normalize_act(x, *params, activation, 0.0, torch.empty_like(x))
+    torch.testing.assert_close(got.cpu().double(), want, rtol=1e-6, atol=1e-7)
+    # dx = 1 * dz + 0 * xhat + 0: the derivative itself, dy = 1.
+    coefs = (params[1], params[0], params[0])
+    got_dz = T.backward_dx(x, torch.ones_like(x), *params, activation, 0.0, False, *coefs)
+    want_dz = torch_ops.backward_dx(z.double(), torch.ones_like(want),
+                                    *(v.double() for v in (zeros, ones, ones, zeros)),
+                                    activation, 0.0, False, *(v.double() for v in (ones, zeros,
+                                                                                  zeros)))
+    torch.testing.assert_close(got_dz.cpu().double(), want_dz, rtol=1e-6, atol=1e-7)
+
+
+@triton.jit
+def _activation_probe(x_ptr, y_ptr, ACTIVATION: tl.constexpr, SAVED_IS_OUTPUT: tl.constexpr):
+    offsets = tl.arange(0, 16)
+    x = tl.load(x_ptr + offsets)
+    if SAVED_IS_OUTPUT:
+        y, dz = TA._xhat_dz(x, x, 0.0, 1.0, 1.0, 0.0, 0.5, ACTIVATION, True)
+    else:
+        y = TA._activate(x, 0.5, ACTIVATION)
+    tl.store(y_ptr + offsets, y)
+
+
+@pytest.mark.parametrize("activation,saved_is_output",
+                         [("swish", False), ("silu", True), ("relu", True)])
+def test_unknown_or_non_invertible_activation_id_fails_to_compile(activation, saved_is_output):
+    """No catch-all branch: an id with no Triton code (or no inverse, from the output) is a
+    compile error, never some other activation's code."""
+    x = torch.zeros(16, device=DEVICE)
+    with pytest.raises(Exception, match="unknown activation id|without an inverse"):
+        _activation_probe[(1,)](x, torch.empty_like(x), activation, saved_is_output)
+    _activation_probe[(1,)](x, torch.empty_like(x), "leaky_relu", saved_is_output)
+
+
 @pytest.mark.parametrize("fmt", ["nchw", "last"])
 def test_backward_split_reduction(fmt):
     shape = (64, 2, 33, 9) if fmt == "nchw" else (64, 3, 17, 11)
@@ -437,7 +498,9 @@ def test_argument_errors():
     with pytest.raises(ValueError, match="cannot be inverted"):
         T.backward_reduce(x, x, *params, "relu", 0.0, True)
     with pytest.raises(ValueError, match="unknown activation"):
-        T.normalize_act(x, *params, "gelu", 0.0, torch.empty_like(x))
+        T.normalize_act(x, *params, "swish", 0.0, torch.empty_like(x))
+    with pytest.raises(ValueError, match="cannot be inverted"):
+        T.backward_dx(x, x, *params, "gelu", 0.0, True, *params[1:])
     with pytest.raises(TypeError, match="unsupported dtype"):
         T.channel_stats(x.to(torch.int32))
 

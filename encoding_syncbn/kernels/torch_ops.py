@@ -31,7 +31,6 @@ from __future__ import annotations
 import torch
 
 from .. import _compat, activations
-from ..activations import elu_inverse_floor  # noqa: F401  (triton_ops's, until it moves)
 
 
 def stats_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -1,14 +1,26 @@
 """Activation device functions of the Triton kernels: ``act(z)`` and, for the backward,
-``(xhat, dz)`` from the saved input or output."""
+``(xhat, dz)`` from the saved input or output.
+
+Each activation's code is selected by its ``ACTIVATION`` constexpr, the ``kernel`` id of its
+definition in ``encoding_syncbn/activations.py``; an id with no code here (or, from the
+output, one with no inverse) fails to compile (``tl.static_assert``): no catch-all branch.
+"""
+
+import math
 
 import torch
 import triton
 import triton.language as tl
 
-from ..torch_ops import elu_inverse_floor
+from ...activations import elu_inverse_floor
 
 _ELU_FLOOR_FP32 = tl.constexpr(elu_inverse_floor(torch.float32))
 _ELU_FLOOR_FP64 = tl.constexpr(elu_inverse_floor(torch.float64))
+# GELU's constants, as ATen's: 1/sqrt(2), 1/sqrt(2 pi); tanh form: sqrt(2/pi), 0.044715.
+_SQRT1_2 = tl.constexpr(math.sqrt(0.5))
+_INV_SQRT_2PI = tl.constexpr(1.0 / math.sqrt(2.0 * math.pi))
+_GELU_TANH_BETA = tl.constexpr(math.sqrt(2.0 / math.pi))
+_GELU_TANH_KAPPA = tl.constexpr(0.044715)
 
 
 @triton.jit
@@ -38,6 +50,29 @@ def _log1p(r):
 
 
 @triton.jit
+def _constant(value, like):
+    """``value`` in ``like``'s dtype, rounded once from the Python float (fp64 stays exact)."""
+    return tl.full([], value, like.dtype)
+
+
+@triton.jit
+def _sigmoid(t):
+    """``(sigmoid(t), 1 - sigmoid(t))``, the second without cancellation where sigmoid(t)
+    is near 1 (``exp(-t) * sigmoid(t)``; an fp32 ``1 - s`` there has a relative error of up
+    to 1, which SiLU's and GELU's derivatives multiply by z)."""
+    e = tl.exp(-t)
+    s = 1.0 / (1.0 + e)
+    return s, tl.where(t < 0.0, 1.0 - s, e * s)
+
+
+@triton.jit
+def _gelu_tanh_u(z):
+    """GELU's tanh form is ``z * (1 + tanh(u)) / 2 = z * sigmoid(2u)`` with this ``u``
+    (computed without tanh, which Triton has only through libdevice)."""
+    return _constant(_GELU_TANH_BETA, z) * (z + _constant(_GELU_TANH_KAPPA, z) * z * z * z)
+
+
+@triton.jit
 def _activate(z, slope, ACTIVATION: tl.constexpr):
     """``act(z)`` for one of KERNEL_ACTIVATIONS, positive branch for ``z > 0`` exactly as torch
     (``slope`` is ELU's alpha)."""
@@ -46,9 +81,17 @@ def _activate(z, slope, ACTIVATION: tl.constexpr):
     elif ACTIVATION == "elu":
         # NaN passes through, as in torch's elu.
         y = tl.where(z <= 0.0, slope * _expm1_nonpos(tl.minimum(z, 0.0)), z)
-    else:
-        # relu. NaN passes through, as in torch.relu.
+    elif ACTIVATION == "relu":
+        # NaN passes through, as in torch.relu.
         y = tl.where((z > 0.0) | (z != z), z, 0.0)
+    elif ACTIVATION == "silu":
+        y = z / (1.0 + tl.exp(-z))  # as ATen's CPU kernel
+    elif ACTIVATION == "gelu":
+        y = 0.5 * z * (1.0 + tl.math.erf(z * _constant(_SQRT1_2, z)))
+    elif ACTIVATION == "gelu_tanh":
+        y = z / (1.0 + tl.exp(-2.0 * _gelu_tanh_u(z)))
+    else:
+        tl.static_assert(False, "unknown activation id (see encoding_syncbn/activations.py)")
     return y
 
 
@@ -68,8 +111,7 @@ def _xhat_dz(s, dy, mean, invstd, weight, bias, slope, ACTIVATION: tl.constexpr,
         if ACTIVATION == "leaky_relu":
             z = tl.where(positive, s, s / slope)
             dz = tl.where(positive, dy, dy * slope)
-        else:
-            # elu (relu has no inverse; the launchers refuse it)
+        elif ACTIVATION == "elu":
             if s.dtype == tl.float64:
                 floor = tl.full([], _ELU_FLOOR_FP64, s.dtype)
             else:
@@ -77,6 +119,9 @@ def _xhat_dz(s, dy, mean, invstd, weight, bias, slope, ACTIVATION: tl.constexpr,
             ratio = tl.maximum(s / slope, floor)
             z = tl.where(positive, s, _log1p(ratio))
             dz = tl.where(positive, dy, dy * (s + slope))
+        else:
+            tl.static_assert(False, "activation id without an inverse (or unknown): its "
+                                    "kernels cannot read the saved output")
         xhat = (z - bias) / weight
     else:
         xhat = (s - mean) * invstd
@@ -88,6 +133,21 @@ def _xhat_dz(s, dy, mean, invstd, weight, bias, slope, ACTIVATION: tl.constexpr,
         elif ACTIVATION == "elu":
             # Not tl.minimum(z, 0): it turns a NaN into 0 (ATen's exp(NaN) gives NaN).
             dz = tl.where(z > 0.0, dy, dy * (slope * tl.exp(tl.where(z > 0.0, 0.0, z))))
-        else:
+        elif ACTIVATION == "relu":
             dz = tl.where(z <= 0.0, 0.0, dy)
+        elif ACTIVATION == "silu":
+            sig, one_minus = _sigmoid(z)
+            dz = dy * sig * (1.0 + z * one_minus)
+        elif ACTIVATION == "gelu":
+            cdf = 0.5 * (1.0 + tl.math.erf(z * _constant(_SQRT1_2, z)))
+            pdf = _constant(_INV_SQRT_2PI, z) * tl.exp(-0.5 * z * z)
+            dz = dy * (cdf + z * pdf)
+        elif ACTIVATION == "gelu_tanh":
+            # d/dz z*s = s + z * 2 s (1 - s) * u', u' = sqrt(2/pi) * (1 + 3 * 0.044715 z^2)
+            sig, one_minus = _sigmoid(2.0 * _gelu_tanh_u(z))
+            du = _constant(_GELU_TANH_BETA, z) * (
+                1.0 + 3.0 * _constant(_GELU_TANH_KAPPA, z) * z * z)
+            dz = dy * sig * (1.0 + 2.0 * z * one_minus * du)
+        else:
+            tl.static_assert(False, "unknown activation id (see encoding_syncbn/activations.py)")
     return xhat, dz

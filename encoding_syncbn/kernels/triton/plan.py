@@ -14,6 +14,7 @@ import torch
 import triton.language as tl
 
 from ... import _compat
+from ...activations import ACTIVATIONS
 from ..torch_ops import stats_dtype
 
 #: Whether kernels run in Triton's CPU interpreter (fixed when ``triton.jit`` wrapped them).
@@ -22,12 +23,13 @@ INTERPRET: bool = _compat.triton_interpreting()
 #: Input dtypes the kernels are built for.
 DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
-#: Activations the kernels are specialised on. "none" and "identity" run as leaky_relu with
-#: slope 1, which is exact (z * 1 == z, y / 1 == y) and saves a specialisation of every kernel.
-KERNEL_ACTIVATIONS = ("leaky_relu", "elu", "relu")
-#: (saved_is_output, activation) pairs the backward kernels are built for: relu has no inverse.
+#: The ``ACTIVATION`` ids the kernels are specialised on (``Activation.kernel``; "none" and
+#: "identity" share leaky_relu's), in the table's order.
+KERNEL_ACTIVATIONS = tuple(dict.fromkeys(a.kernel for a in ACTIVATIONS.values()))
+#: (saved_is_output, activation) pairs the backward kernels are built for: from the output
+#: only for the ids of invertible activations.
 BACKWARD_VARIANTS = tuple((False, a) for a in KERNEL_ACTIVATIONS) + tuple(
-    (True, a) for a in KERNEL_ACTIVATIONS if a != "relu"
+    (True, a) for a in dict.fromkeys(a.kernel for a in ACTIVATIONS.values() if a.inverse)
 )
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.float64: tl.float64}
@@ -320,13 +322,13 @@ def _merge_launch(kernel: object, partials: tuple[torch.Tensor, ...],
 def _kernel_activation(activation: str, slope: float, saved_is_output: bool = False
                        ) -> tuple[str, float]:
     """The kernel specialisation and slope that compute ``activation``."""
-    if activation in ("none", "identity"):
-        return "leaky_relu", 1.0
-    if activation not in KERNEL_ACTIVATIONS:
+    definition = ACTIVATIONS.get(activation)
+    if definition is None:
         raise ValueError(f"unknown activation {activation!r}")
-    if saved_is_output and activation == "relu":
+    if saved_is_output and definition.inverse is None:
         raise ValueError(f"activation {activation!r} cannot be inverted from its output")
-    return activation, float(slope)
+    slope = definition.kernel_slope if definition.kernel_slope is not None else slope
+    return definition.kernel, float(slope)
 
 
 def _channel_vectors(acc: torch.dtype, *vectors: torch.Tensor) -> tuple[torch.Tensor, ...]:
