@@ -2,9 +2,9 @@
 
 The layout of timm's ``BatchNormAct2d``, so that ``state_dict`` keys match theirs:
 ``SyncBatchNormAct`` is what a norm+activation layer converts to when the layer has no fused
-form of its activation (SiLU, GELU, any module); ``BatchNormAct`` is what
-``revert_sync_batchnorm`` gives for a layer with an activation (or for an input of more than
-5 dimensions, which no ``nn.BatchNorm*d`` accepts).
+form of its activation (Hardswish, any module that ``activations.py`` does not list);
+``BatchNormAct`` is what ``revert_sync_batchnorm`` gives for a layer with an activation (or for
+an input of more than 5 dimensions, which no ``nn.BatchNorm*d`` accepts).
 """
 
 from __future__ import annotations
