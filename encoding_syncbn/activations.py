@@ -153,6 +153,7 @@ _DEFINITIONS = (
         kernel="relu",
     ),
     # SiLU and GELU are not monotonic: not invertible, out of place only.
+    # silu(z) = z * sigmoid(z)
     Activation(
         name="silu", forward=lambda z, slope: F.silu(z),
         forward_=lambda z, slope: F.silu(z, inplace=True),
@@ -160,7 +161,9 @@ _DEFINITIONS = (
             dy, z, grad_input=out),
         inverse=None, modules=(TorchModule(nn.SiLU),), kernel="silu",
     ),
+    # gelu(z) = z / 2 * (1 + erf(z / sqrt(2)))
     Activation(name="gelu", kernel="gelu", **_gelu("none")),
+    # gelu_tanh(z) = z / 2 * (1 + tanh(sqrt(2 / pi) * (z + 0.044715 z^3)))
     Activation(name="gelu_tanh", kernel="gelu_tanh", **_gelu("tanh")),
 )
 
