@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import warnings
 import weakref
 from collections import deque
 from typing import Any, NamedTuple
@@ -11,7 +10,7 @@ from typing import Any, NamedTuple
 import torch
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from . import _compat, distributed, inplace_check
+from . import _compat, distributed, inplace_check, inplace_policy
 from .functional import (
     ActConfig,
     AsideWatch,
@@ -132,7 +131,7 @@ class SyncBatchNorm(_BatchNorm):
             )
         slope = float(slope)
         if inplace and activation in ("leaky_relu", "elu"):
-            _check_invertible_slope(activation, slope, dtype)
+            inplace_policy.check_invertible_slope(activation, slope, dtype)
         super().__init__(
             num_features, eps, momentum, affine, track_running_stats, device, dtype, bias=bias
         )
@@ -261,7 +260,7 @@ class SyncBatchNorm(_BatchNorm):
         return weight, bias
 
     def _act_config(self, x: torch.Tensor) -> ActConfig:
-        inplace = self.inplace and _can_overwrite(x, self._warned_out_of_place)
+        inplace = self.inplace and inplace_policy.can_overwrite(x, self._warned_out_of_place)
         aside = self._aside
         if inplace and aside is None and not torch.compiler.is_compiling():
             # (Eval never asks autograd: its private API stays untouched there.)
@@ -518,23 +517,6 @@ _NON_GROUP_MEMBER = (
 )
 
 
-def _check_invertible_slope(activation: str, slope: float, dtype: torch.dtype | None) -> None:
-    """In place, backward divides by the slope (leaky_relu: z = y / slope; elu: y / alpha):
-    refuse a slope that is not positive, or whose inverse overflows the statistics dtype the
-    layer computes in (float32 unless the layer is built in float64)."""
-    acc = torch_ops.stats_dtype(dtype or torch.get_default_dtype())
-    if not slope > 0:
-        raise ValueError(
-            f"in-place {activation} needs slope > 0 to be invertible, got slope={slope}"
-        )
-    if not 1.0 / slope <= torch.finfo(acc).max or not slope <= torch.finfo(acc).max:
-        raise ValueError(
-            f"in-place {activation}: slope={slope} cannot be inverted in {acc} (1/slope "
-            f"overflows); use a slope in [{1 / torch.finfo(acc).max:.3g}, "
-            f"{torch.finfo(acc).max:.3g}] or inplace=False"
-        )
-
-
 def _may_be_recomputed() -> bool:
     """Whether this forward may run again inside backward: under ``torch.utils.checkpoint``,
     whose non-reentrant mode packs saved tensors with hooks and whose reentrant mode runs the
@@ -548,39 +530,3 @@ def _inside_backward() -> bool:
     A compiled graph is traced once, not re-run eagerly by a recomputation.
     """
     return not torch.compiler.is_compiling() and _compat.inside_backward()
-
-
-def _can_overwrite(x: torch.Tensor, warned: list[bool]) -> bool:
-    """Whether ``x`` may be overwritten by a custom Function; if not, warn unless ``warned[0]``
-    (the layer's flag: once per layer).
-
-    Checked before anything is computed or updated: a refusal by autograd inside the Function
-    would come after the input, and the running statistics, had been written.
-    """
-    reason = None
-    if x.requires_grad and x.is_leaf:
-        reason = "a leaf tensor that requires grad"
-    elif torch.compiler.is_compiling():
-        pass  # Dynamo cannot inspect view provenance; the traced graph is functionalised
-    elif x.is_inference() and not torch.is_inference_mode_enabled():
-        # Made under torch.inference_mode, used outside it (DataParallel's replica threads do
-        # not inherit the mode): torch refuses in-place updates there.
-        reason = "an inference tensor outside inference mode"
-    elif _compat.has_internal_overlap(x):
-        reason = "a tensor whose elements share memory (torch.expand, ...)"
-    elif (base := _compat.view_base(x)) is not None and base.requires_grad and base.is_leaf:
-        reason = "a view of a leaf tensor that requires grad"
-    elif base is not None and (kind := _compat.view_kind(x)) is not None:
-        # Autograd refuses in-place writes to views made by a multi-output op (chunk, split,
-        # unbind, DataParallel's scatter), inside a custom Function, or in no-grad mode.
-        reason = f"a view autograd marks {kind} (torch.chunk, split, ...)"
-    if reason is None:
-        return True
-    if not warned[0]:
-        warned[0] = True
-        warnings.warn(
-            f"SyncBatchNorm(inplace=True) got {reason}, which cannot be overwritten; "
-            "computing out of place (this warning is shown once per layer)",
-            stacklevel=4,
-        )
-    return False
