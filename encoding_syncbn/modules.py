@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections import deque
 from typing import Any, NamedTuple
 
 import torch
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from . import _compat, distributed, inplace_check, inplace_policy
+from . import distributed, inplace_check, inplace_policy, recompute
 from .functional import (
     ActConfig,
     AsideWatch,
@@ -24,31 +23,18 @@ from .functional import (
     synced_batch_norm_act,
     wait_for,
 )
-from .kernels import ops_for, torch_ops
+from .kernels import torch_ops
+from .recompute import RecomputeCache
 from .sync import ReplicaGroup, ReplicaSession, replication_session
 
 # Attributes that only make sense for the live object: dropped by pickle and deepcopy.
 _TRANSIENT = ("_open_group", "_replica_slot", "_recompute_cache", "_open_aside", "_aside",
               "_aside_watch", "_warned_out_of_place")
-# How many recent synchronised calls a replica remembers for checkpoint recomputation.
-_RECOMPUTE_CACHE_SIZE = 64
 
 
 class _ReplicaSlot(NamedTuple):
     group: ReplicaGroup
     rank: int
-
-
-class _SyncedCall(NamedTuple):
-    """A synchronised call's local and global statistics, for recomputation, and the ops that
-    computed the local ones (a recompute must compare statistics of the same backend)."""
-
-    ops: Any
-    local_mean: torch.Tensor
-    local_m2: torch.Tensor
-    mean: torch.Tensor
-    invstd: torch.Tensor
-    grad_enabled: bool
 
 
 class SyncBatchNorm(_BatchNorm):
@@ -153,7 +139,7 @@ class SyncBatchNorm(_BatchNorm):
     def _reset_transient(self) -> None:
         self._open_group: weakref.ref[ReplicaGroup] | None = None
         self._replica_slot: _ReplicaSlot | None = None
-        self._recompute_cache: deque[_SyncedCall] = deque(maxlen=_RECOMPUTE_CACHE_SIZE)
+        self._recompute_cache = RecomputeCache()
         # In place: the channels kept aside, found once per replicate() for all replicas
         # (``_open_aside``, on the original) and handed to each (``_aside``); None: unknown.
         self._open_aside: tuple[int, ...] | None = None
@@ -178,7 +164,7 @@ class SyncBatchNorm(_BatchNorm):
         replica = super()._replicate_for_data_parallel()
         replica._replica_slot = _ReplicaSlot(group, group.add_member(replica))
         replica._open_group = None
-        replica._recompute_cache = deque(maxlen=_RECOMPUTE_CACHE_SIZE)
+        replica._recompute_cache = RecomputeCache()
         replica._aside = self._open_aside
         return replica
 
@@ -264,7 +250,7 @@ class SyncBatchNorm(_BatchNorm):
         aside = self._aside
         if inplace and aside is None and not torch.compiler.is_compiling():
             # (Eval never asks autograd: its private API stays untouched there.)
-            recomputing = self.training and _inside_backward()
+            recomputing = self.training and recompute.inside_backward()
             aside = self._aside_watch.channels(self.weight, self.bias, refresh=not recomputing)
         return ActConfig(self.activation, self.slope, inplace, aside, self._label())
 
@@ -281,14 +267,14 @@ class SyncBatchNorm(_BatchNorm):
             mean = self.running_mean.to(acc, copy=True)
             return normalize_with(x, mean, invstd, weight, bias, config)
 
-        recomputing = _inside_backward()
+        recomputing = recompute.inside_backward()
         updates_running = self.training and self.track_running_stats and not recomputing
         group_size = slot.group.size if slot is not None else 1
         # Batch statistics are the whole batch's, in evaluation too (track_running_stats=False).
         synced = self.sync and (group_size > 1 or self._syncs_processes())
         if synced:
             if recomputing:
-                return self._recompute(x, weight, bias, config)
+                return self._recompute_cache.replay(x, weight, bias, config)
             return synced_batch_norm_act(
                 x, weight, bias, config,
                 lambda own: self._exchange(slot, own, updates_running),
@@ -307,31 +293,6 @@ class SyncBatchNorm(_BatchNorm):
         out, mean, m2 = batch_norm_act(x, weight, bias, self.eps, config)
         self._track_batch(updates_running, mean, m2, count)
         return out
-
-    def _recompute(self, x, weight, bias, config: ActConfig) -> torch.Tensor:
-        """Checkpoint recomputation: reuse the global statistics of the original call.
-
-        The call is found by its input's statistics, recomputed by the backend that computed
-        them then (another backend's differ in the last bits: Triton's against ATen's).
-        """
-        local: dict[Any, tuple[torch.Tensor, torch.Tensor]] = {}
-        for call in self._recompute_cache:
-            if call.ops not in local:
-                with torch.no_grad():
-                    local[call.ops] = call.ops.channel_stats(x)[:2]
-            local_mean, local_m2 = local[call.ops]
-            if torch.equal(call.local_mean, local_mean) and torch.equal(call.local_m2, local_m2):
-                if not call.grad_enabled:
-                    raise RuntimeError(
-                        "SyncBatchNorm under torch.utils.checkpoint(use_reentrant=True): the "
-                        "reentrant mode rebuilds each replica's graph apart, so gradients "
-                        "cannot flow between replicas; use use_reentrant=False"
-                    )
-                return normalize_with(x, call.mean, call.invstd, weight, bias, config)
-        raise RuntimeError(
-            "SyncBatchNorm: a recomputation (checkpoint) found no synchronised call with the "
-            "same input statistics; the checkpointed function must be deterministic"
-        )
 
     def _exchange(self, slot, own: ReplicaStats, updates_running):
         """Send local statistics to the master, get the global ``(mean, invstd)`` back."""
@@ -356,13 +317,7 @@ class SyncBatchNorm(_BatchNorm):
             mean, invstd = _received(
                 group.exchange(slot.rank, group.begin_call(slot.rank), _handed(own, own.mean))
             )
-        if _may_be_recomputed():
-            self._recompute_cache.append(
-                _SyncedCall(
-                    ops_for(own.x), own.mean, own.m2, mean.detach(), invstd.detach(),
-                    torch.is_grad_enabled(),
-                )
-            )
+        self._recompute_cache.remember(own, mean, invstd)
         return mean, invstd
 
     def _merge(self, contributions: list[ReplicaStats]):
@@ -515,18 +470,3 @@ def _names_a_device(text: str) -> bool:
 _NON_GROUP_MEMBER = (
     torch.distributed.GroupMember.NON_GROUP_MEMBER if torch.distributed.is_available() else None
 )
-
-
-def _may_be_recomputed() -> bool:
-    """Whether this forward may run again inside backward: under ``torch.utils.checkpoint``,
-    whose non-reentrant mode packs saved tensors with hooks and whose reentrant mode runs the
-    forward without grad (where the recompute must fail with a clear message)."""
-    return not torch.is_grad_enabled() or _compat.saved_tensor_hooks_may_be_active()
-
-
-def _inside_backward() -> bool:
-    """A checkpoint recomputation runs the forward again inside backward (graph task >= 0).
-
-    A compiled graph is traced once, not re-run eagerly by a recomputation.
-    """
-    return not torch.compiler.is_compiling() and _compat.inside_backward()
