@@ -4,24 +4,20 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from . import distributed, inplace_check, inplace_policy, recompute
+from .exchange import Exchange, ReplicaSlot
 from .functional import (
     ActConfig,
     AsideWatch,
-    ReplicaStats,
     batch_norm_act,
-    merge_replicas,
     normalize_with,
-    on_device,
     small_gamma_channels,
-    stream_event,
     synced_batch_norm_act,
-    wait_for,
 )
 from .kernels import torch_ops
 from .recompute import RecomputeCache
@@ -30,11 +26,6 @@ from .sync import ReplicaGroup, ReplicaSession, replication_session
 # Attributes that only make sense for the live object: dropped by pickle and deepcopy.
 _TRANSIENT = ("_open_group", "_replica_slot", "_recompute_cache", "_open_aside", "_aside",
               "_aside_watch", "_warned_out_of_place")
-
-
-class _ReplicaSlot(NamedTuple):
-    group: ReplicaGroup
-    rank: int
 
 
 class SyncBatchNorm(_BatchNorm):
@@ -138,7 +129,7 @@ class SyncBatchNorm(_BatchNorm):
 
     def _reset_transient(self) -> None:
         self._open_group: weakref.ref[ReplicaGroup] | None = None
-        self._replica_slot: _ReplicaSlot | None = None
+        self._replica_slot: ReplicaSlot | None = None
         self._recompute_cache = RecomputeCache()
         # In place: the channels kept aside, found once per replicate() for all replicas
         # (``_open_aside``, on the original) and handed to each (``_aside``); None: unknown.
@@ -162,7 +153,7 @@ class SyncBatchNorm(_BatchNorm):
                 small_gamma_channels(self.weight, self.bias) if self.inplace else None
             )
         replica = super()._replicate_for_data_parallel()
-        replica._replica_slot = _ReplicaSlot(group, group.add_member(replica))
+        replica._replica_slot = ReplicaSlot(group, group.add_member(replica))
         replica._open_group = None
         replica._recompute_cache = RecomputeCache()
         replica._aside = self._open_aside
@@ -254,7 +245,7 @@ class SyncBatchNorm(_BatchNorm):
             aside = self._aside_watch.channels(self.weight, self.bias, refresh=not recomputing)
         return ActConfig(self.activation, self.slope, inplace, aside, self._label())
 
-    def _forward(self, x: torch.Tensor, slot: _ReplicaSlot | None) -> torch.Tensor:
+    def _forward(self, x: torch.Tensor, slot: ReplicaSlot | None) -> torch.Tensor:
         acc = torch_ops.stats_dtype(x.dtype)
         weight, bias = self._affine_params(acc, x.device)
         config = self._act_config(x)
@@ -275,10 +266,12 @@ class SyncBatchNorm(_BatchNorm):
         if synced:
             if recomputing:
                 return self._recompute_cache.replay(x, weight, bias, config)
-            return synced_batch_norm_act(
-                x, weight, bias, config,
-                lambda own: self._exchange(slot, own, updates_running),
-            )
+            exchange = Exchange(slot, self.eps, self.process_group, self._syncs_processes())
+            out = synced_batch_norm_act(x, weight, bias, config, exchange)
+            if exchange.merged is not None:
+                self._track_batch(updates_running, *exchange.merged)
+            self._recompute_cache.remember(exchange.own, exchange.mean, exchange.invstd)
+            return out
 
         count = x.numel() // self.num_features
         if count == 1:
@@ -293,50 +286,6 @@ class SyncBatchNorm(_BatchNorm):
         out, mean, m2 = batch_norm_act(x, weight, bias, self.eps, config)
         self._track_batch(updates_running, mean, m2, count)
         return out
-
-    def _exchange(self, slot, own: ReplicaStats, updates_running):
-        """Send local statistics to the master, get the global ``(mean, invstd)`` back."""
-        if slot is None or slot.group.size == 1:
-            mean, m2, invstd, total = self._merge([own])
-            self._track_batch(updates_running, mean, m2, total)
-        elif slot.rank == 0:
-            group = slot.group
-            call = group.begin_call(0)
-            contributions = [_received(c) for c in group.gather(call, _handed(own, own.mean))]
-            mean, m2, invstd, total = self._merge(contributions)
-            # Before the answers: once the replicas run again, every ATen call of the master
-            # waits for the GIL in turn with theirs (measured on 2 cores: forward 0-2% faster).
-            self._track_batch(updates_running, mean, m2, total)
-            answers = []
-            for c in contributions:
-                answer = (on_device(mean, c.mean.device), on_device(invstd, c.mean.device))
-                answers.append(_handed(answer, answer[0]))
-            group.scatter(call, answers)
-        else:
-            group = slot.group
-            mean, invstd = _received(
-                group.exchange(slot.rank, group.begin_call(slot.rank), _handed(own, own.mean))
-            )
-        self._recompute_cache.remember(own, mean, invstd)
-        return mean, invstd
-
-    def _merge(self, contributions: list[ReplicaStats]):
-        """Master: merge every replica's (and process's) statistics.
-
-        Returns the global ``(mean, M2, invstd, count)``.
-        """
-        mean, m2, invstd = merge_replicas(contributions, self.eps)
-        total = sum(c.count for c in contributions)
-        if self._syncs_processes():
-            mean, m2, invstd, total = distributed.merge_across_processes(
-                mean, m2, total, self.eps, self.process_group
-            )
-        if total == 1:
-            raise ValueError(
-                "expected more than 1 value per channel when training, got 1 over the whole "
-                "synchronised batch"
-            )
-        return mean, m2, invstd, total
 
     def _track_batch(self, updates_running: bool, mean: torch.Tensor | None,
                      m2: torch.Tensor | None, total: int) -> None:
@@ -392,38 +341,6 @@ def record_paths(root: torch.nn.Module) -> None:
     for path, module in root.named_modules():
         if isinstance(module, SyncBatchNorm) and path:
             module._set_path(path)
-
-
-class _OnStream(NamedTuple):
-    """A payload handed to another replica's thread, with the CUDA event after which it is
-    ready: DataParallel runs each replica on its device's current stream, and another
-    thread's ops on that device go to its own current stream."""
-
-    payload: Any
-    ready: torch.cuda.Event
-
-
-def _handed(payload: Any, like: torch.Tensor) -> Any:
-    """``payload`` as handed to another thread: on CUDA, with an event recorded on the current
-    stream of ``like``'s device after everything that wrote it (on the CPU, as it is)."""
-    ready = stream_event(like)
-    return payload if ready is None else _OnStream(payload, ready)
-
-
-def _received(handed: Any) -> Any:
-    """The payload of ``_handed``, safe to read on this thread's current streams: they wait
-    for its event, and the allocator learns that its tensors are used there (so that their
-    memory is not reused before those streams are done with them)."""
-    if not isinstance(handed, _OnStream):
-        return handed
-    wait_for(handed.ready, _tensors_of(handed.payload))
-    return handed.payload
-
-
-def _tensors_of(payload: Any) -> list[torch.Tensor]:
-    if isinstance(payload, ReplicaStats):
-        return [payload.mean, payload.m2]
-    return [t for t in payload if isinstance(t, torch.Tensor)]
 
 
 def _end_at_next_step(session: ReplicaSession) -> None:
