@@ -15,14 +15,7 @@ import torch
 
 from . import distributed
 from .functional import ReplicaStats, merge_replicas, on_device, stream_event, wait_for
-from .sync import ReplicaGroup
-
-
-class ReplicaSlot(NamedTuple):
-    """A replica's place in its DataParallel call: its group and its rank there (0: master)."""
-
-    group: ReplicaGroup
-    rank: int
+from .replicas import ReplicaSlot
 
 
 class Exchange:

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import threading
 import weakref
 from typing import Any
 
 import torch
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from . import distributed, inplace_check, inplace_policy, recompute
-from .exchange import Exchange, ReplicaSlot
+from . import distributed, inplace_check, inplace_policy, recompute, replicas
+from .exchange import Exchange
 from .functional import (
     ActConfig,
     AsideWatch,
@@ -21,7 +20,8 @@ from .functional import (
 )
 from .kernels import torch_ops
 from .recompute import RecomputeCache
-from .sync import ReplicaGroup, ReplicaSession, replication_session
+from .replicas import ReplicaSlot
+from .sync import ReplicaGroup
 
 # Attributes that only make sense for the live object: dropped by pickle and deepcopy.
 _TRANSIENT = ("_open_group", "_replica_slot", "_recompute_cache", "_open_aside", "_aside",
@@ -143,9 +143,9 @@ class SyncBatchNorm(_BatchNorm):
 
     def _replicate_for_data_parallel(self) -> SyncBatchNorm:
         """Called by ``torch.nn.parallel.replicate`` once per replica, in rank order."""
-        group = self._open_group() if self._open_group is not None else None
-        if group is None or not group.accepts_members():
-            group = ReplicaGroup(replication_session(_end_at_next_step), self._label())
+        group = replicas.group_taking_members(self._open_group)
+        if group is None:
+            group = replicas.new_group(self._label())
             self._open_group = weakref.ref(group)
             # The replicas' parameters are copies of these, made just now: reading them back
             # here, once, spares every replica a device-to-host copy in each of its calls.
@@ -341,23 +341,6 @@ def record_paths(root: torch.nn.Module) -> None:
     for path, module in root.named_modules():
         if isinstance(module, SyncBatchNorm) and path:
             module._set_path(path)
-
-
-def _end_at_next_step(session: ReplicaSession) -> None:
-    """Close ``session`` at the next module call of the thread that replicated (the next
-    step's ``DataParallel.forward``), so that a group belongs to one ``replicate()`` call even
-    when no replica reached a sync layer and something (a notebook's ``sys.last_value``) keeps
-    that step's replicas alive. Until then a global forward pre-hook looks at each module call;
-    it removes itself once the session is closed (usually by the first sync layer's forward)."""
-
-    def end(module: torch.nn.Module, args: Any) -> None:
-        if session.closed or threading.get_ident() == session.owner:
-            session.closed = True
-            with removing:  # replica threads may get here at once: remove() checks, then deletes
-                handle.remove()
-
-    removing = threading.Lock()
-    handle = torch.nn.modules.module.register_module_forward_pre_hook(end)
 
 
 def _check_process_group(process_group: Any) -> None:
