@@ -246,33 +246,35 @@ class SyncBatchNorm(_BatchNorm):
         return ActConfig(self.activation, self.slope, inplace, aside, self._label())
 
     def _forward(self, x: torch.Tensor, slot: ReplicaSlot | None) -> torch.Tensor:
+        """The dispatch: evaluation with running statistics, training alone, training synced."""
         acc = torch_ops.stats_dtype(x.dtype)
         weight, bias = self._affine_params(acc, x.device)
         config = self._act_config(x)
-        use_batch_stats = self.training or self.running_mean is None
-        if not use_batch_stats:
-            invstd = torch.rsqrt(self.running_var.to(acc) + self.eps)
-            # A copy, not the buffer: a training forward (its in-place running-stats update),
-            # load_state_dict or a buffer broadcast between this forward and its backward
-            # would otherwise fail backward's saved-tensor version check.
-            mean = self.running_mean.to(acc, copy=True)
-            return normalize_with(x, mean, invstd, weight, bias, config)
-
+        if not self.training and self.running_mean is not None:
+            return self._forward_running(x, acc, weight, bias, config)
+        # Batch statistics are the whole batch's, in evaluation too (track_running_stats=False).
         recomputing = recompute.inside_backward()
         updates_running = self.training and self.track_running_stats and not recomputing
         group_size = slot.group.size if slot is not None else 1
-        # Batch statistics are the whole batch's, in evaluation too (track_running_stats=False).
-        synced = self.sync and (group_size > 1 or self._syncs_processes())
-        if synced:
+        if self.sync and (group_size > 1 or self._syncs_processes()):
             if recomputing:
                 return self._recompute_cache.replay(x, weight, bias, config)
-            exchange = Exchange(slot, self.eps, self.process_group, self._syncs_processes())
-            out = synced_batch_norm_act(x, weight, bias, config, exchange)
-            if exchange.merged is not None:
-                self._track_batch(updates_running, *exchange.merged)
-            self._recompute_cache.remember(exchange.own, exchange.mean, exchange.invstd)
-            return out
+            return self._forward_synced(x, slot, weight, bias, config, updates_running)
+        return self._forward_alone(x, weight, bias, config, updates_running)
 
+    def _forward_running(self, x: torch.Tensor, acc: torch.dtype, weight: torch.Tensor,
+                         bias: torch.Tensor, config: ActConfig) -> torch.Tensor:
+        """Evaluation: normalise with the running statistics."""
+        invstd = torch.rsqrt(self.running_var.to(acc) + self.eps)
+        # A copy, not the buffer: a training forward (its in-place running-stats update),
+        # load_state_dict or a buffer broadcast between this forward and its backward
+        # would otherwise fail backward's saved-tensor version check.
+        mean = self.running_mean.to(acc, copy=True)
+        return normalize_with(x, mean, invstd, weight, bias, config)
+
+    def _forward_alone(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                       config: ActConfig, updates_running: bool) -> torch.Tensor:
+        """Batch statistics of this replica's input only (one replica, or ``sync=False``)."""
         count = x.numel() // self.num_features
         if count == 1:
             raise ValueError(
@@ -285,6 +287,19 @@ class SyncBatchNorm(_BatchNorm):
             return torch.nn.functional.batch_norm(x, None, None, weight, bias, True, 0.0, self.eps)
         out, mean, m2 = batch_norm_act(x, weight, bias, self.eps, config)
         self._track_batch(updates_running, mean, m2, count)
+        return out
+
+    def _forward_synced(self, x: torch.Tensor, slot: ReplicaSlot | None, weight: torch.Tensor,
+                        bias: torch.Tensor, config: ActConfig, updates_running: bool
+                        ) -> torch.Tensor:
+        """Batch statistics of every replica (and process): exchanged, then normalised; the
+        master folds the merged statistics into the running ones, and each replica remembers
+        the call for a checkpoint's recomputation."""
+        exchange = Exchange(slot, self.eps, self.process_group, self._syncs_processes())
+        out = synced_batch_norm_act(x, weight, bias, config, exchange)
+        if exchange.merged is not None:
+            self._track_batch(updates_running, *exchange.merged)
+        self._recompute_cache.remember(exchange.own, exchange.mean, exchange.invstd)
         return out
 
     def _track_batch(self, updates_running: bool, mean: torch.Tensor | None,
