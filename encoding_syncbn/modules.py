@@ -236,24 +236,27 @@ class SyncBatchNorm(_BatchNorm):
         )
         return weight, bias
 
-    def _act_config(self, x: torch.Tensor) -> ActConfig:
+    def _act_config(self, x: torch.Tensor, refresh: bool) -> ActConfig:
+        """The activation, and whether and around which channels it runs in place;
+        ``refresh=False`` (a checkpoint's recompute): the aside channels of the original call."""
         inplace = self.inplace and inplace_policy.can_overwrite(x, self._warned_out_of_place)
         aside = self._aside
         if inplace and aside is None and not torch.compiler.is_compiling():
-            # (Eval never asks autograd: its private API stays untouched there.)
-            recomputing = self.training and recompute.inside_backward()
-            aside = self._aside_watch.channels(self.weight, self.bias, refresh=not recomputing)
+            aside = self._aside_watch.channels(self.weight, self.bias, refresh=refresh)
         return ActConfig(self.activation, self.slope, inplace, aside, self._label())
 
     def _forward(self, x: torch.Tensor, slot: ReplicaSlot | None) -> torch.Tensor:
         """The dispatch: evaluation with running statistics, training alone, training synced."""
         acc = torch_ops.stats_dtype(x.dtype)
         weight, bias = self._affine_params(acc, x.device)
-        config = self._act_config(x)
-        if not self.training and self.running_mean is not None:
-            return self._forward_running(x, acc, weight, bias, config)
         # Batch statistics are the whole batch's, in evaluation too (track_running_stats=False).
-        recomputing = recompute.inside_backward()
+        batch_stats = self.training or self.running_mean is None
+        # Asked once per call; evaluation with running statistics never asks autograd (its
+        # private API stays untouched there).
+        recomputing = batch_stats and recompute.inside_backward()
+        config = self._act_config(x, refresh=not (self.training and recomputing))
+        if not batch_stats:
+            return self._forward_running(x, acc, weight, bias, config)
         updates_running = self.training and self.track_running_stats and not recomputing
         group_size = slot.group.size if slot is not None else 1
         if self.sync and (group_size > 1 or self._syncs_processes()):
