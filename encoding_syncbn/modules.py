@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import weakref
 from typing import Any
 
@@ -298,10 +299,9 @@ class SyncBatchNorm(_BatchNorm):
         """Batch statistics of every replica (and process): exchanged, then normalised; the
         master folds the merged statistics into the running ones, and each replica remembers
         the call for a checkpoint's recomputation."""
-        exchange = Exchange(slot, self.eps, self.process_group, self._syncs_processes())
+        exchange = Exchange(slot, self.eps, self.process_group, self._syncs_processes(),
+                            functools.partial(self._track_batch, updates_running))
         out = synced_batch_norm_act(x, weight, bias, config, exchange)
-        if exchange.merged is not None:
-            self._track_batch(updates_running, *exchange.merged)
         self._recompute_cache.remember(exchange.own, exchange.mean, exchange.invstd)
         return out
 
