@@ -2,54 +2,31 @@
 
 from __future__ import annotations
 
-import threading
-import warnings
+import functools
 import weakref
-from collections import deque
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from . import _compat, activations, distributed, inplace_check
+from . import activations, distributed, inplace_check, inplace_policy, recompute, replicas
+from .exchange import Exchange
 from .functional import (
     ActConfig,
     AsideWatch,
-    ReplicaStats,
     batch_norm_act,
-    merge_replicas,
     normalize_with,
-    on_device,
     small_gamma_channels,
-    stream_event,
     synced_batch_norm_act,
-    wait_for,
 )
-from .kernels import ops_for, torch_ops
-from .sync import ReplicaGroup, ReplicaSession, replication_session
+from .kernels import torch_ops
+from .recompute import RecomputeCache
+from .replicas import ReplicaSlot
+from .sync import ReplicaGroup
 
 # Attributes that only make sense for the live object: dropped by pickle and deepcopy.
 _TRANSIENT = ("_open_group", "_replica_slot", "_recompute_cache", "_open_aside", "_aside",
               "_aside_watch", "_warned_out_of_place")
-# How many recent synchronised calls a replica remembers for checkpoint recomputation.
-_RECOMPUTE_CACHE_SIZE = 64
-
-
-class _ReplicaSlot(NamedTuple):
-    group: ReplicaGroup
-    rank: int
-
-
-class _SyncedCall(NamedTuple):
-    """A synchronised call's local and global statistics, for recomputation, and the ops that
-    computed the local ones (a recompute must compare statistics of the same backend)."""
-
-    ops: Any
-    local_mean: torch.Tensor
-    local_m2: torch.Tensor
-    mean: torch.Tensor
-    invstd: torch.Tensor
-    grad_enabled: bool
 
 
 class SyncBatchNorm(_BatchNorm):
@@ -133,7 +110,7 @@ class SyncBatchNorm(_BatchNorm):
             )
         slope = float(slope)
         if inplace and definition.inverse_needs_positive_slope:
-            _check_invertible_slope(activation, slope, dtype)
+            inplace_policy.check_invertible_slope(activation, slope, dtype)
         super().__init__(
             num_features, eps, momentum, affine, track_running_stats, device, dtype, bias=bias
         )
@@ -154,8 +131,8 @@ class SyncBatchNorm(_BatchNorm):
 
     def _reset_transient(self) -> None:
         self._open_group: weakref.ref[ReplicaGroup] | None = None
-        self._replica_slot: _ReplicaSlot | None = None
-        self._recompute_cache: deque[_SyncedCall] = deque(maxlen=_RECOMPUTE_CACHE_SIZE)
+        self._replica_slot: ReplicaSlot | None = None
+        self._recompute_cache = RecomputeCache()
         # In place: the channels kept aside, found once per replicate() for all replicas
         # (``_open_aside``, on the original) and handed to each (``_aside``); None: unknown.
         self._open_aside: tuple[int, ...] | None = None
@@ -168,9 +145,9 @@ class SyncBatchNorm(_BatchNorm):
 
     def _replicate_for_data_parallel(self) -> SyncBatchNorm:
         """Called by ``torch.nn.parallel.replicate`` once per replica, in rank order."""
-        group = self._open_group() if self._open_group is not None else None
-        if group is None or not group.accepts_members():
-            group = ReplicaGroup(replication_session(_end_at_next_step), self._label())
+        group = replicas.group_taking_members(self._open_group)
+        if group is None:
+            group = replicas.new_group(self._label())
             self._open_group = weakref.ref(group)
             # The replicas' parameters are copies of these, made just now: reading them back
             # here, once, spares every replica a device-to-host copy in each of its calls.
@@ -178,9 +155,9 @@ class SyncBatchNorm(_BatchNorm):
                 small_gamma_channels(self.weight, self.bias) if self.inplace else None
             )
         replica = super()._replicate_for_data_parallel()
-        replica._replica_slot = _ReplicaSlot(group, group.add_member(replica))
+        replica._replica_slot = ReplicaSlot(group, group.add_member(replica))
         replica._open_group = None
-        replica._recompute_cache = deque(maxlen=_RECOMPUTE_CACHE_SIZE)
+        replica._recompute_cache = RecomputeCache()
         replica._aside = self._open_aside
         return replica
 
@@ -261,41 +238,48 @@ class SyncBatchNorm(_BatchNorm):
         )
         return weight, bias
 
-    def _act_config(self, x: torch.Tensor) -> ActConfig:
-        inplace = self.inplace and _can_overwrite(x, self._warned_out_of_place)
+    def _act_config(self, x: torch.Tensor, refresh: bool) -> ActConfig:
+        """The activation, and whether and around which channels it runs in place;
+        ``refresh=False`` (a checkpoint's recompute): the aside channels of the original call."""
+        inplace = self.inplace and inplace_policy.can_overwrite(x, self._warned_out_of_place)
         aside = self._aside
         if inplace and aside is None and not torch.compiler.is_compiling():
-            # (Eval never asks autograd: its private API stays untouched there.)
-            recomputing = self.training and _inside_backward()
-            aside = self._aside_watch.channels(self.weight, self.bias, refresh=not recomputing)
+            aside = self._aside_watch.channels(self.weight, self.bias, refresh=refresh)
         return ActConfig(self.activation, self.slope, inplace, aside, self._label())
 
-    def _forward(self, x: torch.Tensor, slot: _ReplicaSlot | None) -> torch.Tensor:
+    def _forward(self, x: torch.Tensor, slot: ReplicaSlot | None) -> torch.Tensor:
+        """The dispatch: evaluation with running statistics, training alone, training synced."""
         acc = torch_ops.stats_dtype(x.dtype)
         weight, bias = self._affine_params(acc, x.device)
-        config = self._act_config(x)
-        use_batch_stats = self.training or self.running_mean is None
-        if not use_batch_stats:
-            invstd = torch.rsqrt(self.running_var.to(acc) + self.eps)
-            # A copy, not the buffer: a training forward (its in-place running-stats update),
-            # load_state_dict or a buffer broadcast between this forward and its backward
-            # would otherwise fail backward's saved-tensor version check.
-            mean = self.running_mean.to(acc, copy=True)
-            return normalize_with(x, mean, invstd, weight, bias, config)
-
-        recomputing = _inside_backward()
+        # Batch statistics are the whole batch's, in evaluation too (track_running_stats=False).
+        batch_stats = self.training or self.running_mean is None
+        # Asked once per call; evaluation with running statistics never asks autograd (its
+        # private API stays untouched there).
+        recomputing = batch_stats and recompute.inside_backward()
+        config = self._act_config(x, refresh=not (self.training and recomputing))
+        if not batch_stats:
+            return self._forward_running(x, acc, weight, bias, config)
         updates_running = self.training and self.track_running_stats and not recomputing
         group_size = slot.group.size if slot is not None else 1
-        # Batch statistics are the whole batch's, in evaluation too (track_running_stats=False).
-        synced = self.sync and (group_size > 1 or self._syncs_processes())
-        if synced:
+        if self.sync and (group_size > 1 or self._syncs_processes()):
             if recomputing:
-                return self._recompute(x, weight, bias, config)
-            return synced_batch_norm_act(
-                x, weight, bias, config,
-                lambda own: self._exchange(slot, own, updates_running),
-            )
+                return self._recompute_cache.replay(x, weight, bias, config)
+            return self._forward_synced(x, slot, weight, bias, config, updates_running)
+        return self._forward_alone(x, weight, bias, config, updates_running)
 
+    def _forward_running(self, x: torch.Tensor, acc: torch.dtype, weight: torch.Tensor,
+                         bias: torch.Tensor, config: ActConfig) -> torch.Tensor:
+        """Evaluation: normalise with the running statistics."""
+        invstd = torch.rsqrt(self.running_var.to(acc) + self.eps)
+        # A copy, not the buffer: a training forward (its in-place running-stats update),
+        # load_state_dict or a buffer broadcast between this forward and its backward
+        # would otherwise fail backward's saved-tensor version check.
+        mean = self.running_mean.to(acc, copy=True)
+        return normalize_with(x, mean, invstd, weight, bias, config)
+
+    def _forward_alone(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                       config: ActConfig, updates_running: bool) -> torch.Tensor:
+        """Batch statistics of this replica's input only (one replica, or ``sync=False``)."""
         count = x.numel() // self.num_features
         if count == 1:
             raise ValueError(
@@ -310,80 +294,17 @@ class SyncBatchNorm(_BatchNorm):
         self._track_batch(updates_running, mean, m2, count)
         return out
 
-    def _recompute(self, x, weight, bias, config: ActConfig) -> torch.Tensor:
-        """Checkpoint recomputation: reuse the global statistics of the original call.
-
-        The call is found by its input's statistics, recomputed by the backend that computed
-        them then (another backend's differ in the last bits: Triton's against ATen's).
-        """
-        local: dict[Any, tuple[torch.Tensor, torch.Tensor]] = {}
-        for call in self._recompute_cache:
-            if call.ops not in local:
-                with torch.no_grad():
-                    local[call.ops] = call.ops.channel_stats(x)[:2]
-            local_mean, local_m2 = local[call.ops]
-            if torch.equal(call.local_mean, local_mean) and torch.equal(call.local_m2, local_m2):
-                if not call.grad_enabled:
-                    raise RuntimeError(
-                        "SyncBatchNorm under torch.utils.checkpoint(use_reentrant=True): the "
-                        "reentrant mode rebuilds each replica's graph apart, so gradients "
-                        "cannot flow between replicas; use use_reentrant=False"
-                    )
-                return normalize_with(x, call.mean, call.invstd, weight, bias, config)
-        raise RuntimeError(
-            "SyncBatchNorm: a recomputation (checkpoint) found no synchronised call with the "
-            "same input statistics; the checkpointed function must be deterministic"
-        )
-
-    def _exchange(self, slot, own: ReplicaStats, updates_running):
-        """Send local statistics to the master, get the global ``(mean, invstd)`` back."""
-        if slot is None or slot.group.size == 1:
-            mean, m2, invstd, total = self._merge([own])
-            self._track_batch(updates_running, mean, m2, total)
-        elif slot.rank == 0:
-            group = slot.group
-            call = group.begin_call(0)
-            contributions = [_received(c) for c in group.gather(call, _handed(own, own.mean))]
-            mean, m2, invstd, total = self._merge(contributions)
-            # Before the answers: once the replicas run again, every ATen call of the master
-            # waits for the GIL in turn with theirs (measured on 2 cores: forward 0-2% faster).
-            self._track_batch(updates_running, mean, m2, total)
-            answers = []
-            for c in contributions:
-                answer = (on_device(mean, c.mean.device), on_device(invstd, c.mean.device))
-                answers.append(_handed(answer, answer[0]))
-            group.scatter(call, answers)
-        else:
-            group = slot.group
-            mean, invstd = _received(
-                group.exchange(slot.rank, group.begin_call(slot.rank), _handed(own, own.mean))
-            )
-        if _may_be_recomputed():
-            self._recompute_cache.append(
-                _SyncedCall(
-                    ops_for(own.x), own.mean, own.m2, mean.detach(), invstd.detach(),
-                    torch.is_grad_enabled(),
-                )
-            )
-        return mean, invstd
-
-    def _merge(self, contributions: list[ReplicaStats]):
-        """Master: merge every replica's (and process's) statistics.
-
-        Returns the global ``(mean, M2, invstd, count)``.
-        """
-        mean, m2, invstd = merge_replicas(contributions, self.eps)
-        total = sum(c.count for c in contributions)
-        if self._syncs_processes():
-            mean, m2, invstd, total = distributed.merge_across_processes(
-                mean, m2, total, self.eps, self.process_group
-            )
-        if total == 1:
-            raise ValueError(
-                "expected more than 1 value per channel when training, got 1 over the whole "
-                "synchronised batch"
-            )
-        return mean, m2, invstd, total
+    def _forward_synced(self, x: torch.Tensor, slot: ReplicaSlot | None, weight: torch.Tensor,
+                        bias: torch.Tensor, config: ActConfig, updates_running: bool
+                        ) -> torch.Tensor:
+        """Batch statistics of every replica (and process): exchanged, then normalised; the
+        master folds the merged statistics into the running ones, and each replica remembers
+        the call for a checkpoint's recomputation."""
+        exchange = Exchange(slot, self.eps, self.process_group, self._syncs_processes(),
+                            functools.partial(self._track_batch, updates_running))
+        out = synced_batch_norm_act(x, weight, bias, config, exchange)
+        self._recompute_cache.remember(exchange.own, exchange.mean, exchange.invstd)
+        return out
 
     def _track_batch(self, updates_running: bool, mean: torch.Tensor | None,
                      m2: torch.Tensor | None, total: int) -> None:
@@ -441,55 +362,6 @@ def record_paths(root: torch.nn.Module) -> None:
             module._set_path(path)
 
 
-class _OnStream(NamedTuple):
-    """A payload handed to another replica's thread, with the CUDA event after which it is
-    ready: DataParallel runs each replica on its device's current stream, and another
-    thread's ops on that device go to its own current stream."""
-
-    payload: Any
-    ready: torch.cuda.Event
-
-
-def _handed(payload: Any, like: torch.Tensor) -> Any:
-    """``payload`` as handed to another thread: on CUDA, with an event recorded on the current
-    stream of ``like``'s device after everything that wrote it (on the CPU, as it is)."""
-    ready = stream_event(like)
-    return payload if ready is None else _OnStream(payload, ready)
-
-
-def _received(handed: Any) -> Any:
-    """The payload of ``_handed``, safe to read on this thread's current streams: they wait
-    for its event, and the allocator learns that its tensors are used there (so that their
-    memory is not reused before those streams are done with them)."""
-    if not isinstance(handed, _OnStream):
-        return handed
-    wait_for(handed.ready, _tensors_of(handed.payload))
-    return handed.payload
-
-
-def _tensors_of(payload: Any) -> list[torch.Tensor]:
-    if isinstance(payload, ReplicaStats):
-        return [payload.mean, payload.m2]
-    return [t for t in payload if isinstance(t, torch.Tensor)]
-
-
-def _end_at_next_step(session: ReplicaSession) -> None:
-    """Close ``session`` at the next module call of the thread that replicated (the next
-    step's ``DataParallel.forward``), so that a group belongs to one ``replicate()`` call even
-    when no replica reached a sync layer and something (a notebook's ``sys.last_value``) keeps
-    that step's replicas alive. Until then a global forward pre-hook looks at each module call;
-    it removes itself once the session is closed (usually by the first sync layer's forward)."""
-
-    def end(module: torch.nn.Module, args: Any) -> None:
-        if session.closed or threading.get_ident() == session.owner:
-            session.closed = True
-            with removing:  # replica threads may get here at once: remove() checks, then deletes
-                handle.remove()
-
-    removing = threading.Lock()
-    handle = torch.nn.modules.module.register_module_forward_pre_hook(end)
-
-
 def _check_process_group(process_group: Any) -> None:
     """Refuse a device (or a bool) passed as ``process_group``: nn.BatchNorm2d's 6th positional
     argument is ``device``, and a device there would otherwise be taken for a group (and
@@ -517,71 +389,3 @@ def _names_a_device(text: str) -> bool:
 _NON_GROUP_MEMBER = (
     torch.distributed.GroupMember.NON_GROUP_MEMBER if torch.distributed.is_available() else None
 )
-
-
-def _check_invertible_slope(activation: str, slope: float, dtype: torch.dtype | None) -> None:
-    """In place, backward divides by the slope (leaky_relu: z = y / slope; elu: y / alpha):
-    refuse a slope that is not positive, or whose inverse overflows the statistics dtype the
-    layer computes in (float32 unless the layer is built in float64)."""
-    acc = torch_ops.stats_dtype(dtype or torch.get_default_dtype())
-    if not slope > 0:
-        raise ValueError(
-            f"in-place {activation} needs slope > 0 to be invertible, got slope={slope}"
-        )
-    if not 1.0 / slope <= torch.finfo(acc).max or not slope <= torch.finfo(acc).max:
-        raise ValueError(
-            f"in-place {activation}: slope={slope} cannot be inverted in {acc} (1/slope "
-            f"overflows); use a slope in [{1 / torch.finfo(acc).max:.3g}, "
-            f"{torch.finfo(acc).max:.3g}] or inplace=False"
-        )
-
-
-def _may_be_recomputed() -> bool:
-    """Whether this forward may run again inside backward: under ``torch.utils.checkpoint``,
-    whose non-reentrant mode packs saved tensors with hooks and whose reentrant mode runs the
-    forward without grad (where the recompute must fail with a clear message)."""
-    return not torch.is_grad_enabled() or _compat.saved_tensor_hooks_may_be_active()
-
-
-def _inside_backward() -> bool:
-    """A checkpoint recomputation runs the forward again inside backward (graph task >= 0).
-
-    A compiled graph is traced once, not re-run eagerly by a recomputation.
-    """
-    return not torch.compiler.is_compiling() and _compat.inside_backward()
-
-
-def _can_overwrite(x: torch.Tensor, warned: list[bool]) -> bool:
-    """Whether ``x`` may be overwritten by a custom Function; if not, warn unless ``warned[0]``
-    (the layer's flag: once per layer).
-
-    Checked before anything is computed or updated: a refusal by autograd inside the Function
-    would come after the input, and the running statistics, had been written.
-    """
-    reason = None
-    if x.requires_grad and x.is_leaf:
-        reason = "a leaf tensor that requires grad"
-    elif torch.compiler.is_compiling():
-        pass  # Dynamo cannot inspect view provenance; the traced graph is functionalised
-    elif x.is_inference() and not torch.is_inference_mode_enabled():
-        # Made under torch.inference_mode, used outside it (DataParallel's replica threads do
-        # not inherit the mode): torch refuses in-place updates there.
-        reason = "an inference tensor outside inference mode"
-    elif _compat.has_internal_overlap(x):
-        reason = "a tensor whose elements share memory (torch.expand, ...)"
-    elif (base := _compat.view_base(x)) is not None and base.requires_grad and base.is_leaf:
-        reason = "a view of a leaf tensor that requires grad"
-    elif base is not None and (kind := _compat.view_kind(x)) is not None:
-        # Autograd refuses in-place writes to views made by a multi-output op (chunk, split,
-        # unbind, DataParallel's scatter), inside a custom Function, or in no-grad mode.
-        reason = f"a view autograd marks {kind} (torch.chunk, split, ...)"
-    if reason is None:
-        return True
-    if not warned[0]:
-        warned[0] = True
-        warnings.warn(
-            f"SyncBatchNorm(inplace=True) got {reason}, which cannot be overwritten; "
-            "computing out of place (this warning is shown once per layer)",
-            stacklevel=4,
-        )
-    return False

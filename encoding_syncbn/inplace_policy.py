@@ -1,0 +1,63 @@
+"""When ``SyncBatchNorm`` may run in place: a slope it can invert, an input it may overwrite.
+
+Both are decided before anything is computed: a refusal by autograd inside the Function would
+come after the input, and the running statistics, had been written.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from . import _compat
+from .kernels import torch_ops
+
+
+def check_invertible_slope(activation: str, slope: float, dtype: torch.dtype | None) -> None:
+    """In place, backward divides by the slope (leaky_relu: z = y / slope; elu: y / alpha):
+    refuse a slope that is not positive, or whose inverse overflows the statistics dtype the
+    layer computes in (float32 unless the layer is built in float64)."""
+    acc = torch_ops.stats_dtype(dtype or torch.get_default_dtype())
+    if not slope > 0:
+        raise ValueError(
+            f"in-place {activation} needs slope > 0 to be invertible, got slope={slope}"
+        )
+    if not 1.0 / slope <= torch.finfo(acc).max or not slope <= torch.finfo(acc).max:
+        raise ValueError(
+            f"in-place {activation}: slope={slope} cannot be inverted in {acc} (1/slope "
+            f"overflows); use a slope in [{1 / torch.finfo(acc).max:.3g}, "
+            f"{torch.finfo(acc).max:.3g}] or inplace=False"
+        )
+
+
+def can_overwrite(x: torch.Tensor, warned: list[bool]) -> bool:
+    """Whether ``x`` may be overwritten by a custom Function; if not, warn unless ``warned[0]``
+    (the layer's flag: once per layer)."""
+    reason = None
+    if x.requires_grad and x.is_leaf:
+        reason = "a leaf tensor that requires grad"
+    elif torch.compiler.is_compiling():
+        pass  # Dynamo cannot inspect view provenance; the traced graph is functionalised
+    elif x.is_inference() and not torch.is_inference_mode_enabled():
+        # Made under torch.inference_mode, used outside it (DataParallel's replica threads do
+        # not inherit the mode): torch refuses in-place updates there.
+        reason = "an inference tensor outside inference mode"
+    elif _compat.has_internal_overlap(x):
+        reason = "a tensor whose elements share memory (torch.expand, ...)"
+    elif (base := _compat.view_base(x)) is not None and base.requires_grad and base.is_leaf:
+        reason = "a view of a leaf tensor that requires grad"
+    elif base is not None and (kind := _compat.view_kind(x)) is not None:
+        # Autograd refuses in-place writes to views made by a multi-output op (chunk, split,
+        # unbind, DataParallel's scatter), inside a custom Function, or in no-grad mode.
+        reason = f"a view autograd marks {kind} (torch.chunk, split, ...)"
+    if reason is None:
+        return True
+    if not warned[0]:
+        warned[0] = True
+        warnings.warn(
+            f"SyncBatchNorm(inplace=True) got {reason}, which cannot be overwritten; "
+            "computing out of place (this warning is shown once per layer)",
+            stacklevel=4,
+        )
+    return False

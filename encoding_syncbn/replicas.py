@@ -1,0 +1,54 @@
+"""How the replicas of one ``nn.DataParallel`` call find each other.
+
+``torch.nn.parallel.replicate`` calls ``SyncBatchNorm._replicate_for_data_parallel`` once per
+replica, in rank order, before any replica runs: the first call after a forward opens a new
+``ReplicaGroup`` and each call adds a member (rank 0, the replica on ``device_ids[0]``, is the
+master). A group's size is therefore the number of replicas of this call. The original layer
+holds its open group weakly (``weakref.ref``), so that pickling and copying never meet it.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any, NamedTuple
+
+import torch
+
+from .sync import ReplicaGroup, ReplicaSession, replication_session
+
+
+class ReplicaSlot(NamedTuple):
+    """A replica's place in its DataParallel call: its group and its rank there (0: master)."""
+
+    group: ReplicaGroup
+    rank: int
+
+
+def group_taking_members(open_group: weakref.ref[ReplicaGroup] | None) -> ReplicaGroup | None:
+    """The group of the ``replicate()`` call under way: ``open_group`` while it still takes
+    members (no replica has run yet), else None."""
+    group = open_group() if open_group is not None else None
+    return group if group is not None and group.accepts_members() else None
+
+
+def new_group(label: str) -> ReplicaGroup:
+    """A group for a new ``replicate()`` call, its errors naming the layer by ``label``."""
+    return ReplicaGroup(replication_session(_end_at_next_step), label)
+
+
+def _end_at_next_step(session: ReplicaSession) -> None:
+    """Close ``session`` at the next module call of the thread that replicated (the next
+    step's ``DataParallel.forward``), so that a group belongs to one ``replicate()`` call even
+    when no replica reached a sync layer and something (a notebook's ``sys.last_value``) keeps
+    that step's replicas alive. Until then a global forward pre-hook looks at each module call;
+    it removes itself once the session is closed (usually by the first sync layer's forward)."""
+
+    def end(module: torch.nn.Module, args: Any) -> None:
+        if session.closed or threading.get_ident() == session.owner:
+            session.closed = True
+            with removing:  # replica threads may get here at once: remove() checks, then deletes
+                handle.remove()
+
+    removing = threading.Lock()
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(end)
