@@ -105,7 +105,6 @@ def triton_interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-
 def reference_ops() -> Backend:
     """``TORCH``; while ``torch.compile`` traces, ``COMPILED`` (the same ops as opaque custom
     ops: ``torch_ops`` is not traceable, it walks slabs with ``out=`` calls).
