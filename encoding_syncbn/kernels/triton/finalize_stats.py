@@ -14,8 +14,10 @@ import triton.language as tl
 from ..torch_ops import stats_dtype
 from .plan import _TL_DTYPES, Launch, _channel_vectors
 
-# Channels per step of the single program (per-channel vectors are a few thousand at most).
-_BLOCK_C = 256
+# Channels per step of the single program, one a thread (per-channel vectors are a few
+# thousand at most; at two a thread, float64 specialisations spilled: fp64 division and sqrt
+# are register-hungry subroutines).
+_BLOCK_C = 128
 _NUM_WARPS = 4
 
 
@@ -55,7 +57,7 @@ def _lerp(start, end, weight):
 @triton.jit
 def _finalize_stats_kernel(mean_ptr, m2_ptr, invstd_ptr, count: tl.float64, eps: tl.float64,
                            running_mean_ptr, running_var_ptr, batches_ptr,
-                           keep: tl.float64, momentum: tl.float64, var_divisor: tl.float64,
+                           keep: tl.float64, momentum: tl.float64, var_alpha: tl.float64,
                            weight_ptr, bias_ptr, small_ptr, gamma_limit: tl.float64, C,
                            RUNNING: tl.constexpr, COUNTER: tl.constexpr,
                            CUMULATIVE: tl.constexpr, CHECK: tl.constexpr, ACC: tl.constexpr,
@@ -63,8 +65,10 @@ def _finalize_stats_kernel(mean_ptr, m2_ptr, invstd_ptr, count: tl.float64, eps:
     """One program walks every channel: it alone reads and increments the batch counter.
 
     invstd = 1 / sqrt(M2 / count + eps), correctly rounded steps (as ATen's CPU rsqrt);
-    running: r = r * keep + momentum * stat (keep = 1 - momentum), or, cumulative, lerp(r,
-    stat, 1 / batches); the variance's stat is M2 / var_divisor (count - 1);
+    running, as ATen's two calls: r_mean = r_mean * keep + momentum * mean and r_var = r_var *
+    keep + var_alpha * M2 (keep = 1 - momentum, var_alpha = momentum / (count - 1), from the
+    host); cumulative: lerp(r, stat, 1 / batches), the variance's stat M2 * var_alpha
+    (var_alpha = 1 / (count - 1): a float64 division fewer, which spilled on sm_90);
     small = |w| <= gamma_limit * max(1, |b|).
     """
     n = tl.full([], count, ACC)
@@ -74,9 +78,9 @@ def _finalize_stats_kernel(mean_ptr, m2_ptr, invstd_ptr, count: tl.float64, eps:
         tl.store(batches_ptr, batches)
     if CUMULATIVE:
         factor = _div(tl.full([], 1.0, RUN_ACC), batches.to(RUN_ACC))
-    divisor = tl.full([], var_divisor, RUN_ACC)
     kept = tl.full([], keep, RUN_ACC)
     taken = tl.full([], momentum, RUN_ACC)
+    taken_var = tl.full([], var_alpha, RUN_ACC)
     limit = tl.full([], gamma_limit, ACC)
     for c0 in range(0, C, BLOCK_C):
         c = c0 + tl.arange(0, BLOCK_C)
@@ -86,15 +90,14 @@ def _finalize_stats_kernel(mean_ptr, m2_ptr, invstd_ptr, count: tl.float64, eps:
         tl.store(invstd_ptr + c, invstd, mask=valid)
         if RUNNING:
             mean = tl.load(mean_ptr + c, mask=valid, other=0.0).to(RUN_ACC)
-            var = _div(m2.to(RUN_ACC), divisor)
             r_mean = tl.load(running_mean_ptr + c, mask=valid, other=0.0).to(RUN_ACC)
             r_var = tl.load(running_var_ptr + c, mask=valid, other=0.0).to(RUN_ACC)
             if CUMULATIVE:
                 r_mean = _lerp(r_mean, mean, factor)
-                r_var = _lerp(r_var, var, factor)
+                r_var = _lerp(r_var, m2.to(RUN_ACC) * taken_var, factor)
             else:
                 r_mean = r_mean * kept + taken * mean
-                r_var = r_var * kept + taken * var
+                r_var = r_var * kept + taken_var * m2.to(RUN_ACC)
             _store(running_mean_ptr + c, r_mean, valid)
             _store(running_var_ptr + c, r_var, valid)
         if CHECK:
@@ -127,7 +130,8 @@ def _plan_finalize_stats(mean: torch.Tensor, m2: torch.Tensor, count: int, eps: 
     momentum = 0.0 if momentum is None else float(momentum)
     args = (mean, m2, invstd, float(count), float(eps),
             running_mean if running else mean, running_var if running else mean,
-            batches if counter else mean, 1.0 - momentum, momentum, float(max(count - 1, 1)),
+            batches if counter else mean, 1.0 - momentum, momentum,
+            (1.0 if cumulative else momentum) / max(count - 1, 1),
             weight, bias, small, float(gamma_limit), c)
     constexprs = {"RUNNING": running, "COUNTER": counter, "CUMULATIVE": cumulative,
                   "CHECK": check, "ACC": _TL_DTYPES[stats_dtype(acc)],
