@@ -47,6 +47,7 @@ import torch
 
 from . import _compat, activations, stats
 from .kernels import (
+    Backend,
     DxCoefs,
     GammaCheck,
     NormParams,
@@ -293,18 +294,20 @@ def _written_back(x: torch.Tensor, out: torch.Tensor, config: ActConfig) -> torc
     return out
 
 
-def _normalize(ctx, x, mean, invstd, weight, bias, config: ActConfig, aside_channels
-               ) -> torch.Tensor:
-    """Run the forward pass, in place or not, and save what backward needs."""
+def _normalize(ctx, x, mean, invstd, weight, bias, config: ActConfig, aside_channels,
+               backend: Backend | None = None) -> torch.Tensor:
+    """Run the forward pass, in place or not, and save what backward needs; ``backend``: the
+    one the caller looked up for ``x`` (None: look it up)."""
     if _keeps_aside(config, aside_channels):
         aside_input = x.index_select(1, aside_channels)
     else:
         aside_input = _nothing(x.dtype, x.device)
-    out = x if _overwrites_input(config) else torch.empty_like(x)
-    ops_for(x).normalize_act(
+    overwrites = _overwrites_input(config)
+    out = x if overwrites else torch.empty_like(x)
+    (backend or ops_for(x)).normalize_act(
         x, NormParams(mean, invstd, weight, bias, config.activation, config.slope), out
     )
-    if _overwrites_input(config):
+    if overwrites:
         ctx.mark_dirty(x)
     ctx.save_for_backward(
         out if config.inplace else x, mean, invstd, weight, bias, aside_channels, aside_input
@@ -440,9 +443,9 @@ class BatchNormAct(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, mean, invstd, weight, bias, config: ActConfig, aside_channels,
-                eps: float):
+                eps: float, backend: Backend):
         ctx.count, ctx.eps = x.numel() // x.shape[1], eps
-        return _normalize(ctx, x, mean, invstd, weight, bias, config, aside_channels)
+        return _normalize(ctx, x, mean, invstd, weight, bias, config, aside_channels, backend)
 
     @staticmethod
     def backward(ctx, grad_output):
@@ -457,7 +460,7 @@ class BatchNormAct(torch.autograd.Function):
                 return act(z, config.slope).to(x.dtype)
 
             grads = _differentiable_grads(ctx, grad_output, saved[:5], composite)
-            return (*grads, None, None, None)
+            return (*grads, None, None, None, None)
         sum_dz, sum_dz_xhat = _reduce(saved, grad_output, ctx.config)
         grad_input = None
         if ctx.needs_input_grad[0]:
@@ -468,7 +471,7 @@ class BatchNormAct(torch.autograd.Function):
                 scale, per_element * sum_dz_xhat, per_element * sum_dz,
             )
         grad_weight, grad_bias = _param_grads(*ctx.needs_input_grad[3:5], sum_dz, sum_dz_xhat)
-        return grad_input, None, None, grad_weight, grad_bias, None, None, None
+        return grad_input, None, None, grad_weight, grad_bias, None, None, None, None
 
 
 class NormAct(torch.autograd.Function):
@@ -739,7 +742,7 @@ def batch_norm_act(
             watch.offer(small)
         config = config._replace(aside=watch.channels(weight, bias, refresh))
     aside = _aside_channels(weight, bias, config)
-    out = BatchNormAct.apply(x, mean, invstd, weight, bias, config, aside, eps)
+    out = BatchNormAct.apply(x, mean, invstd, weight, bias, config, aside, eps, backend)
     return _written_back(x, out, config), mean, m2
 
 
