@@ -166,12 +166,14 @@ class AsideWatch:
     limit since, unless it shrank more than that many times over.
     """
 
-    __slots__ = ("known", "_host", "_ready")
+    __slots__ = ("known", "_host", "_ready", "_pinned")
 
     def __init__(self) -> None:
         self.known: tuple[int, ...] | None = None
         self._host: torch.Tensor | None = None  # an answer on its way
         self._ready: torch.cuda.Event | None = None
+        # Reused from call to call (one answer is on its way at a time).
+        self._pinned: torch.Tensor | None = None
 
     def _frozen(self, weight: torch.Tensor, refresh: bool) -> bool:
         """Whether the call must keep the answer it has: a checkpoint's recompute
@@ -192,12 +194,14 @@ class AsideWatch:
     def offer(self, small: torch.Tensor) -> None:
         """Start bringing per-channel flags (nonzero: keep aside) to the host, without
         waiting for the device."""
-        if small.is_cuda:
-            self._host = torch.empty(small.shape, dtype=small.dtype, pin_memory=True)
-            self._host.copy_(small, non_blocking=True)
-            self._ready = stream_event(small)
-        else:
+        if not small.is_cuda:
             self._host, self._ready = small, None
+            return
+        pinned = self._pinned
+        if pinned is None or pinned.shape != small.shape or pinned.dtype != small.dtype:
+            pinned = self._pinned = torch.empty(small.shape, dtype=small.dtype, pin_memory=True)
+        pinned.copy_(small, non_blocking=True)
+        self._host, self._ready = pinned, stream_event(small)
 
     def channels(self, weight: torch.Tensor | None, bias: torch.Tensor | None,
                  refresh: bool = True) -> tuple[int, ...]:
