@@ -118,12 +118,16 @@ def view_kind(x: torch.Tensor) -> str | None:
 
 # ---- dispatch ---------------------------------------------------------------------------
 
+try:  # imported once: the query runs for every op call of the Triton backend
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+except ImportError:
+    _get_current_dispatch_mode = None
+
+
 def current_dispatch_mode() -> Any:
     """The innermost active ``TorchDispatchMode`` (None when there is none, or when this torch
     moved the query: then modes are not detected and kernels launch directly)."""
-    try:
-        from torch.utils._python_dispatch import _get_current_dispatch_mode
-    except ImportError:
+    if _get_current_dispatch_mode is None:
         return None
     return _get_current_dispatch_mode()
 

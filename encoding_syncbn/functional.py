@@ -46,7 +46,17 @@ from typing import Callable, NamedTuple
 import torch
 
 from . import _compat, activations, stats
-from .kernels import DxCoefs, NormParams, compile_ops, ops_for, reference_ops, torch_ops
+from .kernels import (
+    Backend,
+    DxCoefs,
+    GammaCheck,
+    NormParams,
+    RunningStats,
+    compile_ops,
+    ops_for,
+    reference_ops,
+    torch_ops,
+)
 
 # A channel is rebuilt from y only if |w| > _MIN_INVERTIBLE_GAMMA * max(1, |b|): xhat =
 # (z - b) / w amplifies z's rounding by |b| / |w|.
@@ -129,9 +139,7 @@ def wait_for(ready: torch.cuda.Event | None, tensors: Sequence[torch.Tensor]) ->
 def _small_gamma_mask(weight: torch.Tensor, bias: torch.Tensor, margin: float = 1.0
                      ) -> torch.Tensor:
     """Per channel: ``|w| <= margin * _MIN_INVERTIBLE_GAMMA * max(1, |b|)`` (no host sync)."""
-    with torch.no_grad():
-        limit = bias.abs().clamp_min_(1.0).mul_(margin * _MIN_INVERTIBLE_GAMMA)
-        return weight.abs() <= limit
+    return torch_ops.small_gamma(weight, bias, margin * _MIN_INVERTIBLE_GAMMA)
 
 
 def _small_gamma(weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
@@ -149,37 +157,64 @@ class AsideWatch:
     waiting for the device.
 
     Choosing them from the current parameters needs their values on the host: a device
-    sync per call (``nonzero``). Instead each call launches a check of the parameters and
-    copies its answer to (pinned) host memory without waiting; a call uses the newest answer
-    whose copy is done (on the CPU: its own), and only a layer's first call on a GPU waits for
-    one. The check keeps aside every channel with ``|w|`` up to ``_ASIDE_MARGIN`` times the
-    invertibility limit, so an answer a few calls old still covers a channel whose gamma
-    shrank below the limit since, unless it shrank more than that many times over.
+    sync per call (``nonzero``). Instead each call checks the parameters on the device (in
+    the launch that finishes the batch statistics: ``check_for``, ``offer``) and copies the
+    flags to (pinned) host memory without waiting; a call uses the newest answer whose copy is
+    done (on the CPU: its own), and only a layer's first call on a GPU waits for one. The check
+    keeps aside every channel with ``|w|`` up to ``_ASIDE_MARGIN`` times the invertibility
+    limit, so an answer a few calls old still covers a channel whose gamma shrank below the
+    limit since, unless it shrank more than that many times over.
     """
 
-    __slots__ = ("known", "_host", "_ready")
+    __slots__ = ("known", "_host", "_ready", "_pinned")
 
     def __init__(self) -> None:
         self.known: tuple[int, ...] | None = None
         self._host: torch.Tensor | None = None  # an answer on its way
         self._ready: torch.cuda.Event | None = None
+        # Reused from call to call (one answer is on its way at a time).
+        self._pinned: torch.Tensor | None = None
+
+    def _frozen(self, weight: torch.Tensor, refresh: bool) -> bool:
+        """Whether the call must keep the answer it has: a checkpoint's recompute
+        (``refresh=False``: the original call's), or a CUDA graph capture (the warm-up
+        calls': querying an event is not allowed there)."""
+        if self.known is None:
+            return False
+        return not refresh or (weight.is_cuda and torch.cuda.is_current_stream_capturing())
+
+    def check_for(self, weight: torch.Tensor | None, bias: torch.Tensor,
+                  refresh: bool = True) -> GammaCheck | None:
+        """The check to run on the device in this call (then ``offer`` its flags), or None
+        when no new answer is wanted: one is on its way, or the call keeps its answer."""
+        if weight is None or self._host is not None or self._frozen(weight, refresh):
+            return None
+        return GammaCheck(weight, bias, _ASIDE_MARGIN * _MIN_INVERTIBLE_GAMMA)
+
+    def offer(self, small: torch.Tensor) -> None:
+        """Start bringing per-channel flags (nonzero: keep aside) to the host, without
+        waiting for the device."""
+        if not small.is_cuda:
+            self._host, self._ready = small, None
+            return
+        pinned = self._pinned
+        if pinned is None or pinned.shape != small.shape or pinned.dtype != small.dtype:
+            pinned = self._pinned = torch.empty(small.shape, dtype=small.dtype, pin_memory=True)
+        pinned.copy_(small, non_blocking=True)
+        self._host, self._ready = pinned, stream_event(small)
 
     def channels(self, weight: torch.Tensor | None, bias: torch.Tensor | None,
                  refresh: bool = True) -> tuple[int, ...]:
-        """The channels to keep aside now; ``refresh=False`` (a checkpoint's recompute):
-        the answer the original call used. While a CUDA graph is captured, the answer of the
-        warm-up calls (querying an event is not allowed there)."""
+        """The channels to keep aside now (checking the parameters here, in ATen calls, when
+        no check was offered); ``refresh=False`` (a checkpoint's recompute): the answer the
+        original call used."""
         if weight is None:  # affine=False: gamma is 1 everywhere
             return ()
-        capturing = weight.is_cuda and torch.cuda.is_current_stream_capturing()
-        if self.known is not None and (capturing or not refresh):
+        if self._frozen(weight, refresh):
             return self.known
         if self._host is None:
             bias = torch.zeros_like(weight) if bias is None else bias
-            small = _small_gamma_mask(weight, bias, _ASIDE_MARGIN)
-            self._host = torch.empty(small.shape, dtype=torch.bool, pin_memory=small.is_cuda)
-            self._host.copy_(small, non_blocking=True)
-            self._ready = stream_event(small)
+            self.offer(_small_gamma_mask(weight, bias, _ASIDE_MARGIN))
         if self.known is None and self._ready is not None:
             self._ready.synchronize()  # the layer's first call on a GPU: once
         if self._ready is None or self._ready.query():
@@ -263,18 +298,20 @@ def _written_back(x: torch.Tensor, out: torch.Tensor, config: ActConfig) -> torc
     return out
 
 
-def _normalize(ctx, x, mean, invstd, weight, bias, config: ActConfig, aside_channels
-               ) -> torch.Tensor:
-    """Run the forward pass, in place or not, and save what backward needs."""
+def _normalize(ctx, x, mean, invstd, weight, bias, config: ActConfig, aside_channels,
+               backend: Backend | None = None) -> torch.Tensor:
+    """Run the forward pass, in place or not, and save what backward needs; ``backend``: the
+    one the caller looked up for ``x`` (None: look it up)."""
     if _keeps_aside(config, aside_channels):
         aside_input = x.index_select(1, aside_channels)
     else:
         aside_input = _nothing(x.dtype, x.device)
-    out = x if _overwrites_input(config) else torch.empty_like(x)
-    ops_for(x).normalize_act(
+    overwrites = _overwrites_input(config)
+    out = x if overwrites else torch.empty_like(x)
+    (backend or ops_for(x)).normalize_act(
         x, NormParams(mean, invstd, weight, bias, config.activation, config.slope), out
     )
-    if _overwrites_input(config):
+    if overwrites:
         ctx.mark_dirty(x)
     ctx.save_for_backward(
         out if config.inplace else x, mean, invstd, weight, bias, aside_channels, aside_input
@@ -410,9 +447,9 @@ class BatchNormAct(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, mean, invstd, weight, bias, config: ActConfig, aside_channels,
-                eps: float):
+                eps: float, backend: Backend):
         ctx.count, ctx.eps = x.numel() // x.shape[1], eps
-        return _normalize(ctx, x, mean, invstd, weight, bias, config, aside_channels)
+        return _normalize(ctx, x, mean, invstd, weight, bias, config, aside_channels, backend)
 
     @staticmethod
     def backward(ctx, grad_output):
@@ -427,7 +464,7 @@ class BatchNormAct(torch.autograd.Function):
                 return act(z, config.slope).to(x.dtype)
 
             grads = _differentiable_grads(ctx, grad_output, saved[:5], composite)
-            return (*grads, None, None, None)
+            return (*grads, None, None, None, None)
         sum_dz, sum_dz_xhat = _reduce(saved, grad_output, ctx.config)
         grad_input = None
         if ctx.needs_input_grad[0]:
@@ -438,7 +475,7 @@ class BatchNormAct(torch.autograd.Function):
                 scale, per_element * sum_dz_xhat, per_element * sum_dz,
             )
         grad_weight, grad_bias = _param_grads(*ctx.needs_input_grad[3:5], sum_dz, sum_dz_xhat)
-        return grad_input, None, None, grad_weight, grad_bias, None, None, None
+        return grad_input, None, None, grad_weight, grad_bias, None, None, None, None
 
 
 class NormAct(torch.autograd.Function):
@@ -690,14 +727,26 @@ def on_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def batch_norm_act(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float, config: ActConfig
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float, config: ActConfig,
+    running: RunningStats | None = None, watch: AsideWatch | None = None, refresh: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Normalise ``x`` with its own batch statistics; also returns them as ``(mean, M2)``."""
+    """Normalise ``x`` with its own batch statistics, folded into ``running`` on the way;
+    also returns them as ``(mean, M2)``.
+
+    ``watch`` (in place, the channels kept aside not known yet) picks them, its check riding
+    on the launch that finishes the statistics; ``refresh`` as ``AsideWatch.channels``.
+    """
+    backend = ops_for(x)
     with torch.no_grad():
-        mean, m2, count = ops_for(x).channel_stats(x)
-        invstd = torch.rsqrt(m2 / count + eps)
+        mean, m2, count = backend.channel_stats(x)
+        check = watch.check_for(weight, bias, refresh) if watch is not None else None
+        invstd, small = backend.finalize_stats(mean, m2, count, eps, running, check)
+    if watch is not None:
+        if small is not None:
+            watch.offer(small)
+        config = config._replace(aside=watch.channels(weight, bias, refresh))
     aside = _aside_channels(weight, bias, config)
-    out = BatchNormAct.apply(x, mean, invstd, weight, bias, config, aside, eps)
+    out = BatchNormAct.apply(x, mean, invstd, weight, bias, config, aside, eps, backend)
     return _written_back(x, out, config), mean, m2
 
 

@@ -19,7 +19,7 @@ from .functional import (
     small_gamma_channels,
     synced_batch_norm_act,
 )
-from .kernels import torch_ops
+from .kernels import RunningStats, torch_ops
 from .recompute import RecomputeCache
 from .replicas import ReplicaSlot
 from .sync import ReplicaGroup
@@ -238,14 +238,27 @@ class SyncBatchNorm(_BatchNorm):
         )
         return weight, bias
 
-    def _act_config(self, x: torch.Tensor, refresh: bool) -> ActConfig:
-        """The activation, and whether and around which channels it runs in place;
-        ``refresh=False`` (a checkpoint's recompute): the aside channels of the original call."""
+    def _act_config(self, x: torch.Tensor) -> ActConfig:
+        """The activation, and whether and around which channels it runs in place (those
+        found at ``replicate()``; None: not known yet, see ``_watching``)."""
         inplace = self.inplace and inplace_policy.can_overwrite(x, self._warned_out_of_place)
-        aside = self._aside
-        if inplace and aside is None and not torch.compiler.is_compiling():
-            aside = self._aside_watch.channels(self.weight, self.bias, refresh=refresh)
+        aside = () if inplace and self.weight is None else self._aside  # affine=False: none
         return ActConfig(self.activation, self.slope, inplace, aside, self._label())
+
+    def _watching(self, config: ActConfig) -> AsideWatch | None:
+        """The watch that finds the channels kept aside, where ``config`` does not know them
+        (while compiling, ``functional._aside_channels`` finds them in the graph)."""
+        if config.inplace and config.aside is None and not torch.compiler.is_compiling():
+            return self._aside_watch
+        return None
+
+    def _with_aside(self, config: ActConfig, refresh: bool) -> ActConfig:
+        """``config`` with the channels kept aside known; ``refresh=False`` (a checkpoint's
+        recompute): those of the original call."""
+        watch = self._watching(config)
+        if watch is None:
+            return config
+        return config._replace(aside=watch.channels(self.weight, self.bias, refresh=refresh))
 
     def _forward(self, x: torch.Tensor, slot: ReplicaSlot | None) -> torch.Tensor:
         """The dispatch: evaluation with running statistics, training alone, training synced."""
@@ -256,16 +269,18 @@ class SyncBatchNorm(_BatchNorm):
         # Asked once per call; evaluation with running statistics never asks autograd (its
         # private API stays untouched there).
         recomputing = batch_stats and recompute.inside_backward()
-        config = self._act_config(x, refresh=not (self.training and recomputing))
+        config = self._act_config(x)
+        refresh = not (self.training and recomputing)
         if not batch_stats:
-            return self._forward_running(x, acc, weight, bias, config)
-        updates_running = self.training and self.track_running_stats and not recomputing
+            return self._forward_running(x, acc, weight, bias, self._with_aside(config, refresh))
+        running = self._running() if self.training and not recomputing else None
         group_size = slot.group.size if slot is not None else 1
         if self.sync and (group_size > 1 or self._syncs_processes()):
+            config = self._with_aside(config, refresh)
             if recomputing:
                 return self._recompute_cache.replay(x, weight, bias, config)
-            return self._forward_synced(x, slot, weight, bias, config, updates_running)
-        return self._forward_alone(x, weight, bias, config, updates_running)
+            return self._forward_synced(x, slot, weight, bias, config, running)
+        return self._forward_alone(x, weight, bias, config, running, refresh)
 
     def _forward_running(self, x: torch.Tensor, acc: torch.dtype, weight: torch.Tensor,
                          bias: torch.Tensor, config: ActConfig) -> torch.Tensor:
@@ -278,7 +293,8 @@ class SyncBatchNorm(_BatchNorm):
         return normalize_with(x, mean, invstd, weight, bias, config)
 
     def _forward_alone(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
-                       config: ActConfig, updates_running: bool) -> torch.Tensor:
+                       config: ActConfig, running: RunningStats | None, refresh: bool
+                       ) -> torch.Tensor:
         """Batch statistics of this replica's input only (one replica, or ``sync=False``)."""
         count = x.numel() // self.num_features
         if count == 1:
@@ -287,49 +303,30 @@ class SyncBatchNorm(_BatchNorm):
                 f"{tuple(x.shape)}"
             )
         if count == 0:
-            self._track_batch(updates_running, None, None, 0)
+            _track_batch(running, None, None, 0)
             # Empty, and attached to the parameters (zero gradients) as nn.BatchNorm's result.
             return torch.nn.functional.batch_norm(x, None, None, weight, bias, True, 0.0, self.eps)
-        out, mean, m2 = batch_norm_act(x, weight, bias, self.eps, config)
-        self._track_batch(updates_running, mean, m2, count)
-        return out
+        return batch_norm_act(x, weight, bias, self.eps, config, running,
+                              self._watching(config), refresh)[0]
 
     def _forward_synced(self, x: torch.Tensor, slot: ReplicaSlot | None, weight: torch.Tensor,
-                        bias: torch.Tensor, config: ActConfig, updates_running: bool
+                        bias: torch.Tensor, config: ActConfig, running: RunningStats | None
                         ) -> torch.Tensor:
         """Batch statistics of every replica (and process): exchanged, then normalised; the
         master folds the merged statistics into the running ones, and each replica remembers
         the call for a checkpoint's recomputation."""
         exchange = Exchange(slot, self.eps, self.process_group, self._syncs_processes(),
-                            functools.partial(self._track_batch, updates_running))
+                            functools.partial(_track_batch, running))
         out = synced_batch_norm_act(x, weight, bias, config, exchange)
         self._recompute_cache.remember(exchange.own, exchange.mean, exchange.invstd)
         return out
 
-    def _track_batch(self, updates_running: bool, mean: torch.Tensor | None,
-                     m2: torch.Tensor | None, total: int) -> None:
-        """Count the batch and, unless it was empty, fold its statistics into the running ones."""
-        if updates_running:
-            # None, as nn.BatchNorm allows: layers converted from classes without a counter.
-            if self.num_batches_tracked is not None:
-                self.num_batches_tracked.add_(1)
-            if total > 0:
-                self._update_running_stats(mean, m2, total)
-
-    @torch.no_grad()
-    def _update_running_stats(self, mean: torch.Tensor, m2: torch.Tensor, count: int) -> None:
-        """In place (buffers are never rebound): ``r = (1 - f) r + f * stat``, the variance
-        unbiased (``M2 / (count - 1)``); ATen casts the statistics to the buffers' dtype."""
-        if self.momentum is None:
-            # The cumulative average's factor 1 / batches, read on the device: float() of the
-            # counter would wait for it.
-            factor = self.num_batches_tracked.to(self.running_mean.dtype).reciprocal()
-            self.running_mean.lerp_(mean.to(self.running_mean.dtype), factor)
-            self.running_var.lerp_((m2 / (count - 1)).to(self.running_var.dtype), factor)
-            return
-        factor = self.momentum
-        self.running_mean.mul_(1 - factor).add_(mean, alpha=factor)
-        self.running_var.mul_(1 - factor).add_(m2, alpha=factor / (count - 1))
+    def _running(self) -> RunningStats | None:
+        """The running statistics a training call updates (None: not tracked)."""
+        if not self.track_running_stats or self.running_mean is None:
+            return None
+        return RunningStats(self.running_mean, self.running_var, self.num_batches_tracked,
+                            self.momentum)
 
     @classmethod
     def convert_sync_batchnorm(cls, module: torch.nn.Module, process_group: Any = None):
@@ -351,6 +348,14 @@ class SyncBatchNorm(_BatchNorm):
         if not self.sync:
             text += ", sync=False"
         return text
+
+
+def _track_batch(running: RunningStats | None, mean: torch.Tensor | None,
+                 m2: torch.Tensor | None, count: int) -> None:
+    """Count the batch and fold it into ``running`` (nothing when None: see
+    ``torch_ops.track_batch``)."""
+    if running is not None:
+        torch_ops.track_batch(*running, mean, m2, count)
 
 
 def record_paths(root: torch.nn.Module) -> None:

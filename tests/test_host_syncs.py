@@ -13,6 +13,8 @@ import contextlib
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 from reference import activate
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -110,3 +112,60 @@ def test_a_gamma_that_becomes_zero_is_kept_aside_at_the_next_call():
     F.leaky_relu(F.batch_norm(ref_x, None, None, w, b, True), 0.2).backward(dy)
     torch.testing.assert_close(layer.weight.grad, w.grad, rtol=1e-9, atol=1e-10)
     torch.testing.assert_close(leaf.grad, ref_x.grad, rtol=1e-9, atol=1e-10)
+
+
+# Gammas around the in-place limits, in units of max(1, |b|): zero, below, on and above 1e-3
+# (rebuilt from the output only above it) and AsideWatch's 16x margin; paired with biases of 0,
+# 1 and 100. Plain gammas (0.3, 2) besides: scaled by 100 they would saturate ELU, whose
+# inverse then loses the input (a documented limit of ELU in place).
+LIMIT_FACTORS = [0.0, 0.5e-3, 1e-3, 1.5e-3, 16e-3, 17e-3, -1e-3, -20e-3]
+PLAIN_GAMMAS = [0.3, -0.3, 2.0]
+
+
+@settings(max_examples=10, deadline=None, derandomize=True)
+@given(
+    activation=st.sampled_from(["identity", "leaky_relu", "elu"]),
+    channels=st.integers(1, 6),
+    momentum=st.sampled_from([0.1, 1.0, None]),
+    steps=st.integers(1, 3),
+    seed=st.integers(0, 2**16),
+)
+@example(activation="leaky_relu", channels=6, momentum=None, steps=3, seed=0)
+def test_single_replica_steps_match_batchnorm(activation, channels, momentum, steps, seed):
+    """The single-replica step's per-channel work (invstd, the running statistics, the counter
+    and the in-place layer's choice of channels to keep aside: one Triton launch, or ATen calls)
+    against nn.BatchNorm2d + the activation, step after step, gammas changing around the
+    limits, float64."""
+    slope = {"leaky_relu": 0.2, "elu": 0.7}.get(activation, 0.01)
+    gen = torch.Generator().manual_seed(seed)
+    layer = SyncBatchNorm(channels, activation=activation, slope=slope, momentum=momentum,
+                          dtype=DT)
+    ref = torch.nn.BatchNorm2d(channels, momentum=momentum, dtype=DT)
+    for step in range(steps):
+        pick = torch.randint(len(LIMIT_FACTORS) + len(PLAIN_GAMMAS), (channels,), generator=gen)
+        bias = torch.tensor([0.0, 1.0, 100.0], dtype=DT)[torch.randint(3, (channels,),
+                                                                      generator=gen)]
+        scale = torch.cat([bias.abs().clamp_min(1.0).view(-1, 1).expand(-1, len(LIMIT_FACTORS)),
+                           torch.ones(channels, len(PLAIN_GAMMAS), dtype=DT)], dim=1)
+        gamma = (torch.tensor(LIMIT_FACTORS + PLAIN_GAMMAS, dtype=DT) * scale)[
+            torch.arange(channels), pick]
+        with torch.no_grad():
+            for module in (layer, ref):
+                module.weight.copy_(gamma)
+                module.bias.copy_(bias)
+        layer.zero_grad()
+        ref.zero_grad()
+        x = torch.randn(4, channels, 3, 2, generator=gen, dtype=DT) * 2 + 1
+        dy = torch.randn(x.shape, generator=gen, dtype=DT)
+        leaf, ref_x = x.clone().requires_grad_(), x.clone().requires_grad_()
+        out = layer(leaf * 1)
+        expected = activate(ref(ref_x), activation, slope)
+        torch.testing.assert_close(out, expected, rtol=1e-9, atol=1e-10)
+        out.backward(dy)
+        expected.backward(dy)
+        for got, want in ((leaf.grad, ref_x.grad), (layer.weight.grad, ref.weight.grad),
+                          (layer.bias.grad, ref.bias.grad),
+                          (layer.running_mean, ref.running_mean),
+                          (layer.running_var, ref.running_var)):
+            torch.testing.assert_close(got, want, rtol=1e-8, atol=1e-9)
+        assert layer.num_batches_tracked.item() == ref.num_batches_tracked.item() == step + 1

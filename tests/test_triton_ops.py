@@ -12,6 +12,8 @@ import subprocess  # noqa: E402
 import sys  # noqa: E402
 
 import pytest  # noqa: E402
+from hypothesis import example, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
 
 pytest.importorskip("triton")
 
@@ -530,6 +532,95 @@ def test_empty_backward():
 
 
 # ------------------------------------------------------------------------------------------
+# finalize_stats: invstd, running statistics and small-gamma flags in one launch
+# ------------------------------------------------------------------------------------------
+
+# Running buffers' dtypes: None (not tracked) or the module's dtype.
+RUNNING_DTYPES = [None, torch.float16, torch.bfloat16, torch.float32, torch.float64]
+
+
+def finalize_inputs(c, acc, running_dtype, counter, momentum, check, seed):
+    """Statistics, buffers and parameters for ``finalize_stats``: gammas around the check's
+    limit (some exactly on it), zero and huge biases, a counter some batches in."""
+    g = torch.Generator().manual_seed(seed)
+    count = int(torch.randint(2, 10**6, (), generator=g))
+    mean = (torch.randn(c, generator=g, dtype=torch.float64) * 3).to(acc)
+    m2 = (torch.rand(c, generator=g, dtype=torch.float64) * count * 4).to(acc)
+    running = None
+    if running_dtype is not None:
+        batches = (torch.tensor(int(torch.randint(0, 50, (), generator=g)))
+                   if counter else None)
+        running = (torch.randn(c, generator=g, dtype=torch.float64).to(running_dtype),
+                   (torch.rand(c, generator=g, dtype=torch.float64) + 0.5).to(running_dtype),
+                   batches, momentum)
+    weight = bias = None
+    limit = 0.016
+    if check:
+        bias = (torch.randn(c, generator=g, dtype=torch.float64)
+                * torch.tensor([0.0, 1.0, 100.0], dtype=torch.float64)[torch.arange(c) % 3]
+                ).to(acc)
+        bound = bias.abs().clamp_min(1.0) * limit
+        factor = torch.tensor([0.0, 0.5, 1.0, 1.5, 10.0], dtype=torch.float64)
+        sign = torch.where(torch.rand(c, generator=g) < 0.5, -1.0, 1.0).to(torch.float64)
+        weight = (bound.double() * factor[torch.arange(c) % 5] * sign).to(acc)
+        weight[torch.arange(c) % 5 == 2] = bound[torch.arange(c) % 5 == 2] * sign[
+            torch.arange(c) % 5 == 2].to(acc)  # exactly on the limit: flagged
+    return mean, m2, count, running, weight, bias, limit
+
+
+@settings(max_examples=24, deadline=None, derandomize=True)
+@given(c=st.sampled_from([1, 7, 128, 300, 600]),
+       acc=st.sampled_from([torch.float32, torch.float64]),
+       running_dtype=st.sampled_from(RUNNING_DTYPES), counter=st.booleans(),
+       momentum=st.sampled_from([0.1, 0.5, 1.0, None]), check=st.booleans(),
+       seed=st.integers(0, 2**16))
+@example(c=300, acc=torch.float32, running_dtype=torch.float32, counter=True, momentum=None,
+         check=True, seed=0)
+@example(c=5, acc=torch.float64, running_dtype=torch.float16, counter=False, momentum=0.1,
+         check=False, seed=1)
+def test_finalize_stats(c, acc, running_dtype, counter, momentum, check, seed):
+    """One launch against the ATen reference: invstd to the last bit (both correctly rounded
+    steps), the running statistics within the buffers' rounding (ATen rounds after each of its
+    two calls, the kernel once), the counter, the flags exactly (boundary values included)."""
+    if momentum is None and not counter:
+        counter = True  # a cumulative average needs the counter (nn.BatchNorm's rule too)
+    inputs = finalize_inputs(c, acc, running_dtype, counter, momentum, check, seed)
+    mean, m2, count, running, weight, bias, limit = inputs
+    def copied():
+        return None if running is None else (
+            *(None if t is None else t.clone() for t in running[:3]), momentum)
+
+    got_running, ref_running = copied(), copied()
+    no_running = (None, None, None, None)
+    got = T.finalize_stats(mean, m2, count, 1e-5, *(got_running or no_running), weight, bias,
+                           limit)
+    ref = torch_ops.finalize_stats(mean, m2, count, 1e-5, *(ref_running or no_running), weight,
+                                   bias, limit)
+    torch.testing.assert_close(got[0], ref[0], rtol=0, atol=0)
+    if check:
+        assert got[1].dtype == torch.uint8 and got[1].tolist() == ref[1].int().tolist()
+    else:
+        assert got[1] is None and ref[1] is None
+    if running is not None:
+        # Within the coarser of the buffers' and the statistics' rounding (ATen divides M2 in
+        # the statistics dtype for the cumulative average, the kernel in the wider one).
+        tols = {torch.float16: 1e-3, torch.bfloat16: 8e-3, torch.float32: 1e-6,
+                torch.float64: 1e-14}
+        rtol = max(tols[running_dtype], tols[acc])
+        for mine, theirs in zip(got_running[:2], ref_running[:2]):
+            torch.testing.assert_close(mine, theirs, rtol=rtol, atol=rtol)
+        if counter:
+            assert got_running[2].item() == ref_running[2].item() == running[2].item() + 1
+
+
+def test_finalize_stats_cumulative_average_needs_the_counter():
+    mean, m2 = torch.zeros(3), torch.ones(3)
+    with pytest.raises(ValueError, match="num_batches_tracked"):
+        T.finalize_stats(mean, m2, 4, 1e-5, torch.zeros(3), torch.ones(3), None, None, None,
+                         None, 0.0)
+
+
+# ------------------------------------------------------------------------------------------
 # torch.library registration
 # ------------------------------------------------------------------------------------------
 
@@ -546,6 +637,9 @@ def test_opcheck():
                               (x, *params, "elu", 1.0, torch.empty_like(x)))
         torch.library.opcheck(ops.backward_reduce.default,
                               (y, x, *params, "leaky_relu", 0.1, True))
+        running = (torch.zeros(4), torch.ones(4), torch.tensor(3), None)
+        torch.library.opcheck(ops.finalize_stats.default,
+                              (params[0], params[1].abs(), 9, 1e-5, *running, *params[2:], 0.01))
         torch.library.opcheck(ops.backward_dx.default,
                               (y, x, *params, "leaky_relu", 0.1, True, *coefs))
 
@@ -569,13 +663,15 @@ def test_eager_calls_skip_the_dispatcher_and_tracers_still_see_the_ops():
     coefs = make_params(4, torch.float32, seed=5)[1:]
 
     def every_op():
-        T.channel_stats(x)
+        mean, m2, count = T.channel_stats(x)
+        T.finalize_stats(mean, m2, count, 1e-5, None, None, None, None, *params[2:], 0.01)
         y = T.normalize_act(x, *params, "leaky_relu", 0.1, torch.empty_like(x))
         T.backward_reduce(y, x, *params, "leaky_relu", 0.1, True)
         T.backward_dx(y, x, *params, "leaky_relu", 0.1, True, *coefs)
 
     ours = {f"encoding_syncbn::{name}" for name in
-            ("channel_stats", "normalize_act_", "backward_reduce", "backward_dx")}
+            ("channel_stats", "finalize_stats", "normalize_act_", "backward_reduce",
+             "backward_dx")}
     with torch.profiler.profile() as profile:  # sees dispatched ops, is no dispatch mode
         every_op()
     assert ours.isdisjoint(event.name for event in profile.events())
@@ -597,6 +693,7 @@ def test_check_compiles_every_kernel():
         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    for name in ("_channel_stats_kernel", "_welford_merge_kernel", "_normalize_act_kernel",
-                 "_backward_reduce_kernel", "_sum_merge_kernel", "_backward_dx_kernel"):
+    for name in ("_channel_stats_kernel", "_welford_merge_kernel", "_finalize_stats_kernel",
+                 "_normalize_act_kernel", "_backward_reduce_kernel", "_sum_merge_kernel",
+                 "_backward_dx_kernel"):
         assert name in proc.stdout

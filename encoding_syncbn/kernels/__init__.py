@@ -1,4 +1,4 @@
-"""Backend choice for the layer's four ops (see ``torch_ops`` for what they compute, ``backend``
+"""Backend choice for the layer's ops (see ``torch_ops`` for what they compute, ``backend``
 for the protocol a backend implements).
 
 ``"torch"``: ATen calls, any device. ``"triton"``: the Triton kernels; CUDA tensors, or CPU
@@ -19,10 +19,10 @@ from types import ModuleType
 import torch
 
 from . import compile_ops, torch_ops
-from .backend import Backend, DxCoefs, FunctionsBackend, NormParams
+from .backend import Backend, DxCoefs, FunctionsBackend, GammaCheck, NormParams, RunningStats
 
-__all__ = ["Backend", "DxCoefs", "NormParams", "get_backend", "ops_for", "reference_ops",
-           "register_backend", "set_backend"]
+__all__ = ["Backend", "DxCoefs", "GammaCheck", "NormParams", "RunningStats", "get_backend",
+           "ops_for", "reference_ops", "register_backend", "set_backend"]
 
 BACKENDS = ("auto", "torch", "triton")
 BACKEND_ENV = "ENCODING_SYNCBN_BACKEND"
@@ -42,7 +42,7 @@ def _validated(name: str) -> str:
 
 
 def register_backend(name: str, backend: Backend) -> None:
-    """Make ``backend`` selectable as ``set_backend(name)``: every layer then calls its four
+    """Make ``backend`` selectable as ``set_backend(name)``: every layer then calls its
     ops, on any device (while ``torch.compile`` traces too: it must be traceable)."""
     if name in BACKENDS:
         raise ValueError(f"{name!r} is a built-in backend name; choose another")

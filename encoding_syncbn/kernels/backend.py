@@ -1,8 +1,10 @@
-"""The backend protocol: the layer's four ops behind one typed signature.
+"""The backend protocol: the layer's ops behind one typed signature.
 
 A backend computes, per channel, what ``torch_ops`` (the reference) documents::
 
     channel_stats(x)                                -> (mean, M2, count)
+    finalize_stats(mean, M2, count, eps, running, check)
+                                    -> (invstd, small-gamma flags); running stats updated
     normalize_act(x, params, out)                   out = act((x - mean) * invstd * weight + bias)
     backward_reduce(saved, dy, params, from_output) -> (sum(dz), sum(dz * xhat))
     backward_dx(saved, dy, params, from_output, coefs)
@@ -43,13 +45,46 @@ class DxCoefs(NamedTuple):
     const: torch.Tensor
 
 
+class RunningStats(NamedTuple):
+    """The buffers a training call folds its batch into, in place (``nn.BatchNorm``'s rule)::
+
+        batches += 1
+        r_mean = (1 - f) r_mean + f * mean,   r_var = (1 - f) r_var + f * M2 / (count - 1)
+
+    with ``f = momentum``, or ``1 / batches`` (cumulative average) where ``momentum`` is None.
+    ``batches``: ``num_batches_tracked`` (None: a layer without the counter)."""
+
+    mean: torch.Tensor
+    var: torch.Tensor
+    batches: torch.Tensor | None
+    momentum: float | None
+
+
+class GammaCheck(NamedTuple):
+    """Which channels' gamma is too small to rebuild their input from the output: flagged
+    where ``|weight| <= limit * max(1, |bias|)``."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor
+    limit: float
+
+
+#: What ``finalize_stats``' flat functions take for an absent RunningStats / GammaCheck.
+NO_RUNNING = RunningStats(None, None, None, None)
+NO_CHECK = GammaCheck(None, None, 0.0)
+
+
 class Backend(Protocol):
-    """The four ops of the layer; ``saved`` is the input (``saved_is_output=False``) or the
+    """The ops of the layer; ``saved`` is the input (``saved_is_output=False``) or the
     output the activation is inverted from."""
 
     name: str
 
     def channel_stats(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]: ...
+
+    def finalize_stats(self, mean: torch.Tensor, m2: torch.Tensor, count: int, eps: float,
+                       running: RunningStats | None, check: GammaCheck | None
+                       ) -> tuple[torch.Tensor, torch.Tensor | None]: ...
 
     def normalize_act(self, x: torch.Tensor, params: NormParams,
                       out: torch.Tensor) -> torch.Tensor: ...
@@ -74,6 +109,12 @@ class FunctionsBackend:
 
     def channel_stats(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
         return self._f.channel_stats(x)
+
+    def finalize_stats(self, mean: torch.Tensor, m2: torch.Tensor, count: int, eps: float,
+                       running: RunningStats | None, check: GammaCheck | None
+                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self._f.finalize_stats(mean, m2, count, eps, *(running or NO_RUNNING),
+                                      *(check or NO_CHECK))
 
     def normalize_act(self, x: torch.Tensor, params: NormParams,
                       out: torch.Tensor) -> torch.Tensor:

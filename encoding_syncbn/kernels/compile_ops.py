@@ -23,8 +23,7 @@ from .torch_ops import stats_dtype
 
 @torch.library.custom_op("encoding_syncbn::aside_channels", mutates_args=())
 def _aside_channels(weight: torch.Tensor, bias: torch.Tensor, min_gamma: float) -> torch.Tensor:
-    small = weight.abs() <= min_gamma * bias.abs().clamp_min(1.0)
-    return small.nonzero().flatten()
+    return torch_ops.small_gamma(weight, bias, min_gamma).nonzero().flatten()
 
 
 @_aside_channels.register_fake
@@ -100,6 +99,10 @@ def channel_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
     mean, m2 = torch.ops.encoding_syncbn.aten_channel_stats(x)
     channels = x.shape[1]
     return mean, m2, (x.numel() // channels if channels else 0)
+
+
+#: Plain ATen on per-channel vectors and buffers: traceable as it is.
+finalize_stats = torch_ops.finalize_stats
 
 
 def normalize_act(x, mean, invstd, weight, bias, activation: str, slope: float, out):

@@ -1,4 +1,5 @@
-"""The layer's four elementwise/reduction ops in plain ATen calls.
+"""The layer's ops in plain ATen calls: four elementwise/reduction passes, and the per-channel
+step between the statistics and the normalisation (``finalize_stats``).
 
 This is the CPU path and the reference every other backend is tested against. All per-channel
 vectors (``mean``, ``invstd``, ``weight``, ``bias`` and the coefficients) are in the statistics
@@ -134,6 +135,59 @@ def channel_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
         m2 += centred.mul_(centred).sum(dim=(0, 1))
     # The mean's error (an fp32 sum's, or its rounding) would add n * error^2 to M2.
     return mean, m2.addcmul_(centred_sum, centred_sum, value=-1.0 / count), count
+
+
+@torch.no_grad()
+def finalize_stats(
+    mean: torch.Tensor,
+    m2: torch.Tensor,
+    count: int,
+    eps: float,
+    running_mean: torch.Tensor | None,
+    running_var: torch.Tensor | None,
+    batches: torch.Tensor | None,
+    momentum: float | None,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    gamma_limit: float,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """What follows a batch's statistics, per channel: ``invstd = 1 / sqrt(M2 / count + eps)``;
+    the running statistics folded in (``track_batch``; skipped when ``running_mean`` is None);
+    and, given a ``weight``, the flags ``small_gamma(weight, bias, gamma_limit)`` (else None).
+    The Triton backend does all three in one launch."""
+    invstd = torch.rsqrt(m2 / count + eps)
+    if running_mean is not None:
+        track_batch(running_mean, running_var, batches, momentum, mean, m2, count)
+    small = small_gamma(weight, bias, gamma_limit) if weight is not None else None
+    return invstd, small
+
+
+@torch.no_grad()
+def track_batch(running_mean: torch.Tensor, running_var: torch.Tensor,
+                batches: torch.Tensor | None, momentum: float | None,
+                mean: torch.Tensor | None, m2: torch.Tensor | None, count: int) -> None:
+    """Count the batch and, unless it is empty, fold it into the running statistics, in place
+    (buffers are never rebound): ``r = (1 - f) r + f * stat``, the variance unbiased
+    (``M2 / (count - 1)``), ``f = momentum`` or the cumulative average's ``1 / batches``
+    (read on the device: ``float()`` of the counter would wait for it). ATen casts the
+    statistics to the buffers' dtype."""
+    if batches is not None:
+        batches.add_(1)
+    if count == 0:
+        return
+    if momentum is None:
+        factor = batches.to(running_mean.dtype).reciprocal()
+        running_mean.lerp_(mean.to(running_mean.dtype), factor)
+        running_var.lerp_((m2 / (count - 1)).to(running_var.dtype), factor)
+        return
+    running_mean.mul_(1 - momentum).add_(mean, alpha=momentum)
+    running_var.mul_(1 - momentum).add_(m2, alpha=momentum / (count - 1))
+
+
+def small_gamma(weight: torch.Tensor, bias: torch.Tensor, limit: float) -> torch.Tensor:
+    """Per channel: ``|weight| <= limit * max(1, |bias|)`` (bool; no host sync)."""
+    with torch.no_grad():
+        return weight.abs() <= bias.abs().clamp_min_(1.0).mul_(limit)
 
 
 def as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Triton kernels for the four ops of :mod:`encoding_syncbn.kernels.torch_ops`.
+"""Triton kernels for the ops of :mod:`encoding_syncbn.kernels.torch_ops`.
 
 Same names, signatures, semantics and dtype rules as ``torch_ops`` (the reference); read its
 docstring for the notation (``z``, ``y``, ``dz``, ``xhat``). One job a file: ``plan`` (geometry,

@@ -8,11 +8,12 @@ import threading
 import torch
 
 from ... import _compat
-from ..backend import DxCoefs, NormParams
+from ..backend import NO_CHECK, NO_RUNNING, DxCoefs, GammaCheck, NormParams, RunningStats
 from ..torch_ops import stats_dtype
 from .backward_dx import _plan_backward_dx
 from .backward_reduce import _plan_backward_reduce
 from .channel_stats import _plan_channel_stats
+from .finalize_stats import _plan_finalize_stats
 from .normalize_act import _plan_normalize_act
 from .plan import INTERPRET as INTERPRET
 from .plan import Launch, _empty_dx, _geometry, _kernel_activation, _target
@@ -40,6 +41,17 @@ def _channel_stats_impl(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return zeros, zeros.clone()
     launches, result = _plan_channel_stats(x, _target(x.device))
     _run(launches, x.device)
+    return result
+
+
+def _finalize_stats_impl(mean: torch.Tensor, m2: torch.Tensor, count: int, eps: float,
+                         running_mean: torch.Tensor | None, running_var: torch.Tensor | None,
+                         batches: torch.Tensor | None, momentum: float | None,
+                         weight: torch.Tensor | None, bias: torch.Tensor | None,
+                         gamma_limit: float) -> tuple[torch.Tensor, torch.Tensor]:
+    launches, result = _plan_finalize_stats(mean, m2, count, eps, running_mean, running_var,
+                                            batches, momentum, weight, bias, gamma_limit)
+    _run(launches, mean.device)
     return result
 
 
@@ -92,6 +104,10 @@ def _backward_dx_impl(saved: torch.Tensor, dy: torch.Tensor, mean: torch.Tensor,
 _channel_stats_op = torch.library.custom_op(
     "encoding_syncbn::channel_stats", mutates_args=())(_channel_stats_impl)
 
+_finalize_stats_op = torch.library.custom_op(
+    "encoding_syncbn::finalize_stats", mutates_args=("running_mean", "running_var", "batches"),
+)(_finalize_stats_impl)
+
 # Mutates ``out`` and returns nothing: torch derives its fake implementation.
 _normalize_act_op = torch.library.custom_op(
     "encoding_syncbn::normalize_act_", mutates_args=("out",))(_normalize_act_impl)
@@ -107,6 +123,15 @@ _backward_dx_op = torch.library.custom_op(
 def _(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     acc = stats_dtype(x.dtype)
     return x.new_empty(x.shape[1], dtype=acc), x.new_empty(x.shape[1], dtype=acc)
+
+
+@_finalize_stats_op.register_fake
+def _(mean: torch.Tensor, m2: torch.Tensor, count: int, eps: float,
+      running_mean: torch.Tensor | None, running_var: torch.Tensor | None,
+      batches: torch.Tensor | None, momentum: float | None, weight: torch.Tensor | None,
+      bias: torch.Tensor | None, gamma_limit: float) -> tuple[torch.Tensor, torch.Tensor]:
+    flags = mean.shape[0] if weight is not None else 0
+    return torch.empty_like(mean), mean.new_empty(flags, dtype=torch.uint8)
 
 
 @_backward_reduce_op.register_fake
@@ -153,6 +178,7 @@ class TritonBackend:
         self.name = "triton"
         ops = torch.ops.encoding_syncbn
         self._stats = ops.channel_stats if through_dispatcher else _channel_stats_impl
+        self._finalize = ops.finalize_stats if through_dispatcher else _finalize_stats_impl
         self._normalize = ops.normalize_act_ if through_dispatcher else _normalize_act_impl
         self._reduce = ops.backward_reduce if through_dispatcher else _backward_reduce_impl
         self._dx = ops.backward_dx if through_dispatcher else _backward_dx_impl
@@ -168,6 +194,15 @@ class TritonBackend:
         mean, m2 = self._stats(x)
         channels = x.shape[1]
         return mean, m2, (x.numel() // channels if channels else 0)
+
+    def finalize_stats(self, mean: torch.Tensor, m2: torch.Tensor, count: int, eps: float,
+                       running: RunningStats | None, check: GammaCheck | None
+                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``invstd = 1 / sqrt(M2 / count + eps)``, the running statistics folded in, and the
+        small-gamma flags (uint8) where ``check`` asks: one launch."""
+        invstd, small = self._finalize(mean, m2, int(count), float(eps),
+                                       *(running or NO_RUNNING), *(check or NO_CHECK))
+        return invstd, (small if check is not None else None)
 
     def normalize_act(self, x: torch.Tensor, params: NormParams,
                       out: torch.Tensor) -> torch.Tensor:
@@ -207,6 +242,17 @@ def backend_for(x: torch.Tensor) -> TritonBackend:
 
 def channel_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
     return backend_for(x).channel_stats(x)
+
+
+def finalize_stats(mean: torch.Tensor, m2: torch.Tensor, count: int, eps: float,
+                   running_mean: torch.Tensor | None, running_var: torch.Tensor | None,
+                   batches: torch.Tensor | None, momentum: float | None,
+                   weight: torch.Tensor | None, bias: torch.Tensor | None, gamma_limit: float
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    check = GammaCheck(weight, bias, gamma_limit) if weight is not None else None
+    return backend_for(mean).finalize_stats(
+        mean, m2, count, eps, RunningStats(running_mean, running_var, batches, momentum)
+        if running_mean is not None else None, check)
 
 
 def normalize_act(x: torch.Tensor, mean: torch.Tensor, invstd: torch.Tensor,

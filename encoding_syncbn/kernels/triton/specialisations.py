@@ -10,6 +10,7 @@ from ..torch_ops import stats_dtype
 from .backward_dx import _plan_backward_dx
 from .backward_reduce import _plan_backward_reduce
 from .channel_stats import _plan_channel_stats
+from .finalize_stats import _plan_finalize_stats
 from .normalize_act import _plan_normalize_act
 from .plan import (
     BACKWARD_VARIANTS,
@@ -37,6 +38,34 @@ _SPECIALISATION_SHAPES = (
 )
 
 
+# Channel counts for finalize_stats: 1 (a constant to Triton), odd, a multiple of 16.
+_FINALIZE_CHANNELS = (1, 7, 64)
+# Running buffers' dtypes (None: not tracked), as a module's .half() / .double() leave them.
+_RUNNING_DTYPES = (None, *DTYPES)
+
+
+def _finalize_specialisations() -> Iterator[tuple[str, Launch]]:
+    """finalize_stats for each statistics dtype, buffer dtype, counter, momentum or cumulative
+    average, with and without the gamma check."""
+    for acc in (torch.float32, torch.float64):
+        for c in _FINALIZE_CHANNELS:
+            vec = torch.empty(c, dtype=acc, device="meta")
+            for running_dtype in _RUNNING_DTYPES:
+                buffers = (None, None) if running_dtype is None else tuple(
+                    torch.empty(c, dtype=running_dtype, device="meta") for _ in range(2))
+                counters = (None,) if running_dtype is None else (
+                    None, torch.empty((), dtype=torch.int64, device="meta"))
+                for batches in counters:
+                    for momentum in (0.1, None) if batches is not None else (0.1,):
+                        for check in (False, True):
+                            gamma = (vec, vec) if check else (None, None)
+                            launches, _ = _plan_finalize_stats(
+                                vec, vec, 8, 1e-5, *buffers, batches, momentum, *gamma, 0.016)
+                            yield (f"{acc} C={c} running={running_dtype} "
+                                   f"counter={batches is not None} momentum={momentum} "
+                                   f"check={check}"), launches[0]
+
+
 def launch_specialisations(target: Target) -> Iterator[tuple[str, Launch]]:
     """Every kernel specialisation the launchers can produce for ``target``, as planned launches
     over meta tensors (never run): what ``check.py`` compiles ahead of time.
@@ -44,8 +73,10 @@ def launch_specialisations(target: Target) -> Iterator[tuple[str, Launch]]:
     Walks the same choices the launchers make: dtypes, both layouts, every tile of
     :func:`tile_choices` whose offsets fit, every activation and saved input/output, the merge
     kernels, and shapes that change how Triton types the integer arguments: sizes of 1
-    (constants), odd sizes (no divisibility hint), 2-D inputs, and sizes past 2**31 (int64).
+    (constants), odd sizes (no divisibility hint), 2-D inputs, and sizes past 2**31 (int64);
+    and every variant of finalize_stats.
     """
+    yield from _finalize_specialisations()
     for dtype in DTYPES:
         acc = stats_dtype(dtype)
         for shape, fmt in _SPECIALISATION_SHAPES:
