@@ -48,11 +48,13 @@ import torch
 from . import _compat, activations, stats
 from .kernels import (
     Backend,
+    BatchSums,
     DxCoefs,
     GammaCheck,
     NormParams,
     RunningStats,
     compile_ops,
+    dx_coefs,
     ops_for,
     reference_ops,
     torch_ops,
@@ -364,10 +366,12 @@ def _params(saved: _Saved, config: ActConfig) -> NormParams:
                       config.slope)
 
 
-def _reduce(saved: _Saved, grad_output: torch.Tensor, config: ActConfig):
-    """Per-channel ``(sum(dz), sum(dz * xhat))``."""
+def _reduce(saved: _Saved, grad_output: torch.Tensor, config: ActConfig,
+            backend: Backend | None = None):
+    """Per-channel ``(sum(dz), sum(dz * xhat))``; ``backend``: the one looked up for
+    ``saved.tensor`` (None: look it up)."""
     from_output = config.inplace
-    sum_dz, sum_dz_xhat = ops_for(saved.tensor).backward_reduce(
+    sum_dz, sum_dz_xhat = (backend or ops_for(saved.tensor)).backward_reduce(
         saved.tensor, grad_output, _params(saved, config), from_output
     )
     if _keeps_aside(config, saved.aside_channels):
@@ -379,17 +383,19 @@ def _reduce(saved: _Saved, grad_output: torch.Tensor, config: ActConfig):
     return sum_dz, sum_dz_xhat
 
 
-def _input_grad(saved: _Saved, grad_output, config: ActConfig, coef_dz, coef_xhat, coef_const):
-    """``dx = coef_dz * dz + coef_xhat * xhat + coef_const`` in one pass."""
-    dx = ops_for(saved.tensor).backward_dx(
-        saved.tensor, grad_output, _params(saved, config), config.inplace,
-        DxCoefs(coef_dz, coef_xhat, coef_const),
+def _input_grad(saved: _Saved, grad_output, config: ActConfig, coefs: DxCoefs | BatchSums,
+                backend: Backend | None = None):
+    """``dx = coefs.dz * dz + coefs.xhat * xhat + coefs.const`` in one pass (``BatchSums``:
+    the backend derives the coefficients); ``backend`` as ``_reduce``."""
+    params = _params(saved, config)
+    dx = (backend or ops_for(saved.tensor)).backward_dx(
+        saved.tensor, grad_output, params, config.inplace, coefs
     )
     idx = saved.aside_channels
     if _keeps_aside(config, saved.aside_channels):
         exact = reference_ops().backward_dx(
             *_aside_args(saved, grad_output, config),
-            DxCoefs(coef_dz[idx], coef_xhat[idx], coef_const[idx]),
+            DxCoefs(*(c[idx] for c in dx_coefs(params, coefs))),
         )
         dx.index_copy_(1, idx, exact)
     return dx
@@ -465,15 +471,12 @@ class BatchNormAct(torch.autograd.Function):
 
             grads = _differentiable_grads(ctx, grad_output, saved[:5], composite)
             return (*grads, None, None, None, None)
-        sum_dz, sum_dz_xhat = _reduce(saved, grad_output, ctx.config)
+        backend = ops_for(saved.tensor)
+        sum_dz, sum_dz_xhat = _reduce(saved, grad_output, ctx.config, backend)
         grad_input = None
         if ctx.needs_input_grad[0]:
-            scale = saved.weight * saved.invstd
-            per_element = scale * (-1.0 / ctx.count)
-            grad_input = _input_grad(
-                saved, grad_output, ctx.config,
-                scale, per_element * sum_dz_xhat, per_element * sum_dz,
-            )
+            grad_input = _input_grad(saved, grad_output, ctx.config,
+                                     BatchSums(sum_dz, sum_dz_xhat, ctx.count), backend)
         grad_weight, grad_bias = _param_grads(*ctx.needs_input_grad[3:5], sum_dz, sum_dz_xhat)
         return grad_input, None, None, grad_weight, grad_bias, None, None, None, None
 
@@ -519,7 +522,7 @@ class NormAct(torch.autograd.Function):
             _compat.queue_backward_callback(link.clear)
         elif ctx.needs_input_grad[0]:
             zeros = torch.zeros_like(scale)
-            grad_input = _input_grad(saved, grad_output, config, scale, zeros, zeros)
+            grad_input = _input_grad(saved, grad_output, config, DxCoefs(scale, zeros, zeros))
         if ctx.needs_input_grad[1]:
             grad_mean = -scale * sum_dz
         if ctx.needs_input_grad[2]:
@@ -618,8 +621,8 @@ class MergeReplicas(torch.autograd.Function):
                 coefficients[device] = _through_statistics(
                     grad_mean, grad_m2, ctx.mean, ctx.total, saved
                 )
-            grads[i] = _input_grad(saved, link.grad_output, link.config, link.scale,
-                                   *coefficients[device])
+            grads[i] = _input_grad(saved, link.grad_output, link.config,
+                                   DxCoefs(link.scale, *coefficients[device]))
             link.clear()  # free y and dy as soon as dx exists
         return (None,) * _MERGE_LEADING_ARGS + tuple(grads)
 

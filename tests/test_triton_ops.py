@@ -21,7 +21,13 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from encoding_syncbn.kernels import torch_ops  # noqa: E402
+from encoding_syncbn.kernels import (  # noqa: E402
+    TORCH,
+    BatchSums,
+    NormParams,
+    dx_coefs,
+    torch_ops,
+)
 from encoding_syncbn.kernels.triton import activations as TA  # noqa: E402
 from encoding_syncbn.kernels.triton import backward_reduce as TB  # noqa: E402
 from encoding_syncbn.kernels.triton import channel_stats as TS  # noqa: E402
@@ -280,6 +286,17 @@ def _check_backward(shape, fmt, dtype, activation, saved_is_output, dy_fmt=None,
                                    activation, slope, saved_is_output, *coefs).to(dtype)
     assert dx.dtype == dtype and dx.stride() == saved.stride()
     assert_close(dx, ref_dx, dtype)
+
+    # The coefficients of a layer on its own batch, derived in the kernel from the sums: the
+    # same bits as given in dx_coefs' order, and close to the reference from the same sums.
+    params = NormParams(mean, invstd, weight, bias, activation, slope)
+    batch = BatchSums(*sums, terms)
+    from_sums = T.DIRECT.backward_dx(saved, dy, params, saved_is_output, batch)
+    given = T.DIRECT.backward_dx(saved, dy, params, saved_is_output, dx_coefs(params, batch))
+    torch.testing.assert_close(from_sums, given, rtol=0, atol=0)
+    ref_from_sums = TORCH.backward_dx(upcast(saved), ref_dy, params, saved_is_output,
+                                      batch).to(dtype)
+    assert_close(from_sums, ref_from_sums, dtype)
 
 
 @pytest.mark.parametrize("activation,saved_is_output", VARIANTS, ids=VARIANT_IDS)
@@ -640,8 +657,10 @@ def test_opcheck():
         running = (torch.zeros(4), torch.ones(4), torch.tensor(3), None)
         torch.library.opcheck(ops.finalize_stats.default,
                               (params[0], params[1].abs(), 9, 1e-5, *running, *params[2:], 0.01))
-        torch.library.opcheck(ops.backward_dx.default,
-                              (y, x, *params, "leaky_relu", 0.1, True, *coefs))
+        # The coefficients given, or derived from a batch's sums (sums_count > 0).
+        for dx_args in ((*coefs, 0), (params[2], *coefs[1:], 57)):
+            torch.library.opcheck(ops.backward_dx.default,
+                                  (y, x, *params, "leaky_relu", 0.1, True, *dx_args))
 
 
 def test_eager_calls_skip_the_dispatcher_and_tracers_still_see_the_ops():

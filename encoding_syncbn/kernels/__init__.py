@@ -19,10 +19,20 @@ from types import ModuleType
 import torch
 
 from . import compile_ops, torch_ops
-from .backend import Backend, DxCoefs, FunctionsBackend, GammaCheck, NormParams, RunningStats
+from .backend import (
+    Backend,
+    BatchSums,
+    DxCoefs,
+    FunctionsBackend,
+    GammaCheck,
+    NormParams,
+    RunningStats,
+    dx_coefs,
+)
 
-__all__ = ["Backend", "DxCoefs", "GammaCheck", "NormParams", "RunningStats", "get_backend",
-           "ops_for", "reference_ops", "register_backend", "set_backend"]
+__all__ = ["Backend", "BatchSums", "DxCoefs", "GammaCheck", "NormParams", "RunningStats",
+           "dx_coefs", "get_backend", "ops_for", "reference_ops", "register_backend",
+           "set_backend"]
 
 BACKENDS = ("auto", "torch", "triton")
 BACKEND_ENV = "ENCODING_SYNCBN_BACKEND"

@@ -11,8 +11,10 @@ A backend computes, per channel, what ``torch_ops`` (the reference) documents::
                                     dx = coefs.dz * dz + coefs.xhat * xhat + coefs.const
 
 ``params`` bundles what every op but the statistics needs (:class:`NormParams`), ``coefs`` the
-backward's per-channel coefficients (:class:`DxCoefs`); both are NamedTuples in the order of the
-flat ``torch_ops`` signatures, so an implementation over flat functions unpacks them with ``*``.
+backward's per-channel coefficients (:class:`DxCoefs`, or :class:`BatchSums` from which a
+backend derives them: the Triton kernel does so per channel, with no ATen call on the host).
+They are NamedTuples in the order of the flat ``torch_ops`` signatures, so an implementation
+over flat functions unpacks them with ``*``.
 A new backend, or a test double, is one class implementing :class:`Backend`, registered with
 ``kernels.register_backend``.
 """
@@ -43,6 +45,29 @@ class DxCoefs(NamedTuple):
     dz: torch.Tensor
     xhat: torch.Tensor
     const: torch.Tensor
+
+
+class BatchSums(NamedTuple):
+    """The input gradient of a layer normalised with its own batch's statistics, given by
+    that batch's sums (``backward_reduce``)::
+
+        dx = w * invstd * (dz - sum_dz / n - xhat * sum_dz_xhat / n)
+
+    i.e. ``DxCoefs(w * invstd, -w * invstd * sum_dz_xhat / n, -w * invstd * sum_dz / n)``:
+    see :func:`dx_coefs`, whose order of operations every backend follows."""
+
+    sum_dz: torch.Tensor
+    sum_dz_xhat: torch.Tensor
+    count: int
+
+
+def dx_coefs(params: NormParams, coefs: DxCoefs | BatchSums) -> DxCoefs:
+    """``coefs`` as :class:`DxCoefs` (four ATen calls on (C,) vectors for :class:`BatchSums`)."""
+    if isinstance(coefs, DxCoefs):
+        return coefs
+    scale = params.weight * params.invstd
+    per_element = scale * (-1.0 / coefs.count)
+    return DxCoefs(scale, per_element * coefs.sum_dz_xhat, per_element * coefs.sum_dz)
 
 
 class RunningStats(NamedTuple):
@@ -93,7 +118,7 @@ class Backend(Protocol):
                         saved_is_output: bool) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def backward_dx(self, saved: torch.Tensor, dy: torch.Tensor, params: NormParams,
-                    saved_is_output: bool, coefs: DxCoefs) -> torch.Tensor: ...
+                    saved_is_output: bool, coefs: DxCoefs | BatchSums) -> torch.Tensor: ...
 
 
 class FunctionsBackend:
@@ -125,5 +150,5 @@ class FunctionsBackend:
         return self._f.backward_reduce(saved, dy, *params, saved_is_output)
 
     def backward_dx(self, saved: torch.Tensor, dy: torch.Tensor, params: NormParams,
-                    saved_is_output: bool, coefs: DxCoefs) -> torch.Tensor:
-        return self._f.backward_dx(saved, dy, *params, saved_is_output, *coefs)
+                    saved_is_output: bool, coefs: DxCoefs | BatchSums) -> torch.Tensor:
+        return self._f.backward_dx(saved, dy, *params, saved_is_output, *dx_coefs(params, coefs))

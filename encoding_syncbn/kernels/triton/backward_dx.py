@@ -28,17 +28,30 @@ from .tiles import (
 
 @triton.jit
 def _backward_dx_kernel(saved_ptr, dy_ptr, dx_ptr, mean_ptr, invstd_ptr, weight_ptr, bias_ptr,
-                        coef_dz_ptr, coef_xhat_ptr, coef_const_ptr, slope: tl.float64, N, C, S, R,
-                        CS, tiles, tiles_s, tiles_per_prog, ACTIVATION: tl.constexpr,
-                        SAVED_IS_OUTPUT: tl.constexpr, CHANNELS_LAST: tl.constexpr,
+                        coef_dz_ptr, coef_xhat_ptr, coef_const_ptr, neg_inv_count: tl.float64,
+                        slope: tl.float64, N, C, S, R, CS, tiles, tiles_s, tiles_per_prog,
+                        ACTIVATION: tl.constexpr, SAVED_IS_OUTPUT: tl.constexpr,
+                        FROM_SUMS: tl.constexpr, CHANNELS_LAST: tl.constexpr,
                         BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, ACC: tl.constexpr):
-    """dx = (coef_dz * dz + coef_xhat * xhat) + coef_const, written in saved's dtype."""
+    """dx = (coef_dz * dz + coef_xhat * xhat) + coef_const, written in saved's dtype.
+
+    ``FROM_SUMS`` (``BatchSums``): coef_xhat_ptr and coef_const_ptr hold sum(dz * xhat) and
+    sum(dz) of the batch, coef_dz_ptr is unread, and the coefficients are derived per channel
+    in ``dx_coefs``' order: scale = w * invstd, p = scale * (-1/n), (scale, p * sum(dz *
+    xhat), p * sum(dz)).
+    """
     c0 = _channel_block(CHANNELS_LAST, BLOCK_B)
     mean, invstd, weight, bias = _load_norm_params(mean_ptr, invstd_ptr, weight_ptr, bias_ptr,
                                                    c0, C, CHANNELS_LAST, BLOCK_B)
-    coef_dz = _load_channel(coef_dz_ptr, c0, C, CHANNELS_LAST, BLOCK_B)
     coef_xhat = _load_channel(coef_xhat_ptr, c0, C, CHANNELS_LAST, BLOCK_B)
     coef_const = _load_channel(coef_const_ptr, c0, C, CHANNELS_LAST, BLOCK_B)
+    if FROM_SUMS:
+        coef_dz = weight * invstd
+        per_element = coef_dz * tl.full([], neg_inv_count, ACC)
+        coef_xhat = per_element * coef_xhat
+        coef_const = per_element * coef_const
+    else:
+        coef_dz = _load_channel(coef_dz_ptr, c0, C, CHANNELS_LAST, BLOCK_B)
     alpha = tl.full([], slope, ACC)
     start, stop = _tile_range(tiles, tiles_per_prog)
     for t in range(start, stop):
@@ -53,15 +66,19 @@ def _plan_backward_dx(saved: torch.Tensor, dy: torch.Tensor, mean: torch.Tensor,
                       invstd: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
                       activation: str, slope: float, saved_is_output: bool,
                       coef_dz: torch.Tensor, coef_xhat: torch.Tensor, coef_const: torch.Tensor,
-                      target: Target, tile: Tile | None = None
+                      sums_count: int, target: Target, tile: Tile | None = None
                       ) -> tuple[list[Launch], torch.Tensor]:
+    """``sums_count`` > 0: ``coef_xhat`` and ``coef_const`` are the sums of a batch of that
+    many elements a channel (``FROM_SUMS``; ``coef_dz`` is not read)."""
     plan = plan_op(saved, target, False, tile, activation, slope, bool(saved_is_output))
     dx = _empty_dx(saved, not plan.copy)
     saved = _prepare(saved, plan)
     dy = _in_layout(dy, plan.geo.channels_last)
     params = _channel_vectors(plan.acc, mean, invstd, weight, bias, coef_dz, coef_xhat,
                               coef_const)
+    from_sums = sums_count > 0
     launch = Launch(_backward_dx_kernel, plan.grid,
-                    (saved, dy, dx, *params, plan.slope, *plan.args), plan.constexprs,
+                    (saved, dy, dx, *params, -1.0 / sums_count if from_sums else 0.0,
+                     plan.slope, *plan.args), {**plan.constexprs, "FROM_SUMS": from_sums},
                     plan.num_warps)
     return [launch], dx

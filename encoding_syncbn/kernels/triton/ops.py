@@ -8,7 +8,15 @@ import threading
 import torch
 
 from ... import _compat
-from ..backend import NO_CHECK, NO_RUNNING, DxCoefs, GammaCheck, NormParams, RunningStats
+from ..backend import (
+    NO_CHECK,
+    NO_RUNNING,
+    BatchSums,
+    DxCoefs,
+    GammaCheck,
+    NormParams,
+    RunningStats,
+)
 from ..torch_ops import stats_dtype
 from .backward_dx import _plan_backward_dx
 from .backward_reduce import _plan_backward_reduce
@@ -85,14 +93,15 @@ def _backward_reduce_impl(saved: torch.Tensor, dy: torch.Tensor, mean: torch.Ten
 def _backward_dx_impl(saved: torch.Tensor, dy: torch.Tensor, mean: torch.Tensor,
                       invstd: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
                       activation: str, slope: float, saved_is_output: bool,
-                      coef_dz: torch.Tensor, coef_xhat: torch.Tensor, coef_const: torch.Tensor
-                      ) -> torch.Tensor:
+                      coef_dz: torch.Tensor, coef_xhat: torch.Tensor, coef_const: torch.Tensor,
+                      sums_count: int) -> torch.Tensor:
+    """``sums_count`` > 0: ``coef_xhat``, ``coef_const`` are a batch's sums (``BatchSums``)."""
     if saved.numel() == 0:
         _kernel_activation(activation, slope, saved_is_output)
         return _empty_dx(saved, _geometry(saved) is not None)
     launches, dx = _plan_backward_dx(saved, dy, mean, invstd, weight, bias, activation, slope,
                                      saved_is_output, coef_dz, coef_xhat, coef_const,
-                                     _target(saved.device))
+                                     sums_count, _target(saved.device))
     _run(launches, saved.device)
     return dx
 
@@ -146,7 +155,7 @@ def _(saved: torch.Tensor, dy: torch.Tensor, mean: torch.Tensor, invstd: torch.T
 def _(saved: torch.Tensor, dy: torch.Tensor, mean: torch.Tensor, invstd: torch.Tensor,
       weight: torch.Tensor, bias: torch.Tensor, activation: str, slope: float,
       saved_is_output: bool, coef_dz: torch.Tensor, coef_xhat: torch.Tensor,
-      coef_const: torch.Tensor) -> torch.Tensor:
+      coef_const: torch.Tensor, sums_count: int) -> torch.Tensor:
     return _empty_dx(saved, _geometry(saved) is not None)
 
 
@@ -220,11 +229,16 @@ class TritonBackend:
         return sum_dz, sum_dz_xhat
 
     def backward_dx(self, saved: torch.Tensor, dy: torch.Tensor, params: NormParams,
-                    saved_is_output: bool, coefs: DxCoefs) -> torch.Tensor:
-        """``dx = coef_dz * dz + coef_xhat * xhat + coef_const``, in ``saved``'s dtype."""
+                    saved_is_output: bool, coefs: DxCoefs | BatchSums) -> torch.Tensor:
+        """``dx = coef_dz * dz + coef_xhat * xhat + coef_const``, in ``saved``'s dtype; from
+        ``BatchSums`` the kernel derives the coefficients itself."""
         mean, invstd, weight, bias, activation, slope = params
+        if isinstance(coefs, BatchSums):
+            flat = (weight, coefs.sum_dz_xhat, coefs.sum_dz, int(coefs.count))
+        else:
+            flat = (*coefs, 0)
         return self._dx(saved, dy, mean, invstd, weight, bias, activation, float(slope),
-                        bool(saved_is_output), *coefs)
+                        bool(saved_is_output), *flat)
 
 
 DIRECT = TritonBackend(through_dispatcher=False)

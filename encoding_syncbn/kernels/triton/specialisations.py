@@ -101,5 +101,7 @@ def launch_specialisations(target: Target) -> Iterator[tuple[str, Launch]]:
                     launches, _ = _plan_backward_reduce(*common, target, tile)
                     for launch in launches:
                         yield label, launch
-                    launches, _ = _plan_backward_dx(*common, vec, vec, vec, target, tile)
-                    yield label, launches[0]
+                    for sums_count in (0, 8):  # coefficients given, or derived from sums
+                        launches, _ = _plan_backward_dx(*common, vec, vec, vec, sums_count,
+                                                        target, tile)
+                        yield f"{label} from_sums={sums_count > 0}", launches[0]
