@@ -175,8 +175,9 @@ class InPlaceABN(ABN):
         """The weight as ``|w| + eps``: ``w * sign`` with a constant sign (+1 at 0), so that
         its gradient is ``sign(w)``, +1 at ``w = 0`` as mapillary's backward.
 
-        The channels ``SyncBatchNorm`` keeps aside in place are picked from the raw ``w``:
-        ``|w| <= |w| + eps``, so that is a superset of what the effective weight needs.
+        The channels ``SyncBatchNorm`` keeps aside in place are picked from this effective
+        weight (a single replica's check rides on its statistics) or from the raw ``w``
+        (``replicate()``, evaluation): ``|w| <= |w| + eps``, a superset of what it needs.
         """
         weight, bias = super()._affine_params(dtype, device)
         if self.weight is not None:
