@@ -31,7 +31,8 @@ TRAFFIC = {"channel_stats": 1, "normalize_act": 2, "backward_reduce": 2, "backwa
 
 
 def _ops(T, x, dy, vec, out):
-    """The four ops on one activation (leaky_relu, rebuilt from the output in backward)."""
+    """The four passes over one activation (leaky_relu, rebuilt from the output in backward;
+    finalize_stats reads and writes per-channel vectors only)."""
     return {
         "channel_stats": lambda: T.channel_stats(x),
         "normalize_act": lambda: T.normalize_act(x, *vec, "leaky_relu", 0.01, out),

@@ -2,7 +2,7 @@
 
     python benchmarks/bench_dispatch.py
 
-The layer's four ops are registered as ``torch.library`` custom ops (so that tracers and
+The layer's ops are registered as ``torch.library`` custom ops (so that tracers and
 ``torch.compile`` see them), but plain eager calls launch the kernels directly. This measures
 what that saves per op call on this machine: a trivial custom op (its body returns
 ``torch.empty_like(x)``), the same op declared as mutating an argument (its body does
