@@ -18,7 +18,7 @@ from torch.utils.checkpoint import checkpoint
 
 import encoding_syncbn
 from encoding_syncbn import SyncBatchNorm
-from encoding_syncbn.kernels import torch_ops
+from encoding_syncbn.kernels import TORCH, BatchSums, NormParams, torch_ops
 from encoding_syncbn.testing import SimulatedDataParallel
 
 pytestmark = pytest.mark.cuda
@@ -102,6 +102,49 @@ def test_kernels_match_reference(triton_on_gpu, dtype, channels_last, shape, act
     ref_dx = torch_ops.backward_dx(ref_saved, ref_dy, ref_mean, invstd, weight, bias, activation,
                                    slope, saved_is_output, *coefs)
     _close(dx, ref_dx, dtype, 4)
+    # A layer on its own batch: the coefficients derived in the kernel from the sums.
+    dx = T.DIRECT.backward_dx(saved, dy, NormParams(*vecs, activation, slope), saved_is_output,
+                              BatchSums(*sums, count))
+    ref_dx = TORCH.backward_dx(ref_saved, ref_dy,
+                               NormParams(ref_mean, invstd, weight, bias, activation, slope),
+                               saved_is_output, BatchSums(*(v.double().cpu() for v in sums), count))
+    _close(dx, ref_dx, dtype, 4)
+
+
+@pytest.mark.parametrize("running_dtype", [None, torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("momentum", [0.1, None])
+def test_finalize_stats_matches_reference(triton_on_gpu, running_dtype, momentum):
+    """invstd, the running statistics, the counter and the small-gamma flags in one launch,
+    against the ATen reference in float64 (gammas away from the flags' limit, where float32
+    and float64 agree)."""
+    T = triton_on_gpu
+    c, count, limit = 300, 12345, 0.016
+    g = torch.Generator().manual_seed(3)
+    mean = torch.randn(c, generator=g, dtype=torch.float64) * 3
+    m2 = torch.rand(c, generator=g, dtype=torch.float64) * count
+    bias = torch.randn(c, generator=g, dtype=torch.float64) * 10
+    factors = torch.tensor([0.0, 0.5, 2.0, 10.0], dtype=torch.float64)[torch.arange(c) % 4]
+    weight = bias.abs().clamp_min(1.0) * limit * factors
+    running = ref_running = None
+    if running_dtype is not None:
+        r_mean = torch.randn(c, generator=g, dtype=torch.float64)
+        r_var = torch.rand(c, generator=g, dtype=torch.float64) + 0.5
+        batches = torch.tensor(7)
+        running = (r_mean.to(running_dtype).cuda(), r_var.to(running_dtype).cuda(),
+                   batches.cuda(), momentum)
+        ref_running = (r_mean, r_var, batches.clone(), momentum)
+    none = (None, None, None, None)
+    f32 = [v.float().cuda() for v in (mean, m2, weight, bias)]
+    invstd, small = T.finalize_stats(f32[0], f32[1], count, 1e-5, *(running or none), *f32[2:],
+                                     limit)
+    ref_invstd, ref_small = torch_ops.finalize_stats(mean, m2, count, 1e-5,
+                                                     *(ref_running or none), weight, bias, limit)
+    _close(invstd, ref_invstd, torch.float32)
+    assert small.cpu().tolist() == ref_small.int().tolist()
+    if running is not None:
+        for got, want in zip(running[:2], ref_running[:2]):
+            _close(got, want, running_dtype)
+        assert running[2].item() == ref_running[2].item() == 8
 
 
 def _network(inplace=True):
