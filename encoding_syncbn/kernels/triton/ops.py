@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import torch
@@ -32,10 +33,15 @@ _INTERPRETER_LOCK = threading.Lock()
 
 
 def _run(launches: list[Launch], device: torch.device) -> None:
-    if device.type == "cuda":
-        guard = torch.cuda.device(device)
-    else:
+    """Launch on ``device``: Triton launches on the current device, so switch to it where it
+    is not current already (DataParallel's replica threads have switched: no guard is built
+    per op for them)."""
+    if device.type != "cuda":
         guard = _INTERPRETER_LOCK
+    elif device.index == torch.cuda.current_device():
+        guard = contextlib.nullcontext()
+    else:
+        guard = torch.cuda.device(device)
     with guard:
         for launch in launches:
             launch.kernel[launch.grid](*launch.args, **launch.constexprs,
