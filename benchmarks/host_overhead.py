@@ -34,8 +34,12 @@ floor's sum and what is above it, of our sum the part spent inside the Triton ba
 (planning, allocating outputs, launching: timed in a separate pass with the ops wrapped, so
 the other columns carry no timer), the Triton launches and the ATen ops outside the backend's
 ops per forward+backward; then the stacked figures. On the CPU the ops' part includes
-``torch.empty_like`` of dx, an mmap of the whole activation (~30 us at 64 MiB here); a GPU's
-caching allocator serves it in a few us. The tables go to benchmarks/RESULTS.md
+``torch.empty_like`` of dx. On a GPU that comes from the caching allocator in a few us; on the
+CPU glibc serves a block that large with an mmap, and frees it with an munmap (together some
+30-60 us a call here, none of it the layer's doing). So by default (``--allocator cached``) glibc
+is told to serve every block from its heap and to keep what is freed (``mallopt``: no mmap, no
+trim), as the caching allocator keeps it; ``--allocator system`` leaves glibc as it is (the
+figures before 2026-11-24). The tables go to benchmarks/RESULTS.md
 (``--no-record``: print only); the last line is one JSON object with ``host_us_fwd_bwd`` (one
 layer), ``floor_us_fwd_bwd``, ``own_us_fwd_bwd`` and the stacked per-layer figures for
 (8, 256, 128, 128) float16 NCHW.
@@ -44,6 +48,8 @@ layer), ``floor_us_fwd_bwd``, ``own_us_fwd_bwd`` and the stacked per-layer figur
 from __future__ import annotations
 
 import argparse
+import ctypes
+import ctypes.util
 import json
 import os
 import time
@@ -67,6 +73,20 @@ SHAPES = [
 H100_SMS = 132
 # The Triton backend's op attributes (``TritonBackend``), timed for the "in the ops" column.
 BACKEND_OPS = ("_stats", "_finalize", "_normalize", "_reduce", "_dx")
+
+
+# glibc's mallopt parameters (malloc.h).
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_MAX = -4
+
+
+def _cache_freed_memory() -> None:
+    """Make glibc's malloc behave like a caching allocator for this process: every block from
+    its heap (no mmap), nothing given back to the system (no trim), so a block freed by one call
+    serves the next as CUDA's caching allocator does."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    if not (libc.mallopt(_M_MMAP_MAX, 0) and libc.mallopt(_M_TRIM_THRESHOLD, 2**62)):
+        raise SystemExit("--allocator cached: glibc's mallopt refused; use --allocator system")
 
 
 class _Fresh(torch.autograd.Function):
@@ -237,8 +257,13 @@ def main():
                         help="repeats; the fastest is reported (default 5)")
     parser.add_argument("--stack", type=int, default=8,
                         help="layers chained for the per-layer figures (default 8)")
+    parser.add_argument("--allocator", choices=("cached", "system"), default="cached",
+                        help="cached (default): glibc keeps freed blocks, as a GPU's caching "
+                             "allocator does; system: glibc as it is (an mmap per large block)")
     results.add_arguments(parser)
     args = parser.parse_args()
+    if args.allocator == "cached":
+        _cache_freed_memory()
     from encoding_syncbn.kernels.triton import ops as triton_ops  # triton: after --help
 
     torch.set_num_threads(1)
@@ -275,10 +300,12 @@ def main():
         f"{args.repeats} means over {args.iters} calls. 'floor': the same harness around an "
         "empty in-place autograd Function, measured in turns with ours; 'own': ours minus the "
         "floor. 'in the ops': the part inside the Triton backend's ops (dx's allocation "
-        "included: an mmap on the CPU). ATen ops: outside the backend's ops. The stacked "
-        "figures are per layer of a chain with one backward() a step."))
+        "included). ATen ops: outside the backend's ops. The stacked figures are per layer of "
+        f"a chain with one backward() a step. Allocator: {args.allocator} ("
+        + ("glibc keeps freed blocks, as a GPU's caching allocator does" if args.allocator ==
+           "cached" else "glibc as it is: an mmap and an munmap per large block") + ")."))
     print(json.dumps({**first, "shape": list(SHAPES[0][0]), "dtype": "float16",
-                      "layout": "nchw"}))
+                      "layout": "nchw", "allocator": args.allocator}))
 
 
 if __name__ == "__main__":
