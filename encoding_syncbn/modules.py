@@ -260,7 +260,7 @@ class SyncBatchNorm(_BatchNorm):
         watch = self._watching(config)
         if watch is None:
             return config
-        return config._replace(aside=watch.channels(self.weight, self.bias, refresh=refresh))
+        return config.with_aside(watch.channels(self.weight, self.bias, refresh=refresh))
 
     def _forward(self, x: torch.Tensor, slot: ReplicaSlot | None) -> torch.Tensor:
         """The dispatch: evaluation with running statistics, training alone, training synced."""

@@ -7,6 +7,8 @@ than the arithmetic; here it is one kernel.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -121,19 +123,33 @@ def _plan_finalize_stats(mean: torch.Tensor, m2: torch.Tensor, count: int, eps: 
     small = torch.empty(c if check else 0, dtype=torch.uint8, device=mean.device)
     weight, bias = _channel_vectors(acc, weight, bias) if check else (mean, mean)
     running = running_mean is not None
-    counter = running and batches is not None
+    scalars, constexprs = _constants(acc, running_mean.dtype if running else None,
+                                     batches is not None, momentum, check, count, eps,
+                                     gamma_limit)
+    counts, rates, limit = scalars
+    args = (mean, m2, invstd, *counts, running_mean if running else mean,
+            running_var if running else mean, batches if constexprs["COUNTER"] else mean,
+            *rates, weight, bias, small, limit, c)
+    return [Launch(_finalize_stats_kernel, (1, 1), args, constexprs, _NUM_WARPS)], (invstd, small)
+
+
+@functools.lru_cache(maxsize=256)
+def _constants(acc: torch.dtype, running_dtype: torch.dtype | None, has_counter: bool,
+               momentum: float | None, check: bool, count: int, eps: float, gamma_limit: float):
+    """The launch's scalar arguments ``((count, eps), (keep, momentum, var_alpha), limit)``
+    and constexprs: host ints and floats only, the same from call to call (memoised)."""
+    running = running_dtype is not None
+    counter = running and has_counter
     cumulative = running and momentum is None
     if cumulative and not counter:
         raise ValueError("momentum=None (a cumulative average) needs num_batches_tracked")
-    run_acc = (torch.float64 if torch.float64 in (acc, running_mean.dtype) else torch.float32
+    run_acc = (torch.float64 if torch.float64 in (acc, running_dtype) else torch.float32
                ) if running else acc
     momentum = 0.0 if momentum is None else float(momentum)
-    args = (mean, m2, invstd, float(count), float(eps),
-            running_mean if running else mean, running_var if running else mean,
-            batches if counter else mean, 1.0 - momentum, momentum,
-            (1.0 if cumulative else momentum) / max(count - 1, 1),
-            weight, bias, small, float(gamma_limit), c)
+    scalars = ((float(count), float(eps)),
+               (1.0 - momentum, momentum, (1.0 if cumulative else momentum) / max(count - 1, 1)),
+               float(gamma_limit))
     constexprs = {"RUNNING": running, "COUNTER": counter, "CUMULATIVE": cumulative,
                   "CHECK": check, "ACC": _TL_DTYPES[stats_dtype(acc)],
                   "RUN_ACC": _TL_DTYPES[run_acc], "BLOCK_C": _BLOCK_C}
-    return [Launch(_finalize_stats_kernel, (1, 1), args, constexprs, _NUM_WARPS)], (invstd, small)
+    return scalars, constexprs

@@ -331,11 +331,11 @@ def _kernel_activation(activation: str, slope: float, saved_is_output: bool = Fa
     return definition.kernel, float(slope)
 
 
-def _channel_vectors(acc: torch.dtype, *vectors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def _channel_vectors(acc: torch.dtype, *vectors: torch.Tensor) -> list[torch.Tensor]:
     """Per-channel inputs as contiguous vectors of the statistics dtype (no-ops normally, and
     then no ATen call)."""
-    return tuple(v if v.dtype == acc and v.is_contiguous() else v.to(acc).contiguous()
-                 for v in vectors)
+    return [v if v.dtype == acc and v.is_contiguous() else v.to(acc).contiguous()
+            for v in vectors]
 
 
 def _empty_dx(saved: torch.Tensor, dense: bool) -> torch.Tensor:
