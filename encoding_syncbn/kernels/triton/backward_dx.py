@@ -73,7 +73,7 @@ def _plan_backward_dx(saved: torch.Tensor, dy: torch.Tensor, mean: torch.Tensor,
     plan = plan_op(saved, target, False, tile, activation, slope, bool(saved_is_output))
     dx = _empty_dx(saved, not plan.copy)
     saved = _prepare(saved, plan)
-    dy = _in_layout(dy, plan.geo.channels_last)
+    dy = _in_layout(dy, saved, plan.geo.channels_last)
     params = _channel_vectors(plan.acc, mean, invstd, weight, bias, coef_dz, coef_xhat,
                               coef_const)
     from_sums = sums_count > 0

@@ -78,7 +78,7 @@ def _plan_backward_reduce(saved: torch.Tensor, dy: torch.Tensor, mean: torch.Ten
                           ) -> tuple[list[Launch], tuple[torch.Tensor, torch.Tensor]]:
     plan = plan_op(saved, target, True, tile, activation, slope, bool(saved_is_output))
     saved = _prepare(saved, plan)
-    dy = _in_layout(dy, plan.geo.channels_last)
+    dy = _in_layout(dy, saved, plan.geo.channels_last)
     acc, grid, c = plan.acc, plan.grid, plan.geo.c
     params = _channel_vectors(acc, mean, invstd, weight, bias)
     splits = grid[1]

@@ -195,8 +195,11 @@ def _to_last(x: torch.Tensor) -> torch.Tensor:
     return x.permute(0, *range(2, x.dim()), 1)
 
 
-def _in_layout(t: torch.Tensor, channels_last: bool) -> torch.Tensor:
-    """``t`` itself when it lies like the planned geometry, else one copy that does."""
+def _in_layout(t: torch.Tensor, like: torch.Tensor, channels_last: bool) -> torch.Tensor:
+    """``t`` itself when it lies like the planned geometry (``like``: the tensor of that shape
+    the plan launches on, NCHW or ``channels_last`` dense), else one copy that does."""
+    if t.stride() == like.stride():  # the usual case, without a geometry lookup
+        return t
     geo = _geometry(t)
     if geo is not None and (geo.channels_last == channels_last or geo.s == 1):
         return t
