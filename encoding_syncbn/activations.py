@@ -10,7 +10,11 @@ code under that id, and its tests.
 
 ``slope`` is the activation's one float parameter where it has one (leaky_relu's negative
 slope, ELU's alpha); activations without one ignore it. Derivatives come from ATen's own
-activation backwards, so that every branch convention (NaN, z == 0) is exactly torch's.
+activation backwards, so that every branch convention (NaN, z == 0) is exactly torch's, except
+where ATen's CPU kernels disagree with themselves: ELU's backward gives NaN at a NaN z in its
+vectorised body and ``dy`` in its scalar loop (a tensor's tail, a strided walk), so the same
+input got a NaN or a finite gradient by its size and layout; here it is NaN everywhere, as in
+the vectorised body (what nn.ELU gives on tensors of any realistic size) and the Triton kernels.
 """
 
 from __future__ import annotations
@@ -97,9 +101,17 @@ def _invert_leaky_relu(y, dy, slope, z_out, dz_out, aux) -> None:
     _aten.leaky_relu.out(y, 1.0 / slope, out=z_out)
 
 
+def _elu_derivative(dy, z, slope, out, is_result: bool = False) -> torch.Tensor:
+    """``out = dy * elu'(z)`` (from the output where ``is_result``), NaN where ``z`` is NaN
+    (see the module docstring)."""
+    nan = torch.isnan(z)  # before ``out``, which may be ``z``, is written
+    _aten.elu_backward.grad_input(dy, slope, 1, 1, is_result, z, grad_input=out)
+    return out.masked_fill_(nan, float("nan"))
+
+
 def _invert_elu(y, dy, slope, z_out, dz_out, aux) -> None:
     # z = y where y > 0, log1p(y / alpha) (clamped) elsewhere; aux (maybe dy) used after dz.
-    _aten.elu_backward.grad_input(dy, slope, 1, 1, True, y, grad_input=dz_out)
+    _elu_derivative(dy, y, slope, dz_out, is_result=True)
     torch.clamp(y, max=0, out=aux).div_(slope)
     aux.clamp_(min=elu_inverse_floor(aux.dtype)).log1p_()
     torch.clamp(y, min=0, out=z_out).add_(aux)
@@ -138,9 +150,7 @@ _DEFINITIONS = (
     ),
     Activation(
         name="elu", forward=F.elu, forward_=F.elu_,
-        derivative=lambda dy, z, slope, out: _aten.elu_backward.grad_input(
-            dy, slope, 1, 1, False, z, grad_input=out),
-        inverse=_invert_elu, inverse_needs_positive_slope=True,
+        derivative=_elu_derivative, inverse=_invert_elu, inverse_needs_positive_slope=True,
         modules=(TorchModule(nn.ELU, "alpha"),), module_inplace=_positive,
         kernel="elu", functional=((F.elu, "alpha", 1.0),),
     ),
