@@ -71,8 +71,10 @@ SHAPES = [
     ((256, 512), torch.float32, False),
 ]
 H100_SMS = 132
-# The Triton backend's op attributes (``TritonBackend``), timed for the "in the ops" column.
-BACKEND_OPS = ("_stats", "_finalize", "_normalize", "_reduce", "_dx")
+# The Triton backend's op attributes (``TritonBackend``), timed for the "in the ops" column,
+# and the ops' names in the per-op table.
+BACKEND_OPS = {"_stats": "channel_stats", "_finalize": "finalize_stats",
+               "_normalize": "normalize_act", "_reduce": "backward_reduce", "_dx": "backward_dx"}
 
 
 # glibc's mallopt parameters (malloc.h).
@@ -222,32 +224,35 @@ def measure(triton_ops, shape, dtype, channels_last, iters, repeats, stack):
 
 
 def _time_in_ops(triton_ops, layers, links, make_input, dy, iters, repeats):
-    """Mean microseconds per call inside the backend's ops (a pass of its own, ops wrapped)."""
-    in_ops = [0.0]
+    """Microseconds per call inside the backend's ops (a pass of its own, ops wrapped): the
+    fastest repeat's total, and each op's part of it."""
+    spent = dict.fromkeys(BACKEND_OPS, 0.0)
     direct = triton_ops.DIRECT
-    plain = {name: getattr(direct, name) for name in BACKEND_OPS if hasattr(direct, name)}
+    plain = {name: getattr(direct, name) for name in BACKEND_OPS}
 
-    def timed(op):
+    def timed(name, op):
         def call(*args):
             start = time.thread_time()
             try:
                 return op(*args)
             finally:
-                in_ops[0] += time.thread_time() - start
+                spent[name] += time.thread_time() - start
         return call
 
     for name, op in plain.items():
-        setattr(direct, name, timed(op))
+        setattr(direct, name, timed(name, op))
     try:
-        means = []
+        best = None
         for _ in range(repeats):
-            in_ops[0] = 0.0
+            spent.update(dict.fromkeys(spent, 0.0))
             _steps(layers, links, make_input, dy, iters)
-            means.append(in_ops[0] / iters * 1e6)
+            per_op = {name: seconds / iters * 1e6 for name, seconds in spent.items()}
+            if best is None or sum(per_op.values()) < sum(best.values()):
+                best = per_op
     finally:
         for name, op in plain.items():
             setattr(direct, name, op)
-    return min(means)
+    return sum(best.values()), best
 
 
 def main():
@@ -271,10 +276,11 @@ def main():
     header = ["shape", "dtype", "layout", "fwd us", "bwd us", "total us", "floor us",
               "own us", "in the ops us", "launches", "ATen ops"]
     stack_header = ["shape", "dtype", "layout", "per layer us", "floor us", "own us"]
-    rows, stack_rows, first = [], [], None
+    op_header = ["shape", "dtype", "layout", *(f"{op} us" for op in BACKEND_OPS.values())]
+    rows, stack_rows, op_rows, first = [], [], [], None
     for shape, dtype, channels_last in SHAPES:
-        best, in_ops, (launches, ops) = measure(triton_ops, shape, dtype, channels_last,
-                                                args.iters, args.repeats, args.stack)
+        best, (in_ops, per_op), (launches, ops) = measure(
+            triton_ops, shape, dtype, channels_last, args.iters, args.repeats, args.stack)
         fwd, bwd = best["ours"]
         total, floor = fwd + bwd, sum(best["floor"])
         stacked, stacked_floor = sum(best["ours stacked"]), sum(best["floor stacked"])
@@ -284,6 +290,7 @@ def main():
                      round(total - floor, 1), round(in_ops, 1), launches, ops])
         stack_rows.append([*cells, round(stacked, 1), round(stacked_floor, 1),
                            round(stacked - stacked_floor, 1)])
+        op_rows.append([*cells, *(round(per_op[name], 1) for name in BACKEND_OPS)])
         print(" ".join(str(cell) for cell in rows[-1] + stack_rows[-1][3:]), flush=True)
         first = first or {"host_us_fwd_bwd": rows[0][5], "floor_us_fwd_bwd": rows[0][6],
                           "own_us_fwd_bwd": rows[0][7],
@@ -292,7 +299,9 @@ def main():
                           "stack_own_us_per_layer": stack_rows[0][5]}
     table = (results.markdown_table(header, rows) + "\n\n"
              f"Per layer in a stack of {args.stack} (one backward() a step):\n\n"
-             + results.markdown_table(stack_header, stack_rows))
+             + results.markdown_table(stack_header, stack_rows) + "\n\n"
+             "Inside the backend's ops, per op (planning, allocating, the no-op launches; one "
+             "layer's forward+backward):\n\n" + results.markdown_table(op_header, op_rows))
     print(table)
     results.record(args, "host_overhead.py (cpu)", table, notes=(
         "Host time per layer forward+backward on the Triton path, kernel launches replaced by "
