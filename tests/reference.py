@@ -30,14 +30,17 @@ def activate(z: torch.Tensor, activation: str, slope: float) -> torch.Tensor:
     return z
 
 
-def plain_twin(layer: SyncBatchNorm, ndim: int) -> nn.Module:
-    """An nn.BatchNorm*d with the layer's options and a copy of its state."""
+def plain_twin(layer: SyncBatchNorm, ndim: int, dtype: torch.dtype = torch.float64
+               ) -> nn.Module:
+    """An nn.BatchNorm*d with the layer's options and a copy of its state (in its dtype;
+    ``dtype`` for a layer without state: affine=False, track_running_stats=False)."""
     cls = _BATCHNORM_BY_DIM[ndim]
+    state = layer.state_dict()
     twin = cls(
         layer.num_features, layer.eps, layer.momentum, layer.affine, layer.track_running_stats,
         bias=layer.bias is not None or not layer.affine,
-    ).to(dtype=next(iter(layer.state_dict().values())).dtype)
-    twin.load_state_dict(layer.state_dict())
+    ).to(dtype=next(iter(state.values())).dtype if state else dtype)
+    twin.load_state_dict(state)
     twin.train(layer.training)
     return twin
 

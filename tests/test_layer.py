@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from reference import ACTIVATIONS, SLOPES, activate, assert_close, plain_twin, reference_step
 from torch import nn
 
@@ -56,6 +58,64 @@ def run_steps(layer, twin, make_input, replicas, activation, steps=3, dtype=torc
             assert_close(layer.running_mean, twin.running_mean, dtype, what + " running_mean")
             assert_close(layer.running_var, twin.running_var, dtype, what + " running_var")
             assert layer.num_batches_tracked.item() == twin.num_batches_tracked.item() == step + 1
+
+
+# Spatial sizes per input rank, and the channels_last format of each rank that has one.
+_SPATIAL = {2: (), 3: (3,), 4: (3, 2), 5: (2, 2, 2)}
+_LAST_FORMAT = {4: torch.channels_last, 5: torch.channels_last_3d}
+# Gammas of every sign, zero, and around the in-place layer's invertibility limit (1e-3 times
+# max(1, |b|), the channels it keeps aside); biases small and large.
+_GAMMAS = [1.5, -0.7, 0.0, 2e-3, 5e-4, -1e-3, 0.3]
+_BIASES = [0.0, 0.5, -1.0, 100.0]
+
+
+@settings(max_examples=12, deadline=None, derandomize=True)
+@given(
+    mode=st.sampled_from(list(activation_modes())),
+    replicas=st.integers(1, 4),
+    batch=st.integers(2, 9),
+    rank=st.sampled_from(sorted(_SPATIAL)),
+    channels_last=st.booleans(),
+    channels=st.integers(1, 5),
+    options=st.fixed_dictionaries({
+        "affine": st.booleans(), "bias": st.booleans(),
+        "momentum": st.sampled_from([0.1, None, 1.0]),
+        "track_running_stats": st.booleans(),
+    }),
+    offset=st.sampled_from([0.0, 100.0]),
+    seed=st.integers(0, 2**16),
+)
+def test_generated_layers_match_batchnorm(mode, replicas, batch, rank, channels_last, channels,
+                                          options, offset, seed):
+    """Training steps, then evaluation, under (simulated) DataParallel against nn.BatchNorm*d +
+    the activation on the whole batch, float64: generated over activations in and out of place,
+    replica counts and uneven splits (fewer chunks than replicas too), input ranks and layouts,
+    channel counts, the constructor's options, gammas and biases, and large means."""
+    activation, inplace = mode
+    gen = torch.Generator().manual_seed(seed)
+    layer = SyncBatchNorm(channels, activation=activation, slope=SLOPES.get(activation, 0.01),
+                          inplace=inplace, dtype=torch.float64, **options)
+    with torch.no_grad():
+        if layer.weight is not None:
+            layer.weight.copy_(torch.tensor(_GAMMAS, dtype=torch.float64)[
+                torch.randint(len(_GAMMAS), (channels,), generator=gen)])
+        if layer.bias is not None:
+            layer.bias.copy_(torch.tensor(_BIASES, dtype=torch.float64)[
+                torch.randint(len(_BIASES), (channels,), generator=gen)])
+    twin = plain_twin(layer, rank)
+    shape = (batch, channels, *_SPATIAL[rank])
+    fmt = _LAST_FORMAT.get(rank) if channels_last else None
+
+    def make_input(step):
+        x = torch.randn(shape, generator=gen, dtype=torch.float64) * (1 + step) + offset
+        return x.contiguous(memory_format=fmt) if fmt else x
+
+    run_steps(layer, twin, make_input, replicas, activation, steps=2)
+    layer.eval()
+    twin.eval()
+    x = make_input(2)
+    expected = activate(twin(x), activation, SLOPES.get(activation, 0.01))
+    assert_close(SimulatedDataParallel(layer, replicas)(x.clone()), expected, what="eval")
 
 
 @pytest.mark.parametrize("activation,inplace", list(activation_modes()))
