@@ -135,7 +135,7 @@ def one_thread_work_us(replicas: int, calls: int, turns: int) -> PerCall:
                 for c in contributions]
 
     def alone(xs: list[torch.Tensor]) -> list[torch.Tensor]:
-        return [batch_norm_act(x, weight, bias, 1e-5, config)[0] for x in xs]
+        return [batch_norm_act(x, weight, bias, 1e-5, config) for x in xs]
 
     def loss(layer: Callable[[list[torch.Tensor]], list[torch.Tensor]]
              ) -> Callable[[], torch.Tensor]:

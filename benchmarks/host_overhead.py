@@ -73,7 +73,7 @@ SHAPES = [
 H100_SMS = 132
 # The Triton backend's op attributes (``TritonBackend``), timed for the "in the ops" column,
 # and the ops' names in the per-op table.
-BACKEND_OPS = {"_stats": "channel_stats", "_finalize": "finalize_stats",
+BACKEND_OPS = {"_batch_stats": "batch_stats",
                "_normalize": "normalize_act", "_reduce": "backward_reduce", "_dx": "backward_dx"}
 
 

@@ -36,8 +36,7 @@ def planned_launches():
     plans each (the layer's own planners, on CPU tensors: nothing is launched)."""
     from encoding_syncbn.kernels.triton.backward_dx import _plan_backward_dx
     from encoding_syncbn.kernels.triton.backward_reduce import _plan_backward_reduce
-    from encoding_syncbn.kernels.triton.channel_stats import _plan_channel_stats
-    from encoding_syncbn.kernels.triton.finalize_stats import _plan_finalize_stats
+    from encoding_syncbn.kernels.triton.finalize_stats import _plan_batch_stats
     from encoding_syncbn.kernels.triton.normalize_act import _plan_normalize_act
     from encoding_syncbn.kernels.triton.plan import Target
 
@@ -46,16 +45,15 @@ def planned_launches():
     ones, zeros, batches = torch.ones(C), torch.zeros(C), torch.zeros((), dtype=torch.long)
     count = x.numel() // C
     vectors = (zeros, ones, ones, zeros)  # mean, invstd, weight, bias
-    stats, (mean, m2) = _plan_channel_stats(x, target)
-    finalize, _ = _plan_finalize_stats(mean, m2, count, 1e-5, zeros.clone(), ones.clone(),
-                                       batches, 0.1, ones, zeros, 0.016)
+    stats, _ = _plan_batch_stats(x, 1e-5, zeros.clone(), ones.clone(), batches, 0.1, ones,
+                                 zeros, 0.016, target)
     normalize, _ = _plan_normalize_act(x, *vectors, "leaky_relu", 0.01, x, target)
     reduce, (sum_dz, sum_dz_xhat) = _plan_backward_reduce(x, dy, *vectors, "leaky_relu", 0.01,
                                                           True, target)
     dx, _ = _plan_backward_dx(x, dy, *vectors, "leaky_relu", 0.01, True, ones, sum_dz_xhat,
                               sum_dz, count, target)
-    ops = [("channel_stats", stats), ("finalize_stats", finalize),
-           ("normalize_act", normalize), ("backward_reduce", reduce), ("backward_dx", dx)]
+    ops = [("batch_stats", stats), ("normalize_act", normalize), ("backward_reduce", reduce),
+           ("backward_dx", dx)]
     return [(op, launch) for op, launches in ops for launch in launches]
 
 

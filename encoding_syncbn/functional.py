@@ -736,25 +736,23 @@ def on_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 def batch_norm_act(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float, config: ActConfig,
     running: RunningStats | None = None, watch: AsideWatch | None = None, refresh: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Normalise ``x`` with its own batch statistics, folded into ``running`` on the way;
-    also returns them as ``(mean, M2)``.
+) -> torch.Tensor:
+    """Normalise ``x`` with its own batch statistics, folded into ``running`` on the way.
 
     ``watch`` (in place, the channels kept aside not known yet) picks them, its check riding
     on the launch that finishes the statistics; ``refresh`` as ``AsideWatch.channels``.
     """
     backend = ops_for(x)
     with torch.no_grad():
-        mean, m2, count = backend.channel_stats(x)
         check = watch.check_for(weight, bias, refresh) if watch is not None else None
-        invstd, small = backend.finalize_stats(mean, m2, count, eps, running, check)
+        mean, invstd, small = backend.batch_stats(x, eps, running, check)
     if watch is not None:
         if small is not None:
             watch.offer(small)
         config = config.with_aside(watch.channels(weight, bias, refresh))
     aside = _aside_channels(weight, bias, config)
     out = BatchNormAct.apply(x, mean, invstd, weight, bias, config, aside, eps, backend)
-    return _written_back(x, out, config), mean, m2
+    return _written_back(x, out, config)
 
 
 def synced_batch_norm_act(

@@ -309,7 +309,7 @@ class SyncBatchNorm(_BatchNorm):
             # Empty, and attached to the parameters (zero gradients) as nn.BatchNorm's result.
             return torch.nn.functional.batch_norm(x, None, None, weight, bias, True, 0.0, self.eps)
         return batch_norm_act(x, weight, bias, self.eps, config, running,
-                              self._watching(config), refresh)[0]
+                              self._watching(config), refresh)
 
     def _forward_synced(self, x: torch.Tensor, slot: ReplicaSlot | None, weight: torch.Tensor,
                         bias: torch.Tensor, config: ActConfig, running: RunningStats | None

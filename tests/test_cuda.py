@@ -113,15 +113,16 @@ def test_kernels_match_reference(triton_on_gpu, dtype, channels_last, shape, act
 
 @pytest.mark.parametrize("running_dtype", [None, torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("momentum", [0.1, None])
-def test_finalize_stats_matches_reference(triton_on_gpu, running_dtype, momentum):
-    """invstd, the running statistics, the counter and the small-gamma flags in one launch,
-    against the ATen reference in float64 (gammas away from the flags' limit, where float32
-    and float64 agree)."""
+@pytest.mark.parametrize("shape", [(64, 3, 40, 40), (4, 300, 9, 7)])
+def test_batch_stats_matches_reference(triton_on_gpu, running_dtype, momentum, shape):
+    """The statistics, invstd, the running statistics, the counter and the small-gamma flags
+    in two launches (few channels: split and merged by the finalising kernel), against the ATen
+    reference in float64 (gammas away from the flags' limit, where float32 and float64
+    agree)."""
     T = triton_on_gpu
-    c, count, limit = 300, 12345, 0.016
+    c, limit = shape[1], 0.016
     g = torch.Generator().manual_seed(3)
-    mean = torch.randn(c, generator=g, dtype=torch.float64) * 3
-    m2 = torch.rand(c, generator=g, dtype=torch.float64) * count
+    x = torch.randn(shape, generator=g, dtype=torch.float64) * 2 + 3
     bias = torch.randn(c, generator=g, dtype=torch.float64) * 10
     factors = torch.tensor([0.0, 0.5, 2.0, 10.0], dtype=torch.float64)[torch.arange(c) % 4]
     weight = bias.abs().clamp_min(1.0) * limit * factors
@@ -134,11 +135,11 @@ def test_finalize_stats_matches_reference(triton_on_gpu, running_dtype, momentum
                    batches.cuda(), momentum)
         ref_running = (r_mean, r_var, batches.clone(), momentum)
     none = (None, None, None, None)
-    f32 = [v.float().cuda() for v in (mean, m2, weight, bias)]
-    invstd, small = T.finalize_stats(f32[0], f32[1], count, 1e-5, *(running or none), *f32[2:],
-                                     limit)
-    ref_invstd, ref_small = torch_ops.finalize_stats(mean, m2, count, 1e-5,
-                                                     *(ref_running or none), weight, bias, limit)
+    mean, invstd, small = T.batch_stats(x.float().cuda(), 1e-5, *(running or none),
+                                        weight.float().cuda(), bias.float().cuda(), limit)
+    ref_mean, ref_invstd, ref_small = torch_ops.batch_stats(
+        x, 1e-5, *(ref_running or none), weight, bias, limit)
+    _close(mean, ref_mean, torch.float32)
     _close(invstd, ref_invstd, torch.float32)
     assert small.cpu().tolist() == ref_small.int().tolist()
     if running is not None:

@@ -49,7 +49,7 @@ def test_batch_norm_act(activation, inplace):
     x, w, b = inputs()
     # clone: gradcheck's inputs are leaves, which an in-place Function may not overwrite.
     assert torch.autograd.gradcheck(
-        lambda x, w, b: batch_norm_act(x.clone(), w, b, 1e-3, config)[0], (x, w, b)
+        lambda x, w, b: batch_norm_act(x.clone(), w, b, 1e-3, config), (x, w, b)
     )
 
 

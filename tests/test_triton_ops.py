@@ -31,6 +31,7 @@ from encoding_syncbn.kernels import (  # noqa: E402
 from encoding_syncbn.kernels.triton import activations as TA  # noqa: E402
 from encoding_syncbn.kernels.triton import backward_reduce as TB  # noqa: E402
 from encoding_syncbn.kernels.triton import channel_stats as TS  # noqa: E402
+from encoding_syncbn.kernels.triton import finalize_stats as TF  # noqa: E402
 from encoding_syncbn.kernels.triton import ops as T  # noqa: E402
 from encoding_syncbn.kernels.triton import plan as P  # noqa: E402
 from encoding_syncbn.kernels.triton import tiles as TT  # noqa: E402
@@ -549,7 +550,7 @@ def test_empty_backward():
 
 
 # ------------------------------------------------------------------------------------------
-# finalize_stats: invstd, running statistics and small-gamma flags in one launch
+# batch_stats: the statistics, then invstd, running statistics and small-gamma flags
 # ------------------------------------------------------------------------------------------
 
 # Running buffers' dtypes: None (not tracked) or the module's dtype.
@@ -557,12 +558,9 @@ RUNNING_DTYPES = [None, torch.float16, torch.bfloat16, torch.float32, torch.floa
 
 
 def finalize_inputs(c, acc, running_dtype, counter, momentum, check, seed):
-    """Statistics, buffers and parameters for ``finalize_stats``: gammas around the check's
-    limit (some exactly on it), zero and huge biases, a counter some batches in."""
+    """Buffers and parameters for ``batch_stats``: gammas around the check's limit (some
+    exactly on it), zero and huge biases, a counter some batches in."""
     g = torch.Generator().manual_seed(seed)
-    count = int(torch.randint(2, 10**6, (), generator=g))
-    mean = (torch.randn(c, generator=g, dtype=torch.float64) * 3).to(acc)
-    m2 = (torch.rand(c, generator=g, dtype=torch.float64) * count * 4).to(acc)
     running = None
     if running_dtype is not None:
         batches = (torch.tensor(int(torch.randint(0, 50, (), generator=g)))
@@ -582,59 +580,87 @@ def finalize_inputs(c, acc, running_dtype, counter, momentum, check, seed):
         weight = (bound.double() * factor[torch.arange(c) % 5] * sign).to(acc)
         weight[torch.arange(c) % 5 == 2] = bound[torch.arange(c) % 5 == 2] * sign[
             torch.arange(c) % 5 == 2].to(acc)  # exactly on the limit: flagged
-    return mean, m2, count, running, weight, bias, limit
+    return running, weight, bias, limit
 
 
-@settings(max_examples=24, deadline=None, derandomize=True)
-@given(c=st.sampled_from([1, 7, 128, 300, 600]),
-       acc=st.sampled_from([torch.float32, torch.float64]),
-       running_dtype=st.sampled_from(RUNNING_DTYPES), counter=st.booleans(),
-       momentum=st.sampled_from([0.1, 0.5, 1.0, None]), check=st.booleans(),
-       seed=st.integers(0, 2**16))
-@example(c=300, acc=torch.float32, running_dtype=torch.float32, counter=True, momentum=None,
-         check=True, seed=0)
-@example(c=5, acc=torch.float64, running_dtype=torch.float16, counter=False, momentum=0.1,
-         check=False, seed=1)
-def test_finalize_stats(c, acc, running_dtype, counter, momentum, check, seed):
-    """One launch against the ATen reference: invstd to the last bit (both correctly rounded
-    steps), the running statistics within the buffers' rounding (ATen rounds after each of its
-    two calls, the kernel once), the counter, the flags exactly (boundary values included)."""
-    if momentum is None and not counter:
-        counter = True  # a cumulative average needs the counter (nn.BatchNorm's rule too)
-    inputs = finalize_inputs(c, acc, running_dtype, counter, momentum, check, seed)
-    mean, m2, count, running, weight, bias, limit = inputs
+def check_batch_stats(x, running, weight, bias, limit, momentum):
+    """``T.batch_stats`` against ``T.channel_stats`` then the ATen ``finalize_stats``: the mean
+    and invstd to the last bit (the same partials merged the same way; both invstd steps
+    correctly rounded), the running statistics within the buffers' rounding (ATen rounds after
+    each of its two calls, the kernel once), the counter, the flags exactly (boundary values
+    included)."""
     def copied():
         return None if running is None else (
             *(None if t is None else t.clone() for t in running[:3]), momentum)
 
     got_running, ref_running = copied(), copied()
     no_running = (None, None, None, None)
-    got = T.finalize_stats(mean, m2, count, 1e-5, *(got_running or no_running), weight, bias,
-                           limit)
-    ref = torch_ops.finalize_stats(mean, m2, count, 1e-5, *(ref_running or no_running), weight,
-                                   bias, limit)
-    torch.testing.assert_close(got[0], ref[0], rtol=0, atol=0)
-    if check:
-        assert got[1].dtype == torch.uint8 and got[1].tolist() == ref[1].int().tolist()
+    mean, invstd, small = T.batch_stats(x, 1e-5, *(got_running or no_running), weight, bias,
+                                        limit)
+    ref_mean, ref_m2, count = T.channel_stats(x)
+    ref_invstd, ref_small = torch_ops.finalize_stats(
+        ref_mean, ref_m2, count, 1e-5, *(ref_running or no_running), weight, bias, limit)
+    acc = torch_ops.stats_dtype(x.dtype)
+    assert mean.dtype == invstd.dtype == acc
+    torch.testing.assert_close(mean, ref_mean, rtol=0, atol=0)
+    torch.testing.assert_close(invstd, ref_invstd, rtol=0, atol=0)
+    if weight is not None:
+        assert small.dtype == torch.uint8 and small.tolist() == ref_small.int().tolist()
     else:
-        assert got[1] is None and ref[1] is None
+        assert small is None and ref_small is None
     if running is not None:
         # Within the coarser of the buffers' and the statistics' rounding (ATen divides M2 in
         # the statistics dtype for the cumulative average, the kernel in the wider one).
         tols = {torch.float16: 1e-3, torch.bfloat16: 8e-3, torch.float32: 1e-6,
                 torch.float64: 1e-14}
-        rtol = max(tols[running_dtype], tols[acc])
+        rtol = max(tols[running[0].dtype], tols[acc])
         for mine, theirs in zip(got_running[:2], ref_running[:2]):
             torch.testing.assert_close(mine, theirs, rtol=rtol, atol=rtol)
-        if counter:
+        if running[2] is not None:
             assert got_running[2].item() == ref_running[2].item() == running[2].item() + 1
 
 
-def test_finalize_stats_cumulative_average_needs_the_counter():
-    mean, m2 = torch.zeros(3), torch.ones(3)
+@settings(max_examples=24, deadline=None, derandomize=True)
+@given(c=st.sampled_from([1, 3, 7, 128, 300]), fmt=st.sampled_from(["nchw", "last"]),
+       dtype=st.sampled_from([torch.float16, torch.float32, torch.float64]),
+       running_dtype=st.sampled_from(RUNNING_DTYPES), counter=st.booleans(),
+       momentum=st.sampled_from([0.1, 0.5, 1.0, None]), check=st.booleans(),
+       seed=st.integers(0, 2**16))
+@example(c=300, fmt="nchw", dtype=torch.float32, running_dtype=torch.float32, counter=True,
+         momentum=None, check=True, seed=0)
+@example(c=3, fmt="nchw", dtype=torch.float64, running_dtype=torch.float16, counter=False,
+         momentum=0.1, check=True, seed=1)
+def test_batch_stats(c, fmt, dtype, running_dtype, counter, momentum, check, seed):
+    """Two launches, split or not (few channels over many rows: the partials of several
+    programs merged by the finalising kernel), against the statistics and the ATen step."""
+    if momentum is None and not counter:
+        counter = True  # a cumulative average needs the counter (nn.BatchNorm's rule too)
+    acc = torch_ops.stats_dtype(dtype)
+    running, weight, bias, limit = finalize_inputs(c, acc, running_dtype, counter, momentum,
+                                                   check, seed)
+    # Few channels get many rows, so that the reduction splits; many channels a few.
+    shape = (150, c, 9, 15) if c < 16 else (2, c, 3, 5)
+    x = make_input(shape, dtype, fmt, seed=seed)
+    check_batch_stats(x, running, weight, bias, limit, momentum)
+
+
+@pytest.mark.parametrize("fmt", ["nchw", "last"])
+def test_batch_stats_merges_split_partials(fmt):
+    shape = (64, 2, 33, 9) if fmt == "nchw" else (64, 3, 17, 11)
+    x = make_input(shape, torch.float32, fmt)
+    launches, (_, _, _) = TF._plan_batch_stats(x, 1e-5, None, None, None, None, None, None,
+                                                0.0, P._target(x.device))
+    assert [launch.kernel for launch in launches] == [TS._channel_stats_kernel,
+                                                      TF._finalize_stats_kernel]
+    assert launches[0].grid[1] > 1
+    running = (torch.zeros(shape[1]), torch.ones(shape[1]), torch.tensor(0), None)
+    check_batch_stats(x, running, *make_params(shape[1], torch.float32)[2:], 0.016, None)
+
+
+def test_batch_stats_cumulative_average_needs_the_counter():
+    x = make_input((2, 3, 4), torch.float32)
     with pytest.raises(ValueError, match="num_batches_tracked"):
-        T.finalize_stats(mean, m2, 4, 1e-5, torch.zeros(3), torch.ones(3), None, None, None,
-                         None, 0.0)
+        T.batch_stats(x, 1e-5, torch.zeros(3), torch.ones(3), None, None, None, None, 0.0)
 
 
 # ------------------------------------------------------------------------------------------
@@ -655,8 +681,7 @@ def test_opcheck():
         torch.library.opcheck(ops.backward_reduce.default,
                               (y, x, *params, "leaky_relu", 0.1, True))
         running = (torch.zeros(4), torch.ones(4), torch.tensor(3), None)
-        torch.library.opcheck(ops.finalize_stats.default,
-                              (params[0], params[1].abs(), 9, 1e-5, *running, *params[2:], 0.01))
+        torch.library.opcheck(ops.batch_stats.default, (x, 1e-5, *running, *params[2:], 0.01))
         # The coefficients given, or derived from a batch's sums (sums_count > 0).
         for dx_args in ((*coefs, 0), (params[2], *coefs[1:], 57)):
             torch.library.opcheck(ops.backward_dx.default,
@@ -682,14 +707,14 @@ def test_eager_calls_skip_the_dispatcher_and_tracers_still_see_the_ops():
     coefs = make_params(4, torch.float32, seed=5)[1:]
 
     def every_op():
-        mean, m2, count = T.channel_stats(x)
-        T.finalize_stats(mean, m2, count, 1e-5, None, None, None, None, *params[2:], 0.01)
+        T.channel_stats(x)
+        T.batch_stats(x, 1e-5, None, None, None, None, *params[2:], 0.01)
         y = T.normalize_act(x, *params, "leaky_relu", 0.1, torch.empty_like(x))
         T.backward_reduce(y, x, *params, "leaky_relu", 0.1, True)
         T.backward_dx(y, x, *params, "leaky_relu", 0.1, True, *coefs)
 
     ours = {f"encoding_syncbn::{name}" for name in
-            ("channel_stats", "finalize_stats", "normalize_act_", "backward_reduce",
+            ("channel_stats", "batch_stats", "normalize_act_", "backward_reduce",
              "backward_dx")}
     with torch.profiler.profile() as profile:  # sees dispatched ops, is no dispatch mode
         every_op()

@@ -3,8 +3,8 @@
 A backend computes, per channel, what ``torch_ops`` (the reference) documents::
 
     channel_stats(x)                                -> (mean, M2, count)
-    finalize_stats(mean, M2, count, eps, running, check)
-                                    -> (invstd, small-gamma flags); running stats updated
+    batch_stats(x, eps, running, check)
+                    -> (mean, invstd, small-gamma flags); running stats updated
     normalize_act(x, params, out)                   out = act((x - mean) * invstd * weight + bias)
     backward_reduce(saved, dy, params, from_output) -> (sum(dz), sum(dz * xhat))
     backward_dx(saved, dy, params, from_output, coefs)
@@ -94,7 +94,7 @@ class GammaCheck(NamedTuple):
     limit: float
 
 
-#: What ``finalize_stats``' flat functions take for an absent RunningStats / GammaCheck.
+#: What ``batch_stats``' flat functions take for an absent RunningStats / GammaCheck.
 NO_RUNNING = RunningStats(None, None, None, None)
 NO_CHECK = GammaCheck(None, None, 0.0)
 
@@ -107,9 +107,9 @@ class Backend(Protocol):
 
     def channel_stats(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]: ...
 
-    def finalize_stats(self, mean: torch.Tensor, m2: torch.Tensor, count: int, eps: float,
-                       running: RunningStats | None, check: GammaCheck | None
-                       ) -> tuple[torch.Tensor, torch.Tensor | None]: ...
+    def batch_stats(self, x: torch.Tensor, eps: float, running: RunningStats | None,
+                    check: GammaCheck | None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]: ...
 
     def normalize_act(self, x: torch.Tensor, params: NormParams,
                       out: torch.Tensor) -> torch.Tensor: ...
@@ -135,11 +135,10 @@ class FunctionsBackend:
     def channel_stats(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
         return self._f.channel_stats(x)
 
-    def finalize_stats(self, mean: torch.Tensor, m2: torch.Tensor, count: int, eps: float,
-                       running: RunningStats | None, check: GammaCheck | None
-                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return self._f.finalize_stats(mean, m2, count, eps, *(running or NO_RUNNING),
-                                      *(check or NO_CHECK))
+    def batch_stats(self, x: torch.Tensor, eps: float, running: RunningStats | None,
+                    check: GammaCheck | None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        return self._f.batch_stats(x, eps, *(running or NO_RUNNING), *(check or NO_CHECK))
 
     def normalize_act(self, x: torch.Tensor, params: NormParams,
                       out: torch.Tensor) -> torch.Tensor:

@@ -101,8 +101,14 @@ def channel_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
     return mean, m2, (x.numel() // channels if channels else 0)
 
 
-#: Plain ATen on per-channel vectors and buffers: traceable as it is.
-finalize_stats = torch_ops.finalize_stats
+def batch_stats(x, eps: float, running_mean, running_var, batches, momentum, weight, bias,
+                gamma_limit: float):
+    """``torch_ops.batch_stats``: the statistics as an opaque op, then ``finalize_stats``
+    (plain ATen on per-channel vectors and buffers: traceable as it is)."""
+    mean, m2, count = channel_stats(x)
+    invstd, small = torch_ops.finalize_stats(mean, m2, count, eps, running_mean, running_var,
+                                             batches, momentum, weight, bias, gamma_limit)
+    return mean, invstd, small
 
 
 def normalize_act(x, mean, invstd, weight, bias, activation: str, slope: float, out):

@@ -1,5 +1,6 @@
 """The layer's ops in plain ATen calls: four elementwise/reduction passes, and the per-channel
-step between the statistics and the normalisation (``finalize_stats``).
+step between the statistics and the normalisation (``finalize_stats``; with the statistics,
+``batch_stats``).
 
 This is the CPU path and the reference every other backend is tested against. All per-channel
 vectors (``mean``, ``invstd``, ``weight``, ``bias`` and the coefficients) are in the statistics
@@ -160,6 +161,25 @@ def finalize_stats(
         track_batch(running_mean, running_var, batches, momentum, mean, m2, count)
     small = small_gamma(weight, bias, gamma_limit) if weight is not None else None
     return invstd, small
+
+
+def batch_stats(
+    x: torch.Tensor,
+    eps: float,
+    running_mean: torch.Tensor | None,
+    running_var: torch.Tensor | None,
+    batches: torch.Tensor | None,
+    momentum: float | None,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    gamma_limit: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """A single-replica training forward's statistics: ``channel_stats`` then
+    ``finalize_stats``, as ``(mean, invstd, small)``."""
+    mean, m2, count = channel_stats(x)
+    invstd, small = finalize_stats(mean, m2, count, eps, running_mean, running_var, batches,
+                                   momentum, weight, bias, gamma_limit)
+    return mean, invstd, small
 
 
 @torch.no_grad()

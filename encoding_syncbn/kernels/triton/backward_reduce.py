@@ -92,5 +92,6 @@ def _plan_backward_reduce(saved: torch.Tensor, dy: torch.Tensor, mean: torch.Ten
                        (saved, dy, *params, *partials, plan.slope, *plan.args), plan.constexprs,
                        plan.num_warps)]
     if splits > 1:
-        launches.append(_merge_launch(_sum_merge_kernel, partials, (sum_dz, sum_dz_xhat)))
+        launches.append(_merge_launch(_sum_merge_kernel, partials, splits, c,
+                                      (sum_dz, sum_dz_xhat)))
     return launches, (sum_dz, sum_dz_xhat)

@@ -53,10 +53,11 @@ def _merge_lanes(mean, m2, n, AXIS: tl.constexpr):
 
 
 @triton.jit
-def _channel_stats_kernel(x_ptr, mean_ptr, m2_ptr, count_ptr, N, C, S, R, CS, tiles, tiles_s,
+def _channel_stats_kernel(x_ptr, part_ptr, plane, N, C, S, R, CS, tiles, tiles_s,
                           tiles_per_prog, CHANNELS_LAST: tl.constexpr, BLOCK_A: tl.constexpr,
                           BLOCK_B: tl.constexpr, ACC: tl.constexpr):
-    """Partial (mean, M2, n) of each channel over this program's tiles -> row pid_1.
+    """Partial (mean, M2, n) of each channel over this program's tiles -> row pid_1 of the
+    [3, splits, C] buffer ``part`` (planes ``plane`` = splits * C elements apart).
 
     Every lane runs Welford's update over the elements it visits,
         n += 1,  d = x - mean,  mean += d / n,  M2 += d * (x - mean),
@@ -79,65 +80,83 @@ def _channel_stats_kernel(x_ptr, mean_ptr, m2_ptr, count_ptr, N, C, S, R, CS, ti
         mean += d / tl.maximum(cnt, 1.0)
         m2 += d * (x - mean)
     mean = tl.where(mean == mean, mean, total / tl.maximum(cnt, 1.0))
-    row = tl.program_id(1)
+    row_ptr = part_ptr + tl.program_id(1) * C
     if CHANNELS_LAST:
         mean_c, m2_c, cnt_c = _merge_lanes(mean, m2, cnt, 0)
         c = c0 + tl.arange(0, BLOCK_B)
-        tl.store(mean_ptr + row * C + c, mean_c, mask=c < C)
-        tl.store(m2_ptr + row * C + c, m2_c, mask=c < C)
-        tl.store(count_ptr + row * C + c, cnt_c, mask=c < C)
+        tl.store(row_ptr + c, mean_c, mask=c < C)
+        tl.store(row_ptr + plane + c, m2_c, mask=c < C)
+        tl.store(row_ptr + 2 * plane + c, cnt_c, mask=c < C)
     else:
         mean_c, m2_c, cnt_c = _merge_lanes(mean, m2, cnt, None)
-        tl.store(mean_ptr + row * C + c0, mean_c)
-        tl.store(m2_ptr + row * C + c0, m2_c)
-        tl.store(count_ptr + row * C + c0, cnt_c)
+        tl.store(row_ptr + c0, mean_c)
+        tl.store(row_ptr + plane + c0, m2_c)
+        tl.store(row_ptr + 2 * plane + c0, cnt_c)
 
 
 @triton.jit
-def _welford_merge_kernel(pmean_ptr, pm2_ptr, pcount_ptr, mean_ptr, m2_ptr, C, splits,
-                          BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
-    """Merge the [splits, C] partial (mean, M2, n) into (mean, M2) per channel (Chan).
+def _merge_partials(part_ptr, plane, splits, c, C, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
+    """(mean, M2) of the channels ``c`` (a block of BLOCK_C) from the [3, splits, C] partial
+    (mean, M2, n) rows: one row as it is, more merged (Chan), BLOCK_P rows a step in a fixed
+    order.
 
     Infinite partial means: as in the stats kernel, a lane whose merged mean is NaN takes the
     mean of the plain sums ``sum(n_p * mean_p) / n``.
     """
-    c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)[None, :]
+    if splits == 1:
+        return (tl.load(part_ptr + c, mask=c < C, other=0.0),
+                tl.load(part_ptr + plane + c, mask=c < C, other=0.0))
+    c2 = c[None, :]
     p = tl.arange(0, BLOCK_P)[:, None]
-    acc_ty = pmean_ptr.dtype.element_ty
+    acc_ty = part_ptr.dtype.element_ty
     mean = tl.zeros([BLOCK_P, BLOCK_C], acc_ty)
     m2 = tl.zeros([BLOCK_P, BLOCK_C], acc_ty)
     cnt = tl.zeros([BLOCK_P, BLOCK_C], acc_ty)
     total = tl.zeros([BLOCK_P, BLOCK_C], acc_ty)
     for p0 in range(0, splits, BLOCK_P):
-        mask = (p0 + p < splits) & (c < C)
-        offs = (p0 + p) * C + c
-        part_mean = tl.load(pmean_ptr + offs, mask=mask, other=0.0)
-        part_cnt = tl.load(pcount_ptr + offs, mask=mask, other=0.0)
+        mask = (p0 + p < splits) & (c2 < C)
+        offs = (p0 + p) * C + c2
+        part_mean = tl.load(part_ptr + offs, mask=mask, other=0.0)
+        part_cnt = tl.load(part_ptr + 2 * plane + offs, mask=mask, other=0.0)
         total += tl.where(part_cnt > 0.0, part_mean * part_cnt, 0.0)
         mean, m2, cnt = _welford_combine(
-            mean, m2, cnt, part_mean, tl.load(pm2_ptr + offs, mask=mask, other=0.0), part_cnt,
+            mean, m2, cnt, part_mean, tl.load(part_ptr + plane + offs, mask=mask, other=0.0),
+            part_cnt,
         )
     mean = tl.where(mean == mean, mean, total / tl.maximum(cnt, 1.0))
     mean_c, m2_c, _ = _merge_lanes(mean, m2, cnt, 0)
-    c1 = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
-    tl.store(mean_ptr + c1, mean_c, mask=c1 < C)
-    tl.store(m2_ptr + c1, m2_c, mask=c1 < C)
+    return mean_c, m2_c
+
+
+@triton.jit
+def _welford_merge_kernel(part_ptr, plane, mean_ptr, m2_ptr, C, splits, BLOCK_P: tl.constexpr,
+                          BLOCK_C: tl.constexpr):
+    """(mean, M2) per channel from the [3, splits, C] partials (:func:`_merge_partials`)."""
+    c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    mean, m2 = _merge_partials(part_ptr, plane, splits, c, C, BLOCK_P, BLOCK_C)
+    tl.store(mean_ptr + c, mean, mask=c < C)
+    tl.store(m2_ptr + c, m2, mask=c < C)
+
+
+def _plan_partial_stats(x: torch.Tensor, target: Target, tile: Tile | None = None
+                        ) -> tuple[Launch, torch.Tensor]:
+    """The statistics kernel's launch and its [3, splits, C] buffer of partial (mean, M2, n)."""
+    plan = plan_op(x, target, True, tile)
+    x = _prepare(x, plan)
+    splits = plan.grid[1]
+    part = torch.empty((3, splits, plan.geo.c), dtype=plan.acc, device=x.device)
+    launch = Launch(_channel_stats_kernel, plan.grid, (x, part, splits * plan.geo.c, *plan.args),
+                    plan.constexprs, plan.num_warps)
+    return launch, part
 
 
 def _plan_channel_stats(x: torch.Tensor, target: Target, tile: Tile | None = None
                         ) -> tuple[list[Launch], tuple[torch.Tensor, torch.Tensor]]:
-    plan = plan_op(x, target, True, tile)
-    x = _prepare(x, plan)
-    acc, grid, c = plan.acc, plan.grid, plan.geo.c
-    splits = grid[1]
-    mean = torch.empty(c, dtype=acc, device=x.device)
+    """The statistics kernel, then the merge kernel into (mean, M2) of their own (also for one
+    row: outputs of a registered op may not share memory)."""
+    launch, part = _plan_partial_stats(x, target, tile)
+    splits, c = part.shape[1:]
+    mean = torch.empty(c, dtype=part.dtype, device=part.device)
     m2 = torch.empty_like(mean)
-    if splits == 1:
-        partials = (mean, m2, torch.empty_like(mean))
-    else:
-        partials = torch.empty((3, splits, c), dtype=acc, device=x.device).unbind()
-    launches = [Launch(_channel_stats_kernel, grid, (x, *partials, *plan.args),
-                       plan.constexprs, plan.num_warps)]
-    if splits > 1:
-        launches.append(_merge_launch(_welford_merge_kernel, partials, (mean, m2)))
-    return launches, (mean, m2)
+    merge = _merge_launch(_welford_merge_kernel, (part, splits * c), splits, c, (mean, m2))
+    return [launch, merge], (mean, m2)

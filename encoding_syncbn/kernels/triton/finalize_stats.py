@@ -1,8 +1,10 @@
-"""finalize_stats: the per-channel step between the statistics and the normalisation, one launch.
+"""finalize_stats: a batch's statistics finished in one launch after the statistics kernel.
 
-``torch_ops.finalize_stats`` does it in some thirteen ATen calls on (C,) vectors (the inverse
-standard deviation, the running statistics, the small-gamma flags), each costing more host time
-than the arithmetic; here it is one kernel.
+From the statistics kernel's partial ``(mean, M2, n)`` rows, one program merges each channel's
+rows (Chan), computes ``invstd``, folds the batch into the running statistics and flags the
+channels whose gamma is too small to invert. ``torch_ops.finalize_stats`` does the last three in
+some thirteen ATen calls on (C,) vectors, each costing more host time than the arithmetic; here
+the whole single-replica forward's statistics are two launches (``batch_stats``).
 """
 
 from __future__ import annotations
@@ -14,12 +16,13 @@ import triton
 import triton.language as tl
 
 from ..torch_ops import stats_dtype
-from .plan import _TL_DTYPES, Launch, _channel_vectors
+from .channel_stats import _merge_partials, _plan_partial_stats
+from .plan import _MERGE_ROWS, _TL_DTYPES, Launch, Target, Tile, _channel_vectors
 
-# Channels per step of the single program, one a thread (per-channel vectors are a few
-# thousand at most; at two a thread, float64 specialisations spilled: fp64 division and sqrt
-# are register-hungry subroutines).
-_BLOCK_C = 128
+# Channels per step of the single program. Merging the partial rows keeps [_MERGE_ROWS, BLOCK_C]
+# lanes of four accumulators live: at 64 channels a step (8 lanes a thread) the AOT check found
+# float32 specialisations spilling on sm_90, at 32 none.
+_BLOCK_C = 32
 _NUM_WARPS = 4
 
 
@@ -57,15 +60,17 @@ def _lerp(start, end, weight):
 
 
 @triton.jit
-def _finalize_stats_kernel(mean_ptr, m2_ptr, invstd_ptr, count: tl.float64, eps: tl.float64,
-                           running_mean_ptr, running_var_ptr, batches_ptr,
+def _finalize_stats_kernel(part_ptr, plane, splits, mean_ptr, invstd_ptr, count: tl.float64,
+                           eps: tl.float64, running_mean_ptr, running_var_ptr, batches_ptr,
                            keep: tl.float64, momentum: tl.float64, var_alpha: tl.float64,
                            weight_ptr, bias_ptr, small_ptr, gamma_limit: tl.float64, C,
                            RUNNING: tl.constexpr, COUNTER: tl.constexpr,
                            CUMULATIVE: tl.constexpr, CHECK: tl.constexpr, ACC: tl.constexpr,
-                           RUN_ACC: tl.constexpr, BLOCK_C: tl.constexpr):
+                           RUN_ACC: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
     """One program walks every channel: it alone reads and increments the batch counter.
 
+    (mean, M2) from the [3, splits, C] partials ``part``, as ``channel_stats``' merge kernel
+    takes them (:func:`_merge_partials`: both give the same bits);
     invstd = 1 / sqrt(M2 / count + eps), correctly rounded steps (as ATen's CPU rsqrt);
     running, as ATen's two calls: r_mean = r_mean * keep + momentum * mean and r_var = r_var *
     keep + var_alpha * M2 (keep = 1 - momentum, var_alpha = momentum / (count - 1), from the
@@ -87,18 +92,18 @@ def _finalize_stats_kernel(mean_ptr, m2_ptr, invstd_ptr, count: tl.float64, eps:
     for c0 in range(0, C, BLOCK_C):
         c = c0 + tl.arange(0, BLOCK_C)
         valid = c < C
-        m2 = tl.load(m2_ptr + c, mask=valid, other=0.0)
-        invstd = _div(tl.full([], 1.0, ACC), _sqrt(_div(m2, n) + epsilon))
-        tl.store(invstd_ptr + c, invstd, mask=valid)
+        mean, m2 = _merge_partials(part_ptr, plane, splits, c, C, BLOCK_P, BLOCK_C)
+        tl.store(mean_ptr + c, mean, mask=valid)
+        # invstd last: nothing else is live across its division and square root (subroutine
+        # calls, around which live values spilled).
         if RUNNING:
-            mean = tl.load(mean_ptr + c, mask=valid, other=0.0).to(RUN_ACC)
             r_mean = tl.load(running_mean_ptr + c, mask=valid, other=0.0).to(RUN_ACC)
             r_var = tl.load(running_var_ptr + c, mask=valid, other=0.0).to(RUN_ACC)
             if CUMULATIVE:
-                r_mean = _lerp(r_mean, mean, factor)
+                r_mean = _lerp(r_mean, mean.to(RUN_ACC), factor)
                 r_var = _lerp(r_var, m2.to(RUN_ACC) * taken_var, factor)
             else:
-                r_mean = r_mean * kept + taken * mean
+                r_mean = r_mean * kept + taken * mean.to(RUN_ACC)
                 r_var = r_var * kept + taken_var * m2.to(RUN_ACC)
             _store(running_mean_ptr + c, r_mean, valid)
             _store(running_var_ptr + c, r_var, valid)
@@ -107,30 +112,50 @@ def _finalize_stats_kernel(mean_ptr, m2_ptr, invstd_ptr, count: tl.float64, eps:
             b = tl.load(bias_ptr + c, mask=valid, other=0.0)
             bound = tl.maximum(tl.abs(b), 1.0, propagate_nan=tl.PropagateNan.ALL) * limit
             tl.store(small_ptr + c, (tl.abs(w) <= bound).to(tl.uint8), mask=valid)
+        invstd = _div(tl.full([], 1.0, ACC), _sqrt(_div(m2, n) + epsilon))
+        tl.store(invstd_ptr + c, invstd, mask=valid)
 
 
-def _plan_finalize_stats(mean: torch.Tensor, m2: torch.Tensor, count: int, eps: float,
+def _plan_finalize_stats(part: torch.Tensor, count: int, eps: float,
                          running_mean: torch.Tensor | None, running_var: torch.Tensor | None,
                          batches: torch.Tensor | None, momentum: float | None,
                          weight: torch.Tensor | None, bias: torch.Tensor | None,
                          gamma_limit: float
-                         ) -> tuple[list[Launch], tuple[torch.Tensor, torch.Tensor]]:
-    """The launch, and ``(invstd, small)``: ``small`` has C uint8 flags given a ``weight``, else
-    no element. An absent tensor is passed as ``mean`` (its constexpr keeps it unread)."""
-    acc, c = mean.dtype, mean.shape[0]
+                         ) -> tuple[Launch, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """The launch over ``part`` (the statistics kernel's [3, splits, C] partials), and
+    ``(mean, invstd, small)``: ``small`` has C uint8 flags given a ``weight``, else no element.
+    An absent tensor is passed as ``mean`` (its constexpr keeps it unread)."""
+    acc, (splits, c) = part.dtype, part.shape[1:]
+    mean = torch.empty(c, dtype=acc, device=part.device)
     invstd = torch.empty_like(mean)
     check = weight is not None
-    small = torch.empty(c if check else 0, dtype=torch.uint8, device=mean.device)
+    small = torch.empty(c if check else 0, dtype=torch.uint8, device=part.device)
     weight, bias = _channel_vectors(acc, weight, bias) if check else (mean, mean)
     running = running_mean is not None
     scalars, constexprs = _constants(acc, running_mean.dtype if running else None,
                                      batches is not None, momentum, check, count, eps,
                                      gamma_limit)
     counts, rates, limit = scalars
-    args = (mean, m2, invstd, *counts, running_mean if running else mean,
+    args = (part, splits * c, splits, mean, invstd, *counts, running_mean if running else mean,
             running_var if running else mean, batches if constexprs["COUNTER"] else mean,
             *rates, weight, bias, small, limit, c)
-    return [Launch(_finalize_stats_kernel, (1, 1), args, constexprs, _NUM_WARPS)], (invstd, small)
+    return Launch(_finalize_stats_kernel, (1, 1), args, constexprs, _NUM_WARPS), (
+        mean, invstd, small)
+
+
+def _plan_batch_stats(x: torch.Tensor, eps: float, running_mean: torch.Tensor | None,
+                      running_var: torch.Tensor | None, batches: torch.Tensor | None,
+                      momentum: float | None, weight: torch.Tensor | None,
+                      bias: torch.Tensor | None, gamma_limit: float, target: Target,
+                      tile: Tile | None = None
+                      ) -> tuple[list[Launch], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """``batch_stats``: the statistics kernel, then :func:`_plan_finalize_stats` over its
+    partials; two launches whatever the split."""
+    stats, part = _plan_partial_stats(x, target, tile)
+    finalize, result = _plan_finalize_stats(part, x.numel() // part.shape[2], eps, running_mean,
+                                            running_var, batches, momentum, weight, bias,
+                                            gamma_limit)
+    return [stats, finalize], result
 
 
 @functools.lru_cache(maxsize=256)
@@ -151,5 +176,6 @@ def _constants(acc: torch.dtype, running_dtype: torch.dtype | None, has_counter:
                float(gamma_limit))
     constexprs = {"RUNNING": running, "COUNTER": counter, "CUMULATIVE": cumulative,
                   "CHECK": check, "ACC": _TL_DTYPES[stats_dtype(acc)],
-                  "RUN_ACC": _TL_DTYPES[run_acc], "BLOCK_C": _BLOCK_C}
+                  "RUN_ACC": _TL_DTYPES[run_acc], "BLOCK_P": _MERGE_ROWS,
+                  "BLOCK_C": _BLOCK_C}
     return scalars, constexprs

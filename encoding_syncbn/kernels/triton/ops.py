@@ -9,6 +9,7 @@ import threading
 import torch
 
 from ... import _compat
+from .. import torch_ops
 from ..backend import (
     NO_CHECK,
     NO_RUNNING,
@@ -22,7 +23,7 @@ from ..torch_ops import stats_dtype
 from .backward_dx import _plan_backward_dx
 from .backward_reduce import _plan_backward_reduce
 from .channel_stats import _plan_channel_stats
-from .finalize_stats import _plan_finalize_stats
+from .finalize_stats import _plan_batch_stats
 from .normalize_act import _plan_normalize_act
 from .plan import INTERPRET as INTERPRET
 from .plan import Launch, _empty_dx, _geometry, _kernel_activation, _target
@@ -58,14 +59,19 @@ def _channel_stats_impl(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return result
 
 
-def _finalize_stats_impl(mean: torch.Tensor, m2: torch.Tensor, count: int, eps: float,
-                         running_mean: torch.Tensor | None, running_var: torch.Tensor | None,
-                         batches: torch.Tensor | None, momentum: float | None,
-                         weight: torch.Tensor | None, bias: torch.Tensor | None,
-                         gamma_limit: float) -> tuple[torch.Tensor, torch.Tensor]:
-    launches, result = _plan_finalize_stats(mean, m2, count, eps, running_mean, running_var,
-                                            batches, momentum, weight, bias, gamma_limit)
-    _run(launches, mean.device)
+def _batch_stats_impl(x: torch.Tensor, eps: float, running_mean: torch.Tensor | None,
+                      running_var: torch.Tensor | None, batches: torch.Tensor | None,
+                      momentum: float | None, weight: torch.Tensor | None,
+                      bias: torch.Tensor | None, gamma_limit: float
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if x.numel() == 0:  # no launch: the reference's answer (per-channel vectors only)
+        mean, invstd, small = torch_ops.batch_stats(x, eps, running_mean, running_var, batches,
+                                                    momentum, weight, bias, gamma_limit)
+        return mean, invstd, (small.to(torch.uint8) if small is not None
+                              else mean.new_empty(0, dtype=torch.uint8))
+    launches, result = _plan_batch_stats(x, eps, running_mean, running_var, batches, momentum,
+                                         weight, bias, gamma_limit, _target(x.device))
+    _run(launches, x.device)
     return result
 
 
@@ -119,9 +125,9 @@ def _backward_dx_impl(saved: torch.Tensor, dy: torch.Tensor, mean: torch.Tensor,
 _channel_stats_op = torch.library.custom_op(
     "encoding_syncbn::channel_stats", mutates_args=())(_channel_stats_impl)
 
-_finalize_stats_op = torch.library.custom_op(
-    "encoding_syncbn::finalize_stats", mutates_args=("running_mean", "running_var", "batches"),
-)(_finalize_stats_impl)
+_batch_stats_op = torch.library.custom_op(
+    "encoding_syncbn::batch_stats", mutates_args=("running_mean", "running_var", "batches"),
+)(_batch_stats_impl)
 
 # Mutates ``out`` and returns nothing: torch derives its fake implementation.
 _normalize_act_op = torch.library.custom_op(
@@ -140,13 +146,15 @@ def _(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return x.new_empty(x.shape[1], dtype=acc), x.new_empty(x.shape[1], dtype=acc)
 
 
-@_finalize_stats_op.register_fake
-def _(mean: torch.Tensor, m2: torch.Tensor, count: int, eps: float,
-      running_mean: torch.Tensor | None, running_var: torch.Tensor | None,
-      batches: torch.Tensor | None, momentum: float | None, weight: torch.Tensor | None,
-      bias: torch.Tensor | None, gamma_limit: float) -> tuple[torch.Tensor, torch.Tensor]:
-    flags = mean.shape[0] if weight is not None else 0
-    return torch.empty_like(mean), mean.new_empty(flags, dtype=torch.uint8)
+@_batch_stats_op.register_fake
+def _(x: torch.Tensor, eps: float, running_mean: torch.Tensor | None,
+      running_var: torch.Tensor | None, batches: torch.Tensor | None, momentum: float | None,
+      weight: torch.Tensor | None, bias: torch.Tensor | None, gamma_limit: float
+      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    acc, c = stats_dtype(x.dtype), x.shape[1]
+    flags = c if weight is not None else 0
+    return (x.new_empty(c, dtype=acc), x.new_empty(c, dtype=acc),
+            x.new_empty(flags, dtype=torch.uint8))
 
 
 @_backward_reduce_op.register_fake
@@ -193,7 +201,7 @@ class TritonBackend:
         self.name = "triton"
         ops = torch.ops.encoding_syncbn
         self._stats = ops.channel_stats if through_dispatcher else _channel_stats_impl
-        self._finalize = ops.finalize_stats if through_dispatcher else _finalize_stats_impl
+        self._batch_stats = ops.batch_stats if through_dispatcher else _batch_stats_impl
         self._normalize = ops.normalize_act_ if through_dispatcher else _normalize_act_impl
         self._reduce = ops.backward_reduce if through_dispatcher else _backward_reduce_impl
         self._dx = ops.backward_dx if through_dispatcher else _backward_dx_impl
@@ -210,14 +218,14 @@ class TritonBackend:
         channels = x.shape[1]
         return mean, m2, (x.numel() // channels if channels else 0)
 
-    def finalize_stats(self, mean: torch.Tensor, m2: torch.Tensor, count: int, eps: float,
-                       running: RunningStats | None, check: GammaCheck | None
-                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``invstd = 1 / sqrt(M2 / count + eps)``, the running statistics folded in, and the
-        small-gamma flags (uint8) where ``check`` asks: one launch."""
-        invstd, small = self._finalize(mean, m2, int(count), float(eps),
-                                       *(running or NO_RUNNING), *(check or NO_CHECK))
-        return invstd, (small if check is not None else None)
+    def batch_stats(self, x: torch.Tensor, eps: float, running: RunningStats | None,
+                    check: GammaCheck | None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """``(mean, invstd)`` of the batch, the running statistics folded in, and the
+        small-gamma flags (uint8) where ``check`` asks: two launches."""
+        mean, invstd, small = self._batch_stats(x, float(eps), *(running or NO_RUNNING),
+                                                *(check or NO_CHECK))
+        return mean, invstd, (small if check is not None else None)
 
     def normalize_act(self, x: torch.Tensor, params: NormParams,
                       out: torch.Tensor) -> torch.Tensor:
@@ -264,14 +272,13 @@ def channel_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
     return backend_for(x).channel_stats(x)
 
 
-def finalize_stats(mean: torch.Tensor, m2: torch.Tensor, count: int, eps: float,
-                   running_mean: torch.Tensor | None, running_var: torch.Tensor | None,
-                   batches: torch.Tensor | None, momentum: float | None,
-                   weight: torch.Tensor | None, bias: torch.Tensor | None, gamma_limit: float
-                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def batch_stats(x: torch.Tensor, eps: float, running_mean: torch.Tensor | None,
+                running_var: torch.Tensor | None, batches: torch.Tensor | None,
+                momentum: float | None, weight: torch.Tensor | None, bias: torch.Tensor | None,
+                gamma_limit: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     check = GammaCheck(weight, bias, gamma_limit) if weight is not None else None
-    return backend_for(mean).finalize_stats(
-        mean, m2, count, eps, RunningStats(running_mean, running_var, batches, momentum)
+    return backend_for(x).batch_stats(
+        x, eps, RunningStats(running_mean, running_var, batches, momentum)
         if running_mean is not None else None, check)
 
 

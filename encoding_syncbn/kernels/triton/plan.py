@@ -315,9 +315,10 @@ def _prepare(x: torch.Tensor, plan: OpPlan) -> torch.Tensor:
     return x.contiguous() if plan.copy else x
 
 
-def _merge_launch(kernel: object, partials: tuple[torch.Tensor, ...],
+def _merge_launch(kernel: object, partials: tuple, splits: int, c: int,
                   outputs: tuple[torch.Tensor, ...]) -> Launch:
-    splits, c = partials[0].shape
+    """A merge kernel's launch: ``partials`` (its arguments addressing the [splits, C] partial
+    results) merged into ``outputs``."""
     return Launch(kernel, (_cdiv(c, _MERGE_CHANNELS), 1), (*partials, *outputs, c, splits),
                   {"BLOCK_P": _MERGE_ROWS, "BLOCK_C": _MERGE_CHANNELS}, _NUM_WARPS)
 

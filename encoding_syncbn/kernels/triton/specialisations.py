@@ -38,32 +38,36 @@ _SPECIALISATION_SHAPES = (
 )
 
 
-# Channel counts for finalize_stats: 1 (a constant to Triton), odd, a multiple of 16.
+# Channel counts for finalize_stats: 1 (a constant to Triton), odd, a multiple of 16; partial
+# rows: one (a constant: no merge), odd, a multiple of 16.
 _FINALIZE_CHANNELS = (1, 7, 64)
+_FINALIZE_SPLITS = (1, 3, 16)
 # Running buffers' dtypes (None: not tracked), as a module's .half() / .double() leave them.
 _RUNNING_DTYPES = (None, *DTYPES)
 
 
 def _finalize_specialisations() -> Iterator[tuple[str, Launch]]:
-    """finalize_stats for each statistics dtype, buffer dtype, counter, momentum or cumulative
-    average, with and without the gamma check."""
+    """finalize_stats for each statistics dtype, number of partial rows, buffer dtype, counter,
+    momentum or cumulative average, with and without the gamma check."""
     for acc in (torch.float32, torch.float64):
         for c in _FINALIZE_CHANNELS:
             vec = torch.empty(c, dtype=acc, device="meta")
-            for running_dtype in _RUNNING_DTYPES:
-                buffers = (None, None) if running_dtype is None else tuple(
-                    torch.empty(c, dtype=running_dtype, device="meta") for _ in range(2))
-                counters = (None,) if running_dtype is None else (
-                    None, torch.empty((), dtype=torch.int64, device="meta"))
-                for batches in counters:
-                    for momentum in (0.1, None) if batches is not None else (0.1,):
-                        for check in (False, True):
-                            gamma = (vec, vec) if check else (None, None)
-                            launches, _ = _plan_finalize_stats(
-                                vec, vec, 8, 1e-5, *buffers, batches, momentum, *gamma, 0.016)
-                            yield (f"{acc} C={c} running={running_dtype} "
-                                   f"counter={batches is not None} momentum={momentum} "
-                                   f"check={check}"), launches[0]
+            for splits in _FINALIZE_SPLITS:
+                part = torch.empty((3, splits, c), dtype=acc, device="meta")
+                for running_dtype in _RUNNING_DTYPES:
+                    buffers = (None, None) if running_dtype is None else tuple(
+                        torch.empty(c, dtype=running_dtype, device="meta") for _ in range(2))
+                    counters = (None,) if running_dtype is None else (
+                        None, torch.empty((), dtype=torch.int64, device="meta"))
+                    for batches in counters:
+                        for momentum in (0.1, None) if batches is not None else (0.1,):
+                            for check in (False, True):
+                                gamma = (vec, vec) if check else (None, None)
+                                launch, _ = _plan_finalize_stats(
+                                    part, 8, 1e-5, *buffers, batches, momentum, *gamma, 0.016)
+                                yield (f"{acc} C={c} splits={splits} running={running_dtype} "
+                                       f"counter={batches is not None} momentum={momentum} "
+                                       f"check={check}"), launch
 
 
 def launch_specialisations(target: Target) -> Iterator[tuple[str, Launch]]:
