@@ -308,10 +308,10 @@ def _normalize(ctx, x, mean, invstd, weight, bias, config: ActConfig, aside_chan
                backend: Backend | None = None) -> torch.Tensor:
     """Run the forward pass, in place or not, and save what backward needs; ``backend``: the
     one the caller looked up for ``x`` (None: look it up)."""
-    if _keeps_aside(config, aside_channels):
-        aside_input = x.index_select(1, aside_channels)
-    else:
-        aside_input = _nothing(x.dtype, x.device)
+    # Saved only where channels are kept aside (usually none): each saved tensor costs a pack
+    # in forward and an unpack with its version check in backward.
+    aside = ((aside_channels, x.index_select(1, aside_channels))
+             if _keeps_aside(config, aside_channels) else ())
     overwrites = _overwrites_input(config)
     out = x if overwrites else torch.empty_like(x)
     (backend or ops_for(x)).normalize_act(
@@ -319,9 +319,7 @@ def _normalize(ctx, x, mean, invstd, weight, bias, config: ActConfig, aside_chan
     )
     if overwrites:
         ctx.mark_dirty(x)
-    ctx.save_for_backward(
-        out if config.inplace else x, mean, invstd, weight, bias, aside_channels, aside_input
-    )
+    ctx.save_for_backward(out if config.inplace else x, mean, invstd, weight, bias, *aside)
     ctx.config = config
     return out
 
@@ -333,11 +331,15 @@ def _unpack(ctx) -> _Saved:
     (``out += identity``), no fix.
     """
     try:
-        return _Saved(*ctx.saved_tensors)
+        saved = ctx.saved_tensors
     except RuntimeError as error:
         if "modified by an inplace operation" not in str(error):
             raise
         raise RuntimeError(_modified_message(ctx.config, str(error))) from error
+    if len(saved) == len(_Saved._fields):
+        return _Saved(*saved)
+    nothing = _nothing(torch.long, saved[0].device)
+    return _Saved(*saved, nothing, nothing)  # no channel kept aside
 
 
 def _modified_message(config: ActConfig, torch_message: str) -> str:
