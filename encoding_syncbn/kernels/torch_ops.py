@@ -155,7 +155,7 @@ def finalize_stats(
     """What follows a batch's statistics, per channel: ``invstd = 1 / sqrt(M2 / count + eps)``;
     the running statistics folded in (``track_batch``; skipped when ``running_mean`` is None);
     and, given a ``weight``, the flags ``small_gamma(weight, bias, gamma_limit)`` (else None).
-    The Triton backend does all three in one launch."""
+    The Triton backend does all three in ``batch_stats``' second launch."""
     invstd = torch.rsqrt(m2 / count + eps)
     if running_mean is not None:
         track_batch(running_mean, running_var, batches, momentum, mean, m2, count)
@@ -163,17 +163,10 @@ def finalize_stats(
     return invstd, small
 
 
-def batch_stats(
-    x: torch.Tensor,
-    eps: float,
-    running_mean: torch.Tensor | None,
-    running_var: torch.Tensor | None,
-    batches: torch.Tensor | None,
-    momentum: float | None,
-    weight: torch.Tensor | None,
-    bias: torch.Tensor | None,
-    gamma_limit: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+def batch_stats(x: torch.Tensor, eps: float, running_mean: torch.Tensor | None,
+                running_var: torch.Tensor | None, batches: torch.Tensor | None,
+                momentum: float | None, weight: torch.Tensor | None, bias: torch.Tensor | None,
+                gamma_limit: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """A single-replica training forward's statistics: ``channel_stats`` then
     ``finalize_stats``, as ``(mean, invstd, small)``."""
     mean, m2, count = channel_stats(x)
