@@ -657,6 +657,39 @@ def test_batch_stats_merges_split_partials(fmt):
     check_batch_stats(x, running, *make_params(shape[1], torch.float32)[2:], 0.016, None)
 
 
+@pytest.mark.parametrize("shape,fmt", [((64, 1, 32, 32), "nchw"), ((256, 3, 9, 9), "last")])
+def test_reductions_planned_for_a_gpu_merge_many_partials(shape, fmt):
+    """Planned for a 132-SM GPU (small tiles, a few programs per SM), few channels split over
+    more programs than a merge step takes (BLOCK_P rows): every merge (statistics, the
+    finalising kernel, the backward sums) loops over several steps. Run here by the
+    interpreter (or the GPU)."""
+    x = make_input(shape, torch.float32, fmt)
+    c, target = shape[1], P.Target(False, 132)
+    weight, bias = make_params(c, torch.float32)[2:]
+    stats, (mean, m2) = TS._plan_channel_stats(x, target)
+    running = (torch.zeros(c, device=x.device), torch.ones(c, device=x.device), None, 0.1)
+    fused, (fused_mean, invstd, small) = TF._plan_batch_stats(x, 1e-5, *running, weight, bias,
+                                                              0.016, target)
+    params = (mean, invstd, weight, bias)
+    reduce, sums = TB._plan_backward_reduce(x, x, *params, "leaky_relu", 0.1, False, target)
+    for launches in (stats, fused, reduce):
+        assert launches[0].grid[1] > P._MERGE_ROWS
+        T._run(launches, x.device)
+    ref_mean, ref_m2, count = reference_stats(x)
+    assert_close(mean, ref_mean.float(), torch.float32)
+    assert_close(m2, ref_m2.float(), torch.float32)
+    torch.testing.assert_close(fused_mean, mean, rtol=0, atol=0)
+    ref_invstd, ref_small = torch_ops.finalize_stats(mean, m2, count, 1e-5, None, None, None,
+                                                     None, weight, bias, 0.016)
+    torch.testing.assert_close(invstd, ref_invstd, rtol=0, atol=0)
+    assert small.tolist() == ref_small.int().tolist()
+    ref_sums = torch_ops.backward_reduce(x.cpu().double(), x.cpu().double(),
+                                         *(v.cpu().double() for v in params), "leaky_relu", 0.1,
+                                         False)
+    for got, want in zip(sums, ref_sums):
+        assert_close(got, want.float(), torch.float32, sum_terms=x[:, 0].numel())
+
+
 def test_batch_stats_cumulative_average_needs_the_counter():
     x = make_input((2, 3, 4), torch.float32)
     with pytest.raises(ValueError, match="num_batches_tracked"):
