@@ -23,8 +23,10 @@ Tensor geometry. An ``(N, C, *)`` input is handled as ``N`` images of ``C`` chan
 
 Any other strides are copied once to NCHW. The grid is ``(channel blocks, splits)``: the tiles of
 a channel block are dealt out to ``splits`` programs in contiguous ranges. The reductions write
-one partial result per program into a ``[splits, C]`` buffer, merged by a second small kernel
-when ``splits > 1`` (deterministic: no atomics).
+one partial result per program into a ``[splits, C]`` buffer (deterministic: no atomics),
+merged by a second small kernel: ``channel_stats``' merge kernel, ``batch_stats``' finalising
+kernel (both with ``channel_stats._merge_partials``), ``backward_reduce``'s sum kernel when
+``splits > 1``.
 
 Accumulation is in float32 for half, bfloat16 and float32 inputs and in float64 for float64
 inputs; per-channel vectors come in (and go out) in that statistics dtype.

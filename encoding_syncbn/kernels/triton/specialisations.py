@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 
 import torch
@@ -42,32 +43,34 @@ _SPECIALISATION_SHAPES = (
 # rows: one (a constant: no merge), odd, a multiple of 16.
 _FINALIZE_CHANNELS = (1, 7, 64)
 _FINALIZE_SPLITS = (1, 3, 16)
-# Running buffers' dtypes (None: not tracked), as a module's .half() / .double() leave them.
-_RUNNING_DTYPES = (None, *DTYPES)
+
+
+def _running_variants(c: int) -> Iterator[tuple[tuple, torch.Tensor | None, float | None]]:
+    """``(buffers, batches, momentum)``: no running statistics, or buffers of each dtype, with
+    and without the counter, with a momentum or (counter only) the cumulative average."""
+    yield (None, None), None, 0.1
+    counter = torch.empty((), dtype=torch.int64, device="meta")
+    for running_dtype in DTYPES:
+        buffers = tuple(torch.empty(c, dtype=running_dtype, device="meta") for _ in range(2))
+        for batches, momentum in ((None, 0.1), (counter, 0.1), (counter, None)):
+            yield buffers, batches, momentum
 
 
 def _finalize_specialisations() -> Iterator[tuple[str, Launch]]:
-    """finalize_stats for each statistics dtype, number of partial rows, buffer dtype, counter,
-    momentum or cumulative average, with and without the gamma check."""
-    for acc in (torch.float32, torch.float64):
-        for c in _FINALIZE_CHANNELS:
-            vec = torch.empty(c, dtype=acc, device="meta")
-            for splits in _FINALIZE_SPLITS:
-                part = torch.empty((3, splits, c), dtype=acc, device="meta")
-                for running_dtype in _RUNNING_DTYPES:
-                    buffers = (None, None) if running_dtype is None else tuple(
-                        torch.empty(c, dtype=running_dtype, device="meta") for _ in range(2))
-                    counters = (None,) if running_dtype is None else (
-                        None, torch.empty((), dtype=torch.int64, device="meta"))
-                    for batches in counters:
-                        for momentum in (0.1, None) if batches is not None else (0.1,):
-                            for check in (False, True):
-                                gamma = (vec, vec) if check else (None, None)
-                                launch, _ = _plan_finalize_stats(
-                                    part, 8, 1e-5, *buffers, batches, momentum, *gamma, 0.016)
-                                yield (f"{acc} C={c} splits={splits} running={running_dtype} "
-                                       f"counter={batches is not None} momentum={momentum} "
-                                       f"check={check}"), launch
+    """finalize_stats for each statistics dtype, number of partial rows, running statistics
+    (:func:`_running_variants`), with and without the gamma check."""
+    for acc, c, splits in itertools.product((torch.float32, torch.float64), _FINALIZE_CHANNELS,
+                                            _FINALIZE_SPLITS):
+        vec = torch.empty(c, dtype=acc, device="meta")
+        part = torch.empty((3, splits, c), dtype=acc, device="meta")
+        for (buffers, batches, momentum), check in itertools.product(_running_variants(c),
+                                                                    (False, True)):
+            gamma = (vec, vec) if check else (None, None)
+            launch, _ = _plan_finalize_stats(part, 8, 1e-5, *buffers, batches, momentum, *gamma,
+                                             0.016)
+            running_dtype = None if buffers[0] is None else buffers[0].dtype
+            yield (f"{acc} C={c} splits={splits} running={running_dtype} "
+                   f"counter={batches is not None} momentum={momentum} check={check}"), launch
 
 
 def launch_specialisations(target: Target) -> Iterator[tuple[str, Launch]]:
