@@ -20,7 +20,11 @@ harness around an empty in-place layer (``_FloorLayer``: one autograd Function t
 input dirty, saves it with weight and bias, and in backward returns the incoming gradient and
 two per-channel gradients made in advance, which autograd accumulates as it does ours). What
 is above the floor ("own") is the layer's own host time; the floor is what PyTorch's autograd
-costs any in-place layer here.
+costs any in-place layer here. A third harness, also in turns, splits "own" in two: the bare
+ops (``_BareLayer``: an in-place autograd Function that calls the backend's four ops, the same
+six launches with the same arguments as the layer's, and nothing else), above which is what
+the layer's own Python adds ("above bare": module call, input checks, configuration, the
+channels kept aside, the wrappers around the ops).
 
 Two harnesses: one layer, whose backward is a whole ``backward()`` call (the engine's start
 included, as the issue's figure is defined), and ``--stack`` layers chained in one graph with
@@ -30,19 +34,19 @@ non-leaf input (a preallocated buffer, no pass over memory) and passes the gradi
 the floor's stack has the same links, so "own" does not include them.
 
 Prints, per shape, the host microseconds of the forward, the backward and their sum, the
-floor's sum and what is above it, of our sum the part spent inside the Triton backend's ops
-(planning, allocating outputs, launching: timed in a separate pass with the ops wrapped, so
-the other columns carry no timer), the Triton launches and the ATen ops outside the backend's
-ops per forward+backward; then the stacked figures. On the CPU the ops' part includes
-``torch.empty_like`` of dx. On a GPU that comes from the caching allocator in a few us; on the
-CPU glibc serves a block that large with an mmap, and frees it with an munmap (together some
-30-60 us a call here, none of it the layer's doing). So by default (``--allocator cached``) glibc
-is told to serve every block from its heap and to keep what is freed (``mallopt``: no mmap, no
-trim), as the caching allocator keeps it; ``--allocator system`` leaves glibc as it is (the
-figures before 2026-11-24). The tables go to benchmarks/RESULTS.md
-(``--no-record``: print only); the last line is one JSON object with ``host_us_fwd_bwd`` (one
-layer), ``floor_us_fwd_bwd``, ``own_us_fwd_bwd`` and the stacked per-layer figures for
-(8, 256, 128, 128) float16 NCHW.
+floor's and the bare ops' sums and what is above each, of our sum the part spent inside the
+Triton backend's ops (planning, allocating outputs, launching: timed in a separate pass with
+the ops wrapped, so the other columns carry no timer), the Triton launches and the ATen ops
+outside the backend's ops per forward+backward; then the stacked figures. On the CPU the ops'
+part includes ``torch.empty_like`` of dx. On a GPU that comes from the caching allocator in a
+few us; on the CPU glibc serves a block that large with an mmap, and frees it with an munmap
+(together some 30-60 us a call here, none of it the layer's doing). So by default
+(``--allocator cached``) glibc is told to serve every block from its heap and to keep what is
+freed (``mallopt``: no mmap, no trim), as the caching allocator keeps it; ``--allocator
+system`` leaves glibc as it is (the figures before 2026-11-24). The tables go to
+benchmarks/RESULTS.md (``--no-record``: print only); the last line is one JSON object with
+``host_us_fwd_bwd`` (one layer), ``floor_us_fwd_bwd``, ``bare_us_fwd_bwd``, ``own_us_fwd_bwd``
+and the stacked per-layer figures for (8, 256, 128, 128) float16 NCHW.
 """
 
 from __future__ import annotations
@@ -63,6 +67,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 import encoding_syncbn  # noqa: E402
 from encoding_syncbn import SyncBatchNorm  # noqa: E402
+from encoding_syncbn.kernels import BatchSums, GammaCheck, NormParams, RunningStats  # noqa: E402
 
 SHAPES = [
     ((8, 256, 128, 128), torch.float16, False),
@@ -134,6 +139,49 @@ class _EmptyInPlace(torch.autograd.Function):
         return grad, *ctx.param_grads, None
 
 
+class _BareOps(torch.autograd.Function):
+    """The backend's four ops and nothing else: an in-place autograd Function whose forward
+    calls ``batch_stats`` (running statistics and the small-gamma check included, as the
+    layer's) and ``normalize_act``, and whose backward calls ``backward_reduce`` and
+    ``backward_dx``: the same six launches with the same arguments as the layer's, none of its
+    checks, configuration or bookkeeping. Above the floor, what the ops cost; below the layer,
+    what the layer's own Python adds."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, layer):
+        ops = layer.ops
+        mean, invstd, _ = ops.batch_stats(x, layer.eps, layer.running, layer.check)
+        params = NormParams(mean, invstd, weight, bias, "leaky_relu", layer.slope)
+        ops.normalize_act(x, params, x)
+        ctx.mark_dirty(x)
+        ctx.save_for_backward(x, mean, invstd, weight, bias)
+        ctx.layer, ctx.count = layer, x.numel() // x.shape[1]
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        y, mean, invstd, weight, bias = ctx.saved_tensors
+        ops = ctx.layer.ops
+        params = NormParams(mean, invstd, weight, bias, "leaky_relu", ctx.layer.slope)
+        sum_dz, sum_dz_xhat = ops.backward_reduce(y, grad, params, True)
+        dx = ops.backward_dx(y, grad, params, True, BatchSums(sum_dz, sum_dz_xhat, ctx.count))
+        return dx, sum_dz_xhat, sum_dz, None
+
+
+class _BareLayer(torch.nn.Module):
+    def __init__(self, channels: int, ops) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(channels))
+        self.bias = torch.nn.Parameter(torch.zeros(channels))
+        self.ops, self.eps, self.slope = ops, 1e-5, 0.01
+        self.running = RunningStats(torch.zeros(channels), torch.ones(channels),
+                                    torch.zeros((), dtype=torch.long), 0.1)
+        self.check = GammaCheck(self.weight.detach(), self.bias.detach(), 0.016)
+
+    def forward(self, x):
+        return _BareOps.apply(x, self.weight, self.bias, self)
+
+
 class _FloorLayer(torch.nn.Module):
     def __init__(self, channels: int) -> None:
         super().__init__()
@@ -200,10 +248,12 @@ def measure(triton_ops, shape, dtype, channels_last, iters, repeats, stack):
     # float32 parameters, as under AMP.
     ours = [SyncBatchNorm(channels, activation="leaky_relu") for _ in range(stack)]
     floor = [_FloorLayer(channels) for _ in range(stack)]
+    bare = [_BareLayer(channels, triton_ops.DIRECT) for _ in range(stack)]
     variants = {
-        "ours": (ours[:1], iters), "floor": (floor[:1], iters),
+        "ours": (ours[:1], iters), "floor": (floor[:1], iters), "bare": (bare[:1], iters),
         "ours stacked": (ours, max(1, iters // stack)),
         "floor stacked": (floor, max(1, iters // stack)),
+        "bare stacked": (bare, max(1, iters // stack)),
     }
     for layers, _ in variants.values():  # warm-up: plans, caches, autograd's first calls
         _steps(layers, links, make_input, dy, 20)
@@ -274,29 +324,36 @@ def main():
     torch.set_num_threads(1)
     encoding_syncbn.set_backend("triton")
     header = ["shape", "dtype", "layout", "fwd us", "bwd us", "total us", "floor us",
-              "own us", "in the ops us", "launches", "ATen ops"]
-    stack_header = ["shape", "dtype", "layout", "per layer us", "floor us", "own us"]
+              "bare ops us", "own us", "above bare us", "in the ops us", "launches", "ATen ops"]
+    stack_header = ["shape", "dtype", "layout", "per layer us", "floor us", "bare ops us",
+                    "own us", "above bare us"]
     op_header = ["shape", "dtype", "layout", *(f"{op} us" for op in BACKEND_OPS.values())]
     rows, stack_rows, op_rows, first = [], [], [], None
     for shape, dtype, channels_last in SHAPES:
         best, (in_ops, per_op), (launches, ops) = measure(
             triton_ops, shape, dtype, channels_last, args.iters, args.repeats, args.stack)
         fwd, bwd = best["ours"]
-        total, floor = fwd + bwd, sum(best["floor"])
-        stacked, stacked_floor = sum(best["ours stacked"]), sum(best["floor stacked"])
+        total, floor, bare = fwd + bwd, sum(best["floor"]), sum(best["bare"])
+        stacked, stacked_floor, stacked_bare = (
+            sum(best[f"{name} stacked"]) for name in ("ours", "floor", "bare"))
         cells = [str(shape), str(dtype).split(".")[1],
                  "channels_last" if channels_last else "nchw"]
         rows.append([*cells, round(fwd, 1), round(bwd, 1), round(total, 1), round(floor, 1),
-                     round(total - floor, 1), round(in_ops, 1), launches, ops])
+                     round(bare, 1), round(total - floor, 1), round(total - bare, 1),
+                     round(in_ops, 1), launches, ops])
         stack_rows.append([*cells, round(stacked, 1), round(stacked_floor, 1),
-                           round(stacked - stacked_floor, 1)])
+                           round(stacked_bare, 1), round(stacked - stacked_floor, 1),
+                           round(stacked - stacked_bare, 1)])
         op_rows.append([*cells, *(round(per_op[name], 1) for name in BACKEND_OPS)])
         print(" ".join(str(cell) for cell in rows[-1] + stack_rows[-1][3:]), flush=True)
-        first = first or {"host_us_fwd_bwd": rows[0][5], "floor_us_fwd_bwd": rows[0][6],
-                          "own_us_fwd_bwd": rows[0][7],
-                          "stack_us_per_layer": stack_rows[0][3],
-                          "stack_floor_us_per_layer": stack_rows[0][4],
-                          "stack_own_us_per_layer": stack_rows[0][5]}
+        if first is None:
+            one, stacked_one = dict(zip(header, rows[0])), dict(zip(stack_header, stack_rows[0]))
+            first = {"host_us_fwd_bwd": one["total us"], "floor_us_fwd_bwd": one["floor us"],
+                     "bare_us_fwd_bwd": one["bare ops us"], "own_us_fwd_bwd": one["own us"],
+                     "stack_us_per_layer": stacked_one["per layer us"],
+                     "stack_floor_us_per_layer": stacked_one["floor us"],
+                     "stack_bare_us_per_layer": stacked_one["bare ops us"],
+                     "stack_own_us_per_layer": stacked_one["own us"]}
     table = (results.markdown_table(header, rows) + "\n\n"
              f"Per layer in a stack of {args.stack} (one backward() a step):\n\n"
              + results.markdown_table(stack_header, stack_rows) + "\n\n"
@@ -307,8 +364,10 @@ def main():
         "Host time per layer forward+backward on the Triton path, kernel launches replaced by "
         "no-ops, planned for a 132-SM GPU: thread CPU time, the fastest of "
         f"{args.repeats} means over {args.iters} calls. 'floor': the same harness around an "
-        "empty in-place autograd Function, measured in turns with ours; 'own': ours minus the "
-        "floor. 'in the ops': the part inside the Triton backend's ops (dx's allocation "
+        "empty in-place autograd Function, measured in turns with ours; 'bare ops': one that "
+        "calls the backend's four ops and nothing else (the same six launches); 'own': ours "
+        "minus the floor; 'above bare': ours minus the bare ops, what the layer's own Python "
+        "adds to its ops. 'in the ops': the part inside the Triton backend's ops (dx's allocation "
         "included). ATen ops: outside the backend's ops. The stacked figures are per layer of "
         f"a chain with one backward() a step. Allocator: {args.allocator} ("
         + ("glibc keeps freed blocks, as a GPU's caching allocator does" if args.allocator ==
