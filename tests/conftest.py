@@ -11,7 +11,13 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 sys.path.insert(0, os.path.dirname(__file__))
 
 import encoding_syncbn  # noqa: E402
+from encoding_syncbn import _compat  # noqa: E402
 from encoding_syncbn.kernels import torch_ops, triton_available  # noqa: E402
+
+if triton_available() and _compat.triton_interpreting():
+    import triton_interpreter
+
+    triton_interpreter.install()
 
 # Elements per slab for "torch-slabs": small enough that the test shapes are cut in several
 # slabs, not a divisor of their sizes, so that the ATen path's slab walk runs (it is otherwise
