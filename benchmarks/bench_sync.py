@@ -114,10 +114,10 @@ def one_thread_work_us(replicas: int, calls: int, turns: int) -> PerCall:
     ``BatchNormAct`` once per replica (``"sync=False"``)."""
     import torch
 
+    from encoding_syncbn.aside import nothing
     from encoding_syncbn.functional import (
         ActConfig,
         NormAct,
-        _nothing,
         batch_norm_act,
         merge_replicas,
         replica_stats,
@@ -126,7 +126,7 @@ def one_thread_work_us(replicas: int, calls: int, turns: int) -> PerCall:
     weight = torch.ones(8, requires_grad=True)
     bias = torch.zeros(8, requires_grad=True)
     config = ActConfig("leaky_relu", 0.01, True, ())
-    no_channels = _nothing(torch.long, weight.device)
+    no_channels = nothing(torch.long, weight.device)
 
     def synced(xs: list[torch.Tensor]) -> list[torch.Tensor]:
         contributions = [replica_stats(x) for x in xs]

@@ -15,8 +15,9 @@ from typing import Any, NamedTuple
 import torch
 
 from . import distributed
-from .functional import ReplicaStats, merge_replicas, on_device, stream_event, wait_for
+from .functional import ReplicaStats, merge_replicas, on_device
 from .replicas import ReplicaSlot
+from .streams import stream_event, wait_for
 
 
 class Exchange:

@@ -46,23 +46,20 @@ from typing import Callable, NamedTuple
 import torch
 
 from . import _compat, activations, stats
+from .aside import AsideWatch, aside_index, nothing
 from .kernels import (
     Backend,
     BatchSums,
     DxCoefs,
-    GammaCheck,
     NormParams,
     RunningStats,
-    compile_ops,
     dx_coefs,
     ops_for,
     reference_ops,
     torch_ops,
 )
+from .streams import stream_event, wait_for
 
-# A channel is rebuilt from y only if |w| > _MIN_INVERTIBLE_GAMMA * max(1, |b|): xhat =
-# (z - b) / w amplifies z's rounding by |b| / |w|.
-_MIN_INVERTIBLE_GAMMA = 1e-3
 DOUBLE_BACKWARD_IN_PLACE = (
     "SyncBatchNorm(inplace=True) does not support double backward (differentiating its "
     "gradient, e.g. a gradient penalty with torch.autograd.grad(..., create_graph=True)): its "
@@ -73,7 +70,7 @@ DOUBLE_BACKWARD_IN_PLACE = (
 class ActConfig(NamedTuple):
     """The activation fused after the normalisation, and whether it overwrites its input.
 
-    ``aside``: the channels to keep aside in place (see ``small_gamma_channels``) when they
+    ``aside``: the channels to keep aside in place (see ``aside.small_gamma_channels``) when they
     are known in advance, as host ints; None: look them up at each call. ``layer``: how
     errors name the layer (``SyncBatchNorm._label``).
     """
@@ -117,161 +114,6 @@ class _Link:
         """Drop y and dy. While filled, the link closes a cycle through autograd's C++ nodes
         (y -> its node -> ctx.link -> y) that Python's collector cannot see."""
         self.saved = self.grad_output = self.scale = self.ready = None
-
-
-def stream_event(like: torch.Tensor) -> torch.cuda.Event | None:
-    """For tensors another thread (another replica, or autograd's thread for another device)
-    will read: an event on the current stream of ``like``'s device, recorded after everything
-    that wrote them; None on the CPU, where an op is done when it returns."""
-    if not like.is_cuda:
-        return None
-    ready = torch.cuda.Event()
-    ready.record(torch.cuda.current_stream(like.device))
-    return ready
-
-
-def wait_for(ready: torch.cuda.Event | None, tensors: Sequence[torch.Tensor]) -> None:
-    """Make this thread's current streams wait for ``ready`` before reading ``tensors``, and
-    tell the caching allocator they are used there (their memory is not reused before those
-    streams are done with them). Nothing on the CPU."""
-    if ready is None:
-        return
-    for t in tensors:
-        stream = torch.cuda.current_stream(t.device)
-        stream.wait_event(ready)
-        t.record_stream(stream)
-
-
-def _small_gamma_mask(weight: torch.Tensor, bias: torch.Tensor, margin: float = 1.0
-                     ) -> torch.Tensor:
-    """Per channel: ``|w| <= margin * _MIN_INVERTIBLE_GAMMA * max(1, |b|)`` (no host sync)."""
-    return torch_ops.small_gamma(weight, bias, margin * _MIN_INVERTIBLE_GAMMA)
-
-
-def _small_gamma(weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    """The channels' indices whose output cannot be inverted: ``(k,)``, sized by the data."""
-    return _small_gamma_mask(weight, bias).nonzero().view(-1)
-
-
-# AsideWatch keeps aside channels up to this many times the invertibility limit: its answer
-# may be a few calls old, and gamma rarely shrinks that much in a few optimiser steps.
-_ASIDE_MARGIN = 16.0
-
-
-class AsideWatch:
-    """The channels a single-replica in-place layer keeps aside, known on the host without
-    waiting for the device.
-
-    Choosing them from the current parameters needs their values on the host: a device
-    sync per call (``nonzero``). Instead each call checks the parameters on the device (in
-    the launch that finishes the batch statistics: ``check_for``, ``offer``) and copies the
-    flags to (pinned) host memory without waiting; a call uses the newest answer whose copy is
-    done (on the CPU: its own), and only a layer's first call on a GPU waits for one. The check
-    keeps aside every channel with ``|w|`` up to ``_ASIDE_MARGIN`` times the invertibility
-    limit, so an answer a few calls old still covers a channel whose gamma shrank below the
-    limit since, unless it shrank more than that many times over.
-    """
-
-    __slots__ = ("known", "_host", "_ready", "_pinned")
-
-    def __init__(self) -> None:
-        self.known: tuple[int, ...] | None = None
-        self._host: torch.Tensor | None = None  # an answer on its way
-        self._ready: torch.cuda.Event | None = None
-        # Reused from call to call (one answer is on its way at a time).
-        self._pinned: torch.Tensor | None = None
-
-    def _frozen(self, weight: torch.Tensor, refresh: bool) -> bool:
-        """Whether the call must keep the answer it has: a checkpoint's recompute
-        (``refresh=False``: the original call's), or a CUDA graph capture (the warm-up
-        calls': querying an event is not allowed there)."""
-        if self.known is None:
-            return False
-        return not refresh or (weight.is_cuda and torch.cuda.is_current_stream_capturing())
-
-    def check_for(self, weight: torch.Tensor | None, bias: torch.Tensor,
-                  refresh: bool = True) -> GammaCheck | None:
-        """The check to run on the device in this call (then ``offer`` its flags), or None
-        when no new answer is wanted: one is on its way, or the call keeps its answer."""
-        if weight is None or self._host is not None or self._frozen(weight, refresh):
-            return None
-        return GammaCheck(weight, bias, _ASIDE_MARGIN * _MIN_INVERTIBLE_GAMMA)
-
-    def offer(self, small: torch.Tensor) -> None:
-        """Start bringing per-channel flags (nonzero: keep aside) to the host, without
-        waiting for the device."""
-        if not small.is_cuda:
-            self._host, self._ready = small, None
-            return
-        pinned = self._pinned
-        if pinned is None or pinned.shape != small.shape or pinned.dtype != small.dtype:
-            pinned = self._pinned = torch.empty(small.shape, dtype=small.dtype, pin_memory=True)
-        pinned.copy_(small, non_blocking=True)
-        self._host, self._ready = pinned, stream_event(small)
-
-    def channels(self, weight: torch.Tensor | None, bias: torch.Tensor | None,
-                 refresh: bool = True) -> tuple[int, ...]:
-        """The channels to keep aside now (checking the parameters here, in ATen calls, when
-        no check was offered); ``refresh=False`` (a checkpoint's recompute): the answer the
-        original call used."""
-        if weight is None:  # affine=False: gamma is 1 everywhere
-            return ()
-        if self._frozen(weight, refresh):
-            return self.known
-        if self._host is None:
-            bias = torch.zeros_like(weight) if bias is None else bias
-            self.offer(_small_gamma_mask(weight, bias, _ASIDE_MARGIN))
-        if self.known is None and self._ready is not None:
-            self._ready.synchronize()  # the layer's first call on a GPU: once
-        if self._ready is None or self._ready.query():
-            # numpy reads host memory as it lies: no ATen call, no device sync.
-            self.known = tuple(self._host.numpy().nonzero()[0].tolist())
-            self._host = self._ready = None
-        return self.known
-
-
-def small_gamma_channels(weight: torch.Tensor | None, bias: torch.Tensor | None
-                         ) -> tuple[int, ...]:
-    """The channels an in-place layer with these parameters keeps aside, as host ints.
-
-    On a GPU this reads the parameters back (one device-to-host copy): ``SyncBatchNorm`` does
-    it once per ``replicate()`` on the original parameters, so that its replicas need none.
-    """
-    if weight is None:  # affine=False: gamma is 1 everywhere
-        return ()
-    bias = torch.zeros_like(weight) if bias is None else bias
-    return tuple(_small_gamma(weight, bias).tolist())
-
-
-def _aside_channels(weight: torch.Tensor, bias: torch.Tensor, config: ActConfig):
-    """Indices of the channels that cannot be rebuilt from the output (none out of place).
-
-    Chosen before the autograd Function runs, and passed to it: while compiling, their number
-    is a data-dependent (unbacked) size, which must be bound outside the Function's forward.
-    Looking them up costs a device-to-host copy, unless ``config.aside`` already tells.
-    """
-    if not config.inplace:
-        return _nothing(torch.long, weight.device)
-    if torch.compiler.is_compiling():
-        # A custom op of data-dependent size: Dynamo would refuse nonzero itself.
-        return compile_ops.aside_channels(weight.detach(), bias.detach(), _MIN_INVERTIBLE_GAMMA)
-    if config.aside is not None:
-        return _channel_index(config.aside, weight.device)
-    return _small_gamma(weight, bias)
-
-
-@functools.lru_cache(maxsize=64)
-def _nothing(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """An empty tensor: no channels, or no inputs kept aside (shared: nothing writes to it)."""
-    return torch.empty(0, dtype=dtype, device=device)
-
-
-@functools.lru_cache(maxsize=256)
-def _channel_index(channels: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """``channels`` as an index tensor on ``device``, built once (shared: read only)."""
-    if not channels:
-        return _nothing(torch.long, device)
-    return torch.tensor(channels, dtype=torch.long, device=device)
 
 
 def _keeps_aside(config: ActConfig, aside_channels: torch.Tensor) -> bool:
@@ -338,8 +180,8 @@ def _unpack(ctx) -> _Saved:
         raise RuntimeError(_modified_message(ctx.config, str(error))) from error
     if len(saved) == len(_Saved._fields):
         return _Saved(*saved)
-    nothing = _nothing(torch.long, saved[0].device)
-    return _Saved(*saved, nothing, nothing)  # no channel kept aside
+    none = nothing(torch.long, saved[0].device)
+    return _Saved(*saved, none, none)  # no channel kept aside
 
 
 def _modified_message(config: ActConfig, torch_message: str) -> str:
@@ -752,7 +594,7 @@ def batch_norm_act(
         if small is not None:
             watch.offer(small)
         config = config.with_aside(watch.channels(weight, bias, refresh))
-    aside = _aside_channels(weight, bias, config)
+    aside = aside_index(weight, bias, config.inplace, config.aside)
     out = BatchNormAct.apply(x, mean, invstd, weight, bias, config, aside, eps, backend)
     return _written_back(x, out, config)
 
@@ -771,7 +613,7 @@ def synced_batch_norm_act(
     """
     own = replica_stats(x)
     mean, invstd = exchange(own)
-    aside = _aside_channels(weight, bias, config)
+    aside = aside_index(weight, bias, config.inplace, config.aside)
     out = NormAct.apply(x, mean, invstd, weight, bias, config, own.link, aside)
     return _written_back(x, out, config)
 
@@ -785,6 +627,6 @@ def normalize_with(
     config: ActConfig,
 ) -> torch.Tensor:
     """Normalise with fixed statistics (evaluation, or a recompute reusing global ones)."""
-    aside = _aside_channels(weight, bias, config)
+    aside = aside_index(weight, bias, config.inplace, config.aside)
     out = NormAct.apply(x, mean, invstd, weight, bias, config, None, aside)
     return _written_back(x, out, config)

@@ -10,15 +10,9 @@ import torch
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from . import activations, distributed, inplace_check, inplace_policy, recompute, replicas
+from .aside import AsideWatch, small_gamma_channels
 from .exchange import Exchange
-from .functional import (
-    ActConfig,
-    AsideWatch,
-    batch_norm_act,
-    normalize_with,
-    small_gamma_channels,
-    synced_batch_norm_act,
-)
+from .functional import ActConfig, batch_norm_act, normalize_with, synced_batch_norm_act
 from .kernels import RunningStats, torch_ops
 from .recompute import RecomputeCache
 from .replicas import ReplicaSlot
@@ -249,7 +243,7 @@ class SyncBatchNorm(_BatchNorm):
 
     def _watching(self, config: ActConfig) -> AsideWatch | None:
         """The watch that finds the channels kept aside, where ``config`` does not know them
-        (while compiling, ``functional._aside_channels`` finds them in the graph)."""
+        (while compiling, ``aside.aside_index`` finds them in the graph)."""
         if config.inplace and config.aside is None and not torch.compiler.is_compiling():
             return self._aside_watch
         return None

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from encoding_syncbn import SyncBatchNorm
+from encoding_syncbn.aside import aside_index
 from encoding_syncbn.functional import (
     ActConfig,
     NormAct,
-    _aside_channels,
     batch_norm_act,
     merge_replicas,
     normalize_with,
@@ -85,7 +85,7 @@ def synced_in_one_thread(x, w, b, config, split, other_ranks=None):
         means, m2s, counts = other_ranks
         own_count = sum(c.count for c in contributions)
         mean, _, invstd = merge_stats([mean, *means], [m2, *m2s], [own_count, *counts], 1e-3)
-    aside = _aside_channels(w, b, config)
+    aside = aside_index(w, b, config.inplace, config.aside)
     return [NormAct.apply(c.x, mean, invstd, w, b, config, c.link, aside)
             for c in contributions]
 

@@ -145,12 +145,12 @@ def test_gamma_changed_between_steps_under_replicas(activation, monkeypatch):
     """In place, the channels kept aside are read from the parameters once per replicate()
     (not by every replica at every call) and so follow the parameters from step to step:
     a gamma set to zero, and one set back, between steps still get exact gradients."""
-    from encoding_syncbn import functional
+    from encoding_syncbn import aside
 
     lookups = []
-    small_gamma = functional._small_gamma
-    monkeypatch.setattr(functional, "_small_gamma",
-                        lambda w, b: lookups.append(1) or small_gamma(w, b))
+    small_gamma_index = aside.small_gamma_index
+    monkeypatch.setattr(aside, "small_gamma_index",
+                        lambda w, b: lookups.append(1) or small_gamma_index(w, b))
     layer = make_layer(activation, True)
     twin = plain_twin(layer, 4)
     gammas = [[1.5, -0.7, 0.0, 2.0], [0.0, -0.7, 1.0, 0.0], [1.5, 1e-9, 0.5, 2.0]]

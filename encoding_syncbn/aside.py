@@ -1,0 +1,153 @@
+"""The channels an in-place layer keeps aside: which channels, and how the host learns them
+without waiting for the device.
+
+In place, backward rebuilds the input from the output, dividing by gamma; the channels whose
+gamma is too small for that keep their input aside and get their gradients from it.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .kernels import GammaCheck, compile_ops, torch_ops
+from .streams import stream_event
+
+# A channel is rebuilt from y only if |w| > MIN_INVERTIBLE_GAMMA * max(1, |b|): xhat =
+# (z - b) / w amplifies z's rounding by |b| / |w|.
+MIN_INVERTIBLE_GAMMA = 1e-3
+
+
+def small_gamma_mask(weight: torch.Tensor, bias: torch.Tensor, margin: float = 1.0
+                     ) -> torch.Tensor:
+    """Per channel: ``|w| <= margin * MIN_INVERTIBLE_GAMMA * max(1, |b|)`` (no host sync)."""
+    return torch_ops.small_gamma(weight, bias, margin * MIN_INVERTIBLE_GAMMA)
+
+
+def small_gamma_index(weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """The channels' indices whose output cannot be inverted: ``(k,)``, sized by the data."""
+    return small_gamma_mask(weight, bias).nonzero().view(-1)
+
+
+# AsideWatch keeps aside channels up to this many times the invertibility limit: its answer
+# may be a few calls old, and gamma rarely shrinks that much in a few optimiser steps.
+ASIDE_MARGIN = 16.0
+
+
+class AsideWatch:
+    """The channels a single-replica in-place layer keeps aside, known on the host without
+    waiting for the device.
+
+    Choosing them from the current parameters needs their values on the host: a device
+    sync per call (``nonzero``). Instead each call checks the parameters on the device (in
+    the launch that finishes the batch statistics: ``check_for``, ``offer``) and copies the
+    flags to (pinned) host memory without waiting; a call uses the newest answer whose copy is
+    done (on the CPU: its own), and only a layer's first call on a GPU waits for one. The check
+    keeps aside every channel with ``|w|`` up to ``ASIDE_MARGIN`` times the invertibility
+    limit, so an answer a few calls old still covers a channel whose gamma shrank below the
+    limit since, unless it shrank more than that many times over.
+    """
+
+    __slots__ = ("known", "_host", "_ready", "_pinned")
+
+    def __init__(self) -> None:
+        self.known: tuple[int, ...] | None = None
+        self._host: torch.Tensor | None = None  # an answer on its way
+        self._ready: torch.cuda.Event | None = None
+        # Reused from call to call (one answer is on its way at a time).
+        self._pinned: torch.Tensor | None = None
+
+    def _frozen(self, weight: torch.Tensor, refresh: bool) -> bool:
+        """Whether the call must keep the answer it has: a checkpoint's recompute
+        (``refresh=False``: the original call's), or a CUDA graph capture (the warm-up
+        calls': querying an event is not allowed there)."""
+        if self.known is None:
+            return False
+        return not refresh or (weight.is_cuda and torch.cuda.is_current_stream_capturing())
+
+    def check_for(self, weight: torch.Tensor | None, bias: torch.Tensor,
+                  refresh: bool = True) -> GammaCheck | None:
+        """The check to run on the device in this call (then ``offer`` its flags), or None
+        when no new answer is wanted: one is on its way, or the call keeps its answer."""
+        if weight is None or self._host is not None or self._frozen(weight, refresh):
+            return None
+        return GammaCheck(weight, bias, ASIDE_MARGIN * MIN_INVERTIBLE_GAMMA)
+
+    def offer(self, small: torch.Tensor) -> None:
+        """Start bringing per-channel flags (nonzero: keep aside) to the host, without
+        waiting for the device."""
+        if not small.is_cuda:
+            self._host, self._ready = small, None
+            return
+        pinned = self._pinned
+        if pinned is None or pinned.shape != small.shape or pinned.dtype != small.dtype:
+            pinned = self._pinned = torch.empty(small.shape, dtype=small.dtype, pin_memory=True)
+        pinned.copy_(small, non_blocking=True)
+        self._host, self._ready = pinned, stream_event(small)
+
+    def channels(self, weight: torch.Tensor | None, bias: torch.Tensor | None,
+                 refresh: bool = True) -> tuple[int, ...]:
+        """The channels to keep aside now (checking the parameters here, in ATen calls, when
+        no check was offered); ``refresh=False`` (a checkpoint's recompute): the answer the
+        original call used."""
+        if weight is None:  # affine=False: gamma is 1 everywhere
+            return ()
+        if self._frozen(weight, refresh):
+            return self.known
+        if self._host is None:
+            bias = torch.zeros_like(weight) if bias is None else bias
+            self.offer(small_gamma_mask(weight, bias, ASIDE_MARGIN))
+        if self.known is None and self._ready is not None:
+            self._ready.synchronize()  # the layer's first call on a GPU: once
+        if self._ready is None or self._ready.query():
+            # numpy reads host memory as it lies: no ATen call, no device sync.
+            self.known = tuple(self._host.numpy().nonzero()[0].tolist())
+            self._host = self._ready = None
+        return self.known
+
+
+def small_gamma_channels(weight: torch.Tensor | None, bias: torch.Tensor | None
+                         ) -> tuple[int, ...]:
+    """The channels an in-place layer with these parameters keeps aside, as host ints.
+
+    On a GPU this reads the parameters back (one device-to-host copy): ``SyncBatchNorm`` does
+    it once per ``replicate()`` on the original parameters, so that its replicas need none.
+    """
+    if weight is None:  # affine=False: gamma is 1 everywhere
+        return ()
+    bias = torch.zeros_like(weight) if bias is None else bias
+    return tuple(small_gamma_index(weight, bias).tolist())
+
+
+def aside_index(weight: torch.Tensor, bias: torch.Tensor, inplace: bool,
+                known: tuple[int, ...] | None) -> torch.Tensor:
+    """Indices of the channels that cannot be rebuilt from the output (none out of place);
+    ``known``: those channels as host ints, where the caller knows them (None: look them up).
+
+    Chosen before the layer's autograd Function runs, and passed to it: while compiling, their
+    number is a data-dependent (unbacked) size, which must be bound outside the Function's
+    forward. Looking them up costs a device-to-host copy, unless ``known`` already tells.
+    """
+    if not inplace:
+        return nothing(torch.long, weight.device)
+    if torch.compiler.is_compiling():
+        # A custom op of data-dependent size: Dynamo would refuse nonzero itself.
+        return compile_ops.aside_channels(weight.detach(), bias.detach(), MIN_INVERTIBLE_GAMMA)
+    if known is not None:
+        return channel_index(known, weight.device)
+    return small_gamma_index(weight, bias)
+
+
+@functools.lru_cache(maxsize=64)
+def nothing(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An empty tensor: no channels, or no inputs kept aside (shared: nothing writes to it)."""
+    return torch.empty(0, dtype=dtype, device=device)
+
+
+@functools.lru_cache(maxsize=256)
+def channel_index(channels: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """``channels`` as an index tensor on ``device``, built once (shared: read only)."""
+    if not channels:
+        return nothing(torch.long, device)
+    return torch.tensor(channels, dtype=torch.long, device=device)
