@@ -70,8 +70,8 @@ DOUBLE_BACKWARD_IN_PLACE = (
 class ActConfig(NamedTuple):
     """The activation fused after the normalisation, and whether it overwrites its input.
 
-    ``aside``: the channels to keep aside in place (see ``aside.small_gamma_channels``) when they
-    are known in advance, as host ints; None: look them up at each call. ``layer``: how
+    ``aside``: the channels to keep aside in place (see ``aside.small_gamma_channels``) when
+    they are known in advance, as host ints; None: look them up at each call. ``layer``: how
     errors name the layer (``SyncBatchNorm._label``).
     """
 
@@ -590,11 +590,12 @@ def batch_norm_act(
     with torch.no_grad():
         check = watch.check_for(weight, bias, refresh) if watch is not None else None
         mean, invstd, small = backend.batch_stats(x, eps, running, check)
+    known = config.aside
     if watch is not None:
         if small is not None:
             watch.offer(small)
-        config = config.with_aside(watch.channels(weight, bias, refresh))
-    aside = aside_index(weight, bias, config.inplace, config.aside)
+        known = watch.channels(weight, bias, refresh)
+    aside = aside_index(weight, bias, config.inplace, known)
     out = BatchNormAct.apply(x, mean, invstd, weight, bias, config, aside, eps, backend)
     return _written_back(x, out, config)
 
