@@ -7,6 +7,7 @@ import pickle
 
 import pytest
 import torch
+from backends import each_backend
 from convert_check import check_conversion
 from reference import assert_close
 from torch import nn
@@ -16,6 +17,8 @@ import encoding_syncbn
 from encoding_syncbn import SyncBatchNorm, convert_sync_batchnorm, revert_sync_batchnorm
 from encoding_syncbn.norm_act import BatchNormAct, SyncBatchNormAct
 from encoding_syncbn.testing import SimulatedDataParallel
+
+pytestmark = each_backend
 
 
 class _Group:
@@ -54,7 +57,6 @@ def test_convert_reuses_parameters_buffers_and_flags():
                    for t in layer.state_dict().values() if t.is_floating_point())
 
 
-@pytest.mark.usefixtures("each_backend")
 def test_converted_model_trains_like_the_original():
     reference, net = model(), convert_sync_batchnorm(model())
     x = torch.randn(6, 3, 6, 6, dtype=torch.float64)
@@ -69,7 +71,6 @@ def test_converted_model_trains_like_the_original():
         assert_close(b, a, what=name)
 
 
-@pytest.mark.usefixtures("each_backend")
 def test_convert_inside_data_parallel_wrapper():
     wrapped = nn.DataParallel(model())
     converted = convert_sync_batchnorm(wrapped)
@@ -306,7 +307,6 @@ def test_revert_after_a_6d_input_accepts_6d_input():
     assert_close(plain(x), expected)
 
 
-@pytest.mark.usefixtures("each_backend")
 @pytest.mark.parametrize("act", [nn.Hardswish(), nn.SiLU(), nn.GELU(), nn.LeakyReLU(0.3),
                                  nn.ELU(0.5), nn.ReLU(), nn.Identity()])
 def test_batchnorm_act_converts_exactly(act):

@@ -10,6 +10,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from backends import each_backend, one_backend
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from reference import activate
@@ -21,6 +22,8 @@ from encoding_syncbn.testing import SimulatedDataParallel
 
 DT = torch.float64
 TOL = {"rtol": 1e-9, "atol": 1e-11}
+
+pytestmark = each_backend
 
 
 # ---- 3. arguments refused at construction, with a message that says what to do --------------
@@ -148,7 +151,6 @@ def _penalty_grads(conv, norm, x, activation, slope, replicas=None, plain=False,
     return penalty.detach(), grads
 
 
-@pytest.mark.usefixtures("each_backend")
 @settings(max_examples=8, deadline=None, derandomize=True)
 @given(
     activation=st.sampled_from(["none", "identity", "leaky_relu", "elu", "relu"]),
@@ -198,7 +200,6 @@ def test_double_backward_in_place_is_a_clear_error(replicas, training):
 # ---- 4. NaN and inf propagate as through nn.BatchNorm2d + the activation --------------------
 
 
-@pytest.mark.usefixtures("each_backend")
 @pytest.mark.parametrize("activation,inplace", [
     ("none", False), ("identity", True), ("leaky_relu", False), ("leaky_relu", True),
     ("elu", False), ("elu", True), ("relu", False),
@@ -236,6 +237,7 @@ def test_nan_and_inf_propagate_as_batchnorm(activation, inplace, replicas):
                                    msg=lambda m, name=name: f"{name}: {m}")
 
 
+@one_backend  # calls the Triton kernels directly
 @pytest.mark.parametrize("where", [(0, 0), (200, 0), (0, 1), (600, 1)])
 def test_triton_stats_of_an_infinite_element_across_split_programs(where):
     """A channels_last input of 2 tiles, so that the partial (mean, M2, n) of two programs
@@ -256,7 +258,6 @@ def test_triton_stats_of_an_infinite_element_across_split_programs(where):
 # ---- 5. the running variance at a large offset under DataParallel --------------------------
 
 
-@pytest.mark.usefixtures("each_backend")
 @pytest.mark.parametrize("offset", [1e4, 1e6])
 def test_running_variance_at_large_offset_is_as_precise_as_batchnorm(offset):
     """float32 input, std 1 around ``offset``: whatever the replica count, the running

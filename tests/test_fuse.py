@@ -12,12 +12,15 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from backends import each_backend
 from convert_check import assert_same_run, check_converted, check_reverted
 from reference import assert_close
 from third_party import import_or_skip
 from torch import nn
 
 from encoding_syncbn import SyncBatchNorm, convert_inplace_abn
+
+pytestmark = each_backend
 
 
 def modes(model: nn.Module) -> dict[str, tuple[str, bool]]:

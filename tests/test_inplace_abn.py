@@ -24,6 +24,7 @@ import types
 import pytest
 import torch
 import torch.nn.functional as F
+from backends import each_backend, one_backend
 from reference import activate, assert_close
 from torch import nn
 
@@ -49,6 +50,8 @@ CLASSES = (ABN, InPlaceABN, InPlaceABNSync)
 PARAMS = {"leaky_relu": 0.1, "elu": 0.7, "identity": 0.01, "relu": 0.01}
 WEIGHT = (1.5, -0.7, 0.0, 2.0)  # every sign, and 0 (where |w| + eps matters most)
 BIAS = (0.1, 0.2, -0.3, 0.0)
+
+pytestmark = each_backend
 
 
 def cases():
@@ -120,7 +123,6 @@ def check_step(layer, ref, model, x, step, momentum):
         assert_close(layer.running_var, ref.running_var, what=what + " running_var")
 
 
-@pytest.mark.usefixtures("each_backend")
 @pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
 @pytest.mark.parametrize("cls, activation", list(cases()),
                          ids=[f"{c.__name__}-{a}" for c, a in cases()])
@@ -247,7 +249,6 @@ def test_where_in_place_is_impossible_the_gradient_is_still_exact():
     assert torch.equal(x, kept)
 
 
-@pytest.mark.usefixtures("each_backend")
 @pytest.mark.parametrize("function", [inplace_abn, inplace_abn_sync])
 def test_the_functions(function):
     """In place over x, the running statistics updated in place with ``momentum``."""
@@ -463,6 +464,7 @@ print("OK")
 }
 
 
+@one_backend  # fresh interpreters: they run on their own default backend
 def test_install_in_fresh_interpreters(tmp_path):
     packages = {"working": "REAL = True\n", "broken": "raise ImportError('no _backend')\n"}
     for kind, body in packages.items():

@@ -6,12 +6,15 @@ import re
 
 import pytest
 import torch
+from backends import each_backend
 from torch import nn
 
 import encoding_syncbn
 from encoding_syncbn import SyncBatchNorm, check_inplace
 from encoding_syncbn.modules import record_paths
 from encoding_syncbn.testing import SimulatedDataParallel
+
+pytestmark = each_backend
 
 
 class Residual(nn.Module):
@@ -36,7 +39,6 @@ def _input():
     return torch.randn(4, 3, 2, 2, dtype=torch.float64)
 
 
-@pytest.mark.usefixtures("each_backend")
 @pytest.mark.parametrize("replicas", [1, 2])
 @pytest.mark.parametrize("second_inplace", [False, True])
 def test_modified_output_names_layer_and_fixes(replicas, second_inplace):

@@ -19,6 +19,7 @@ import weakref
 import pytest
 import torch
 import torch.nn.functional as F
+from backends import each_backend, one_backend
 from torch import nn
 from torch.optim.swa_utils import AveragedModel, update_bn
 from torch.utils.checkpoint import checkpoint
@@ -32,10 +33,12 @@ DT = torch.float64
 TOL = {"rtol": 1e-9, "atol": 1e-11}
 # Failures must be seen this fast even when the timeout is long.
 FAST_SECONDS = 5.0
-# The checkpoint tests run on every backend (the Triton kernels under the interpreter on CPU:
-# a recompute must compare statistics of the original call's backend); the others test what
-# lives above the kernels, with timing bounds the interpreter is too slow for.
-each_backend = pytest.mark.usefixtures("each_backend")
+# Every test runs on every backend (the Triton kernels under the interpreter on the CPU): what
+# lives above the kernels must hold whichever ops run under it (a recompute compares
+# statistics of the original call's backend; failures, threads and freed graphs pass through
+# the kernels' launches). Those marked ``one_backend`` run on the torch backend only: they
+# call no op, or copy modules (20 s a run interpreted), or run 300 steps against a time bound.
+pytestmark = each_backend
 
 
 @pytest.fixture(autouse=True)
@@ -255,6 +258,7 @@ def test_failure_before_first_sync_layer_is_bounded_by_timeout(monkeypatch):
     assert sbn_sync.timeout_seconds() == sbn_sync.DEFAULT_TIMEOUT_SECONDS
 
 
+@one_backend
 @pytest.mark.parametrize("value", ["abc", "0", "-1", "nan", "1s"])
 def test_bad_timeout_value_is_a_clear_value_error(monkeypatch, value):
     monkeypatch.setenv(sbn_sync.TIMEOUT_ENV, value)
@@ -508,6 +512,7 @@ def _copies(model):
     }
 
 
+@one_backend
 def test_copies_work_before_during_and_after_parallel_forward():
     net = Net()
     copies = dict(_copies(net))  # before any forward
@@ -625,6 +630,7 @@ def test_two_models_in_two_threads_do_not_interfere():
 # ---- 7. soak --------------------------------------------------------------------------------
 
 
+@one_backend
 def test_soak_300_steps_random_batch_sizes():
     rng = random.Random(1234)
     net = Net(seed=7)
@@ -732,7 +738,6 @@ def test_checkpoint_non_reentrant_matches_plain_run(monkeypatch):
     assert waits_in_backward == []
 
 
-@each_backend
 def test_checkpoint_of_conv_and_sync_layer_matches_plain_run():
     """The recompute finds its call by statistics computed by the original call's backend
     (with Triton's, ATen's differ in the last bits and no call was found)."""
@@ -759,7 +764,6 @@ def test_checkpoint_of_conv_and_sync_layer_matches_plain_run():
         torch.testing.assert_close(g_ckpt, g_plain, **TOL)
 
 
-@each_backend
 @pytest.mark.parametrize("replicas", [None, 4])
 def test_checkpoint_around_an_inplace_layer_on_its_own_input_raises(replicas):
     """In place over the checkpoint's own input destroys what the recompute needs: that must
@@ -782,7 +786,6 @@ def test_checkpoint_around_an_inplace_layer_on_its_own_input_raises(replicas):
         out.sum().backward()
 
 
-@each_backend
 def test_checkpoint_reentrant_under_sync_raises_clearly(monkeypatch):
     monkeypatch.setenv(sbn_sync.TIMEOUT_ENV, "1")
     net = CheckpointNet(mode="reentrant")
@@ -841,6 +844,7 @@ def test_nan_and_inf_propagate_like_batch_norm(replicas):
         torch.testing.assert_close(layer.state_dict()[key], value, **TOL, equal_nan=True)
 
 
+@one_backend
 @pytest.mark.parametrize(
     "kwargs",
     [
