@@ -1,8 +1,9 @@
 """SyncBatchNorm across processes (torch.distributed, gloo on CPU, localhost).
 
 Starting processes is slow (each needs torch imported), so the ranks are forked from a
-forkserver that has imported torch once, each world size is launched once, and its processes
-run every scenario in turn; each rank records which scenarios passed, and the
+forkserver that has imported torch once, each world size is launched once per backend (the
+torch one, and the Triton kernels in Triton's interpreter), and its processes run every
+scenario in turn; each rank records which scenarios passed, and the
 tests below only read those records. Every scenario is checked in every rank against the
 full-batch float64 reference (``F.batch_norm`` + activation): outputs, input gradients,
 weight/bias gradients (summed over the ranks) and running statistics.
@@ -33,7 +34,9 @@ import torch.nn.functional as F
 from reference import activate
 from torch import nn
 
+import encoding_syncbn
 from encoding_syncbn import SyncBatchNorm, convert_sync_batchnorm
+from encoding_syncbn.kernels import triton_available
 from encoding_syncbn.testing import SimulatedDataParallel
 
 C = 4
@@ -429,10 +432,11 @@ def _write(path, results):
     tmp.replace(path)
 
 
-def _worker(rank, world, port, outdir):
+def _worker(rank, world, port, outdir, backend):
     results = {}
     path = Path(outdir) / f"rank{rank}.json"
     try:
+        encoding_syncbn.set_backend(backend)
         if sys.platform.startswith("linux"):
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # localhost only
         torch.set_num_threads(1)
@@ -479,15 +483,17 @@ def _process_context():
     return context
 
 
-def _launch(world):
-    """Run every scenario of this world size; return {scenario: [per-rank record]}."""
+def _launch(world, backend):
+    """Run every scenario of this world size on ``backend``; return {scenario: [per-rank
+    record]}."""
     outdir = tempfile.mkdtemp(prefix=f"syncbn_dist{world}_")
     # The parent holds the rendezvous store, so the port is free and stays ours.
     store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False,
                           timeout=COLLECTIVE_TIMEOUT)
     context = _process_context()
     processes = [
-        context.Process(target=_worker, args=(rank, world, store.port, outdir), daemon=True)
+        context.Process(target=_worker, args=(rank, world, store.port, outdir, backend),
+                        daemon=True)
         for rank in range(world)
     ]
     for process in processes:
@@ -510,20 +516,23 @@ def _launch(world):
             "exitcodes": [p.exitcode for p in processes]}
 
 
-_LAUNCHES: dict[int, dict] = {}
+_LAUNCHES: dict[tuple[int, str], dict] = {}
 
 
-def _results(world):
-    if world not in _LAUNCHES:
-        _LAUNCHES[world] = _launch(world)
-    return _LAUNCHES[world]
+def _results(world, backend):
+    if (world, backend) not in _LAUNCHES:
+        _LAUNCHES[world, backend] = _launch(world, backend)
+    return _LAUNCHES[world, backend]
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize(
     "world, scenario", [(w, s) for w, names in SCENARIOS.items() for s in names]
 )
-def test_distributed(world, scenario):
-    launch = _results(world)
+def test_distributed(world, scenario, backend):
+    if backend == "triton" and not triton_available():
+        pytest.skip("triton is not installed (it is an optional, Linux-only dependency)")
+    launch = _results(world, backend)
     records = launch["records"]
     problems = []
     for rank in range(world):
@@ -536,4 +545,4 @@ def test_distributed(world, scenario):
     if problems:
         if launch["hung"]:
             problems.append(f"ranks {launch['hung']} were killed at the deadline")
-        pytest.fail(f"{scenario} with {world} ranks:\n" + "\n".join(problems))
+        pytest.fail(f"{scenario} with {world} ranks on {backend}:\n" + "\n".join(problems))
