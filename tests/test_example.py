@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from backends import each_backend
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 sys.path.insert(0, str(EXAMPLES))
@@ -89,6 +90,7 @@ def test_norm_choice_builds_the_right_layers() -> None:
         < sum(isinstance(m, torch.nn.LeakyReLU) for m in _tiny_model("bn").modules())
 
 
+@each_backend
 @pytest.mark.parametrize("norm", ["syncbn", "inplace_abn"])
 def test_conversion_computes_what_the_plain_model_computes(norm: str) -> None:
     """The converted network = the plain one in training (one replica, float64): the loss and
