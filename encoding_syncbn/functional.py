@@ -27,7 +27,7 @@ device, not once per replica.
 
 In place, only y is kept: x, z and xhat are rebuilt from it. Channels whose |w| is too small
 to divide by (zero-initialised residual BNs) keep their input aside instead, so every sign and
-value of gamma gets exact gradients.
+value of gamma gets exact gradients (which channels, and how the host learns them: ``aside``).
 
 Double backward (a gradient penalty: ``torch.autograd.grad(..., create_graph=True)``, then a
 backward through that gradient): under ``create_graph`` each backward is autograd's gradient of
