@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from backends import each_backend
 from convert_check import check_conversion, per_replica_norms
 from third_party import import_or_skip
 from torch import nn
@@ -55,7 +56,7 @@ def test_torchvision_deeplabv3_mobilenet_v3_large():
     check_conversion(model, batch(2, 32))
 
 
-@pytest.mark.usefixtures("each_backend")
+@each_backend
 def test_timm_resnet18():
     timm = import_or_skip("timm")
     check_conversion(built(lambda: timm.create_model("resnet18", num_classes=5)), batch(4, 32))
@@ -93,7 +94,7 @@ def test_smp(arch):
     check_conversion(model, batch(2, 32), replicas=2 if arch == "Unet" else 0)
 
 
-@pytest.mark.usefixtures("each_backend")
+@each_backend
 def test_timm_norm_act_layers():
     timm = import_or_skip("timm")
     from timm.layers import BatchNormAct2d
