@@ -37,7 +37,7 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(params=["torch", "torch-slabs", "triton"])
 def each_backend(request, monkeypatch):
-    """Run a test once per backend (modules opt in with ``usefixtures("each_backend")``)."""
+    """Run a test once per backend (tests opt in with the marks of ``tests/backends.py``)."""
     if request.param == "triton" and not triton_available():
         pytest.skip("triton is not installed (it is an optional, Linux-only dependency)")
     if request.param == "torch-slabs":

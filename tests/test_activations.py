@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from backends import each_backend
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from reference import SMOOTH_ACTIVATIONS, activate, assert_close, plain_twin, reference_step
@@ -30,7 +31,7 @@ def _layer(activation: str, channels: int, gen: torch.Generator) -> SyncBatchNor
     return layer
 
 
-@pytest.mark.usefixtures("each_backend")
+@each_backend
 @settings(max_examples=6, deadline=None, derandomize=True)
 @given(
     activation=st.sampled_from(SMOOTH_ACTIVATIONS),

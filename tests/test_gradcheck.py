@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from backends import each_backend
 
 from encoding_syncbn import SyncBatchNorm
 from encoding_syncbn.aside import aside_index
@@ -18,7 +19,7 @@ from encoding_syncbn.functional import (
 from encoding_syncbn.stats import merge_stats
 from encoding_syncbn.testing import SimulatedDataParallel
 
-pytestmark = pytest.mark.usefixtures("each_backend")
+pytestmark = each_backend
 
 
 @pytest.fixture(autouse=True)

@@ -13,6 +13,7 @@ import contextlib
 import pytest
 import torch
 import torch.nn.functional as F
+from backends import each_backend
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from reference import activate
@@ -20,7 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from encoding_syncbn import SyncBatchNorm
 
-pytestmark = pytest.mark.usefixtures("each_backend")
+pytestmark = each_backend
 
 DT = torch.float64
 aten = torch.ops.aten

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from backends import each_backend
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from reference import ACTIVATIONS, SLOPES, activate, assert_close, plain_twin, reference_step
@@ -13,7 +14,7 @@ from encoding_syncbn import SyncBatchNorm
 from encoding_syncbn.testing import SimulatedDataParallel
 
 C = 4
-pytestmark = pytest.mark.usefixtures("each_backend")
+pytestmark = each_backend
 
 
 def make_layer(activation="leaky_relu", inplace=None, dtype=torch.float64, **kwargs):
