@@ -19,13 +19,15 @@ from .streams import stream_event
 MIN_INVERTIBLE_GAMMA = 1e-3
 
 
-def small_gamma_mask(weight: torch.Tensor, bias: torch.Tensor, margin: float = 1.0
+def small_gamma_mask(weight: torch.Tensor, bias: torch.Tensor | None, margin: float = 1.0
                      ) -> torch.Tensor:
-    """Per channel: ``|w| <= margin * MIN_INVERTIBLE_GAMMA * max(1, |b|)`` (no host sync)."""
+    """Per channel: ``|w| <= margin * MIN_INVERTIBLE_GAMMA * max(1, |b|)`` (no host sync;
+    no bias: ``b = 0``)."""
+    bias = torch.zeros_like(weight) if bias is None else bias
     return torch_ops.small_gamma(weight, bias, margin * MIN_INVERTIBLE_GAMMA)
 
 
-def small_gamma_index(weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+def small_gamma_index(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """The channels' indices whose output cannot be inverted: ``(k,)``, sized by the data."""
     return small_gamma_mask(weight, bias).nonzero().view(-1)
 
@@ -96,7 +98,6 @@ class AsideWatch:
         if self._frozen(weight, refresh):
             return self.known
         if self._host is None:
-            bias = torch.zeros_like(weight) if bias is None else bias
             self.offer(small_gamma_mask(weight, bias, ASIDE_MARGIN))
         if self.known is None and self._ready is not None:
             self._ready.synchronize()  # the layer's first call on a GPU: once
@@ -116,7 +117,6 @@ def small_gamma_channels(weight: torch.Tensor | None, bias: torch.Tensor | None
     """
     if weight is None:  # affine=False: gamma is 1 everywhere
         return ()
-    bias = torch.zeros_like(weight) if bias is None else bias
     return tuple(small_gamma_index(weight, bias).tolist())
 
 
