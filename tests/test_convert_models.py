@@ -6,7 +6,7 @@ loading strictly, nothing per-replica left, and revert giving back its classes.
 
 On the default backend (the torch one on the CPU), except timm's resnet18 and its norm-act
 layers, which run on every backend: the Triton kernels run in Triton's interpreter, 46 s for
-resnet18 here and 17 minutes for the whole module on two cores. For all of them on the Triton
+resnet18 here and 6 minutes for the whole module on two cores. For all of them on the Triton
 path: ``ENCODING_SYNCBN_BACKEND=triton python -m pytest -n 2 tests/test_convert_models.py``.
 """
 
