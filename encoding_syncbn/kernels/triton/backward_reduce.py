@@ -28,11 +28,13 @@ from .tiles import (
 
 @triton.jit
 def _backward_reduce_kernel(saved_ptr, dy_ptr, mean_ptr, invstd_ptr, weight_ptr, bias_ptr,
-                            sum_dz_ptr, sum_dz_xhat_ptr, slope: tl.float64, N, C, S, R, CS, tiles,
-                            tiles_s, tiles_per_prog, ACTIVATION: tl.constexpr,
+                            sum_dz_ptr, sum_dz_xhat_ptr, plane, slope: tl.float64, N, C, S, R, CS,
+                            tiles, tiles_s, tiles_per_prog, ACTIVATION: tl.constexpr,
                             SAVED_IS_OUTPUT: tl.constexpr, CHANNELS_LAST: tl.constexpr,
                             BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, ACC: tl.constexpr):
-    """Partial sum(dz) and sum(dz * xhat) per channel over this program's tiles -> row pid_1."""
+    """Partial sum(dz) and sum(dz * xhat) per channel over this program's tiles -> row pid_1 of
+    ``sum_dz`` and of ``sum_dz_xhat + plane`` (split: one [2, splits, C] buffer passed as both,
+    ``plane`` = splits * C; not split: the two outputs, ``plane`` = 0)."""
     c0 = _channel_block(CHANNELS_LAST, BLOCK_B)
     mean, invstd, weight, bias = _load_norm_params(mean_ptr, invstd_ptr, weight_ptr, bias_ptr,
                                                    c0, C, CHANNELS_LAST, BLOCK_B)
@@ -49,23 +51,24 @@ def _backward_reduce_kernel(saved_ptr, dy_ptr, mean_ptr, invstd_ptr, weight_ptr,
         acc_dz_xhat += tl.where(mask, dz * xhat, 0.0)
     row = tl.program_id(1)
     _store_channel_sum(sum_dz_ptr, acc_dz, row, c0, C, CHANNELS_LAST, BLOCK_B)
-    _store_channel_sum(sum_dz_xhat_ptr, acc_dz_xhat, row, c0, C, CHANNELS_LAST, BLOCK_B)
+    _store_channel_sum(sum_dz_xhat_ptr + plane, acc_dz_xhat, row, c0, C, CHANNELS_LAST, BLOCK_B)
 
 
 @triton.jit
-def _sum_merge_kernel(pa_ptr, pb_ptr, a_ptr, b_ptr, C, splits, BLOCK_P: tl.constexpr,
+def _sum_merge_kernel(part_ptr, plane, a_ptr, b_ptr, C, splits, BLOCK_P: tl.constexpr,
                       BLOCK_C: tl.constexpr):
-    """a[c] = sum_p pa[p, c] and b[c] = sum_p pb[p, c], always in the same order."""
+    """From the [2, splits, C] partials ``part``: a[c] = sum_p part[0, p, c] and
+    b[c] = sum_p part[1, p, c], always in the same order."""
     c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)[None, :]
     p = tl.arange(0, BLOCK_P)[:, None]
-    acc_ty = pa_ptr.dtype.element_ty
+    acc_ty = part_ptr.dtype.element_ty
     acc_a = tl.zeros([BLOCK_P, BLOCK_C], acc_ty)
     acc_b = tl.zeros([BLOCK_P, BLOCK_C], acc_ty)
     for p0 in range(0, splits, BLOCK_P):
         mask = (p0 + p < splits) & (c < C)
         offs = (p0 + p) * C + c
-        acc_a += tl.load(pa_ptr + offs, mask=mask, other=0.0)
-        acc_b += tl.load(pb_ptr + offs, mask=mask, other=0.0)
+        acc_a += tl.load(part_ptr + offs, mask=mask, other=0.0)
+        acc_b += tl.load(part_ptr + plane + offs, mask=mask, other=0.0)
     c1 = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     tl.store(a_ptr + c1, tl.sum(acc_a, 0), mask=c1 < C)
     tl.store(b_ptr + c1, tl.sum(acc_b, 0), mask=c1 < C)
@@ -85,13 +88,14 @@ def _plan_backward_reduce(saved: torch.Tensor, dy: torch.Tensor, mean: torch.Ten
     sum_dz = torch.empty(c, dtype=acc, device=saved.device)
     sum_dz_xhat = torch.empty_like(sum_dz)
     if splits == 1:
-        partials = (sum_dz, sum_dz_xhat)
-    else:
-        partials = torch.empty((2, splits, c), dtype=acc, device=saved.device).unbind()
+        rows = (sum_dz, sum_dz_xhat, 0)
+    else:  # one buffer, passed whole (no views of its planes to make)
+        part = torch.empty((2, splits, c), dtype=acc, device=saved.device)
+        rows = (part, part, splits * c)
     launches = [Launch(_backward_reduce_kernel, grid,
-                       (saved, dy, *params, *partials, plan.slope, *plan.args), plan.constexprs,
+                       (saved, dy, *params, *rows, plan.slope, *plan.args), plan.constexprs,
                        plan.num_warps)]
     if splits > 1:
-        launches.append(_merge_launch(_sum_merge_kernel, partials, splits, c,
+        launches.append(_merge_launch(_sum_merge_kernel, (part, splits * c), splits, c,
                                       (sum_dz, sum_dz_xhat)))
     return launches, (sum_dz, sum_dz_xhat)
