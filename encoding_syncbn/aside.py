@@ -8,11 +8,15 @@ gamma is too small for that keep their input aside and get their gradients from 
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
 import torch
 
 from .kernels import GammaCheck, compile_ops, torch_ops
 from .streams import stream_event
+
+if TYPE_CHECKING:
+    import numpy
 
 # A channel is rebuilt from y only if |w| > MIN_INVERTIBLE_GAMMA * max(1, |b|): xhat =
 # (z - b) / w amplifies z's rounding by |b| / |w|.
@@ -51,14 +55,16 @@ class AsideWatch:
     limit since, unless it shrank more than that many times over.
     """
 
-    __slots__ = ("known", "_host", "_ready", "_pinned")
+    __slots__ = ("known", "_host", "_ready", "_pinned", "_pinned_flags")
 
     def __init__(self) -> None:
         self.known: tuple[int, ...] | None = None
-        self._host: torch.Tensor | None = None  # an answer on its way
+        self._host: numpy.ndarray | None = None  # an answer on its way, as host memory
         self._ready: torch.cuda.Event | None = None
-        # Reused from call to call (one answer is on its way at a time).
+        # Reused from call to call (one answer is on its way at a time), with its numpy view
+        # (made once: a view per call costs more than reading the flags).
         self._pinned: torch.Tensor | None = None
+        self._pinned_flags: numpy.ndarray | None = None
 
     def _frozen(self, weight: torch.Tensor, refresh: bool) -> bool:
         """Whether the call must keep the answer it has: a checkpoint's recompute
@@ -80,13 +86,15 @@ class AsideWatch:
         """Start bringing per-channel flags (nonzero: keep aside) to the host, without
         waiting for the device."""
         if not small.is_cuda:
-            self._host, self._ready = small, None
+            # numpy reads host memory as it lies: no ATen call, no device sync.
+            self._host, self._ready = small.numpy(), None
             return
         pinned = self._pinned
         if pinned is None or pinned.shape != small.shape or pinned.dtype != small.dtype:
             pinned = self._pinned = torch.empty(small.shape, dtype=small.dtype, pin_memory=True)
+            self._pinned_flags = pinned.numpy()
         pinned.copy_(small, non_blocking=True)
-        self._host, self._ready = pinned, stream_event(small)
+        self._host, self._ready = self._pinned_flags, stream_event(small)
 
     def channels(self, weight: torch.Tensor | None, bias: torch.Tensor | None,
                  refresh: bool = True) -> tuple[int, ...]:
@@ -102,8 +110,7 @@ class AsideWatch:
         if self.known is None and self._ready is not None:
             self._ready.synchronize()  # the layer's first call on a GPU: once
         if self._ready is None or self._ready.query():
-            # numpy reads host memory as it lies: no ATen call, no device sync.
-            self.known = tuple(self._host.numpy().nonzero()[0].tolist())
+            self.known = tuple(self._host.nonzero()[0].tolist())
             self._host = self._ready = None
         return self.known
 
