@@ -35,6 +35,20 @@ def disable_torch_function_subclass() -> Any:
 
 
 @functools.cache
+def _grad_mode_setter() -> Callable[[bool], None]:
+    # torch.set_grad_enabled (what torch.no_grad calls) does the same through a context-manager
+    # object built per call; it is the fallback.
+    return getattr(torch._C, "_set_grad_enabled", torch.set_grad_enabled)
+
+
+def set_grad_mode(enabled: bool) -> None:
+    """Turn autograd's recording on or off for this thread, in one call: ``torch.no_grad()``
+    around the layer's statistics cost ~5 us a call in the host harness
+    (``benchmarks/host_overhead.py``), the setter's pair ~1."""
+    _grad_mode_setter()(enabled)
+
+
+@functools.cache
 def _graph_task_id() -> Callable[[], int]:
     try:
         return torch._C._current_graph_task_id

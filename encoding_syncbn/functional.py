@@ -587,9 +587,14 @@ def batch_norm_act(
     on the launch that finishes the statistics; ``refresh`` as ``AsideWatch.channels``.
     """
     backend = ops_for(x)
-    with torch.no_grad():
+    # No graph for the statistics: BatchNormAct's backward accounts for them.
+    grad_mode = torch.is_grad_enabled()
+    _compat.set_grad_mode(False)
+    try:
         check = watch.check_for(weight, bias, refresh) if watch is not None else None
         mean, invstd, small = backend.batch_stats(x, eps, running, check)
+    finally:
+        _compat.set_grad_mode(grad_mode)
     known = config.aside
     if watch is not None:
         if small is not None:
