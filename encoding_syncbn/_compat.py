@@ -36,16 +36,26 @@ def disable_torch_function_subclass() -> Any:
 
 @functools.cache
 def _grad_mode_setter() -> Callable[[bool], None]:
-    # torch.set_grad_enabled (what torch.no_grad calls) does the same through a context-manager
-    # object built per call; it is the fallback.
+    # torch.set_grad_enabled does the same through an object built per call: the fallback.
     return getattr(torch._C, "_set_grad_enabled", torch.set_grad_enabled)
 
 
-def set_grad_mode(enabled: bool) -> None:
-    """Turn autograd's recording on or off for this thread, in one call: ``torch.no_grad()``
-    around the layer's statistics cost ~5 us a call in the host harness
-    (``benchmarks/host_overhead.py``), the setter's pair ~1."""
-    _grad_mode_setter()(enabled)
+class _NoGrad:
+    __slots__ = ("prev",)
+
+    def __enter__(self) -> None:
+        self.prev = torch.is_grad_enabled()
+        _grad_mode_setter()(False)
+
+    def __exit__(self, *exc: object) -> None:
+        _grad_mode_setter()(self.prev)
+
+
+def no_grad() -> _NoGrad:
+    """``torch.no_grad()`` for a block (not a decorator), by autograd's mode setter:
+    ``torch.no_grad()`` builds three objects a use, ~4 us more a layer call in the host
+    harness (``benchmarks/host_overhead.py``)."""
+    return _NoGrad()
 
 
 @functools.cache

@@ -404,7 +404,7 @@ def replica_stats(x: torch.Tensor) -> ReplicaStats:
     one replica's (at mean 1e6, std 1 and 2-4 replicas: ~1e-3 relative, against ~1e-8).
     Half-precision inputs have float32 statistics, finer than their own rounding.
     """
-    with torch.no_grad():
+    with _compat.no_grad():
         mean, m2, count = ops_for(x).channel_stats(x)
         precise_mean = None
         if x.dtype == torch.float32 and count > 0:
@@ -587,14 +587,9 @@ def batch_norm_act(
     on the launch that finishes the statistics; ``refresh`` as ``AsideWatch.channels``.
     """
     backend = ops_for(x)
-    # No graph for the statistics: BatchNormAct's backward accounts for them.
-    grad_mode = torch.is_grad_enabled()
-    _compat.set_grad_mode(False)
-    try:
+    with _compat.no_grad():
         check = watch.check_for(weight, bias, refresh) if watch is not None else None
         mean, invstd, small = backend.batch_stats(x, eps, running, check)
-    finally:
-        _compat.set_grad_mode(grad_mode)
     known = config.aside
     if watch is not None:
         if small is not None:
