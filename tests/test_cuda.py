@@ -57,8 +57,8 @@ def _close(actual, expected, dtype, scale=1.0):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "channels_last"])
-# Reductions split over programs (C well under the planner's 4 programs an SM) and not (C = 640:
-# one program a channel on any GPU with fewer than 320 SMs).
+# Reductions split over programs (C well under the planner's 4 programs an SM) and not (NCHW
+# with C = 640: one program a channel on any GPU with fewer than 320 SMs).
 @pytest.mark.parametrize("shape", [(3, 5, 7, 9), (2, 3, 4, 5, 6), (7, 5), (16, 64, 129, 131),
                                    (64, 256, 56, 56), (2, 3, 1024, 1031), (4, 640, 6, 5)])
 @pytest.mark.parametrize("activation,saved_is_output", [
