@@ -320,6 +320,24 @@ def test_backward_half(fmt, dtype, activation, saved_is_output):
     _check_backward((3, 5, 7, 9), fmt, dtype, activation, saved_is_output)
 
 
+@settings(max_examples=12, deadline=None, derandomize=True)
+@given(c=st.sampled_from([1, 2, 5, 64, 300]), fmt=st.sampled_from(["nchw", "last"]),
+       dtype=st.sampled_from([torch.float16, torch.bfloat16, torch.float32, torch.float64]),
+       variant=st.sampled_from(VARIANTS), sms=st.sampled_from([None, 1, 8, 132]),
+       seed=st.integers(0, 2**16))
+@example(c=2, fmt="last", dtype=torch.float32, variant=("leaky_relu", True), sms=132, seed=0)
+@example(c=300, fmt="nchw", dtype=torch.float16, variant=("elu", True), sms=132, seed=1)
+def test_backward_planned_for_any_target(c, fmt, dtype, variant, sms, seed):
+    """The backward reduction and dx, planned as for the interpreter (``sms`` None) or for a
+    GPU of 1-132 SMs: split over programs or not, the partial buffer's two planes merged in one
+    step or several (few channels get many rows), against the reference."""
+    shape = (60, c, 5, 9) if c < 16 else (2, c, 3, 5)
+    with pytest.MonkeyPatch.context() as patch:
+        if sms is not None:
+            patch.setattr(T, "_target", lambda device: P.Target(False, sms))
+        _check_backward(shape, fmt, dtype, *variant, seed=seed)
+
+
 # SiLU and GELU (out of place only: saved x). Few cases: the interpreter is slow.
 SMOOTH = ("silu", "gelu", "gelu_tanh")
 
