@@ -88,14 +88,13 @@ def _plan_backward_reduce(saved: torch.Tensor, dy: torch.Tensor, mean: torch.Ten
     sum_dz = torch.empty(c, dtype=acc, device=saved.device)
     sum_dz_xhat = torch.empty_like(sum_dz)
     if splits == 1:
-        rows = (sum_dz, sum_dz_xhat, 0)
-    else:  # one buffer, passed whole (no views of its planes to make)
+        rows, merge = (sum_dz, sum_dz_xhat, 0), []
+    else:  # one buffer, passed whole (no views of its planes to make), then merged
         part = torch.empty((2, splits, c), dtype=acc, device=saved.device)
         rows = (part, part, splits * c)
-    launches = [Launch(_backward_reduce_kernel, grid,
-                       (saved, dy, *params, *rows, plan.slope, *plan.args), plan.constexprs,
-                       plan.num_warps)]
-    if splits > 1:
-        launches.append(_merge_launch(_sum_merge_kernel, (part, splits * c), splits, c,
-                                      (sum_dz, sum_dz_xhat)))
-    return launches, (sum_dz, sum_dz_xhat)
+        merge = [_merge_launch(_sum_merge_kernel, (part, splits * c), splits, c,
+                               (sum_dz, sum_dz_xhat))]
+    reduce = Launch(_backward_reduce_kernel, grid,
+                    (saved, dy, *params, *rows, plan.slope, *plan.args), plan.constexprs,
+                    plan.num_warps)
+    return [reduce, *merge], (sum_dz, sum_dz_xhat)
