@@ -2,9 +2,11 @@
 
     python benchmarks/bench_time.py                    # CPU, one thread
     python benchmarks/bench_time.py --device cuda      # a GPU, when there is one
+    python benchmarks/bench_time.py --device cuda --shape 8 256 128 128 --dtype float16
 
-Times forward and backward of the two 8-layer stacks of benchmarks/stacks.py on an
-(8, 64, 64, 64) float32 input: ``SyncBatchNorm(64, activation="leaky_relu")`` in place, and
+Times forward and backward of the two 8-layer stacks of benchmarks/stacks.py, by default on
+an (8, 64, 64, 64) float32 input (``--shape``, ``--dtype``: another; the parameters stay
+float32, as under autocast): ``SyncBatchNorm(64, activation="leaky_relu")`` in place, and
 ``nn.BatchNorm2d(64)`` followed by ``F.leaky_relu(inplace=True)``. One replica, no
 synchronisation (see bench_sync.py for that). The two stacks take turns (after two warm-up
 turns), so that a slow spell of a shared machine hits both alike; each figure is the median
@@ -24,6 +26,10 @@ def parse_args() -> argparse.Namespace:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu",
                         help="cpu or cuda (default: %(default)s)")
+    parser.add_argument("--shape", type=int, nargs="+", default=None,
+                        help="input shape N C ... (default: benchmarks/stacks.py's SHAPE)")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"),
+                        help="input dtype (default: %(default)s)")
     parser.add_argument("--turns", type=int, default=20,
                         help="timed turns of each stack (default: %(default)s)")
     parser.add_argument("--threads", type=int, default=1,
@@ -40,12 +46,13 @@ def main() -> None:
     from timing import forward_backward, median_iqr, take_turns
 
     device = torch.device(args.device)
+    shape = tuple(args.shape or SHAPE)
     if device.type == "cpu":
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    x = torch.randn(SHAPE, device=device)
+    x = torch.randn(shape, device=device, dtype=getattr(torch, args.dtype))
     grad = torch.randn_like(x)
-    stacks = {name: make(SHAPE[1], LAYERS).to(device) for name, make in STACKS.items()}
+    stacks = {name: make(shape[1], LAYERS).to(device) for name, make in STACKS.items()}
 
     def measure(stack: torch.nn.Module):
         return lambda: forward_backward(lambda: stack(x.detach().requires_grad_()), grad,
@@ -66,13 +73,16 @@ def main() -> None:
     table = results.markdown_table(
         ["stack", "forward ms", "backward ms", "forward+backward ms"], rows)
     threads = f"{torch.get_num_threads()} thread(s)" if device.type == "cpu" else "GPU"
-    notes = (f"{LAYERS}-layer stacks on an {SHAPE} float32 input, {device.type}, {threads}, "
+    notes = (f"{LAYERS}-layer stacks on an {shape} {args.dtype} input, {device.type}, {threads}, "
              f"one replica: time per forward and backward of the whole stack, median "
              f"[interquartile range] of {args.turns} turns, the two stacks taking turns. "
              f"The ratio is ours over `nn.BatchNorm2d` + `F.leaky_relu` in the same turn.")
     print(notes + "\n\n" + table)
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
-    results.record(args, f"bench_time.py ({device.type})", table, notes, gpu)
+    # The default input keeps the section it always had; another input gets its own.
+    size = "" if (shape, args.dtype) == (SHAPE, "float32") else (
+        ", " + "x".join(map(str, shape)) + " " + args.dtype)
+    results.record(args, f"bench_time.py ({device.type}{size})", table, notes, gpu)
 
 
 if __name__ == "__main__":
