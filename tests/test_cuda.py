@@ -3,8 +3,9 @@
     TRITON_INTERPRET=0 python -m pytest -q -m cuda tests/test_cuda.py
 
 (``tests/conftest.py`` otherwise selects Triton's interpreter for the CPU tests.) Every result
-is compared with plain PyTorch: the kernels with ``torch_ops`` in float64 on the CPU, the
-layers with ``nn.BatchNorm`` + activation on the whole batch.
+is compared with plain PyTorch: the kernels with ``torch_ops`` in float64 (on the GPU: the
+largest shapes' float64 references would take minutes on the CPU), the layers with
+``nn.BatchNorm`` + activation on the whole batch.
 """
 
 from __future__ import annotations
@@ -40,19 +41,21 @@ def triton_on_gpu():
 
 
 def _input(shape, dtype, channels_last, seed=0):
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator(device="cuda").manual_seed(seed)
     c = shape[1]
-    offset = torch.randn((1, c) + (1,) * (len(shape) - 2), generator=g) * 3
-    x = (torch.randn(shape, generator=g, dtype=torch.float64) * 2 + offset).to(dtype)
+    offset = torch.randn((1, c) + (1,) * (len(shape) - 2), generator=g, device="cuda") * 3
+    x = (torch.randn(shape, generator=g, dtype=torch.float64, device="cuda") * 2 + offset)
+    x = x.to(dtype)
     if channels_last:
         x = x.permute(0, *range(2, x.dim()), 1).contiguous()
         x = x.permute(0, x.dim() - 1, *range(1, x.dim() - 1))
-    return x.cuda()
+    return x
 
 
 def _close(actual, expected, dtype, scale=1.0):
     tol = TOL[dtype] * scale
-    torch.testing.assert_close(actual.double().cpu(), expected.double().cpu(), rtol=tol, atol=tol)
+    torch.testing.assert_close(actual.double(), expected.double().to(actual.device), rtol=tol,
+                               atol=tol)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
@@ -70,7 +73,7 @@ def test_kernels_match_reference(triton_on_gpu, dtype, channels_last, shape, act
     if channels_last and len(shape) < 3:
         pytest.skip("2-D inputs have one layout")
     x = _input(shape, dtype, channels_last)
-    ref_x = x.double().cpu()
+    ref_x = x.double()
     c, acc = shape[1], torch_ops.stats_dtype(dtype)
     count = x.numel() // c
     mean, m2, _ = T.channel_stats(x)
@@ -79,10 +82,10 @@ def test_kernels_match_reference(triton_on_gpu, dtype, channels_last, shape, act
     _close(m2 / count, ref_m2 / count, torch.float32, 10)
     g = torch.Generator().manual_seed(1)
     weight = (torch.rand(c, generator=g, dtype=torch.float64) + 0.5) * torch.where(
-        torch.rand(c, generator=g) > 0.3, 1.0, -1.0).double()
-    bias = torch.randn(c, generator=g, dtype=torch.float64) * 0.5
+        torch.rand(c, generator=g) > 0.3, 1.0, -1.0).double().cuda()
+    bias = torch.randn(c, generator=g, dtype=torch.float64).cuda() * 0.5
     invstd = (ref_m2 / count + 1e-5).rsqrt()
-    vecs = [v.to(acc).cuda() for v in (ref_mean, invstd, weight, bias)]
+    vecs = [v.to(acc) for v in (ref_mean, invstd, weight, bias)]
     slope = SLOPES[activation]
     out = torch.empty_like(x)
     T.normalize_act(x, *vecs, activation, slope, out)
@@ -90,17 +93,17 @@ def test_kernels_match_reference(triton_on_gpu, dtype, channels_last, shape, act
     torch_ops.normalize_act(ref_x, ref_mean, invstd, weight, bias, activation, slope, ref_out)
     _close(out, ref_out, dtype)
     saved = out if saved_is_output else x
-    ref_saved = out.double().cpu() if saved_is_output else ref_x
+    ref_saved = out.double() if saved_is_output else ref_x
     dy = _input(shape, dtype, channels_last, seed=2)
-    ref_dy = dy.double().cpu()
+    ref_dy = dy.double()
     sums = T.backward_reduce(saved, dy, *vecs, activation, slope, saved_is_output)
     ref_sums = torch_ops.backward_reduce(ref_saved, ref_dy, ref_mean, invstd, weight, bias,
                                          activation, slope, saved_is_output)
     for got, want in zip(sums, ref_sums):
         _close(got / count, want / count, torch.float32, 10)
-    coefs = [torch.randn(c, generator=g, dtype=torch.float64) for _ in range(3)]
+    coefs = [torch.randn(c, generator=g, dtype=torch.float64).cuda() for _ in range(3)]
     dx = T.backward_dx(saved, dy, *vecs, activation, slope, saved_is_output,
-                       *(v.to(acc).cuda() for v in coefs))
+                       *(v.to(acc) for v in coefs))
     ref_dx = torch_ops.backward_dx(ref_saved, ref_dy, ref_mean, invstd, weight, bias, activation,
                                    slope, saved_is_output, *coefs)
     _close(dx, ref_dx, dtype, 4)
@@ -109,7 +112,7 @@ def test_kernels_match_reference(triton_on_gpu, dtype, channels_last, shape, act
                               BatchSums(*sums, count))
     ref_dx = TORCH.backward_dx(ref_saved, ref_dy,
                                NormParams(ref_mean, invstd, weight, bias, activation, slope),
-                               saved_is_output, BatchSums(*(v.double().cpu() for v in sums), count))
+                               saved_is_output, BatchSums(*(v.double() for v in sums), count))
     _close(dx, ref_dx, dtype, 4)
 
 
