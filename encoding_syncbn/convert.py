@@ -224,7 +224,9 @@ def _check_plain_forward(layer: SyncBatchNorm, path: str) -> None:
 
 
 def _share_state(source: _BatchNorm, target: _BatchNorm) -> _BatchNorm:
-    """Make ``target`` use ``source``'s Parameter objects, buffers and training flag."""
+    """Make ``target`` use ``source``'s Parameter objects (a bias of None too: so are bias-less
+    layers made on a torch whose BatchNorms take no ``bias`` argument), buffers and training
+    flag."""
     for name in ("weight", "bias"):
         setattr(target, name, getattr(source, name))
     for name in ("running_mean", "running_var", "num_batches_tracked"):
@@ -238,10 +240,6 @@ def _norm_args(module: _BatchNorm) -> tuple:
             module.track_running_stats)
 
 
-def _has_bias(module: _BatchNorm) -> bool:
-    return module.bias is not None or not module.affine
-
-
 def _input_dim_of(module: _BatchNorm) -> int | None:
     """The input rank ``module``'s class stands for (None: any, or unknown)."""
     return next((_INPUT_DIM_BY_BATCHNORM[cls] for cls in type(module).__mro__
@@ -250,9 +248,7 @@ def _input_dim_of(module: _BatchNorm) -> int | None:
 
 def _batchnorm_to_sync(module: _BatchNorm, process_group: Any) -> SyncBatchNorm:
     """torch's BatchNorms (and their subclasses that keep ``forward``)."""
-    converted = SyncBatchNorm(
-        *_norm_args(module), process_group, device="meta", bias=_has_bias(module)
-    )
+    converted = SyncBatchNorm(*_norm_args(module), process_group, device="meta")
     converted._last_input_dim[0] = _input_dim_of(module)
     return _share_state(module, converted)
 
@@ -268,13 +264,12 @@ def _norm_act_to_sync(module: _BatchNorm, process_group: Any) -> SyncBatchNorm:
     if fused is not None:
         activation, slope = fused
         converted = SyncBatchNorm(
-            *_norm_args(module), process_group, device="meta", bias=_has_bias(module),
+            *_norm_args(module), process_group, device="meta",
             activation=activation, slope=slope, inplace=False,
         )
     else:
         converted = SyncBatchNormAct(
-            *_norm_args(module), process_group, device="meta", bias=_has_bias(module),
-            drop=drop, act=act,
+            *_norm_args(module), process_group, device="meta", drop=drop, act=act
         )
     converted._last_input_dim[0] = _input_dim_of(module)
     return _share_state(module, converted)
@@ -294,11 +289,9 @@ def _to_plain(layer: SyncBatchNorm) -> _BatchNorm:
     dim = layer.last_input_dim
     if type(drop) is nn.Identity and type(act) is nn.Identity and (dim is None or dim <= 5):
         cls = _BATCHNORM_BY_INPUT_DIM.get(dim, nn.BatchNorm2d)
-        plain = cls(*_norm_args(layer), device="meta", bias=_has_bias(layer))
+        plain = cls(*_norm_args(layer), device="meta")
     else:
-        plain = BatchNormAct(
-            *_norm_args(layer), device="meta", bias=_has_bias(layer), drop=drop, act=act
-        )
+        plain = BatchNormAct(*_norm_args(layer), device="meta", drop=drop, act=act)
     return _share_state(layer, plain)
 
 
@@ -316,13 +309,12 @@ def _resolve(name: str) -> type:
     raise ImportError(f"cannot import the module of {name}")
 
 
-def _norm_act_to_original(source: str, with_bias: bool) -> Callable[[nn.Module], nn.Module]:
+def _norm_act_to_original(source: str) -> Callable[[nn.Module], nn.Module]:
     """``to_original`` for a class built as ``cls(num_features, eps, momentum, affine,
     track_running_stats, device=...)`` with ``drop`` and ``act`` modules (timm's layout)."""
 
     def to_original(layer: SyncBatchNorm) -> nn.Module:
-        extra = {"bias": _has_bias(layer)} if with_bias else {}
-        plain = _resolve(source)(*_norm_args(layer), device="meta", **extra)
+        plain = _resolve(source)(*_norm_args(layer), device="meta")
         plain.drop, plain.act = _drop_and_act(layer)
         return _share_state(layer, plain)
 
@@ -333,14 +325,14 @@ for _source in (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm
                 nn.LazyBatchNorm1d, nn.LazyBatchNorm2d, nn.LazyBatchNorm3d, _BatchNorm):
     register_conversion(_source, _batchnorm_to_sync)
 register_conversion(
-    BatchNormAct, _norm_act_to_sync, _norm_act_to_original(_key(BatchNormAct), True)
+    BatchNormAct, _norm_act_to_sync, _norm_act_to_original(_key(BatchNormAct))
 )
 # timm: its synchronised variant reverts to the per-replica one, as nn.SyncBatchNorm does.
 register_conversion(
     "timm.layers.norm_act.BatchNormAct2d", _norm_act_to_sync,
-    _norm_act_to_original("timm.layers.norm_act.BatchNormAct2d", False),
+    _norm_act_to_original("timm.layers.norm_act.BatchNormAct2d"),
 )
 register_conversion(
     "timm.layers.norm_act.SyncBatchNormAct", _norm_act_to_sync,
-    _norm_act_to_original("timm.layers.norm_act.BatchNormAct2d", False),
+    _norm_act_to_original("timm.layers.norm_act.BatchNormAct2d"),
 )

@@ -105,9 +105,9 @@ class SyncBatchNorm(_BatchNorm):
         slope = float(slope)
         if inplace and definition.inverse_needs_positive_slope:
             inplace_policy.check_invertible_slope(activation, slope, dtype)
-        super().__init__(
-            num_features, eps, momentum, affine, track_running_stats, device, dtype, bias=bias
-        )
+        super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype)
+        if not bias:  # not by torch's `bias` argument, which torch 2.11 lacks
+            self.register_parameter("bias", None)
         self.process_group = process_group
         self.sync = bool(sync)
         self.activation = activation

@@ -84,9 +84,9 @@ class BatchNormAct(_BatchNorm):
         drop: nn.Module | None = None,
         act: nn.Module | None = None,
     ) -> None:
-        super().__init__(
-            num_features, eps, momentum, affine, track_running_stats, device, dtype, bias=bias
-        )
+        super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype)
+        if not bias:  # not by torch's `bias` argument, which torch 2.11 lacks
+            self.register_parameter("bias", None)
         self.drop = nn.Identity() if drop is None else drop
         self.act = nn.Identity() if act is None else act
 

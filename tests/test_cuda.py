@@ -81,8 +81,8 @@ def test_kernels_match_reference(triton_on_gpu, dtype, channels_last, shape, act
     _close(mean, ref_mean, torch.float32)
     _close(m2 / count, ref_m2 / count, torch.float32, 10)
     g = torch.Generator().manual_seed(1)
-    weight = (torch.rand(c, generator=g, dtype=torch.float64) + 0.5) * torch.where(
-        torch.rand(c, generator=g) > 0.3, 1.0, -1.0).double().cuda()
+    weight = ((torch.rand(c, generator=g, dtype=torch.float64) + 0.5) * torch.where(
+        torch.rand(c, generator=g) > 0.3, 1.0, -1.0).double()).cuda()
     bias = torch.randn(c, generator=g, dtype=torch.float64).cuda() * 0.5
     invstd = (ref_m2 / count + 1e-5).rsqrt()
     vecs = [v.to(acc) for v in (ref_mean, invstd, weight, bias)]

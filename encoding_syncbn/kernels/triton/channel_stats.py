@@ -103,28 +103,31 @@ def _merge_partials(part_ptr, plane, splits, c, C, BLOCK_P: tl.constexpr, BLOCK_
     Infinite partial means: as in the stats kernel, a lane whose merged mean is NaN takes the
     mean of the plain sums ``sum(n_p * mean_p) / n``.
     """
+    # One return at the end, not an early one inside the runtime `if`: Triton 3.6 fails to
+    # compile an early return there ("failed to legalize unresolved materialization").
     if splits == 1:
-        return (tl.load(part_ptr + c, mask=c < C, other=0.0),
-                tl.load(part_ptr + plane + c, mask=c < C, other=0.0))
-    c2 = c[None, :]
-    p = tl.arange(0, BLOCK_P)[:, None]
-    acc_ty = part_ptr.dtype.element_ty
-    mean = tl.zeros([BLOCK_P, BLOCK_C], acc_ty)
-    m2 = tl.zeros([BLOCK_P, BLOCK_C], acc_ty)
-    cnt = tl.zeros([BLOCK_P, BLOCK_C], acc_ty)
-    total = tl.zeros([BLOCK_P, BLOCK_C], acc_ty)
-    for p0 in range(0, splits, BLOCK_P):
-        mask = (p0 + p < splits) & (c2 < C)
-        offs = (p0 + p) * C + c2
-        part_mean = tl.load(part_ptr + offs, mask=mask, other=0.0)
-        part_cnt = tl.load(part_ptr + 2 * plane + offs, mask=mask, other=0.0)
-        total += tl.where(part_cnt > 0.0, part_mean * part_cnt, 0.0)
-        mean, m2, cnt = _welford_combine(
-            mean, m2, cnt, part_mean, tl.load(part_ptr + plane + offs, mask=mask, other=0.0),
-            part_cnt,
-        )
-    mean = tl.where(mean == mean, mean, total / tl.maximum(cnt, 1.0))
-    mean_c, m2_c, _ = _merge_lanes(mean, m2, cnt, 0)
+        mean_c = tl.load(part_ptr + c, mask=c < C, other=0.0)
+        m2_c = tl.load(part_ptr + plane + c, mask=c < C, other=0.0)
+    else:
+        c2 = c[None, :]
+        p = tl.arange(0, BLOCK_P)[:, None]
+        acc_ty = part_ptr.dtype.element_ty
+        mean = tl.zeros([BLOCK_P, BLOCK_C], acc_ty)
+        m2 = tl.zeros([BLOCK_P, BLOCK_C], acc_ty)
+        cnt = tl.zeros([BLOCK_P, BLOCK_C], acc_ty)
+        total = tl.zeros([BLOCK_P, BLOCK_C], acc_ty)
+        for p0 in range(0, splits, BLOCK_P):
+            mask = (p0 + p < splits) & (c2 < C)
+            offs = (p0 + p) * C + c2
+            part_mean = tl.load(part_ptr + offs, mask=mask, other=0.0)
+            part_cnt = tl.load(part_ptr + 2 * plane + offs, mask=mask, other=0.0)
+            total += tl.where(part_cnt > 0.0, part_mean * part_cnt, 0.0)
+            mean, m2, cnt = _welford_combine(
+                mean, m2, cnt, part_mean, tl.load(part_ptr + plane + offs, mask=mask, other=0.0),
+                part_cnt,
+            )
+        mean = tl.where(mean == mean, mean, total / tl.maximum(cnt, 1.0))
+        mean_c, m2_c, _ = _merge_lanes(mean, m2, cnt, 0)
     return mean_c, m2_c
 
 
