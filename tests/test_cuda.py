@@ -40,6 +40,15 @@ def triton_on_gpu():
     encoding_syncbn.set_backend("auto")
 
 
+@pytest.fixture(autouse=True)
+def no_tf32(monkeypatch):
+    """Convolutions in full float32: with TF32 (cuDNN's default on Ampere and later) a conv's
+    rounding depends on the algorithm cuDNN picks for each batch size, and the layers' tests
+    compare a model run on chunks of the batch with one run on the whole of it."""
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+
+
 def _input(shape, dtype, channels_last, seed=0):
     g = torch.Generator(device="cuda").manual_seed(seed)
     c = shape[1]
@@ -93,6 +102,14 @@ def test_kernels_match_reference(triton_on_gpu, dtype, channels_last, shape, act
     torch_ops.normalize_act(ref_x, ref_mean, invstd, weight, bias, activation, slope, ref_out)
     _close(out, ref_out, dtype)
     saved = out if saved_is_output else x
+    # From the input, an element whose z is within float32 rounding of 0 may fall on the other
+    # side of relu's or leaky_relu's kink than in float64 (derivative 1 against the slope): such
+    # elements (some 10**-5 of them) are left out of the dx comparisons.
+    per_channel = (1, c) + (1,) * (len(shape) - 2)
+    ref_z = ((ref_x - ref_mean.view(per_channel)) * (invstd * weight).view(per_channel)
+             + bias.view(per_channel))
+    near_kink = (ref_z.abs() < 1e-5) & (not saved_is_output)
+    assert near_kink.double().mean() < 1e-4
     ref_saved = out.double() if saved_is_output else ref_x
     dy = _input(shape, dtype, channels_last, seed=2)
     ref_dy = dy.double()
@@ -106,14 +123,14 @@ def test_kernels_match_reference(triton_on_gpu, dtype, channels_last, shape, act
                        *(v.to(acc) for v in coefs))
     ref_dx = torch_ops.backward_dx(ref_saved, ref_dy, ref_mean, invstd, weight, bias, activation,
                                    slope, saved_is_output, *coefs)
-    _close(dx, ref_dx, dtype, 4)
+    _close(dx.masked_fill(near_kink, 0), ref_dx.masked_fill(near_kink, 0), dtype, 4)
     # A layer on its own batch: the coefficients derived in the kernel from the sums.
     dx = T.DIRECT.backward_dx(saved, dy, NormParams(*vecs, activation, slope), saved_is_output,
                               BatchSums(*sums, count))
     ref_dx = TORCH.backward_dx(ref_saved, ref_dy,
                                NormParams(ref_mean, invstd, weight, bias, activation, slope),
                                saved_is_output, BatchSums(*(v.double() for v in sums), count))
-    _close(dx, ref_dx, dtype, 4)
+    _close(dx.masked_fill(near_kink, 0), ref_dx.masked_fill(near_kink, 0), dtype, 4)
 
 
 @pytest.mark.parametrize("running_dtype", [None, torch.float16, torch.bfloat16, torch.float32])
