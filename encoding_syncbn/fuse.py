@@ -425,9 +425,8 @@ def _inplace_layer(norm: nn.Module, path: str, process_group: Any, activation: s
         synced = conversion.to_sync(norm, process_group)
         setattr(synced, convert._SOURCE_ATTRIBUTE, conversion.source)
     layer = SyncBatchNorm(
-        *convert._norm_args(synced), synced.process_group, device="meta",
-        bias=convert._has_bias(synced), sync=synced.sync, activation=activation, slope=slope,
-        inplace=True,
+        *convert._norm_args(synced), synced.process_group, device="meta", sync=synced.sync,
+        activation=activation, slope=slope, inplace=True,
     )
     layer._last_input_dim[0] = synced._last_input_dim[0]
     source = getattr(synced, convert._SOURCE_ATTRIBUTE, None)
