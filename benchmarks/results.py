@@ -98,8 +98,7 @@ def command() -> str:
 
 
 def _commit() -> str:
-    """The checkout's commit, "-dirty" if tracked files other than RESULTS.md differ from it;
-    in a copy without git's folder (one sent to a GPU machine), $BENCH_COMMIT if set."""
+    """The checkout's commit, "-dirty" if tracked files other than RESULTS.md differ from it."""
     def git(*args: str) -> str:
         return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True,
                               timeout=10).stdout.strip()
@@ -110,9 +109,7 @@ def _commit() -> str:
                       f":(exclude){RESULTS.relative_to(ROOT).as_posix()}")
     except (OSError, subprocess.SubprocessError):
         return "unknown"
-    if not commit:
-        return os.environ.get("BENCH_COMMIT", "unknown")
-    return commit + ("-dirty" if changed else "")
+    return (commit + ("-dirty" if changed else "")) if commit else "unknown"
 
 
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
