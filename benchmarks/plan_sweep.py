@@ -1,0 +1,81 @@
+"""Each Triton op's GPU time under other launch-planner constants: what to tune, measured.
+
+    python benchmarks/plan_sweep.py [--repeats 30]
+
+For the shapes of ``bandwidth.py``'s first rows, the four passes over one activation (as there)
+timed with the planner's constants as shipped and with one or two of them changed: elements a
+tile (``_GPU_TILE_ELEMS``), warps a program (``_NUM_WARPS``), programs an SM for reductions
+and elementwise passes. Median of ``--repeats`` calls with CUDA events, in us, and each
+configuration's four passes summed. Needs a CUDA GPU. Writes its table to
+benchmarks/RESULTS.md (``--no-record``: print only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import results
+import torch
+from bandwidth import _ops, _time
+
+SHAPES = [((8, 256, 128, 128), torch.float16, False), ((8, 256, 128, 128), torch.float16, True)]
+# Name -> the planner constants it changes (the rest as shipped).
+CONFIGS = {
+    "as shipped": {},
+    "4 warps": {"_NUM_WARPS": 4},
+    "tile 1024, 4 warps": {"_GPU_TILE_ELEMS": 1024, "_NUM_WARPS": 4},
+    "tile 4096": {"_GPU_TILE_ELEMS": 4096},
+    "tile 4096, 4 warps": {"_GPU_TILE_ELEMS": 4096, "_NUM_WARPS": 4},
+    "reductions 8 a SM": {"_REDUCE_PROGRAMS_PER_SM": 8},
+    "reductions 16 a SM": {"_REDUCE_PROGRAMS_PER_SM": 16},
+    "4 warps, reductions 16 a SM": {"_NUM_WARPS": 4, "_REDUCE_PROGRAMS_PER_SM": 16},
+    "elementwise 64 a SM": {"_ELEMENTWISE_PROGRAMS_PER_SM": 64},
+}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--repeats", type=int, default=30)
+    results.add_arguments(parser)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("plan_sweep.py times GPU kernels and needs a CUDA GPU: nothing measured")
+        return 0
+    from encoding_syncbn.kernels import torch_ops
+    from encoding_syncbn.kernels.triton import ops as T
+    from encoding_syncbn.kernels.triton import plan
+
+    shipped = {name: getattr(plan, name) for config in CONFIGS.values() for name in config}
+    rows = []
+    for shape, dtype, channels_last in SHAPES:
+        fmt = torch.channels_last if channels_last else torch.contiguous_format
+        x = torch.randn(shape, device="cuda", dtype=dtype).to(memory_format=fmt)
+        dy = torch.randn_like(x)
+        acc = torch_ops.stats_dtype(dtype)
+        vec = [torch.rand(shape[1], device="cuda", dtype=acc) + 0.5 for _ in range(4)]
+        ops = _ops(T, x, dy, vec, torch.empty_like(x))
+        layout = "channels_last" if channels_last else "nchw"
+        for label, config in CONFIGS.items():
+            for name, value in {**shipped, **config}.items():
+                setattr(plan, name, value)
+            plan._plan_op_memo.cache_clear()
+            us = [round(_time(fn, args.repeats) * 1e6, 1) for fn in ops.values()]
+            rows.append([f"{shape} {str(dtype)[6:]} {layout}", label, *us, round(sum(us), 1)])
+            print(" | ".join(map(str, rows[-1])), flush=True)
+    for name, value in shipped.items():
+        setattr(plan, name, value)
+    table = results.markdown_table(["input", "planner", *ops, "sum"], rows)
+    print(table)
+    gpu = torch.cuda.get_device_name()
+    results.record(args, f"plan_sweep.py ({gpu})", table, gpu=gpu, notes=(
+        f"us per call, median of {args.repeats} (CUDA events), leaky_relu, in place; the "
+        f"planner as shipped: tile {shipped.get('_GPU_TILE_ELEMS')} elements, "
+        f"{shipped.get('_NUM_WARPS')} warps, {shipped.get('_REDUCE_PROGRAMS_PER_SM')} "
+        f"reduction / {shipped.get('_ELEMENTWISE_PROGRAMS_PER_SM')} elementwise programs "
+        f"an SM."))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
