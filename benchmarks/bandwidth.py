@@ -4,9 +4,11 @@
 
 For each shape and op: the bytes the op must move (batch_stats reads x; normalize_act reads
 x and writes y; backward_reduce reads y and dy; backward_dx reads y and dy and writes dx) over
-its median time (CUDA events, after a warm-up), in GB/s and as a share of ``--peak-gbps``
-(default: the H100 SXM's 3350 GB/s). Needs a CUDA GPU: without one it says so and exits (0,
-nothing recorded). Writes its table to benchmarks/RESULTS.md (``--no-record``: print only).
+its median time (CUDA events around the call, queued behind a spin kernel so that the host's
+planning and launching do not count; after a warm-up), in GB/s and as a share of
+``--peak-gbps`` (default: the H100 SXM's 3350 GB/s). Needs a CUDA GPU: without one it says
+so and exits (0, nothing recorded). Writes its table to benchmarks/RESULTS.md
+(``--no-record``: print only).
 """
 
 from __future__ import annotations
@@ -41,12 +43,19 @@ def _ops(T, x, dy, vec, out):
     }
 
 
+# GPU cycles of a spin kernel queued before each timed call (~2.5 ms at 2 GHz): the host plans
+# and launches the call while the GPU spins, so the events time the kernels alone, not the
+# host's time between them (which host_overhead.py and host_profile.py measure).
+_SPIN_CYCLES = 5_000_000
+
+
 def _time(fn, repeats: int) -> float:
     for _ in range(3):
         fn()
     times = []
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(_SPIN_CYCLES)
         start.record()
         fn()
         end.record()
@@ -99,7 +108,8 @@ def main() -> int:
         [[str(tuple(r["shape"])), r["dtype"], r["layout"], r["op"], r["us"], r["gbps"],
           r["of_peak"]] for r in rows])
     results.record(args, f"bandwidth.py ({name})", table,
-                   notes=f"Bytes each op must move over its median time (CUDA events, "
+                   notes=f"Bytes each op must move over its median time (CUDA events "
+                         f"behind a spin kernel, "
                          f"{args.repeats} calls after a warm-up), against a peak of "
                          f"{args.peak_gbps:.0f} GB/s.", gpu=name)
     print(json.dumps(rows))
