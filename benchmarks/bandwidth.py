@@ -3,7 +3,8 @@
     python benchmarks/bandwidth.py [--peak-gbps 3350] [--repeats 50]
 
 For each shape and op: the bytes the op must move (batch_stats reads x; normalize_act reads
-x and writes y; backward_reduce reads y and dy; backward_dx reads y and dy and writes dx) over
+x and writes y; backward_reduce reads y and dy; backward_dx reads y and dy and writes dx; then
+torch's own batch_norm and leaky_relu, forward and backward, for comparison) over
 its median time (CUDA events around the call, queued behind a spin kernel so that the host's
 planning and launching do not count; after a warm-up), in GB/s and as a share of
 ``--peak-gbps`` (default: the H100 SXM's 3350 GB/s). Needs a CUDA GPU: without one it says
@@ -28,8 +29,12 @@ SHAPES = [
     ((8, 1024, 14, 14), torch.float32, False),
     ((64, 2048, 7, 7), torch.float16, True),
 ]
-# Elements read or written per element of the activation.
-TRAFFIC = {"batch_stats": 1, "normalize_act": 2, "backward_reduce": 2, "backward_dx": 3}
+# Elements read or written per element of the activation: ours, then what torch's own
+# BatchNorm (cuDNN) and leaky_relu do for the same layer, counted the same way (a two-pass
+# forward 3, a backward 5; the activation 2 and 3).
+TRAFFIC = {"batch_stats": 1, "normalize_act": 2, "backward_reduce": 2, "backward_dx": 3,
+           "torch batch_norm": 3, "torch batch_norm backward": 5, "torch leaky_relu": 2,
+           "torch leaky_relu backward": 3}
 
 
 def _ops(T, x, dy, vec, out):
@@ -47,6 +52,27 @@ def _ops(T, x, dy, vec, out):
 # and launches the call while the GPU spins, so the events time the kernels alone, not the
 # host's time between them (which host_overhead.py and host_profile.py measure).
 _SPIN_CYCLES = 5_000_000
+
+
+def _torch_ops(x, dy):
+    """The same layer as torch computes it: ``torch.batch_norm`` (training) and leaky_relu."""
+    c = x.shape[1]
+    x = x.detach().requires_grad_()
+    weight = torch.ones(c, device=x.device, requires_grad=True)
+    bias = torch.zeros(c, device=x.device, requires_grad=True)
+
+    def forward():
+        return torch.batch_norm(x, weight, bias, None, None, True, 0.1, 1e-5, True)
+
+    z = forward()
+    y = torch.nn.functional.leaky_relu(z, 0.01)
+    return {
+        "torch batch_norm": forward,
+        "torch batch_norm backward": lambda: torch.autograd.grad(z, (x, weight, bias), dy,
+                                                                 retain_graph=True),
+        "torch leaky_relu": lambda: torch.nn.functional.leaky_relu(z, 0.01),
+        "torch leaky_relu backward": lambda: torch.autograd.grad(y, z, dy, retain_graph=True),
+    }
 
 
 def _time(fn, repeats: int) -> float:
@@ -92,7 +118,7 @@ def main() -> int:
         dy = torch.randn_like(x)
         c, acc = shape[1], torch_ops.stats_dtype(dtype)
         vec = [torch.rand(c, device="cuda", dtype=acc) + 0.5 for _ in range(4)]
-        ops = _ops(T, x, dy, vec, torch.empty_like(x))
+        ops = {**_ops(T, x, dy, vec, torch.empty_like(x)), **_torch_ops(x, dy)}
         layout = "channels_last" if channels_last else "nchw"
         for op, fn in ops.items():
             seconds = _time(fn, args.repeats)
