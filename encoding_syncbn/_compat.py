@@ -58,6 +58,12 @@ def no_grad() -> _NoGrad:
     return _NoGrad()
 
 
+# torch.compile of an in-place layer (its result copied over its input inside the graph):
+# right with torch 2.13; with 2.11, inductor's compiled backward raises a version-counter error
+# (aot_eager does not; 2.12 untested). Older torch compiles the layer out of place.
+COMPILES_IN_PLACE: bool = torch.__version__ >= (2, 13)
+
+
 @functools.cache
 def _graph_task_id() -> Callable[[], int]:
     try:

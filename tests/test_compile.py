@@ -20,7 +20,7 @@ from torch import nn  # noqa: E402
 from torch._dynamo.backends.common import aot_autograd  # noqa: E402
 
 import encoding_syncbn  # noqa: E402
-from encoding_syncbn import SyncBatchNorm  # noqa: E402
+from encoding_syncbn import SyncBatchNorm, _compat  # noqa: E402
 from encoding_syncbn.kernels import torch_ops  # noqa: E402
 
 C = 4
@@ -140,6 +140,19 @@ def test_compiled_in_place_overwrites_its_input(each_backend):
     out = compiled(given)
     torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(given, expected, rtol=1e-12, atol=1e-12)
+
+
+def test_compiled_out_of_place_where_torch_cannot_compile_in_place(each_backend, monkeypatch):
+    """Where torch cannot compile the in-place layer (before 2.13), it is compiled out of
+    place: the same outputs, gradients and running statistics, the input left as it was."""
+    monkeypatch.setattr(_compat, "COMPILES_IN_PLACE", False)
+    layer = make_layer("leaky_relu", True)
+    compiled = torch.compile(copy.deepcopy(layer), fullgraph=True, backend="aot_eager")
+    torch.manual_seed(4)
+    x, dy = torch.randn(2, C, 7, dtype=torch.float64), torch.randn(2, C, 7).double()
+    (y, overwritten, *rest), (y_c, given, *rest_c) = step(layer, x, dy), step(compiled, x, dy)
+    assert torch.equal(overwritten, y) and torch.equal(given, x)
+    assert_same([y, *rest], [y_c, *rest_c])
 
 
 def test_compiled_model_all_gammas_zero(each_backend):
