@@ -3,14 +3,14 @@
     python benchmarks/host_profile.py --device cuda [--shape 2 256 8 8] [--calls 200]
 
 One in-place ``SyncBatchNorm(C, activation="leaky_relu")`` on one replica, forward and backward
-of ``--calls`` calls in a row on one small input, the device synchronised only at the end: the
-GPU finishes each call's work sooner than the host issues the next, so the time per call is the
-host's. Printed: that time for the Triton (on a GPU) and the torch backends and for
-``nn.BatchNorm2d`` + ``F.leaky_relu`` (taking turns, best of ``--repeats``), then the first
-backend's calls under cProfile (the calling thread: on a GPU autograd runs backward on a thread
-of its own) and under torch's profiler (every thread: ATen ops, the layer's registered ops,
-the CUDA runtime's and driver's calls). A diagnosis aid: it records nothing
-(``host_overhead.py`` is the recorded figure, without launches).
+of ``--calls`` calls in a row on one input, the device synchronised only at the end: where the
+GPU finishes each call's work sooner than the host issues the next (a small input), the time per
+call is the host's. Printed: that time for the Triton (on a GPU) and the torch backends and for
+``nn.BatchNorm2d`` + ``F.leaky_relu`` (taking turns, best of ``--repeats``), written to
+benchmarks/RESULTS.md (``--no-record``: print only); then the first backend's calls under
+cProfile (the calling thread: on a GPU autograd runs backward on a thread of its own) and
+under torch's profiler (every thread: ATen ops, the layer's registered ops,
+the CUDA runtime's and driver's calls), printed only (``--top 0``: no profile).
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ import argparse
 import cProfile
 import pstats
 import time
+
+import results
 
 
 def parse_args() -> argparse.Namespace:
@@ -30,6 +32,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--top", type=int, default=30, help="profile rows (default 30)")
+    results.add_arguments(parser)
     return parser.parse_args()
 
 
@@ -82,6 +85,16 @@ def main() -> None:
           + f": forward+backward per call, best of {args.repeats} x {args.calls} calls, us")
     for name, us in best.items():
         print(f"  {name:30s} {us:8.1f}")
+    table = results.markdown_table(["layer", "us per forward+backward call"],
+                                   [[name, round(us, 1)] for name, us in best.items()])
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+    size = "x".join(map(str, args.shape)) + " " + args.dtype
+    results.record(args, f"host_profile.py ({device.type}, {size})", table, gpu=gpu, notes=(
+        f"One in-place layer, one replica: {args.calls} forward+backward calls in a row, the "
+        f"device synchronised at the end, best of {args.repeats}; the backends and "
+        f"`nn.BatchNorm2d` + `F.leaky_relu` taking turns."))
+    if args.top <= 0:
+        return
     profile = cProfile.Profile()
     profile.runcall(per_call_us, variants[backends[0]])
     pstats.Stats(profile).sort_stats("tottime").print_stats(args.top)
@@ -89,7 +102,6 @@ def main() -> None:
     with torch.profiler.profile(activities=activities) as prof:
         per_call_us(variants[backends[0]])
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top))
-    encoding_syncbn.set_backend("auto")
 
 
 if __name__ == "__main__":
