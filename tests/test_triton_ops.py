@@ -708,6 +708,16 @@ def test_reductions_planned_for_a_gpu_merge_many_partials(shape, fmt):
         assert_close(got, want.float(), torch.float32, sum_terms=x[:, 0].numel())
 
 
+@pytest.mark.parametrize("momentum,programs", [(0.1, 10), (None, 1)])
+def test_finalize_stats_runs_a_program_per_channel_block(momentum, programs):
+    """300 channels: a program per 32 of them; a cumulative average, whose every channel needs
+    the incremented counter, in one program (none may read a counter another incremented)."""
+    part = torch.zeros(3, 2, 300)
+    running = torch.zeros(300), torch.ones(300), torch.tensor(3)
+    launch, _ = TF._plan_finalize_stats(part, 10, 1e-5, *running, momentum, None, None, 0.0)
+    assert launch.grid == (programs, 1)
+
+
 def test_batch_stats_cumulative_average_needs_the_counter():
     x = make_input((2, 3, 4), torch.float32)
     with pytest.raises(ValueError, match="num_batches_tracked"):

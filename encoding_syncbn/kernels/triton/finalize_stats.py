@@ -1,10 +1,11 @@
 """finalize_stats: a batch's statistics finished in one launch after the statistics kernel.
 
-From the statistics kernel's partial ``(mean, M2, n)`` rows, one program merges each channel's
-rows (Chan), computes ``invstd``, folds the batch into the running statistics and flags the
-channels whose gamma is too small to invert. ``torch_ops.finalize_stats`` does the last three in
-some thirteen ATen calls on (C,) vectors, each costing more host time than the arithmetic; here
-the whole single-replica forward's statistics are two launches (``batch_stats``).
+From the statistics kernel's partial ``(mean, M2, n)`` rows, a program per block of channels
+merges each channel's rows (Chan), computes ``invstd``, folds the batch into the running
+statistics and flags the channels whose gamma is too small to invert.
+``torch_ops.finalize_stats`` does the last three in some thirteen ATen calls on (C,) vectors,
+each costing more host time than the arithmetic; here the whole single-replica forward's
+statistics are two launches (``batch_stats``).
 """
 
 from __future__ import annotations
@@ -19,9 +20,10 @@ from ..torch_ops import stats_dtype
 from .channel_stats import _merge_partials, _plan_partial_stats
 from .plan import _MERGE_ROWS, _TL_DTYPES, Launch, Target, Tile, _channel_vectors
 
-# Channels per step of the single program. Merging the partial rows keeps [_MERGE_ROWS, BLOCK_C]
-# lanes of four accumulators live: at 64 channels a step (8 lanes a thread) the AOT check found
-# float32 specialisations spilling on sm_90, at 32 none.
+# Channels per program (per step of the single program of a cumulative average). Merging the
+# partial rows keeps [_MERGE_ROWS, BLOCK_C] lanes of four accumulators live: at 64 channels a
+# step (8 lanes a thread) the AOT check found float32 specialisations spilling on sm_90, at 32
+# none.
 _BLOCK_C = 32
 _NUM_WARPS = 4
 
@@ -67,7 +69,10 @@ def _finalize_stats_kernel(part_ptr, plane, splits, mean_ptr, invstd_ptr, count:
                            RUNNING: tl.constexpr, COUNTER: tl.constexpr,
                            CUMULATIVE: tl.constexpr, CHECK: tl.constexpr, ACC: tl.constexpr,
                            RUN_ACC: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
-    """One program walks every channel: it alone reads and increments the batch counter.
+    """A program per block of BLOCK_C channels; the first increments the batch counter. With a
+    cumulative average every channel needs the incremented counter: one program then walks
+    every channel (no program may read a counter another has already incremented). A block's
+    channels past C are masked.
 
     (mean, M2) from the [3, splits, C] partials ``part``, as ``channel_stats``' merge kernel
     takes them (:func:`_merge_partials`: both give the same bits);
@@ -82,14 +87,25 @@ def _finalize_stats_kernel(part_ptr, plane, splits, mean_ptr, invstd_ptr, count:
     epsilon = tl.full([], eps, ACC)
     if COUNTER:
         batches = tl.load(batches_ptr) + 1
-        tl.store(batches_ptr, batches)
+        if CUMULATIVE:  # the only program
+            tl.store(batches_ptr, batches)
+        else:
+            if tl.program_id(0) == 0:
+                tl.store(batches_ptr, batches)
     if CUMULATIVE:
         factor = _div(tl.full([], 1.0, RUN_ACC), batches.to(RUN_ACC))
     kept = tl.full([], keep, RUN_ACC)
     taken = tl.full([], momentum, RUN_ACC)
     taken_var = tl.full([], var_alpha, RUN_ACC)
     limit = tl.full([], gamma_limit, ACC)
-    for c0 in range(0, C, BLOCK_C):
+    # Compiled as two loops, not one with the program's bounds: the latter spilled a float64
+    # cumulative specialisation on sm_80.
+    if CUMULATIVE:
+        c_start, c_stop = 0, C
+    else:
+        c_start = tl.program_id(0) * BLOCK_C
+        c_stop = c_start + BLOCK_C
+    for c0 in range(c_start, c_stop, BLOCK_C):
         c = c0 + tl.arange(0, BLOCK_C)
         valid = c < C
         mean, m2 = _merge_partials(part_ptr, plane, splits, c, C, BLOCK_P, BLOCK_C)
@@ -139,7 +155,8 @@ def _plan_finalize_stats(part: torch.Tensor, count: int, eps: float,
     args = (part, splits * c, splits, mean, invstd, *counts, running_mean if running else mean,
             running_var if running else mean, batches if constexprs["COUNTER"] else mean,
             *rates, weight, bias, small, limit, c)
-    return Launch(_finalize_stats_kernel, (1, 1), args, constexprs, _NUM_WARPS), (
+    programs = 1 if constexprs["CUMULATIVE"] else -(-c // _BLOCK_C)
+    return Launch(_finalize_stats_kernel, (programs, 1), args, constexprs, _NUM_WARPS), (
         mean, invstd, small)
 
 
