@@ -13,6 +13,10 @@ test on the Triton backend took 112 s with it, 59 s without; the whole suite on 
 function sees is patched already (a builtin there has been replaced); otherwise Triton's own
 call runs. The kernels compute the same: only a repeated patch is skipped. With a Triton that
 has not this structure, ``install()`` changes nothing.
+
+``install()`` also makes a scalar's ``__index__`` (a ``range`` bound) squeeze its 1-element array
+before ``int()``: Triton 3.6's interpreter does ``int(array)``, which NumPy 2.4 refuses, so every
+kernel loop with runtime bounds fails there (triton-lang/triton#9171; Triton 3.9 squeezes).
 """
 
 from __future__ import annotations
@@ -31,7 +35,21 @@ def _patched(module: Any) -> bool:
     return builtin is not None and not tl.core.is_builtin(builtin)
 
 
+def _squeeze_index() -> None:
+    patch = getattr(interpreter, "_patch_lang_tensor", None)
+    if patch is None or getattr(patch, "squeezes_index", False):
+        return
+
+    def patch_lang_tensor(tensor, scope):
+        patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    patch_lang_tensor.squeezes_index = True
+    interpreter._patch_lang_tensor = patch_lang_tensor
+
+
 def install() -> None:
+    _squeeze_index()
     function = getattr(interpreter, "InterpretedFunction", None)
     if (function is None or not hasattr(function, "rewrite")
             or getattr(function.__call__, "skips_repeated_patch", False)):
