@@ -12,8 +12,8 @@ in place with leaky_relu, planned for sm_90 with 132 SMs, with the key cache war
 training loop. The driver's part needs a GPU and is not timed here.
 
 Uses Triton's internals (``create_function_from_signature``, ``compute_cache_key``,
-``make_backend``), as ``JITFunction.run`` calls them in the Triton this was written for (3.9);
-with another Triton it may say it cannot measure and exit (0, nothing recorded). Times are
+``make_backend``), as ``JITFunction.run`` calls them in Triton 3.6 to 3.9; with another Triton
+it may say it cannot measure and exit (0, nothing recorded). Times are
 thread CPU time, the fastest of ``--repeats`` means. The table goes to benchmarks/RESULTS.md
 (``--no-record``: print only); the last line is one JSON object with ``launcher_us_per_call``.
 """
@@ -68,10 +68,13 @@ def launcher_step(launch, backend):
     options = {**launch.constexprs, "num_warps": launch.num_warps, "enable_fp_fusion": True}
     key_cache: dict = {}
 
+    # The compilation knobs run() passes: Triton 3.6 has the first, 3.9 both.
+    knob_names = [name for name in ("instrumentation_mode", "fpsan_homomorphic_casts")
+                  if hasattr(knobs.compilation, name)]
+
     def step():
         kwargs = dict(options, debug=kernel.debug or knobs.runtime.debug,
-                      instrumentation_mode=knobs.compilation.instrumentation_mode,
-                      fpsan_homomorphic_casts=knobs.compilation.fpsan_homomorphic_casts)
+                      **{name: getattr(knobs.compilation, name) for name in knob_names})
         _, specialization, bound_options = binder(*launch.args, **kwargs)
         return jit.compute_cache_key(key_cache, specialization, bound_options)
 
@@ -123,7 +126,9 @@ def main():
     table = results.markdown_table(["op", "kernel", "arguments", "binding + key us"], rows)
     table += f"\n\nPer layer call ({len(rows)} launches): {total} us."
     print(table)
-    results.record(args, "launch_overhead.py (cpu)", table, notes=(
+    import triton
+
+    results.record(args, f"launch_overhead.py (cpu, triton {triton.__version__})", table, notes=(
         "Triton's JITFunction.run before the driver (arguments bound and specialised, the cache "
         "key from its warm key cache), per launch of one single-replica in-place training call "
         f"{SHAPE} fp16 NCHW, leaky_relu, planned for sm_90 with {H100_SMS} SMs: thread CPU time, "
