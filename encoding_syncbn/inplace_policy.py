@@ -33,7 +33,7 @@ def check_invertible_slope(activation: str, slope: float, dtype: torch.dtype | N
 
 def can_overwrite(x: torch.Tensor, warned: list[bool]) -> bool:
     """Whether ``x`` may be overwritten by a custom Function; if not, warn unless ``warned[0]``
-    (the layer's flag: once per layer)."""
+    (the layer's flag: once per layer) or while compiling."""
     reason = None
     if x.requires_grad and x.is_leaf:
         reason = "a leaf tensor that requires grad"
