@@ -71,3 +71,36 @@ def test_overlap_fallback_matches_torch(monkeypatch):
     assert expected == [False, True, False, False]
     monkeypatch.delattr(torch, "_debug_has_internal_overlap")
     assert [_compat.has_internal_overlap(case) for case in cases] == expected
+
+
+def test_bias_less_layers_on_a_torch_whose_batchnorms_take_no_bias(monkeypatch):
+    """torch 2.11's BatchNorms have no ``bias`` argument (every layer construction failed there,
+    found on a GPU machine): made, converted, reverted and fused without it, bias-less layers
+    keep no bias and compute BatchNorm without one."""
+    from torch import nn
+    from torch.nn.modules.batchnorm import _BatchNorm, _NormBase
+
+    from encoding_syncbn import convert_inplace_abn, convert_sync_batchnorm, revert_sync_batchnorm
+    from encoding_syncbn.norm_act import BatchNormAct
+
+    def init_without_bias(self, num_features, eps=1e-5, momentum=0.1, affine=True,
+                          track_running_stats=True, device=None, dtype=None):
+        _NormBase.__init__(self, num_features, eps, momentum, affine, track_running_stats,
+                           device, dtype)
+
+    monkeypatch.setattr(_BatchNorm, "__init__", init_without_bias)
+    with pytest.raises(TypeError, match="bias"):
+        nn.BatchNorm2d(3, bias=False)  # the patch stands for that torch
+    assert SyncBatchNorm(3, bias=False).bias is None
+    assert BatchNormAct(3, bias=False, act=nn.ReLU()).bias is None
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(2, 3, 1), nn.BatchNorm2d(3), nn.LeakyReLU(0.1))
+    model[1].bias = None
+    x = torch.randn(4, 2, 5, 5)
+    expected = model(x)
+    for converted in (convert_sync_batchnorm(model), convert_inplace_abn(model)):
+        assert converted[1].bias is None
+        torch.testing.assert_close(converted(x), expected)
+        reverted = revert_sync_batchnorm(converted)
+        assert reverted[1].bias is None
+        torch.testing.assert_close(reverted(x), expected)
