@@ -54,6 +54,17 @@ def _ops(T, x, dy, vec, out):
 _SPIN_CYCLES = 5_000_000
 
 
+def _inputs(shape, dtype, channels_last):
+    """An activation in its layout, a gradient like it, and (mean, invstd, weight, bias)."""
+    from encoding_syncbn.kernels import torch_ops
+
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    x = torch.randn(shape, device="cuda", dtype=dtype).to(memory_format=fmt)
+    acc = torch_ops.stats_dtype(dtype)
+    vec = [torch.rand(shape[1], device="cuda", dtype=acc) + 0.5 for _ in range(4)]
+    return x, torch.randn_like(x), vec
+
+
 def _torch_ops(x, dy):
     """The same layer as torch computes it: ``torch.batch_norm`` (training) and leaky_relu."""
     c = x.shape[1]
@@ -102,7 +113,6 @@ def main() -> int:
         print("bandwidth.py measures GPU kernels and needs a CUDA GPU; none is visible here "
               "(torch.cuda.is_available() is False): nothing measured, nothing recorded")
         return 0
-    from encoding_syncbn.kernels import torch_ops
     from encoding_syncbn.kernels.triton import ops as T
     from encoding_syncbn.kernels.triton.plan import INTERPRET
 
@@ -113,11 +123,7 @@ def main() -> int:
     print(f"device: {name}; peak {args.peak_gbps:.0f} GB/s")
     rows = []
     for shape, dtype, channels_last in SHAPES:
-        fmt = torch.channels_last if channels_last else torch.contiguous_format
-        x = torch.randn(shape, device="cuda", dtype=dtype).to(memory_format=fmt)
-        dy = torch.randn_like(x)
-        c, acc = shape[1], torch_ops.stats_dtype(dtype)
-        vec = [torch.rand(c, device="cuda", dtype=acc) + 0.5 for _ in range(4)]
+        x, dy, vec = _inputs(shape, dtype, channels_last)
         ops = {**_ops(T, x, dy, vec, torch.empty_like(x)), **_torch_ops(x, dy)}
         layout = "channels_last" if channels_last else "nchw"
         for op, fn in ops.items():

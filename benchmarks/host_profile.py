@@ -46,6 +46,7 @@ def main() -> None:
     from encoding_syncbn import SyncBatchNorm
 
     device = torch.device(args.device)
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
     x0 = torch.randn(args.shape, device=device, dtype=getattr(torch, args.dtype))
     dy = torch.randn_like(x0)
     leaf = torch.zeros((), device=device, requires_grad=True)
@@ -81,13 +82,12 @@ def main() -> None:
         for name, call in variants.items():
             best[name] = min(best[name], per_call_us(call))
     print(f"{tuple(args.shape)} {args.dtype} on {device.type}"
-          + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else "")
+          + (f" ({gpu})" if gpu else "")
           + f": forward+backward per call, best of {args.repeats} x {args.calls} calls, us")
     for name, us in best.items():
         print(f"  {name:30s} {us:8.1f}")
     table = results.markdown_table(["layer", "us per forward+backward call"],
                                    [[name, round(us, 1)] for name, us in best.items()])
-    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
     size = "x".join(map(str, args.shape)) + " " + args.dtype
     results.record(args, f"host_profile.py ({device.type}, {size})", table, gpu=gpu, notes=(
         f"One in-place layer, one replica: {args.calls} forward+backward calls in a row, the "

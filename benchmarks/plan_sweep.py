@@ -5,7 +5,7 @@
 For the shapes of ``bandwidth.py``'s first rows, the four passes over one activation (as there)
 timed with the planner's constants as shipped and with one or two of them changed: elements a
 tile (``_GPU_TILE_ELEMS``), warps a program (``_NUM_WARPS``), programs an SM for reductions
-and elementwise passes. Median of ``--repeats`` calls with CUDA events, in us, and each
+and elementwise passes. Median of ``--repeats`` calls timed as there, in us, and each
 configuration's four passes summed. Needs a CUDA GPU. Writes its table to
 benchmarks/RESULTS.md (``--no-record``: print only).
 """
@@ -17,9 +17,8 @@ import sys
 
 import results
 import torch
-from bandwidth import _ops, _time
+from bandwidth import SHAPES, _inputs, _ops, _time
 
-SHAPES = [((8, 256, 128, 128), torch.float16, False), ((8, 256, 128, 128), torch.float16, True)]
 # Name -> the planner constants it changes (the rest as shipped).
 CONFIGS = {
     "as shipped": {},
@@ -42,18 +41,13 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("plan_sweep.py times GPU kernels and needs a CUDA GPU: nothing measured")
         return 0
-    from encoding_syncbn.kernels import torch_ops
     from encoding_syncbn.kernels.triton import ops as T
     from encoding_syncbn.kernels.triton import plan
 
     shipped = {name: getattr(plan, name) for config in CONFIGS.values() for name in config}
     rows = []
-    for shape, dtype, channels_last in SHAPES:
-        fmt = torch.channels_last if channels_last else torch.contiguous_format
-        x = torch.randn(shape, device="cuda", dtype=dtype).to(memory_format=fmt)
-        dy = torch.randn_like(x)
-        acc = torch_ops.stats_dtype(dtype)
-        vec = [torch.rand(shape[1], device="cuda", dtype=acc) + 0.5 for _ in range(4)]
+    for shape, dtype, channels_last in SHAPES[:2]:
+        x, dy, vec = _inputs(shape, dtype, channels_last)
         ops = _ops(T, x, dy, vec, torch.empty_like(x))
         layout = "channels_last" if channels_last else "nchw"
         for label, config in CONFIGS.items():
@@ -69,8 +63,9 @@ def main() -> int:
     print(table)
     gpu = torch.cuda.get_device_name()
     results.record(args, f"plan_sweep.py ({gpu})", table, gpu=gpu, notes=(
-        f"us per call, median of {args.repeats} (CUDA events), leaky_relu, in place; the "
-        f"planner as shipped: tile {shipped.get('_GPU_TILE_ELEMS')} elements, "
+        f"us per call, median of {args.repeats} (CUDA events behind a spin kernel), "
+        f"leaky_relu, in place; the planner as shipped: tile "
+        f"{shipped.get('_GPU_TILE_ELEMS')} elements, "
         f"{shipped.get('_NUM_WARPS')} warps, {shipped.get('_REDUCE_PROGRAMS_PER_SM')} "
         f"reduction / {shipped.get('_ELEMENTWISE_PROGRAMS_PER_SM')} elementwise programs "
         f"an SM."))
