@@ -87,11 +87,8 @@ def _finalize_stats_kernel(part_ptr, plane, splits, mean_ptr, invstd_ptr, count:
     epsilon = tl.full([], eps, ACC)
     if COUNTER:
         batches = tl.load(batches_ptr) + 1
-        if CUMULATIVE:  # the only program
+        if tl.program_id(0) == 0:  # the only program of a cumulative average
             tl.store(batches_ptr, batches)
-        else:
-            if tl.program_id(0) == 0:
-                tl.store(batches_ptr, batches)
     if CUMULATIVE:
         factor = _div(tl.full([], 1.0, RUN_ACC), batches.to(RUN_ACC))
     kept = tl.full([], keep, RUN_ACC)
