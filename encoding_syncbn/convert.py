@@ -16,6 +16,7 @@ from typing import Any, Callable, NamedTuple
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.lazy import LazyModuleMixin
+from torch.nn.utils import parametrize
 
 from . import activations
 from .modules import SyncBatchNorm, record_paths
@@ -228,11 +229,23 @@ def _share_state(source: _BatchNorm, target: _BatchNorm) -> _BatchNorm:
     layers made on a torch whose BatchNorms take no ``bias`` argument), buffers and training
     flag."""
     for name in ("weight", "bias"):
-        setattr(target, name, getattr(source, name))
+        if parametrize.is_parametrized(source, name):
+            _share_parametrization(source, target, name)
+        else:
+            setattr(target, name, getattr(source, name))
     for name in ("running_mean", "running_var", "num_batches_tracked"):
         target._buffers[name] = source._buffers.get(name)
     target.train(source.training)
     return target
+
+
+def _share_parametrization(source: nn.Module, target: nn.Module, name: str) -> None:
+    """Parametrize ``target.<name>`` (``torch.nn.utils.parametrize``) by ``source``'s very
+    ParametrizationList: the same parametrization modules and original Parameter objects (an
+    optimizer made before the conversion keeps training them). The Identity registered first
+    only makes ``target``'s class a parametrized one; it is replaced at once."""
+    parametrize.register_parametrization(target, name, nn.Identity(), unsafe=True)
+    target.parametrizations[name] = source.parametrizations[name]
 
 
 def _norm_args(module: _BatchNorm) -> tuple:

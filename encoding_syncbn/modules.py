@@ -18,6 +18,9 @@ from .recompute import RecomputeCache
 from .replicas import ReplicaSlot
 from .sync import ReplicaGroup
 
+# What ``_registered`` finds in a table that lacks the name.
+_ABSENT = object()
+
 # Attributes that only make sense for the live object: dropped by pickle and deepcopy.
 _TRANSIENT = ("_open_group", "_replica_slot", "_recompute_cache", "_open_aside", "_aside",
               "_aside_watch", "_warned_out_of_place")
@@ -145,9 +148,10 @@ class SyncBatchNorm(_BatchNorm):
             self._open_group = weakref.ref(group)
             # The replicas' parameters are copies of these, made just now: reading them back
             # here, once, spares every replica a device-to-host copy in each of its calls.
-            self._open_aside = (
-                small_gamma_channels(self.weight, self.bias) if self.inplace else None
-            )
+            with replicas.reading_parameters(group):
+                self._open_aside = (
+                    small_gamma_channels(self.weight, self.bias) if self.inplace else None
+                )
         replica = super()._replicate_for_data_parallel()
         replica._replica_slot = ReplicaSlot(group, group.add_member(replica))
         replica._open_group = None
@@ -218,10 +222,18 @@ class SyncBatchNorm(_BatchNorm):
                 slot.group.fail(slot.rank, error)
             raise
 
+    def _registered(self, table: dict[str, Any], name: str) -> Any:
+        """The parameter or buffer ``name`` from ``table`` (``_parameters`` or ``_buffers``):
+        ``nn.Module.__getattr__`` costs ~0.6 us a read here, and a call reads five. A name the
+        table lacks is read as an attribute (a DataParallel replica's parameters, a
+        parametrization's property)."""
+        value = table.get(name, _ABSENT)
+        return getattr(self, name) if value is _ABSENT else value
+
     def _affine_params(self, dtype: torch.dtype, device: torch.device):
         """Weight and bias in the statistics dtype (ones and zeros where there are none)."""
-        # Each read once: a parameter is found by nn.Module.__getattr__ (~2.5 us a read here).
-        weight, bias = self.weight, self.bias
+        weight = self._registered(self._parameters, "weight")
+        bias = self._registered(self._parameters, "bias")
         weight = (
             torch_ops.as_dtype(weight, dtype)
             if weight is not None
@@ -238,7 +250,8 @@ class SyncBatchNorm(_BatchNorm):
         """The activation, and whether and around which channels it runs in place (those
         found at ``replicate()``; None: not known yet, see ``_watching``)."""
         inplace = self.inplace and inplace_policy.can_overwrite(x, self._warned_out_of_place)
-        aside = () if inplace and self.weight is None else self._aside  # affine=False: none
+        affine = self._registered(self._parameters, "weight") is not None
+        aside = self._aside if affine or not inplace else ()  # affine=False: none
         return ActConfig(self.activation, self.slope, inplace, aside, self._label())
 
     def _watching(self, config: ActConfig) -> AsideWatch | None:
@@ -261,7 +274,7 @@ class SyncBatchNorm(_BatchNorm):
         acc = torch_ops.stats_dtype(x.dtype)
         weight, bias = self._affine_params(acc, x.device)
         # Batch statistics are the whole batch's, in evaluation too (track_running_stats=False).
-        batch_stats = self.training or self.running_mean is None
+        batch_stats = self.training or self._registered(self._buffers, "running_mean") is None
         # Asked once per call; evaluation with running statistics never asks autograd (its
         # private API stays untouched there).
         recomputing = batch_stats and recompute.inside_backward()
@@ -319,11 +332,12 @@ class SyncBatchNorm(_BatchNorm):
 
     def _running(self) -> RunningStats | None:
         """The running statistics a training call updates (None: not tracked)."""
-        running_mean = self.running_mean  # a buffer: read once (see _affine_params)
+        buffers = self._buffers
+        running_mean = self._registered(buffers, "running_mean")
         if not self.track_running_stats or running_mean is None:
             return None
-        return RunningStats(running_mean, self.running_var, self.num_batches_tracked,
-                            self.momentum)
+        return RunningStats(running_mean, self._registered(buffers, "running_var"),
+                            self._registered(buffers, "num_batches_tracked"), self.momentum)
 
     @classmethod
     def convert_sync_batchnorm(cls, module: torch.nn.Module, process_group: Any = None):

@@ -9,8 +9,10 @@ holds its open group weakly (``weakref.ref``), so that pickling and copying neve
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
+from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import torch
@@ -37,6 +39,20 @@ def new_group(label: str) -> ReplicaGroup:
     return ReplicaGroup(replication_session(_end_at_next_step), label)
 
 
+@contextlib.contextmanager
+def reading_parameters(group: ReplicaGroup) -> Iterator[None]:
+    """While ``replicate()`` runs, read a layer's parameters without ending ``group``'s session:
+    a parametrized weight (``torch.nn.utils.parametrize``) is computed by a module call, which
+    would otherwise count as the next step's (see ``_end_at_next_step``) and give the layer's
+    next replica a group of its own, unsynchronised."""
+    session = group.session
+    session.reading_parameters += 1
+    try:
+        yield
+    finally:
+        session.reading_parameters -= 1
+
+
 def _end_at_next_step(session: ReplicaSession) -> None:
     """Close ``session`` at the next module call of the thread that replicated (the next
     step's ``DataParallel.forward``), so that a group belongs to one ``replicate()`` call even
@@ -45,7 +61,8 @@ def _end_at_next_step(session: ReplicaSession) -> None:
     it removes itself once the session is closed (usually by the first sync layer's forward)."""
 
     def end(module: torch.nn.Module, args: Any) -> None:
-        if session.closed or threading.get_ident() == session.owner:
+        if session.closed or (threading.get_ident() == session.owner
+                              and not session.reading_parameters):
             session.closed = True
             with removing:  # replica threads may get here at once: remove() checks, then deletes
                 handle.remove()

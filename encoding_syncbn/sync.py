@@ -88,6 +88,9 @@ class ReplicaSession:
         # The thread that replicates: its next module call after replicate() (the next step's
         # DataParallel.forward) ends the session, whatever keeps its replicas alive.
         self.owner = threading.get_ident()
+        # Above 0 while a layer reads its own parameters during replicate(): a parametrized
+        # weight is computed by a module call, which is not the next step's.
+        self.reading_parameters = 0
         self._lock = threading.Lock()
         self._threads: dict[int, threading.Thread] = {}
         self._waiting: dict[int, _Waiting] = {}

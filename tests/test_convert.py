@@ -348,3 +348,37 @@ def test_revert_reads_the_source_of_the_layer_itself():
     net = nn.Sequential(Forwarding(convert_sync_batchnorm(nn.BatchNorm2d(3))))
     reverted = revert_sync_batchnorm(net)
     assert type(reverted[0]) is Forwarding and type(reverted[0].inner) is nn.BatchNorm2d
+
+
+def test_parametrized_batchnorm_keeps_its_parametrization():
+    """A BatchNorm whose weight is parametrized (``torch.nn.utils.parametrize``) converts to a
+    layer computing with that parametrization, training the same original Parameter (an
+    optimizer made before the conversion still works), synchronised under DataParallel; and
+    reverts to one that still has it."""
+    from torch.nn.utils import parametrize
+
+    class Doubled(nn.Module):
+        def forward(self, w):
+            return 2 * w
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4)).double()
+    parametrize.register_parametrization(model[1], "weight", Doubled())
+    original = model[1].parametrizations.weight.original
+    twin = copy.deepcopy(model)
+    converted = convert_sync_batchnorm(model)
+    assert isinstance(converted[1], SyncBatchNorm)
+    assert converted[1].parametrizations.weight.original is original
+    x = torch.randn(8, 3, 2, 2, dtype=torch.float64)
+    out = SimulatedDataParallel(converted, 2)(x)
+    expected = twin(x)
+    assert_close(out, expected, what="output")
+    out.square().sum().backward()
+    expected.square().sum().backward()
+    assert_close(original.grad, twin[1].parametrizations.weight.original.grad,
+                 what="the original parameter's grad")
+    reverted = revert_sync_batchnorm(converted)
+    assert type(reverted[1]).__name__ == "ParametrizedBatchNorm2d"
+    assert reverted[1].parametrizations.weight.original is original
+    assert_close(reverted(x), twin(x), what="reverted output")
+

@@ -401,6 +401,61 @@ def test_constructor_options_of_batchnorm(options, replicas):
         assert "bias" not in layer.state_dict()
 
 
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_parameters_and_buffers_from_functional_call(inplace):
+    """``torch.func.functional_call`` swaps the module's parameters and buffers for the ones
+    it is given: the layer computes with those, and updates those running statistics."""
+    layer = make_layer("leaky_relu", inplace=inplace)
+    twin = plain_twin(layer, 4)
+    gen = torch.Generator().manual_seed(3)
+    weight = torch.randn(C, generator=gen, dtype=torch.float64).requires_grad_()
+    bias = torch.randn(C, generator=gen, dtype=torch.float64).requires_grad_()
+    buffers = {name: t.clone() for name, t in layer.named_buffers()}
+    with torch.no_grad():
+        twin.weight.copy_(weight)
+        twin.bias.copy_(bias)
+    x = torch.randn(6, C, 3, 2, generator=gen, dtype=torch.float64)
+    grad = torch.randn_like(x)
+    expected, expected_dx = reference_step(twin, x, grad, "leaky_relu", 0.1)
+    leaf = x.clone().requires_grad_()
+    out = torch.func.functional_call(layer, ({"weight": weight, "bias": bias}, buffers),
+                                     (leaf * 1,))
+    out.backward(grad)
+    assert_close(out, expected, what="output")
+    assert_close(leaf.grad, expected_dx, what="input grad")
+    assert_close(weight.grad, twin.weight.grad, what="weight grad")
+    assert_close(bias.grad, twin.bias.grad, what="bias grad")
+    assert_close(buffers["running_mean"], twin.running_mean, what="running_mean")
+    assert_close(buffers["running_var"], twin.running_var, what="running_var")
+    assert layer.weight.grad is None and layer.num_batches_tracked.item() == 0
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_parametrized_weight(replicas):
+    """A parametrization (``torch.nn.utils.parametrize``) replaces ``weight`` by a property
+    computed from its own parameter: the layer normalises with the computed weight."""
+    from torch.nn.utils import parametrize
+
+    class Doubled(nn.Module):
+        def forward(self, w):
+            return 2 * w
+
+    layer = make_layer("leaky_relu")
+    twin = plain_twin(layer, 4)
+    parametrize.register_parametrization(layer, "weight", Doubled())
+    with torch.no_grad():
+        twin.weight.mul_(2)
+    x = torch.randn(6, C, 3, 2, dtype=torch.float64)
+    grad = torch.randn_like(x)
+    expected, expected_dx = reference_step(twin, x, grad, "leaky_relu", 0.1)
+    leaf = x.clone().requires_grad_()
+    out = SimulatedDataParallel(layer, replicas)(leaf * 1)
+    out.backward(grad)
+    assert_close(out, expected, what="output")
+    assert_close(leaf.grad, expected_dx, what="input grad")
+    assert_close(layer.parametrizations.weight.original.grad, 2 * twin.weight.grad,
+                 what="the parametrization's parameter's grad")
 @pytest.mark.parametrize("shape,replicas", [((0, C, 3, 3), 1), ((4, C, 0, 3), 1),
                                             ((4, C, 0, 3), 2)])
 @pytest.mark.parametrize("momentum", [0.1, None])
