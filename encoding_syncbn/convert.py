@@ -18,7 +18,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.lazy import LazyModuleMixin
 from torch.nn.utils import parametrize
 
-from . import activations
+from . import _compat, activations
 from .modules import SyncBatchNorm, record_paths
 from .norm_act import BatchNormAct, SyncBatchNormAct
 
@@ -226,8 +226,8 @@ def _check_plain_forward(layer: SyncBatchNorm, path: str) -> None:
 
 def _share_state(source: _BatchNorm, target: _BatchNorm) -> _BatchNorm:
     """Make ``target`` use ``source``'s Parameter objects (a bias of None too: so are bias-less
-    layers made on a torch whose BatchNorms take no ``bias`` argument), buffers and training
-    flag."""
+    layers made on a torch whose BatchNorms take no ``bias`` argument), buffers, hooks and
+    training flag."""
     for name in ("weight", "bias"):
         if parametrize.is_parametrized(source, name):
             _share_parametrization(source, target, name)
@@ -235,6 +235,7 @@ def _share_state(source: _BatchNorm, target: _BatchNorm) -> _BatchNorm:
             setattr(target, name, getattr(source, name))
     for name in ("running_mean", "running_var", "num_batches_tracked"):
         target._buffers[name] = source._buffers.get(name)
+    _compat.share_hooks(source, target)
     target.train(source.training)
     return target
 

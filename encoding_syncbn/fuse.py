@@ -28,7 +28,7 @@ from torch import fx, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.lazy import LazyModuleMixin
 
-from . import activations, convert
+from . import _compat, activations, convert
 from .convert import convert_sync_batchnorm
 from .modules import SyncBatchNorm
 
@@ -94,9 +94,11 @@ def convert_inplace_abn(module: nn.Module, process_group: Any = None) -> nn.Modu
     Only where the traced graph shows it is safe: the BatchNorm's input comes from a
     convolution, linear layer or arithmetic op and is read by nothing else, and the output
     (after any view) is never modified in place (``out += identity``, ``add_``, an in-place
-    module) nor returned by the traced module. Every other BatchNorm is synchronised out of
-    place. Parameters and buffers are shared with the original, whose ``state_dict`` loads
-    into the result with the same keys; the result computes what the original computed.
+    module) nor returned by the traced module; a BatchNorm with hooks registered on it stays out
+    of place, and an activation module with hooks is not fused away. Every other BatchNorm is
+    synchronised out of place. Parameters, buffers and hooks are shared with the original, whose
+    ``state_dict`` loads into the result with the same keys; the result computes what the
+    original computed.
 
     Modules ``torch.fx`` cannot trace are looked into child by child, with a warning naming
     them (a child called from their untraced code in another way is not seen). Why each
@@ -246,6 +248,10 @@ def _judge(node: fx.Node, kind: tuple[str, float], root: nn.Module) -> _Call:
     producer = node.args[0] if node.args else None
     if not isinstance(producer, fx.Node) or len(node.args) != 1 or node.kwargs:
         return _Call(None, 0.0, None, "called with other arguments")
+    if _compat.has_call_hooks(root.get_submodule(node.target)):
+        # A pre-hook may keep the input, which would then be overwritten; a forward hook
+        # would see the activation's output once fused.
+        return _Call(None, 0.0, None, "it has forward or backward hooks")
     if not _is_fresh(producer, root):
         return _Call(None, 0.0, None, f"its input comes from {_describe(producer)}")
     if len(producer.users) != 1:
@@ -272,7 +278,9 @@ def _judge(node: fx.Node, kind: tuple[str, float], root: nn.Module) -> _Call:
     activation, slope, act_module, inplace = found
     if slope <= 0:
         return _Call(None, 0.0, None, f"{activation} with slope {slope} is not invertible")
-    if act_module is not None and not _written_later(act_node, root):
+    # Fused, the activation module becomes nn.Identity: not when hooks are registered on it.
+    if act_module is not None and not _written_later(act_node, root) \
+            and not _compat.has_call_hooks(act_module):
         return _Call(activation, slope, act_module, "")
     if not inplace:
         # The activation stays; it only reads the BatchNorm's output.

@@ -382,3 +382,25 @@ def test_parametrized_batchnorm_keeps_its_parametrization():
     assert reverted[1].parametrizations.weight.original is original
     assert_close(reverted(x), twin(x), what="reverted output")
 
+
+def test_hooks_move_with_the_layer():
+    """Hooks registered on a BatchNorm run on the layer it converts to and on the one it
+    reverts to; the handles they were registered with still remove them."""
+    model = nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4)).double()
+    calls = []
+    pre = model[1].register_forward_pre_hook(lambda module, args: calls.append("pre"))
+    post = model[1].register_forward_hook(lambda module, args, out: calls.append("post"))
+    back = model[1].register_full_backward_hook(lambda module, gin, gout: calls.append("back"))
+    x = torch.randn(4, 3, 2, 2, dtype=torch.float64, requires_grad=True)
+    converted = convert_sync_batchnorm(model)
+    converted(x).sum().backward()
+    assert calls == ["pre", "post", "back"]
+    reverted = revert_sync_batchnorm(converted)
+    assert isinstance(reverted[1], nn.BatchNorm2d)
+    reverted(x).sum().backward()
+    assert calls == ["pre", "post", "back"] * 2
+    for handle in (pre, post, back):
+        handle.remove()
+    converted(x).sum().backward()
+    reverted(x).sum().backward()
+    assert calls == ["pre", "post", "back"] * 2

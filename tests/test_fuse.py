@@ -273,3 +273,29 @@ def test_training_branches_are_judged_in_both_modes():
                                 torch.randn(4, 4, 5, 5, dtype=torch.float64))
         # Fused in training only, in place without activation in eval: neither in both.
         assert modes(converted) == {"bn": ("none", False)}
+
+
+@pytest.mark.parametrize("hooked", ["bn1", "act1"])
+def test_hooks_see_what_they_saw(hooked):
+    """Forward hooks that keep references to their module's input and output (feature
+    extractors do) still run after ``convert_inplace_abn`` and hold the same values: a
+    BatchNorm with hooks stays out of place (its input would be overwritten, its output
+    replaced by the activation's), an activation module with hooks is not fused away (its
+    BatchNorm runs in place without activation before it)."""
+    torch.manual_seed(0)
+    original = Residual(act_inplace=False).double()
+    copied = copy.deepcopy(original)
+    kept = {"original": [], "converted": []}
+    for name, model in (("original", original), ("converted", copied)):
+        model.get_submodule(hooked).register_forward_hook(
+            lambda module, args, out, seen=kept[name]: seen.append((args[0], out)))
+    converted = convert_inplace_abn(copied)
+    assert modes(converted)["bn1"] == (("none", False) if hooked == "bn1" else
+                                       ("identity", True))
+    assert type(converted.act1) is nn.LeakyReLU
+    x = torch.randn(4, 4, 5, 5, dtype=torch.float64)
+    assert_close(converted(x), original(x), what="output")
+    assert len(kept["converted"]) == len(kept["original"]) == 1
+    for got, expected, what in zip(kept["converted"][0], kept["original"][0],
+                                   ("input", "output")):
+        assert_close(got, expected, what=f"the hook's {what}")
