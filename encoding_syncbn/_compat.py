@@ -25,10 +25,10 @@ def _missing(api: str, error: Exception) -> RuntimeError:
 # ---- nn.Module ---------------------------------------------------------------------------
 
 # nn.Module's tables of the hooks registered on one module: those its calls run (forward,
-# backward and their pre-hooks, with their flags), and its state_dict's.
-_CALL_HOOKS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
-               "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
-               "_backward_pre_hooks", "_backward_hooks", "_is_full_backward_hook")
+# backward and their pre-hooks), their flags, and its state_dict's.
+_CALL_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+_CALL_HOOK_FLAGS = ("_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs",
+                    "_forward_hooks_always_called", "_is_full_backward_hook")
 _STATE_DICT_HOOKS = ("_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
                      "_load_state_dict_post_hooks")
 
@@ -37,7 +37,7 @@ def share_hooks(source: torch.nn.Module, target: torch.nn.Module) -> None:
     """Make ``target`` run the hooks registered on ``source``: the same tables, so that the
     handles ``register_*_hook`` returned remove them from both. A table this torch lacks is
     skipped."""
-    for name in _CALL_HOOKS + _STATE_DICT_HOOKS:
+    for name in _CALL_HOOKS + _CALL_HOOK_FLAGS + _STATE_DICT_HOOKS:
         if hasattr(source, name):
             object.__setattr__(target, name, getattr(source, name))
 
@@ -45,8 +45,7 @@ def share_hooks(source: torch.nn.Module, target: torch.nn.Module) -> None:
 def has_call_hooks(module: torch.nn.Module) -> bool:
     """Whether calls of ``module`` run hooks registered on it (forward, backward, pre-hooks;
     not the global ones of ``register_module_forward_hook``)."""
-    return any(getattr(module, name, None) for name in (
-        "_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks"))
+    return any(getattr(module, name, None) for name in _CALL_HOOKS)
 
 
 # ---- autograd ---------------------------------------------------------------------------
