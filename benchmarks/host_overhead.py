@@ -82,9 +82,11 @@ BACKEND_OPS = {"_batch_stats": "batch_stats",
                "_normalize": "normalize_act", "_reduce": "backward_reduce", "_dx": "backward_dx"}
 
 
-# glibc's mallopt parameters (malloc.h).
+# glibc's mallopt parameters (malloc.h), and the largest value its C int takes: ctypes
+# passes a Python int as a C int, truncating (2**62 arrived as 0: a trim on every free).
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_MAX = -4
+_C_INT_MAX = 2**31 - 1
 
 
 def _cache_freed_memory() -> None:
@@ -92,7 +94,7 @@ def _cache_freed_memory() -> None:
     its heap (no mmap), nothing given back to the system (no trim), so a block freed by one call
     serves the next as CUDA's caching allocator does."""
     libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-    if not (libc.mallopt(_M_MMAP_MAX, 0) and libc.mallopt(_M_TRIM_THRESHOLD, 2**62)):
+    if not (libc.mallopt(_M_MMAP_MAX, 0) and libc.mallopt(_M_TRIM_THRESHOLD, _C_INT_MAX)):
         raise SystemExit("--allocator cached: glibc's mallopt refused; use --allocator system")
 
 
