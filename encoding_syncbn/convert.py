@@ -226,15 +226,24 @@ def _check_plain_forward(layer: SyncBatchNorm, path: str) -> None:
 
 def _share_state(source: _BatchNorm, target: _BatchNorm) -> _BatchNorm:
     """Make ``target`` use ``source``'s Parameter objects (a bias of None too: so are bias-less
-    layers made on a torch whose BatchNorms take no ``bias`` argument), buffers, hooks and
-    training flag."""
+    layers made on a torch whose BatchNorms take no ``bias`` argument), buffers (the user's
+    own too, persistent or not), hooks and training flag."""
     for name in ("weight", "bias"):
         if parametrize.is_parametrized(source, name):
             _share_parametrization(source, target, name)
-        else:
+        elif name in source._parameters:
+            setattr(target, name, source._parameters[name])
+        else:  # a plain attribute a forward pre-hook recomputes (torch.nn.utils.prune)
+            del target._parameters[name]
             setattr(target, name, getattr(source, name))
+    for name, parameter in source._parameters.items():
+        if name not in ("weight", "bias"):  # weight_orig of a pruned weight, ...
+            target._parameters[name] = parameter
     for name in ("running_mean", "running_var", "num_batches_tracked"):
         target._buffers[name] = source._buffers.get(name)
+    for name, buffer in source._buffers.items():
+        target._buffers[name] = buffer
+    target._non_persistent_buffers_set = set(source._non_persistent_buffers_set)
     _compat.share_hooks(source, target)
     target.train(source.training)
     return target

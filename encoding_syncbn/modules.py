@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.utils import parametrize
 
 from . import activations, distributed, inplace_check, inplace_policy, recompute, replicas
 from .aside import AsideWatch, small_gamma_channels
@@ -148,16 +149,29 @@ class SyncBatchNorm(_BatchNorm):
             self._open_group = weakref.ref(group)
             # The replicas' parameters are copies of these, made just now: reading them back
             # here, once, spares every replica a device-to-host copy in each of its calls.
+            # Not for a weight a hook recomputes in each forward: its value is the last one.
             with replicas.reading_parameters(group):
                 self._open_aside = (
-                    small_gamma_channels(self.weight, self.bias) if self.inplace else None
+                    small_gamma_channels(self.weight, self.bias)
+                    if self.inplace and not self._computed_by_hooks() else None
                 )
         replica = super()._replicate_for_data_parallel()
         replica._replica_slot = ReplicaSlot(group, group.add_member(replica))
         replica._open_group = None
         replica._recompute_cache = RecomputeCache()
         replica._aside = self._open_aside
+        replica._aside_watch = AsideWatch()  # where the replica finds them itself (not shared)
         return replica
+
+    def _computed_by_hooks(self) -> bool:
+        """Whether ``weight`` or ``bias`` is a plain attribute that a forward pre-hook sets
+        (``torch.nn.utils.prune``: ``weight_orig * weight_mask``), rather than a Parameter or
+        a parametrization's property."""
+        return any(
+            getattr(self, name) is not None and name not in self._parameters
+            and not parametrize.is_parametrized(self, name)
+            for name in ("weight", "bias")
+        )
 
     def _label(self) -> str:
         """How errors name the layer: its path in the model once a converter recorded it

@@ -383,6 +383,45 @@ def test_parametrized_batchnorm_keeps_its_parametrization():
     assert_close(reverted(x), twin(x), what="reverted output")
 
 
+def test_pruned_batchnorm_keeps_its_pruning():
+    """A BatchNorm pruned with ``torch.nn.utils.prune`` (``weight_orig``, ``weight_mask``, the
+    weight a forward pre-hook computes from them) converts to a layer computing with the
+    pruned weight and training the same ``weight_orig``, synchronised under DataParallel; the
+    pruning can still be made permanent (``prune.remove``) on the converted layer; a buffer
+    of the user's own moves too; and it reverts to a layer still pruned."""
+    from torch.nn.utils import prune
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4)).double()
+    with torch.no_grad():
+        model[1].weight.copy_(torch.tensor([0.5, -2.0, 0.1, 1.0]))
+    twin = copy.deepcopy(model)  # before pruning: a pruned weight cannot be deep-copied
+    for net in (model, twin):
+        prune.l1_unstructured(net[1], "weight", amount=1)
+    model[1].register_buffer("seen", torch.zeros(()), persistent=False)
+    original, mask = model[1].weight_orig, model[1].weight_mask
+    assert mask.tolist() == [1.0, 1.0, 0.0, 1.0]
+    converted = convert_sync_batchnorm(model)
+    layer = converted[1]
+    assert isinstance(layer, SyncBatchNorm)
+    assert layer.weight_orig is original and layer.weight_mask is mask
+    assert layer.seen is model[1].seen and "seen" not in layer.state_dict()
+    assert layer.state_dict().keys() == twin[1].state_dict().keys()
+    x = torch.randn(8, 3, 2, 2, dtype=torch.float64)
+    out = SimulatedDataParallel(converted, 2)(x)
+    expected = twin(x)
+    assert_close(out, expected, what="output")
+    out.square().sum().backward()
+    expected.square().sum().backward()
+    assert_close(original.grad, twin[1].weight_orig.grad, what="weight_orig grad")
+    reverted = revert_sync_batchnorm(converted)
+    assert type(reverted[1]) is nn.BatchNorm2d and reverted[1].weight_orig is original
+    assert_close(reverted(x), twin(x), what="reverted output")
+    prune.remove(layer, "weight")
+    assert isinstance(layer.weight, nn.Parameter) and not hasattr(layer, "weight_mask")
+    assert_close(layer.weight.detach(), original.detach() * mask, what="weight made permanent")
+
+
 def test_hooks_move_with_the_layer():
     """Hooks registered on a BatchNorm run on the layer it converts to and on the one it
     reverts to; the handles they were registered with still remove them."""

@@ -456,6 +456,36 @@ def test_parametrized_weight(replicas):
     assert_close(leaf.grad, expected_dx, what="input grad")
     assert_close(layer.parametrizations.weight.original.grad, 2 * twin.weight.grad,
                  what="the parametrization's parameter's grad")
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_pruned_weight(replicas):
+    """``torch.nn.utils.prune`` makes ``weight`` a plain attribute, ``weight_orig * weight_mask``,
+    recomputed by a forward pre-hook (on each replica under DataParallel): the layer normalises
+    with it. A gamma that became zero after the last forward (here: set in ``weight_orig``) must
+    still be kept aside in place: the weight attribute still shows the old value until the next
+    forward's hook, so it is not the one to choose those channels by."""
+    from torch.nn.utils import prune
+
+    layer = make_layer("leaky_relu", inplace=True)
+    twin = plain_twin(layer, 4)
+    prune.l1_unstructured(layer, "weight", amount=1)  # channel 2: its gamma is the smallest
+    with torch.no_grad():
+        for weight in (layer.weight_orig, twin.weight):
+            weight[1] = 0.0  # was -0.7, as the weight attribute still says
+    x = torch.randn(6, C, 3, 2, dtype=torch.float64)
+    grad = torch.randn_like(x)
+    expected, expected_dx = reference_step(twin, x, grad, "leaky_relu", 0.1)
+    leaf = x.clone().requires_grad_()
+    out = SimulatedDataParallel(layer, replicas)(leaf * 1)
+    out.backward(grad)
+    assert_close(out, expected, what="output")
+    assert_close(leaf.grad, expected_dx, what="input grad")
+    mask = layer.weight_mask
+    assert mask.tolist() == [1.0, 1.0, 0.0, 1.0]
+    assert_close(layer.weight_orig.grad, mask * twin.weight.grad, what="weight_orig grad")
+    assert_close(layer.bias.grad, twin.bias.grad, what="bias grad")
+
 @pytest.mark.parametrize("shape,replicas", [((0, C, 3, 3), 1), ((4, C, 0, 3), 1),
                                             ((4, C, 0, 3), 2)])
 @pytest.mark.parametrize("momentum", [0.1, None])
