@@ -171,7 +171,8 @@ class InPlaceABN(ABN):
     def _runs_in_place(activation: str, param: float) -> bool:
         return activations.runs_in_place(activation, param)
 
-    def _affine_params(self, dtype: torch.dtype, device: torch.device):
+    def _affine_params(self, weight: torch.Tensor | None, bias: torch.Tensor | None,
+                       dtype: torch.dtype, device: torch.device):
         """The weight as ``|w| + eps``: ``w * sign`` with a constant sign (+1 at 0), so that
         its gradient is ``sign(w)``, +1 at ``w = 0`` as mapillary's backward.
 
@@ -179,8 +180,9 @@ class InPlaceABN(ABN):
         weight (a single replica's check rides on its statistics) or from the raw ``w``
         (``replicate()``, evaluation): ``|w| <= |w| + eps``, a superset of what it needs.
         """
-        weight, bias = super()._affine_params(dtype, device)
-        if self.weight is not None:
+        affine = weight is not None
+        weight, bias = super()._affine_params(weight, bias, dtype, device)
+        if affine:
             sign = torch.ones_like(weight).masked_fill_(weight.detach() < 0, -1.0)
             weight = weight * sign + self.eps
         return weight, bias

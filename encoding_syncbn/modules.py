@@ -168,8 +168,8 @@ class SyncBatchNorm(_BatchNorm):
         (``torch.nn.utils.prune``: ``weight_orig * weight_mask``), rather than a Parameter or
         a parametrization's property."""
         return any(
-            getattr(self, name) is not None and name not in self._parameters
-            and not parametrize.is_parametrized(self, name)
+            name not in self._parameters and not parametrize.is_parametrized(self, name)
+            and getattr(self, name) is not None
             for name in ("weight", "bias")
         )
 
@@ -244,10 +244,10 @@ class SyncBatchNorm(_BatchNorm):
         value = table.get(name, _ABSENT)
         return getattr(self, name) if value is _ABSENT else value
 
-    def _affine_params(self, dtype: torch.dtype, device: torch.device):
-        """Weight and bias in the statistics dtype (ones and zeros where there are none)."""
-        weight = self._registered(self._parameters, "weight")
-        bias = self._registered(self._parameters, "bias")
+    def _affine_params(self, weight: torch.Tensor | None, bias: torch.Tensor | None,
+                       dtype: torch.dtype, device: torch.device):
+        """The layer's ``weight`` and ``bias`` as it computes with them: in the statistics
+        dtype, ones and zeros where there are none."""
         weight = (
             torch_ops.as_dtype(weight, dtype)
             if weight is not None
@@ -260,11 +260,10 @@ class SyncBatchNorm(_BatchNorm):
         )
         return weight, bias
 
-    def _act_config(self, x: torch.Tensor) -> ActConfig:
+    def _act_config(self, x: torch.Tensor, affine: bool) -> ActConfig:
         """The activation, and whether and around which channels it runs in place (those
         found at ``replicate()``; None: not known yet, see ``_watching``)."""
         inplace = self.inplace and inplace_policy.can_overwrite(x, self._warned_out_of_place)
-        affine = self._registered(self._parameters, "weight") is not None
         aside = self._aside if affine or not inplace else ()  # affine=False: none
         return ActConfig(self.activation, self.slope, inplace, aside, self._label())
 
@@ -275,31 +274,36 @@ class SyncBatchNorm(_BatchNorm):
             return self._aside_watch
         return None
 
-    def _with_aside(self, config: ActConfig, refresh: bool) -> ActConfig:
-        """``config`` with the channels kept aside known; ``refresh=False`` (a checkpoint's
-        recompute): those of the original call."""
+    def _with_aside(self, config: ActConfig, refresh: bool, weight: torch.Tensor | None,
+                    bias: torch.Tensor | None) -> ActConfig:
+        """``config`` with the channels kept aside known, chosen by the layer's ``weight`` and
+        ``bias``; ``refresh=False`` (a checkpoint's recompute): those of the original call."""
         watch = self._watching(config)
         if watch is None:
             return config
-        return config.with_aside(watch.channels(self.weight, self.bias, refresh=refresh))
+        return config.with_aside(watch.channels(weight, bias, refresh=refresh))
 
     def _forward(self, x: torch.Tensor, slot: ReplicaSlot | None) -> torch.Tensor:
         """The dispatch: evaluation with running statistics, training alone, training synced."""
         acc = torch_ops.stats_dtype(x.dtype)
-        weight, bias = self._affine_params(acc, x.device)
+        # Read once a call: a parametrized weight is computed at each read.
+        params = self._registered(self._parameters, "weight"), self._registered(
+            self._parameters, "bias")
+        weight, bias = self._affine_params(*params, acc, x.device)
         # Batch statistics are the whole batch's, in evaluation too (track_running_stats=False).
         batch_stats = self.training or self._registered(self._buffers, "running_mean") is None
         # Asked once per call; evaluation with running statistics never asks autograd (its
         # private API stays untouched there).
         recomputing = batch_stats and recompute.inside_backward()
-        config = self._act_config(x)
+        config = self._act_config(x, affine=params[0] is not None)
         refresh = not (self.training and recomputing)
         if not batch_stats:
-            return self._forward_running(x, acc, weight, bias, self._with_aside(config, refresh))
+            config = self._with_aside(config, refresh, *params)
+            return self._forward_running(x, acc, weight, bias, config)
         running = self._running() if self.training and not recomputing else None
         group_size = slot.group.size if slot is not None else 1
         if self.sync and (group_size > 1 or self._syncs_processes()):
-            config = self._with_aside(config, refresh)
+            config = self._with_aside(config, refresh, *params)
             if recomputing:
                 return self._recompute_cache.replay(x, weight, bias, config)
             return self._forward_synced(x, slot, weight, bias, config, running)

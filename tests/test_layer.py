@@ -438,7 +438,10 @@ def test_parametrized_weight(replicas):
     from torch.nn.utils import parametrize
 
     class Doubled(nn.Module):
+        calls = 0
+
         def forward(self, w):
+            Doubled.calls += 1
             return 2 * w
 
     layer = make_layer("leaky_relu")
@@ -450,7 +453,10 @@ def test_parametrized_weight(replicas):
     grad = torch.randn_like(x)
     expected, expected_dx = reference_step(twin, x, grad, "leaky_relu", 0.1)
     leaf = x.clone().requires_grad_()
+    Doubled.calls = 0
     out = SimulatedDataParallel(layer, replicas)(leaf * 1)
+    # Computed once a call (and once at replicate(), for the channels kept aside).
+    assert Doubled.calls == (replicas if replicas == 1 else 1 + replicas)
     out.backward(grad)
     assert_close(out, expected, what="output")
     assert_close(leaf.grad, expected_dx, what="input grad")
