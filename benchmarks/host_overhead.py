@@ -226,9 +226,8 @@ def _steps(layers, links, make_input, dy, iters):
 def measure(triton_ops, shape, dtype, channels_last, iters, repeats, stack):
     """Per shape: ours and the floor, one layer and ``stack`` chained, in turns; the part in
     the backend's ops; launches and ATen ops per call."""
-    from encoding_syncbn.kernels.triton.plan import Target
-
     from encoding_syncbn.kernels.triton.finalize_stats import _finalize_stats_kernel
+    from encoding_syncbn.kernels.triton.plan import Target
 
     launches = [0]
     small_flags = _finalize_stats_kernel.arg_names.index("small_ptr")

@@ -275,7 +275,7 @@ def _differentiable_grads(ctx, grad_output: torch.Tensor, inputs: Sequence[torch
     return grads
 
 
-def _norm_act_composite(config: ActConfig):
+def norm_act_composite(config: ActConfig):
     """``(x, mean, invstd, w, b) -> y`` in differentiable ATen ops, in the statistics dtype."""
 
     def composite(x, mean, invstd, weight, bias):
@@ -350,7 +350,7 @@ class NormAct(torch.autograd.Function):
             # create_graph: the gradient through x directly here, the one through the merged
             # statistics (whose history leads to the merge) in MergeReplicas, from x.
             grads = _differentiable_grads(ctx, grad_output, saved[:5],
-                                          _norm_act_composite(config))
+                                          norm_act_composite(config))
             if ctx.link is not None and ctx.needs_input_grad[0]:
                 ctx.link.saved, ctx.link.config = saved, config
                 ctx.link.ready = stream_event(saved.tensor)

@@ -10,7 +10,15 @@ import torch
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.utils import parametrize
 
-from . import activations, distributed, inplace_check, inplace_policy, recompute, replicas
+from . import (
+    activations,
+    distributed,
+    inplace_check,
+    inplace_policy,
+    recompute,
+    replicas,
+    tracing,
+)
 from .aside import AsideWatch, small_gamma_channels
 from .exchange import Exchange
 from .functional import ActConfig, batch_norm_act, normalize_with, synced_batch_norm_act
@@ -217,6 +225,10 @@ class SyncBatchNorm(_BatchNorm):
             raise TypeError(f"expected a floating-point input, got {x.dtype}")
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if not isinstance(input, torch.Tensor) and tracing.is_fx_proxy(input):
+            return tracing.fx_leaf_call(self, input)
+        if torch.jit.is_tracing():
+            return tracing.traced_forward(self, input)
         slot = self._replica_slot
         if slot is not None:
             slot.group.close()
@@ -235,6 +247,10 @@ class SyncBatchNorm(_BatchNorm):
             if slot is not None:
                 slot.group.fail(slot.rank, error)
             raise
+
+    def __prepare_scriptable__(self) -> SyncBatchNorm:
+        tracing.refuse_script(self)
+        return self
 
     def _registered(self, table: dict[str, Any], name: str) -> Any:
         """The parameter or buffer ``name`` from ``table`` (``_parameters`` or ``_buffers``):

@@ -12,9 +12,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from . import tracing
 from .modules import SyncBatchNorm
 
 
@@ -52,6 +54,8 @@ class SyncBatchNormAct(SyncBatchNorm):
         self.act = nn.Identity() if act is None else act
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if not isinstance(input, torch.Tensor) and tracing.is_fx_proxy(input):
+            return tracing.fx_leaf_call(self, input)  # one node: drop and act included
         return self.act(self.drop(super().forward(input)))
 
 
@@ -97,4 +101,19 @@ class BatchNormAct(_BatchNorm):
             )
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        return self.act(self.drop(super().forward(input)))
+        # nn.BatchNorm's forward written out: TorchScript compiles no super() call, and a
+        # reverted model is what users script. (Optional attributes read into locals: it
+        # refines locals only.)
+        self._check_input_dim(input)
+        momentum, batches = self.momentum, self.num_batches_tracked
+        factor = 0.0 if momentum is None else momentum
+        if self.training and self.track_running_stats and batches is not None:
+            batches.add_(1)
+            if momentum is None:  # cumulative average
+                factor = 1.0 / float(batches)
+        tracked = not self.training or self.track_running_stats
+        batch_stats = self.training or (self.running_mean is None and self.running_var is None)
+        z = F.batch_norm(input, self.running_mean if tracked else None,
+                         self.running_var if tracked else None, self.weight, self.bias,
+                         batch_stats, factor, self.eps)
+        return self.act(self.drop(z))

@@ -1,0 +1,83 @@
+"""How the layers meet torch's graph capture, apart from ``torch.compile`` and ``torch.export``
+(which trace the ops themselves, through the registered custom ops):
+
+- ``torch.fx`` symbolic tracing (torchvision's ``create_feature_extractor``, timm's FX feature
+  extraction, quantisation prep): a layer records itself as one ``call_module`` node, a leaf,
+  as FX records ``torch.nn``'s own modules. Running the traced module calls the layer itself,
+  synchronised and in place as before.
+- ``torch.jit.trace`` (TorchScript, the TorchScript-based ONNX exporter): in evaluation the
+  layer computes in differentiable ATen ops the tracer can record, the same formula as its
+  kernels (``functional.norm_act_composite``); in training it refuses, as the traced graph
+  would hold neither the synchronisation nor the running statistics' update.
+- ``torch.jit.script``: refused, naming the layer; ``revert_sync_batchnorm`` gives the
+  equivalent plain modules, which script.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from .modules import SyncBatchNorm
+
+_REVERT = (
+    "encoding_syncbn.revert_sync_batchnorm(model) gives the same model with plain torch "
+    "modules (the same parameters and statistics)"
+)
+
+
+def is_fx_proxy(value: object) -> bool:
+    """Whether ``value`` is what ``torch.fx`` passes through a module while tracing."""
+    return isinstance(value, torch.fx.Proxy)
+
+
+def fx_leaf_call(layer: torch.nn.Module, proxy: torch.fx.Proxy) -> torch.fx.Proxy:
+    """Record ``layer(proxy)`` as a ``call_module`` node of the graph being traced.
+
+    Called first thing by the ``forward`` of each class that defines one (a subclass's
+    ``forward`` that calls its base's after some work of its own must check first itself,
+    else the node would stand for the whole module and that work would be traced twice).
+    """
+    tracer = proxy.tracer
+    path = tracer.path_of_module(layer)
+    if not path:
+        raise TypeError(
+            f"{layer._label()}: torch.fx cannot trace a synchronised layer as the root of a "
+            "trace (its forward runs Triton kernels and autograd Functions); trace the model "
+            "that contains it, where it is recorded as one call"
+        )
+    return tracer.create_proxy("call_module", path, (proxy,), {})
+
+
+def traced_forward(layer: SyncBatchNorm, x: torch.Tensor) -> torch.Tensor:
+    """The layer's evaluation under ``torch.jit.trace``, in ops the tracer records."""
+    from .functional import ActConfig, norm_act_composite
+    from .kernels import torch_ops
+
+    if layer.training:
+        raise RuntimeError(
+            f"{layer._label()}: torch.jit.trace records the layer in evaluation only "
+            "(model.eval() first): a traced training step would hold neither the "
+            f"synchronisation across replicas nor the running statistics' update; {_REVERT}"
+        )
+    layer._check_input(x)
+    acc = torch_ops.stats_dtype(x.dtype)
+    weight, bias = layer._affine_params(layer.weight, layer.bias, acc, x.device)
+    if layer.running_mean is None:  # track_running_stats=False: the batch's own statistics
+        dims = [0, *range(2, x.dim())]
+        var, mean = torch.var_mean(x.to(acc), dims, correction=0)
+    else:
+        mean, var = layer.running_mean.to(acc), layer.running_var.to(acc)
+    config = ActConfig(layer.activation, layer.slope, False, (), layer._label())
+    return norm_act_composite(config)(x, mean, torch.rsqrt(var + layer.eps), weight, bias)
+
+
+def refuse_script(layer: SyncBatchNorm) -> None:
+    """``torch.jit.script`` of a model holding ``layer`` (``__prepare_scriptable__``)."""
+    raise TypeError(
+        f"{layer._label()}: torch.jit.script cannot compile a synchronised layer (Triton "
+        f"kernels, autograd Functions, replica threads); {_REVERT}, which script. "
+        "torch.export.export and torch.jit.trace (in evaluation) take the layer as it is"
+    )

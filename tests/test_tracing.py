@@ -1,0 +1,178 @@
+"""Graph capture of converted models: torch.fx, torch.jit.trace, torch.jit.script, torch.export.
+
+Each compares the captured model with the layers themselves (and, in training, with the whole
+batch under DataParallel), on every backend.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+
+import pytest
+import torch
+from backends import each_backend
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from reference import SLOPES, assert_close
+from third_party import import_or_skip
+from torch import nn
+
+from encoding_syncbn import (
+    SyncBatchNorm,
+    convert_inplace_abn,
+    convert_sync_batchnorm,
+    revert_sync_batchnorm,
+)
+from encoding_syncbn.activations import ACTIVATIONS
+from encoding_syncbn.inplace_abn import InPlaceABN
+from encoding_syncbn.norm_act import SyncBatchNormAct
+from encoding_syncbn.testing import SimulatedDataParallel
+
+pytestmark = each_backend
+
+
+def network() -> nn.Module:
+    """Fused in-place layers (leaky_relu), a plain BatchNorm, and a norm + Hardswish kept as
+    a module (SyncBatchNormAct), in float64."""
+    torch.manual_seed(0)
+    net = nn.Sequential(
+        nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.LeakyReLU(0.1),
+        nn.Conv2d(4, 5, 1), nn.BatchNorm2d(5),
+        nn.Conv2d(5, 6, 1),
+    )
+    net = convert_inplace_abn(net)
+    net.append(SyncBatchNormAct(6, act=nn.Hardswish()))
+    with torch.no_grad():
+        for module in net.modules():
+            if isinstance(module, SyncBatchNorm):
+                module.weight.uniform_(0.5, 1.5)
+                module.bias.uniform_(-0.5, 0.5)
+                module.running_mean.uniform_(-1, 1)
+                module.running_var.uniform_(0.5, 2)
+    return net.double()
+
+
+def test_fx_records_each_layer_as_one_call():
+    """``torch.fx.symbolic_trace``: each layer is one ``call_module`` node (the activation of
+    SyncBatchNormAct inside it, not traced again after it), and the traced module computes
+    what the model does: in training synchronised over the whole batch, in evaluation."""
+    model = network()
+    traced = torch.fx.symbolic_trace(model)
+    called = [node.target for node in traced.graph.nodes if node.op == "call_module"]
+    assert called == ["0", "1", "2", "3", "4", "5", "6"]
+    assert traced.get_submodule("6") is model[6] and traced.get_submodule("1") is model[1]
+    twin = copy.deepcopy(model)
+    x = torch.randn(8, 3, 6, 6, dtype=torch.float64)
+    out = SimulatedDataParallel(traced, 2)(x.clone())
+    expected = revert_sync_batchnorm(twin)(x.clone())
+    assert_close(out, expected, what="traced training output")
+    assert_close(model[1].running_mean, twin[1].running_mean, what="running_mean")
+    traced.eval()
+    model.eval()
+    assert_close(traced(x.clone()), model(x.clone()), what="traced evaluation output")
+
+
+def test_fx_root_layer_is_refused_by_name():
+    with pytest.raises(TypeError, match=r"SyncBatchNorm\(4\).*root of a trace"):
+        torch.fx.symbolic_trace(SyncBatchNorm(4))
+
+
+def test_torchvision_feature_extractor():
+    """torchvision's ``create_feature_extractor`` (FX) on a converted ResNet: the features of
+    the original model, with the synchronised layers in it."""
+    models = import_or_skip("torchvision.models")
+    extraction = import_or_skip("torchvision.models.feature_extraction")
+    torch.manual_seed(0)
+    resnet = models.ResNet(models.resnet.BasicBlock, [1, 1, 1, 1], num_classes=4).double()
+    nodes = {"layer1": "c2", "layer2": "c3"}
+    expected = extraction.create_feature_extractor(copy.deepcopy(resnet), nodes)
+    converted = convert_sync_batchnorm(resnet)
+    extractor = extraction.create_feature_extractor(converted, nodes)
+    assert any(isinstance(m, SyncBatchNorm) for m in extractor.modules())
+    x = torch.randn(4, 3, 16, 16, dtype=torch.float64)
+    for mode in (True, False):
+        features, reference = extractor.train(mode)(x), expected.train(mode)(x)
+        for name in nodes.values():
+            assert_close(features[name], reference[name], what=f"{name}, training={mode}")
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    activation=st.sampled_from(sorted(ACTIVATIONS)),
+    inplace=st.booleans(),
+    running=st.booleans(),
+    dtype=st.sampled_from([torch.float32, torch.float64]),
+    abn=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_jit_trace_in_evaluation(activation, inplace, running, dtype, abn, seed):
+    """``torch.jit.trace`` of an evaluating layer records ATen ops computing what the layer
+    does (every activation, in place or not, with running or batch statistics, mapillary's
+    ``|w| + eps``); the trace saves and loads."""
+    inplace = inplace and ACTIVATIONS[activation].inverse is not None and activation != "none"
+    if abn:
+        if activation not in ("leaky_relu", "elu", "identity"):
+            activation = "leaky_relu"
+        layer = InPlaceABN(5, activation=activation, activation_param=0.2,
+                           track_running_stats=running)
+    else:
+        layer = SyncBatchNorm(5, activation=activation, slope=SLOPES.get(activation, 0.01),
+                              inplace=inplace, track_running_stats=running)
+    layer = nn.Sequential(nn.Identity(), layer).to(dtype).eval()
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for tensor in layer[1].parameters():
+            tensor.uniform_(-1.5, 1.5)
+        if running:
+            layer[1].running_mean.uniform_(-1, 1)
+            layer[1].running_var.uniform_(0.5, 2)
+    x = torch.randn(4, 5, 3, 3, dtype=dtype)
+    traced = torch.jit.trace(layer, x.clone())
+    buffer = io.BytesIO()
+    torch.jit.save(traced, buffer)
+    buffer.seek(0)
+    loaded = torch.jit.load(buffer)
+    expected = layer(x.clone())
+    assert_close(traced(x.clone()), expected, dtype, what="traced")
+    assert_close(loaded(x.clone()), expected, dtype, what="saved and loaded")
+
+
+def test_jit_trace_in_training_is_refused_and_changes_nothing():
+    model = network()
+    before = copy.deepcopy(model.state_dict())
+    x = torch.randn(4, 3, 6, 6, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match=r"SyncBatchNorm\(4\) '1'.*evaluation only"):
+        torch.jit.trace(model, x)
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, before[name]), name
+
+
+@pytest.mark.parametrize("momentum", [0.1, None])
+def test_jit_script_is_refused_by_name_and_reverted_models_script(momentum):
+    """Scripting names the layer and the fix; the reverted model (its norm + activation
+    layers included) scripts, and computes what the layers do, the running statistics'
+    update included."""
+    model = network()
+    for module in model.modules():
+        if isinstance(module, SyncBatchNorm):
+            module.momentum = momentum
+    with pytest.raises(TypeError, match=r"SyncBatchNorm\(4\) '1'.*revert_sync_batchnorm"):
+        torch.jit.script(model)
+    reverted = revert_sync_batchnorm(copy.deepcopy(model))
+    scripted = torch.jit.script(copy.deepcopy(reverted))
+    x = torch.randn(4, 3, 6, 6, dtype=torch.float64)
+    for _ in range(2):
+        assert_close(scripted(x.clone()), model(x.clone()), what="scripted, training")
+    for (name, value), expected in zip(scripted.state_dict().items(),
+                                       model.state_dict().values()):
+        assert_close(value, expected, what=name)
+    scripted.eval()
+    assert_close(scripted(x.clone()), model.eval()(x.clone()), what="scripted, evaluation")
+
+
+def test_torch_export_in_evaluation():
+    model = network().eval()
+    x = torch.randn(4, 3, 6, 6, dtype=torch.float64)
+    exported = torch.export.export(model, (x.clone(),))
+    assert_close(exported.module()(x.clone()), model(x.clone()), what="exported")
