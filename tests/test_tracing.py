@@ -97,6 +97,25 @@ def test_torchvision_feature_extractor():
             assert_close(features[name], reference[name], what=f"{name}, training={mode}")
 
 
+def test_timm_fx_feature_extraction():
+    """timm's FX feature extraction (``FeatureGraphNet``) on a converted model whose norm +
+    activation layers became synchronised layers (BatchNormAct2d with Hardswish: kept as
+    SyncBatchNormAct; with ReLU: fused): the original's features."""
+    timm = import_or_skip("timm")
+    features_fx = import_or_skip("timm.models._features_fx")
+
+    torch.manual_seed(0)
+    model = timm.create_model("mobilenetv3_small_050", num_classes=4).double()
+    expected = features_fx.FeatureGraphNet(copy.deepcopy(model), out_indices=(1, 2))
+    converted = convert_sync_batchnorm(model)
+    assert any(isinstance(m, SyncBatchNormAct) for m in converted.modules())
+    features = features_fx.FeatureGraphNet(converted, out_indices=(1, 2))
+    x = torch.randn(2, 3, 32, 32, dtype=torch.float64)
+    for mode in (True, False):
+        for got, want in zip(features.train(mode)(x), expected.train(mode)(x)):
+            assert_close(got, want, what=f"features, training={mode}")
+
+
 @settings(max_examples=12, deadline=None)
 @given(
     activation=st.sampled_from(sorted(ACTIVATIONS)),
