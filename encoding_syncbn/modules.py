@@ -227,8 +227,8 @@ class SyncBatchNorm(_BatchNorm):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if not isinstance(input, torch.Tensor) and tracing.is_fx_proxy(input):
             return tracing.fx_leaf_call(self, input)
-        if torch.jit.is_tracing():
-            return tracing.traced_forward(self, input)
+        if tracing.in_aten_ops(self.training):
+            return tracing.aten_forward(self, input)
         slot = self._replica_slot
         if slot is not None:
             slot.group.close()

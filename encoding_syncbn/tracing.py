@@ -1,14 +1,16 @@
-"""How the layers meet torch's graph capture, apart from ``torch.compile`` and ``torch.export``
-(which trace the ops themselves, through the registered custom ops):
+"""How the layers meet torch's graph capture other than ``torch.compile`` (which traces the
+registered custom ops: the Triton kernels stay):
 
 - ``torch.fx`` symbolic tracing (torchvision's ``create_feature_extractor``, timm's FX feature
   extraction, quantisation prep): a layer records itself as one ``call_module`` node, a leaf,
   as FX records ``torch.nn``'s own modules. Running the traced module calls the layer itself,
   synchronised and in place as before.
-- ``torch.jit.trace`` (TorchScript, the TorchScript-based ONNX exporter): in evaluation the
-  layer computes in differentiable ATen ops the tracer can record, the same formula as its
-  kernels (``functional.norm_act_composite``); in training it refuses, as the traced graph
-  would hold neither the synchronisation nor the running statistics' update.
+- ``torch.export`` of an evaluating layer, and ``torch.jit.trace`` (TorchScript, the
+  TorchScript-based ONNX exporter): the layer computes in ATen ops, the same formula as its
+  kernels (``functional.norm_act_composite``), so that the captured program needs neither this
+  package nor Triton to run (ONNX, AOTInductor, ExecuTorch). A training ``torch.export`` keeps
+  the custom ops; a training ``torch.jit.trace`` is refused, as its graph would hold neither
+  the synchronisation nor the running statistics' update.
 - ``torch.jit.script``: refused, naming the layer; ``revert_sync_batchnorm`` gives the
   equivalent plain modules, which script.
 """
@@ -51,8 +53,14 @@ def fx_leaf_call(layer: torch.nn.Module, proxy: torch.fx.Proxy) -> torch.fx.Prox
     return tracer.create_proxy("call_module", path, (proxy,), {})
 
 
-def traced_forward(layer: SyncBatchNorm, x: torch.Tensor) -> torch.Tensor:
-    """The layer's evaluation under ``torch.jit.trace``, in ops the tracer records."""
+def in_aten_ops(training: bool) -> bool:
+    """Whether the layer's call is being captured for a program that must run without this
+    package: ``torch.jit.trace``, or an evaluating layer under ``torch.export``."""
+    return torch.jit.is_tracing() or (not training and torch.compiler.is_exporting())
+
+
+def aten_forward(layer: SyncBatchNorm, x: torch.Tensor) -> torch.Tensor:
+    """The layer's evaluation in ATen ops (see :func:`in_aten_ops`)."""
     from .functional import ActConfig, norm_act_composite
     from .kernels import torch_ops
 

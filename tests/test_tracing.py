@@ -190,8 +190,12 @@ def test_jit_script_is_refused_by_name_and_reverted_models_script(momentum):
     assert_close(scripted(x.clone()), model.eval()(x.clone()), what="scripted, evaluation")
 
 
-def test_torch_export_in_evaluation():
+def test_torch_export_in_evaluation_is_plain_aten():
+    """An exported evaluating model holds ATen ops only (it runs without this package or
+    Triton: ONNX, AOTInductor), computing what the layers do."""
     model = network().eval()
     x = torch.randn(4, 3, 6, 6, dtype=torch.float64)
     exported = torch.export.export(model, (x.clone(),))
+    ops = {str(node.target) for node in exported.graph.nodes if node.op == "call_function"}
+    assert not [op for op in ops if "encoding_syncbn" in op], ops
     assert_close(exported.module()(x.clone()), model(x.clone()), what="exported")
