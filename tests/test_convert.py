@@ -350,6 +350,19 @@ def test_revert_reads_the_source_of_the_layer_itself():
     assert type(reverted[0]) is Forwarding and type(reverted[0].inner) is nn.BatchNorm2d
 
 
+def _same_step_under_data_parallel(converted: nn.Module, twin: nn.Module) -> torch.Tensor:
+    """A training step of ``converted`` under (simulated) DataParallel over 2 replicas and
+    one of ``twin`` (its plain original) on the whole batch: the same output; both
+    backpropagated. Returns the batch."""
+    x = torch.randn(8, 3, 2, 2, dtype=torch.float64)
+    out = SimulatedDataParallel(converted, 2)(x)
+    expected = twin(x)
+    assert_close(out, expected, what="output")
+    out.square().sum().backward()
+    expected.square().sum().backward()
+    return x
+
+
 def test_parametrized_batchnorm_keeps_its_parametrization():
     """A BatchNorm whose weight is parametrized (``torch.nn.utils.parametrize``) converts to a
     layer computing with that parametrization, training the same original Parameter (an
@@ -369,12 +382,7 @@ def test_parametrized_batchnorm_keeps_its_parametrization():
     converted = convert_sync_batchnorm(model)
     assert isinstance(converted[1], SyncBatchNorm)
     assert converted[1].parametrizations.weight.original is original
-    x = torch.randn(8, 3, 2, 2, dtype=torch.float64)
-    out = SimulatedDataParallel(converted, 2)(x)
-    expected = twin(x)
-    assert_close(out, expected, what="output")
-    out.square().sum().backward()
-    expected.square().sum().backward()
+    x = _same_step_under_data_parallel(converted, twin)
     assert_close(original.grad, twin[1].parametrizations.weight.original.grad,
                  what="the original parameter's grad")
     reverted = revert_sync_batchnorm(converted)
@@ -407,12 +415,7 @@ def test_pruned_batchnorm_keeps_its_pruning():
     assert layer.weight_orig is original and layer.weight_mask is mask
     assert layer.seen is model[1].seen and "seen" not in layer.state_dict()
     assert layer.state_dict().keys() == twin[1].state_dict().keys()
-    x = torch.randn(8, 3, 2, 2, dtype=torch.float64)
-    out = SimulatedDataParallel(converted, 2)(x)
-    expected = twin(x)
-    assert_close(out, expected, what="output")
-    out.square().sum().backward()
-    expected.square().sum().backward()
+    x = _same_step_under_data_parallel(converted, twin)
     assert_close(original.grad, twin[1].weight_orig.grad, what="weight_orig grad")
     reverted = revert_sync_batchnorm(converted)
     assert type(reverted[1]) is nn.BatchNorm2d and reverted[1].weight_orig is original
