@@ -36,6 +36,10 @@ def small_gamma_index(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.
     return small_gamma_mask(weight, bias).nonzero().view(-1)
 
 
+# What AsideWatch holds for flags without values (the meta device, fake tensors): a pass that
+# computes no values keeps nothing aside, and leaves no answer for the calls after it.
+_NO_VALUES = object()
+
 # AsideWatch keeps aside channels up to this many times the invertibility limit: its answer
 # may be a few calls old, and gamma rarely shrinks that much in a few optimiser steps.
 ASIDE_MARGIN = 16.0
@@ -59,7 +63,9 @@ class AsideWatch:
 
     def __init__(self) -> None:
         self.known: tuple[int, ...] | None = None
-        self._host: numpy.ndarray | None = None  # an answer on its way, as host memory
+        # An answer on its way, as host memory (_NO_VALUES: this call's, from a pass without
+        # values).
+        self._host: numpy.ndarray | object | None = None
         self._ready: torch.cuda.Event | None = None
         # Reused from call to call (one answer is on its way at a time), with its numpy view
         # (made once: a view per call costs more than reading the flags).
@@ -84,10 +90,16 @@ class AsideWatch:
 
     def offer(self, small: torch.Tensor) -> None:
         """Start bringing per-channel flags (nonzero: keep aside) to the host, without
-        waiting for the device."""
+        waiting for the device (on a GPU; other devices than the CPU wait)."""
+        if type(small) is not torch.Tensor or small.is_meta:
+            # No values to read (the meta device, a tracing tool's fake tensors): no answer.
+            self._host, self._ready = _NO_VALUES, None
+            return
         if not small.is_cuda:
-            # numpy reads host memory as it lies: no ATen call, no device sync.
-            self._host, self._ready = small.numpy(), None
+            # On the CPU numpy reads host memory as it lies: no ATen call, no device sync.
+            # Elsewhere (mps, xpu) a blocking copy.
+            host = small.numpy() if small.device.type == "cpu" else small.numpy(force=True)
+            self._host, self._ready = host, None
             return
         pinned = self._pinned
         if pinned is None or pinned.shape != small.shape or pinned.dtype != small.dtype:
@@ -110,6 +122,9 @@ class AsideWatch:
         if self.known is None and self._ready is not None:
             self._ready.synchronize()  # the layer's first call on a GPU: once
         if self._ready is None or self._ready.query():
+            if self._host is _NO_VALUES:  # this call's answer, not one for the calls after it
+                self._host = None
+                return ()
             self.known = tuple(self._host.nonzero()[0].tolist())
             self._host = self._ready = None
         return self.known

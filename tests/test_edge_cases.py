@@ -275,3 +275,48 @@ def test_running_variance_at_large_offset_is_as_precise_as_batchnorm(offset):
         error = (layer.running_var.double() - truth).abs().max().item()
         # (An absolute floor of a few float32 ulps of the variance: BN may round luckily.)
         assert error <= 3 * plain_error + 3e-7, (replicas, error, plain_error)
+
+
+# ---- passes without values: the meta device, fake tensors (shape and FLOP tools) -----------
+
+
+@pytest.mark.parametrize("training", [True, False])
+@pytest.mark.parametrize("inplace", [True, False])
+def test_meta_device_forward_and_backward(training, inplace):
+    """A layer on the meta device (shape inference, lazy model building) runs as
+    nn.BatchNorm2d does there: shapes only. In place, its flags of small gammas have no values
+    to read: nothing is kept aside."""
+    layer = SyncBatchNorm(4, activation="leaky_relu", inplace=inplace).to("meta").train(training)
+    x = torch.empty(2, 4, 3, 3, device="meta", requires_grad=True)
+    out = layer(x * 1)
+    out.sum().backward()
+    assert out.is_meta and out.shape == x.shape
+    assert x.grad.is_meta and x.grad.shape == x.shape and layer.weight.grad.is_meta
+
+
+def test_fake_tensor_pass_in_place_leaves_no_answer_behind():
+    """Under FakeTensorMode (a tool propagating shapes) an in-place layer runs forward and
+    backward; that pass computed no flags, so it leaves the layer no answer about which
+    channels to keep aside (the next real call finds them itself: here a zero gamma, whose
+    gradients must come out exact)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    layer = SyncBatchNorm(4, activation="leaky_relu", slope=0.1).double()
+    with torch.no_grad():
+        layer.weight.copy_(torch.tensor([1.5, -0.7, 0.0, 2.0]))
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        fake = torch.randn(2, 4, 3, 3, dtype=DT, requires_grad=True)
+        out = layer(fake * 1)
+        out.sum().backward()
+    assert out.shape == fake.shape and layer._aside_watch.known is None
+    twin = nn.BatchNorm2d(4).double()
+    twin.load_state_dict(layer.state_dict())
+    layer.weight.grad = None
+    x = torch.randn(4, 4, 3, 3, dtype=DT)
+    grad = torch.randn_like(x)
+    leaf, expected_leaf = x.clone().requires_grad_(), x.clone().requires_grad_()
+    layer(leaf * 1).backward(grad)
+    activate(twin(expected_leaf), "leaky_relu", 0.1).backward(grad)
+    torch.testing.assert_close(leaf.grad, expected_leaf.grad, **TOL)
+    torch.testing.assert_close(layer.weight.grad, twin.weight.grad, **TOL)
+    assert layer._aside_watch.known == (2,)

@@ -142,7 +142,7 @@ def ops_for(x: torch.Tensor) -> Backend:
     triton_ops = _load_triton()
     # Where the kernels imported, they know whether they are interpreted (no environment read).
     interpreted = triton_ops.INTERPRET if triton_ops is not None else triton_interpreted()
-    if not (x.is_cuda or interpreted):
+    if not (x.is_cuda or x.is_meta or interpreted):  # meta: the ops' fake implementations
         raise RuntimeError(
             f"backend 'triton' runs on CUDA tensors, got a {x.device.type} tensor; on the CPU it "
             "runs only under Triton's interpreter (set TRITON_INTERPRET=1 before triton is "

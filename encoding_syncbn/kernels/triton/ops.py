@@ -182,13 +182,15 @@ def _through_dispatcher(x: torch.Tensor) -> bool:
     """Whether to call the registered op rather than its implementation directly.
 
     While compiling (the graph must hold the opaque op), for tensor subclasses (a FakeTensor
-    gets the fake implementation) and under a dispatch mode (tracers must see the op). In
+    gets the fake implementation; so does a meta tensor) and under a dispatch mode (tracers
+    must see the op). In
     plain eager calls the dispatcher would only add its overhead, some 10-20 us per call
     held under the GIL, which DataParallel's replica threads share.
     """
     return (
         torch.compiler.is_compiling()
         or type(x) is not torch.Tensor
+        or x.is_meta
         or _compat.current_dispatch_mode() is not None
     )
 
