@@ -31,6 +31,15 @@ def check_invertible_slope(activation: str, slope: float, dtype: torch.dtype | N
         )
 
 
+# The views autograd restricts in-place writes to, by their creation kind: where they come from.
+_RESTRICTED_VIEWS = {
+    "MULTI_OUTPUT_NODE": "an output of torch.chunk, split or unbind (or DataParallel's scatter)",
+    "IN_CUSTOM_FUNCTION": "a view made by a custom autograd Function (as a full backward hook "
+                          "on this layer, register_full_backward_hook, makes of its input)",
+    "NO_GRAD_MODE": "a view made in no-grad mode",
+}
+
+
 def can_overwrite(x: torch.Tensor, warned: list[bool]) -> bool:
     """Whether ``x`` may be overwritten by a custom Function; if not, warn unless ``warned[0]``
     (the layer's flag: once per layer) or while compiling."""
@@ -53,7 +62,7 @@ def can_overwrite(x: torch.Tensor, warned: list[bool]) -> bool:
     elif base is not None and (kind := _compat.view_kind(x)) is not None:
         # Autograd refuses in-place writes to views made by a multi-output op (chunk, split,
         # unbind, DataParallel's scatter), inside a custom Function, or in no-grad mode.
-        reason = f"a view autograd marks {kind} (torch.chunk, split, ...)"
+        reason = _RESTRICTED_VIEWS.get(kind, f"a view autograd marks {kind}")
     if reason is None:
         return True
     if not warned[0]:

@@ -127,6 +127,29 @@ def test_out_of_place_fallback_warns_once_per_layer():
     assert [len(m) for m in messages] == [1, 1, 0, 0]
 
 
+@pytest.mark.parametrize("source,words", [
+    ("hook", "full backward hook"),
+    ("chunk", "torch.chunk"),
+])
+def test_out_of_place_fallback_says_why(source, words):
+    """An input the layer may not overwrite: computed out of place, exactly, with a warning
+    that names where the input came from."""
+    layer = SyncBatchNorm(4, activation="leaky_relu", slope=0.1, dtype=DT)
+    twin = nn.BatchNorm2d(4, dtype=DT)
+    x = torch.randn(6, 4, 3, 3, dtype=DT, requires_grad=True)
+    if source == "hook":
+        layer.register_full_backward_hook(lambda module, grad_in, grad_out: None)
+        given = x * 1
+    else:
+        given = torch.cat([x, x]).chunk(2)[0]
+    with pytest.warns(UserWarning, match=words):
+        out = layer(given)
+    out.backward(torch.ones_like(out))
+    expected_x = x.detach().clone().requires_grad_()
+    activate(twin(expected_x), "leaky_relu", 0.1).backward(torch.ones_like(out))
+    torch.testing.assert_close(x.grad, expected_x.grad, **TOL)
+
+
 # ---- 1. double backward: a gradient penalty through conv + SyncBatchNorm --------------------
 
 
