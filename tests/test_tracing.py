@@ -157,6 +157,15 @@ def test_jit_trace_in_evaluation(activation, inplace, running, dtype, abn, seed)
     assert_close(loaded(x.clone()), expected, dtype, what="saved and loaded")
 
 
+def test_jit_trace_of_a_converted_network():
+    """Fused in-place layers, a plain one and a norm + Hardswish module traced in evaluation:
+    the traced network computes what the model does (the Hardswish applied once)."""
+    model = network().eval()
+    x = torch.randn(4, 3, 6, 6, dtype=torch.float64)
+    traced = torch.jit.trace(model, x.clone())
+    assert_close(traced(x.clone()), model(x.clone()), what="traced network")
+
+
 def test_jit_trace_in_training_is_refused_and_changes_nothing():
     model = network()
     before = copy.deepcopy(model.state_dict())
