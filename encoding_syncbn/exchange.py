@@ -32,13 +32,14 @@ class Exchange:
     cache).
     """
 
-    __slots__ = ("slot", "eps", "process_group", "across_processes", "track", "own", "mean",
-                 "invstd")
+    __slots__ = ("slot", "eps", "process_group", "across_processes", "track", "label", "own",
+                 "mean", "invstd")
 
     def __init__(self, slot: ReplicaSlot | None, eps: float, process_group: Any,
                  across_processes: bool,
-                 track: Callable[[torch.Tensor, torch.Tensor, int], None]) -> None:
+                 track: Callable[[torch.Tensor, torch.Tensor, int], None], label: str) -> None:
         self.slot = slot
+        self.label = label  # how errors name the layer
         self.eps = eps
         self.process_group = process_group
         self.across_processes = across_processes
@@ -82,8 +83,8 @@ class Exchange:
             )
         if total == 1:
             raise ValueError(
-                "expected more than 1 value per channel when training, got 1 over the whole "
-                "synchronised batch"
+                f"{self.label}: expected more than 1 value per channel when training, got 1 "
+                "over the whole synchronised batch"
             )
         return mean, m2, invstd, total
 

@@ -210,19 +210,19 @@ class SyncBatchNorm(_BatchNorm):
 
     def _check_input(self, x: torch.Tensor) -> None:
         if not isinstance(x, torch.Tensor):
-            raise TypeError(f"expected a torch.Tensor, got {type(x).__name__}")
+            raise TypeError(f"{self._label()}: expected a torch.Tensor, got {type(x).__name__}")
         if x.dim() < 2:
             raise ValueError(
-                f"expected input of shape (N, C, *) with C={self.num_features}, "
-                f"got a {x.dim()}-D input of shape {tuple(x.shape)}"
+                f"{self._label()}: expected input of shape (N, C, *) with "
+                f"C={self.num_features}, got a {x.dim()}-D input of shape {tuple(x.shape)}"
             )
         if x.shape[1] != self.num_features:
             raise ValueError(
-                f"expected {self.num_features} channels (dim 1), got input of shape "
-                f"{tuple(x.shape)} with {x.shape[1]} channels"
+                f"{self._label()}: expected {self.num_features} channels (dim 1), got input "
+                f"of shape {tuple(x.shape)} with {x.shape[1]} channels"
             )
         if not x.is_floating_point():
-            raise TypeError(f"expected a floating-point input, got {x.dtype}")
+            raise TypeError(f"{self._label()}: expected a floating-point input, got {x.dtype}")
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if not isinstance(input, torch.Tensor) and tracing.is_fx_proxy(input):
@@ -342,8 +342,8 @@ class SyncBatchNorm(_BatchNorm):
         count = x.numel() // self.num_features
         if count == 1:
             raise ValueError(
-                f"expected more than 1 value per channel when training, got input of shape "
-                f"{tuple(x.shape)}"
+                f"{self._label()}: expected more than 1 value per channel when training, got "
+                f"input of shape {tuple(x.shape)}"
             )
         if count == 0:
             _track_batch(running, None, None, 0)
@@ -359,7 +359,7 @@ class SyncBatchNorm(_BatchNorm):
         master folds the merged statistics into the running ones, and each replica remembers
         the call for a checkpoint's recomputation."""
         exchange = Exchange(slot, self.eps, self.process_group, self._syncs_processes(),
-                            functools.partial(_track_batch, running))
+                            functools.partial(_track_batch, running), self._label())
         out = synced_batch_norm_act(x, weight, bias, config, exchange)
         self._recompute_cache.remember(exchange.own, exchange.mean, exchange.invstd)
         return out

@@ -565,10 +565,17 @@ def test_bad_input_leaves_state_untouched(x, error, words, replicas):
     before = {k: v.clone() for k, v in layer.state_dict().items()}
     with pytest.raises(error) as info:
         SimulatedDataParallel(layer, replicas)(x)
-    for word in words:
+    for word in [*words, layer._label()]:
         assert word in str(info.value)
     for key, value in layer.state_dict().items():
         assert torch.equal(value, before[key]), key
+
+
+def test_non_tensor_input_is_refused_by_name():
+    layer = make_layer("leaky_relu")
+    with pytest.raises(TypeError, match=r"SyncBatchNorm\(4\) at 0x.*expected a torch.Tensor, got "
+                                        "list"):
+        layer([1.0, 2.0])
 
 
 @pytest.mark.parametrize("make_view", ["chunk", "no_grad_slice"])
