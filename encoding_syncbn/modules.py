@@ -221,8 +221,11 @@ class SyncBatchNorm(_BatchNorm):
                 f"{self._label()}: expected {self.num_features} channels (dim 1), got input "
                 f"of shape {tuple(x.shape)} with {x.shape[1]} channels"
             )
-        if not x.is_floating_point():
-            raise TypeError(f"{self._label()}: expected a floating-point input, got {x.dtype}")
+        if x.dtype not in torch_ops.INPUT_DTYPES:
+            raise TypeError(
+                f"{self._label()}: expected a floating-point input (float16, bfloat16, float32 "
+                f"or float64), got {x.dtype}"
+            )
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if not isinstance(input, torch.Tensor) and tracing.is_fx_proxy(input):

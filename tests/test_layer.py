@@ -556,6 +556,8 @@ def test_bad_constructor_arguments(kwargs):
         (torch.randn(4, 3, 5), ValueError, ["expected 4 channels", "3 channels"]),
         (torch.randn(4), ValueError, ["(N, C, *)", "1-D"]),
         (torch.ones(4, C, dtype=torch.long), TypeError, ["floating-point", "torch.int64"]),
+        (torch.ones(4, C).to(torch.float8_e4m3fn), TypeError, ["bfloat16", "float8_e4m3fn"]),
+        (torch.ones(4, C, dtype=torch.complex64), TypeError, ["float64", "complex64"]),
         (torch.randn(1, C), ValueError, ["more than 1 value per channel"]),
     ],
 )

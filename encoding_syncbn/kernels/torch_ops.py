@@ -34,6 +34,9 @@ import torch
 
 from .. import _compat, activations
 
+#: The input dtypes the layer computes in, on every backend.
+INPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
 
 def stats_dtype(dtype: torch.dtype) -> torch.dtype:
     """float64 stays float64; every other floating dtype accumulates in float32."""

@@ -15,13 +15,13 @@ import triton.language as tl
 
 from ... import _compat
 from ...activations import ACTIVATIONS
-from ..torch_ops import stats_dtype
+from ..torch_ops import INPUT_DTYPES, stats_dtype
 
 #: Whether kernels run in Triton's CPU interpreter (fixed when ``triton.jit`` wrapped them).
 INTERPRET: bool = _compat.triton_interpreting()
 
-#: Input dtypes the kernels are built for.
-DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+#: Input dtypes the kernels are built for: the layer's.
+DTYPES = INPUT_DTYPES
 
 #: The ``ACTIVATION`` ids the kernels are specialised on (``Activation.kernel``; "none" and
 #: "identity" share leaky_relu's), in the table's order.
