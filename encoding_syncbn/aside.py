@@ -98,7 +98,7 @@ class AsideWatch:
         if not small.is_cuda:
             # On the CPU numpy reads host memory as it lies: no ATen call, no device sync.
             # Elsewhere (mps, xpu) a blocking copy.
-            host = small.numpy() if small.device.type == "cpu" else small.numpy(force=True)
+            host = small.numpy() if small.is_cpu else small.numpy(force=True)
             self._host, self._ready = host, None
             return
         pinned = self._pinned
