@@ -122,7 +122,13 @@ class ABN(SyncBatchNorm):
 
     @activation_param.setter
     def activation_param(self, value: float) -> None:
-        self.slope = float(value)
+        value = float(value)
+        # In place exactly where this class runs in place at that value (InPlaceABN: where
+        # it is invertible), each assignment leaving a valid layer.
+        if self._runs_in_place(self.activation, value):
+            self.slope, self.inplace = value, True
+        else:
+            self.inplace, self.slope = False, value
 
     def _syncs_processes(self) -> bool:
         return False  # per process, as mapillary's (InPlaceABNSync synchronises)

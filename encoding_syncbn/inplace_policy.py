@@ -10,25 +10,48 @@ import warnings
 
 import torch
 
-from . import _compat
+from . import _compat, activations
 from .kernels import torch_ops
 
 
-def check_invertible_slope(activation: str, slope: float, dtype: torch.dtype | None) -> None:
-    """In place, backward divides by the slope (leaky_relu: z = y / slope; elu: y / alpha):
-    refuse a slope that is not positive, or whose inverse overflows the statistics dtype the
-    layer computes in (float32 unless the layer is built in float64)."""
-    acc = torch_ops.stats_dtype(dtype or torch.get_default_dtype())
-    if not slope > 0:
+def resolve_inplace(layer: str, activation: str, slope: float, inplace: bool | None,
+                    dtype: torch.dtype | None) -> bool:
+    """Whether a layer with these options runs in place (``inplace=None``: exactly when the
+    activation is invertible), or a ValueError naming ``layer`` and what to use instead.
+
+    In place, backward divides by the slope (leaky_relu: z = y / slope; elu: y / alpha): a
+    slope that is not positive, or whose inverse overflows the statistics dtype the layer
+    computes in (float32 unless ``dtype`` is float64), is refused.
+    """
+    definition = activations.get(activation, layer)
+    invertible = definition.inverse is not None
+    if inplace is None:
+        inplace = invertible and activation != "none"
+    elif inplace and not invertible:
+        choices = [a for a, d in activations.ACTIVATIONS.items() if d.inverse and a != "none"]
         raise ValueError(
-            f"in-place {activation} needs slope > 0 to be invertible, got slope={slope}"
+            f"{layer}: activation={activation!r} with inplace=True: {activation} is not "
+            f"invertible, so it cannot run in place; use one of {choices}, or inplace=False"
         )
-    if not 1.0 / slope <= torch.finfo(acc).max or not slope <= torch.finfo(acc).max:
+    if inplace and activation == "none":
         raise ValueError(
-            f"in-place {activation}: slope={slope} cannot be inverted in {acc} (1/slope "
-            f"overflows); use a slope in [{1 / torch.finfo(acc).max:.3g}, "
-            f"{torch.finfo(acc).max:.3g}] or inplace=False"
+            f"{layer}: activation 'none' does not run in place (a plain BatchNorm keeps its "
+            "input); use activation='identity' for an in-place BatchNorm, or inplace=False"
         )
+    if inplace and definition.inverse_needs_positive_slope:
+        acc = torch_ops.stats_dtype(dtype or torch.get_default_dtype())
+        if not slope > 0:
+            raise ValueError(
+                f"{layer}: in-place {activation} needs slope > 0 to be invertible, got "
+                f"slope={slope}; use inplace=False for that slope"
+            )
+        if not 1.0 / slope <= torch.finfo(acc).max or not slope <= torch.finfo(acc).max:
+            raise ValueError(
+                f"{layer}: in-place {activation}: slope={slope} cannot be inverted in {acc} "
+                f"(1/slope overflows); use a slope in [{1 / torch.finfo(acc).max:.3g}, "
+                f"{torch.finfo(acc).max:.3g}] or inplace=False"
+            )
+    return bool(inplace)
 
 
 # The views autograd restricts in-place writes to, by their creation kind: where they come from.

@@ -30,6 +30,9 @@ from .sync import ReplicaGroup
 # What ``_registered`` finds in a table that lacks the name.
 _ABSENT = object()
 
+# The options checked together, at construction and when assigned (``__setattr__``).
+_ACTIVATION_OPTIONS = ("activation", "slope", "inplace")
+
 # Attributes that only make sense for the live object: dropped by pickle and deepcopy.
 _TRANSIENT = ("_open_group", "_replica_slot", "_recompute_cache", "_open_aside", "_aside",
               "_aside_watch", "_warned_out_of_place")
@@ -98,25 +101,9 @@ class SyncBatchNorm(_BatchNorm):
             # eps = 0 divides by zero on a constant channel (NaN outputs and gradients).
             raise ValueError(f"SyncBatchNorm: eps must be a positive number, got {eps!r}")
         _check_process_group(process_group)
-        definition = activations.get(activation, f"SyncBatchNorm({num_features})")
-        invertible = definition.inverse is not None
-        if inplace is None:
-            inplace = invertible and activation != "none"
-        elif inplace and not invertible:
-            choices = [a for a, d in activations.ACTIVATIONS.items() if d.inverse and a != "none"]
-            raise ValueError(
-                f"SyncBatchNorm({num_features}, activation={activation!r}, inplace=True): "
-                f"{activation} is not invertible, so it cannot run in place; use one of "
-                f"{choices}, or inplace=False"
-            )
-        elif inplace and activation == "none":
-            raise ValueError(
-                "activation 'none' does not run in place (a plain BatchNorm keeps its input); "
-                "use activation='identity' for an in-place BatchNorm, or inplace=False"
-            )
         slope = float(slope)
-        if inplace and definition.inverse_needs_positive_slope:
-            inplace_policy.check_invertible_slope(activation, slope, dtype)
+        inplace = inplace_policy.resolve_inplace(f"SyncBatchNorm({num_features})", activation,
+                                                 slope, inplace, dtype)
         super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype)
         if not bias:  # not by torch's `bias` argument, which torch 2.11 lacks
             self.register_parameter("bias", None)
@@ -148,6 +135,25 @@ class SyncBatchNorm(_BatchNorm):
         # Whether this layer has warned that it ran out of place: once per layer, shared with
         # its replicas (which copy __dict__ shallowly), so that each layer's fallback is told.
         self._warned_out_of_place: list[bool] = [False]
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        """Assigning ``activation``, ``slope`` or ``inplace`` after construction is checked as
+        the constructor checks them (an in-place slope of 0 would divide by zero in backward,
+        an in-place relu could not be inverted): a ValueError naming the layer, nothing
+        changed."""
+        if name in _ACTIVATION_OPTIONS and "inplace" in self.__dict__:
+            options = {key: self.__dict__[key] for key in _ACTIVATION_OPTIONS}
+            options[name] = value = float(value) if name == "slope" else value
+            if name == "inplace" and not isinstance(value, bool):
+                raise TypeError(f"{self._label()}: inplace must be a bool, got {value!r}")
+            inplace_policy.resolve_inplace(self._label(), options["activation"], options["slope"],
+                                           options["inplace"], self._compute_dtype())
+        super().__setattr__(name, value)
+
+    def _compute_dtype(self) -> torch.dtype | None:
+        """The dtype of the layer's parameters or statistics (None: it has neither)."""
+        state = self.weight if self.weight is not None else self.running_mean
+        return state.dtype if state is not None else None
 
     def _replicate_for_data_parallel(self) -> SyncBatchNorm:
         """Called by ``torch.nn.parallel.replicate`` once per replica, in rank order."""

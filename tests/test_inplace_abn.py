@@ -249,6 +249,20 @@ def test_where_in_place_is_impossible_the_gradient_is_still_exact():
     assert torch.equal(x, kept)
 
 
+@pytest.mark.parametrize("param", [0.0, 0.2])
+def test_activation_param_assigned_after_construction(param):
+    """``activation_param`` assigned later (as a model's code may do): in place exactly where
+    the new value is invertible, and exact either way, back and forth."""
+    torch.manual_seed(4)
+    layer = make(InPlaceABN, "leaky_relu")
+    ref = Formula.of(layer)
+    x = torch.randn(4, C, 3, dtype=torch.float64)
+    for step, value in enumerate([param, 0.1, param]):
+        layer.activation_param = value
+        assert (layer.slope, layer.inplace) == (value, value > 0)
+        check_step(layer, ref, layer, x, step, 0.1)
+
+
 @pytest.mark.parametrize("function", [inplace_abn, inplace_abn_sync])
 def test_the_functions(function):
     """In place over x, the running statistics updated in place with ``momentum``."""

@@ -573,6 +573,47 @@ def test_bad_input_leaves_state_untouched(x, error, words, replicas):
         assert torch.equal(value, before[key]), key
 
 
+@pytest.mark.parametrize("activation,name,value,words", [
+    ("leaky_relu", "slope", 0.0, ["slope > 0"]),
+    ("leaky_relu", "slope", 1e-309, ["1/slope", "float64"]),
+    ("elu", "slope", -1.0, ["slope > 0"]),
+    ("leaky_relu", "activation", "relu", ["not invertible"]),
+    ("identity", "activation", "none", ["'none' does not run in place"]),
+    ("leaky_relu", "activation", "swish", ["must be one of"]),
+    ("relu", "inplace", True, ["not invertible"]),
+    ("leaky_relu", "inplace", 1, ["must be a bool"]),
+])
+def test_options_assigned_later_are_checked_by_name(activation, name, value, words):
+    """``activation``, ``slope`` and ``inplace`` assigned after construction are checked as the
+    constructor checks them (an in-place slope of 0 divided by zero in backward; an in-place
+    relu failed there), naming the layer; the layer is left as it was."""
+    layer = make_layer(activation, inplace=None)
+    before = (layer.activation, layer.slope, layer.inplace)
+    with pytest.raises((ValueError, TypeError)) as info:
+        setattr(layer, name, value)
+    for word in [*words, layer._label()]:
+        assert word in str(info.value)
+    assert (layer.activation, layer.slope, layer.inplace) == before
+
+
+def test_options_assigned_later_are_used():
+    """A valid assignment takes effect: a new slope, then out of place with slope 0."""
+    layer = make_layer("leaky_relu")
+    for slope, inplace in [(0.3, True), (0.0, False)]:
+        if not inplace:
+            layer.inplace = False
+        layer.slope = slope
+        twin = plain_twin(layer, 4)
+        x = torch.randn(6, C, 3, 2, dtype=torch.float64)
+        grad = torch.randn_like(x)
+        expected, expected_dx = reference_step(twin, x, grad, "leaky_relu", slope)
+        leaf = x.clone().requires_grad_()
+        out = layer(leaf * 1)
+        out.backward(grad)
+        assert_close(out, expected, what=f"output at slope {slope}")
+        assert_close(leaf.grad, expected_dx, what=f"input grad at slope {slope}")
+
+
 def test_non_tensor_input_is_refused_by_name():
     layer = make_layer("leaky_relu")
     with pytest.raises(TypeError, match=r"SyncBatchNorm\(4\) at 0x.*expected a torch.Tensor, got "
