@@ -9,6 +9,8 @@ import pytest
 import torch
 from backends import each_backend
 from convert_check import check_conversion
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from reference import assert_close
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
@@ -423,6 +425,71 @@ def test_pruned_batchnorm_keeps_its_pruning():
     prune.remove(layer, "weight")
     assert isinstance(layer.weight, nn.Parameter) and not hasattr(layer, "weight_mask")
     assert_close(layer.weight.detach(), original.detach() * mask, what="weight made permanent")
+
+
+class _Doubled(nn.Module):
+    def forward(self, t):
+        return 2 * t
+
+
+def _dressed_model(weight: str, bias: str, extra: str, activation: bool) -> nn.Sequential:
+    """Conv + BatchNorm (+ LeakyReLU), its weight and bias each plain, parametrized or pruned,
+    with or without a buffer of the user's own (built the same way on each call)."""
+    from torch.nn.utils import parametrize, prune
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4, bias=bias != "none"))
+    if activation:
+        model.append(nn.LeakyReLU(0.2))
+    model = model.double()
+    bn = model[1]
+    with torch.no_grad():
+        bn.weight.copy_(torch.tensor([0.5, -2.0, 0.1, 1.0]))
+        if bn.bias is not None:
+            bn.bias.copy_(torch.tensor([0.3, -0.1, 0.2, -0.4]))
+    for name, kind in (("weight", weight), ("bias", bias)):
+        if kind == "parametrized":
+            parametrize.register_parametrization(bn, name, _Doubled())
+        elif kind == "pruned":
+            prune.l1_unstructured(bn, name, amount=1)
+    if extra != "none":
+        bn.register_buffer("seen", torch.arange(4.0), persistent=extra == "persistent")
+    return model
+
+
+def _same_objects(found: dict, expected: dict) -> bool:
+    return found.keys() == expected.keys() and all(found[k] is expected[k] for k in found)
+
+
+@settings(max_examples=16, deadline=None)
+@given(weight=st.sampled_from(["plain", "parametrized", "pruned"]),
+       bias=st.sampled_from(["plain", "parametrized", "pruned", "none"]),
+       extra=st.sampled_from(["none", "persistent", "transient"]),
+       activation=st.booleans(), inplace=st.booleans())
+def test_conversion_keeps_every_kind_of_state(weight, bias, extra, activation, inplace):
+    """Whatever holds a BatchNorm's weight and bias (Parameters, parametrizations, pruning)
+    and whatever buffers were added: the converted model (convert_sync_batchnorm, or
+    convert_inplace_abn: then the BatchNorm has hooks when pruned, and stays out of place)
+    has the same state_dict keys and the same leaf tensors, computes the same training step
+    under DataParallel as the original on the whole batch, and reverts to the same again."""
+    from encoding_syncbn import convert_inplace_abn
+
+    model, twin = (_dressed_model(weight, bias, extra, activation) for _ in range(2))
+    leaves = {name: t for name, t in model[1].named_parameters()}
+    keys = twin.state_dict().keys()
+    converted = (convert_inplace_abn if inplace else convert_sync_batchnorm)(model)
+    layer = converted[1]
+    assert isinstance(layer, SyncBatchNorm)
+    assert converted.state_dict().keys() == keys
+    assert _same_objects(dict(layer.named_parameters()), leaves)
+    x = _same_step_under_data_parallel(converted, twin)
+    for name, leaf in leaves.items():
+        assert_close(leaf.grad, twin[1].get_parameter(name).grad, what=f"{name} grad")
+    reverted = revert_sync_batchnorm(converted)
+    assert reverted.state_dict().keys() == keys
+    assert _same_objects(dict(reverted[1].named_parameters()), leaves)
+    with torch.no_grad():
+        assert_close(reverted(x), twin(x), what="reverted output")
 
 
 def test_hooks_move_with_the_layer():
