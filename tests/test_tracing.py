@@ -199,12 +199,13 @@ def test_jit_script_is_refused_by_name_and_reverted_models_script(momentum):
     assert_close(scripted(x.clone()), model.eval()(x.clone()), what="scripted, evaluation")
 
 
-def test_torch_export_in_evaluation_is_plain_aten():
+@pytest.mark.parametrize("strict", [False, True])
+def test_torch_export_in_evaluation_is_plain_aten(strict):
     """An exported evaluating model holds ATen ops only (it runs without this package or
-    Triton: ONNX, AOTInductor), computing what the layers do."""
+    Triton: ONNX, AOTInductor), computing what the layers do; by either of export's tracers."""
     model = network().eval()
     x = torch.randn(4, 3, 6, 6, dtype=torch.float64)
-    exported = torch.export.export(model, (x.clone(),))
+    exported = torch.export.export(model, (x.clone(),), strict=strict)
     ops = {str(node.target) for node in exported.graph.nodes if node.op == "call_function"}
     assert not [op for op in ops if "encoding_syncbn" in op], ops
     assert_close(exported.module()(x.clone()), model(x.clone()), what="exported")
