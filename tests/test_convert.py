@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import copy
 import pickle
+import warnings
 
 import pytest
 import torch
 from backends import each_backend
 from convert_check import check_conversion
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from reference import assert_close
 from torch import nn
@@ -433,8 +434,9 @@ class _Doubled(nn.Module):
 
 
 def _dressed_model(weight: str, bias: str, extra: str, activation: bool) -> nn.Sequential:
-    """Conv + BatchNorm (+ LeakyReLU), its weight and bias each plain, parametrized or pruned,
-    with or without a buffer of the user's own (built the same way on each call)."""
+    """Conv + BatchNorm (+ LeakyReLU), its weight and bias each plain, parametrized, pruned or
+    weight-normalised, with or without a buffer of the user's own (built the same way on each
+    call)."""
     from torch.nn.utils import parametrize, prune
 
     torch.manual_seed(0)
@@ -452,6 +454,10 @@ def _dressed_model(weight: str, bias: str, extra: str, activation: bool) -> nn.S
             parametrize.register_parametrization(bn, name, _Doubled())
         elif kind == "pruned":
             prune.l1_unstructured(bn, name, amount=1)
+        elif kind == "weight_norm":  # the deprecated hook-based one: name_g, name_v
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)
+                torch.nn.utils.weight_norm(bn, name, dim=0)
     if extra != "none":
         bn.register_buffer("seen", torch.arange(4.0), persistent=extra == "persistent")
     return model
@@ -462,12 +468,16 @@ def _same_objects(found: dict, expected: dict) -> bool:
 
 
 @settings(max_examples=16, deadline=None)
-@given(weight=st.sampled_from(["plain", "parametrized", "pruned"]),
-       bias=st.sampled_from(["plain", "parametrized", "pruned", "none"]),
+@given(weight=st.sampled_from(["plain", "parametrized", "pruned", "weight_norm"]),
+       bias=st.sampled_from(["plain", "parametrized", "pruned", "weight_norm", "none"]),
        extra=st.sampled_from(["none", "persistent", "transient"]),
        activation=st.booleans(), inplace=st.booleans())
+@example(weight="weight_norm", bias="pruned", extra="transient", activation=True, inplace=True)
+@example(weight="pruned", bias="weight_norm", extra="persistent", activation=True, inplace=False)
+@example(weight="parametrized", bias="parametrized", extra="none", activation=True, inplace=True)
 def test_conversion_keeps_every_kind_of_state(weight, bias, extra, activation, inplace):
-    """Whatever holds a BatchNorm's weight and bias (Parameters, parametrizations, pruning)
+    """Whatever holds a BatchNorm's weight and bias (Parameters, parametrizations, pruning or
+    weight_norm's hook)
     and whatever buffers were added: the converted model (convert_sync_batchnorm, or
     convert_inplace_abn: then the BatchNorm has hooks when pruned, and stays out of place)
     has the same state_dict keys and the same leaf tensors, computes the same training step
