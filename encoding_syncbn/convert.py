@@ -224,10 +224,12 @@ def _check_plain_forward(layer: SyncBatchNorm, path: str) -> None:
             )
 
 
-def _share_state(source: _BatchNorm, target: _BatchNorm) -> _BatchNorm:
+def _share_state(source: _BatchNorm, target: _BatchNorm,
+                 consumed: tuple[str, ...] = ()) -> _BatchNorm:
     """Make ``target`` use ``source``'s Parameter objects (a bias of None too: so are bias-less
     layers made on a torch whose BatchNorms take no ``bias`` argument), buffers (the user's
-    own too, persistent or not), hooks and training flag."""
+    own too, persistent or not), child modules it lacks (but those the conversion
+    ``consumed``: an activation now fused), hooks and training flag."""
     for name in ("weight", "bias"):
         if parametrize.is_parametrized(source, name):
             _share_parametrization(source, target, name)
@@ -244,6 +246,9 @@ def _share_state(source: _BatchNorm, target: _BatchNorm) -> _BatchNorm:
     for name, buffer in source._buffers.items():
         target._buffers[name] = buffer
     target._non_persistent_buffers_set = set(source._non_persistent_buffers_set)
+    for name, child in source._modules.items():  # a subclass's own (its forward is BN's)
+        if name not in target._modules and name not in consumed:
+            target._modules[name] = child
     _compat.share_hooks(source, target)
     target.train(source.training)
     return target
@@ -295,7 +300,7 @@ def _norm_act_to_sync(module: _BatchNorm, process_group: Any) -> SyncBatchNorm:
             *_norm_args(module), process_group, device="meta", drop=drop, act=act
         )
     converted._last_input_dim[0] = _input_dim_of(module)
-    return _share_state(module, converted)
+    return _share_state(module, converted, consumed=("drop", "act"))
 
 
 def _drop_and_act(layer: SyncBatchNorm) -> tuple[nn.Module, nn.Module]:
@@ -315,7 +320,7 @@ def _to_plain(layer: SyncBatchNorm) -> _BatchNorm:
         plain = cls(*_norm_args(layer), device="meta")
     else:
         plain = BatchNormAct(*_norm_args(layer), device="meta", drop=drop, act=act)
-    return _share_state(layer, plain)
+    return _share_state(layer, plain, consumed=("drop", "act"))
 
 
 def _resolve(name: str) -> type:

@@ -502,6 +502,24 @@ def test_conversion_keeps_every_kind_of_state(weight, bias, extra, activation, i
         assert_close(reverted(x), twin(x), what="reverted output")
 
 
+def test_child_modules_of_a_batchnorm_subclass_move_with_it():
+    """A BatchNorm subclass that keeps BatchNorm's forward but holds modules of its own: they
+    stay in the converted and the reverted layer (the same objects, the same state_dict)."""
+
+    class Probed(nn.BatchNorm2d):
+        def __init__(self, channels):
+            super().__init__(channels)
+            self.probe = nn.Linear(2, 2)
+
+    model = nn.Sequential(nn.Conv2d(3, 4, 1), Probed(4))
+    probe, keys = model[1].probe, model.state_dict().keys()
+    converted = convert_sync_batchnorm(model)
+    assert isinstance(converted[1], SyncBatchNorm) and converted[1].probe is probe
+    assert converted.state_dict().keys() == keys
+    reverted = revert_sync_batchnorm(converted)
+    assert reverted[1].probe is probe and reverted.state_dict().keys() == keys
+
+
 def test_hooks_move_with_the_layer():
     """Hooks registered on a BatchNorm run on the layer it converts to and on the one it
     reverts to; the handles they were registered with still remove them."""
