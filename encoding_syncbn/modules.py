@@ -21,7 +21,13 @@ from . import (
 )
 from .aside import AsideWatch, small_gamma_channels
 from .exchange import Exchange
-from .functional import ActConfig, batch_norm_act, normalize_with, synced_batch_norm_act
+from .functional import (
+    ActConfig,
+    batch_norm_act,
+    norm_act_composite,
+    normalize_with,
+    synced_batch_norm_act,
+)
 from .kernels import RunningStats, torch_ops
 from .recompute import RecomputeCache
 from .replicas import ReplicaSlot
@@ -235,9 +241,9 @@ class SyncBatchNorm(_BatchNorm):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if not isinstance(input, torch.Tensor) and tracing.is_fx_proxy(input):
-            return tracing.fx_leaf_call(self, input)
+            return tracing.fx_leaf_call(self, self._label(), input)
         if tracing.in_aten_ops(self.training):
-            return tracing.aten_forward(self, input)
+            return self._forward_in_aten_ops(input)
         slot = self._replica_slot
         if slot is not None:
             slot.group.close()
@@ -258,8 +264,23 @@ class SyncBatchNorm(_BatchNorm):
             raise
 
     def __prepare_scriptable__(self) -> SyncBatchNorm:
-        tracing.refuse_script(self)
+        tracing.refuse_script(self._label())
         return self
+
+    def _forward_in_aten_ops(self, x: torch.Tensor) -> torch.Tensor:
+        """Evaluation in ATen ops, for a program that must run without this package
+        (``tracing.in_aten_ops``); the training trace is refused."""
+        if self.training:
+            tracing.refuse_training_trace(self._label())
+        self._check_input(x)
+        acc = torch_ops.stats_dtype(x.dtype)
+        weight, bias = self._affine_params(self.weight, self.bias, acc, x.device)
+        if self.running_mean is None:  # track_running_stats=False: the batch's own statistics
+            var, mean = torch.var_mean(x.to(acc), [0, *range(2, x.dim())], correction=0)
+        else:
+            mean, var = self.running_mean.to(acc), self.running_var.to(acc)
+        config = ActConfig(self.activation, self.slope, False, (), self._label())
+        return norm_act_composite(config)(x, mean, torch.rsqrt(var + self.eps), weight, bias)
 
     def _registered(self, table: dict[str, Any], name: str) -> Any:
         """The parameter or buffer ``name`` from ``table`` (``_parameters`` or ``_buffers``):

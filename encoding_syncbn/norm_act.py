@@ -55,7 +55,7 @@ class SyncBatchNormAct(SyncBatchNorm):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if not isinstance(input, torch.Tensor) and tracing.is_fx_proxy(input):
-            return tracing.fx_leaf_call(self, input)  # one node: drop and act included
+            return tracing.fx_leaf_call(self, self._label(), input)  # drop and act included
         return self.act(self.drop(super().forward(input)))
 
 

@@ -17,12 +17,7 @@ registered custom ops: the Triton kernels stay):
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
-
-if TYPE_CHECKING:
-    from .modules import SyncBatchNorm
 
 _REVERT = (
     "encoding_syncbn.revert_sync_batchnorm(model) gives the same model with plain torch "
@@ -35,8 +30,9 @@ def is_fx_proxy(value: object) -> bool:
     return isinstance(value, torch.fx.Proxy)
 
 
-def fx_leaf_call(layer: torch.nn.Module, proxy: torch.fx.Proxy) -> torch.fx.Proxy:
-    """Record ``layer(proxy)`` as a ``call_module`` node of the graph being traced.
+def fx_leaf_call(layer: torch.nn.Module, label: str, proxy: torch.fx.Proxy) -> torch.fx.Proxy:
+    """Record ``layer(proxy)`` as a ``call_module`` node of the graph being traced (``label``:
+    how errors name the layer).
 
     Called first thing by the ``forward`` of each class that defines one (a subclass's
     ``forward`` that calls its base's after some work of its own must check first itself,
@@ -46,46 +42,33 @@ def fx_leaf_call(layer: torch.nn.Module, proxy: torch.fx.Proxy) -> torch.fx.Prox
     path = tracer.path_of_module(layer)
     if not path:
         raise TypeError(
-            f"{layer._label()}: torch.fx cannot trace a synchronised layer as the root of a "
-            "trace (its forward runs Triton kernels and autograd Functions); trace the model "
-            "that contains it, where it is recorded as one call"
+            f"{label}: torch.fx cannot trace a synchronised layer as the root of a trace (its "
+            "forward runs Triton kernels and autograd Functions); trace the model that "
+            "contains it, where it is recorded as one call"
         )
     return tracer.create_proxy("call_module", path, (proxy,), {})
 
 
 def in_aten_ops(training: bool) -> bool:
     """Whether the layer's call is being captured for a program that must run without this
-    package: ``torch.jit.trace``, or an evaluating layer under ``torch.export``."""
+    package: ``torch.jit.trace``, or an evaluating layer under ``torch.export``. (Then the
+    layer computes in ATen ops, its kernels' formula: ``functional.norm_act_composite``.)"""
     return torch.jit.is_tracing() or (not training and torch.compiler.is_exporting())
 
 
-def aten_forward(layer: SyncBatchNorm, x: torch.Tensor) -> torch.Tensor:
-    """The layer's evaluation in ATen ops (see :func:`in_aten_ops`)."""
-    from .functional import ActConfig, norm_act_composite
-    from .kernels import torch_ops
-
-    if layer.training:
-        raise RuntimeError(
-            f"{layer._label()}: torch.jit.trace records the layer in evaluation only "
-            "(model.eval() first): a traced training step would hold neither the "
-            f"synchronisation across replicas nor the running statistics' update; {_REVERT}"
-        )
-    layer._check_input(x)
-    acc = torch_ops.stats_dtype(x.dtype)
-    weight, bias = layer._affine_params(layer.weight, layer.bias, acc, x.device)
-    if layer.running_mean is None:  # track_running_stats=False: the batch's own statistics
-        dims = [0, *range(2, x.dim())]
-        var, mean = torch.var_mean(x.to(acc), dims, correction=0)
-    else:
-        mean, var = layer.running_mean.to(acc), layer.running_var.to(acc)
-    config = ActConfig(layer.activation, layer.slope, False, (), layer._label())
-    return norm_act_composite(config)(x, mean, torch.rsqrt(var + layer.eps), weight, bias)
+def refuse_training_trace(label: str) -> None:
+    """``torch.jit.trace`` of a training layer."""
+    raise RuntimeError(
+        f"{label}: torch.jit.trace records the layer in evaluation only (model.eval() "
+        "first): a traced training step would hold neither the synchronisation across "
+        f"replicas nor the running statistics' update; {_REVERT}"
+    )
 
 
-def refuse_script(layer: SyncBatchNorm) -> None:
-    """``torch.jit.script`` of a model holding ``layer`` (``__prepare_scriptable__``)."""
+def refuse_script(label: str) -> None:
+    """``torch.jit.script`` of a model holding the layer (``__prepare_scriptable__``)."""
     raise TypeError(
-        f"{layer._label()}: torch.jit.script cannot compile a synchronised layer (Triton "
-        f"kernels, autograd Functions, replica threads); {_REVERT}, which script. "
+        f"{label}: torch.jit.script cannot compile a synchronised layer (Triton kernels, "
+        f"autograd Functions, replica threads); {_REVERT}, which script. "
         "torch.export.export and torch.jit.trace (in evaluation) take the layer as it is"
     )
