@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import copy
 import io
+import subprocess
+import sys
 
 import pytest
 import torch
-from backends import each_backend
+from backends import each_backend, one_backend
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from reference import SLOPES, assert_close
@@ -197,6 +199,34 @@ def test_jit_script_is_refused_by_name_and_reverted_models_script(momentum):
         assert_close(value, expected, what=name)
     scripted.eval()
     assert_close(scripted(x.clone()), model.eval()(x.clone()), what="scripted, evaluation")
+
+
+_LOAD_WITHOUT_PACKAGE = """
+import sys
+import torch
+for name in ("encoding_syncbn", "triton"):
+    sys.modules[name] = None  # as if not installed: an import raises ModuleNotFoundError
+program, x, expected = sys.argv[1], torch.load(sys.argv[2]), torch.load(sys.argv[3])
+out = torch.export.load(program).module()(x)
+torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-10)
+print("same")
+"""
+
+
+@one_backend  # the layer computes in ATen ops under export whatever the backend
+def test_exported_program_runs_without_this_package(tmp_path):
+    """Saved with ``torch.export.save``, the evaluating model loads and computes the same in
+    a process where neither this package nor Triton can be imported."""
+    model = network().eval()
+    x = torch.randn(4, 3, 6, 6, dtype=torch.float64)
+    torch.export.save(torch.export.export(model, (x.clone(),)), tmp_path / "model.pt2")
+    torch.save(x, tmp_path / "x.pt")
+    torch.save(model(x.clone()), tmp_path / "expected.pt")
+    result = subprocess.run(
+        [sys.executable, "-c", _LOAD_WITHOUT_PACKAGE, str(tmp_path / "model.pt2"),
+         str(tmp_path / "x.pt"), str(tmp_path / "expected.pt")],
+        capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.strip() == "same", result.stderr
 
 
 @pytest.mark.parametrize("strict", [False, True])
