@@ -206,24 +206,30 @@ import sys
 import torch
 for name in ("encoding_syncbn", "triton"):
     sys.modules[name] = None  # as if not installed: an import raises ModuleNotFoundError
-program, x, expected = sys.argv[1], torch.load(sys.argv[2]), torch.load(sys.argv[3])
-out = torch.export.load(program).module()(x)
+kind, program = sys.argv[1], sys.argv[2]
+x, expected = torch.load(sys.argv[3]), torch.load(sys.argv[4])
+out = (torch.export.load(program).module() if kind == "export" else torch.jit.load(program))(x)
 torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-10)
 print("same")
 """
 
 
-@one_backend  # the layer computes in ATen ops under export whatever the backend
-def test_exported_program_runs_without_this_package(tmp_path):
-    """Saved with ``torch.export.save``, the evaluating model loads and computes the same in
-    a process where neither this package nor Triton can be imported."""
+@one_backend  # the layer computes in ATen ops under export and trace whatever the backend
+@pytest.mark.parametrize("kind", ["export", "jit.trace"])
+def test_captured_program_runs_without_this_package(tmp_path, kind):
+    """Saved (``torch.export.save``, ``torch.jit.save``), the evaluating model loads and
+    computes the same in a process where neither this package nor Triton can be imported."""
     model = network().eval()
     x = torch.randn(4, 3, 6, 6, dtype=torch.float64)
-    torch.export.save(torch.export.export(model, (x.clone(),)), tmp_path / "model.pt2")
+    program = tmp_path / "model.pt"
+    if kind == "export":
+        torch.export.save(torch.export.export(model, (x.clone(),)), program)
+    else:
+        torch.jit.save(torch.jit.trace(model, x.clone()), program)
     torch.save(x, tmp_path / "x.pt")
     torch.save(model(x.clone()), tmp_path / "expected.pt")
     result = subprocess.run(
-        [sys.executable, "-c", _LOAD_WITHOUT_PACKAGE, str(tmp_path / "model.pt2"),
+        [sys.executable, "-c", _LOAD_WITHOUT_PACKAGE, kind.split(".")[0], str(program),
          str(tmp_path / "x.pt"), str(tmp_path / "expected.pt")],
         capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and result.stdout.strip() == "same", result.stderr
