@@ -125,12 +125,15 @@ def test_timm_fx_feature_extraction():
     running=st.booleans(),
     dtype=st.sampled_from([torch.float32, torch.float64]),
     abn=st.booleans(),
+    spatial=st.lists(st.integers(1, 4), min_size=0, max_size=3),
+    channels_last=st.booleans(),
     seed=st.integers(0, 2**16),
 )
-def test_jit_trace_in_evaluation(activation, inplace, running, dtype, abn, seed):
+def test_jit_trace_in_evaluation(activation, inplace, running, dtype, abn, spatial,
+                                 channels_last, seed):
     """``torch.jit.trace`` of an evaluating layer records ATen ops computing what the layer
     does (every activation, in place or not, with running or batch statistics, mapillary's
-    ``|w| + eps``); the trace saves and loads."""
+    ``|w| + eps``, inputs of rank 2 to 5, channels_last); the trace saves and loads."""
     inplace = inplace and ACTIVATIONS[activation].inverse is not None and activation != "none"
     if abn:
         if activation not in ("leaky_relu", "elu", "identity"):
@@ -148,7 +151,9 @@ def test_jit_trace_in_evaluation(activation, inplace, running, dtype, abn, seed)
         if running:
             layer[1].running_mean.uniform_(-1, 1)
             layer[1].running_var.uniform_(0.5, 2)
-    x = torch.randn(4, 5, 3, 3, dtype=dtype)
+    x = torch.randn(4, 5, *spatial, dtype=dtype)
+    if channels_last and x.dim() in (4, 5):
+        x = x.to(memory_format=torch.channels_last if x.dim() == 4 else torch.channels_last_3d)
     traced = torch.jit.trace(layer, x.clone())
     buffer = io.BytesIO()
     torch.jit.save(traced, buffer)
