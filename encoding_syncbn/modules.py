@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import warnings
 import weakref
 from typing import Any
 
@@ -272,7 +273,13 @@ class SyncBatchNorm(_BatchNorm):
         (``tracing.in_aten_ops``); the training trace is refused."""
         if self.training:
             tracing.refuse_training_trace(self._label())
-        self._check_input(x)
+        if torch.jit.is_tracing():
+            with warnings.catch_warnings():
+                # A warning at each size the checks compare: constants of the trace, rightly.
+                warnings.simplefilter("ignore", torch.jit.TracerWarning)
+                self._check_input(x)
+        else:  # torch.export (whose strict tracer cannot trace the warnings' filters)
+            self._check_input(x)
         acc = torch_ops.stats_dtype(x.dtype)
         weight, bias = self._affine_params(self.weight, self.bias, acc, x.device)
         if self.running_mean is None:  # track_running_stats=False: the batch's own statistics

@@ -321,3 +321,47 @@ def test_replicas_on_their_own_streams_match_the_whole_batch(data_parallel):
     else:
         runner = nn.DataParallel(wrapped, device_ids=list(range(torch.cuda.device_count())))
     _train_and_compare(runner, net, batch=13)
+
+
+def test_capture_for_deployment_on_gpu():
+    """An evaluating network on the GPU exports (torch.export) and traces (torch.jit.trace)
+    to ATen ops only, computing what the Triton kernels do; torch.fx records each layer as one
+    call that runs them."""
+    net = _network().eval()
+    x = torch.randn(4, 3, 17, 19, device="cuda")
+    expected = net(x.clone())
+    exported = torch.export.export(net, (x.clone(),))
+    ops = {str(node.target) for node in exported.graph.nodes if node.op == "call_function"}
+    assert not [op for op in ops if "encoding_syncbn" in op], ops
+    torch.testing.assert_close(exported.module()(x.clone()), expected, rtol=1e-4, atol=1e-4)
+    traced = torch.jit.trace(net, x.clone())
+    torch.testing.assert_close(traced(x.clone()), expected, rtol=1e-4, atol=1e-4)
+    graph_module = torch.fx.symbolic_trace(net)
+    torch.testing.assert_close(graph_module(x.clone()), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_in_place_layer_without_values_on_gpu():
+    """Fake CUDA tensors (FakeTensorMode) and the meta device: an in-place training step runs
+    (shapes only) and leaves the layer no answer about the channels kept aside; the next real
+    step keeps a zero gamma's channel aside and is exact."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    layer = SyncBatchNorm(8, activation="leaky_relu", slope=0.1).cuda()
+    with torch.no_grad():
+        layer.weight[3] = 0.0
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        fake = torch.randn(4, 8, 5, 5, device="cuda", requires_grad=True)
+        layer(fake * 1).sum().backward()
+    meta = SyncBatchNorm(8, activation="leaky_relu").to("meta")
+    meta(torch.empty(4, 8, 5, 5, device="meta", requires_grad=True) * 1).sum().backward()
+    assert layer._aside_watch.known is None
+    layer.weight.grad = None
+    x = torch.randn(4, 8, 5, 5, device="cuda")
+    leaf, ref_leaf = x.clone().requires_grad_(), x.clone().requires_grad_()
+    dy = torch.randn_like(x)
+    layer(leaf * 1).backward(dy)
+    w = layer.weight.detach().clone().requires_grad_()
+    b = layer.bias.detach().clone().requires_grad_()
+    F.leaky_relu(F.batch_norm(ref_leaf, None, None, w, b, True), 0.1).backward(dy)
+    torch.testing.assert_close(leaf.grad, ref_leaf.grad, rtol=1e-4, atol=1e-4)
+    assert layer._aside_watch.known == (3,)

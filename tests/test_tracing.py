@@ -10,6 +10,7 @@ import copy
 import io
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -165,11 +166,15 @@ def test_jit_trace_in_evaluation(activation, inplace, running, dtype, abn, spati
 
 
 def test_jit_trace_of_a_converted_network():
-    """Fused in-place layers, a plain one and a norm + Hardswish module traced in evaluation:
-    the traced network computes what the model does (the Hardswish applied once)."""
+    """Fused in-place layers, a plain one and a norm + Hardswish module traced in evaluation,
+    without a TracerWarning: the traced network computes what the model does (the Hardswish
+    applied once)."""
     model = network().eval()
     x = torch.randn(4, 3, 6, 6, dtype=torch.float64)
-    traced = torch.jit.trace(model, x.clone())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        traced = torch.jit.trace(model, x.clone())
+    assert not [w for w in caught if issubclass(w.category, torch.jit.TracerWarning)]
     assert_close(traced(x.clone()), model(x.clone()), what="traced network")
 
 
