@@ -24,10 +24,12 @@ setup(
     install_requires=["torch>=2.4", "numpy"],
     extras_require={
         # pytest-xdist runs the suite on every core (-n auto); torchvision, timm and smp are
-        # the real models the converters are tested on (tests/test_convert_models.py).
+        # the real models the converters are tested on (tests/test_convert_models.py); onnx,
+        # onnxscript and onnxruntime run the exported models (tests/test_tracing.py).
         "test": ["pytest", "pytest-xdist", "hypothesis", "expecttest", "ruff",
                  "triton; platform_system == 'Linux'",
-                 "torchvision", "timm", "segmentation-models-pytorch"],
+                 "torchvision", "timm", "segmentation-models-pytorch",
+                 "onnx", "onnxscript", "onnxruntime"],
         "examples": ["tqdm", "matplotlib", "pillow"],
     },
 )

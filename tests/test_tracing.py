@@ -245,6 +245,25 @@ def test_captured_program_runs_without_this_package(tmp_path, kind):
     assert result.returncode == 0 and result.stdout.strip() == "same", result.stderr
 
 
+@one_backend  # the layer computes in ATen ops under export and trace whatever the backend
+@pytest.mark.parametrize("dynamo", [True, False], ids=["torch.export", "jit.trace"])
+def test_onnx_export_runs_in_onnxruntime(tmp_path, dynamo):
+    """``torch.onnx.export`` of an evaluating network, by either exporter (torch.export's or
+    TorchScript's): onnxruntime computes what the layers do."""
+    import_or_skip("onnxscript")
+    onnxruntime = import_or_skip("onnxruntime")
+    model = network().float().eval()
+    x = torch.randn(4, 3, 6, 6)
+    path = tmp_path / "model.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # the TorchScript exporter's
+        torch.onnx.export(model, (x.clone(),), str(path), dynamo=dynamo)
+    session = onnxruntime.InferenceSession(str(path))
+    (out,) = session.run(None, {session.get_inputs()[0].name: x.numpy()})
+    assert_close(torch.from_numpy(out), model(x.clone()).detach(), torch.float32,
+                 what="onnxruntime output")
+
+
 @pytest.mark.parametrize("strict", [False, True])
 def test_torch_export_in_evaluation_is_plain_aten(strict):
     """An exported evaluating model holds ATen ops only (it runs without this package or
