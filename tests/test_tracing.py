@@ -264,6 +264,18 @@ def test_onnx_export_runs_in_onnxruntime(tmp_path, dynamo):
                  what="onnxruntime output")
 
 
+def test_torch_export_with_dynamic_sizes():
+    """Exported with a dynamic batch and height (as plain BatchNorms export), the program
+    computes what the layers do at other sizes."""
+    model = network().eval()
+    x = torch.randn(4, 3, 6, 6, dtype=torch.float64)
+    sizes = {0: torch.export.Dim("batch", min=1, max=64), 2: torch.export.Dim("h", min=4)}
+    exported = torch.export.export(model, (x.clone(),), dynamic_shapes=(sizes,))
+    for shape in ((1, 3, 6, 6), (7, 3, 9, 6)):
+        y = torch.randn(shape, dtype=torch.float64)
+        assert_close(exported.module()(y.clone()), model(y.clone()), what=f"at {shape}")
+
+
 @pytest.mark.parametrize("strict", [False, True])
 def test_torch_export_in_evaluation_is_plain_aten(strict):
     """An exported evaluating model holds ATen ops only (it runs without this package or
