@@ -64,6 +64,7 @@ from segmentation.plots import save_curves, save_predictions  # noqa: E402
 from encoding_syncbn.testing import SimulatedDataParallel  # noqa: E402
 
 CHECKPOINT_NAME = "checkpoint.pt"
+EXPORT_NAME = "model.pt2"
 
 
 def _int_list(text: str) -> list[int]:
@@ -173,6 +174,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--num-vis", type=int, default=4,
                    help="validation samples shown in predictions.png")
     g.add_argument("--no-progress", action="store_true", help="hide the per-epoch progress bar")
+    g.add_argument("--export", action="store_true",
+                   help=f"also write {EXPORT_NAME}: the trained model in evaluation as a "
+                        "torch.export program (plain ATen ops, any batch size), which runs "
+                        "without encoding_syncbn (torch.export.load) and converts to ONNX")
     return p
 
 
@@ -524,8 +529,24 @@ def _run(args: argparse.Namespace, rt: Runtime) -> dict:
                         **evaluate(eval_net, val_loader, num_classes, rt)})
     if rt.is_main:
         save_figures(model, val_set, history, num_classes, args, rt)
+        if args.export:
+            export_model(model, val_set, args.output / EXPORT_NAME)
         print(f"final mIoU: {history[-1]['miou']:.4f}", flush=True)
     return history[-1]
+
+
+def export_model(model: nn.Module, val_set: Dataset, path: Path) -> None:
+    """The evaluating model as a torch.export program with a dynamic batch: the synchronised
+    layers record themselves in ATen ops, so the program needs no encoding_syncbn."""
+    # Two images: export specialises a size of 1 (it would fix the batch there).
+    images = [val_set[min(i, len(val_set) - 1)][0] for i in range(2)]
+    example = torch.stack(images).to(next(model.parameters()).device)
+    was_training = model.training
+    model.eval()
+    program = torch.export.export(model, (example,), dynamic_shapes=(
+        {0: torch.export.Dim("batch", min=1, max=1024)},))
+    model.train(was_training)
+    torch.export.save(program, path)
 
 
 if __name__ == "__main__":

@@ -250,15 +250,21 @@ def test_training_run_writes_outputs_and_resumes(
 ) -> None:
     monkeypatch.setitem(sys.modules, "tqdm", None)  # --no-progress needs no tqdm
     out = tmp_path / "run"
-    result = train_main([*TINY, "--epochs", "1", "--output", str(out)])
+    result = train_main([*TINY, "--epochs", "1", "--output", str(out), "--export"])
     stdout = capsys.readouterr().out
     assert re.fullmatch(r"final mIoU: [01]\.\d{4}", _last_line(stdout))
     assert float(_last_line(stdout).split()[-1]) == pytest.approx(result["miou"], abs=1e-4)
-    for name in ("checkpoint.pt", "curves.png", "predictions.png"):
+    for name in ("checkpoint.pt", "curves.png", "predictions.png", "model.pt2"):
         assert (out / name).stat().st_size > 0, name
     state = torch.load(out / "checkpoint.pt", weights_only=True)
     assert state["epoch"] == 1 and len(state["history"]) == 1
     assert state["history"][0]["train_s"] > 0 and state["history"][0]["peak_mib"] >= 0
+    # The exported program: the trained model's evaluation, at another batch size.
+    trained = _tiny_model("inplace_abn")
+    trained.load_state_dict(state["model"])
+    x = torch.randn(3, 3, 32, 32)
+    exported = torch.export.load(out / "model.pt2").module()
+    torch.testing.assert_close(exported(x.clone()), trained.eval()(x.clone()))
 
     train_main([*TINY, "--epochs", "2", "--output", str(out),
                 "--resume", str(out / "checkpoint.pt")])
