@@ -101,6 +101,9 @@ class BatchNormAct(_BatchNorm):
             )
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if not torch.jit.is_scripting():  # (TorchScript compiles none of this block)
+            if tracing.is_fx_proxy(input):  # one node, as torch.fx records nn.BatchNorm2d
+                return tracing.fx_leaf_call(self, f"BatchNormAct({self.num_features})", input)
         # nn.BatchNorm's forward written out: TorchScript compiles no super() call, and a
         # reverted model is what users script. (Optional attributes read into locals: it
         # refines locals only.)

@@ -76,6 +76,18 @@ def test_fx_records_each_layer_as_one_call():
     assert_close(traced(x.clone()), model(x.clone()), what="traced evaluation output")
 
 
+def test_fx_traces_the_reverted_model():
+    """The reverted model's norm + activation layers (BatchNormAct) are leaves too, as
+    torch.nn's BatchNorms: the traced module computes what the reverted one does."""
+    reverted = revert_sync_batchnorm(network())
+    assert any(type(m).__name__ == "BatchNormAct" for m in reverted.modules())
+    traced = torch.fx.symbolic_trace(reverted)
+    x = torch.randn(4, 3, 6, 6, dtype=torch.float64)
+    for mode in (True, False):
+        twin = copy.deepcopy(reverted).train(mode)
+        assert_close(traced.train(mode)(x.clone()), twin(x.clone()), what=f"training={mode}")
+
+
 def test_fx_root_layer_is_refused_by_name():
     with pytest.raises(TypeError, match=r"SyncBatchNorm\(4\).*root of a trace"):
         torch.fx.symbolic_trace(SyncBatchNorm(4))
