@@ -42,9 +42,8 @@ def fx_leaf_call(layer: torch.nn.Module, label: str, proxy: torch.fx.Proxy) -> t
     path = tracer.path_of_module(layer)
     if not path:
         raise TypeError(
-            f"{label}: torch.fx cannot trace a synchronised layer as the root of a trace (its "
-            "forward runs Triton kernels and autograd Functions); trace the model that "
-            "contains it, where it is recorded as one call"
+            f"{label}: torch.fx records this layer as one call of the model that contains it, "
+            "and cannot trace it as the root of a trace; trace that model instead"
         )
     return tracer.create_proxy("call_module", path, (proxy,), {})
 

@@ -29,7 +29,7 @@ from encoding_syncbn import (
 )
 from encoding_syncbn.activations import ACTIVATIONS
 from encoding_syncbn.inplace_abn import InPlaceABN
-from encoding_syncbn.norm_act import SyncBatchNormAct
+from encoding_syncbn.norm_act import BatchNormAct, SyncBatchNormAct
 from encoding_syncbn.testing import SimulatedDataParallel
 
 pytestmark = each_backend
@@ -88,9 +88,11 @@ def test_fx_traces_the_reverted_model():
         assert_close(traced.train(mode)(x.clone()), twin(x.clone()), what=f"training={mode}")
 
 
-def test_fx_root_layer_is_refused_by_name():
-    with pytest.raises(TypeError, match=r"SyncBatchNorm\(4\).*root of a trace"):
-        torch.fx.symbolic_trace(SyncBatchNorm(4))
+@pytest.mark.parametrize("make,name", [(lambda: SyncBatchNorm(4), r"SyncBatchNorm\(4\)"),
+                                       (lambda: BatchNormAct(4), r"BatchNormAct\(4\)")])
+def test_fx_root_layer_is_refused_by_name(make, name):
+    with pytest.raises(TypeError, match=name + r".*root of a trace; trace that model"):
+        torch.fx.symbolic_trace(make())
 
 
 def test_torchvision_feature_extractor():
