@@ -241,6 +241,8 @@ def _share_state(source: _BatchNorm, target: _BatchNorm,
     for name, parameter in source._parameters.items():
         if name not in ("weight", "bias"):  # weight_orig of a pruned weight, ...
             target._parameters[name] = parameter
+    # BatchNorm's buffers, None where the source lacks one (an old num_batches_tracked), then
+    # every buffer the source has.
     for name in ("running_mean", "running_var", "num_batches_tracked"):
         target._buffers[name] = source._buffers.get(name)
     for name, buffer in source._buffers.items():
