@@ -29,7 +29,7 @@ from .functional import (
     normalize_with,
     synced_batch_norm_act,
 )
-from .kernels import RunningStats, torch_ops
+from .kernels import RunningStats, channel_vector, torch_ops
 from .recompute import RecomputeCache
 from .replicas import ReplicaSlot
 from .sync import ReplicaGroup
@@ -299,15 +299,15 @@ class SyncBatchNorm(_BatchNorm):
 
     def _affine_params(self, weight: torch.Tensor | None, bias: torch.Tensor | None,
                        dtype: torch.dtype, device: torch.device):
-        """The layer's ``weight`` and ``bias`` as it computes with them: in the statistics
-        dtype, ones and zeros where there are none."""
+        """The layer's ``weight`` and ``bias`` as it computes with them and hands them to the
+        backend: contiguous, in the statistics dtype, ones and zeros where there are none."""
         weight = (
-            torch_ops.as_dtype(weight, dtype)
+            channel_vector(weight, dtype)
             if weight is not None
             else torch.ones(self.num_features, dtype=dtype, device=device)
         )
         bias = (
-            torch_ops.as_dtype(bias, dtype)
+            channel_vector(bias, dtype)
             if bias is not None
             else torch.zeros(self.num_features, dtype=dtype, device=device)
         )

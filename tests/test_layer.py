@@ -119,6 +119,41 @@ def test_generated_layers_match_batchnorm(mode, replicas, batch, rank, channels_
     assert_close(SimulatedDataParallel(layer, replicas)(x.clone()), expected, what="eval")
 
 
+_STATE = ("weight", "bias", "running_mean", "running_var")
+
+
+@settings(max_examples=10, deadline=None, derandomize=True)
+@given(
+    mode=st.sampled_from(list(activation_modes())),
+    replicas=st.integers(1, 3),
+    steps=st.fixed_dictionaries({name: st.sampled_from([1, 2, 3]) for name in _STATE}),
+    momentum=st.sampled_from([0.1, None]),
+    seed=st.integers(0, 2**16),
+)
+def test_strided_parameters_and_buffers(mode, replicas, steps, momentum, seed):
+    """Parameters and running statistics that are strided views (every ``step``-th element of
+    a larger tensor) compute as contiguous ones do, and the elements between them stay
+    untouched (the Triton path's statistics kernel wrote contiguous vectors over them)."""
+    activation, inplace = mode
+    gen = torch.Generator().manual_seed(seed)
+    layer = make_layer(activation, inplace, momentum=momentum)
+    twin = plain_twin(layer, 4)
+    bases = {}
+    for name, step in steps.items():
+        base = torch.randn(C * step, generator=gen, dtype=torch.float64)
+        base[::step] = getattr(layer, name).detach()
+        bases[name] = base, base.clone()
+        view = base[::step]
+        setattr(layer, name, nn.Parameter(view) if name in ("weight", "bias") else view)
+        assert getattr(layer, name).is_contiguous() == (step == 1)
+    run_steps(layer, twin, lambda s: torch.randn((6, C, 3, 2), generator=gen,
+                                                 dtype=torch.float64), replicas, activation, steps=2)
+    for name, (base, before) in bases.items():
+        between = torch.ones(base.numel(), dtype=torch.bool)
+        between[::steps[name]] = False
+        assert torch.equal(base[between], before[between]), name
+
+
 @pytest.mark.parametrize("activation,inplace", list(activation_modes()))
 @pytest.mark.parametrize("replicas,batch", [(1, 5), (2, 6), (3, 7), (4, 8), (4, 6), (4, 3)])
 def test_training_matches_full_batch(activation, inplace, replicas, batch):

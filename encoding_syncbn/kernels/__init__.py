@@ -27,12 +27,13 @@ from .backend import (
     GammaCheck,
     NormParams,
     RunningStats,
+    channel_vector,
     dx_coefs,
 )
 
 __all__ = ["Backend", "BatchSums", "DxCoefs", "GammaCheck", "NormParams", "RunningStats",
-           "dx_coefs", "get_backend", "ops_for", "reference_ops", "register_backend",
-           "set_backend"]
+           "channel_vector", "dx_coefs", "get_backend", "ops_for", "reference_ops",
+           "register_backend", "set_backend"]
 
 BACKENDS = ("auto", "torch", "triton")
 BACKEND_ENV = "ENCODING_SYNCBN_BACKEND"

@@ -15,6 +15,11 @@ backward's per-channel coefficients (:class:`DxCoefs`, or :class:`BatchSums` fro
 backend derives them: the Triton kernel does so per channel, with no ATen call on the host).
 They are NamedTuples in the order of the flat ``torch_ops`` signatures, so an implementation
 over flat functions unpacks them with ``*``.
+
+Every per-channel vector a backend is handed (in ``NormParams``, ``DxCoefs``, ``BatchSums``,
+``GammaCheck``) is a contiguous (C,) tensor in the statistics dtype: the caller makes it so
+once (:func:`channel_vector`), not every op at every call. ``RunningStats`` are the layer's own
+buffers, updated in place, in whatever dtype and strides they have.
 A new backend, or a test double, is one class implementing :class:`Backend`, registered with
 ``kernels.register_backend``.
 """
@@ -25,6 +30,12 @@ from types import ModuleType
 from typing import NamedTuple, Protocol
 
 import torch
+
+
+def channel_vector(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` as backends take a per-channel vector: contiguous, in ``dtype`` (the statistics
+    dtype); ``t`` itself, with no call into torch, where it is already."""
+    return t if t.dtype == dtype and t.is_contiguous() else t.to(dtype).contiguous()
 
 
 class NormParams(NamedTuple):

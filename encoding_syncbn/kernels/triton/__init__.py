@@ -29,5 +29,6 @@ kernel (both with ``channel_stats._merge_partials``), ``backward_reduce``'s sum 
 ``splits > 1``.
 
 Accumulation is in float32 for half, bfloat16 and float32 inputs and in float64 for float64
-inputs; per-channel vectors come in (and go out) in that statistics dtype.
+inputs; per-channel vectors come in (contiguous: see ``kernels.backend``) and go out in that
+statistics dtype.
 """

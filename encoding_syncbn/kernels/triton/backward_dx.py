@@ -10,7 +10,6 @@ from .plan import (
     Launch,
     Target,
     Tile,
-    _channel_vectors,
     _empty_dx,
     _in_layout,
     _prepare,
@@ -74,11 +73,9 @@ def _plan_backward_dx(saved: torch.Tensor, dy: torch.Tensor, mean: torch.Tensor,
     dx = _empty_dx(saved, not plan.copy)
     saved = _prepare(saved, plan)
     dy = _in_layout(dy, saved, plan.geo.channels_last)
-    params = _channel_vectors(plan.acc, mean, invstd, weight, bias, coef_dz, coef_xhat,
-                              coef_const)
     from_sums = sums_count > 0
     launch = Launch(_backward_dx_kernel, plan.grid,
-                    (saved, dy, dx, *params, -1.0 / sums_count if from_sums else 0.0,
-                     plan.slope, *plan.args), {**plan.constexprs, "FROM_SUMS": from_sums},
-                    plan.num_warps)
+                    (saved, dy, dx, mean, invstd, weight, bias, coef_dz, coef_xhat, coef_const,
+                     -1.0 / sums_count if from_sums else 0.0, plan.slope, *plan.args),
+                    {**plan.constexprs, "FROM_SUMS": from_sums}, plan.num_warps)
     return [launch], dx

@@ -10,7 +10,6 @@ from .plan import (
     Launch,
     Target,
     Tile,
-    _channel_vectors,
     _in_layout,
     _merge_launch,
     _prepare,
@@ -83,7 +82,6 @@ def _plan_backward_reduce(saved: torch.Tensor, dy: torch.Tensor, mean: torch.Ten
     saved = _prepare(saved, plan)
     dy = _in_layout(dy, saved, plan.geo.channels_last)
     acc, grid, c = plan.acc, plan.grid, plan.geo.c
-    params = _channel_vectors(acc, mean, invstd, weight, bias)
     splits = grid[1]
     sum_dz = torch.empty(c, dtype=acc, device=saved.device)
     sum_dz_xhat = torch.empty_like(sum_dz)
@@ -95,6 +93,6 @@ def _plan_backward_reduce(saved: torch.Tensor, dy: torch.Tensor, mean: torch.Ten
         merge = [_merge_launch(_sum_merge_kernel, (part, splits * c), splits, c,
                                (sum_dz, sum_dz_xhat))]
     reduce = Launch(_backward_reduce_kernel, grid,
-                    (saved, dy, *params, *rows, plan.slope, *plan.args), plan.constexprs,
-                    plan.num_warps)
+                    (saved, dy, mean, invstd, weight, bias, *rows, plan.slope, *plan.args),
+                    plan.constexprs, plan.num_warps)
     return [reduce, *merge], (sum_dz, sum_dz_xhat)

@@ -18,7 +18,7 @@ import triton.language as tl
 
 from ..torch_ops import stats_dtype
 from .channel_stats import _merge_partials, _plan_partial_stats
-from .plan import _MERGE_ROWS, _TL_DTYPES, Launch, Target, Tile, _channel_vectors
+from .plan import _MERGE_ROWS, _TL_DTYPES, Launch, Target, Tile
 
 # Channels per program (per step of the single program of a cumulative average). Merging the
 # partial rows keeps [_MERGE_ROWS, BLOCK_C] lanes of four accumulators live: at 64 channels a
@@ -143,7 +143,7 @@ def _plan_finalize_stats(part: torch.Tensor, count: int, eps: float,
     invstd = torch.empty_like(mean)
     check = weight is not None
     small = torch.empty(c if check else 0, dtype=torch.uint8, device=part.device)
-    weight, bias = _channel_vectors(acc, weight, bias) if check else (mean, mean)
+    weight, bias = (weight, bias) if check else (mean, mean)
     running = running_mean is not None
     scalars, constexprs = _constants(acc, running_mean.dtype if running else None,
                                      batches is not None, momentum, check, count, eps,

@@ -11,7 +11,6 @@ from .plan import (
     Launch,
     Target,
     Tile,
-    _channel_vectors,
     _geometry,
     _prepare,
     plan_op,
@@ -53,7 +52,7 @@ def _plan_normalize_act(x: torch.Tensor, mean: torch.Tensor, invstd: torch.Tenso
     x = _prepare(x, plan)
     same_layout = out is x or (out.shape == x.shape and _geometry(out) == plan.geo)
     dst = out if same_layout else torch.empty_like(x, dtype=out.dtype)
-    params = _channel_vectors(plan.acc, mean, invstd, weight, bias)
-    launch = Launch(_normalize_act_kernel, plan.grid, (x, dst, *params, plan.slope, *plan.args),
+    launch = Launch(_normalize_act_kernel, plan.grid,
+                    (x, dst, mean, invstd, weight, bias, plan.slope, *plan.args),
                     plan.constexprs, plan.num_warps)
     return [launch], dst

@@ -18,6 +18,7 @@ from ..backend import (
     GammaCheck,
     NormParams,
     RunningStats,
+    channel_vector,
 )
 from ..torch_ops import stats_dtype
 from .backward_dx import _plan_backward_dx
@@ -69,9 +70,17 @@ def _batch_stats_impl(x: torch.Tensor, eps: float, running_mean: torch.Tensor | 
                                                     momentum, weight, bias, gamma_limit)
         return mean, invstd, (small.to(torch.uint8) if small is not None
                               else mean.new_empty(0, dtype=torch.uint8))
+    buffers = running_mean, running_var
+    if running_mean is not None and not (running_mean.is_contiguous()
+                                         and running_var.is_contiguous()):
+        # The kernel writes contiguous vectors: a strided buffer is updated through a copy.
+        running_mean, running_var = running_mean.contiguous(), running_var.contiguous()
     launches, result = _plan_batch_stats(x, eps, running_mean, running_var, batches, momentum,
                                          weight, bias, gamma_limit, _target(x.device))
     _run(launches, x.device)
+    for buffer, updated in zip(buffers, (running_mean, running_var)):
+        if buffer is not updated:
+            buffer.copy_(updated)
     return result
 
 
@@ -267,7 +276,13 @@ def backend_for(x: torch.Tensor) -> TritonBackend:
     return DISPATCHED if _through_dispatcher(x) else DIRECT
 
 
-# The flat functions of ``torch_ops``' signatures (the tests compare them one to one).
+# The flat functions of ``torch_ops``' signatures (the tests compare them one to one), which
+# take per-channel vectors of any dtype and strides, as ``torch_ops``' do.
+
+
+def _vectors(x: torch.Tensor, *vectors: torch.Tensor) -> list[torch.Tensor]:
+    acc = stats_dtype(x.dtype)
+    return [channel_vector(v, acc) for v in vectors]
 
 
 def channel_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -278,7 +293,8 @@ def batch_stats(x: torch.Tensor, eps: float, running_mean: torch.Tensor | None,
                 running_var: torch.Tensor | None, batches: torch.Tensor | None,
                 momentum: float | None, weight: torch.Tensor | None, bias: torch.Tensor | None,
                 gamma_limit: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    check = GammaCheck(weight, bias, gamma_limit) if weight is not None else None
+    check = (GammaCheck(*_vectors(x, weight, bias), gamma_limit) if weight is not None
+             else None)
     return backend_for(x).batch_stats(
         x, eps, RunningStats(running_mean, running_var, batches, momentum)
         if running_mean is not None else None, check)
@@ -288,7 +304,7 @@ def normalize_act(x: torch.Tensor, mean: torch.Tensor, invstd: torch.Tensor,
                   weight: torch.Tensor, bias: torch.Tensor, activation: str, slope: float,
                   out: torch.Tensor) -> torch.Tensor:
     return backend_for(x).normalize_act(
-        x, NormParams(mean, invstd, weight, bias, activation, slope), out)
+        x, NormParams(*_vectors(x, mean, invstd, weight, bias), activation, slope), out)
 
 
 def backward_reduce(saved: torch.Tensor, dy: torch.Tensor, mean: torch.Tensor,
@@ -296,7 +312,8 @@ def backward_reduce(saved: torch.Tensor, dy: torch.Tensor, mean: torch.Tensor,
                     activation: str, slope: float, saved_is_output: bool
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     return backend_for(saved).backward_reduce(
-        saved, dy, NormParams(mean, invstd, weight, bias, activation, slope), saved_is_output)
+        saved, dy, NormParams(*_vectors(saved, mean, invstd, weight, bias), activation, slope),
+        saved_is_output)
 
 
 def backward_dx(saved: torch.Tensor, dy: torch.Tensor, mean: torch.Tensor, invstd: torch.Tensor,
@@ -304,5 +321,5 @@ def backward_dx(saved: torch.Tensor, dy: torch.Tensor, mean: torch.Tensor, invst
                 saved_is_output: bool, coef_dz: torch.Tensor, coef_xhat: torch.Tensor,
                 coef_const: torch.Tensor) -> torch.Tensor:
     return backend_for(saved).backward_dx(
-        saved, dy, NormParams(mean, invstd, weight, bias, activation, slope), saved_is_output,
-        DxCoefs(coef_dz, coef_xhat, coef_const))
+        saved, dy, NormParams(*_vectors(saved, mean, invstd, weight, bias), activation, slope),
+        saved_is_output, DxCoefs(*_vectors(saved, coef_dz, coef_xhat, coef_const)))

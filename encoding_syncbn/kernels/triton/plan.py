@@ -335,13 +335,6 @@ def _kernel_activation(activation: str, slope: float, saved_is_output: bool = Fa
     return definition.kernel, float(slope)
 
 
-def _channel_vectors(acc: torch.dtype, *vectors: torch.Tensor) -> list[torch.Tensor]:
-    """Per-channel inputs as contiguous vectors of the statistics dtype (no-ops normally, and
-    then no ATen call)."""
-    return [v if v.dtype == acc and v.is_contiguous() else v.to(acc).contiguous()
-            for v in vectors]
-
-
 def _empty_dx(saved: torch.Tensor, dense: bool) -> torch.Tensor:
     """dx lies like saved when saved is ``dense`` (NCHW or channels_last), else contiguous."""
     if not dense:
