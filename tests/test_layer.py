@@ -146,12 +146,31 @@ def test_strided_parameters_and_buffers(mode, replicas, steps, momentum, seed):
         view = base[::step]
         setattr(layer, name, nn.Parameter(view) if name in ("weight", "bias") else view)
         assert getattr(layer, name).is_contiguous() == (step == 1)
-    run_steps(layer, twin, lambda s: torch.randn((6, C, 3, 2), generator=gen,
-                                                 dtype=torch.float64), replicas, activation, steps=2)
+    shape = (6, C, 3, 2)
+    run_steps(layer, twin, lambda s: torch.randn(shape, generator=gen, dtype=torch.float64),
+              replicas, activation, steps=2)
     for name, (base, before) in bases.items():
         between = torch.ones(base.numel(), dtype=torch.bool)
         between[::steps[name]] = False
         assert torch.equal(base[between], before[between]), name
+
+
+@pytest.mark.parametrize("momentum", [0.1, None])
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_half_model_running_stats_are_batchnorms(momentum, replicas):
+    """A model made float16 (``.half()``): its running statistics are nn.BatchNorm2d's, bitwise,
+    step after step: the update computed in float32 and rounded to the buffers once (updated in
+    place, they were rounded at each step of it: 1-2 ulp off a call, drifting)."""
+    layer = SyncBatchNorm(C, momentum=momentum).half()
+    twin = nn.BatchNorm2d(C, momentum=momentum).half()
+    model = SimulatedDataParallel(layer, replicas)
+    gen = torch.Generator().manual_seed(1)
+    for step in range(12):
+        x = (torch.randn(6, C, 3, 2, generator=gen) * 3 + 5).half()
+        model(x.clone())
+        twin(x)
+        for name in ("running_mean", "running_var"):
+            assert torch.equal(getattr(layer, name), getattr(twin, name)), (step, name)
 
 
 @pytest.mark.parametrize("activation,inplace", list(activation_modes()))

@@ -185,19 +185,28 @@ def track_batch(running_mean: torch.Tensor, running_var: torch.Tensor,
     """Count the batch and, unless it is empty, fold it into the running statistics, in place
     (buffers are never rebound): ``r = (1 - f) r + f * stat``, the variance unbiased
     (``M2 / (count - 1)``), ``f = momentum`` or the cumulative average's ``1 / batches``
-    (read on the device: ``float()`` of the counter would wait for it). ATen casts the
-    statistics to the buffers' dtype."""
+    (read on the device: ``float()`` of the counter would wait for it).
+
+    Computed in the wider of the buffers' and the statistics' dtypes and rounded to the
+    buffers' once, as ``nn.BatchNorm`` does: a half-precision model's buffers updated in
+    place would be rounded at each step of the update (1-2 ulp off nn.BatchNorm's a call).
+    """
     if batches is not None:
         batches.add_(1)
     if count == 0:
         return
+    dtype = torch.promote_types(running_mean.dtype, mean.dtype)
+    r_mean, r_var = running_mean.to(dtype), running_var.to(dtype)
     if momentum is None:
-        factor = batches.to(running_mean.dtype).reciprocal()
-        running_mean.lerp_(mean.to(running_mean.dtype), factor)
-        running_var.lerp_((m2 / (count - 1)).to(running_var.dtype), factor)
-        return
-    running_mean.mul_(1 - momentum).add_(mean, alpha=momentum)
-    running_var.mul_(1 - momentum).add_(m2, alpha=momentum / (count - 1))
+        factor = batches.to(dtype).reciprocal()
+        r_mean.lerp_(mean.to(dtype), factor)
+        r_var.lerp_((m2 / (count - 1)).to(dtype), factor)
+    else:
+        r_mean.mul_(1 - momentum).add_(mean, alpha=momentum)
+        r_var.mul_(1 - momentum).add_(m2, alpha=momentum / (count - 1))
+    if r_mean is not running_mean:  # narrower buffers: rounded once
+        running_mean.copy_(r_mean)
+        running_var.copy_(r_var)
 
 
 def small_gamma(weight: torch.Tensor, bias: torch.Tensor, limit: float) -> torch.Tensor:
