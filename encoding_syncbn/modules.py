@@ -269,9 +269,10 @@ class SyncBatchNorm(_BatchNorm):
         return self
 
     def _forward_in_aten_ops(self, x: torch.Tensor) -> torch.Tensor:
-        """Evaluation in ATen ops, for a program that must run without this package
-        (``tracing.in_aten_ops``); the training trace is refused."""
-        if self.training:
+        """The layer in differentiable ATen ops (``tracing.in_aten_ops``): evaluation for a
+        program that must run without this package (the training trace is refused), and any
+        call under a ``torch.func`` transform."""
+        if self.training and torch.jit.is_tracing():
             tracing.refuse_training_trace(self._label())
         if torch.jit.is_tracing():
             with warnings.catch_warnings():
@@ -282,8 +283,15 @@ class SyncBatchNorm(_BatchNorm):
             self._check_input(x)
         acc = torch_ops.stats_dtype(x.dtype)
         weight, bias = self._affine_params(self.weight, self.bias, acc, x.device)
-        if self.running_mean is None:  # track_running_stats=False: the batch's own statistics
+        if self.training or self.running_mean is None:  # the batch's own statistics
+            count = self._training_count(x) if self.training else 0
+            slot = self._replica_slot
+            if self.training and self.sync and (
+                    (slot is not None and slot.group.size > 1) or self._syncs_processes()):
+                tracing.refuse_synced_transform(self._label())
             var, mean = torch.var_mean(x.to(acc), [0, *range(2, x.dim())], correction=0)
+            if self.training:
+                _track_batch(self._running(), mean.detach(), var.detach() * count, count)
         else:
             mean, var = self.running_mean.to(acc), self.running_var.to(acc)
         config = ActConfig(self.activation, self.slope, False, (), self._label())
@@ -376,18 +384,23 @@ class SyncBatchNorm(_BatchNorm):
                        config: ActConfig, running: RunningStats | None, refresh: bool
                        ) -> torch.Tensor:
         """Batch statistics of this replica's input only (one replica, or ``sync=False``)."""
-        count = x.numel() // self.num_features
-        if count == 1:
-            raise ValueError(
-                f"{self._label()}: expected more than 1 value per channel when training, got "
-                f"input of shape {tuple(x.shape)}"
-            )
+        count = self._training_count(x)
         if count == 0:
             _track_batch(running, None, None, 0)
             # Empty, and attached to the parameters (zero gradients) as nn.BatchNorm's result.
             return torch.nn.functional.batch_norm(x, None, None, weight, bias, True, 0.0, self.eps)
         return batch_norm_act(x, weight, bias, self.eps, config, running,
                               self._watching(config), refresh)
+
+    def _training_count(self, x: torch.Tensor) -> int:
+        """Values per channel of a training input, refusing one (no variance to take)."""
+        count = x.numel() // self.num_features
+        if count == 1:
+            raise ValueError(
+                f"{self._label()}: expected more than 1 value per channel when training, got "
+                f"input of shape {tuple(x.shape)}"
+            )
+        return count
 
     def _forward_synced(self, x: torch.Tensor, slot: ReplicaSlot | None, weight: torch.Tensor,
                         bias: torch.Tensor, config: ActConfig, running: RunningStats | None

@@ -13,6 +13,12 @@ registered custom ops: the Triton kernels stay):
   the synchronisation nor the running statistics' update.
 - ``torch.jit.script``: refused, naming the layer; ``revert_sync_batchnorm`` gives the
   equivalent plain modules, which script.
+- ``torch.func`` transforms (``grad``, ``vjp``, ``jacrev``, ``jvp``, ``vmap``: meta-learning,
+  per-sample gradients), which run no custom autograd Function written as the layer's are:
+  the layer computes in differentiable ATen ops, in training too (its batch's statistics,
+  the running statistics updated as ``nn.BatchNorm`` updates them: a transform refuses that
+  in-place update of buffers it did not get as inputs, as it refuses nn.BatchNorm's), out of
+  place and unsynchronised (a synchronised training call is refused).
 """
 
 from __future__ import annotations
@@ -48,11 +54,22 @@ def fx_leaf_call(layer: torch.nn.Module, label: str, proxy: torch.fx.Proxy) -> t
     return tracer.create_proxy("call_module", path, (proxy,), {})
 
 
+def in_func_transform() -> bool:
+    """Whether a ``torch.func`` transform (grad, vjp, jvp, vmap, ...) is running."""
+    return _functorch_level() is not None
+
+
+# None outside any torch.func transform (the level of the innermost one inside).
+_functorch_level = getattr(torch._C._functorch, "maybe_current_level", lambda: None)
+
+
 def in_aten_ops(training: bool) -> bool:
-    """Whether the layer's call is being captured for a program that must run without this
-    package: ``torch.jit.trace``, or an evaluating layer under ``torch.export``. (Then the
-    layer computes in ATen ops, its kernels' formula: ``functional.norm_act_composite``.)"""
-    return torch.jit.is_tracing() or (not training and torch.compiler.is_exporting())
+    """Whether the layer computes in ATen ops, its kernels' formula
+    (``functional.norm_act_composite``): its call is being captured for a program that must
+    run without this package (``torch.jit.trace``, or an evaluating layer under
+    ``torch.export``), or differentiated by a ``torch.func`` transform."""
+    return (torch.jit.is_tracing() or (not training and torch.compiler.is_exporting())
+            or in_func_transform())
 
 
 def refuse_training_trace(label: str) -> None:
@@ -61,6 +78,16 @@ def refuse_training_trace(label: str) -> None:
         f"{label}: torch.jit.trace records the layer in evaluation only (model.eval() "
         "first): a traced training step would hold neither the synchronisation across "
         f"replicas nor the running statistics' update; {_REVERT}"
+    )
+
+
+def refuse_synced_transform(label: str) -> None:
+    """A synchronised training call under a ``torch.func`` transform."""
+    raise RuntimeError(
+        f"{label}: under a torch.func transform the layer computes in ATen ops, with its own "
+        "replica's batch statistics only, and cannot synchronise them across replicas or "
+        "processes; apply the transform inside each replica to an unsynchronised layer "
+        "(sync=False), or outside torch.func"
     )
 
 

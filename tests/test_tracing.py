@@ -1,4 +1,5 @@
-"""Graph capture of converted models: torch.fx, torch.jit.trace, torch.jit.script, torch.export.
+"""Graph capture of converted models: torch.fx, torch.jit.trace, torch.jit.script, torch.export;
+and torch.func's transforms.
 
 Each compares the captured model with the layers themselves (and, in training, with the whole
 batch under DataParallel), on every backend.
@@ -300,3 +301,121 @@ def test_torch_export_in_evaluation_is_plain_aten(strict):
     ops = {str(node.target) for node in exported.graph.nodes if node.op == "call_function"}
     assert not [op for op in ops if "encoding_syncbn" in op], ops
     assert_close(exported.module()(x.clone()), model(x.clone()), what="exported")
+
+
+def _func_models(activation: str, inplace: bool, abn: bool, training: bool, tracked: bool):
+    """A conv + our layer, and the same model reverted to plain torch modules."""
+    torch.manual_seed(0)
+    if abn:
+        layer = InPlaceABN(4, activation=activation, activation_param=0.2,
+                           track_running_stats=tracked)
+    else:
+        layer = SyncBatchNorm(4, activation=activation, slope=SLOPES.get(activation, 0.01),
+                              inplace=inplace, track_running_stats=tracked)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), layer).double().train(training)
+    with torch.no_grad():
+        layer.weight.uniform_(-1.5, 1.5)
+        layer.bias.uniform_(-0.5, 0.5)
+        if tracked:
+            layer.running_mean.uniform_(-1, 1)
+            layer.running_var.uniform_(0.5, 2)
+    return model, revert_sync_batchnorm(copy.deepcopy(model))
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    activation=st.sampled_from(sorted(ACTIVATIONS)),
+    inplace=st.booleans(),
+    abn=st.booleans(),
+    training=st.booleans(),
+    transform=st.sampled_from(["grad", "jvp", "jacrev", "vmap"]),
+    seed=st.integers(0, 2**16),
+)
+def test_func_transforms_compute_what_plain_batchnorm_does(activation, inplace, abn, training,
+                                                           transform, seed):
+    """``torch.func.grad`` (of the parameters and the input), ``jvp``, ``jacrev`` and ``vmap``
+    (over models stacked by ``stack_module_state``) of a model holding the layer: the same as
+    of that model reverted to plain torch modules, every activation, in place or not,
+    mapillary's ``|w| + eps``. Training uses the batch's statistics (running statistics
+    dropped, as ``torch.func.replace_all_batch_norm_modules_`` drops them), evaluation the
+    running ones."""
+    inplace = inplace and ACTIVATIONS[activation].inverse is not None and activation != "none"
+    if abn and activation not in ("leaky_relu", "elu", "identity"):
+        activation = "leaky_relu"
+    model, plain = _func_models(activation, inplace, abn, training, tracked=not training)
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(4, 3, 5, 5, generator=gen, dtype=torch.float64)
+    tangent = torch.randn_like(x)
+
+    def apply(net):
+        params = {k: v.detach() for k, v in net.named_parameters()}
+        buffers = {k: v.detach().clone() for k, v in net.named_buffers()}
+
+        def loss(p, inp):
+            return torch.func.functional_call(net, (p, buffers), (inp,)).square().sum()
+
+        if transform == "grad":
+            return torch.func.grad(loss, argnums=(0, 1))(params, x.clone())
+        if transform == "jvp":
+            return torch.func.jvp(lambda inp: torch.func.functional_call(
+                net, (params, buffers), (inp,)), (x.clone(),), (tangent,))
+        if transform == "jacrev":
+            return torch.func.jacrev(lambda inp: torch.func.functional_call(
+                net, (params, buffers), (inp,)).sum((0, 2, 3)))(x.clone())
+        copies = [copy.deepcopy(net) for _ in range(3)]
+        for i, other in enumerate(copies):
+            with torch.no_grad():
+                for value in other.parameters():
+                    value.mul_(1 + 0.1 * i)
+        stacked, stacked_buffers = torch.func.stack_module_state(copies)
+        return torch.func.vmap(lambda p, b: torch.func.functional_call(net, (p, b), (x,)))(
+            stacked, stacked_buffers)
+
+    got, want = apply(model), apply(plain)
+    for a, b in zip(torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(want)):
+        assert_close(a, b, what=transform)
+
+
+def test_func_transform_of_tracked_training_fails_as_plain_batchnorm():
+    """A training call under ``torch.func.grad`` with running statistics updates buffers the
+    transform did not get as inputs: refused as torch refuses nn.BatchNorm's update, and
+    ``replace_all_batch_norm_modules_`` (torch's remedy) takes the layer as a BatchNorm."""
+    model, plain = _func_models("leaky_relu", True, False, training=True, tracked=True)
+    x = torch.randn(4, 3, 5, 5, dtype=torch.float64)
+    for net in (model, plain):
+        with pytest.raises(RuntimeError, match="mutate a captured Tensor"):
+            torch.func.grad(lambda inp, net=net: net(inp).sum())(x)
+    torch.func.replace_all_batch_norm_modules_(model)
+    torch.func.replace_all_batch_norm_modules_(plain)
+    assert_close(torch.func.grad(lambda inp: model(inp).square().sum())(x),
+                 torch.func.grad(lambda inp: plain(inp).square().sum())(x), what="replaced")
+
+
+class _ForwardModeInside(nn.Module):
+    """A model that takes a forward-mode derivative of its layer inside its forward."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x):
+        return torch.func.jvp(self.layer, (x,), (torch.ones_like(x),))[1]
+
+
+def test_func_transform_refuses_a_synchronised_training_call():
+    """Under DataParallel a transform inside the replicas would normalise each with its own
+    statistics: refused by name, state untouched; ``sync=False`` runs."""
+    layer = SyncBatchNorm(4).double()
+    model = SimulatedDataParallel(_ForwardModeInside(layer), 2)
+    x = torch.randn(6, 4, 3, 3, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match=r"SyncBatchNorm\(4\).*cannot synchronise"):
+        model(x)
+    assert layer.num_batches_tracked.item() == 0
+    layer.sync = False
+    layer.track_running_stats = False
+    torch.func.replace_all_batch_norm_modules_(layer)
+    out = model(x)
+    halves = [torch.func.jvp(lambda h: torch.nn.functional.batch_norm(
+        h, None, None, layer.weight.detach(), layer.bias.detach(), True), (h,),
+        (torch.ones_like(h),))[1] for h in x.chunk(2)]
+    assert_close(out, torch.cat(halves), what="unsynchronised replicas")
