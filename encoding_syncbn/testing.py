@@ -11,7 +11,9 @@ machine without GPUs:
   the order ``torch.nn.parallel.replicate`` uses; parameters are shared (each replica sees a
   non-leaf view whose gradient flows to the original); replica 0 keeps the original buffers,
   the others get copies whose updates are discarded;
-- run: one thread per replica, with the caller's grad mode;
+- run: one thread per replica, with the caller's grad mode and autocast (mixed precision) on
+  the inputs' device type: both are thread-local, and ``parallel_apply`` sets them again in
+  its replica threads;
 - gather: ``torch.cat`` along dim 0, through tuples, lists and dicts.
 
 If a replica fails, the call raises that replica's exception, not the ``SyncError`` it caused
@@ -120,10 +122,14 @@ class SimulatedDataParallel(nn.Module):
         outputs: list[Any] = [None] * chunks
         errors: list[BaseException | None] = [None] * chunks
         grad_enabled = torch.is_grad_enabled()
+        device_type = first.device.type
+        autocast = (device_type, torch.get_autocast_dtype(device_type),
+                    torch.is_autocast_enabled(device_type))
 
         def run(j: int) -> None:
             try:
-                with torch.set_grad_enabled(grad_enabled):
+                # A context of its own per thread: autocast's keeps the state it replaces.
+                with torch.set_grad_enabled(grad_enabled), torch.amp.autocast(*autocast):
                     outputs[j] = replicas[j](*scattered_inputs[j], **scattered_kwargs[j])
             except BaseException as error:  # re-raised in the caller's thread below
                 errors[j] = error

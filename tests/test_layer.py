@@ -155,6 +155,60 @@ def test_strided_parameters_and_buffers(mode, replicas, steps, momentum, seed):
         assert torch.equal(base[between], before[between]), name
 
 
+class _ConvNormConv(nn.Module):
+    """conv -> norm (-> activation) -> conv: under autocast the norm sees half inputs."""
+
+    def __init__(self, norm: nn.Module, activation: str | None = None) -> None:
+        super().__init__()
+        self.conv1, self.norm, self.conv2 = nn.Conv2d(3, C, 3, padding=1), norm, nn.Conv2d(C, 2, 1)
+        self.activation = activation
+
+    def forward(self, x):
+        z = self.norm(self.conv1(x))
+        if self.activation is not None:
+            z = activate(z, self.activation, SLOPES.get(self.activation, 0.01))
+        return self.conv2(z)
+
+
+@settings(max_examples=10, deadline=None, derandomize=True)
+@given(
+    mode=st.sampled_from(list(activation_modes())),
+    replicas=st.integers(1, 3),
+    dtype=st.sampled_from([torch.bfloat16, torch.float16]),
+    seed=st.integers(0, 2**16),
+)
+def test_autocast_matches_batchnorm(mode, replicas, dtype, seed):
+    """Mixed precision (``torch.autocast``, float32 parameters, half activations between the
+    convolutions) under (simulated) DataParallel: outputs in the half dtype, the gradients of
+    both convolutions and the layer, and the running statistics, as nn.BatchNorm2d + the
+    activation's on the whole batch under autocast. (Replica threads take the caller's
+    autocast, as ``parallel_apply``'s do.)"""
+    activation, inplace = mode
+    torch.manual_seed(seed)
+    layer = SyncBatchNorm(C, activation=activation, slope=SLOPES.get(activation, 0.01),
+                          inplace=inplace)
+    twin = _ConvNormConv(nn.BatchNorm2d(C), activation)
+    ours = _ConvNormConv(layer)
+    ours.load_state_dict(twin.state_dict())
+    x = torch.randn(6, 3, 5, 5)
+    results = []
+    for model in (twin, SimulatedDataParallel(ours, replicas)):
+        with torch.autocast("cpu", dtype=dtype):
+            out = model(x)
+        out.float().square().sum().backward()
+        results.append(out)
+    got, want = results
+    assert got.dtype == want.dtype == dtype
+    assert_close(got, want, dtype, "output")
+    # One scale for all: conv1's bias gradient is 0 in exact arithmetic (the norm subtracts
+    # the mean), rounding noise here, which a scale of its own would make a full-size value.
+    scale = max(param.grad.abs().max() for param in twin.parameters())
+    for name, param in twin.named_parameters():
+        assert_close(ours.get_parameter(name).grad / scale, param.grad / scale, dtype, name)
+    for name in ("running_mean", "running_var"):
+        assert_close(getattr(layer, name), getattr(twin.norm, name), torch.float32, name)
+
+
 @pytest.mark.parametrize("momentum", [0.1, None])
 @pytest.mark.parametrize("replicas", [1, 2])
 def test_half_model_running_stats_are_batchnorms(momentum, replicas):
