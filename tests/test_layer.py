@@ -209,6 +209,52 @@ def test_autocast_matches_batchnorm(mode, replicas, dtype, seed):
         assert_close(getattr(layer, name), getattr(twin.norm, name), torch.float32, name)
 
 
+@settings(max_examples=12, deadline=None, derandomize=True)
+@given(
+    mode=st.sampled_from(list(activation_modes())),
+    replicas=st.integers(1, 3),
+    frozen=st.sets(st.sampled_from(["weight", "bias", "input"])),
+    seed=st.integers(0, 2**16),
+)
+def test_frozen_parameters_and_inputs(mode, replicas, frozen, seed):
+    """Fine-tuning: gamma, beta or both frozen (``requires_grad_(False)``) while the layer
+    trains, or an input that needs no gradient (a frozen stem's output): the gradients that
+    are asked for, the running statistics and the output are nn.BatchNorm's on the whole
+    batch; none is made for what is frozen."""
+    activation, inplace = mode
+    layer = make_layer(activation, inplace)
+    twin = plain_twin(layer, 4)
+    for name in ("weight", "bias"):
+        if name in frozen:
+            getattr(layer, name).requires_grad_(False)
+            getattr(twin, name).requires_grad_(False)
+    gen = torch.Generator().manual_seed(seed)
+    model = SimulatedDataParallel(layer, replicas)
+    slope = SLOPES.get(activation, 0.01)
+    for step in range(2):
+        x = torch.randn(6, C, 3, 2, generator=gen, dtype=torch.float64)
+        grad = torch.randn(x.shape, generator=gen, dtype=torch.float64)
+        wants_x = "input" not in frozen
+        ref_x = x.clone().requires_grad_(wants_x)
+        expected = activate(twin(ref_x), activation, slope)
+        leaf = x.clone().requires_grad_(wants_x)
+        out = model(leaf * 1 if wants_x else leaf)
+        assert_close(out, expected, what=f"step {step} output")
+        assert out.requires_grad == expected.requires_grad
+        if expected.requires_grad:
+            expected.backward(grad)
+            out.backward(grad)
+        if wants_x:
+            assert_close(leaf.grad, ref_x.grad, what=f"step {step} input grad")
+        for name in ("weight", "bias"):
+            ours, theirs = getattr(layer, name).grad, getattr(twin, name).grad
+            assert (ours is None) == (theirs is None) == (name in frozen)
+            if theirs is not None:
+                assert_close(ours, theirs, what=f"step {step} {name} grad")
+        assert_close(layer.running_mean, twin.running_mean, what="running_mean")
+        assert_close(layer.running_var, twin.running_var, what="running_var")
+
+
 @pytest.mark.parametrize("momentum", [0.1, None])
 @pytest.mark.parametrize("replicas", [1, 2])
 def test_half_model_running_stats_are_batchnorms(momentum, replicas):
