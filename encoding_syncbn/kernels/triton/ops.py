@@ -71,16 +71,16 @@ def _batch_stats_impl(x: torch.Tensor, eps: float, running_mean: torch.Tensor | 
         return mean, invstd, (small.to(torch.uint8) if small is not None
                               else mean.new_empty(0, dtype=torch.uint8))
     buffers = running_mean, running_var
-    if running_mean is not None and not (running_mean.is_contiguous()
-                                         and running_var.is_contiguous()):
-        # The kernel writes contiguous vectors: a strided buffer is updated through a copy.
+    strided = running_mean is not None and not (running_mean.is_contiguous()
+                                                and running_var.is_contiguous())
+    if strided:  # the kernel writes contiguous vectors: strided buffers updated through copies
         running_mean, running_var = running_mean.contiguous(), running_var.contiguous()
     launches, result = _plan_batch_stats(x, eps, running_mean, running_var, batches, momentum,
                                          weight, bias, gamma_limit, _target(x.device))
     _run(launches, x.device)
-    for buffer, updated in zip(buffers, (running_mean, running_var)):
-        if buffer is not updated:
-            buffer.copy_(updated)
+    if strided:
+        buffers[0].copy_(running_mean)
+        buffers[1].copy_(running_var)
     return result
 
 
