@@ -365,3 +365,71 @@ def test_in_place_layer_without_values_on_gpu():
     F.leaky_relu(F.batch_norm(ref_leaf, None, None, w, b, True), 0.1).backward(dy)
     torch.testing.assert_close(leaf.grad, ref_leaf.grad, rtol=1e-4, atol=1e-4)
     assert layer._aside_watch.known == (3,)
+
+
+def test_autocast_under_data_parallel_matches_the_whole_batch(device="cuda"):
+    """Mixed precision: float16 activations between the convolutions, under nn.DataParallel
+    on every GPU (whose replica threads enter autocast again) and SimulatedDataParallel,
+    against nn.BatchNorm2d + activations on the whole batch under autocast."""
+    import copy
+
+    net = _network().to(device)
+    ref = _reference_of(copy.deepcopy(net)).to(device)
+    runners = [SimulatedDataParallel(net, 3)]
+    if device == "cuda":
+        runners.append(nn.DataParallel(net, device_ids=list(range(torch.cuda.device_count()))))
+    x = torch.randn(13, 3, 17, 19, device=device)
+    with torch.autocast(device, dtype=torch.float16):
+        expected = ref(x)
+    expected.float().square().sum().backward()
+    for runner in runners:
+        net.zero_grad()
+        with torch.autocast(device, dtype=torch.float16):
+            out = runner(x)
+        assert out.dtype == expected.dtype == torch.float16
+        torch.testing.assert_close(out, expected, rtol=4e-3, atol=4e-3)
+        out.float().square().sum().backward()
+        for got, want in ((net[1], ref[1]), (net[3], ref[4]), (net[0], ref[0])):
+            scale = want.weight.grad.abs().max()
+            torch.testing.assert_close(got.weight.grad / scale, want.weight.grad / scale,
+                                       rtol=1e-2, atol=1e-2)
+
+
+def test_strided_running_statistics_on_gpu(device="cuda"):
+    """Running statistics that are every other element of a larger tensor: updated as
+    nn.BatchNorm2d's, the elements between them untouched (the statistics kernel writes
+    contiguous vectors: strided buffers go through a copy)."""
+    layer = SyncBatchNorm(6, activation="leaky_relu", slope=0.1).to(device)
+    twin = nn.BatchNorm2d(6).to(device)
+    base = torch.randn(2, 12, device=device)
+    before = base.clone()
+    layer.running_mean, layer.running_var = base[0, ::2], base[1, ::2].abs()
+    twin.running_mean, twin.running_var = base[0, ::2].clone(), base[1, ::2].abs().clone()
+    x = torch.randn(8, 6, 5, 5, device=device)
+    layer(x.clone())
+    twin(x)
+    torch.testing.assert_close(layer.running_mean, twin.running_mean, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(layer.running_var, twin.running_var, rtol=1e-5, atol=1e-6)
+    assert torch.equal(base[0, 1::2], before[0, 1::2])
+
+
+def test_func_grad_on_gpu(device="cuda"):
+    """torch.func.grad of a converted network's parameters (the layer in ATen ops there)
+    equals that of the reverted network."""
+    import copy
+
+    net = _network().to(device)
+    torch.func.replace_all_batch_norm_modules_(net)
+    plain = encoding_syncbn.revert_sync_batchnorm(copy.deepcopy(net))
+    x = torch.randn(6, 3, 9, 9, device=device)
+
+    def grads(model):
+        params = {k: v.detach() for k, v in model.named_parameters()}
+        return torch.func.grad(lambda p: torch.func.functional_call(model, p, (x,)).square()
+                               .sum())(params)
+
+    got, want = grads(net), grads(plain)
+    # One scale: the convolutions' biases before a norm have gradient 0 in exact arithmetic.
+    scale = max(g.abs().max() for g in want.values())
+    for name in want:
+        torch.testing.assert_close(got[name] / scale, want[name] / scale, rtol=1e-4, atol=1e-5)
