@@ -14,7 +14,8 @@ registered custom ops: the Triton kernels stay):
 - ``torch.jit.script``: refused, naming the layer; ``revert_sync_batchnorm`` gives the
   equivalent plain modules, which script.
 - ``torch.func`` transforms (``grad``, ``vjp``, ``jacrev``, ``jvp``, ``vmap``: meta-learning,
-  per-sample gradients), which run no custom autograd Function written as the layer's are:
+  per-sample gradients) and forward-mode AD (inside ``torch.autograd.forward_ad``'s
+  ``dual_level``), which run no custom autograd Function written as the layer's are:
   the layer computes in differentiable ATen ops, in training too (its batch's statistics,
   the running statistics updated as ``nn.BatchNorm`` updates them: a transform refuses that
   in-place update of buffers it did not get as inputs, as it refuses nn.BatchNorm's), out of
@@ -24,6 +25,7 @@ registered custom ops: the Triton kernels stay):
 from __future__ import annotations
 
 import torch
+from torch.autograd import forward_ad
 
 _REVERT = (
     "encoding_syncbn.revert_sync_batchnorm(model) gives the same model with plain torch "
@@ -63,13 +65,19 @@ def in_func_transform() -> bool:
 _functorch_level = getattr(torch._C._functorch, "maybe_current_level", lambda: None)
 
 
+def in_forward_ad() -> bool:
+    """Whether a ``torch.autograd.forward_ad.dual_level`` is open (its dual tensors may reach
+    the layer as its input or its parameters)."""
+    return getattr(forward_ad, "_current_level", -1) >= 0
+
+
 def in_aten_ops(training: bool) -> bool:
     """Whether the layer computes in ATen ops, its kernels' formula
     (``functional.norm_act_composite``): its call is being captured for a program that must
     run without this package (``torch.jit.trace``, or an evaluating layer under
-    ``torch.export``), or differentiated by a ``torch.func`` transform."""
+    ``torch.export``), or differentiated by a ``torch.func`` transform or in forward mode."""
     return (torch.jit.is_tracing() or (not training and torch.compiler.is_exporting())
-            or in_func_transform())
+            or in_func_transform() or in_forward_ad())
 
 
 def refuse_training_trace(label: str) -> None:

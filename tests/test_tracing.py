@@ -419,3 +419,44 @@ def test_func_transform_refuses_a_synchronised_training_call():
         h, None, None, layer.weight.detach(), layer.bias.detach(), True), (h,),
         (torch.ones_like(h),))[1] for h in x.chunk(2)]
     assert_close(out, torch.cat(halves), what="unsynchronised replicas")
+
+
+@settings(max_examples=8, deadline=None)
+@given(
+    activation=st.sampled_from(sorted(ACTIVATIONS)),
+    inplace=st.booleans(),
+    training=st.booleans(),
+    of_parameters=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_forward_mode_ad_computes_what_plain_batchnorm_does(activation, inplace, training,
+                                                            of_parameters, seed):
+    """``torch.autograd.forward_ad``: the tangent of the output for a tangent of the input or
+    of the parameters (dual tensors in a ``dual_level``; the layer's autograd Functions have
+    no forward-mode rule) equals the reverted model's, in training and evaluation; the running
+    statistics are updated as the reverted model's."""
+    import torch.autograd.forward_ad as fwad
+
+    inplace = inplace and ACTIVATIONS[activation].inverse is not None and activation != "none"
+    model, plain = _func_models(activation, inplace, False, training, tracked=True)
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(4, 3, 5, 5, generator=gen, dtype=torch.float64)
+    tangents = {k: torch.randn(v.shape, generator=gen, dtype=torch.float64)
+                for k, v in model.named_parameters()}
+    x_tangent = torch.randn(x.shape, generator=gen, dtype=torch.float64)
+
+    def tangent_of(net):
+        with fwad.dual_level():
+            if of_parameters:
+                params = {k: fwad.make_dual(v.detach(), tangents[k])
+                          for k, v in net.named_parameters()}
+                out = torch.func.functional_call(net, params, (x.clone(),))
+            else:
+                out = net(fwad.make_dual(x.clone(), x_tangent))
+            primal, tangent = fwad.unpack_dual(out)
+        return primal, tangent
+
+    for got, want in zip(tangent_of(model), tangent_of(plain)):
+        assert_close(got, want, what="forward mode")
+    for name, value in plain.named_buffers():
+        assert_close(model.get_buffer(name), value, what=name)
