@@ -391,22 +391,23 @@ def test_func_transform_of_tracked_training_fails_as_plain_batchnorm():
                  torch.func.grad(lambda inp: plain(inp).square().sum())(x), what="replaced")
 
 
-class _ForwardModeInside(nn.Module):
-    """A model that takes a forward-mode derivative of its layer inside its forward."""
+class _VmapInside(nn.Module):
+    """A model that maps its layer over the last dimension inside its forward (vmap's levels
+    are per thread, unlike forward-mode AD's, which two replica threads would share)."""
 
     def __init__(self, layer: nn.Module) -> None:
         super().__init__()
         self.layer = layer
 
     def forward(self, x):
-        return torch.func.jvp(self.layer, (x,), (torch.ones_like(x),))[1]
+        return torch.func.vmap(self.layer, in_dims=3, out_dims=3)(x)
 
 
 def test_func_transform_refuses_a_synchronised_training_call():
     """Under DataParallel a transform inside the replicas would normalise each with its own
     statistics: refused by name, state untouched; ``sync=False`` runs."""
     layer = SyncBatchNorm(4).double()
-    model = SimulatedDataParallel(_ForwardModeInside(layer), 2)
+    model = SimulatedDataParallel(_VmapInside(layer), 2)
     x = torch.randn(6, 4, 3, 3, dtype=torch.float64)
     with pytest.raises(RuntimeError, match=r"SyncBatchNorm\(4\).*cannot synchronise"):
         model(x)
@@ -415,9 +416,9 @@ def test_func_transform_refuses_a_synchronised_training_call():
     layer.track_running_stats = False
     torch.func.replace_all_batch_norm_modules_(layer)
     out = model(x)
-    halves = [torch.func.jvp(lambda h: torch.nn.functional.batch_norm(
-        h, None, None, layer.weight.detach(), layer.bias.detach(), True), (h,),
-        (torch.ones_like(h),))[1] for h in x.chunk(2)]
+    halves = [torch.func.vmap(lambda s: torch.nn.functional.batch_norm(
+        s, None, None, layer.weight.detach(), layer.bias.detach(), True), 3, 3)(h)
+        for h in x.chunk(2)]
     assert_close(out, torch.cat(halves), what="unsynchronised replicas")
 
 
