@@ -214,14 +214,12 @@ def _params(saved: _Saved, config: ActConfig) -> NormParams:
                       config.slope)
 
 
-def _reduce(saved: _Saved, grad_output: torch.Tensor, config: ActConfig,
-            backend: Backend | None = None):
-    """Per-channel ``(sum(dz), sum(dz * xhat))``; ``backend``: the one looked up for
-    ``saved.tensor`` (None: look it up)."""
-    from_output = config.inplace
-    sum_dz, sum_dz_xhat = (backend or ops_for(saved.tensor)).backward_reduce(
-        saved.tensor, grad_output, _params(saved, config), from_output
-    )
+def _reduce(saved: _Saved, grad_output: torch.Tensor, config: ActConfig, params: NormParams,
+            backend: Backend):
+    """Per-channel ``(sum(dz), sum(dz * xhat))``; ``params``: ``_params(saved, config)``,
+    ``backend``: the one looked up for ``saved.tensor`` (both made once per backward)."""
+    sum_dz, sum_dz_xhat = backend.backward_reduce(saved.tensor, grad_output, params,
+                                                  config.inplace)
     if _keeps_aside(config, saved.aside_channels):
         exact_dz, exact_dz_xhat = reference_ops().backward_reduce(
             *_aside_args(saved, grad_output, config)
@@ -232,13 +230,10 @@ def _reduce(saved: _Saved, grad_output: torch.Tensor, config: ActConfig,
 
 
 def _input_grad(saved: _Saved, grad_output, config: ActConfig, coefs: DxCoefs | BatchSums,
-                backend: Backend | None = None):
+                params: NormParams, backend: Backend):
     """``dx = coefs.dz * dz + coefs.xhat * xhat + coefs.const`` in one pass (``BatchSums``:
-    the backend derives the coefficients); ``backend`` as ``_reduce``."""
-    params = _params(saved, config)
-    dx = (backend or ops_for(saved.tensor)).backward_dx(
-        saved.tensor, grad_output, params, config.inplace, coefs
-    )
+    the backend derives the coefficients); ``params`` and ``backend`` as ``_reduce``."""
+    dx = backend.backward_dx(saved.tensor, grad_output, params, config.inplace, coefs)
     idx = saved.aside_channels
     if _keeps_aside(config, saved.aside_channels):
         exact = reference_ops().backward_dx(
@@ -319,14 +314,15 @@ class BatchNormAct(torch.autograd.Function):
 
             grads = _differentiable_grads(ctx, grad_output, saved[:5], composite)
             return (*grads, None, None, None, None)
-        backend = ops_for(saved.tensor)
-        sum_dz, sum_dz_xhat = _reduce(saved, grad_output, ctx.config, backend)
+        backend, config, needs = ops_for(saved.tensor), ctx.config, ctx.needs_input_grad
+        params = _params(saved, config)
+        sum_dz, sum_dz_xhat = _reduce(saved, grad_output, config, params, backend)
         grad_input = None
-        if ctx.needs_input_grad[0]:
-            grad_input = _input_grad(saved, grad_output, ctx.config,
-                                     BatchSums(sum_dz, sum_dz_xhat, ctx.count), backend)
-        grad_weight, grad_bias = _param_grads(*ctx.needs_input_grad[3:5], sum_dz, sum_dz_xhat)
-        return grad_input, None, None, grad_weight, grad_bias, None, None, None, None
+        if needs[0]:
+            grad_input = _input_grad(saved, grad_output, config,
+                                     BatchSums(sum_dz, sum_dz_xhat, ctx.count), params, backend)
+        return (grad_input, None, None, *_param_grads(needs[3], needs[4], sum_dz, sum_dz_xhat),
+                None, None, None, None)
 
 
 class NormAct(torch.autograd.Function):
@@ -356,7 +352,8 @@ class NormAct(torch.autograd.Function):
                 ctx.link.ready = stream_event(saved.tensor)
                 _compat.queue_backward_callback(ctx.link.clear)
             return (*grads, None, None, None)
-        sum_dz, sum_dz_xhat = _reduce(saved, grad_output, config)
+        backend, params = ops_for(saved.tensor), _params(saved, config)
+        sum_dz, sum_dz_xhat = _reduce(saved, grad_output, config, params, backend)
         scale = saved.weight * saved.invstd
         grad_input = grad_mean = grad_invstd = None
         if ctx.link is not None and ctx.needs_input_grad[0]:
@@ -370,7 +367,8 @@ class NormAct(torch.autograd.Function):
             _compat.queue_backward_callback(link.clear)
         elif ctx.needs_input_grad[0]:
             zeros = torch.zeros_like(scale)
-            grad_input = _input_grad(saved, grad_output, config, DxCoefs(scale, zeros, zeros))
+            grad_input = _input_grad(saved, grad_output, config, DxCoefs(scale, zeros, zeros),
+                                     params, backend)
         if ctx.needs_input_grad[1]:
             grad_mean = -scale * sum_dz
         if ctx.needs_input_grad[2]:
@@ -470,7 +468,8 @@ class MergeReplicas(torch.autograd.Function):
                     grad_mean, grad_m2, ctx.mean, ctx.total, saved
                 )
             grads[i] = _input_grad(saved, link.grad_output, link.config,
-                                   DxCoefs(link.scale, *coefficients[device]))
+                                   DxCoefs(link.scale, *coefficients[device]),
+                                   _params(saved, link.config), ops_for(saved.tensor))
             link.clear()  # free y and dy as soon as dx exists
         return (None,) * _MERGE_LEADING_ARGS + tuple(grads)
 

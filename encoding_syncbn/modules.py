@@ -326,7 +326,7 @@ class SyncBatchNorm(_BatchNorm):
         found at ``replicate()``; None: not known yet, see ``_watching``)."""
         inplace = self.inplace and inplace_policy.can_overwrite(x, self._warned_out_of_place)
         aside = self._aside if affine or not inplace else ()  # affine=False: none
-        return ActConfig(self.activation, self.slope, inplace, aside, self._label())
+        return ActConfig(self.activation, self.slope, inplace, aside, self._label_text)
 
     def _watching(self, config: ActConfig) -> AsideWatch | None:
         """The watch that finds the channels kept aside, where ``config`` does not know them
