@@ -66,11 +66,12 @@ _RESTRICTED_VIEWS = {
 def can_overwrite(x: torch.Tensor, warned: list[bool]) -> bool:
     """Whether ``x`` may be overwritten by a custom Function; if not, warn unless ``warned[0]``
     (the layer's flag: once per layer) or while compiling."""
-    # The usual input first, in the fewest checks: a fresh non-leaf tensor, dense (no two
-    # elements share memory), outside inference mode and compilation.
-    if (not x._is_view() and not (x.requires_grad and x.is_leaf)
+    # The usual input first, in the fewest checks: eagerly (Dynamo cannot trace _is_view), a
+    # fresh non-leaf tensor, dense (no two elements share memory), outside inference mode.
+    if (not torch.compiler.is_compiling() and not x._is_view()
+            and not (x.requires_grad and x.is_leaf)
             and (x.is_contiguous() or x.is_contiguous(memory_format=torch.channels_last))
-            and not x.is_inference() and not torch.compiler.is_compiling()):
+            and not x.is_inference()):
         return True
     reason = None
     if x.requires_grad and x.is_leaf:

@@ -251,8 +251,11 @@ class SyncBatchNorm(_BatchNorm):
         elif self._open_group is not None and (group := self._open_group()) is not None:
             group.close()
         try:
-            self._check_input(input)
-            self._last_input_dim[0] = input.dim()
+            dim = input.dim() if isinstance(input, torch.Tensor) else 0
+            if (dim < 2 or input.shape[1] != self.num_features
+                    or input.dtype not in torch_ops.INPUT_DTYPES):
+                self._check_input(input)  # raises, saying what is wrong
+            self._last_input_dim[0] = dim
             if self.inplace and inplace_check.checking():
                 inplace_check.before_write(input, self._label())
                 out = self._forward(input, slot)
