@@ -1,0 +1,82 @@
+"""Which inputs an in-place layer may overwrite (``inplace_policy.can_overwrite``): the quick
+test of the usual input and the explaining checks must agree on every kind of input."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from encoding_syncbn import SyncBatchNorm, inplace_policy
+
+
+class _Overlapping(torch.autograd.Function):
+    """A non-leaf tensor that is no view but whose elements share memory (stride 0)."""
+
+    @staticmethod
+    def forward(ctx, like):
+        n, c, s = like.shape
+        return torch.empty_strided((n, c, s), (0, s, 1), dtype=like.dtype).fill_(1.0)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.sum(0, keepdim=True).expand(grad.shape[0], -1, -1).clone()
+
+
+class _Gapped(torch.autograd.Function):
+    """A non-leaf tensor that is no view, neither dense nor overlapping (a gap per row)."""
+
+    @staticmethod
+    def forward(ctx, like):
+        n, c, s = like.shape
+        out = torch.empty_strided((n, c, s), (c * (s + 1), s + 1, 1), dtype=like.dtype)
+        return out.copy_(like)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+def _leaf():
+    return torch.randn(4, 3, 5, dtype=torch.float64, requires_grad=True)
+
+
+def _inference():
+    with torch.inference_mode():
+        return torch.randn(4, 3, 5, dtype=torch.float64)
+
+
+# (name, make the input, whether it may be overwritten)
+CASES = [
+    ("fresh", lambda: _leaf() * 1, True),
+    ("fresh channels_last",
+     lambda: (torch.randn(4, 3, 5, 2, dtype=torch.float64, requires_grad=True) * 1).to(
+         memory_format=torch.channels_last), True),
+    ("no grad", lambda: torch.randn(4, 3, 5, dtype=torch.float64), True),
+    ("gapped", lambda: _Gapped.apply(_leaf()), True),
+    ("slice of a fresh tensor", lambda: (_leaf() * 1)[1:], True),
+    ("leaf", _leaf, False),
+    ("view of a leaf", lambda: _leaf()[1:], False),
+    ("chunk", lambda: (_leaf() * 1).chunk(2)[0], False),
+    ("overlapping", lambda: _Overlapping.apply(_leaf()), False),
+    ("expanded", lambda: (_leaf()[:1] * 1).expand(4, -1, -1), False),
+    ("inference tensor", _inference, False),
+]
+
+
+@pytest.mark.parametrize("make,expected", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_can_overwrite(make, expected):
+    x = make()
+    assert inplace_policy.can_overwrite(x, [True]) is expected
+    # The layer agrees, and computes what the out-of-place layer computes.
+    layer = SyncBatchNorm(3, activation="leaky_relu", dtype=torch.float64)
+    twin = SyncBatchNorm(3, activation="leaky_relu", dtype=torch.float64, inplace=False)
+    want = twin(x.detach().clone())
+    # Autograd saves no inference tensor: such inputs come under no_grad (as DataParallel's
+    # replica threads see them, which do not inherit inference mode).
+    with warnings.catch_warnings(), torch.set_grad_enabled(not x.is_inference()):
+        warnings.simplefilter("ignore")  # the out-of-place fallback's warning
+        out = layer(x)
+    assert (out.data_ptr() == x.data_ptr() and out.stride() == x.stride()) is expected
+    torch.testing.assert_close(out.detach(), want.detach(), rtol=1e-12, atol=1e-12)
