@@ -8,6 +8,7 @@ import triton.language as tl
 
 from .plan import (
     Launch,
+    OpPlan,
     Target,
     Tile,
     _merge_launch,
@@ -146,11 +147,16 @@ def _plan_partial_stats(x: torch.Tensor, target: Target, tile: Tile | None = Non
     """The statistics kernel's launch and its [3, splits, C] buffer of partial (mean, M2, n)."""
     plan = plan_op(x, target, True, tile)
     x = _prepare(x, plan)
-    splits = plan.grid[1]
-    part = torch.empty((3, splits, plan.geo.c), dtype=plan.acc, device=x.device)
-    launch = Launch(_channel_stats_kernel, plan.grid, (x, part, splits * plan.geo.c, *plan.args),
-                    plan.constexprs, plan.num_warps)
-    return launch, part
+    part = torch.empty((3, plan.grid[1], plan.geo.c), dtype=plan.acc, device=x.device)
+    return _partial_stats_launch(plan, x, part), part
+
+
+def _partial_stats_launch(plan: OpPlan, x: torch.Tensor, part: torch.Tensor) -> Launch:
+    """The statistics kernel's launch on ``x`` (as ``plan`` launches on it) into ``part``, a
+    buffer of 3 * splits * C partials (planes of splits * C: means, M2s, counts)."""
+    return Launch(_channel_stats_kernel, plan.grid, (x, part, plan.grid[1] * plan.geo.c,
+                                                     *plan.args),
+                  plan.constexprs, plan.num_warps)
 
 
 def _plan_channel_stats(x: torch.Tensor, target: Target, tile: Tile | None = None

@@ -11,14 +11,27 @@ statistics are two launches (``batch_stats``).
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
 from ..torch_ops import stats_dtype
-from .channel_stats import _merge_partials, _plan_partial_stats
-from .plan import _MERGE_ROWS, _TL_DTYPES, Launch, Target, Tile
+from .channel_stats import _merge_partials, _partial_stats_launch
+from .plan import (
+    _MERGE_ROWS,
+    _TL_DTYPES,
+    Launch,
+    OpPlan,
+    Target,
+    Tile,
+    _plan_op_memo,
+    _prepare,
+    _tile_sizes,
+    check_dtype,
+    memoised,
+)
 
 # Channels per program (per step of the single program of a cumulative average). Merging the
 # partial rows keeps [_MERGE_ROWS, BLOCK_C] lanes of four accumulators live: at 64 channels a
@@ -129,54 +142,24 @@ def _finalize_stats_kernel(part_ptr, plane, splits, mean_ptr, invstd_ptr, count:
         tl.store(invstd_ptr + c, invstd, mask=valid)
 
 
-def _plan_finalize_stats(part: torch.Tensor, count: int, eps: float,
-                         running_mean: torch.Tensor | None, running_var: torch.Tensor | None,
-                         batches: torch.Tensor | None, momentum: float | None,
-                         weight: torch.Tensor | None, bias: torch.Tensor | None,
-                         gamma_limit: float
-                         ) -> tuple[Launch, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """The launch over ``part`` (the statistics kernel's [3, splits, C] partials), and
-    ``(mean, invstd, small)``: ``small`` has C uint8 flags given a ``weight``, else no element.
-    An absent tensor is passed as ``mean`` (its constexpr keeps it unread)."""
-    acc, (splits, c) = part.dtype, part.shape[1:]
-    mean = torch.empty(c, dtype=acc, device=part.device)
-    invstd = torch.empty_like(mean)
-    check = weight is not None
-    small = torch.empty(c if check else 0, dtype=torch.uint8, device=part.device)
-    weight, bias = (weight, bias) if check else (mean, mean)
-    running = running_mean is not None
-    scalars, constexprs = _constants(acc, running_mean.dtype if running else None,
-                                     batches is not None, momentum, check, count, eps,
-                                     gamma_limit)
-    counts, rates, limit = scalars
-    args = (part, splits * c, splits, mean, invstd, *counts, running_mean if running else mean,
-            running_var if running else mean, batches if constexprs["COUNTER"] else mean,
-            *rates, weight, bias, small, limit, c)
-    programs = 1 if constexprs["CUMULATIVE"] else -(-c // _BLOCK_C)
-    return Launch(_finalize_stats_kernel, (programs, 1), args, constexprs, _NUM_WARPS), (
-        mean, invstd, small)
+class _FinalizePlan(NamedTuple):
+    """Everything about a finalising launch but its tensors (memoised by
+    :func:`_finalize_plan`)."""
 
-
-def _plan_batch_stats(x: torch.Tensor, eps: float, running_mean: torch.Tensor | None,
-                      running_var: torch.Tensor | None, batches: torch.Tensor | None,
-                      momentum: float | None, weight: torch.Tensor | None,
-                      bias: torch.Tensor | None, gamma_limit: float, target: Target,
-                      tile: Tile | None = None
-                      ) -> tuple[list[Launch], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """``batch_stats``: the statistics kernel, then :func:`_plan_finalize_stats` over its
-    partials; two launches whatever the split."""
-    stats, part = _plan_partial_stats(x, target, tile)
-    finalize, result = _plan_finalize_stats(part, x.numel() // part.shape[2], eps, running_mean,
-                                            running_var, batches, momentum, weight, bias,
-                                            gamma_limit)
-    return [stats, finalize], result
+    grid: tuple[int, int]
+    # (plane, splits, count, eps, keep, momentum, var_alpha, gamma_limit, C), the launch's
+    # scalar arguments in the kernel's order.
+    scalars: tuple
+    constexprs: dict
+    flags: int  # the small-gamma flags it writes: C with the check, else none
 
 
 @functools.lru_cache(maxsize=256)
-def _constants(acc: torch.dtype, running_dtype: torch.dtype | None, has_counter: bool,
-               momentum: float | None, check: bool, count: int, eps: float, gamma_limit: float):
-    """The launch's scalar arguments ``((count, eps), (keep, momentum, var_alpha), limit)``
-    and constexprs: host ints and floats only, the same from call to call (memoised)."""
+def _finalize_plan(acc: torch.dtype, splits: int, c: int, count: int, eps: float,
+                   running_dtype: torch.dtype | None, has_counter: bool, momentum: float | None,
+                   check: bool, gamma_limit: float) -> _FinalizePlan:
+    """The launch's grid, scalars and constexprs: host ints and floats only, the same from
+    call to call (memoised)."""
     running = running_dtype is not None
     counter = running and has_counter
     cumulative = running and momentum is None
@@ -185,11 +168,80 @@ def _constants(acc: torch.dtype, running_dtype: torch.dtype | None, has_counter:
     run_acc = (torch.float64 if torch.float64 in (acc, running_dtype) else torch.float32
                ) if running else acc
     momentum = 0.0 if momentum is None else float(momentum)
-    scalars = ((float(count), float(eps)),
-               (1.0 - momentum, momentum, (1.0 if cumulative else momentum) / max(count - 1, 1)),
-               float(gamma_limit))
+    scalars = (splits * c, splits, float(count), float(eps), 1.0 - momentum, momentum,
+               (1.0 if cumulative else momentum) / max(count - 1, 1), float(gamma_limit), c)
     constexprs = {"RUNNING": running, "COUNTER": counter, "CUMULATIVE": cumulative,
                   "CHECK": check, "ACC": _TL_DTYPES[stats_dtype(acc)],
                   "RUN_ACC": _TL_DTYPES[run_acc], "BLOCK_P": _MERGE_ROWS,
                   "BLOCK_C": _BLOCK_C}
-    return scalars, constexprs
+    programs = 1 if cumulative else -(-c // _BLOCK_C)
+    return _FinalizePlan((programs, 1), scalars, constexprs, c if check else 0)
+
+
+def _finalize_launch(plan: _FinalizePlan, part: torch.Tensor, running_mean: torch.Tensor | None,
+                     running_var: torch.Tensor | None, batches: torch.Tensor | None,
+                     weight: torch.Tensor | None, bias: torch.Tensor | None
+                     ) -> tuple[Launch, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """The launch over ``part`` (the statistics kernel's partials, in the statistics dtype),
+    and ``(mean, invstd, small)``: ``small`` has C uint8 flags given a ``weight``, else no
+    element. An absent tensor is passed as ``mean`` (its constexpr keeps it unread)."""
+    plane, splits, count, eps, keep, momentum, var_alpha, limit, c = plan.scalars
+    mean = part.new_empty(c)
+    invstd = part.new_empty(c)
+    small = part.new_empty(plan.flags, dtype=torch.uint8)
+    args = (part, plane, splits, mean, invstd, count, eps,
+            mean if running_mean is None else running_mean,
+            mean if running_var is None else running_var,
+            batches if plan.constexprs["COUNTER"] else mean, keep, momentum, var_alpha,
+            mean if weight is None else weight, mean if bias is None else bias, small, limit, c)
+    return Launch(_finalize_stats_kernel, plan.grid, args, plan.constexprs, _NUM_WARPS), (
+        mean, invstd, small)
+
+
+def _plan_finalize_stats(part: torch.Tensor, count: int, eps: float,
+                         running_mean: torch.Tensor | None, running_var: torch.Tensor | None,
+                         batches: torch.Tensor | None, momentum: float | None,
+                         weight: torch.Tensor | None, bias: torch.Tensor | None,
+                         gamma_limit: float
+                         ) -> tuple[Launch, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """:func:`_finalize_launch` over ``part``, the statistics kernel's [3, splits, C]
+    partials."""
+    splits, c = part.shape[1:]
+    plan = _finalize_plan(part.dtype, splits, c, count, eps,
+                          running_mean.dtype if running_mean is not None else None,
+                          batches is not None, momentum, weight is not None, gamma_limit)
+    return _finalize_launch(plan, part, running_mean, running_var, batches, weight, bias)
+
+
+@functools.lru_cache(maxsize=1024)
+def _batch_stats_plan(sizes: tuple[int, ...], strides: tuple[int, ...], dtype: torch.dtype,
+                      target: Target, tile: Tile | None, eps: float,
+                      running_dtype: torch.dtype | None, has_counter: bool,
+                      momentum: float | None, check: bool, gamma_limit: float,
+                      tile_sizes: tuple[int, int, int]) -> tuple[OpPlan, _FinalizePlan]:
+    """Both launches' plans, memoised together: one lookup a call."""
+    check_dtype(dtype)
+    stats = memoised(_plan_op_memo, sizes, strides, dtype, target, True, tile, None, 0.0, None,
+                     tile_sizes)
+    geo = stats.geo
+    return stats, _finalize_plan(stats.acc, stats.grid[1], geo.c, geo.n * geo.s, eps,
+                                 running_dtype, has_counter, momentum, check, gamma_limit)
+
+
+def _plan_batch_stats(x: torch.Tensor, eps: float, running_mean: torch.Tensor | None,
+                      running_var: torch.Tensor | None, batches: torch.Tensor | None,
+                      momentum: float | None, weight: torch.Tensor | None,
+                      bias: torch.Tensor | None, gamma_limit: float, target: Target,
+                      tile: Tile | None = None
+                      ) -> tuple[list[Launch], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """``batch_stats``: the statistics kernel, then the finalising one over its partials; two
+    launches whatever the split."""
+    stats, finalize = memoised(
+        _batch_stats_plan, tuple(x.shape), x.stride(), x.dtype, target, tile, eps,
+        running_mean.dtype if running_mean is not None else None, batches is not None,
+        momentum, weight is not None, gamma_limit, _tile_sizes())
+    x = _prepare(x, stats)
+    part = x.new_empty(3 * finalize.scalars[0], dtype=stats.acc)  # planes of splits * C
+    launch, result = _finalize_launch(finalize, part, running_mean, running_var, batches,
+                                      weight, bias)
+    return [_partial_stats_launch(stats, x, part), launch], result

@@ -268,14 +268,28 @@ def plan_op(x: torch.Tensor, target: Target, reduction: bool, tile: Tile | None 
     dtype, target and the op's choices (and the tile sizes: tests change them). ``activation``
     None plans the statistics (no activation constexpr), ``saved_is_output`` None a forward.
     """
-    if x.dtype not in DTYPES:
-        raise TypeError(f"unsupported dtype {x.dtype}; expected one of {DTYPES}")
-    key = (tuple(x.shape), x.stride(), x.dtype, target, reduction, tile, activation, slope,
-           saved_is_output, (_INTERPRET_TILE_ELEMS, _GPU_TILE_ELEMS, _GPU_TILE_ELEMS_FP64))
+    check_dtype(x.dtype)
+    return memoised(_plan_op_memo, tuple(x.shape), x.stride(), x.dtype, target, reduction, tile,
+                    activation, slope, saved_is_output, _tile_sizes())
+
+
+def check_dtype(dtype: torch.dtype) -> None:
+    if dtype not in DTYPES:
+        raise TypeError(f"unsupported dtype {dtype}; expected one of {DTYPES}")
+
+
+def _tile_sizes() -> tuple[int, int, int]:
+    """The tile sizes in force, part of every memo key (tests change them)."""
+    return _INTERPRET_TILE_ELEMS, _GPU_TILE_ELEMS, _GPU_TILE_ELEMS_FP64
+
+
+def memoised(planner, *key):
+    """``planner(*key)`` from its ``functools.lru_cache``; computed afresh where the key cannot
+    be hashed (symbolic sizes: fake tensors while tracing)."""
     try:
-        return _plan_op_memo(*key)
-    except TypeError:  # symbolic sizes (fake tensors while tracing) cannot key the memo
-        return _plan_op_memo.__wrapped__(*key)
+        return planner(*key)
+    except TypeError:
+        return planner.__wrapped__(*key)
 
 
 @functools.lru_cache(maxsize=1024)
