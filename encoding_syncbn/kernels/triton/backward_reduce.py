@@ -83,12 +83,12 @@ def _plan_backward_reduce(saved: torch.Tensor, dy: torch.Tensor, mean: torch.Ten
     dy = _in_layout(dy, saved, plan.geo.channels_last)
     acc, grid, c = plan.acc, plan.grid, plan.geo.c
     splits = grid[1]
-    sum_dz = torch.empty(c, dtype=acc, device=saved.device)
-    sum_dz_xhat = torch.empty_like(sum_dz)
+    sum_dz = saved.new_empty(c, dtype=acc)
+    sum_dz_xhat = saved.new_empty(c, dtype=acc)
     if splits == 1:
         rows, merge = (sum_dz, sum_dz_xhat, 0), []
-    else:  # one buffer, passed whole (no views of its planes to make), then merged
-        part = torch.empty((2, splits, c), dtype=acc, device=saved.device)
+    else:  # one buffer of two planes, passed whole (no views of its planes to make), merged
+        part = saved.new_empty(2 * splits * c, dtype=acc)
         rows = (part, part, splits * c)
         merge = [_merge_launch(_sum_merge_kernel, (part, splits * c), splits, c,
                                (sum_dz, sum_dz_xhat))]
