@@ -46,7 +46,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from . import _compat, activations, stats
-from .aside import AsideWatch, aside_index, nothing
+from .aside import AsideWatch, aside_index
 from .kernels import (
     Backend,
     BatchSums,
@@ -94,8 +94,8 @@ class _Saved(NamedTuple):
     invstd: torch.Tensor
     weight: torch.Tensor
     bias: torch.Tensor
-    aside_channels: torch.Tensor
-    aside_input: torch.Tensor
+    aside_channels: torch.Tensor | None  # None: no channel kept aside
+    aside_input: torch.Tensor | None
 
 
 class _Link:
@@ -120,7 +120,8 @@ def _keeps_aside(config: ActConfig, aside_channels: torch.Tensor) -> bool:
     """Whether the layer keeps channels aside: saves their input, recomputes their backward.
 
     Eagerly: whether there are any. While compiling their number is data-dependent, so the
-    aside path (which handles none) is traced whenever the layer is in place.
+    aside path (which handles none) is traced whenever the layer is in place. Backward reads
+    the answer from what forward saved (``_Saved.aside_channels`` None: no channel aside).
     """
     if torch.compiler.is_compiling():
         return config.inplace
@@ -180,8 +181,7 @@ def _unpack(ctx) -> _Saved:
         raise RuntimeError(_modified_message(ctx.config, str(error))) from error
     if len(saved) == len(_Saved._fields):
         return _Saved(*saved)
-    none = nothing(torch.long, saved[0].device)
-    return _Saved(*saved, none, none)  # no channel kept aside
+    return _Saved(*saved, None, None)  # no channel kept aside
 
 
 def _modified_message(config: ActConfig, torch_message: str) -> str:
@@ -220,7 +220,7 @@ def _reduce(saved: _Saved, grad_output: torch.Tensor, config: ActConfig, params:
     ``backend``: the one looked up for ``saved.tensor`` (both made once per backward)."""
     sum_dz, sum_dz_xhat = backend.backward_reduce(saved.tensor, grad_output, params,
                                                   config.inplace)
-    if _keeps_aside(config, saved.aside_channels):
+    if saved.aside_channels is not None:
         exact_dz, exact_dz_xhat = reference_ops().backward_reduce(
             *_aside_args(saved, grad_output, config)
         )
@@ -235,7 +235,7 @@ def _input_grad(saved: _Saved, grad_output, config: ActConfig, coefs: DxCoefs | 
     the backend derives the coefficients); ``params`` and ``backend`` as ``_reduce``."""
     dx = backend.backward_dx(saved.tensor, grad_output, params, config.inplace, coefs)
     idx = saved.aside_channels
-    if _keeps_aside(config, saved.aside_channels):
+    if idx is not None:
         exact = reference_ops().backward_dx(
             *_aside_args(saved, grad_output, config),
             DxCoefs(*(c[idx] for c in dx_coefs(params, coefs))),
