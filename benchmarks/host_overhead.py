@@ -239,7 +239,8 @@ def measure(triton_ops, shape, dtype, channels_last, iters, repeats, stack):
                 launch.args[small_flags].zero_()
 
     triton_ops._run = no_launch
-    triton_ops._target = lambda device: Target(False, H100_SMS)
+    h100 = Target(False, H100_SMS)
+    triton_ops._target = lambda device: h100  # the real one is memoised per device
     channels = shape[1]
     fmt = torch.channels_last if channels_last else torch.contiguous_format
     like = torch.empty(shape, dtype=dtype, requires_grad=True)

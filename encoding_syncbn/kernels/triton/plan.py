@@ -146,7 +146,9 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+@functools.lru_cache(maxsize=64)
 def _target(device: torch.device) -> Target:
+    """What launches on ``device`` are planned for (memoised: every op asks on every call)."""
     if INTERPRET or device.type != "cuda":
         return Target(INTERPRET, 0)
     return Target(False, _sm_count(device.index if device.index is not None else 0))
@@ -268,12 +270,18 @@ def plan_op(x: torch.Tensor, target: Target, reduction: bool, tile: Tile | None 
     dtype, target and the op's choices (and the tile sizes: tests change them). ``activation``
     None plans the statistics (no activation constexpr), ``saved_is_output`` None a forward.
     """
-    check_dtype(x.dtype)
-    return memoised(_plan_op_memo, tuple(x.shape), x.stride(), x.dtype, target, reduction, tile,
-                    activation, slope, saved_is_output, _tile_sizes())
+    if x.dtype not in DTYPES:
+        check_dtype(x.dtype)
+    key = (x.shape, x.stride(), x.dtype, target, reduction, tile, activation, slope,
+           saved_is_output, (_INTERPRET_TILE_ELEMS, _GPU_TILE_ELEMS, _GPU_TILE_ELEMS_FP64))
+    try:  # one call a plan: every op plans with this on every call
+        return _plan_op_memo(*key)
+    except TypeError:  # symbolic sizes (fake tensors while tracing) cannot key the memo
+        return _plan_op_memo.__wrapped__(*key)
 
 
 def check_dtype(dtype: torch.dtype) -> None:
+    """A dtype the kernels are built for, or a TypeError."""
     if dtype not in DTYPES:
         raise TypeError(f"unsupported dtype {dtype}; expected one of {DTYPES}")
 
