@@ -174,18 +174,19 @@ def view_kind(x: torch.Tensor) -> str | None:
 
 # ---- dispatch ---------------------------------------------------------------------------
 
+def _no_dispatch_mode() -> None:
+    return None
+
+
 try:  # imported once: the query runs for every op call of the Triton backend
     from torch.utils._python_dispatch import _get_current_dispatch_mode
 except ImportError:
-    _get_current_dispatch_mode = None
+    _get_current_dispatch_mode = _no_dispatch_mode
 
-
-def current_dispatch_mode() -> Any:
-    """The innermost active ``TorchDispatchMode`` (None when there is none, or when this torch
-    moved the query: then modes are not detected and kernels launch directly)."""
-    if _get_current_dispatch_mode is None:
-        return None
-    return _get_current_dispatch_mode()
+#: The innermost active ``TorchDispatchMode``, or None (also where this torch moved the query:
+#: then modes are not detected and kernels launch directly). torch's own function where it
+#: has one: no wrapper's call on every op.
+current_dispatch_mode: Callable[[], Any] = _get_current_dispatch_mode
 
 
 def foreach_add_(targets: list[torch.Tensor], values: list[torch.Tensor]) -> None:

@@ -187,26 +187,9 @@ def _(saved: torch.Tensor, dy: torch.Tensor, mean: torch.Tensor, invstd: torch.T
 # --------------------------------------------------------------------------------------------
 
 
-def _through_dispatcher(x: torch.Tensor) -> bool:
-    """Whether to call the registered op rather than its implementation directly.
-
-    While compiling (the graph must hold the opaque op), for tensor subclasses (a FakeTensor
-    gets the fake implementation; so does a meta tensor) and under a dispatch mode (tracers
-    must see the op). In
-    plain eager calls the dispatcher would only add its overhead, some 10-20 us per call
-    held under the GIL, which DataParallel's replica threads share.
-    """
-    return (
-        torch.compiler.is_compiling()
-        or type(x) is not torch.Tensor
-        or x.is_meta
-        or _compat.current_dispatch_mode() is not None
-    )
-
-
 class TritonBackend:
     """The Triton kernels as a :class:`~encoding_syncbn.kernels.backend.Backend`: through the
-    registered ops (``through_dispatcher``) or straight to their implementations."""
+    registered ops (``backend_for``) or straight to their implementations."""
 
     def __init__(self, through_dispatcher: bool) -> None:
         self.name = "triton"
@@ -271,9 +254,17 @@ DISPATCHED = TritonBackend(through_dispatcher=True)
 
 
 def backend_for(x: torch.Tensor) -> TritonBackend:
-    """:data:`DISPATCHED` where the registered ops must be seen (``_through_dispatcher``),
-    else :data:`DIRECT`."""
-    return DISPATCHED if _through_dispatcher(x) else DIRECT
+    """:data:`DISPATCHED` where the registered ops must be seen, else :data:`DIRECT`.
+
+    Seen while compiling (the graph must hold the opaque op), for tensor subclasses (a
+    FakeTensor gets the fake implementation; so does a meta tensor) and under a dispatch mode
+    (tracers must see the op). In plain eager calls the dispatcher would only add its overhead,
+    some 10-20 us per call held under the GIL, which DataParallel's replica threads share.
+    """
+    if (torch.compiler.is_compiling() or type(x) is not torch.Tensor or x.is_meta
+            or _compat.current_dispatch_mode() is not None):
+        return DISPATCHED
+    return DIRECT
 
 
 # The flat functions of ``torch_ops``' signatures (the tests compare them one to one), which
