@@ -7,16 +7,13 @@ gamma is too small for that keep their input aside and get their gradients from 
 
 from __future__ import annotations
 
+import ctypes
 import functools
-from typing import TYPE_CHECKING
 
 import torch
 
 from .kernels import GammaCheck, compile_ops, torch_ops
 from .streams import stream_event
-
-if TYPE_CHECKING:
-    import numpy
 
 # A channel is rebuilt from y only if |w| > MIN_INVERTIBLE_GAMMA * max(1, |b|): xhat =
 # (z - b) / w amplifies z's rounding by |b| / |w|.
@@ -59,18 +56,16 @@ class AsideWatch:
     limit since, unless it shrank more than that many times over.
     """
 
-    __slots__ = ("known", "_host", "_ready", "_pinned", "_pinned_flags")
+    __slots__ = ("known", "_host", "_ready", "_pinned")
 
     def __init__(self) -> None:
         self.known: tuple[int, ...] | None = None
-        # An answer on its way, as host memory (_NO_VALUES: this call's, from a pass without
-        # values).
-        self._host: numpy.ndarray | object | None = None
+        # An answer on its way, as flags in host memory (_NO_VALUES: this call's, from a pass
+        # without values).
+        self._host: torch.Tensor | object | None = None
         self._ready: torch.cuda.Event | None = None
-        # Reused from call to call (one answer is on its way at a time), with its numpy view
-        # (made once: a view per call costs more than reading the flags).
+        # Reused from call to call (one answer is on its way at a time).
         self._pinned: torch.Tensor | None = None
-        self._pinned_flags: numpy.ndarray | None = None
 
     def _frozen(self, weight: torch.Tensor, refresh: bool) -> bool:
         """Whether the call must keep the answer it has: a checkpoint's recompute
@@ -96,17 +91,15 @@ class AsideWatch:
             self._host, self._ready = _NO_VALUES, None
             return
         if not small.is_cuda:
-            # On the CPU numpy reads host memory as it lies: no ATen call, no device sync.
-            # Elsewhere (mps, xpu) a blocking copy.
-            host = small.numpy() if small.is_cpu else small.numpy(force=True)
-            self._host, self._ready = host, None
+            # On the CPU the flags are read where they lie (no device sync); elsewhere (mps,
+            # xpu) after a blocking copy.
+            self._host, self._ready = (small if small.is_cpu else small.cpu()), None
             return
         pinned = self._pinned
         if pinned is None or pinned.shape != small.shape or pinned.dtype != small.dtype:
             pinned = self._pinned = torch.empty(small.shape, dtype=small.dtype, pin_memory=True)
-            self._pinned_flags = pinned.numpy()
         pinned.copy_(small, non_blocking=True)
-        self._host, self._ready = self._pinned_flags, stream_event(small)
+        self._host, self._ready = pinned, stream_event(small)
 
     def channels(self, weight: torch.Tensor | None, bias: torch.Tensor | None,
                  refresh: bool = True) -> tuple[int, ...]:
@@ -125,9 +118,22 @@ class AsideWatch:
             if self._host is _NO_VALUES:  # this call's answer, not one for the calls after it
                 self._host = None
                 return ()
-            self.known = tuple(self._host.nonzero()[0].tolist())
+            self.known = _flagged(self._host)
             self._host = self._ready = None
         return self.known
+
+
+def _flagged(flags: torch.Tensor) -> tuple[int, ...]:
+    """The indices of the nonzero flags of ``flags``, a (C,) tensor of one byte an element in
+    host memory, read as they lie: a copy of C bytes, no ATen call and no numpy (whose
+    conversion and ``nonzero`` cost the layer ~10 us a call in the host harness, where the
+    autograd engine has evicted their code from the caches)."""
+    if not flags.is_contiguous() or flags.element_size() != 1:
+        flags = flags.to(torch.uint8).contiguous()
+    data = ctypes.string_at(flags.data_ptr(), flags.numel())
+    if data.count(0) == len(data):  # the usual answer: none
+        return ()
+    return tuple(i for i, flag in enumerate(data) if flag)
 
 
 def small_gamma_channels(weight: torch.Tensor | None, bias: torch.Tensor | None
