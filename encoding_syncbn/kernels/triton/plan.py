@@ -270,14 +270,9 @@ def plan_op(x: torch.Tensor, target: Target, reduction: bool, tile: Tile | None 
     dtype, target and the op's choices (and the tile sizes: tests change them). ``activation``
     None plans the statistics (no activation constexpr), ``saved_is_output`` None a forward.
     """
-    if x.dtype not in DTYPES:
-        check_dtype(x.dtype)
-    key = (x.shape, x.stride(), x.dtype, target, reduction, tile, activation, slope,
-           saved_is_output, (_INTERPRET_TILE_ELEMS, _GPU_TILE_ELEMS, _GPU_TILE_ELEMS_FP64))
-    try:  # one call a plan: every op plans with this on every call
-        return _plan_op_memo(*key)
-    except TypeError:  # symbolic sizes (fake tensors while tracing) cannot key the memo
-        return _plan_op_memo.__wrapped__(*key)
+    check_dtype(x.dtype)
+    return memoised(_plan_op_memo, x.shape, x.stride(), x.dtype, target, reduction, tile,
+                    activation, slope, saved_is_output, _tile_sizes())
 
 
 def check_dtype(dtype: torch.dtype) -> None:
