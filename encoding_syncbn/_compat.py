@@ -84,6 +84,38 @@ def no_grad() -> _NoGrad:
     return _NoGrad()
 
 
+@functools.cache
+def _c_function_apply() -> Callable[..., Any] | None:
+    return getattr(getattr(torch._C, "_FunctionBase", None), "__dict__", {}).get("apply")
+
+
+def apply_function(function: type[torch.autograd.Function], *args: Any) -> Any:
+    """``function.apply(*args)`` for arguments that hold no tensor left wrapped by a finished
+    ``torch.func`` transform (``unwrap_if_dead``): straight to autograd's C++ apply where that
+    is what ``Function.apply`` would call, eagerly and outside any transform. What this skips
+    of its Python wrapper (a ``setup_context`` lookup, a generator over the arguments
+    unwrapping such tensors) is ~3 us a layer call in the host harness
+    (``benchmarks/host_overhead.py``, in turns). Elsewhere, and where this torch has no such
+    apply: ``function.apply`` itself (Dynamo traces it; the transforms need its dispatch)."""
+    apply = _c_function_apply()
+    if (apply is None or torch.compiler.is_compiling()
+            or torch._C._are_functorch_transforms_active()):
+        return function.apply(*args)
+    return apply(function, *args)
+
+
+@functools.cache
+def _unwrap_dead() -> Callable[[torch.Tensor], torch.Tensor]:
+    return getattr(getattr(torch._C, "_functorch", None), "unwrap_if_dead", lambda x: x)
+
+
+def unwrap_if_dead(x: torch.Tensor) -> torch.Tensor:
+    """``x``, or the plain tensor inside it where ``x`` is a tensor a finished ``torch.func``
+    transform left wrapped (which the kernels cannot read: no storage). Not while compiling
+    (Dynamo's tensors are never such wrappers)."""
+    return x if torch.compiler.is_compiling() else _unwrap_dead()(x)
+
+
 # torch.compile of an in-place layer (its result copied over its input inside the graph):
 # right with torch 2.13; with 2.11, inductor's compiled backward raises a version-counter error
 # (aot_eager does not; 2.12 untested). Older torch compiles the layer out of place.

@@ -595,7 +595,8 @@ def batch_norm_act(
             watch.offer(small)
         known = watch.channels(weight, bias, refresh)
     aside = aside_index(weight, bias, config.inplace, known)
-    out = BatchNormAct.apply(x, mean, invstd, weight, bias, config, aside, eps, backend)
+    out = _compat.apply_function(BatchNormAct, x, mean, invstd, weight, bias, config, aside, eps,
+                                 backend)
     return _written_back(x, out, config)
 
 
@@ -614,7 +615,7 @@ def synced_batch_norm_act(
     own = replica_stats(x)
     mean, invstd = exchange(own)
     aside = aside_index(weight, bias, config.inplace, config.aside)
-    out = NormAct.apply(x, mean, invstd, weight, bias, config, own.link, aside)
+    out = _compat.apply_function(NormAct, x, mean, invstd, weight, bias, config, own.link, aside)
     return _written_back(x, out, config)
 
 
@@ -628,5 +629,5 @@ def normalize_with(
 ) -> torch.Tensor:
     """Normalise with fixed statistics (evaluation, or a recompute reusing global ones)."""
     aside = aside_index(weight, bias, config.inplace, config.aside)
-    out = NormAct.apply(x, mean, invstd, weight, bias, config, None, aside)
+    out = _compat.apply_function(NormAct, x, mean, invstd, weight, bias, config, None, aside)
     return _written_back(x, out, config)

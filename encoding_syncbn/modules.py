@@ -12,6 +12,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.utils import parametrize
 
 from . import (
+    _compat,
     activations,
     distributed,
     inplace_check,
@@ -255,6 +256,7 @@ class SyncBatchNorm(_BatchNorm):
             if (dim < 2 or input.shape[1] != self.num_features
                     or input.dtype not in torch_ops.INPUT_DTYPES):
                 self._check_input(input)  # raises, saying what is wrong
+            input = _compat.unwrap_if_dead(input)
             self._last_input_dim[0] = dim
             if self.inplace and inplace_check.checking():
                 inplace_check.before_write(input, self._label())

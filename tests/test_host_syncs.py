@@ -170,3 +170,25 @@ def test_single_replica_steps_match_batchnorm(activation, channels, momentum, st
                           (layer.running_var, ref.running_var)):
             torch.testing.assert_close(got, want, rtol=1e-8, atol=1e-9)
         assert layer.num_batches_tracked.item() == ref.num_batches_tracked.item() == step + 1
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    flags=st.lists(st.integers(0, 3), min_size=1, max_size=70),
+    dtype=st.sampled_from([torch.bool, torch.uint8, torch.int8, torch.int32, torch.float32]),
+    step=st.integers(1, 3),
+)
+def test_the_watch_reads_flags_of_any_dtype_and_layout(flags, dtype, step):
+    """``AsideWatch`` reads offered flags as bytes where they lie: flags a backend hands it
+    in another dtype (a wider int, float) or strided are read as what they say, not as their
+    raw bytes (the channels kept aside are the nonzero flags, and only those)."""
+    from encoding_syncbn.aside import AsideWatch
+
+    padded = torch.zeros(len(flags) * step, dtype=torch.int64)
+    padded[::step] = torch.tensor(flags)
+    offered = padded.to(dtype)[::step]
+    weight = torch.ones(len(flags))
+    watch = AsideWatch()
+    watch.offer(offered)
+    assert watch.channels(weight, torch.zeros_like(weight)) == tuple(
+        i for i, flag in enumerate(flags) if flag)

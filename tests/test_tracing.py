@@ -422,6 +422,32 @@ def test_func_transform_refuses_a_synchronised_training_call():
     assert_close(out, torch.cat(halves), what="unsynchronised replicas")
 
 
+@pytest.mark.parametrize("inplace", [True, False])
+def test_a_tensor_left_by_a_finished_transform_is_taken_as_plain(inplace):
+    """An input that escaped a finished ``torch.func`` transform (still wrapped: a "dead"
+    wrapper) is taken as the plain tensor it holds, as ``Function.apply`` takes it: the output
+    is a plain tensor, the same as for that tensor, and gradients reach the parameters."""
+    leaked = []
+
+    def loss(x):
+        leaked.append(x * 2)
+        return x.sum()
+
+    torch.func.grad(loss)(torch.randn(4, 3, 5, 5, dtype=torch.float64))
+    dead = leaked[0]
+    assert torch._C._functorch.is_functorch_wrapped_tensor(dead)
+    layer = SyncBatchNorm(3, activation="leaky_relu", inplace=inplace).double()
+    plain = revert_sync_batchnorm(copy.deepcopy(layer))
+    want = plain(dead.clone())
+    got = layer(dead)
+    assert not torch._C._functorch.is_functorch_wrapped_tensor(got)
+    assert_close(got, want, what="output")
+    got.square().sum().backward()
+    want.square().sum().backward()
+    assert_close(layer.weight.grad, plain[0].weight.grad if isinstance(plain, nn.Sequential)
+                 else plain.weight.grad, what="weight grad")
+
+
 @settings(max_examples=8, deadline=None)
 @given(
     activation=st.sampled_from(sorted(ACTIVATIONS)),
