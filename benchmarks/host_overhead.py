@@ -21,7 +21,7 @@ input dirty, saves it with weight and bias, and in backward returns the incoming
 two per-channel gradients made in advance, which autograd accumulates as it does ours). What
 is above the floor ("own") is the layer's own host time; the floor is what PyTorch's autograd
 costs any in-place layer here. A third harness, also in turns, splits "own" in two: the bare
-ops (``_BareLayer``: an in-place autograd Function that calls the backend's four ops, the same
+ops (``_BareLayer``: an in-place autograd Function that calls the backend's three ops, the same
 six launches with the same arguments as the layer's, and nothing else), above which is what
 the layer's own Python adds ("above bare": module call, input checks, configuration, the
 channels kept aside, the wrappers around the ops).
@@ -67,7 +67,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 import encoding_syncbn  # noqa: E402
 from encoding_syncbn import SyncBatchNorm  # noqa: E402
-from encoding_syncbn.kernels import BatchSums, GammaCheck, NormParams, RunningStats  # noqa: E402
+from encoding_syncbn.kernels import GammaCheck, NormParams, RunningStats  # noqa: E402
 
 SHAPES = [
     ((8, 256, 128, 128), torch.float16, False),
@@ -79,7 +79,7 @@ H100_SMS = 132
 # The Triton backend's op attributes (``TritonBackend``), timed for the "in the ops" column,
 # and the ops' names in the per-op table.
 BACKEND_OPS = {"_batch_stats": "batch_stats",
-               "_normalize": "normalize_act", "_reduce": "backward_reduce", "_dx": "backward_dx"}
+               "_normalize": "normalize_act", "batch_backward": "batch_backward"}
 
 
 # glibc's mallopt parameters (malloc.h), and the largest value its C int takes: ctypes
@@ -142,10 +142,10 @@ class _EmptyInPlace(torch.autograd.Function):
 
 
 class _BareOps(torch.autograd.Function):
-    """The backend's four ops and nothing else: an in-place autograd Function whose forward
+    """The backend's ops and nothing else: an in-place autograd Function whose forward
     calls ``batch_stats`` (running statistics and the small-gamma check included, as the
-    layer's) and ``normalize_act``, and whose backward calls ``backward_reduce`` and
-    ``backward_dx``: the same six launches with the same arguments as the layer's, none of its
+    layer's) and ``normalize_act``, and whose backward calls ``batch_backward``: the same six
+    launches with the same arguments as the layer's, none of its
     checks, configuration or bookkeeping. Above the floor, what the ops cost; below the layer,
     what the layer's own Python adds."""
 
@@ -165,8 +165,7 @@ class _BareOps(torch.autograd.Function):
         y, mean, invstd, weight, bias = ctx.saved_tensors
         ops = ctx.layer.ops
         params = NormParams(mean, invstd, weight, bias, "leaky_relu", ctx.layer.slope)
-        sum_dz, sum_dz_xhat = ops.backward_reduce(y, grad, params, True)
-        dx = ops.backward_dx(y, grad, params, True, BatchSums(sum_dz, sum_dz_xhat, ctx.count))
+        dx, sum_dz, sum_dz_xhat = ops.batch_backward(y, grad, params, True, ctx.count)
         return dx, sum_dz_xhat, sum_dz, None
 
 
@@ -370,7 +369,7 @@ def main():
         "no-ops, planned for a 132-SM GPU: thread CPU time, the fastest of "
         f"{args.repeats} means over {args.iters} calls. 'floor': the same harness around an "
         "empty in-place autograd Function, measured in turns with ours; 'bare ops': one that "
-        "calls the backend's four ops and nothing else (the same six launches); 'own': ours "
+        "calls the backend's three ops and nothing else (the same six launches); 'own': ours "
         "minus the floor; 'above bare': ours minus the bare ops, what the layer's own Python "
         "adds to its ops. 'in the ops': the part inside the Triton backend's ops (dx's allocation "
         "included). ATen ops: outside the backend's ops. The stacked figures are per layer of "

@@ -218,8 +218,13 @@ def _reduce(saved: _Saved, grad_output: torch.Tensor, config: ActConfig, params:
             backend: Backend):
     """Per-channel ``(sum(dz), sum(dz * xhat))``; ``params``: ``_params(saved, config)``,
     ``backend``: the one looked up for ``saved.tensor`` (both made once per backward)."""
-    sum_dz, sum_dz_xhat = backend.backward_reduce(saved.tensor, grad_output, params,
-                                                  config.inplace)
+    sums = backend.backward_reduce(saved.tensor, grad_output, params, config.inplace)
+    return _exact_aside_sums(saved, grad_output, config, *sums)
+
+
+def _exact_aside_sums(saved: _Saved, grad_output: torch.Tensor, config: ActConfig,
+                      sum_dz: torch.Tensor, sum_dz_xhat: torch.Tensor):
+    """The sums with those of the channels kept aside recomputed from their input."""
     if saved.aside_channels is not None:
         exact_dz, exact_dz_xhat = reference_ops().backward_reduce(
             *_aside_args(saved, grad_output, config)
@@ -234,6 +239,13 @@ def _input_grad(saved: _Saved, grad_output, config: ActConfig, coefs: DxCoefs | 
     """``dx = coefs.dz * dz + coefs.xhat * xhat + coefs.const`` in one pass (``BatchSums``:
     the backend derives the coefficients); ``params`` and ``backend`` as ``_reduce``."""
     dx = backend.backward_dx(saved.tensor, grad_output, params, config.inplace, coefs)
+    _exact_aside_dx(dx, saved, grad_output, config, params, coefs)
+    return dx
+
+
+def _exact_aside_dx(dx: torch.Tensor, saved: _Saved, grad_output: torch.Tensor,
+                    config: ActConfig, params: NormParams, coefs: DxCoefs | BatchSums) -> None:
+    """Write into ``dx`` the channels kept aside, recomputed from their input."""
     idx = saved.aside_channels
     if idx is not None:
         exact = reference_ops().backward_dx(
@@ -241,7 +253,19 @@ def _input_grad(saved: _Saved, grad_output, config: ActConfig, coefs: DxCoefs | 
             DxCoefs(*(c[idx] for c in dx_coefs(params, coefs))),
         )
         dx.index_copy_(1, idx, exact)
-    return dx
+
+
+def _batch_grads(saved: _Saved, grad_output: torch.Tensor, config: ActConfig,
+                 params: NormParams, backend: Backend, count: int):
+    """``(dx, sum(dz), sum(dz * xhat))`` of a layer normalised with its own batch's statistics
+    (``count`` elements a channel): one backend call, then the channels kept aside, whose dx
+    takes their exact sums (dx of every other channel reads only its own sums)."""
+    dx, *sums = backend.batch_backward(saved.tensor, grad_output, params, config.inplace, count)
+    if saved.aside_channels is None:
+        return dx, *sums
+    sums = _exact_aside_sums(saved, grad_output, config, *sums)
+    _exact_aside_dx(dx, saved, grad_output, config, params, BatchSums(*sums, count))
+    return dx, *sums
 
 
 def _channel_view(v: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -316,11 +340,12 @@ class BatchNormAct(torch.autograd.Function):
             return (*grads, None, None, None, None)
         backend, config, needs = ops_for(saved.tensor), ctx.config, ctx.needs_input_grad
         params = _params(saved, config)
-        sum_dz, sum_dz_xhat = _reduce(saved, grad_output, config, params, backend)
-        grad_input = None
         if needs[0]:
-            grad_input = _input_grad(saved, grad_output, config,
-                                     BatchSums(sum_dz, sum_dz_xhat, ctx.count), params, backend)
+            grad_input, sum_dz, sum_dz_xhat = _batch_grads(saved, grad_output, config, params,
+                                                           backend, ctx.count)
+        else:
+            grad_input = None
+            sum_dz, sum_dz_xhat = _reduce(saved, grad_output, config, params, backend)
         return (grad_input, None, None, *_param_grads(needs[3], needs[4], sum_dz, sum_dz_xhat),
                 None, None, None, None)
 

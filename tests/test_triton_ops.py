@@ -299,6 +299,17 @@ def _check_backward(shape, fmt, dtype, activation, saved_is_output, dy_fmt=None,
                                       batch).to(dtype)
     assert_close(from_sums, ref_from_sums, dtype)
 
+    # Both in one call (one plan lookup, the same three launches): the same bits as the two
+    # calls, eagerly and through the registered ops; the reference's the same as its two.
+    for backend in (T.DIRECT, T.DISPATCHED):
+        dx_sums = backend.batch_backward(saved, dy, params, saved_is_output, terms)
+        torch.testing.assert_close(dx_sums, (from_sums, *sums), rtol=0, atol=0)
+    ref_sums = TORCH.backward_reduce(upcast(saved), ref_dy, params, saved_is_output)
+    torch.testing.assert_close(
+        TORCH.batch_backward(upcast(saved), ref_dy, params, saved_is_output, terms),
+        (TORCH.backward_dx(upcast(saved), ref_dy, params, saved_is_output,
+                           BatchSums(*ref_sums, terms)), *ref_sums), rtol=0, atol=0)
+
 
 @pytest.mark.parametrize("activation,saved_is_output", VARIANTS, ids=VARIANT_IDS)
 @pytest.mark.parametrize("shape,fmt", CASES, ids=CASE_IDS)

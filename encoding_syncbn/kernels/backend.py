@@ -9,6 +9,9 @@ A backend computes, per channel, what ``torch_ops`` (the reference) documents::
     backward_reduce(saved, dy, params, from_output) -> (sum(dz), sum(dz * xhat))
     backward_dx(saved, dy, params, from_output, coefs)
                                     dx = coefs.dz * dz + coefs.xhat * xhat + coefs.const
+    batch_backward(saved, dy, params, from_output, count)
+                    -> (dx, sum(dz), sum(dz * xhat)): backward_reduce, then backward_dx
+                       from BatchSums(sum(dz), sum(dz * xhat), count), in one call
 
 ``params`` bundles what every op but the statistics needs (:class:`NormParams`), ``coefs`` the
 backward's per-channel coefficients (:class:`DxCoefs`, or :class:`BatchSums` from which a
@@ -131,6 +134,10 @@ class Backend(Protocol):
     def backward_dx(self, saved: torch.Tensor, dy: torch.Tensor, params: NormParams,
                     saved_is_output: bool, coefs: DxCoefs | BatchSums) -> torch.Tensor: ...
 
+    def batch_backward(self, saved: torch.Tensor, dy: torch.Tensor, params: NormParams,
+                       saved_is_output: bool, count: int
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+
 
 class FunctionsBackend:
     """A backend over a module of flat functions with ``torch_ops``' signatures (``torch_ops``
@@ -162,3 +169,10 @@ class FunctionsBackend:
     def backward_dx(self, saved: torch.Tensor, dy: torch.Tensor, params: NormParams,
                     saved_is_output: bool, coefs: DxCoefs | BatchSums) -> torch.Tensor:
         return self._f.backward_dx(saved, dy, *params, saved_is_output, *dx_coefs(params, coefs))
+
+    def batch_backward(self, saved: torch.Tensor, dy: torch.Tensor, params: NormParams,
+                       saved_is_output: bool, count: int
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        sums = self.backward_reduce(saved, dy, params, saved_is_output)
+        return (self.backward_dx(saved, dy, params, saved_is_output, BatchSums(*sums, count)),
+                *sums)

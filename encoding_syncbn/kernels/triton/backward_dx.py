@@ -2,17 +2,25 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
+from .backward_reduce import _reduce_launches
 from .plan import (
     Launch,
+    OpPlan,
     Target,
     Tile,
     _empty_dx,
     _in_layout,
+    _plan_op_memo,
     _prepare,
+    _tile_sizes,
+    check_dtype,
+    memoised,
     plan_op,
 )
 from .tiles import (
@@ -73,9 +81,50 @@ def _plan_backward_dx(saved: torch.Tensor, dy: torch.Tensor, mean: torch.Tensor,
     dx = _empty_dx(saved, not plan.copy)
     saved = _prepare(saved, plan)
     dy = _in_layout(dy, saved, plan.geo.channels_last)
+    return [_dx_launch(plan, saved, dy, dx, (mean, invstd, weight, bias),
+                       (coef_dz, coef_xhat, coef_const), sums_count)], dx
+
+
+def _dx_launch(plan: OpPlan, saved: torch.Tensor, dy: torch.Tensor, dx: torch.Tensor,
+               params: tuple[torch.Tensor, ...], coefs: tuple[torch.Tensor, ...],
+               sums_count: int) -> Launch:
+    """The dx kernel's launch as ``plan`` plans it, on ``saved`` and ``dy`` as it launches on
+    them, into ``dx``; ``params``: (mean, invstd, weight, bias), ``coefs`` and ``sums_count``
+    as ``_plan_backward_dx``'s."""
     from_sums = sums_count > 0
-    launch = Launch(_backward_dx_kernel, plan.grid,
-                    (saved, dy, dx, mean, invstd, weight, bias, coef_dz, coef_xhat, coef_const,
-                     -1.0 / sums_count if from_sums else 0.0, plan.slope, *plan.args),
-                    {**plan.constexprs, "FROM_SUMS": from_sums}, plan.num_warps)
-    return [launch], dx
+    return Launch(_backward_dx_kernel, plan.grid,
+                  (saved, dy, dx, *params, *coefs, -1.0 / sums_count if from_sums else 0.0,
+                   plan.slope, *plan.args),
+                  {**plan.constexprs, "FROM_SUMS": from_sums}, plan.num_warps)
+
+
+@functools.lru_cache(maxsize=1024)
+def _batch_backward_plans(sizes: tuple[int, ...], strides: tuple[int, ...], dtype: torch.dtype,
+                          target: Target, tile: Tile | None, activation: str, slope: float,
+                          saved_is_output: bool, tile_sizes: tuple[int, int, int]
+                          ) -> tuple[OpPlan, OpPlan]:
+    """The reduction's and dx's plans, memoised together: one lookup a backward."""
+    check_dtype(dtype)
+    return tuple(memoised(_plan_op_memo, sizes, strides, dtype, target, reduction, tile,
+                          activation, slope, saved_is_output, tile_sizes)
+                 for reduction in (True, False))
+
+
+def _plan_batch_backward(saved: torch.Tensor, dy: torch.Tensor, mean: torch.Tensor,
+                         invstd: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                         activation: str, slope: float, saved_is_output: bool, count: int,
+                         target: Target, tile: Tile | None = None
+                         ) -> tuple[list[Launch], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """``batch_backward``: the reduction, then dx from its sums (``FROM_SUMS``, ``count``
+    elements a channel), planned by one lookup; ``(dx, sum_dz, sum_dz_xhat)``."""
+    reduce, dx_plan = memoised(_batch_backward_plans, saved.shape, saved.stride(), saved.dtype,
+                               target, tile, activation, slope, bool(saved_is_output),
+                               _tile_sizes())
+    dx = _empty_dx(saved, not reduce.copy)
+    saved = _prepare(saved, reduce)
+    dy = _in_layout(dy, saved, reduce.geo.channels_last)
+    params = (mean, invstd, weight, bias)
+    launches, (sum_dz, sum_dz_xhat) = _reduce_launches(reduce, saved, dy, *params)
+    launches.append(_dx_launch(dx_plan, saved, dy, dx, params, (weight, sum_dz_xhat, sum_dz),
+                               count))
+    return launches, (dx, sum_dz, sum_dz_xhat)

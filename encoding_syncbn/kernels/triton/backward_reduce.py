@@ -8,6 +8,7 @@ import triton.language as tl
 
 from .plan import (
     Launch,
+    OpPlan,
     Target,
     Tile,
     _in_layout,
@@ -81,6 +82,14 @@ def _plan_backward_reduce(saved: torch.Tensor, dy: torch.Tensor, mean: torch.Ten
     plan = plan_op(saved, target, True, tile, activation, slope, bool(saved_is_output))
     saved = _prepare(saved, plan)
     dy = _in_layout(dy, saved, plan.geo.channels_last)
+    return _reduce_launches(plan, saved, dy, mean, invstd, weight, bias)
+
+
+def _reduce_launches(plan: OpPlan, saved: torch.Tensor, dy: torch.Tensor, mean: torch.Tensor,
+                     invstd: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
+                     ) -> tuple[list[Launch], tuple[torch.Tensor, torch.Tensor]]:
+    """The reduction's launches as ``plan`` plans them, on ``saved`` and ``dy`` as it
+    launches on them (prepared, in the planned layout), and their ``(sum_dz, sum_dz_xhat)``."""
     acc, grid, c = plan.acc, plan.grid, plan.geo.c
     splits = grid[1]
     sum_dz = saved.new_empty(c, dtype=acc)

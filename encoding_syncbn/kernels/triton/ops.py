@@ -21,7 +21,7 @@ from ..backend import (
     channel_vector,
 )
 from ..torch_ops import stats_dtype
-from .backward_dx import _plan_backward_dx
+from .backward_dx import _plan_backward_dx, _plan_batch_backward
 from .backward_reduce import _plan_backward_reduce
 from .channel_stats import _plan_channel_stats
 from .finalize_stats import _plan_batch_stats
@@ -127,6 +127,22 @@ def _backward_dx_impl(saved: torch.Tensor, dy: torch.Tensor, mean: torch.Tensor,
     return dx
 
 
+def _batch_backward_direct(saved: torch.Tensor, dy: torch.Tensor, params: NormParams,
+                           saved_is_output: bool, count: int
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``batch_backward`` in three launches planned by one lookup (eager calls only: the
+    dispatcher sees it as its two registered ops, see ``TritonBackend.batch_backward``)."""
+    mean, invstd, weight, bias, activation, slope = params
+    if saved.numel() == 0:
+        sum_dz, sum_dz_xhat = _backward_reduce_impl(saved, dy, mean, invstd, weight, bias,
+                                                    activation, slope, saved_is_output)
+        return _empty_dx(saved, _geometry(saved) is not None), sum_dz, sum_dz_xhat
+    launches, result = _plan_batch_backward(saved, dy, mean, invstd, weight, bias, activation,
+                                            slope, saved_is_output, count, _target(saved.device))
+    _run(launches, saved.device)
+    return result
+
+
 # --------------------------------------------------------------------------------------------
 # torch.library registration: opaque to torch.compile, with fake (meta) implementations.
 # --------------------------------------------------------------------------------------------
@@ -193,6 +209,7 @@ class TritonBackend:
 
     def __init__(self, through_dispatcher: bool) -> None:
         self.name = "triton"
+        self._through_dispatcher = through_dispatcher
         ops = torch.ops.encoding_syncbn
         self._stats = ops.channel_stats if through_dispatcher else _channel_stats_impl
         self._batch_stats = ops.batch_stats if through_dispatcher else _batch_stats_impl
@@ -247,6 +264,18 @@ class TritonBackend:
             flat = (*coefs, 0)
         return self._dx(saved, dy, mean, invstd, weight, bias, activation, float(slope),
                         bool(saved_is_output), *flat)
+
+    def batch_backward(self, saved: torch.Tensor, dy: torch.Tensor, params: NormParams,
+                       saved_is_output: bool, count: int
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``backward_reduce``, then ``backward_dx`` from its ``BatchSums``: ``(dx, sum_dz,
+        sum_dz_xhat)``. Eagerly one call planned by one lookup; through the dispatcher the two
+        registered ops (tracers see the same ops as for separate calls)."""
+        if self._through_dispatcher:
+            sums = self.backward_reduce(saved, dy, params, saved_is_output)
+            return (self.backward_dx(saved, dy, params, saved_is_output, BatchSums(*sums, count)),
+                    *sums)
+        return _batch_backward_direct(saved, dy, params, bool(saved_is_output), int(count))
 
 
 DIRECT = TritonBackend(through_dispatcher=False)
