@@ -167,33 +167,27 @@ def small_gamma_channels(weight: torch.Tensor | None, bias: torch.Tensor | None
 
 
 def aside_index(weight: torch.Tensor, bias: torch.Tensor, inplace: bool,
-                known: tuple[int, ...] | None) -> torch.Tensor:
-    """Indices of the channels that cannot be rebuilt from the output (none out of place);
-    ``known``: those channels as host ints, where the caller knows them (None: look them up).
+                known: tuple[int, ...] | None) -> torch.Tensor | None:
+    """Indices of the channels that cannot be rebuilt from the output, or None where there
+    are none to keep (out of place, or none known: the usual answer, which then costs the
+    layer's Function no index); ``known``: those channels as host ints, where the caller knows
+    them (None: look them up).
 
     Chosen before the layer's autograd Function runs, and passed to it: while compiling, their
     number is a data-dependent (unbacked) size, which must be bound outside the Function's
     forward. Looking them up costs a device-to-host copy, unless ``known`` already tells.
     """
     if not inplace:
-        return nothing(torch.long, weight.device)
+        return None
     if torch.compiler.is_compiling():
         # A custom op of data-dependent size: Dynamo would refuse nonzero itself.
         return compile_ops.aside_channels(weight.detach(), bias.detach(), MIN_INVERTIBLE_GAMMA)
     if known is not None:
-        return channel_index(known, weight.device)
+        return channel_index(known, weight.device) if known else None
     return small_gamma_index(weight, bias)
-
-
-@functools.lru_cache(maxsize=64)
-def nothing(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """An empty tensor: no channels, or no inputs kept aside (shared: nothing writes to it)."""
-    return torch.empty(0, dtype=dtype, device=device)
 
 
 @functools.lru_cache(maxsize=256)
 def channel_index(channels: tuple[int, ...], device: torch.device) -> torch.Tensor:
     """``channels`` as an index tensor on ``device``, built once (shared: read only)."""
-    if not channels:
-        return nothing(torch.long, device)
     return torch.tensor(channels, dtype=torch.long, device=device)

@@ -116,13 +116,16 @@ class _Link:
         self.saved = self.grad_output = self.scale = self.ready = None
 
 
-def _keeps_aside(config: ActConfig, aside_channels: torch.Tensor) -> bool:
+def _keeps_aside(config: ActConfig, aside_channels: torch.Tensor | None) -> bool:
     """Whether the layer keeps channels aside: saves their input, recomputes their backward.
 
-    Eagerly: whether there are any. While compiling their number is data-dependent, so the
-    aside path (which handles none) is traced whenever the layer is in place. Backward reads
-    the answer from what forward saved (``_Saved.aside_channels`` None: no channel aside).
+    Eagerly: whether there are any (None: none, see ``aside_index``). While compiling their
+    number is data-dependent, so the aside path (which handles none) is traced whenever the
+    layer is in place. Backward reads the answer from what forward saved
+    (``_Saved.aside_channels`` None: no channel aside).
     """
+    if aside_channels is None:
+        return False
     if torch.compiler.is_compiling():
         return config.inplace
     return aside_channels.numel() > 0
