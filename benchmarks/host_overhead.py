@@ -145,9 +145,9 @@ class _BareOps(torch.autograd.Function):
     """The backend's ops and nothing else: an in-place autograd Function whose forward
     calls ``batch_stats`` (running statistics and the small-gamma check included, as the
     layer's) and ``normalize_act``, and whose backward calls ``batch_backward``: the same six
-    launches with the same arguments as the layer's, none of its
-    checks, configuration or bookkeeping. Above the floor, what the ops cost; below the layer,
-    what the layer's own Python adds."""
+    launches with the same arguments as the layer's, none of its checks, configuration or
+    bookkeeping. Above the floor, what the ops cost; below the layer, what the layer's own
+    Python adds."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, layer):

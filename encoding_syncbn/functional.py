@@ -265,12 +265,13 @@ def _batch_grads(saved: _Saved, grad_output: torch.Tensor, config: ActConfig,
     """``(dx, sum(dz), sum(dz * xhat))`` of a layer normalised with its own batch's statistics
     (``count`` elements a channel): one backend call, then the channels kept aside, whose dx
     takes their exact sums (dx of every other channel reads only its own sums)."""
-    dx, *sums = backend.batch_backward(saved.tensor, grad_output, params, config.inplace, count)
-    if saved.aside_channels is None:
-        return dx, *sums
-    sums = _exact_aside_sums(saved, grad_output, config, *sums)
-    _exact_aside_dx(dx, saved, grad_output, config, params, BatchSums(*sums, count))
-    return dx, *sums
+    dx, sum_dz, sum_dz_xhat = backend.batch_backward(saved.tensor, grad_output, params,
+                                                     config.inplace, count)
+    if saved.aside_channels is not None:
+        sum_dz, sum_dz_xhat = _exact_aside_sums(saved, grad_output, config, sum_dz, sum_dz_xhat)
+        _exact_aside_dx(dx, saved, grad_output, config, params,
+                        BatchSums(sum_dz, sum_dz_xhat, count))
+    return dx, sum_dz, sum_dz_xhat
 
 
 def _channel_view(v: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

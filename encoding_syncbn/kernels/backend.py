@@ -173,6 +173,14 @@ class FunctionsBackend:
     def batch_backward(self, saved: torch.Tensor, dy: torch.Tensor, params: NormParams,
                        saved_is_output: bool, count: int
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        sums = self.backward_reduce(saved, dy, params, saved_is_output)
-        return (self.backward_dx(saved, dy, params, saved_is_output, BatchSums(*sums, count)),
-                *sums)
+        return reduce_then_dx(self, saved, dy, params, saved_is_output, count)
+
+
+def reduce_then_dx(backend: Backend, saved: torch.Tensor, dy: torch.Tensor, params: NormParams,
+                   saved_is_output: bool, count: int
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``backend.batch_backward`` as its two ops: ``backward_reduce``, then ``backward_dx``
+    from those sums; for a backend with no single call for both."""
+    sums = backend.backward_reduce(saved, dy, params, saved_is_output)
+    return (backend.backward_dx(saved, dy, params, saved_is_output, BatchSums(*sums, count)),
+            *sums)

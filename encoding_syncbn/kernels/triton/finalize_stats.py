@@ -237,7 +237,7 @@ def _plan_batch_stats(x: torch.Tensor, eps: float, running_mean: torch.Tensor | 
     """``batch_stats``: the statistics kernel, then the finalising one over its partials; two
     launches whatever the split."""
     stats, finalize = memoised(
-        _batch_stats_plan, tuple(x.shape), x.stride(), x.dtype, target, tile, eps,
+        _batch_stats_plan, x.shape, x.stride(), x.dtype, target, tile, eps,
         running_mean.dtype if running_mean is not None else None, batches is not None,
         momentum, weight is not None, gamma_limit, _tile_sizes())
     x = _prepare(x, stats)

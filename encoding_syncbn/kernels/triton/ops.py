@@ -19,6 +19,7 @@ from ..backend import (
     NormParams,
     RunningStats,
     channel_vector,
+    reduce_then_dx,
 )
 from ..torch_ops import stats_dtype
 from .backward_dx import _plan_backward_dx, _plan_batch_backward
@@ -272,9 +273,7 @@ class TritonBackend:
         sum_dz_xhat)``. Eagerly one call planned by one lookup; through the dispatcher the two
         registered ops (tracers see the same ops as for separate calls)."""
         if self._through_dispatcher:
-            sums = self.backward_reduce(saved, dy, params, saved_is_output)
-            return (self.backward_dx(saved, dy, params, saved_is_output, BatchSums(*sums, count)),
-                    *sums)
+            return reduce_then_dx(self, saved, dy, params, saved_is_output, count)
         return _batch_backward_direct(saved, dy, params, bool(saved_is_output), int(count))
 
 
