@@ -107,15 +107,18 @@ class AsideWatch:
         self._host, self._ready = pinned, stream_event(small)
 
     def channels(self, weight: torch.Tensor | None, bias: torch.Tensor | None,
-                 refresh: bool = True) -> tuple[int, ...]:
-        """The channels to keep aside now (checking the parameters here, in ATen calls, when
-        no check was offered); ``refresh=False`` (a checkpoint's recompute): the answer the
+                 refresh: bool = True, flags: torch.Tensor | None = None) -> tuple[int, ...]:
+        """The channels to keep aside now; ``flags``: the result of this call's check
+        (``check_for``), offered first. Without a check offered, the parameters are checked
+        here, in ATen calls. ``refresh=False`` (a checkpoint's recompute): the answer the
         original call used."""
         if weight is None:  # affine=False: gamma is 1 everywhere
             return ()
         if self._frozen(weight, refresh):
             return self.known
-        if self._host is None:
+        if flags is not None:
+            self.offer(flags)
+        elif self._host is None:
             self.offer(small_gamma_mask(weight, bias, ASIDE_MARGIN))
         if self.known is None and self._ready is not None:
             self._ready.synchronize()  # the layer's first call on a GPU: once

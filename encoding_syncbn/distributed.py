@@ -20,6 +20,10 @@ import torch.distributed as dist
 
 from . import stats
 
+# Whether this torch was built with torch.distributed (fixed for the process; ``is_active``
+# is asked in every training call).
+_AVAILABLE: bool = dist.is_available()
+
 
 def is_active(process_group: Any = None) -> bool:
     """True when this process must synchronise over ``process_group`` (None: WORLD).
@@ -29,7 +33,7 @@ def is_active(process_group: Any = None) -> bool:
     ``GroupMember.NON_GROUP_MEMBER``: such a rank must not call the group's collectives, so
     for it the layer is a plain per-process BatchNorm.
     """
-    if not (dist.is_available() and dist.is_initialized()):
+    if not (_AVAILABLE and dist.is_initialized()):
         return False
     if process_group is not None and process_group == dist.GroupMember.NON_GROUP_MEMBER:
         return False

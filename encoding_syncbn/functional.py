@@ -46,7 +46,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from . import _compat, activations, stats
-from .aside import AsideWatch, aside_index
+from .aside import AsideWatch, aside_index, channel_index
 from .kernels import (
     Backend,
     BatchSums,
@@ -185,8 +185,11 @@ def _unpack(ctx) -> _Saved:
         if "modified by an inplace operation" not in str(error):
             raise
         raise RuntimeError(_modified_message(ctx.config, str(error))) from error
-    tensor, weight, bias, *aside = saved
-    return _Saved(tensor, *ctx.stats, weight, bias, *(aside or (None, None)))
+    mean, invstd = ctx.stats
+    if len(saved) == 3:  # no channel kept aside (see _normalize)
+        return _Saved(saved[0], mean, invstd, saved[1], saved[2], None, None)
+    tensor, weight, bias, aside_channels, aside_input = saved
+    return _Saved(tensor, mean, invstd, weight, bias, aside_channels, aside_input)
 
 
 def _modified_message(config: ActConfig, torch_message: str) -> str:
@@ -318,16 +321,17 @@ def _param_grads(needs_weight: bool, needs_bias: bool, sum_dz, sum_dz_xhat):
 
 class BatchNormAct(torch.autograd.Function):
     """Training on one replica's whole batch: ``(x, w, b) -> y``, normalised with ``stats``,
-    x's own batch statistics ``(mean, invstd)``: no input of the Function (the backward
-    includes their dependence on x). (The Function returns y alone: one that overwrites a view
-    may not return a second tensor.)
+    x's own batch statistics and values per channel ``(mean, invstd, count)``: no input of the
+    Function (the backward includes their dependence on x). (The Function returns y alone: one
+    that overwrites a view may not return a second tensor.)
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, stats: tuple[torch.Tensor, torch.Tensor],
+    def forward(ctx, x, weight, bias, stats: tuple[torch.Tensor, torch.Tensor, int],
                 config: ActConfig, aside_channels, eps: float, backend: Backend):
-        ctx.count, ctx.eps = x.numel() // x.shape[1], eps
-        return _normalize(ctx, x, *stats, weight, bias, config, aside_channels, backend)
+        mean, invstd, ctx.count = stats
+        ctx.eps = eps
+        return _normalize(ctx, x, mean, invstd, weight, bias, config, aside_channels, backend)
 
     @staticmethod
     def backward(ctx, grad_output):
@@ -610,25 +614,31 @@ def on_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 def batch_norm_act(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float, config: ActConfig,
     running: RunningStats | None = None, watch: AsideWatch | None = None, refresh: bool = True,
+    count: int | None = None,
 ) -> torch.Tensor:
-    """Normalise ``x`` with its own batch statistics, folded into ``running`` on the way.
+    """Normalise ``x`` with its own batch statistics, folded into ``running`` on the way;
+    ``count``: its values per channel, where the caller knows them.
 
-    ``watch`` (in place, the channels kept aside not known yet) picks them, its check riding
-    on the launch that finishes the statistics; ``refresh`` as ``AsideWatch.channels``.
+    ``watch``: an eager in-place call whose channels kept aside are not known yet (see
+    ``SyncBatchNorm._watching``): it picks them, its check riding on the launch that finishes
+    the statistics (``refresh`` as ``AsideWatch.channels``).
     """
     backend = ops_for(x)
+    if count is None:
+        count = x.numel() // x.shape[1]
     with _compat.no_grad():
         check = watch.check_for(weight, bias, refresh) if watch is not None else None
         mean, invstd, small = backend.batch_stats(x, eps, running, check)
-    known = config.aside
-    if watch is not None:
-        if small is not None:
-            watch.offer(small)
-        known = watch.channels(weight, bias, refresh)
-    aside = aside_index(weight, bias, config.inplace, known)
-    out = _compat.apply_function(BatchNormAct, x, weight, bias, (mean, invstd), config, aside,
-                                 eps, backend)
-    return _written_back(x, out, config)
+    if watch is None:
+        aside = aside_index(weight, bias, config.inplace, config.aside)
+        out = _compat.apply_function(BatchNormAct, x, weight, bias, (mean, invstd, count),
+                                     config, aside, eps, backend)
+        return _written_back(x, out, config)
+    # Eager and in place: the channels are host ints now, and the Function overwrites x.
+    known = watch.channels(weight, bias, refresh, small)
+    aside = channel_index(known, weight.device) if known else None
+    return _compat.apply_function(BatchNormAct, x, weight, bias, (mean, invstd, count), config,
+                                  aside, eps, backend)
 
 
 def synced_batch_norm_act(

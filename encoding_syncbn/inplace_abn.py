@@ -178,7 +178,7 @@ class InPlaceABN(ABN):
         return activations.runs_in_place(activation, param)
 
     def _affine_params(self, weight: torch.Tensor | None, bias: torch.Tensor | None,
-                       dtype: torch.dtype, device: torch.device):
+                       x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The weight as ``|w| + eps``: ``w * sign`` with a constant sign (+1 at 0), so that
         its gradient is ``sign(w)``, +1 at ``w = 0`` as mapillary's backward.
 
@@ -187,7 +187,7 @@ class InPlaceABN(ABN):
         (``replicate()``, evaluation): ``|w| <= |w| + eps``, a superset of what it needs.
         """
         affine = weight is not None
-        weight, bias = super()._affine_params(weight, bias, dtype, device)
+        weight, bias = super()._affine_params(weight, bias, x)
         if affine:
             sign = torch.ones_like(weight).masked_fill_(weight.detach() < 0, -1.0)
             weight = weight * sign + self.eps

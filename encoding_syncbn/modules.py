@@ -41,9 +41,12 @@ _ABSENT = object()
 # The options checked together, at construction and when assigned (``__setattr__``).
 _ACTIVATION_OPTIONS = ("activation", "slope", "inplace")
 
+# The attributes the layer's ``ActConfig`` is made of: assigning one remakes it.
+_CONFIG_SOURCES = (*_ACTIVATION_OPTIONS, "_aside", "_label_text")
+
 # Attributes that only make sense for the live object: dropped by pickle and deepcopy.
 _TRANSIENT = ("_open_group", "_replica_slot", "_recompute_cache", "_open_aside", "_aside",
-              "_aside_watch", "_warned_out_of_place")
+              "_aside_watch", "_warned_out_of_place", "_config")
 
 
 class SyncBatchNorm(_BatchNorm):
@@ -157,6 +160,11 @@ class SyncBatchNorm(_BatchNorm):
             inplace_policy.resolve_inplace(self._label(), options["activation"], options["slope"],
                                            options["inplace"], self._compute_dtype())
         super().__setattr__(name, value)
+        if name in _CONFIG_SOURCES and "_aside" in self.__dict__:  # "_aside": set up
+            # Made here, not in each call (a NamedTuple and five reads: ~3 us a call in the
+            # host harness).
+            self._config = ActConfig(self.activation, self.slope, self.inplace, self._aside,
+                                     self._label_text)
 
     def _compute_dtype(self) -> torch.dtype | None:
         """The dtype of the layer's parameters or statistics (None: it has neither)."""
@@ -287,7 +295,7 @@ class SyncBatchNorm(_BatchNorm):
         else:  # torch.export (whose strict tracer cannot trace the warnings' filters)
             self._check_input(x)
         acc = torch_ops.stats_dtype(x.dtype)
-        weight, bias = self._affine_params(self.weight, self.bias, acc, x.device)
+        weight, bias = self._affine_params(self.weight, self.bias, x)
         if self.training or self.running_mean is None:  # the batch's own statistics
             count = self._training_count(x) if self.training else 0
             slot = self._replica_slot
@@ -302,6 +310,14 @@ class SyncBatchNorm(_BatchNorm):
         config = ActConfig(self.activation, self.slope, False, (), self._label())
         return norm_act_composite(config)(x, mean, torch.rsqrt(var + self.eps), weight, bias)
 
+    def _parameter_pair(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """``(weight, bias)`` as registered, read once a call (a parametrized weight is
+        computed at each read), as ``_registered`` reads them."""
+        parameters = self._parameters
+        weight, bias = parameters.get("weight", _ABSENT), parameters.get("bias", _ABSENT)
+        return (self.weight if weight is _ABSENT else weight,
+                self.bias if bias is _ABSENT else bias)
+
     def _registered(self, table: dict[str, Any], name: str) -> Any:
         """The parameter or buffer ``name`` from ``table`` (``_parameters`` or ``_buffers``):
         ``nn.Module.__getattr__`` costs ~0.6 us a read here, and a call reads five. A name the
@@ -311,27 +327,32 @@ class SyncBatchNorm(_BatchNorm):
         return getattr(self, name) if value is _ABSENT else value
 
     def _affine_params(self, weight: torch.Tensor | None, bias: torch.Tensor | None,
-                       dtype: torch.dtype, device: torch.device):
-        """The layer's ``weight`` and ``bias`` as it computes with them and hands them to the
-        backend: contiguous, in the statistics dtype, ones and zeros where there are none."""
+                       x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's ``weight`` and ``bias`` as it computes with them on ``x`` and hands them
+        to the backend: contiguous, in x's statistics dtype, ones and zeros where there are
+        none."""
+        dtype = torch_ops.stats_dtype(x.dtype)
         weight = (
             channel_vector(weight, dtype)
             if weight is not None
-            else torch.ones(self.num_features, dtype=dtype, device=device)
+            else torch.ones(self.num_features, dtype=dtype, device=x.device)
         )
         bias = (
             channel_vector(bias, dtype)
             if bias is not None
-            else torch.zeros(self.num_features, dtype=dtype, device=device)
+            else torch.zeros(self.num_features, dtype=dtype, device=x.device)
         )
         return weight, bias
 
-    def _act_config(self, x: torch.Tensor, affine: bool) -> ActConfig:
+    def _act_config(self, x: torch.Tensor) -> ActConfig:
         """The activation, and whether and around which channels it runs in place (those
-        found at ``replicate()``; None: not known yet, see ``_watching``)."""
-        inplace = self.inplace and inplace_policy.can_overwrite(x, self._warned_out_of_place)
-        aside = self._aside if affine or not inplace else ()  # affine=False: none
-        return ActConfig(self.activation, self.slope, inplace, aside, self._label_text)
+        found at ``replicate()``; None: not known yet, see ``_watching``): the layer's
+        configuration, out of place where ``x`` cannot be overwritten. (Without a weight
+        gamma is 1: the watch and ``small_gamma_channels`` find no channel to keep aside.)"""
+        config = self._config
+        if config.inplace and not inplace_policy.can_overwrite(x, self._warned_out_of_place):
+            return config._replace(inplace=False)
+        return config
 
     def _watching(self, config: ActConfig) -> AsideWatch | None:
         """The watch that finds the channels kept aside, where ``config`` does not know them
@@ -350,52 +371,42 @@ class SyncBatchNorm(_BatchNorm):
         return config.with_aside(watch.channels(weight, bias, refresh=refresh))
 
     def _forward(self, x: torch.Tensor, slot: ReplicaSlot | None) -> torch.Tensor:
-        """The dispatch: evaluation with running statistics, training alone, training synced."""
-        acc = torch_ops.stats_dtype(x.dtype)
-        # Read once a call: a parametrized weight is computed at each read.
-        params = self._registered(self._parameters, "weight"), self._registered(
-            self._parameters, "bias")
-        weight, bias = self._affine_params(*params, acc, x.device)
-        # Batch statistics are the whole batch's, in evaluation too (track_running_stats=False).
-        batch_stats = self.training or self._registered(self._buffers, "running_mean") is None
-        # Asked once per call; evaluation with running statistics never asks autograd (its
-        # private API stays untouched there).
-        recomputing = batch_stats and recompute.inside_backward()
-        config = self._act_config(x, affine=params[0] is not None)
+        """The dispatch: evaluation with running statistics, training synced, training alone
+        (one replica, or ``sync=False``)."""
+        params = self._parameter_pair()
+        weight, bias = self._affine_params(*params, x)
+        config = self._act_config(x)
+        if not self.training and self._registered(self._buffers, "running_mean") is not None:
+            return self._forward_running(x, weight, bias, self._with_aside(config, True, *params))
+        # Batch statistics: training, or evaluation without running ones. Asked only here:
+        # evaluation with running statistics never asks autograd (its private API untouched).
+        recomputing = recompute.inside_backward()
         refresh = not (self.training and recomputing)
-        if not batch_stats:
-            config = self._with_aside(config, refresh, *params)
-            return self._forward_running(x, acc, weight, bias, config)
         running = self._running() if self.training and not recomputing else None
-        group_size = slot.group.size if slot is not None else 1
-        if self.sync and (group_size > 1 or self._syncs_processes()):
+        if self.sync and ((slot is not None and slot.group.size > 1) or self._syncs_processes()):
             config = self._with_aside(config, refresh, *params)
             if recomputing:
                 return self._recompute_cache.replay(x, weight, bias, config)
             return self._forward_synced(x, slot, weight, bias, config, running)
-        return self._forward_alone(x, weight, bias, config, running, refresh)
-
-    def _forward_running(self, x: torch.Tensor, acc: torch.dtype, weight: torch.Tensor,
-                         bias: torch.Tensor, config: ActConfig) -> torch.Tensor:
-        """Evaluation: normalise with the running statistics."""
-        invstd = torch.rsqrt(self.running_var.to(acc) + self.eps)
-        # A copy, not the buffer: a training forward (its in-place running-stats update),
-        # load_state_dict or a buffer broadcast between this forward and its backward
-        # would otherwise fail backward's saved-tensor version check.
-        mean = self.running_mean.to(acc, copy=True)
-        return normalize_with(x, mean, invstd, weight, bias, config)
-
-    def _forward_alone(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
-                       config: ActConfig, running: RunningStats | None, refresh: bool
-                       ) -> torch.Tensor:
-        """Batch statistics of this replica's input only (one replica, or ``sync=False``)."""
+        # This replica's batch alone.
         count = self._training_count(x)
         if count == 0:
             _track_batch(running, None, None, 0)
             # Empty, and attached to the parameters (zero gradients) as nn.BatchNorm's result.
             return torch.nn.functional.batch_norm(x, None, None, weight, bias, True, 0.0, self.eps)
         return batch_norm_act(x, weight, bias, self.eps, config, running,
-                              self._watching(config), refresh)
+                              self._watching(config), refresh, count)
+
+    def _forward_running(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                         config: ActConfig) -> torch.Tensor:
+        """Evaluation: normalise with the running statistics."""
+        acc = torch_ops.stats_dtype(x.dtype)
+        invstd = torch.rsqrt(self.running_var.to(acc) + self.eps)
+        # A copy, not the buffer: a training forward (its in-place running-stats update),
+        # load_state_dict or a buffer broadcast between this forward and its backward
+        # would otherwise fail backward's saved-tensor version check.
+        mean = self.running_mean.to(acc, copy=True)
+        return normalize_with(x, mean, invstd, weight, bias, config)
 
     def _training_count(self, x: torch.Tensor) -> int:
         """Values per channel of a training input, refusing one (no variance to take)."""

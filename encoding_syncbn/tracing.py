@@ -76,8 +76,10 @@ def in_aten_ops(training: bool) -> bool:
     (``functional.norm_act_composite``): its call is being captured for a program that must
     run without this package (``torch.jit.trace``, or an evaluating layer under
     ``torch.export``), or differentiated by a ``torch.func`` transform or in forward mode."""
-    return (torch.jit.is_tracing() or (not training and torch.compiler.is_exporting())
-            or in_func_transform() or in_forward_ad())
+    # The queries themselves, not the helpers above: asked in every call, each helper's call
+    # costs more than its query.
+    return (_functorch_level() is not None or getattr(forward_ad, "_current_level", -1) >= 0
+            or torch.jit.is_tracing() or (not training and torch.compiler.is_exporting()))
 
 
 def refuse_training_trace(label: str) -> None:

@@ -112,10 +112,6 @@ def triton_available() -> bool:
     return _load_triton() is not None
 
 
-def triton_interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
 def reference_ops() -> Backend:
     """``TORCH``; while ``torch.compile`` traces, ``COMPILED`` (the same ops as opaque custom
     ops: ``torch_ops`` is not traceable, it walks slabs with ``out=`` calls).
@@ -140,16 +136,15 @@ def ops_for(x: torch.Tensor) -> Backend:
         return reference_ops()
     if name != "triton":
         return _registered[name]
-    triton_ops = _load_triton()
+    triton_ops = _triton_ops if _triton_ops is not None else _load_triton()
     # Where the kernels imported, they know whether they are interpreted (no environment read).
-    interpreted = triton_ops.INTERPRET if triton_ops is not None else triton_interpreted()
-    if not (x.is_cuda or x.is_meta or interpreted):  # meta: the ops' fake implementations
-        raise RuntimeError(
-            f"backend 'triton' runs on CUDA tensors, got a {x.device.type} tensor; on the CPU it "
-            "runs only under Triton's interpreter (set TRITON_INTERPRET=1 before triton is "
-            "imported), or choose set_backend('torch')"
-        )
+    if triton_ops is not None and (x.is_cuda or triton_ops.INTERPRET or x.is_meta):
+        return triton_ops.backend_for(x)  # meta: the ops' fake implementations
     if triton_ops is None:
         raise RuntimeError(f"backend 'triton' was asked for but triton cannot be imported: "
                            f"{_triton_import_error}")
-    return triton_ops.backend_for(x)
+    raise RuntimeError(
+        f"backend 'triton' runs on CUDA tensors, got a {x.device.type} tensor; on the CPU it "
+        "runs only under Triton's interpreter (set TRITON_INTERPRET=1 before triton is "
+        "imported), or choose set_backend('torch')"
+    )
