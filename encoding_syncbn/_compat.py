@@ -84,6 +84,27 @@ def no_grad() -> _NoGrad:
     return _NoGrad()
 
 
+# Whether a torch.func transform runs: the dispatch-key query torch's own Function.apply asks,
+# and functorch's innermost level (None outside any transform), which Dynamo knows. Resolved at
+# import with fallbacks: a torch without one falls back to the other, or to "none runs".
+_transforms_active: Callable[[], bool] = getattr(
+    torch._C, "_are_functorch_transforms_active", lambda: False)
+_functorch_level: Callable[[], int | None] = getattr(
+    torch._C._functorch, "maybe_current_level", lambda: None)
+
+
+def functorch_transform_active() -> bool:
+    """Whether a ``torch.func`` transform (grad, vjp, jvp, vmap, ...) is running.
+
+    Eagerly by the dispatch-key query: ``maybe_current_level`` creates this thread's functorch
+    state on first use, which every later ``backward()`` then copies with the thread's state
+    (~8k instructions a layer call in the host harness, ~1.5 us, and a cost to every other
+    backward of the program). While compiling by the level, which Dynamo traces."""
+    if torch.compiler.is_compiling():
+        return _functorch_level() is not None
+    return _transforms_active()
+
+
 @functools.cache
 def _c_function_apply() -> Callable[..., Any] | None:
     return getattr(getattr(torch._C, "_FunctionBase", None), "__dict__", {}).get("apply")
@@ -98,8 +119,7 @@ def apply_function(function: type[torch.autograd.Function], *args: Any) -> Any:
     (``benchmarks/host_overhead.py``, in turns). Elsewhere, and where this torch has no such
     apply: ``function.apply`` itself (Dynamo traces it; the transforms need its dispatch)."""
     apply = _c_function_apply()
-    if (apply is None or torch.compiler.is_compiling()
-            or torch._C._are_functorch_transforms_active()):
+    if apply is None or torch.compiler.is_compiling() or _transforms_active():
         return function.apply(*args)
     return apply(function, *args)
 

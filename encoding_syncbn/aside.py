@@ -37,7 +37,7 @@ def small_gamma_index(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.
 # computes no values keeps nothing aside, and leaves no answer for the calls after it.
 _NO_VALUES = object()
 
-# The flags' dtypes ``_flagged`` reads as they lie: one byte each.
+# The flags' dtypes ``AsideWatch._read`` reads as they lie: one byte each.
 _BYTE_FLAGS = (torch.uint8, torch.bool)
 
 # AsideWatch keeps aside channels up to this many times the invertibility limit: its answer
@@ -59,7 +59,7 @@ class AsideWatch:
     limit since, unless it shrank more than that many times over.
     """
 
-    __slots__ = ("known", "_host", "_ready", "_pinned")
+    __slots__ = ("known", "_host", "_ready", "_pinned", "_reader")
 
     def __init__(self) -> None:
         self.known: tuple[int, ...] | None = None
@@ -69,6 +69,8 @@ class AsideWatch:
         self._ready: torch.cuda.Event | None = None
         # Reused from call to call (one answer is on its way at a time).
         self._pinned: torch.Tensor | None = None
+        # How ``_read`` reads C flags: (C, a ctypes array type of C bytes, C zero bytes).
+        self._reader: tuple[int, type[ctypes.Array], bytes] | None = None
 
     def _frozen(self, weight: torch.Tensor, refresh: bool) -> bool:
         """Whether the call must keep the answer it has: a checkpoint's recompute
@@ -88,17 +90,19 @@ class AsideWatch:
 
     def offer(self, small: torch.Tensor) -> None:
         """Start bringing per-channel flags (nonzero: keep aside) to the host, without
-        waiting for the device (on a GPU; other devices than the CPU wait)."""
+        waiting for the device (on a GPU; other devices than the CPU wait). Flags in host
+        memory are read now: the answer is ``known`` at once."""
         if type(small) is not torch.Tensor or small.is_meta:
             # No values to read (the meta device, a tracing tool's fake tensors): no answer.
             self._host, self._ready = _NO_VALUES, None
             return
         if small.dtype not in _BYTE_FLAGS or not small.is_contiguous():
-            small = small.to(torch.uint8).contiguous()  # as ``_flagged`` reads them
-        if not small.is_cuda:
-            # On the CPU the flags are read where they lie (no device sync); elsewhere (mps,
-            # xpu) after a blocking copy.
-            self._host, self._ready = (small if small.is_cpu else small.cpu()), None
+            small = small.to(torch.uint8).contiguous()  # as ``_read`` reads them
+        if small.is_cpu:  # read where they lie: no device sync
+            self.known = self._read(small)
+            return
+        if not small.is_cuda:  # mps, xpu: after a blocking copy
+            self._host, self._ready = small.cpu(), None
             return
         pinned = self._pinned
         if pinned is None or pinned.shape != small.shape or pinned.dtype != small.dtype:
@@ -109,52 +113,48 @@ class AsideWatch:
     def channels(self, weight: torch.Tensor | None, bias: torch.Tensor | None,
                  refresh: bool = True, flags: torch.Tensor | None = None) -> tuple[int, ...]:
         """The channels to keep aside now; ``flags``: the result of this call's check
-        (``check_for``), offered first. Without a check offered, the parameters are checked
-        here, in ATen calls. ``refresh=False`` (a checkpoint's recompute): the answer the
-        original call used."""
-        if weight is None:  # affine=False: gamma is 1 everywhere
-            return ()
-        if self._frozen(weight, refresh):
-            return self.known
+        (``check_for`` asked for it: the call refreshes its answer), offered first. Without a
+        check offered, the parameters are checked here, in ATen calls. ``refresh=False`` (a
+        checkpoint's recompute): the answer the original call used."""
         if flags is not None:
             self.offer(flags)
+        elif weight is None:  # affine=False: gamma is 1 everywhere
+            return ()
+        elif self._frozen(weight, refresh):
+            return self.known
         elif self._host is None:
             self.offer(small_gamma_mask(weight, bias, ASIDE_MARGIN))
+        host = self._host
+        if host is None:  # none on its way: the newest answer (on the CPU: this call's)
+            return self.known
         if self.known is None and self._ready is not None:
             self._ready.synchronize()  # the layer's first call on a GPU: once
         if self._ready is None or self._ready.query():
-            if self._host is _NO_VALUES:  # this call's answer, not one for the calls after it
-                self._host = None
-                return ()
-            self.known = _flagged(self._host)
             self._host = self._ready = None
+            if host is _NO_VALUES:  # this call's answer, not one for the calls after it
+                return ()
+            self.known = self._read(host)
         return self.known
 
+    def _read(self, flags: torch.Tensor) -> tuple[int, ...]:
+        """The indices of the nonzero flags of ``flags``, a contiguous (C,) tensor of one byte an
+        element (bool or uint8: what the checks write) in host memory, read as they lie: a copy
+        of C bytes, no ATen call and no numpy. The tensor stays alive and in place while it is
+        read.
 
-def _flagged(flags: torch.Tensor) -> tuple[int, ...]:
-    """The indices of the nonzero flags of ``flags``, a contiguous (C,) tensor of one byte an
-    element (bool or uint8: what the checks write) in host memory, read as they lie: a copy of
-    C bytes, no ATen call and no numpy. The tensor stays alive and in place while it is read.
-
-    Read through a ctypes array type made once per C (``from_address``), not
-    ``ctypes.string_at`` (a foreign-function call through libffi): in the host harness that
-    costs the layer 2-3 us a call less (two rounds of four, in turns), as numpy's view and
-    ``nonzero`` cost 2-3 us more than ``string_at``."""
-    n = flags.numel()
-    data = _byte_array(n).from_address(flags.data_ptr()).raw
-    if data == _zeros(n):  # the usual answer: none
-        return ()
-    return tuple(i for i, flag in enumerate(data) if flag)
-
-
-@functools.lru_cache(maxsize=64)
-def _byte_array(n: int) -> type[ctypes.Array]:
-    return ctypes.c_char * n
-
-
-@functools.lru_cache(maxsize=64)
-def _zeros(n: int) -> bytes:
-    return bytes(n)
+        Through a ctypes array type made once per C (``from_address``), not
+        ``ctypes.string_at`` (a foreign-function call through libffi): in the host harness that
+        costs the layer 2-3 us a call less, as numpy's view and ``nonzero`` cost 2-3 us more
+        than ``string_at``. The type and the all-zero answer are kept per watch (a layer's C
+        does not change)."""
+        n = flags.numel()
+        reader = self._reader
+        if reader is None or reader[0] != n:
+            reader = self._reader = (n, ctypes.c_char * n, bytes(n))
+        data = reader[1].from_address(flags.data_ptr()).raw
+        if data == reader[2]:  # the usual answer: none
+            return ()
+        return tuple(i for i, flag in enumerate(data) if flag)
 
 
 def small_gamma_channels(weight: torch.Tensor | None, bias: torch.Tensor | None

@@ -263,20 +263,6 @@ def _exact_aside_dx(dx: torch.Tensor, saved: _Saved, grad_output: torch.Tensor,
         dx.index_copy_(1, idx, exact)
 
 
-def _batch_grads(saved: _Saved, grad_output: torch.Tensor, config: ActConfig,
-                 params: NormParams, backend: Backend, count: int):
-    """``(dx, sum(dz), sum(dz * xhat))`` of a layer normalised with its own batch's statistics
-    (``count`` elements a channel): one backend call, then the channels kept aside, whose dx
-    takes their exact sums (dx of every other channel reads only its own sums)."""
-    dx, sum_dz, sum_dz_xhat = backend.batch_backward(saved.tensor, grad_output, params,
-                                                     config.inplace, count)
-    if saved.aside_channels is not None:
-        sum_dz, sum_dz_xhat = _exact_aside_sums(saved, grad_output, config, sum_dz, sum_dz_xhat)
-        _exact_aside_dx(dx, saved, grad_output, config, params,
-                        BatchSums(sum_dz, sum_dz_xhat, count))
-    return dx, sum_dz, sum_dz_xhat
-
-
 def _channel_view(v: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """A (C,) vector shaped to broadcast against an ``(N, C, *)`` tensor like ``x``."""
     return v.view(1, -1, *([1] * (x.dim() - 2)))
@@ -350,13 +336,20 @@ class BatchNormAct(torch.autograd.Function):
             return (*grads, None, None, None, None, None)
         backend, config, needs = ops_for(saved.tensor), ctx.config, ctx.needs_input_grad
         params = _params(saved, config)
-        if needs[0]:
-            grad_input, sum_dz, sum_dz_xhat = _batch_grads(saved, grad_output, config, params,
-                                                           backend, ctx.count)
-        else:
-            grad_input = None
+        if not needs[0]:
             sum_dz, sum_dz_xhat = _reduce(saved, grad_output, config, params, backend)
-        return (grad_input, *_param_grads(needs[1], needs[2], sum_dz, sum_dz_xhat),
+            return (None, *_param_grads(needs[1], needs[2], sum_dz, sum_dz_xhat),
+                    None, None, None, None, None)
+        # One backend call, then the channels kept aside, whose dx takes their exact sums (dx
+        # of every other channel reads only its own sums).
+        grad_input, sum_dz, sum_dz_xhat = backend.batch_backward(
+            saved.tensor, grad_output, params, config.inplace, ctx.count)
+        if saved.aside_channels is not None:
+            sum_dz, sum_dz_xhat = _exact_aside_sums(saved, grad_output, config, sum_dz,
+                                                    sum_dz_xhat)
+            _exact_aside_dx(grad_input, saved, grad_output, config, params,
+                            BatchSums(sum_dz, sum_dz_xhat, ctx.count))
+        return (grad_input, sum_dz_xhat if needs[1] else None, sum_dz if needs[2] else None,
                 None, None, None, None, None)
 
 

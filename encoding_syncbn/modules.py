@@ -432,12 +432,16 @@ class SyncBatchNorm(_BatchNorm):
 
     def _running(self) -> RunningStats | None:
         """The running statistics a training call updates (None: not tracked)."""
-        buffers = self._buffers
-        running_mean = self._registered(buffers, "running_mean")
-        if not self.track_running_stats or running_mean is None:
+        if not self.track_running_stats:
             return None
-        return RunningStats(running_mean, self._registered(buffers, "running_var"),
-                            self._registered(buffers, "num_batches_tracked"), self.momentum)
+        buffers = self._buffers  # read as ``_registered`` reads them, without its calls
+        mean = buffers.get("running_mean", _ABSENT)
+        var = buffers.get("running_var", _ABSENT)
+        batches = buffers.get("num_batches_tracked", _ABSENT)
+        if mean is _ABSENT or var is _ABSENT or batches is _ABSENT:
+            mean, var, batches = (self._registered(buffers, name) for name in
+                                  ("running_mean", "running_var", "num_batches_tracked"))
+        return None if mean is None else RunningStats(mean, var, batches, self.momentum)
 
     @classmethod
     def convert_sync_batchnorm(cls, module: torch.nn.Module, process_group: Any = None):

@@ -27,6 +27,8 @@ from __future__ import annotations
 import torch
 from torch.autograd import forward_ad
 
+from . import _compat
+
 _REVERT = (
     "encoding_syncbn.revert_sync_batchnorm(model) gives the same model with plain torch "
     "modules (the same parameters and statistics)"
@@ -56,15 +58,6 @@ def fx_leaf_call(layer: torch.nn.Module, label: str, proxy: torch.fx.Proxy) -> t
     return tracer.create_proxy("call_module", path, (proxy,), {})
 
 
-def in_func_transform() -> bool:
-    """Whether a ``torch.func`` transform (grad, vjp, jvp, vmap, ...) is running."""
-    return _functorch_level() is not None
-
-
-# None outside any torch.func transform (the level of the innermost one inside).
-_functorch_level = getattr(torch._C._functorch, "maybe_current_level", lambda: None)
-
-
 def in_forward_ad() -> bool:
     """Whether a ``torch.autograd.forward_ad.dual_level`` is open (its dual tensors may reach
     the layer as its input or its parameters)."""
@@ -76,10 +69,8 @@ def in_aten_ops(training: bool) -> bool:
     (``functional.norm_act_composite``): its call is being captured for a program that must
     run without this package (``torch.jit.trace``, or an evaluating layer under
     ``torch.export``), or differentiated by a ``torch.func`` transform or in forward mode."""
-    # The queries themselves, not the helpers above: asked in every call, each helper's call
-    # costs more than its query.
-    return (_functorch_level() is not None or getattr(forward_ad, "_current_level", -1) >= 0
-            or torch.jit.is_tracing() or (not training and torch.compiler.is_exporting()))
+    return (_compat.functorch_transform_active() or in_forward_ad() or torch.jit.is_tracing()
+            or (not training and torch.compiler.is_exporting()))
 
 
 def refuse_training_trace(label: str) -> None:

@@ -181,14 +181,15 @@ def test_single_replica_steps_match_batchnorm(activation, channels, momentum, st
 def test_the_watch_reads_flags_of_any_dtype_and_layout(flags, dtype, step):
     """``AsideWatch`` reads offered flags as bytes where they lie: flags a backend hands it
     in another dtype (a wider int, float) or strided are read as what they say, not as their
-    raw bytes (the channels kept aside are the nonzero flags, and only those)."""
+    raw bytes (the channels kept aside are the nonzero flags, and only those); from one call
+    to the next, flags of another length too (its reader is kept per length)."""
     from encoding_syncbn.aside import AsideWatch
 
-    padded = torch.zeros(len(flags) * step, dtype=torch.int64)
-    padded[::step] = torch.tensor(flags)
-    offered = padded.to(dtype)[::step]
-    weight = torch.ones(len(flags))
     watch = AsideWatch()
-    watch.offer(offered)
-    assert watch.channels(weight, torch.zeros_like(weight)) == tuple(
-        i for i, flag in enumerate(flags) if flag)
+    for offered_flags in (flags, flags[::-1], flags[1:] or flags):
+        padded = torch.zeros(len(offered_flags) * step, dtype=torch.int64)
+        padded[::step] = torch.tensor(offered_flags)
+        offered = padded.to(dtype)[::step]
+        weight = torch.ones(len(offered_flags))
+        assert watch.channels(weight, torch.zeros_like(weight), flags=offered) == tuple(
+            i for i, flag in enumerate(offered_flags) if flag)
