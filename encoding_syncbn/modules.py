@@ -332,6 +332,9 @@ class SyncBatchNorm(_BatchNorm):
         to the backend: contiguous, in x's statistics dtype, ones and zeros where there are
         none."""
         dtype = torch_ops.stats_dtype(x.dtype)
+        if (weight is not None and bias is not None and weight.dtype == dtype == bias.dtype
+                and weight.is_contiguous() and bias.is_contiguous()):
+            return weight, bias  # the usual parameters, as they are (``channel_vector``'s test)
         weight = (
             channel_vector(weight, dtype)
             if weight is not None

@@ -47,6 +47,37 @@ def test_torch_backend_works_without_triton():
     torch.testing.assert_close(layer(x.clone()), expected)
 
 
+@pytest.mark.usefixtures("broken_triton")
+def test_asking_for_broken_triton_says_why_at_the_call(monkeypatch):
+    """``ENCODING_SYNCBN_BACKEND=triton`` (set at import, never loaded) where Triton fails to
+    import: the layer's call says why, rather than falling back."""
+    monkeypatch.setattr(kernels, "_backend", "triton")
+    layer = encoding_syncbn.SyncBatchNorm(3, activation="leaky_relu")
+    with pytest.raises(RuntimeError, match=r"triton cannot be imported: AttributeError: .*knobs"):
+        layer(torch.randn(4, 3, 5) * 1)
+
+
+def test_triton_on_cpu_without_its_interpreter_says_what_to_do(monkeypatch):
+    """Triton asked for, a CPU tensor, kernels compiled for GPUs (not interpreted): an error
+    naming the device and the two ways out, not a kernel launch on host memory; a meta
+    tensor still reaches the ops."""
+    class CompiledKernels:
+        INTERPRET = False
+
+        @staticmethod
+        def backend_for(x):
+            assert x.is_meta, "no kernel may run on a CPU tensor"
+            return "the ops' fake implementations"
+
+    monkeypatch.setattr(kernels, "_triton_ops", CompiledKernels)
+    monkeypatch.setattr(kernels, "_backend", "triton")
+    with pytest.raises(RuntimeError, match=r"runs on CUDA tensors, got a cpu tensor.*"
+                                           r"TRITON_INTERPRET=1.*set_backend\('torch'\)"):
+        kernels.ops_for(torch.ones(2, 3))
+    # A meta tensor (shapes only) goes to the ops, whose fake implementations compute none.
+    assert kernels.ops_for(torch.ones(2, 3, device="meta")) == "the ops' fake implementations"
+
+
 class _Counting:
     """A test double: the torch backend, counting the calls of each op."""
 

@@ -768,6 +768,43 @@ def test_options_assigned_later_are_used():
         assert_close(leaf.grad, expected_dx, what=f"input grad at slope {slope}")
 
 
+_ASSIGNMENTS = [("slope", 0.3), ("slope", 0.05), ("slope", 0.0), ("activation", "elu"),
+                ("activation", "leaky_relu"), ("activation", "identity"), ("activation", "silu"),
+                ("inplace", False), ("inplace", True)]
+
+
+@settings(max_examples=30, deadline=None)
+@given(assignments=st.lists(st.sampled_from(_ASSIGNMENTS), min_size=1, max_size=6),
+       pickled=st.booleans())
+def test_any_assignments_compute_as_a_layer_built_with_them(assignments, pickled):
+    """The configuration a layer computes with is made when its options are assigned: after
+    any sequence of assignments (the refused ones leave it as it was), and a pickle round
+    trip, the layer computes what a layer constructed with its options computes."""
+    import pickle
+
+    layer = make_layer("leaky_relu")
+    for name, value in assignments:
+        try:
+            setattr(layer, name, value)
+        except (ValueError, TypeError):
+            pass
+    if pickled:
+        layer = pickle.loads(pickle.dumps(layer))
+    built = SyncBatchNorm(C, activation=layer.activation, slope=layer.slope,
+                          inplace=layer.inplace).double()
+    built.load_state_dict(layer.state_dict())
+    x = torch.randn(6, C, 3, dtype=torch.float64)
+    grad = torch.randn_like(x)
+    outputs = []
+    for module in (layer, built):
+        leaf = x.clone().requires_grad_()
+        out = module(leaf * 1)
+        out.backward(grad)
+        outputs.append((out.detach(), leaf.grad, module.weight.grad))
+    for got, want in zip(*outputs):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 def test_non_tensor_input_is_refused_by_name():
     layer = make_layer("leaky_relu")
     with pytest.raises(TypeError, match=r"SyncBatchNorm\(4\) at 0x.*expected a torch.Tensor, got "
