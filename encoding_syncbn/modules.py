@@ -161,8 +161,7 @@ class SyncBatchNorm(_BatchNorm):
                                            options["inplace"], self._compute_dtype())
         super().__setattr__(name, value)
         if name in _CONFIG_SOURCES and "_aside" in self.__dict__:  # "_aside": set up
-            # Made here, not in each call (a NamedTuple and five reads: ~3 us a call in the
-            # host harness).
+            # Made here, not in each call (a NamedTuple and five reads a call otherwise).
             self._config = ActConfig(self.activation, self.slope, self.inplace, self._aside,
                                      self._label_text)
 
