@@ -349,7 +349,7 @@ class BatchNormAct(torch.autograd.Function):
                                                     sum_dz_xhat)
             _exact_aside_dx(grad_input, saved, grad_output, config, params,
                             BatchSums(sum_dz, sum_dz_xhat, ctx.count))
-        return (grad_input, sum_dz_xhat if needs[1] else None, sum_dz if needs[2] else None,
+        return (grad_input, *_param_grads(needs[1], needs[2], sum_dz, sum_dz_xhat),
                 None, None, None, None, None)
 
 

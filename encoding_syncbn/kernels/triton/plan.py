@@ -61,9 +61,11 @@ _INTERPRET_PROGRAMS = 16
 # CUDA limits grid axis 1 to 65535; splits beyond that take more tiles each instead.
 _MAX_SPLITS = 65535
 _INT32_MAX = 2**31 - 1
-# The partial-merge kernels: [_MERGE_ROWS splits, _MERGE_CHANNELS channels] per step.
+# The partial-merge kernels: [_MERGE_ROWS splits, _MERGE_CHANNELS channels] per step (one
+# dict for every launch: launches only read their constexprs).
 _MERGE_ROWS = 16
 _MERGE_CHANNELS = 64
+_MERGE_CONSTEXPRS = {"BLOCK_P": _MERGE_ROWS, "BLOCK_C": _MERGE_CHANNELS}
 
 
 class Tile(NamedTuple):
@@ -337,7 +339,7 @@ def _merge_launch(kernel: object, partials: tuple, splits: int, c: int,
     """A merge kernel's launch: ``partials`` (its arguments addressing the [splits, C] partial
     results) merged into ``outputs``."""
     return Launch(kernel, (_cdiv(c, _MERGE_CHANNELS), 1), (*partials, *outputs, c, splits),
-                  {"BLOCK_P": _MERGE_ROWS, "BLOCK_C": _MERGE_CHANNELS}, _NUM_WARPS)
+                  _MERGE_CONSTEXPRS, _NUM_WARPS)
 
 
 def _kernel_activation(activation: str, slope: float, saved_is_output: bool = False
