@@ -222,9 +222,9 @@ def _steps(layers, links, make_input, dy, iters):
     return fwd / iters, bwd / iters
 
 
-def measure(triton_ops, shape, dtype, channels_last, iters, repeats, stack):
-    """Per shape: ours and the floor, one layer and ``stack`` chained, in turns; the part in
-    the backend's ops; launches and ATen ops per call."""
+def plan_without_launching(triton_ops) -> list[int]:
+    """Make the Triton backend plan for an H100 and launch nothing; returns the launch count
+    (one element, incremented by the launches each op would make)."""
     from encoding_syncbn.kernels.triton.finalize_stats import _finalize_stats_kernel
     from encoding_syncbn.kernels.triton.plan import Target
 
@@ -240,6 +240,13 @@ def measure(triton_ops, shape, dtype, channels_last, iters, repeats, stack):
     triton_ops._run = no_launch
     h100 = Target(False, H100_SMS)
     triton_ops._target = lambda device: h100  # the real one is memoised per device
+    return launches
+
+
+def measure(triton_ops, shape, dtype, channels_last, iters, repeats, stack):
+    """Per shape: ours and the floor, one layer and ``stack`` chained, in turns; the part in
+    the backend's ops; launches and ATen ops per call."""
+    launches = plan_without_launching(triton_ops)
     channels = shape[1]
     fmt = torch.channels_last if channels_last else torch.contiguous_format
     like = torch.empty(shape, dtype=dtype, requires_grad=True)
