@@ -136,7 +136,7 @@ def ops_for(x: torch.Tensor) -> Backend:
         return reference_ops()
     if name != "triton":
         return _registered[name]
-    triton_ops = _triton_ops if _triton_ops is not None else _load_triton()
+    triton_ops = _load_triton()
     # Where the kernels imported, they know whether they are interpreted (no environment read).
     if triton_ops is not None and (x.is_cuda or triton_ops.INTERPRET or x.is_meta):
         return triton_ops.backend_for(x)  # meta: the ops' fake implementations
