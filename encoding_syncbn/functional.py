@@ -46,7 +46,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from . import _compat, activations, stats
-from .aside import AsideWatch, aside_index
+from .aside import AsideWatch, aside_index, channel_index
 from .kernels import (
     Backend,
     BatchSums,
@@ -622,11 +622,16 @@ def batch_norm_act(
     with _compat.no_grad():
         check = watch.check_for(weight, bias, refresh) if watch is not None else None
         mean, invstd, small = backend.batch_stats(x, eps, running, check)
-    known = config.aside if watch is None else watch.channels(weight, bias, refresh, small)
-    aside = aside_index(weight, bias, config.inplace, known)
-    out = _compat.apply_function(BatchNormAct, x, weight, bias, (mean, invstd, count), config,
-                                 aside, eps, backend)
-    return _written_back(x, out, config)
+    if watch is None:
+        aside = aside_index(weight, bias, config.inplace, config.aside)
+        out = _compat.apply_function(BatchNormAct, x, weight, bias, (mean, invstd, count),
+                                     config, aside, eps, backend)
+        return _written_back(x, out, config)
+    # Eager and in place: the channels are host ints now, and the Function overwrites x.
+    known = watch.channels(weight, bias, refresh, small)
+    aside = channel_index(known, weight.device) if known else None
+    return _compat.apply_function(BatchNormAct, x, weight, bias, (mean, invstd, count), config,
+                                  aside, eps, backend)
 
 
 def synced_batch_norm_act(

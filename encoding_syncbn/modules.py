@@ -313,7 +313,9 @@ class SyncBatchNorm(_BatchNorm):
         """``(weight, bias)`` as registered, read once a call (a parametrized weight is
         computed at each read), as ``_registered`` reads them."""
         parameters = self._parameters
-        return self._registered(parameters, "weight"), self._registered(parameters, "bias")
+        weight, bias = parameters.get("weight", _ABSENT), parameters.get("bias", _ABSENT)
+        return (self.weight if weight is _ABSENT else weight,
+                self.bias if bias is _ABSENT else bias)
 
     def _registered(self, table: dict[str, Any], name: str) -> Any:
         """The parameter or buffer ``name`` from ``table`` (``_parameters`` or ``_buffers``):
@@ -329,6 +331,9 @@ class SyncBatchNorm(_BatchNorm):
         to the backend: contiguous, in x's statistics dtype, ones and zeros where there are
         none."""
         dtype = torch_ops.stats_dtype(x.dtype)
+        if (weight is not None and bias is not None and weight.dtype == dtype == bias.dtype
+                and weight.is_contiguous() and bias.is_contiguous()):
+            return weight, bias  # the usual parameters, as they are (``channel_vector``'s test)
         weight = (
             channel_vector(weight, dtype)
             if weight is not None
@@ -429,12 +434,16 @@ class SyncBatchNorm(_BatchNorm):
 
     def _running(self) -> RunningStats | None:
         """The running statistics a training call updates (None: not tracked)."""
-        buffers = self._buffers
-        running_mean = self._registered(buffers, "running_mean")
-        if not self.track_running_stats or running_mean is None:
+        if not self.track_running_stats:
             return None
-        return RunningStats(running_mean, self._registered(buffers, "running_var"),
-                            self._registered(buffers, "num_batches_tracked"), self.momentum)
+        buffers = self._buffers  # read as ``_registered`` reads them, without its calls
+        mean = buffers.get("running_mean", _ABSENT)
+        var = buffers.get("running_var", _ABSENT)
+        batches = buffers.get("num_batches_tracked", _ABSENT)
+        if mean is _ABSENT or var is _ABSENT or batches is _ABSENT:
+            mean, var, batches = (self._registered(buffers, name) for name in
+                                  ("running_mean", "running_var", "num_batches_tracked"))
+        return None if mean is None else RunningStats(mean, var, batches, self.momentum)
 
     @classmethod
     def convert_sync_batchnorm(cls, module: torch.nn.Module, process_group: Any = None):
