@@ -53,7 +53,7 @@ def main() -> int:
         for label, config in CONFIGS.items():
             for name, value in {**shipped, **config}.items():
                 setattr(plan, name, value)
-            plan._plan_op_memo.cache_clear()
+            plan.clear_memos()
             us = [round(_time(fn, args.repeats) * 1e6, 1) for fn in ops.values()]
             rows.append([f"{shape} {str(dtype)[6:]} {layout}", label, *us, round(sum(us), 1)])
             print(" | ".join(map(str, rows[-1])), flush=True)

@@ -619,9 +619,8 @@ def batch_norm_act(
     backend = ops_for(x)
     if count is None:
         count = x.numel() // x.shape[1]
-    with _compat.no_grad():
-        check = watch.check_for(weight, bias, refresh) if watch is not None else None
-        mean, invstd, small = backend.batch_stats(x, eps, running, check)
+    check = watch.check_for(weight, bias, refresh) if watch is not None else None
+    mean, invstd, small = backend.batch_stats(x, eps, running, check)
     if watch is None:
         aside = aside_index(weight, bias, config.inplace, config.aside)
         out = _compat.apply_function(BatchNormAct, x, weight, bias, (mean, invstd, count),
@@ -630,8 +629,8 @@ def batch_norm_act(
     # Eager and in place: the channels are host ints now, and the Function overwrites x.
     known = watch.channels(weight, bias, refresh, small)
     aside = channel_index(known, weight.device) if known else None
-    return _compat.apply_function(BatchNormAct, x, weight, bias, (mean, invstd, count), config,
-                                  aside, eps, backend)
+    return _compat.apply_function_eagerly(BatchNormAct, x, weight, bias, (mean, invstd, count),
+                                          config, aside, eps, backend)
 
 
 def synced_batch_norm_act(

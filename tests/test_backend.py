@@ -129,3 +129,33 @@ def test_unknown_and_builtin_backend_names_are_refused():
         encoding_syncbn.set_backend("nope")
     with pytest.raises(ValueError, match="built-in backend name"):
         kernels.register_backend("torch", kernels.TORCH)
+
+
+@pytest.mark.parametrize("name", ["torch", "triton", "triton through the dispatcher"])
+def test_batch_stats_records_no_autograd_history(name):
+    """The layer asks for the statistics in grad mode, of an input that requires grad: no
+    backend may attach them to x's graph (the layer's backward differentiates through them
+    itself), and each updates the running statistics in place all the same."""
+    if name == "torch":
+        backend = kernels.TORCH
+    else:
+        if not kernels.triton_available():
+            pytest.skip("triton is not installed (it is an optional, Linux-only dependency)")
+        from encoding_syncbn.kernels.triton import ops as triton_ops
+        backend = triton_ops.DIRECT if name == "triton" else triton_ops.DISPATCHED
+    torch.manual_seed(0)
+    x = torch.randn(4, 3, 5, 5, dtype=torch.float64, requires_grad=True) * 2
+    weight, bias = torch.tensor([1.0, 1e-9, -2.0], dtype=torch.float64), torch.zeros(3).double()
+    running = kernels.RunningStats(torch.zeros(3).double(), torch.ones(3).double(),
+                                   torch.zeros((), dtype=torch.long), 0.5)
+    assert torch.is_grad_enabled()
+    mean, invstd, small = backend.batch_stats(x, 1e-5, running,
+                                              kernels.GammaCheck(weight, bias, 1e-3))
+    assert not (mean.requires_grad or invstd.requires_grad or small.requires_grad)
+    assert torch.is_grad_enabled()  # the mode the call found, restored
+    var, expected_mean = torch.var_mean(x.detach(), dim=(0, 2, 3), correction=0)
+    torch.testing.assert_close(mean, expected_mean)
+    torch.testing.assert_close(invstd, torch.rsqrt(var + 1e-5))
+    assert small.tolist() == [0, 1, 0]
+    torch.testing.assert_close(running.mean, expected_mean * 0.5)
+    assert running.batches.item() == 1

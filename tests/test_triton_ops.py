@@ -428,14 +428,21 @@ def test_backward_gpu_tile_shapes(monkeypatch):
     # The interpreter normally gets bigger tiles; run the GPU tile shapes too: several tiles and
     # several channel blocks per launch, partial blocks on both axes.
     monkeypatch.setattr(P, "_INTERPRET_TILE_ELEMS", P._GPU_TILE_ELEMS)
-    for shape, fmt in [((40, 3, 5, 13), "nchw"), ((3, 2, 41, 50), "nchw"),
-                       ((9, 70, 5, 7), "last"), ((30, 11, 9, 9), "last")]:
-        x = make_input(shape, torch.float64, fmt)
-        mean, m2, _ = T.channel_stats(x)
-        ref_mean, ref_m2, _ = reference_stats(x)
-        assert_close(mean, ref_mean, torch.float64)
-        assert_close(m2, ref_m2, torch.float64)
-        _check_backward(shape, fmt, torch.float64, "elu", True)
+    P.clear_memos()
+    try:
+        for shape, fmt in [((40, 3, 5, 13), "nchw"), ((3, 2, 41, 50), "nchw"),
+                           ((9, 70, 5, 7), "last"), ((30, 11, 9, 9), "last")]:
+            x = make_input(shape, torch.float64, fmt)
+            planned = P.plan_op(x, P._target(x.device), True).constexprs  # not a stale plan
+            assert planned["BLOCK_A"] * planned["BLOCK_B"] == P._GPU_TILE_ELEMS
+            mean, m2, _ = T.channel_stats(x)
+            ref_mean, ref_m2, _ = reference_stats(x)
+            assert_close(mean, ref_mean, torch.float64)
+            assert_close(m2, ref_m2, torch.float64)
+            _check_backward(shape, fmt, torch.float64, "elu", True)
+    finally:
+        monkeypatch.undo()
+        P.clear_memos()  # no plan for the GPU tiles left for the tests after this one
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

@@ -19,6 +19,10 @@ backend derives them: the Triton kernel does so per channel, with no ATen call o
 They are NamedTuples in the order of the flat ``torch_ops`` signatures, so an implementation
 over flat functions unpacks them with ``*``.
 
+``batch_stats`` records no autograd history (the statistics are no function of x autograd
+should see: the layer's backward differentiates through them itself), whatever the grad mode it
+is called under: a backend that computes them in differentiable ops does so without grad.
+
 Every per-channel vector a backend is handed (in ``NormParams``, ``DxCoefs``, ``BatchSums``,
 ``GammaCheck``) is a contiguous (C,) tensor in the statistics dtype: the caller makes it so
 once (:func:`channel_vector`), not every op at every call. ``RunningStats`` are the layer's own
@@ -33,6 +37,8 @@ from types import ModuleType
 from typing import NamedTuple, Protocol
 
 import torch
+
+from .. import _compat
 
 
 def channel_vector(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -156,7 +162,8 @@ class FunctionsBackend:
     def batch_stats(self, x: torch.Tensor, eps: float, running: RunningStats | None,
                     check: GammaCheck | None
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        return self._f.batch_stats(x, eps, *(running or NO_RUNNING), *(check or NO_CHECK))
+        with _compat.no_grad():
+            return self._f.batch_stats(x, eps, *(running or NO_RUNNING), *(check or NO_CHECK))
 
     def normalize_act(self, x: torch.Tensor, params: NormParams,
                       out: torch.Tensor) -> torch.Tensor:

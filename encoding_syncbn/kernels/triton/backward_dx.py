@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import functools
+from typing import NamedTuple
 
 import torch
 import triton
@@ -18,9 +18,8 @@ from .plan import (
     _in_layout,
     _plan_op_memo,
     _prepare,
-    _tile_sizes,
     check_dtype,
-    memoised,
+    plan_memo,
     plan_op,
 )
 from .tiles import (
@@ -80,34 +79,40 @@ def _plan_backward_dx(saved: torch.Tensor, dy: torch.Tensor, mean: torch.Tensor,
     plan = plan_op(saved, target, False, tile, activation, slope, bool(saved_is_output))
     dx = _empty_dx(saved, not plan.copy)
     saved = _prepare(saved, plan)
-    dy = _in_layout(dy, saved, plan.geo.channels_last)
-    return [_dx_launch(plan, saved, dy, dx, (mean, invstd, weight, bias),
-                       (coef_dz, coef_xhat, coef_const), sums_count)], dx
-
-
-def _dx_launch(plan: OpPlan, saved: torch.Tensor, dy: torch.Tensor, dx: torch.Tensor,
-               params: tuple[torch.Tensor, ...], coefs: tuple[torch.Tensor, ...],
-               sums_count: int) -> Launch:
-    """The dx kernel's launch as ``plan`` plans it, on ``saved`` and ``dy`` as it launches on
-    them, into ``dx``; ``params``: (mean, invstd, weight, bias), ``coefs`` and ``sums_count``
-    as ``_plan_backward_dx``'s."""
+    dy = _in_layout(dy, saved.stride(), plan.geo.channels_last)
     from_sums = sums_count > 0
+    return [_dx_launch(plan, {**plan.constexprs, "FROM_SUMS": from_sums}, saved, dy, dx,
+                       (mean, invstd, weight, bias), (coef_dz, coef_xhat, coef_const),
+                       -1.0 / sums_count if from_sums else 0.0)], dx
+
+
+def _dx_launch(plan: OpPlan, constexprs: dict, saved: torch.Tensor, dy: torch.Tensor,
+               dx: torch.Tensor, params: tuple[torch.Tensor, ...],
+               coefs: tuple[torch.Tensor, ...], neg_inv_count: float) -> Launch:
+    """The dx kernel's launch as ``plan`` plans it (``constexprs``: the plan's and
+    ``FROM_SUMS``), on ``saved`` and ``dy`` as it launches on them, into ``dx``; ``params``:
+    (mean, invstd, weight, bias), ``coefs`` as ``_plan_backward_dx``'s, ``neg_inv_count``
+    ``-1 / sums_count`` from sums (else unread)."""
     return Launch(_backward_dx_kernel, plan.grid,
-                  (saved, dy, dx, *params, *coefs, -1.0 / sums_count if from_sums else 0.0,
-                   plan.slope, *plan.args),
-                  {**plan.constexprs, "FROM_SUMS": from_sums}, plan.num_warps)
+                  (saved, dy, dx, *params, *coefs, neg_inv_count, plan.slope, *plan.args),
+                  constexprs, plan.num_warps)
 
 
-@functools.lru_cache(maxsize=1024)
+class _BackwardPlans(NamedTuple):
+    reduce: OpPlan
+    dx: OpPlan
+    dx_constexprs: dict  # dx's, from the reduction's sums (FROM_SUMS)
+
+
+@plan_memo
 def _batch_backward_plans(sizes: tuple[int, ...], strides: tuple[int, ...], dtype: torch.dtype,
                           target: Target, tile: Tile | None, activation: str, slope: float,
-                          saved_is_output: bool, tile_sizes: tuple[int, int, int]
-                          ) -> tuple[OpPlan, OpPlan]:
+                          saved_is_output: bool) -> _BackwardPlans:
     """The reduction's and dx's plans, memoised together: one lookup a backward."""
     check_dtype(dtype)
-    return tuple(memoised(_plan_op_memo, sizes, strides, dtype, target, reduction, tile,
-                          activation, slope, saved_is_output, tile_sizes)
-                 for reduction in (True, False))
+    reduce, dx = (_plan_op_memo(sizes, strides, dtype, target, reduction, tile, activation,
+                                slope, saved_is_output) for reduction in (True, False))
+    return _BackwardPlans(reduce, dx, {**dx.constexprs, "FROM_SUMS": True})
 
 
 def _plan_batch_backward(saved: torch.Tensor, dy: torch.Tensor, mean: torch.Tensor,
@@ -117,14 +122,16 @@ def _plan_batch_backward(saved: torch.Tensor, dy: torch.Tensor, mean: torch.Tens
                          ) -> tuple[list[Launch], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """``batch_backward``: the reduction, then dx from its sums (``FROM_SUMS``, ``count``
     elements a channel), planned by one lookup; ``(dx, sum_dz, sum_dz_xhat)``."""
-    reduce, dx_plan = memoised(_batch_backward_plans, saved.shape, saved.stride(), saved.dtype,
-                               target, tile, activation, slope, bool(saved_is_output),
-                               _tile_sizes())
+    strides = saved.stride()
+    reduce, dx_plan, dx_constexprs = _batch_backward_plans(
+        saved.shape, strides, saved.dtype, target, tile, activation, slope, bool(saved_is_output))
     dx = _empty_dx(saved, not reduce.copy)
-    saved = _prepare(saved, reduce)
-    dy = _in_layout(dy, saved, reduce.geo.channels_last)
+    if reduce.copy:
+        saved = saved.contiguous()
+        strides = saved.stride()
+    dy = _in_layout(dy, strides, reduce.geo.channels_last)
     params = (mean, invstd, weight, bias)
     launches, (sum_dz, sum_dz_xhat) = _reduce_launches(reduce, saved, dy, *params)
-    launches.append(_dx_launch(dx_plan, saved, dy, dx, params, (weight, sum_dz_xhat, sum_dz),
-                               count))
+    launches.append(_dx_launch(dx_plan, dx_constexprs, saved, dy, dx, params,
+                               (weight, sum_dz_xhat, sum_dz), -1.0 / count))
     return launches, (dx, sum_dz, sum_dz_xhat)

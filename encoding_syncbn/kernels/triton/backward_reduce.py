@@ -81,7 +81,7 @@ def _plan_backward_reduce(saved: torch.Tensor, dy: torch.Tensor, mean: torch.Ten
                           ) -> tuple[list[Launch], tuple[torch.Tensor, torch.Tensor]]:
     plan = plan_op(saved, target, True, tile, activation, slope, bool(saved_is_output))
     saved = _prepare(saved, plan)
-    dy = _in_layout(dy, saved, plan.geo.channels_last)
+    dy = _in_layout(dy, saved.stride(), plan.geo.channels_last)
     return _reduce_launches(plan, saved, dy, mean, invstd, weight, bias)
 
 

@@ -10,7 +10,6 @@ statistics are two launches (``batch_stats``).
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import torch
@@ -28,9 +27,8 @@ from .plan import (
     Tile,
     _plan_op_memo,
     _prepare,
-    _tile_sizes,
     check_dtype,
-    memoised,
+    plan_memo,
 )
 
 # Channels per program (per step of the single program of a cumulative average). Merging the
@@ -154,7 +152,7 @@ class _FinalizePlan(NamedTuple):
     flags: int  # the small-gamma flags it writes: C with the check, else none
 
 
-@functools.lru_cache(maxsize=256)
+@plan_memo
 def _finalize_plan(acc: torch.dtype, splits: int, c: int, count: int, eps: float,
                    running_dtype: torch.dtype | None, has_counter: bool, momentum: float | None,
                    check: bool, gamma_limit: float) -> _FinalizePlan:
@@ -213,16 +211,15 @@ def _plan_finalize_stats(part: torch.Tensor, count: int, eps: float,
     return _finalize_launch(plan, part, running_mean, running_var, batches, weight, bias)
 
 
-@functools.lru_cache(maxsize=1024)
+@plan_memo
 def _batch_stats_plan(sizes: tuple[int, ...], strides: tuple[int, ...], dtype: torch.dtype,
                       target: Target, tile: Tile | None, eps: float,
                       running_dtype: torch.dtype | None, has_counter: bool,
-                      momentum: float | None, check: bool, gamma_limit: float,
-                      tile_sizes: tuple[int, int, int]) -> tuple[OpPlan, _FinalizePlan]:
+                      momentum: float | None, check: bool, gamma_limit: float
+                      ) -> tuple[OpPlan, _FinalizePlan]:
     """Both launches' plans, memoised together: one lookup a call."""
     check_dtype(dtype)
-    stats = memoised(_plan_op_memo, sizes, strides, dtype, target, True, tile, None, 0.0, None,
-                     tile_sizes)
+    stats = _plan_op_memo(sizes, strides, dtype, target, True, tile, None, 0.0, None)
     geo = stats.geo
     return stats, _finalize_plan(stats.acc, stats.grid[1], geo.c, geo.n * geo.s, eps,
                                  running_dtype, has_counter, momentum, check, gamma_limit)
@@ -236,10 +233,10 @@ def _plan_batch_stats(x: torch.Tensor, eps: float, running_mean: torch.Tensor | 
                       ) -> tuple[list[Launch], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """``batch_stats``: the statistics kernel, then the finalising one over its partials; two
     launches whatever the split."""
-    stats, finalize = memoised(
-        _batch_stats_plan, x.shape, x.stride(), x.dtype, target, tile, eps,
+    stats, finalize = _batch_stats_plan(
+        x.shape, x.stride(), x.dtype, target, tile, eps,
         running_mean.dtype if running_mean is not None else None, batches is not None,
-        momentum, weight is not None, gamma_limit, _tile_sizes())
+        momentum, weight is not None, gamma_limit)
     x = _prepare(x, stats)
     part = x.new_empty(3 * finalize.scalars[0], dtype=stats.acc)  # planes of splits * C
     launch, result = _finalize_launch(finalize, part, running_mean, running_var, batches,

@@ -76,9 +76,10 @@ def _batch_stats_impl(x: torch.Tensor, eps: float, running_mean: torch.Tensor | 
                                                 and running_var.is_contiguous())
     if strided:  # the kernel writes contiguous vectors: strided buffers updated through copies
         running_mean, running_var = running_mean.contiguous(), running_var.contiguous()
+    device = x.device
     launches, result = _plan_batch_stats(x, eps, running_mean, running_var, batches, momentum,
-                                         weight, bias, gamma_limit, _target(x.device))
-    _run(launches, x.device)
+                                         weight, bias, gamma_limit, _target(device))
+    _run(launches, device)
     if strided:
         buffers[0].copy_(running_mean)
         buffers[1].copy_(running_var)
@@ -91,9 +92,10 @@ def _normalize_act_impl(x: torch.Tensor, mean: torch.Tensor, invstd: torch.Tenso
     if x.numel() == 0:
         _kernel_activation(activation, slope)
         return
+    device = x.device
     launches, dst = _plan_normalize_act(x, mean, invstd, weight, bias, activation, slope, out,
-                                        _target(x.device))
-    _run(launches, x.device)
+                                        _target(device))
+    _run(launches, device)
     if dst is not out:
         out.copy_(dst)
 
@@ -138,9 +140,10 @@ def _batch_backward_direct(saved: torch.Tensor, dy: torch.Tensor, params: NormPa
         sum_dz, sum_dz_xhat = _backward_reduce_impl(saved, dy, mean, invstd, weight, bias,
                                                     activation, slope, saved_is_output)
         return _empty_dx(saved, _geometry(saved) is not None), sum_dz, sum_dz_xhat
+    device = saved.device
     launches, result = _plan_batch_backward(saved, dy, mean, invstd, weight, bias, activation,
-                                            slope, saved_is_output, count, _target(saved.device))
-    _run(launches, saved.device)
+                                            slope, saved_is_output, count, _target(device))
+    _run(launches, device)
     return result
 
 
@@ -234,9 +237,15 @@ class TritonBackend:
                     check: GammaCheck | None
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """``(mean, invstd)`` of the batch, the running statistics folded in, and the
-        small-gamma flags (uint8) where ``check`` asks: two launches."""
-        mean, invstd, small = self._batch_stats(x, float(eps), *(running or NO_RUNNING),
-                                                *(check or NO_CHECK))
+        small-gamma flags (uint8) where ``check`` asks: two launches. The kernels record no
+        autograd history; the registered op is called without grad (it has no autograd
+        formula)."""
+        flat = (x, float(eps), *(running or NO_RUNNING), *(check or NO_CHECK))
+        if self._through_dispatcher:
+            with _compat.no_grad():
+                mean, invstd, small = self._batch_stats(*flat)
+        else:
+            mean, invstd, small = self._batch_stats(*flat)
         return mean, invstd, (small if check is not None else None)
 
     def normalize_act(self, x: torch.Tensor, params: NormParams,

@@ -199,10 +199,10 @@ def _to_last(x: torch.Tensor) -> torch.Tensor:
     return x.permute(0, *range(2, x.dim()), 1)
 
 
-def _in_layout(t: torch.Tensor, like: torch.Tensor, channels_last: bool) -> torch.Tensor:
-    """``t`` itself when it lies like the planned geometry (``like``: the tensor of that shape
-    the plan launches on, NCHW or ``channels_last`` dense), else one copy that does."""
-    if t.stride() == like.stride():  # the usual case, without a geometry lookup
+def _in_layout(t: torch.Tensor, strides: tuple[int, ...], channels_last: bool) -> torch.Tensor:
+    """``t`` itself when it lies like the planned geometry (``strides``: those of the tensor of
+    t's shape the plan launches on, NCHW or ``channels_last`` dense), else one copy that does."""
+    if t.stride() == strides:  # the usual case, without a geometry lookup
         return t
     geo = _geometry(t)
     if geo is not None and (geo.channels_last == channels_last or geo.s == 1):
@@ -269,12 +269,12 @@ def plan_op(x: torch.Tensor, target: Target, reduction: bool, tile: Tile | None 
     """The launch plan of an op on ``x``: input checks, geometry, tile, grid, constexprs.
 
     One dictionary lookup per call once an input geometry was seen: memoised by sizes, strides,
-    dtype, target and the op's choices (and the tile sizes: tests change them). ``activation``
-    None plans the statistics (no activation constexpr), ``saved_is_output`` None a forward.
+    dtype, target and the op's choices. ``activation`` None plans the statistics (no
+    activation constexpr), ``saved_is_output`` None a forward.
     """
     check_dtype(x.dtype)
-    return memoised(_plan_op_memo, x.shape, x.stride(), x.dtype, target, reduction, tile,
-                    activation, slope, saved_is_output, _tile_sizes())
+    return _plan_op_memo(x.shape, x.stride(), x.dtype, target, reduction, tile, activation,
+                         slope, saved_is_output)
 
 
 def check_dtype(dtype: torch.dtype) -> None:
@@ -283,25 +283,30 @@ def check_dtype(dtype: torch.dtype) -> None:
         raise TypeError(f"unsupported dtype {dtype}; expected one of {DTYPES}")
 
 
-def _tile_sizes() -> tuple[int, int, int]:
-    """The tile sizes in force, part of every memo key (tests change them)."""
-    return _INTERPRET_TILE_ELEMS, _GPU_TILE_ELEMS, _GPU_TILE_ELEMS_FP64
+_MEMOS: list[functools._lru_cache_wrapper] = []
 
 
-def memoised(planner, *key):
-    """``planner(*key)`` from its ``functools.lru_cache``; computed afresh where the key cannot
-    be hashed (symbolic sizes: fake tensors while tracing)."""
-    try:
-        return planner(*key)
-    except TypeError:
-        return planner.__wrapped__(*key)
+def plan_memo(planner):
+    """``functools.lru_cache`` for a planner of host ints: its answers depend on the planning
+    constants of this module too (tile sizes, warps, programs an SM), which tests and
+    ``benchmarks/plan_sweep.py`` change; :func:`clear_memos` forgets every such answer.
+    The planners run on real tensors' sizes only: traced calls (fake tensors, symbolic sizes)
+    take the registered ops' fake implementations."""
+    memo = functools.lru_cache(maxsize=1024)(planner)
+    _MEMOS.append(memo)
+    return memo
 
 
-@functools.lru_cache(maxsize=1024)
+def clear_memos() -> None:
+    """Forget every memoised plan (after changing a planning constant)."""
+    for memo in _MEMOS:
+        memo.cache_clear()
+
+
+@plan_memo
 def _plan_op_memo(sizes: tuple[int, ...], strides: tuple[int, ...], dtype: torch.dtype,
                   target: Target, reduction: bool, tile: Tile | None, activation: str | None,
-                  slope: float, saved_is_output: bool | None, _tile_sizes: tuple[int, int, int]
-                  ) -> OpPlan:
+                  slope: float, saved_is_output: bool | None) -> OpPlan:
     if len(sizes) < 2:
         raise ValueError(f"expected an (N, C, *) input, got shape {sizes}")
     constexprs = {}
