@@ -93,15 +93,16 @@ _functorch_level: Callable[[], int | None] = getattr(
     torch._C._functorch, "maybe_current_level", lambda: None)
 
 
-def functorch_transform_active() -> bool:
-    """Whether a ``torch.func`` transform (grad, vjp, jvp, vmap, ...) is running.
+def functorch_transform_active(compiling: bool) -> bool:
+    """Whether a ``torch.func`` transform (grad, vjp, jvp, vmap, ...) is running;
+    ``compiling``: ``torch.compiler.is_compiling()``, as the caller asked it.
 
     Eagerly by the dispatch-key query: ``maybe_current_level`` creates this thread's functorch
     state on first use, which every later ``backward()`` then copies with the thread's state
     (some 8,700 instructions a layer call in the host harness, counted under cachegrind, and a
     cost to every other backward of the program). While compiling by the level, which Dynamo
     traces."""
-    if torch.compiler.is_compiling():
+    if compiling:
         return _functorch_level() is not None
     return _transforms_active()
 
@@ -140,9 +141,9 @@ def _unwrap_dead() -> Callable[[torch.Tensor], torch.Tensor]:
 
 def unwrap_if_dead(x: torch.Tensor) -> torch.Tensor:
     """``x``, or the plain tensor inside it where ``x`` is a tensor a finished ``torch.func``
-    transform left wrapped (which the kernels cannot read: no storage). Not while compiling
-    (Dynamo's tensors are never such wrappers)."""
-    return x if torch.compiler.is_compiling() else _unwrap_dead()(x)
+    transform left wrapped (which the kernels cannot read: no storage). Eagerly only (Dynamo
+    cannot trace it; its tensors are never such wrappers)."""
+    return _unwrap_dead()(x)
 
 
 # torch.compile of an in-place layer (its result copied over its input inside the graph):

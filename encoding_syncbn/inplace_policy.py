@@ -63,12 +63,13 @@ _RESTRICTED_VIEWS = {
 }
 
 
-def can_overwrite(x: torch.Tensor, warned: list[bool]) -> bool:
+def can_overwrite(x: torch.Tensor, warned: list[bool], compiling: bool) -> bool:
     """Whether ``x`` may be overwritten by a custom Function; if not, warn unless ``warned[0]``
-    (the layer's flag: once per layer) or while compiling."""
+    (the layer's flag: once per layer) or while compiling (``compiling``:
+    ``torch.compiler.is_compiling()``, as the caller asked it)."""
     # The usual input first, in the fewest checks: eagerly (Dynamo cannot trace _is_view), a
     # fresh non-leaf tensor, dense (no two elements share memory), outside inference mode.
-    if (not torch.compiler.is_compiling() and not x._is_view()
+    if (not compiling and not x._is_view()
             and not (x.requires_grad and x.is_leaf)
             and (x.is_contiguous() or x.is_contiguous(memory_format=torch.channels_last))
             and not x.is_inference()):
@@ -76,7 +77,7 @@ def can_overwrite(x: torch.Tensor, warned: list[bool]) -> bool:
     reason = None
     if x.requires_grad and x.is_leaf:
         reason = "a leaf tensor that requires grad"
-    elif torch.compiler.is_compiling():
+    elif compiling:
         # Dynamo cannot inspect view provenance; the traced graph is functionalised. Out of
         # place without a warning where torch cannot compile it in place (a warning inside
         # the traced code would break the graph): the results are the same.

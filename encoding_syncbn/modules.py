@@ -251,7 +251,9 @@ class SyncBatchNorm(_BatchNorm):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if not isinstance(input, torch.Tensor) and tracing.is_fx_proxy(input):
             return tracing.fx_leaf_call(self, self._label(), input)
-        if tracing.in_aten_ops(self.training):
+        # Asked once a call (~1,600 instructions a question) and handed to the checks below.
+        compiling = torch.compiler.is_compiling()
+        if tracing.in_aten_ops(self.training, compiling):
             return self._forward_in_aten_ops(input)
         slot = self._replica_slot
         if slot is not None:
@@ -263,14 +265,15 @@ class SyncBatchNorm(_BatchNorm):
             if (dim < 2 or input.shape[1] != self.num_features
                     or input.dtype not in torch_ops.INPUT_DTYPES):
                 self._check_input(input)  # raises, saying what is wrong
-            input = _compat.unwrap_if_dead(input)
+            if not compiling:  # Dynamo's tensors are never such wrappers
+                input = _compat.unwrap_if_dead(input)
             self._last_input_dim[0] = dim
             if self.inplace and inplace_check.checking():
                 inplace_check.before_write(input, self._label())
-                out = self._forward(input, slot)
+                out = self._forward(input, slot, compiling)
                 # ``out is input``: written in place (not a fallback out of place).
                 return inplace_check.after_write(input, out, self._label()) if out is input else out
-            return self._forward(input, slot)
+            return self._forward(input, slot, compiling)
         except BaseException as error:
             if slot is not None:
                 slot.group.fail(slot.rank, error)
@@ -346,47 +349,51 @@ class SyncBatchNorm(_BatchNorm):
         )
         return weight, bias
 
-    def _act_config(self, x: torch.Tensor) -> ActConfig:
+    def _act_config(self, x: torch.Tensor, compiling: bool) -> ActConfig:
         """The activation, and whether and around which channels it runs in place (those
         found at ``replicate()``; None: not known yet, see ``_watching``): the layer's
         configuration, out of place where ``x`` cannot be overwritten. (Without a weight
         gamma is 1: the watch and ``small_gamma_channels`` find no channel to keep aside.)"""
         config = self._config
-        if config.inplace and not inplace_policy.can_overwrite(x, self._warned_out_of_place):
+        if config.inplace and not inplace_policy.can_overwrite(x, self._warned_out_of_place,
+                                                               compiling):
             return config._replace(inplace=False)
         return config
 
-    def _watching(self, config: ActConfig) -> AsideWatch | None:
+    def _watching(self, config: ActConfig, compiling: bool) -> AsideWatch | None:
         """The watch that finds the channels kept aside, where ``config`` does not know them
         (while compiling, ``aside.aside_index`` finds them in the graph)."""
-        if config.inplace and config.aside is None and not torch.compiler.is_compiling():
+        if config.inplace and config.aside is None and not compiling:
             return self._aside_watch
         return None
 
-    def _with_aside(self, config: ActConfig, refresh: bool, weight: torch.Tensor | None,
-                    bias: torch.Tensor | None) -> ActConfig:
+    def _with_aside(self, config: ActConfig, compiling: bool, refresh: bool,
+                    weight: torch.Tensor | None, bias: torch.Tensor | None) -> ActConfig:
         """``config`` with the channels kept aside known, chosen by the layer's ``weight`` and
         ``bias``; ``refresh=False`` (a checkpoint's recompute): those of the original call."""
-        watch = self._watching(config)
+        watch = self._watching(config, compiling)
         if watch is None:
             return config
         return config.with_aside(watch.channels(weight, bias, refresh=refresh))
 
-    def _forward(self, x: torch.Tensor, slot: ReplicaSlot | None) -> torch.Tensor:
+    def _forward(self, x: torch.Tensor, slot: ReplicaSlot | None, compiling: bool
+                 ) -> torch.Tensor:
         """The dispatch: evaluation with running statistics, training synced, training alone
-        (one replica, or ``sync=False``)."""
+        (one replica, or ``sync=False``); ``compiling``: whether torch.compile traces the
+        call."""
         params = self._parameter_pair()
         weight, bias = self._affine_params(*params, x)
-        config = self._act_config(x)
+        config = self._act_config(x, compiling)
         if not self.training and self._registered(self._buffers, "running_mean") is not None:
-            return self._forward_running(x, weight, bias, self._with_aside(config, True, *params))
+            return self._forward_running(x, weight, bias,
+                                         self._with_aside(config, compiling, True, *params))
         # Batch statistics: training, or evaluation without running ones. Asked only here:
         # evaluation with running statistics never asks autograd (its private API untouched).
-        recomputing = recompute.inside_backward()
+        recomputing = recompute.inside_backward(compiling)
         refresh = not (self.training and recomputing)
         running = self._running() if self.training and not recomputing else None
         if self.sync and ((slot is not None and slot.group.size > 1) or self._syncs_processes()):
-            config = self._with_aside(config, refresh, *params)
+            config = self._with_aside(config, compiling, refresh, *params)
             if recomputing:
                 return self._recompute_cache.replay(x, weight, bias, config)
             return self._forward_synced(x, slot, weight, bias, config, running)
@@ -397,7 +404,7 @@ class SyncBatchNorm(_BatchNorm):
             # Empty, and attached to the parameters (zero gradients) as nn.BatchNorm's result.
             return torch.nn.functional.batch_norm(x, None, None, weight, bias, True, 0.0, self.eps)
         return batch_norm_act(x, weight, bias, self.eps, config, running,
-                              self._watching(config), refresh, count)
+                              self._watching(config, compiling), refresh, count)
 
     def _forward_running(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
                          config: ActConfig) -> torch.Tensor:

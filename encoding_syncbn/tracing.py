@@ -64,13 +64,14 @@ def in_forward_ad() -> bool:
     return getattr(forward_ad, "_current_level", -1) >= 0
 
 
-def in_aten_ops(training: bool) -> bool:
+def in_aten_ops(training: bool, compiling: bool) -> bool:
     """Whether the layer computes in ATen ops, its kernels' formula
     (``functional.norm_act_composite``): its call is being captured for a program that must
     run without this package (``torch.jit.trace``, or an evaluating layer under
-    ``torch.export``), or differentiated by a ``torch.func`` transform or in forward mode."""
-    return (_compat.functorch_transform_active() or in_forward_ad() or torch.jit.is_tracing()
-            or (not training and torch.compiler.is_exporting()))
+    ``torch.export``), or differentiated by a ``torch.func`` transform or in forward mode.
+    ``compiling``: ``torch.compiler.is_compiling()``, as the caller asked it."""
+    return (_compat.functorch_transform_active(compiling) or in_forward_ad()
+            or torch.jit.is_tracing() or (not training and torch.compiler.is_exporting()))
 
 
 def refuse_training_trace(label: str) -> None:
