@@ -130,13 +130,16 @@ def ops_for(x: torch.Tensor) -> Backend:
     name = _backend
     if name == "torch":
         return reference_ops()
+    # The kernels' module once imported, without a call to ask for it.
+    triton_ops = _triton_ops
     if name == "auto":
-        if x.is_cuda and _load_triton() is not None:
+        if x.is_cuda and (triton_ops or _load_triton()) is not None:
             return _triton_ops.backend_for(x)
         return reference_ops()
     if name != "triton":
         return _registered[name]
-    triton_ops = _load_triton()
+    if triton_ops is None:
+        triton_ops = _load_triton()
     # Where the kernels imported, they know whether they are interpreted (no environment read).
     if triton_ops is not None and (x.is_cuda or triton_ops.INTERPRET or x.is_meta):
         return triton_ops.backend_for(x)  # meta: the ops' fake implementations

@@ -18,7 +18,6 @@ from .plan import (
     _in_layout,
     _plan_op_memo,
     _prepare,
-    check_dtype,
     plan_memo,
     plan_op,
 )
@@ -109,7 +108,6 @@ def _batch_backward_plans(sizes: tuple[int, ...], strides: tuple[int, ...], dtyp
                           target: Target, tile: Tile | None, activation: str, slope: float,
                           saved_is_output: bool) -> _BackwardPlans:
     """The reduction's and dx's plans, memoised together: one lookup a backward."""
-    check_dtype(dtype)
     reduce, dx = (_plan_op_memo(sizes, strides, dtype, target, reduction, tile, activation,
                                 slope, saved_is_output) for reduction in (True, False))
     return _BackwardPlans(reduce, dx, {**dx.constexprs, "FROM_SUMS": True})

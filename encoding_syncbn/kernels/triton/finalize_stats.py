@@ -27,7 +27,6 @@ from .plan import (
     Tile,
     _plan_op_memo,
     _prepare,
-    check_dtype,
     plan_memo,
 )
 
@@ -218,7 +217,6 @@ def _batch_stats_plan(sizes: tuple[int, ...], strides: tuple[int, ...], dtype: t
                       momentum: float | None, check: bool, gamma_limit: float
                       ) -> tuple[OpPlan, _FinalizePlan]:
     """Both launches' plans, memoised together: one lookup a call."""
-    check_dtype(dtype)
     stats = _plan_op_memo(sizes, strides, dtype, target, True, tile, None, 0.0, None)
     geo = stats.geo
     return stats, _finalize_plan(stats.acc, stats.grid[1], geo.c, geo.n * geo.s, eps,

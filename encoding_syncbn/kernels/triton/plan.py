@@ -272,7 +272,6 @@ def plan_op(x: torch.Tensor, target: Target, reduction: bool, tile: Tile | None 
     dtype, target and the op's choices. ``activation`` None plans the statistics (no
     activation constexpr), ``saved_is_output`` None a forward.
     """
-    check_dtype(x.dtype)
     return _plan_op_memo(x.shape, x.stride(), x.dtype, target, reduction, tile, activation,
                          slope, saved_is_output)
 
@@ -307,6 +306,7 @@ def clear_memos() -> None:
 def _plan_op_memo(sizes: tuple[int, ...], strides: tuple[int, ...], dtype: torch.dtype,
                   target: Target, reduction: bool, tile: Tile | None, activation: str | None,
                   slope: float, saved_is_output: bool | None) -> OpPlan:
+    check_dtype(dtype)  # an error is not memoised: asked again at every such call
     if len(sizes) < 2:
         raise ValueError(f"expected an (N, C, *) input, got shape {sizes}")
     constexprs = {}
