@@ -585,6 +585,36 @@ def test_empty_backward():
     assert T.backward_dx(x, x, *params, "leaky_relu", 0.1, True, *params[:3]).shape == x.shape
 
 
+
+@pytest.mark.parametrize("shape", [(0, 3, 4, 4), (2, 3, 0)])
+def test_empty_input_through_the_direct_ops(shape):
+    """An empty input plans no launch (its plan is None: no ``numel()`` asked first): the
+    direct ops answer as the torch backend does, fold the batch into the running statistics
+    as it does (strided buffers included), and still refuse an unknown activation (as the
+    kernels' ops always did)."""
+    from encoding_syncbn import kernels
+
+    x = torch.empty(shape, device=DEVICE)
+    mean, invstd, weight, bias = make_params(3, torch.float32)
+    results = {}
+    for name, backend in (("triton", T.DIRECT), ("torch", kernels.TORCH)):
+        running = kernels.RunningStats(torch.full((3, 2), 2.0, device=DEVICE)[:, 0],
+                                       torch.full((3,), 3.0, device=DEVICE),
+                                       torch.zeros((), dtype=torch.long, device=DEVICE), None)
+        stats = backend.batch_stats(x, 1e-5, running, kernels.GammaCheck(weight, bias, 0.01))
+        params = kernels.NormParams(mean, invstd, weight, bias, "leaky_relu", 0.1)
+        out = backend.normalize_act(x, params, torch.empty_like(x))
+        results[name] = (stats[0], stats[1], stats[2].bool(), out, *running[:3])
+    with pytest.raises(ValueError, match="unknown activation"):  # checked, though empty
+        T.DIRECT.normalize_act(x, params._replace(activation="swish"), x)
+    torch.testing.assert_close(results["triton"], results["torch"], rtol=0, atol=0,
+                               equal_nan=True)
+    # (No backward of an empty batch in the torch backend: the layer answers it itself.)
+    dx, sum_dz, sum_dz_xhat = T.DIRECT.batch_backward(x, x, params, True, 0)
+    assert dx.shape == x.shape
+    assert sum_dz.tolist() == sum_dz_xhat.tolist() == [0.0] * 3
+
+
 # ------------------------------------------------------------------------------------------
 # batch_stats: the statistics, then invstd, running statistics and small-gamma flags
 # ------------------------------------------------------------------------------------------

@@ -106,10 +106,13 @@ class _BackwardPlans(NamedTuple):
 @plan_memo
 def _batch_backward_plans(sizes: tuple[int, ...], strides: tuple[int, ...], dtype: torch.dtype,
                           target: Target, tile: Tile | None, activation: str, slope: float,
-                          saved_is_output: bool) -> _BackwardPlans:
-    """The reduction's and dx's plans, memoised together: one lookup a backward."""
+                          saved_is_output: bool) -> _BackwardPlans | None:
+    """The reduction's and dx's plans, memoised together: one lookup a backward (None: an
+    empty input)."""
     reduce, dx = (_plan_op_memo(sizes, strides, dtype, target, reduction, tile, activation,
                                 slope, saved_is_output) for reduction in (True, False))
+    if reduce is None:
+        return None
     return _BackwardPlans(reduce, dx, {**dx.constexprs, "FROM_SUMS": True})
 
 
@@ -117,12 +120,17 @@ def _plan_batch_backward(saved: torch.Tensor, dy: torch.Tensor, mean: torch.Tens
                          invstd: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
                          activation: str, slope: float, saved_is_output: bool, count: int,
                          target: Target, tile: Tile | None = None
-                         ) -> tuple[list[Launch], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+                         ) -> tuple[list[Launch], tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+                                    ] | None:
     """``batch_backward``: the reduction, then dx from its sums (``FROM_SUMS``, ``count``
-    elements a channel), planned by one lookup; ``(dx, sum_dz, sum_dz_xhat)``."""
+    elements a channel), planned by one lookup; ``(dx, sum_dz, sum_dz_xhat)`` (None: an empty
+    input, nothing to launch)."""
     strides = saved.stride()
-    reduce, dx_plan, dx_constexprs = _batch_backward_plans(
-        saved.shape, strides, saved.dtype, target, tile, activation, slope, bool(saved_is_output))
+    plans = _batch_backward_plans(saved.shape, strides, saved.dtype, target, tile, activation,
+                                  slope, bool(saved_is_output))
+    if plans is None:
+        return None
+    reduce, dx_plan, dx_constexprs = plans
     dx = _empty_dx(saved, not reduce.copy)
     if reduce.copy:
         saved = saved.contiguous()

@@ -215,9 +215,11 @@ def _batch_stats_plan(sizes: tuple[int, ...], strides: tuple[int, ...], dtype: t
                       target: Target, tile: Tile | None, eps: float,
                       running_dtype: torch.dtype | None, has_counter: bool,
                       momentum: float | None, check: bool, gamma_limit: float
-                      ) -> tuple[OpPlan, _FinalizePlan]:
-    """Both launches' plans, memoised together: one lookup a call."""
+                      ) -> tuple[OpPlan, _FinalizePlan] | None:
+    """Both launches' plans, memoised together: one lookup a call (None: an empty x)."""
     stats = _plan_op_memo(sizes, strides, dtype, target, True, tile, None, 0.0, None)
+    if stats is None:
+        return None
     geo = stats.geo
     return stats, _finalize_plan(stats.acc, stats.grid[1], geo.c, geo.n * geo.s, eps,
                                  running_dtype, has_counter, momentum, check, gamma_limit)
@@ -228,13 +230,17 @@ def _plan_batch_stats(x: torch.Tensor, eps: float, running_mean: torch.Tensor | 
                       momentum: float | None, weight: torch.Tensor | None,
                       bias: torch.Tensor | None, gamma_limit: float, target: Target,
                       tile: Tile | None = None
-                      ) -> tuple[list[Launch], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+                      ) -> tuple[list[Launch], tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+                                 ] | None:
     """``batch_stats``: the statistics kernel, then the finalising one over its partials; two
-    launches whatever the split."""
-    stats, finalize = _batch_stats_plan(
+    launches whatever the split (None: an empty x, nothing to launch)."""
+    plans = _batch_stats_plan(
         x.shape, x.stride(), x.dtype, target, tile, eps,
         running_mean.dtype if running_mean is not None else None, batches is not None,
         momentum, weight is not None, gamma_limit)
+    if plans is None:
+        return None
+    stats, finalize = plans
     x = _prepare(x, stats)
     part = x.new_empty(3 * finalize.scalars[0], dtype=stats.acc)  # planes of splits * C
     launch, result = _finalize_launch(finalize, part, running_mean, running_var, batches,

@@ -47,8 +47,11 @@ def _plan_normalize_act(x: torch.Tensor, mean: torch.Tensor, invstd: torch.Tenso
                         out: torch.Tensor, target: Target, tile: Tile | None = None
                         ) -> tuple[list[Launch], torch.Tensor]:
     """Plan into ``out`` when it lies like (the possibly copied) x, else into a temporary that
-    the caller copies to ``out`` (returned as the tensor the kernel writes)."""
+    the caller copies to ``out`` (returned as the tensor the kernel writes); an empty x: no
+    launch."""
     plan = plan_op(x, target, False, tile, activation, slope)
+    if plan is None:
+        return [], out
     x = _prepare(x, plan)
     same_layout = out is x or (out.shape == x.shape and _geometry(out) == plan.geo)
     dst = out if same_layout else torch.empty_like(x, dtype=out.dtype)

@@ -66,19 +66,20 @@ def _batch_stats_impl(x: torch.Tensor, eps: float, running_mean: torch.Tensor | 
                       momentum: float | None, weight: torch.Tensor | None,
                       bias: torch.Tensor | None, gamma_limit: float
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    if x.numel() == 0:  # no launch: the reference's answer (per-channel vectors only)
-        mean, invstd, small = torch_ops.batch_stats(x, eps, running_mean, running_var, batches,
-                                                    momentum, weight, bias, gamma_limit)
-        return mean, invstd, (small.to(torch.uint8) if small is not None
-                              else mean.new_empty(0, dtype=torch.uint8))
     buffers = running_mean, running_var
     strided = running_mean is not None and not (running_mean.is_contiguous()
                                                 and running_var.is_contiguous())
     if strided:  # the kernel writes contiguous vectors: strided buffers updated through copies
         running_mean, running_var = running_mean.contiguous(), running_var.contiguous()
     device = x.device
-    launches, result = _plan_batch_stats(x, eps, running_mean, running_var, batches, momentum,
-                                         weight, bias, gamma_limit, _target(device))
+    planned = _plan_batch_stats(x, eps, running_mean, running_var, batches, momentum, weight,
+                                bias, gamma_limit, _target(device))
+    if planned is None:  # empty: no launch, the reference's answer (per-channel vectors only)
+        mean, invstd, small = torch_ops.batch_stats(x, eps, *buffers, batches, momentum, weight,
+                                                    bias, gamma_limit)
+        return mean, invstd, (small.to(torch.uint8) if small is not None
+                              else mean.new_empty(0, dtype=torch.uint8))
+    launches, result = planned
     _run(launches, device)
     if strided:
         buffers[0].copy_(running_mean)
@@ -89,9 +90,6 @@ def _batch_stats_impl(x: torch.Tensor, eps: float, running_mean: torch.Tensor | 
 def _normalize_act_impl(x: torch.Tensor, mean: torch.Tensor, invstd: torch.Tensor,
                         weight: torch.Tensor, bias: torch.Tensor, activation: str, slope: float,
                         out: torch.Tensor) -> None:
-    if x.numel() == 0:
-        _kernel_activation(activation, slope)
-        return
     device = x.device
     launches, dst = _plan_normalize_act(x, mean, invstd, weight, bias, activation, slope, out,
                                         _target(device))
@@ -136,13 +134,14 @@ def _batch_backward_direct(saved: torch.Tensor, dy: torch.Tensor, params: NormPa
     """``batch_backward`` in three launches planned by one lookup (eager calls only: the
     dispatcher sees it as its two registered ops, see ``TritonBackend.batch_backward``)."""
     mean, invstd, weight, bias, activation, slope = params
-    if saved.numel() == 0:
+    device = saved.device
+    planned = _plan_batch_backward(saved, dy, mean, invstd, weight, bias, activation, slope,
+                                   saved_is_output, count, _target(device))
+    if planned is None:  # empty: no launch
         sum_dz, sum_dz_xhat = _backward_reduce_impl(saved, dy, mean, invstd, weight, bias,
                                                     activation, slope, saved_is_output)
         return _empty_dx(saved, _geometry(saved) is not None), sum_dz, sum_dz_xhat
-    device = saved.device
-    launches, result = _plan_batch_backward(saved, dy, mean, invstd, weight, bias, activation,
-                                            slope, saved_is_output, count, _target(device))
+    launches, result = planned
     _run(launches, device)
     return result
 

@@ -265,8 +265,9 @@ class OpPlan(NamedTuple):
 
 def plan_op(x: torch.Tensor, target: Target, reduction: bool, tile: Tile | None = None,
             activation: str | None = None, slope: float = 0.0,
-            saved_is_output: bool | None = None) -> OpPlan:
-    """The launch plan of an op on ``x``: input checks, geometry, tile, grid, constexprs.
+            saved_is_output: bool | None = None) -> OpPlan | None:
+    """The launch plan of an op on ``x``: input checks, geometry, tile, grid, constexprs; None
+    for an empty ``x`` (nothing to launch: the callers need not ask ``numel()`` first).
 
     One dictionary lookup per call once an input geometry was seen: memoised by sizes, strides,
     dtype, target and the op's choices. ``activation`` None plans the statistics (no
@@ -305,7 +306,7 @@ def clear_memos() -> None:
 @plan_memo
 def _plan_op_memo(sizes: tuple[int, ...], strides: tuple[int, ...], dtype: torch.dtype,
                   target: Target, reduction: bool, tile: Tile | None, activation: str | None,
-                  slope: float, saved_is_output: bool | None) -> OpPlan:
+                  slope: float, saved_is_output: bool | None) -> OpPlan | None:
     check_dtype(dtype)  # an error is not memoised: asked again at every such call
     if len(sizes) < 2:
         raise ValueError(f"expected an (N, C, *) input, got shape {sizes}")
@@ -315,6 +316,8 @@ def _plan_op_memo(sizes: tuple[int, ...], strides: tuple[int, ...], dtype: torch
         constexprs["ACTIVATION"] = activation
         if saved_is_output is not None:
             constexprs["SAVED_IS_OUTPUT"] = bool(saved_is_output)
+    if 0 in sizes:  # empty (the choices checked all the same): nothing to launch
+        return None
     layout = _layout.__wrapped__  # this memo covers it (and symbolic sizes cannot key _layout's)
     geo = layout(sizes, strides)
     copy = geo is None
