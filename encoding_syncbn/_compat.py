@@ -93,6 +93,18 @@ _functorch_level: Callable[[], int | None] = getattr(
     torch._C._functorch, "maybe_current_level", lambda: None)
 
 
+# Whether torch.jit.trace records this call: what ``torch.jit.is_tracing()`` asks after its
+# ``is_scripting()`` (always False here: the layer refuses scripting), without its two Python
+# calls, in every call of the layer. Resolved at import, falling back to the public function.
+_jit_tracing: Callable[[], bool] = getattr(torch._C, "_is_tracing", None) or torch.jit.is_tracing
+
+
+def jit_tracing(compiling: bool) -> bool:
+    """``torch.jit.is_tracing()``; ``compiling``: ``torch.compiler.is_compiling()``, as the
+    caller asked it (Dynamo answers False itself and need not trace the query)."""
+    return not compiling and _jit_tracing()
+
+
 def functorch_transform_active(compiling: bool) -> bool:
     """Whether a ``torch.func`` transform (grad, vjp, jvp, vmap, ...) is running;
     ``compiling``: ``torch.compiler.is_compiling()``, as the caller asked it.

@@ -71,7 +71,8 @@ def in_aten_ops(training: bool, compiling: bool) -> bool:
     ``torch.export``), or differentiated by a ``torch.func`` transform or in forward mode.
     ``compiling``: ``torch.compiler.is_compiling()``, as the caller asked it."""
     return (_compat.functorch_transform_active(compiling) or in_forward_ad()
-            or torch.jit.is_tracing() or (not training and torch.compiler.is_exporting()))
+            or _compat.jit_tracing(compiling)
+            or (not training and torch.compiler.is_exporting()))
 
 
 def refuse_training_trace(label: str) -> None:
