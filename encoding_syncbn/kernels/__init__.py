@@ -133,8 +133,8 @@ def ops_for(x: torch.Tensor) -> Backend:
     # The kernels' module once imported, without a call to ask for it.
     triton_ops = _triton_ops
     if name == "auto":
-        if x.is_cuda and (triton_ops or _load_triton()) is not None:
-            return _triton_ops.backend_for(x)
+        if x.is_cuda and (triton_ops := triton_ops or _load_triton()) is not None:
+            return triton_ops.backend_for(x)
         return reference_ops()
     if name != "triton":
         return _registered[name]

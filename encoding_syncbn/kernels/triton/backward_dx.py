@@ -80,9 +80,14 @@ def _plan_backward_dx(saved: torch.Tensor, dy: torch.Tensor, mean: torch.Tensor,
     saved = _prepare(saved, plan)
     dy = _in_layout(dy, saved.stride(), plan.geo.channels_last)
     from_sums = sums_count > 0
-    return [_dx_launch(plan, {**plan.constexprs, "FROM_SUMS": from_sums}, saved, dy, dx,
+    return [_dx_launch(plan, _dx_constexprs(plan, from_sums), saved, dy, dx,
                        (mean, invstd, weight, bias), (coef_dz, coef_xhat, coef_const),
                        -1.0 / sums_count if from_sums else 0.0)], dx
+
+
+def _dx_constexprs(plan: OpPlan, from_sums: bool) -> dict:
+    """The dx kernel's constexprs: the plan's and ``FROM_SUMS``."""
+    return {**plan.constexprs, "FROM_SUMS": from_sums}
 
 
 def _dx_launch(plan: OpPlan, constexprs: dict, saved: torch.Tensor, dy: torch.Tensor,
@@ -113,7 +118,7 @@ def _batch_backward_plans(sizes: tuple[int, ...], strides: tuple[int, ...], dtyp
                                 slope, saved_is_output) for reduction in (True, False))
     if reduce is None:
         return None
-    return _BackwardPlans(reduce, dx, {**dx.constexprs, "FROM_SUMS": True})
+    return _BackwardPlans(reduce, dx, _dx_constexprs(dx, True))
 
 
 def _plan_batch_backward(saved: torch.Tensor, dy: torch.Tensor, mean: torch.Tensor,
@@ -132,8 +137,8 @@ def _plan_batch_backward(saved: torch.Tensor, dy: torch.Tensor, mean: torch.Tens
         return None
     reduce, dx_plan, dx_constexprs = plans
     dx = _empty_dx(saved, not reduce.copy)
-    if reduce.copy:
-        saved = saved.contiguous()
+    saved = _prepare(saved, reduce)
+    if reduce.copy:  # launched on a contiguous copy: its strides
         strides = saved.stride()
     dy = _in_layout(dy, strides, reduce.geo.channels_last)
     params = (mean, invstd, weight, bias)

@@ -318,7 +318,7 @@ def _plan_op_memo(sizes: tuple[int, ...], strides: tuple[int, ...], dtype: torch
             constexprs["SAVED_IS_OUTPUT"] = bool(saved_is_output)
     if 0 in sizes:  # empty (the choices checked all the same): nothing to launch
         return None
-    layout = _layout.__wrapped__  # this memo covers it (and symbolic sizes cannot key _layout's)
+    layout = _layout.__wrapped__  # this memo covers it: no second cache of the same answer
     geo = layout(sizes, strides)
     copy = geo is None
     if copy:
