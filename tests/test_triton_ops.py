@@ -578,11 +578,19 @@ def test_launch_plans_are_memoised_per_geometry_and_choice():
 
 
 def test_empty_backward():
+    """The separate backward ops on an empty input: zero sums, a dx of its shape, no launch
+    (their plans are None); the activation is checked all the same, as for any input."""
     x = torch.empty(0, 3, 4, device=DEVICE)
     params = make_params(3, torch.float32)
     sums = T.backward_reduce(x, x, *params, "leaky_relu", 0.1, True)
     assert all(torch.equal(s.cpu(), torch.zeros(3)) for s in sums)
     assert T.backward_dx(x, x, *params, "leaky_relu", 0.1, True, *params[:3]).shape == x.shape
+    for activation, saved_is_output, refusal in (("swish", False, "unknown activation"),
+                                                 ("relu", True, "cannot be inverted")):
+        with pytest.raises(ValueError, match=refusal):
+            T.backward_reduce(x, x, *params, activation, 0.1, saved_is_output)
+        with pytest.raises(ValueError, match=refusal):
+            T.backward_dx(x, x, *params, activation, 0.1, saved_is_output, *params[:3])
 
 
 

@@ -72,10 +72,12 @@ def _plan_backward_dx(saved: torch.Tensor, dy: torch.Tensor, mean: torch.Tensor,
                       activation: str, slope: float, saved_is_output: bool,
                       coef_dz: torch.Tensor, coef_xhat: torch.Tensor, coef_const: torch.Tensor,
                       sums_count: int, target: Target, tile: Tile | None = None
-                      ) -> tuple[list[Launch], torch.Tensor]:
+                      ) -> tuple[list[Launch], torch.Tensor] | None:
     """``sums_count`` > 0: ``coef_xhat`` and ``coef_const`` are the sums of a batch of that
-    many elements a channel (``FROM_SUMS``; ``coef_dz`` is not read)."""
+    many elements a channel (``FROM_SUMS``; ``coef_dz`` is not read). None: an empty input."""
     plan = plan_op(saved, target, False, tile, activation, slope, bool(saved_is_output))
+    if plan is None:
+        return None
     dx = _empty_dx(saved, not plan.copy)
     saved = _prepare(saved, plan)
     dy = _in_layout(dy, saved.stride(), plan.geo.channels_last)

@@ -78,8 +78,11 @@ def _plan_backward_reduce(saved: torch.Tensor, dy: torch.Tensor, mean: torch.Ten
                           invstd: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
                           activation: str, slope: float, saved_is_output: bool, target: Target,
                           tile: Tile | None = None
-                          ) -> tuple[list[Launch], tuple[torch.Tensor, torch.Tensor]]:
+                          ) -> tuple[list[Launch], tuple[torch.Tensor, torch.Tensor]] | None:
+    """The reduction's launches and their ``(sum_dz, sum_dz_xhat)`` (None: an empty input)."""
     plan = plan_op(saved, target, True, tile, activation, slope, bool(saved_is_output))
+    if plan is None:
+        return None
     saved = _prepare(saved, plan)
     dy = _in_layout(dy, saved.stride(), plan.geo.channels_last)
     return _reduce_launches(plan, saved, dy, mean, invstd, weight, bias)

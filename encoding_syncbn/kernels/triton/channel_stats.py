@@ -143,9 +143,12 @@ def _welford_merge_kernel(part_ptr, plane, mean_ptr, m2_ptr, C, splits, BLOCK_P:
 
 
 def _plan_partial_stats(x: torch.Tensor, target: Target, tile: Tile | None = None
-                        ) -> tuple[Launch, torch.Tensor]:
-    """The statistics kernel's launch and its [3, splits, C] buffer of partial (mean, M2, n)."""
+                        ) -> tuple[Launch, torch.Tensor] | None:
+    """The statistics kernel's launch and its [3, splits, C] buffer of partial (mean, M2, n)
+    (None: an empty x, nothing to launch)."""
     plan = plan_op(x, target, True, tile)
+    if plan is None:
+        return None
     x = _prepare(x, plan)
     part = torch.empty((3, plan.grid[1], plan.geo.c), dtype=plan.acc, device=x.device)
     return _partial_stats_launch(plan, x, part), part
@@ -160,10 +163,13 @@ def _partial_stats_launch(plan: OpPlan, x: torch.Tensor, part: torch.Tensor) -> 
 
 
 def _plan_channel_stats(x: torch.Tensor, target: Target, tile: Tile | None = None
-                        ) -> tuple[list[Launch], tuple[torch.Tensor, torch.Tensor]]:
+                        ) -> tuple[list[Launch], tuple[torch.Tensor, torch.Tensor]] | None:
     """The statistics kernel, then the merge kernel into (mean, M2) of their own (also for one
-    row: outputs of a registered op may not share memory)."""
-    launch, part = _plan_partial_stats(x, target, tile)
+    row: outputs of a registered op may not share memory); None: an empty x."""
+    planned = _plan_partial_stats(x, target, tile)
+    if planned is None:
+        return None
+    launch, part = planned
     splits, c = part.shape[1:]
     mean = torch.empty(c, dtype=part.dtype, device=part.device)
     m2 = torch.empty_like(mean)

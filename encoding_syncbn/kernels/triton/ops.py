@@ -28,7 +28,7 @@ from .channel_stats import _plan_channel_stats
 from .finalize_stats import _plan_batch_stats
 from .normalize_act import _plan_normalize_act
 from .plan import INTERPRET as INTERPRET
-from .plan import Launch, _empty_dx, _geometry, _kernel_activation, _target
+from .plan import Launch, _empty_dx, _geometry, _target
 
 # Triton's interpreter swaps the triton.language functions for its own while a kernel runs, so
 # two threads (DataParallel replicas) interpreting at once break each other; a GPU needs no lock.
@@ -51,13 +51,20 @@ def _run(launches: list[Launch], device: torch.device) -> None:
                                        num_warps=launch.num_warps, enable_fp_fusion=True)
 
 
+def _zero_vectors(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two per-channel vectors of zeros in the statistics dtype: the sums of an empty ``x``
+    (its statistics drop out of any Chan merge with them)."""
+    zeros = torch.zeros(x.shape[1], dtype=stats_dtype(x.dtype), device=x.device)
+    return zeros, zeros.clone()  # outputs of a registered op may not share memory
+
+
 def _channel_stats_impl(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    c = x.shape[1]
-    if x.numel() == 0:
-        zeros = torch.zeros(c, dtype=stats_dtype(x.dtype), device=x.device)
-        return zeros, zeros.clone()
-    launches, result = _plan_channel_stats(x, _target(x.device))
-    _run(launches, x.device)
+    device = x.device
+    planned = _plan_channel_stats(x, _target(device))
+    if planned is None:  # empty: no launch
+        return _zero_vectors(x)
+    launches, result = planned
+    _run(launches, device)
     return result
 
 
@@ -102,13 +109,13 @@ def _backward_reduce_impl(saved: torch.Tensor, dy: torch.Tensor, mean: torch.Ten
                           invstd: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
                           activation: str, slope: float, saved_is_output: bool
                           ) -> tuple[torch.Tensor, torch.Tensor]:
-    if saved.numel() == 0:
-        _kernel_activation(activation, slope, saved_is_output)
-        zeros = torch.zeros(saved.shape[1], dtype=stats_dtype(saved.dtype), device=saved.device)
-        return zeros, zeros.clone()
-    launches, result = _plan_backward_reduce(saved, dy, mean, invstd, weight, bias, activation,
-                                             slope, saved_is_output, _target(saved.device))
-    _run(launches, saved.device)
+    device = saved.device
+    planned = _plan_backward_reduce(saved, dy, mean, invstd, weight, bias, activation, slope,
+                                    saved_is_output, _target(device))
+    if planned is None:  # empty: no launch
+        return _zero_vectors(saved)
+    launches, result = planned
+    _run(launches, device)
     return result
 
 
@@ -118,13 +125,14 @@ def _backward_dx_impl(saved: torch.Tensor, dy: torch.Tensor, mean: torch.Tensor,
                       coef_dz: torch.Tensor, coef_xhat: torch.Tensor, coef_const: torch.Tensor,
                       sums_count: int) -> torch.Tensor:
     """``sums_count`` > 0: ``coef_xhat``, ``coef_const`` are a batch's sums (``BatchSums``)."""
-    if saved.numel() == 0:
-        _kernel_activation(activation, slope, saved_is_output)
+    device = saved.device
+    planned = _plan_backward_dx(saved, dy, mean, invstd, weight, bias, activation, slope,
+                                saved_is_output, coef_dz, coef_xhat, coef_const, sums_count,
+                                _target(device))
+    if planned is None:  # empty: no launch
         return _empty_dx(saved, _geometry(saved) is not None)
-    launches, dx = _plan_backward_dx(saved, dy, mean, invstd, weight, bias, activation, slope,
-                                     saved_is_output, coef_dz, coef_xhat, coef_const,
-                                     sums_count, _target(saved.device))
-    _run(launches, saved.device)
+    launches, dx = planned
+    _run(launches, device)
     return dx
 
 
@@ -138,9 +146,7 @@ def _batch_backward_direct(saved: torch.Tensor, dy: torch.Tensor, params: NormPa
     planned = _plan_batch_backward(saved, dy, mean, invstd, weight, bias, activation, slope,
                                    saved_is_output, count, _target(device))
     if planned is None:  # empty: no launch
-        sum_dz, sum_dz_xhat = _backward_reduce_impl(saved, dy, mean, invstd, weight, bias,
-                                                    activation, slope, saved_is_output)
-        return _empty_dx(saved, _geometry(saved) is not None), sum_dz, sum_dz_xhat
+        return _empty_dx(saved, _geometry(saved) is not None), *_zero_vectors(saved)
     launches, result = planned
     _run(launches, device)
     return result
