@@ -1,0 +1,131 @@
+"""Machine instructions in each Triton kernel's tile loop, per element: read from sm_90 SASS
+compiled here, no GPU needed.
+
+    python benchmarks/kernel_instructions.py [--arch 90]
+
+For one training call's launches (planned for a 132-SM H100: (8, 256, 128, 128) fp16 NCHW and
+(32, 64, 56, 56) fp16 channels_last, in place with leaky_relu), each kernel that walks the
+input tile by tile is compiled as the AOT check compiles it (``kernels/check.py``) and its
+SASS disassembled (cuobjdump). The tile loop is the backward branch around the global loads;
+printed per kernel: its instructions, the elements a thread takes per iteration (tile elements
+over threads), instructions per element and per byte the loop moves (reads and writes of the
+input's dtype), and the multi-function-unit (division, exp), shuffle and barrier instructions
+inside it. A kernel whose loop issues many instructions per byte is bound by issuing them, not
+by memory: a ranking of where a GPU's bandwidth goes, before a profiler on the GPU says how
+much. The table goes to benchmarks/RESULTS.md (``--no-record``: print only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import tempfile
+
+import results
+
+# (shape, channels_last): the host harness's first two shapes, float16.
+SHAPES = [((8, 256, 128, 128), False), ((32, 64, 56, 56), True)]
+H100_SMS = 132
+# "/*0a40*/   @!P0 BRA 0x5c0 ;": address, predicate, opcode and operands of one instruction.
+_INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
+
+
+def _instructions(sass: str) -> list[tuple[int, str, str]]:
+    return [(int(addr, 16), op, operands.strip())
+            for addr, op, operands in _INSTRUCTION.findall(sass)]
+
+
+def _tile_loop(instructions: list[tuple[int, str, str]]) -> list[str]:
+    """The opcodes of the widest backward branch's span that holds a global load."""
+    best: list[str] = []
+    for addr, op, operands in instructions:
+        if op != "BRA" or not operands.startswith("0x"):
+            continue
+        target = int(operands.split()[0], 16)
+        if target >= addr:
+            continue
+        body = [o for a, o, _ in instructions if target <= a <= addr]
+        if any(o.startswith("LDG") for o in body) and len(body) > len(best):
+            best = body
+    return best
+
+
+def _sass(launch, arch: int) -> str:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from encoding_syncbn import _compat
+    from encoding_syncbn.kernels.check import _spec
+
+    spec = _spec("", launch)
+    source = ASTSource(fn=spec.kernel, signature=spec.signature, constexprs=spec.constexprs,
+                       attrs=spec.attrs)
+    compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32),
+                              options={"num_warps": spec.num_warps, "enable_fp_fusion": True})
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        return subprocess.run([_compat.cuobjdump_path(), "-sass", f.name], capture_output=True,
+                              text=True, check=True).stdout
+
+
+def _launches(shape: tuple[int, ...], channels_last: bool):
+    """``(name, launch, tensors moved per element)`` of the tile-walking kernels."""
+    import torch
+
+    from encoding_syncbn.kernels.triton.backward_dx import _plan_backward_dx
+    from encoding_syncbn.kernels.triton.backward_reduce import _plan_backward_reduce
+    from encoding_syncbn.kernels.triton.channel_stats import _plan_partial_stats
+    from encoding_syncbn.kernels.triton.normalize_act import _plan_normalize_act
+    from encoding_syncbn.kernels.triton.plan import Target
+
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    x = torch.empty(shape, dtype=torch.float16, device="meta", memory_format=fmt)
+    v = torch.empty(shape[1], dtype=torch.float32, device="meta")
+    params = (v, v, v, v, "leaky_relu", 0.01)
+    target = Target(False, H100_SMS)
+    count = x.numel() // shape[1]
+    return [
+        ("statistics", _plan_partial_stats(x, target)[0], 1),
+        ("normalize", _plan_normalize_act(x, *params, x, target)[0][0], 2),
+        ("backward reduce", _plan_backward_reduce(x, x, *params, True, target)[0][0], 2),
+        ("backward dx", _plan_backward_dx(x, x, *params, True, v, v, v, count, target)[0][0], 3),
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--arch", type=int, default=90, help="SM architecture (default 90)")
+    results.add_arguments(parser)
+    args = parser.parse_args()
+    header = ["shape", "layout", "kernel", "tile", "loop instructions", "elements a thread",
+              "instructions an element", "instructions a byte", "MUFU", "SHFL", "BAR"]
+    rows = []
+    for shape, channels_last in SHAPES:
+        for name, launch, tensors in _launches(shape, channels_last):
+            loop = _tile_loop(_instructions(_sass(launch, args.arch)))
+            if not loop:
+                raise SystemExit(f"{name}: no tile loop found in its SASS")
+            block_a, block_b = launch.constexprs["BLOCK_A"], launch.constexprs["BLOCK_B"]
+            per_thread = block_a * block_b // (32 * launch.num_warps)
+            per_element = len(loop) / per_thread
+            rows.append([str(shape), "channels_last" if channels_last else "nchw", name,
+                         f"{block_a}x{block_b}", len(loop), per_thread, round(per_element, 1),
+                         round(per_element / (2 * tensors), 1),
+                         *(sum(op.startswith(unit) for op in loop)
+                           for unit in ("MUFU", "SHFL", "BAR"))])
+            print(" ".join(str(cell) for cell in rows[-1]), flush=True)
+    table = results.markdown_table(header, rows)
+    print(table)
+    results.record(args, "kernel_instructions.py (cpu)", table, notes=(
+        f"SASS for sm_{args.arch} compiled on this CPU (no GPU), launches planned for a "
+        f"{H100_SMS}-SM H100, float16 inputs: the instructions in each kernel's tile loop, per "
+        "element a thread takes an iteration and per byte the loop reads and writes (2 bytes "
+        "an element per tensor moved: statistics 1, normalize and reduce 2, dx 3). MUFU: "
+        "reciprocals (divisions), exponentials; SHFL, BAR: cross-thread reductions."))
+
+
+if __name__ == "__main__":
+    main()
