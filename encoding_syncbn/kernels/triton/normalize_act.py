@@ -45,13 +45,13 @@ def _normalize_act_kernel(x_ptr, out_ptr, mean_ptr, invstd_ptr, weight_ptr, bias
 def _plan_normalize_act(x: torch.Tensor, mean: torch.Tensor, invstd: torch.Tensor,
                         weight: torch.Tensor, bias: torch.Tensor, activation: str, slope: float,
                         out: torch.Tensor, target: Target, tile: Tile | None = None
-                        ) -> tuple[list[Launch], torch.Tensor]:
+                        ) -> tuple[list[Launch], torch.Tensor] | None:
     """Plan into ``out`` when it lies like (the possibly copied) x, else into a temporary that
-    the caller copies to ``out`` (returned as the tensor the kernel writes); an empty x: no
-    launch."""
+    the caller copies to ``out`` (returned as the tensor the kernel writes); None: an empty x,
+    nothing to launch."""
     plan = plan_op(x, target, False, tile, activation, slope)
     if plan is None:
-        return [], out
+        return None
     x = _prepare(x, plan)
     same_layout = out is x or (out.shape == x.shape and _geometry(out) == plan.geo)
     dst = out if same_layout else torch.empty_like(x, dtype=out.dtype)

@@ -98,8 +98,11 @@ def _normalize_act_impl(x: torch.Tensor, mean: torch.Tensor, invstd: torch.Tenso
                         weight: torch.Tensor, bias: torch.Tensor, activation: str, slope: float,
                         out: torch.Tensor) -> None:
     device = x.device
-    launches, dst = _plan_normalize_act(x, mean, invstd, weight, bias, activation, slope, out,
-                                        _target(device))
+    planned = _plan_normalize_act(x, mean, invstd, weight, bias, activation, slope, out,
+                                  _target(device))
+    if planned is None:  # empty: no launch
+        return
+    launches, dst = planned
     _run(launches, device)
     if dst is not out:
         out.copy_(dst)
