@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import argparse
 import re
-import subprocess
-import tempfile
 
 import results
 
@@ -52,23 +50,9 @@ def _tile_loop(instructions: list[tuple[int, str, str]]) -> list[str]:
 
 
 def _sass(launch, arch: int) -> str:
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    from encoding_syncbn.kernels.check import compile_spec, cuobjdump, launch_spec
 
-    from encoding_syncbn import _compat
-    from encoding_syncbn.kernels.check import _spec
-
-    spec = _spec("", launch)
-    source = ASTSource(fn=spec.kernel, signature=spec.signature, constexprs=spec.constexprs,
-                       attrs=spec.attrs)
-    compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32),
-                              options={"num_warps": spec.num_warps, "enable_fp_fusion": True})
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(compiled.asm["cubin"])
-        f.flush()
-        return subprocess.run([_compat.cuobjdump_path(), "-sass", f.name], capture_output=True,
-                              text=True, check=True).stdout
+    return cuobjdump(compile_spec(launch_spec("", launch), arch).asm["cubin"], "-sass")
 
 
 def _launches(shape: tuple[int, ...], channels_last: bool):

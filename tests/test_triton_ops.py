@@ -593,7 +593,6 @@ def test_empty_backward():
             T.backward_dx(x, x, *params, activation, 0.1, saved_is_output, *params[:3])
 
 
-
 @pytest.mark.parametrize("shape", [(0, 3, 4, 4), (2, 3, 0)])
 def test_empty_input_through_the_direct_ops(shape):
     """An empty input plans no launch (its plan is None: no ``numel()`` asked first): the

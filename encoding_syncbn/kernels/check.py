@@ -65,7 +65,7 @@ class Row(NamedTuple):
     error: str
 
 
-def _spec(label: str, launch: Launch) -> Spec:
+def launch_spec(label: str, launch: Launch) -> Spec:
     """Type a planned launch's arguments as Triton's JIT specialises them."""
     kernel = launch.kernel
     signature, constexprs, attrs = {}, {}, {}
@@ -103,20 +103,34 @@ def specialisations(arch: int) -> list[Spec]:
     target = Target(False, _SM_COUNT.get(arch, 132))
     seen, specs = set(), []
     for label, launch in launch_specialisations(target):
-        spec = _spec(label, launch)
+        spec = launch_spec(label, launch)
         if _key(spec) not in seen:
             seen.add(_key(spec))
             specs.append(spec)
     return specs
 
 
-def _resources(cubin: bytes) -> tuple[int, int, int]:
-    """(registers, spill bytes (stack + local), shared bytes) from cuobjdump."""
+def compile_spec(spec: Spec, arch: int):
+    """``spec`` compiled for ``sm_<arch>`` as the launcher compiles it (Triton's compiled
+    kernel: ``asm["cubin"]``, ``metadata``)."""
+    source = ASTSource(fn=spec.kernel, signature=spec.signature, constexprs=spec.constexprs,
+                       attrs=spec.attrs)
+    return triton.compile(source, target=GPUTarget("cuda", arch, 32),
+                          options={"num_warps": spec.num_warps, "enable_fp_fusion": True})
+
+
+def cuobjdump(cubin: bytes, option: str) -> str:
+    """What ``cuobjdump <option>`` prints for ``cubin`` (``-sass``, ``--dump-resource-usage``)."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        out = subprocess.run([_compat.cuobjdump_path(), "--dump-resource-usage", f.name],
-                             capture_output=True, text=True, check=True).stdout
+        return subprocess.run([_compat.cuobjdump_path(), option, f.name],
+                              capture_output=True, text=True, check=True).stdout
+
+
+def _resources(cubin: bytes) -> tuple[int, int, int]:
+    """(registers, spill bytes (stack + local), shared bytes) from cuobjdump."""
+    out = cuobjdump(cubin, "--dump-resource-usage")
     match = _RESOURCE.search(out)
     if match is None:
         raise RuntimeError(f"unexpected cuobjdump output:\n{out}")
@@ -132,10 +146,7 @@ def _compile(index: int) -> Row:
     arch, spec = _WORK[index]
     name = spec.kernel.__name__
     try:
-        src = ASTSource(fn=spec.kernel, signature=spec.signature, constexprs=spec.constexprs,
-                        attrs=spec.attrs)
-        compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                                  options={"num_warps": spec.num_warps, "enable_fp_fusion": True})
+        compiled = compile_spec(spec, arch)
         regs, spills, shared = _resources(compiled.asm["cubin"])
         # Triton's own shared-memory plan (reductions) adds to the static amount.
         return Row(name, spec.label, arch, regs, spills, max(shared, compiled.metadata.shared), "")
