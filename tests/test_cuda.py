@@ -274,6 +274,69 @@ def test_in_place_layer_under_cuda_graph_capture(zero_gamma):
     torch.testing.assert_close(layer.weight.grad, w.grad, rtol=1e-3, atol=1e-3)
 
 
+def _graphed_step(capture, net):
+    """``net``'s training forward as a CUDA graph: ``torch.cuda.make_graphed_callables``
+    (forward and backward each one graph) or ``torch.compile(mode="reduce-overhead")``
+    (inductor's CUDA graph trees)."""
+    if capture == "make_graphed_callables":
+        return torch.cuda.make_graphed_callables(net, (torch.randn(4, 3, 12, 12, device="cuda"),))
+
+    compiled = torch.compile(net, mode="reduce-overhead")
+
+    def step(x):
+        torch.compiler.cudagraph_mark_step_begin()
+        return compiled(x)
+
+    for _ in range(3):  # compiled, then recorded: replayed from the next call on
+        step(torch.randn(4, 3, 12, 12, device="cuda")).square().mean().backward()
+    return step
+
+
+@pytest.mark.parametrize("capture", ["make_graphed_callables", "reduce-overhead"])
+def test_training_steps_in_a_cuda_graph(capture, monkeypatch):
+    """A one-replica training step captured in a CUDA graph replays the in-place layers with
+    no host work (their Python never runs once captured) and trains as the plain model does:
+    outputs, the optimiser's parameters and the running statistics after several steps."""
+    import copy
+
+    from torch._dynamo.utils import counters
+
+    net = _network()
+    ref = _reference_of(copy.deepcopy(net))
+    with torch.no_grad():
+        net[1].weight[::5] = 0.0  # channels kept aside, as a zero-initialised gamma's
+        ref[1].weight.copy_(net[1].weight)
+    counters.clear()
+    graphed = _graphed_step(capture, net)
+    with torch.no_grad():  # capture's warm-up steps updated the running statistics
+        for mine, theirs in ((net[1], ref[1]), (net[3], ref[4])):
+            for name, buffer in mine.named_buffers():
+                buffer.copy_(theirs.get_buffer(name))
+    calls = []
+    original = SyncBatchNorm._forward
+    monkeypatch.setattr(SyncBatchNorm, "_forward",
+                        lambda self, *args: calls.append(self) or original(self, *args))
+    optimisers = [torch.optim.SGD(model.parameters(), lr=0.05) for model in (net, ref)]
+    g = torch.Generator(device="cuda").manual_seed(1)
+    for _ in range(4):
+        x = torch.randn(4, 3, 12, 12, device="cuda", generator=g)
+        outs = []
+        for run, optimiser in zip((graphed, ref), optimisers):
+            optimiser.zero_grad()
+            out = run(x)
+            out.square().mean().backward()
+            optimiser.step()
+            outs.append(out.detach().clone())
+        torch.testing.assert_close(outs[0], outs[1], rtol=1e-4, atol=1e-4)
+    assert calls == []
+    assert counters["inductor"]["cudagraph_skips"] == 0
+    for mine, theirs in ((net[1], ref[1]), (net[3], ref[4]), (net[0], ref[0])):
+        torch.testing.assert_close(mine.weight, theirs.weight, rtol=1e-4, atol=1e-5)
+    for mine, theirs in ((net[1], ref[1]), (net[3], ref[4])):
+        torch.testing.assert_close(mine.running_mean, theirs.running_mean, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(mine.running_var, theirs.running_var, rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("activation", ["leaky_relu", "elu", "identity", "relu"])
 def test_compiled_single_replica_layer(activation):
     layer = SyncBatchNorm(8, activation=activation, slope=0.2).cuda()
