@@ -25,11 +25,15 @@ setup(
     extras_require={
         # pytest-xdist runs the suite on every core (-n auto); torchvision, timm and smp are
         # the real models the converters are tested on (tests/test_convert_models.py); onnx,
-        # onnxscript and onnxruntime run the exported models (tests/test_tracing.py).
+        # onnxscript and onnxruntime run the exported models (tests/test_tracing.py);
+        # lightning (which brings pytorch_lightning) fits with the plugin
+        # (tests/test_lightning.py).
         "test": ["pytest", "pytest-xdist", "hypothesis", "expecttest", "ruff",
                  "triton; platform_system == 'Linux'",
                  "torchvision", "timm", "segmentation-models-pytorch",
-                 "onnx", "onnxscript", "onnxruntime"],
+                 "onnx", "onnxscript", "onnxruntime", "lightning"],
         "examples": ["tqdm", "matplotlib", "pillow"],
+        # encoding_syncbn.lightning's SyncBatchNormPlugin; pytorch_lightning works too.
+        "lightning": ["lightning"],
     },
 )
