@@ -14,6 +14,11 @@ setup(
     ),
     long_description=(Path(__file__).parent / "README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",
+    author="The encoding_syncbn authors",
+    project_urls={
+        "In-Place ABN paper": "https://arxiv.org/abs/1712.02616",
+        "Context Encoding paper (synchronised BatchNorm)": "https://arxiv.org/abs/1803.08904",
+    },
     license="MIT",
     license_files=["LICENSE"],
     packages=find_packages(include=["encoding_syncbn", "encoding_syncbn.*"]),
@@ -21,19 +26,31 @@ setup(
     package_data={"encoding_syncbn": ["py.typed"]},
     python_requires=">=3.9",
     # 2.4: the first release with torch.library.custom_op, register_fake and register_autograd.
-    install_requires=["torch>=2.4", "numpy"],
+    # torch is the one package the library imports (triton is optional, found at run time).
+    install_requires=["torch>=2.4"],
     extras_require={
         # pytest-xdist runs the suite on every core (-n auto); torchvision, timm and smp are
         # the real models the converters are tested on (tests/test_convert_models.py); onnx,
-        # onnxscript and onnxruntime run the exported models (tests/test_tracing.py);
-        # lightning (which brings pytorch_lightning) fits with the plugin
-        # (tests/test_lightning.py).
-        "test": ["pytest", "pytest-xdist", "hypothesis", "expecttest", "ruff",
+        # onnxscript and onnxruntime run the exported models (tests/test_tracing.py); numpy
+        # carries their inputs and the example's data; lightning (which brings
+        # pytorch_lightning) fits with the plugin (tests/test_lightning.py).
+        "test": ["pytest", "pytest-xdist", "hypothesis", "expecttest", "ruff", "numpy",
                  "triton; platform_system == 'Linux'",
                  "torchvision", "timm", "segmentation-models-pytorch",
                  "onnx", "onnxscript", "onnxruntime", "lightning"],
-        "examples": ["tqdm", "matplotlib", "pillow"],
+        "examples": ["numpy", "tqdm", "matplotlib", "pillow"],
         # encoding_syncbn.lightning's SyncBatchNormPlugin; pytorch_lightning works too.
         "lightning": ["lightning"],
     },
+    classifiers=[
+        "Development Status :: 3 - Alpha",
+        "Environment :: GPU :: NVIDIA CUDA",
+        "Intended Audience :: Developers",
+        "Intended Audience :: Science/Research",
+        "Operating System :: OS Independent",
+        "Programming Language :: Python :: 3",
+        "Programming Language :: Python :: 3 :: Only",
+        "Topic :: Scientific/Engineering :: Artificial Intelligence",
+        "Typing :: Typed",
+    ],
 )

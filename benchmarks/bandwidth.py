@@ -8,8 +8,8 @@ torch's own batch_norm and leaky_relu, forward and backward, for comparison) ove
 its median time (CUDA events around the call, queued behind a spin kernel so that the host's
 planning and launching do not count; after a warm-up), in GB/s and as a share of
 ``--peak-gbps`` (default: the H100 SXM's 3350 GB/s). Needs a CUDA GPU: without one it says
-so and exits (0, nothing recorded). Writes its table to benchmarks/RESULTS.md
-(``--no-record``: print only).
+so and exits (0, nothing recorded). Prints its table (``--record``: into benchmarks/RESULTS.md
+too).
 """
 
 from __future__ import annotations

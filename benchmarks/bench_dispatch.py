@@ -7,8 +7,8 @@ The layer's ops are registered as ``torch.library`` custom ops (so that tracers 
 what that saves per op call on this machine: a trivial custom op (its body returns
 ``torch.empty_like(x)``), the same op declared as mutating an argument (its body does
 nothing), and the same Python function called directly. Each figure is microseconds per call,
-from ``timeit``: the median of ``--repeats`` runs of ``--calls`` calls, with the range. Writes
-the table to benchmarks/RESULTS.md.
+from ``timeit``: the median of ``--repeats`` runs of ``--calls`` calls, with the range. Prints
+the table (``--record``: into benchmarks/RESULTS.md too).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """How much activation memory ``convert_inplace_abn`` saves on real models (CPU).
 
-    python benchmarks/bench_inplace_memory.py [--batch 8] [--size 128] [--no-record]
+    python benchmarks/bench_inplace_memory.py [--batch 8] [--size 128] [--record]
 
 For each model (built with LeakyReLU where it had ReLU, random weights), one training step
 (forward, backward) in float32, three ways: the original model, ``convert_sync_batchnorm``

@@ -13,8 +13,8 @@ for backward plus the forward's transients, in MiB and in units of the input's s
   no peak carries over; it includes the allocator's slack.
 - CUDA: ``torch.cuda.max_memory_allocated`` minus what was allocated before the forward.
 
-Each stack is measured ``--repeats`` times (the median and the range are shown). Writes the
-table to benchmarks/RESULTS.md.
+Each stack is measured ``--repeats`` times (the median and the range are shown). Prints the
+table (``--record``: into benchmarks/RESULTS.md too).
 """
 
 from __future__ import annotations

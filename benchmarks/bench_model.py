@@ -11,8 +11,8 @@ variant's allocations cannot inflate the next one's peak:
 * CPU: peak resident set size (``ru_maxrss``) minus the peak reached after building the model
   and the input. Includes allocator slack, so read it as an upper bound.
 
-Prints a markdown table with the machine, the configuration and the date, and writes it to
-benchmarks/RESULTS.md. Example::
+Prints a markdown table with the machine, the configuration and the date (``--record``: into
+benchmarks/RESULTS.md too). Example::
 
     python benchmarks/bench_model.py                         # ResNet-18 widths, OS 8
     python benchmarks/bench_model.py --width 64 --blocks 3,4,6,3 --image-size 512

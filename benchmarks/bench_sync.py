@@ -25,8 +25,8 @@ else (this package's protocol, and ``threading.Barrier``), and 30 tiny ATen call
 
 In a round the variants take turns, ``--turns`` times, and the round's figure is the median
 over its turns; there are ``--rounds`` rounds, because the threads' scheduling drifts over
-tens of seconds. Each figure shown is the median round [min, max over the rounds]. Writes the
-tables to benchmarks/RESULTS.md.
+tens of seconds. Each figure shown is the median round [min, max over the rounds]. Prints the
+tables (``--record``: into benchmarks/RESULTS.md too).
 """
 
 from __future__ import annotations

@@ -11,7 +11,8 @@ float32, as under autocast): ``SyncBatchNorm(64, activation="leaky_relu")`` in p
 synchronisation (see bench_sync.py for that). The two stacks take turns (after two warm-up
 turns), so that a slow spell of a shared machine hits both alike; each figure is the median
 over the turns with its interquartile range, and the ratio is taken turn by turn (ours /
-plain, the two runs of the same turn). Writes the table to benchmarks/RESULTS.md.
+plain, the two runs of the same turn). Prints the table (``--record``: into
+benchmarks/RESULTS.md too).
 """
 
 from __future__ import annotations

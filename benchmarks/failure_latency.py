@@ -5,8 +5,8 @@
 Four simulated replicas, ENCODING_SYNCBN_TIMEOUT=60 s, two sync layers. "inside": one replica
 gets a chunk with the wrong channel count, so it raises inside the first sync layer. "between":
 one replica raises in user code between the two sync layers, after it joined. Prints the time
-from the call to the exception reaching the caller (``--tries`` tries: median and worst) and
-writes the table to benchmarks/RESULTS.md.
+from the call to the exception reaching the caller, median and worst of ``--tries`` tries
+(``--record``: the table into benchmarks/RESULTS.md too).
 """
 
 from __future__ import annotations

@@ -12,8 +12,8 @@ threads spin a varying number of instructions) with the garbage collector off: t
 then counts the same to within a few thousand instructions a step, where timed runs scatter by
 1-2 us. An import or an environment variable more moves the count by up to ~4k (memory layout);
 compare counts made alike. 'ours' is the layer, 'bare' and 'floor' host_overhead.py's harnesses
-of the backend's ops alone and of an empty in-place Function. Needs valgrind on PATH; the
-figures go to benchmarks/RESULTS.md (``--no-record``: print only).
+of the backend's ops alone and of an empty in-place Function. Needs valgrind on PATH. Prints
+the figures (``--record``: into benchmarks/RESULTS.md too).
 """
 
 from __future__ import annotations

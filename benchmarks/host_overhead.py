@@ -43,8 +43,8 @@ few us; on the CPU glibc serves a block that large with an mmap, and frees it wi
 (together some 30-60 us a call here, none of it the layer's doing). So by default
 (``--allocator cached``) glibc is told to serve every block from its heap and to keep what is
 freed (``mallopt``: no mmap, no trim), as the caching allocator keeps it; ``--allocator
-system`` leaves glibc as it is (the figures before 2026-11-24). The tables go to
-benchmarks/RESULTS.md (``--no-record``: print only); the last line is one JSON object with
+system`` leaves glibc as it is. Prints the tables
+(``--record``: into benchmarks/RESULTS.md too); the last line is one JSON object with
 ``host_us_fwd_bwd`` (one layer), ``floor_us_fwd_bwd``, ``bare_us_fwd_bwd``, ``own_us_fwd_bwd``
 and the stacked per-layer figures for (8, 256, 128, 128) float16 NCHW.
 """

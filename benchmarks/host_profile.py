@@ -6,8 +6,8 @@ One in-place ``SyncBatchNorm(C, activation="leaky_relu")`` on one replica, forwa
 of ``--calls`` calls in a row on one input, the device synchronised only at the end: where the
 GPU finishes each call's work sooner than the host issues the next (a small input), the time per
 call is the host's. Printed: that time for the Triton (on a GPU) and the torch backends and for
-``nn.BatchNorm2d`` + ``F.leaky_relu`` (taking turns, best of ``--repeats``), written to
-benchmarks/RESULTS.md (``--no-record``: print only); then the first backend's calls under
+``nn.BatchNorm2d`` + ``F.leaky_relu`` (taking turns, best of ``--repeats``; ``--record``: into
+benchmarks/RESULTS.md too); then the first backend's calls under
 cProfile (the calling thread: on a GPU autograd runs backward on a thread of its own) and
 under torch's profiler (every thread: ATen ops, the layer's registered ops,
 the CUDA runtime's and driver's calls), printed only (``--top 0``: no profile).

@@ -12,7 +12,7 @@ over threads), instructions per element and per byte the loop moves (reads and w
 input's dtype), and the multi-function-unit (division, exp), shuffle and barrier instructions
 inside it. A kernel whose loop issues many instructions per byte is bound by issuing them, not
 by memory: a ranking of where a GPU's bandwidth goes, before a profiler on the GPU says how
-much. The table goes to benchmarks/RESULTS.md (``--no-record``: print only).
+much. Prints the table (``--record``: into benchmarks/RESULTS.md too).
 """
 
 from __future__ import annotations

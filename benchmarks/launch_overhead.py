@@ -14,8 +14,8 @@ training loop. The driver's part needs a GPU and is not timed here.
 Uses Triton's internals (``create_function_from_signature``, ``compute_cache_key``,
 ``make_backend``), as ``JITFunction.run`` calls them in Triton 3.6 to 3.9; with another Triton
 it may say it cannot measure and exit (0, nothing recorded). Times are
-thread CPU time, the fastest of ``--repeats`` means. The table goes to benchmarks/RESULTS.md
-(``--no-record``: print only); the last line is one JSON object with ``launcher_us_per_call``.
+thread CPU time, the fastest of ``--repeats`` means. Prints the table (``--record``: into
+benchmarks/RESULTS.md too); the last line is one JSON object with ``launcher_us_per_call``.
 """
 
 from __future__ import annotations

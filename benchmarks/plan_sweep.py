@@ -6,8 +6,8 @@ For the shapes of ``bandwidth.py``'s first rows, the four passes over one activa
 timed with the planner's constants as shipped and with one or two of them changed: elements a
 tile (``_GPU_TILE_ELEMS``), warps a program (``_NUM_WARPS``), programs an SM for reductions
 and elementwise passes. Median of ``--repeats`` calls timed as there, in us, and each
-configuration's four passes summed. Needs a CUDA GPU. Writes its table to
-benchmarks/RESULTS.md (``--no-record``: print only).
+configuration's four passes summed. Needs a CUDA GPU. Prints its table (``--record``: into
+benchmarks/RESULTS.md too).
 """
 
 from __future__ import annotations

@@ -1,15 +1,18 @@
-"""Writes a benchmark's table into ``benchmarks/RESULTS.md``, with what is needed to redo it.
+"""Records a benchmark's table in ``benchmarks/RESULTS.md`` when asked, with what is needed
+to redo it.
 
-Each script owns one section of RESULTS.md, under a ``## <heading>`` line (its file name, and
-the device where it measures several): a run replaces its section, or appends it the first
-time, and leaves the other sections as they are. A section holds the exact command, the date,
-the commit, the machine (CPU model and the cores this process may use, the GPU when one was
-used), the Python / torch / triton versions, the script's notes and its markdown table.
+A benchmark prints its table; with ``--record`` it also writes it into RESULTS.md
+(``--record PATH``: into another file), so that running a benchmark leaves the checkout as it
+was. Each script owns one section of the file, under a ``## <heading>`` line (its file name,
+and the device where it measures several): a recorded run replaces its section, or appends it
+the first time, and leaves the other sections as they are. A section holds the exact command,
+the date, the commit, the machine (CPU model and the cores this process may use, the GPU when
+one was used), the Python / torch / triton versions, the script's notes and its markdown table.
 
 A script uses it as::
 
     parser = argparse.ArgumentParser(...)
-    results.add_arguments(parser)                 # --results PATH, --no-record
+    results.add_arguments(parser)                 # --record [PATH]
     args = parser.parse_args()
     ...
     table = results.markdown_table(["variant", "ms"], rows)
@@ -36,19 +39,20 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "RESULTS.md"
 TITLE = (
     "# Benchmark results\n\n"
-    "Written by the scripts in this folder (benchmarks/results.py): each section is the last "
-    "run of its command, on the machine it names. Rerun the command to reproduce or update "
-    "it; a run replaces its own section only.\n"
+    "Written by the scripts in this folder when run with `--record` (benchmarks/results.py): "
+    "each section is the last recorded run of its command, on the machine it names. Rerun "
+    "the command to reproduce it, with `--record` to update it; a recorded run replaces its "
+    "own section only.\n"
 )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The flags that say where the table goes: ``--results PATH`` and ``--no-record``."""
-    parser.add_argument("--results", type=Path, default=RESULTS,
-                        help="markdown file whose section for this script the run replaces "
-                             "(default: benchmarks/RESULTS.md)")
-    parser.add_argument("--no-record", action="store_true",
-                        help="print the table only; write no file")
+    """``--record [PATH]``: whether, and where, the table is written besides being printed."""
+    parser.add_argument("--record", nargs="?", type=Path, const=RESULTS, default=None,
+                        metavar="PATH",
+                        help="also write the table, with the command, date, commit and "
+                             "machine, into this script's section of benchmarks/RESULTS.md "
+                             "(or of PATH); without it the run only prints")
 
 
 def cores() -> int:
@@ -88,13 +92,22 @@ def machine(gpu: str | None = None) -> str:
 
 
 def command() -> str:
-    """The command line of this run, the script's path relative to the repository root."""
+    """The command line of this run, the script's path relative to the repository root and
+    ``--record [PATH]`` left out: the command that reproduces the table."""
     script = Path(sys.argv[0]).resolve()
     try:
         script = script.relative_to(ROOT)
     except ValueError:
         pass
-    return shlex.join(["python", str(script), *sys.argv[1:]])
+    argv, kept, skip = sys.argv[1:], [], False
+    for i, arg in enumerate(argv):
+        if skip:  # --record's PATH
+            skip = False
+        elif arg == "--record":  # PATH, if given, is the next word (no script has positionals)
+            skip = i + 1 < len(argv) and not argv[i + 1].startswith("-")
+        elif not arg.startswith("--record="):
+            kept.append(arg)
+    return shlex.join(["python", str(script), *kept])
 
 
 def _commit() -> str:
@@ -146,13 +159,13 @@ def replace_section(text: str, heading: str, body: str) -> str:
 def record(args: argparse.Namespace, heading: str, table: str, notes: str = "",
            gpu: str | None = None) -> None:
     """Write ``table`` (with ``notes``, the command, date and machine) under ``## heading``
-    in ``args.results``, unless ``args.no_record``."""
-    if args.no_record:
+    in the file ``--record`` named; nothing without ``--record``."""
+    if args.record is None:
         return
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     body = (f"`{command()}`\n\n{now}, commit {_commit()}; {machine(gpu)}.\n\n"
             + (notes.strip() + "\n\n" if notes.strip() else "") + table)
-    path = Path(args.results)
+    path = Path(args.record)
     text = path.read_text() if path.exists() else TITLE
     path.write_text(replace_section(text, heading, body))
     print(f"(written under '## {heading}' in {path})")

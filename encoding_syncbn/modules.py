@@ -209,7 +209,7 @@ class SyncBatchNorm(_BatchNorm):
 
     def _set_path(self, path: str | None) -> None:
         self._path = path
-        where = repr(path) if path else f"at {id(self):#x}"
+        where = f"at model path {path!r}" if path else f"at {id(self):#x}"
         self._label_text = f"SyncBatchNorm({self.num_features}) {where}"
 
     def __getstate__(self) -> dict[str, Any]:

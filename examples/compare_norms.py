@@ -12,8 +12,8 @@ on the CPU) DataParallel replicas differently:
 
 Each run is its own process, so its peak memory is its own. Writes ``compare.md`` (the
 table) and ``compare.png`` (validation mIoU per epoch) to ``--output``, and each run's
-checkpoint, curves and predictions to a subfolder. Flags this script does not know are passed
-to every run, e.g.::
+checkpoint, curves and predictions to a subfolder. The training script's other flags are
+passed to every run (``--help`` lists them), e.g.::
 
     python examples/compare_norms.py --epochs 6 --train-images 256
 """
@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
+import textwrap
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -34,6 +35,7 @@ sys.path.insert(0, str(_HERE))
 
 from segmentation.model import NORM_CHOICES  # noqa: E402
 from segmentation.plots import save_comparison  # noqa: E402
+from train_segmentation import build_parser as training_parser  # noqa: E402
 
 TRAIN_SCRIPT = _HERE / "train_segmentation.py"
 
@@ -50,6 +52,8 @@ LABELS = {
     "syncbn": "SyncBatchNorm",
     "inplace_abn": "In-Place ABN",
 }
+#: The training script's flags this script sets per run, which cannot be passed through.
+SET_PER_RUN = ("--norm", "--activation", "--output", "--replicas", "--batch-size", "--lr")
 
 
 def _names(choices: Sequence[str]):
@@ -63,10 +67,35 @@ def _names(choices: Sequence[str]):
     return parse
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter,
+                     argparse.RawDescriptionHelpFormatter):
+    """Defaults after each flag's help; the epilog's list of passed-on flags as laid out."""
+
+
+def _passed_on() -> str:
+    """The help's epilog: the training script's flags that go to every run, with their help
+    and defaults (this script's for the data flags it sets, ``DATA``)."""
+    defaults = dict(zip(DATA[::2], DATA[1::2]))
+    lines = ["flags passed to every run (train_segmentation.py's; its --help says more):"]
+    for action in training_parser()._actions:
+        flag = action.option_strings[-1] if action.option_strings else None
+        if flag is None or flag in (*SET_PER_RUN, "--help", "--no-progress"):
+            continue
+        usage = flag if action.nargs == 0 else f"{flag} {action.dest.upper()}"
+        default = defaults.get(flag, action.default)
+        if isinstance(default, list):
+            default = ",".join(map(str, default))
+        shown = ("" if default is None or default is False or "default" in (action.help or "")
+                 else f" (default: {default})")
+        lines += textwrap.wrap(f"{usage}: {action.help}{shown}", 96,
+                               initial_indent="  ", subsequent_indent="      ")
+    return "\n".join(lines)
+
+
 def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[str]]:
     """This script's flags, and the rest (passed to every training run)."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=_passed_on(),
+                                formatter_class=_HelpFormatter)
     p.add_argument("--settings", type=_names(tuple(SETTINGS)), default=list(SETTINGS),
                    help="comma-separated settings to run, from: " + ", ".join(SETTINGS))
     p.add_argument("--norms", type=_names(NORM_CHOICES), default=list(NORM_CHOICES),
@@ -78,8 +107,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[str
     args, rest = p.parse_known_args(argv)
     if args.activation != "leaky_relu" and "inplace_abn" in args.norms:
         p.error("inplace_abn needs --activation leaky_relu; leave it out with --norms bn,syncbn")
-    reserved = {"--norm", "--activation", "--output", "--replicas", "--batch-size", "--lr"}
-    clash = sorted(reserved & {a.split("=")[0] for a in rest})
+    clash = sorted(set(SET_PER_RUN) & {a.split("=")[0] for a in rest})
     if clash:
         p.error(f"{', '.join(clash)} are set by this script per run, not passed through")
     return args, rest

@@ -3,6 +3,7 @@ every script answers ``--help``."""
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import os
 import re
@@ -81,10 +82,16 @@ def test_script_help(helps, script):
     assert not [option for option in options if option.count("(default") > 1], out
 
 
-def test_results_section_replaced_or_appended():
+@pytest.fixture(scope="module")
+def results():
+    """benchmarks/results.py, the benchmarks' shared recording helper."""
     spec = importlib.util.spec_from_file_location("bench_results", ROOT / "benchmarks/results.py")
-    results = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(results)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_results_section_replaced_or_appended(results):
     text = "# R\n\n## a.py\n\nold a\n\n## b.py (cpu)\n\nold b\n"
     text = results.replace_section(text, "a.py", "new a\n| x |")
     assert text == "# R\n\n## a.py\n\nnew a\n| x |\n\n## b.py (cpu)\n\nold b\n"
@@ -92,6 +99,25 @@ def test_results_section_replaced_or_appended():
     assert text.endswith("## a.py\n\nnew a\n| x |\n\n## b.py (cpu)\n\nnew b\n")
     assert results.replace_section(text, "b.py", "c").endswith("new b\n\n## b.py\n\nc\n")
     assert results.markdown_table(["a", "b"], [["x", 1.5]]) == "| a | b |\n|---|---:|\n| x | 1.5 |"
+
+
+def test_results_written_only_with_record(results, tmp_path, monkeypatch):
+    """A benchmark prints by default; ``--record`` writes RESULTS.md, ``--record PATH`` PATH,
+    under a command that leaves ``--record`` out."""
+    parser = argparse.ArgumentParser()
+    results.add_arguments(parser)
+    assert parser.parse_args([]).record is None
+    assert parser.parse_args(["--record"]).record == results.RESULTS
+    path = tmp_path / "R.md"
+    results.record(parser.parse_args([]), "x.py", "| a |")
+    assert not path.exists()
+    argv = ["--n", "3", "--record", str(path), "--fast"]
+    monkeypatch.setattr(sys, "argv", [str(ROOT / "benchmarks" / "x.py"), *argv])
+    results.record(parser.parse_args(["--record", str(path)]), "x.py", "| a |")
+    text = path.read_text()
+    assert text.startswith(results.TITLE)
+    assert "## x.py\n\n`python benchmarks/x.py --n 3 --fast`\n" in text
+    assert text.endswith("\n\n| a |\n")
 
 
 def test_version():

@@ -51,7 +51,7 @@ def test_modified_output_names_layer_and_fixes(replicas, second_inplace):
     with pytest.raises(RuntimeError) as info:
         out.sum().backward()
     message = str(info.value)
-    assert "SyncBatchNorm(3) 'bn'" in message
+    assert "SyncBatchNorm(3) at model path 'bn'" in message
     assert "`out = out + identity`" in message and "inplace=False" in message
     assert "modified by an inplace operation" in message  # torch's own words kept too
 
@@ -78,12 +78,12 @@ def test_converters_record_paths_for_every_error():
     """Converted layers and layers built directly alike; SyncError's label is the same text."""
     model = nn.Sequential(nn.Conv2d(3, 3, 1), SyncBatchNorm(3), nn.BatchNorm2d(3))
     model = encoding_syncbn.convert_sync_batchnorm(model)
-    assert [model[1]._label(), model[2]._label()] == ["SyncBatchNorm(3) '1'",
-                                                      "SyncBatchNorm(3) '2'"]
+    assert [model[1]._label(), model[2]._label()] == [
+        "SyncBatchNorm(3) at model path '1'", "SyncBatchNorm(3) at model path '2'"]
     block = encoding_syncbn.convert_inplace_abn(
         nn.Sequential(nn.Conv2d(3, 3, 1), nn.BatchNorm2d(3), nn.LeakyReLU(), nn.Conv2d(3, 3, 1))
     )
-    assert block[1].inplace and block[1]._label() == "SyncBatchNorm(3) '1'"
+    assert block[1].inplace and block[1]._label() == "SyncBatchNorm(3) at model path '1'"
 
 
 # ---- opt-in checks (Python-level, the same for every backend) -----------------------------

@@ -197,7 +197,8 @@ def test_jit_trace_in_training_is_refused_and_changes_nothing():
     model = network()
     before = copy.deepcopy(model.state_dict())
     x = torch.randn(4, 3, 6, 6, dtype=torch.float64)
-    with pytest.raises(RuntimeError, match=r"SyncBatchNorm\(4\) '1'.*evaluation only"):
+    with pytest.raises(RuntimeError,
+                       match=r"SyncBatchNorm\(4\) at model path '1'.*evaluation only"):
         torch.jit.trace(model, x)
     for name, value in model.state_dict().items():
         assert torch.equal(value, before[name]), name
@@ -212,7 +213,8 @@ def test_jit_script_is_refused_by_name_and_reverted_models_script(momentum):
     for module in model.modules():
         if isinstance(module, SyncBatchNorm):
             module.momentum = momentum
-    with pytest.raises(TypeError, match=r"SyncBatchNorm\(4\) '1'.*revert_sync_batchnorm"):
+    with pytest.raises(TypeError,
+                       match=r"SyncBatchNorm\(4\) at model path '1'.*revert_sync_batchnorm"):
         torch.jit.script(model)
     reverted = revert_sync_batchnorm(copy.deepcopy(model))
     scripted = torch.jit.script(copy.deepcopy(reverted))

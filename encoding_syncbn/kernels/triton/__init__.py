@@ -7,7 +7,8 @@ tiles, memoised launch planning), ``tiles`` (device functions addressing a tile)
 launch planner, ``specialisations`` (every launch the planners can produce, for ``check.py``)
 and ``ops`` (launch, torch.library registration, the public functions).
 
-Memory traffic per element of an activation of B bytes (see DESIGN.md):
+Memory traffic per element of an activation of B bytes, the least each pass can move
+(``benchmarks/traffic.py`` counts what the kernels move):
 
     forward   channel_stats (read x)             + normalize_act (read x, write y)      = 3B
     backward  backward_reduce (read saved, dy)   + backward_dx (read saved, dy, write dx) = 5B
