@@ -1,8 +1,9 @@
-"""Reliability: failures, timeouts, recovery, ordering, copies, threads, soak, checkpointing and
-bad inputs. Every numerical check compares with plain PyTorch (``nn.BatchNorm1d`` on the whole
-batch) in float64. No test can hang: ``ENCODING_SYNCBN_TIMEOUT`` is small unless a test sets
-it. Whether a call waited on a peer is read from the waits it made (the ``replica_waits``
-fixture), never from the clock: a bound in seconds fails on a loaded machine.
+"""Reliability: failures, timeouts, recovery, ordering, copies, threads, soak, checkpointing,
+bad inputs and late replicas. Every numerical check compares with plain
+PyTorch (``nn.BatchNorm1d`` on the whole batch) in float64. No test can hang:
+``ENCODING_SYNCBN_TIMEOUT`` is small unless a test sets it. Whether a call waited on a peer is
+read from the waits it made (the ``replica_waits`` fixture), never from the clock: a bound in
+seconds fails on a loaded machine.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from backends import each_backend, one_backend
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
 from replica_waits import (
     assert_waited_only_on_this_step,
     ended_by_an_error,
@@ -73,7 +76,9 @@ class Net(nn.Module):
 
     ``sync=True``: SyncBatchNorm layers (bn1 with the activation fused, in place);
     ``sync=False``: the plain PyTorch reference, for the whole batch.
-    ``fault(where, x, tag)`` lets a test break one replica (``tag`` holds the replica index).
+    ``fault(where, x, tag)`` lets a test break or delay one replica (``tag`` holds the replica
+    index) at ``where``: "before" bn1, "inside" (bn1's input), "between" bn1 and bn2, "after"
+    the last sync layer.
     """
 
     def __init__(self, sync: bool = True, features: int = 5, width: int = 6, seed: int = 0):
@@ -104,6 +109,7 @@ class Net(nn.Module):
         self._maybe_fault("between", h, tag)
         h = self.bn2(self.fc2(h))
         h = self.bn2(h * 0.5 + 1.0)
+        self._maybe_fault("after", h, tag)
         return self.head(h)
 
     def _maybe_fault(self, where, h, tag):
@@ -149,6 +155,17 @@ def train_step(runner: nn.Module, model: nn.Module, optimizer, x, y, *extra):
     grads = [p.grad.clone() for p in model.parameters()]
     optimizer.step()
     return out.detach(), grads
+
+
+def assert_step_exact(net: Net, ref: Net, runner: nn.Module, opts, x, y, *extra):
+    """A step of ``net`` through ``runner`` (given ``extra`` arguments) matches one of its
+    reference ``ref`` on the whole batch: output, gradients, state afterwards."""
+    out, grads = train_step(runner, net, opts[0], x, y, *extra)
+    ref_out, ref_grads = train_step(ref, ref, opts[1], x, y)
+    torch.testing.assert_close(out, ref_out, **TOL)
+    for g, rg in zip(grads, ref_grads):
+        torch.testing.assert_close(g, rg, **TOL)
+    assert_same_state(net, ref)
 
 
 def assert_same_state(a: nn.Module, b: nn.Module, **tol):
@@ -992,3 +1009,119 @@ def test_dropped_cross_process_merge_frees_its_graph():
     merged = merge_stats(means, torch.rand(2, 3, dtype=DT), [4, 5], 1e-5)
     del means, merged
     assert _GraphWatch.alive == set()
+
+
+# ---- 10. late and early replicas --------------------------------------------------------------
+
+
+def _late_at(where: str, rank: int, delay: threading.Event | float):
+    """A fault delaying replica ``rank`` at ``where``: by ``delay`` seconds, or until the
+    event ``delay`` is set (at most 10 s)."""
+
+    def fault(spot, h, r):
+        if spot == where and r == rank:
+            if isinstance(delay, threading.Event):
+                assert delay.wait(10.0), "no replica stopped waiting for the late one"
+            else:
+                time.sleep(delay)
+        return None
+
+    return fault
+
+
+def _signal_when_a_replica_stops_waiting(monkeypatch) -> threading.Event:
+    """An event set once a replica's ``gather`` or ``exchange`` has raised: after it took its
+    payload back (a master that arrives after that finds the peer gone)."""
+    stopped = threading.Event()
+    for name in ("gather", "exchange"):
+        method = getattr(sbn_sync.ReplicaGroup, name)
+
+        def signalling(self, *args, method=method):
+            try:
+                return method(self, *args)
+            except BaseException:
+                stopped.set()
+                raise
+
+        monkeypatch.setattr(sbn_sync.ReplicaGroup, name, signalling)
+    return stopped
+
+
+@pytest.mark.parametrize("where", ["before", "between"])
+def test_master_reaching_a_layer_after_its_peers_gave_up_raises_sync_error(
+        monkeypatch, replica_waits, where):
+    """The master reaches bn1 (before) or bn2 (between) only after its peers' wait there
+    timed out: a SyncError naming the layer and what happened (it was an AttributeError from
+    the merge), no running statistic of that layer updated, and the next step exact."""
+    monkeypatch.setenv(sbn_sync.TIMEOUT_ENV, "0.5")
+    net = Net()
+    stopped = _signal_when_a_replica_stops_waiting(monkeypatch)
+    net.fault = _late_at(where, 0, stopped)
+    layer = net.bn1 if where == "before" else net.bn2
+    untouched = {k: v.clone() for k, v in layer.state_dict().items()}
+    x, _ = batch(6, seed=8)
+    with pytest.raises(SyncError) as raised:
+        SimulatedDataParallel(net, 3)(x, tags(6, 3))
+    message = str(raised.value)
+    assert message.startswith(f"{layer._label()}, rank 0: reached call 0 of this layer after "
+                              f"ranks "), message
+    assert "had stopped waiting for it" in message and "did not arrive within 0.5 s" in message
+    assert_unchanged(layer, untouched)
+    monkeypatch.setenv(sbn_sync.TIMEOUT_ENV, "10")
+    net.fault = None
+    failed_groups = [w.group for w in replica_waits]
+    ref = reference_of(net)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (net, ref)]
+    replica_waits.clear()
+    x, y = batch(6, seed=9)
+    assert_step_exact(net, ref, SimulatedDataParallel(net, 3), opts, x, y, tags(6, 3))
+    assert_waited_only_on_this_step(replica_waits, failed_groups, 3)
+
+
+@one_backend  # above the ops; the master's case above runs on every backend
+@settings(max_examples=8, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(replicas=st.integers(2, 4), late_master=st.booleans(),
+       where=st.sampled_from(["before", "between", "after"]), past_the_timeout=st.booleans(),
+       seed=st.integers(0, 1000))
+@example(replicas=2, late_master=False, where="before", past_the_timeout=True, seed=0)
+@example(replicas=3, late_master=False, where="between", past_the_timeout=True, seed=0)
+def test_a_late_replica_gives_sync_error_or_an_exact_step_and_the_next_is_exact(
+        monkeypatch, replica_waits, replicas, late_master, where, past_the_timeout, seed):
+    """One replica (the master or a peer) is late before bn1, between bn1 and bn2, or after
+    the last sync layer: by 50 ms within a long timeout, or until a peer has stopped waiting
+    for it (timeout 0.5 s; after the last layer, 0.6 s: nobody waits for it there). A step in
+    which a replica is late past the timeout at a sync layer raises SyncError, leaving that
+    layer's state as it was; any other step is exact. The next step is exact."""
+    n = 2 * replicas + seed % 3
+    net = Net(seed=seed)
+    layer = net.bn1 if where == "before" else net.bn2  # the one a replica is late for
+    untouched = snapshot(layer)
+    late = 0 if late_master else 1 + seed % (replicas - 1)
+    with monkeypatch.context() as patch:
+        patch.setenv(sbn_sync.TIMEOUT_ENV, "0.5" if past_the_timeout else "10")
+        stopped = _signal_when_a_replica_stops_waiting(patch)
+        delay = (stopped if where != "after" else 0.6) if past_the_timeout else 0.05
+        net.fault = _late_at(where, late, delay)
+        replica_waits.clear()
+        ref = reference_of(net)
+        opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (net, ref)]
+        x, y = batch(n, seed=seed)
+        runner = SimulatedDataParallel(net, replicas)
+        if past_the_timeout and where != "after":
+            with pytest.raises(SyncError, match=r"SyncBatchNorm\(6\)"):
+                runner(x, tags(n, replicas))
+            assert stopped.is_set()
+            assert_unchanged(layer, untouched)
+        else:
+            assert_step_exact(net, ref, runner, opts, x, y, tags(n, replicas))
+            assert ended_by_an_error(replica_waits) == []
+    net.fault = None
+    failed_groups = [w.group for w in replica_waits]
+    ref = reference_of(net)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (net, ref)]
+    replica_waits.clear()
+    x, y = batch(n, seed=seed + 1)
+    assert_step_exact(net, ref, SimulatedDataParallel(net, replicas), opts, x, y)
+    chunks = len(torch.chunk(x, replicas))
+    assert_waited_only_on_this_step(replica_waits, failed_groups, chunks)
