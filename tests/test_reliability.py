@@ -1,5 +1,5 @@
 """Reliability: failures, timeouts, recovery, ordering, copies, threads, soak, checkpointing,
-bad inputs and late replicas. Every numerical check compares with plain
+bad inputs, late replicas and nested wrappers. Every numerical check compares with plain
 PyTorch (``nn.BatchNorm1d`` on the whole batch) in float64. No test can hang:
 ``ENCODING_SYNCBN_TIMEOUT`` is small unless a test sets it. Whether a call waited on a peer is
 read from the waits it made (the ``replica_waits`` fixture), never from the clock: a bound in
@@ -1051,8 +1051,9 @@ def _signal_when_a_replica_stops_waiting(monkeypatch) -> threading.Event:
 def test_master_reaching_a_layer_after_its_peers_gave_up_raises_sync_error(
         monkeypatch, replica_waits, where):
     """The master reaches bn1 (before) or bn2 (between) only after its peers' wait there
-    timed out: a SyncError naming the layer and what happened (it was an AttributeError from
-    the merge), no running statistic of that layer updated, and the next step exact."""
+    timed out: a SyncError naming the layer and what happened (not an error from merging
+    without their statistics), no running statistic of that layer updated, and the next step
+    exact."""
     monkeypatch.setenv(sbn_sync.TIMEOUT_ENV, "0.5")
     net = Net()
     stopped = _signal_when_a_replica_stops_waiting(monkeypatch)
@@ -1125,3 +1126,83 @@ def test_a_late_replica_gives_sync_error_or_an_exact_step_and_the_next_is_exact(
     assert_step_exact(net, ref, SimulatedDataParallel(net, replicas), opts, x, y)
     chunks = len(torch.chunk(x, replicas))
     assert_waited_only_on_this_step(replica_waits, failed_groups, chunks)
+
+
+# ---- 11. nested wrappers ----------------------------------------------------------------------
+
+
+def nested(model: nn.Module, counts: list[int]) -> nn.Module:
+    """``model`` in a SimulatedDataParallel of ``counts[-1]`` replicas, that in one of
+    ``counts[-2]``, ...: ``counts[0]`` is the outermost."""
+    for replicas in reversed(counts):
+        model = SimulatedDataParallel(model, replicas)
+    return model
+
+
+def check_nested(waits: list, counts: list[int], n: int, seed: int) -> None:
+    """Two steps of ``Net`` in ``nested(net, counts)`` on batches of ``n``: each exact against
+    the whole batch (output, gradients, running statistics), no wait ending in an error."""
+    net = Net(seed=seed)
+    ref = reference_of(net)
+    runner = nested(net, counts)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (net, ref)]
+    for s in range(2):
+        waits.clear()
+        x, y = batch(n, seed=seed + s)
+        assert_step_exact(net, ref, runner, opts, x, y)
+        assert ended_by_an_error(waits) == []
+    assert int(net.bn2.num_batches_tracked) == 4  # called twice a step
+
+
+@pytest.mark.parametrize("counts,n", [([2, 2], 8), ([3, 2], 5), ([2, 2], 3)],
+                         ids=["2x2", "3x2-uneven", "2x2-outer-chunk-of-one"])
+def test_nested_wrappers_normalise_over_the_whole_batch(replica_waits, counts, n):
+    """A SimulatedDataParallel (as an nn.DataParallel) inside another: every replica
+    normalises with the statistics of the whole outer batch. With a batch of 3 the second
+    outer chunk holds one sample, which its wrapper runs without splitting: that replica
+    takes part in the outer call itself, beside the first chunk's inner master."""
+    check_nested(replica_waits, counts, n, seed=0)
+
+
+@one_backend  # the nesting lives above the ops: the cases above run it on every backend
+@settings(max_examples=8, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(counts=st.lists(st.integers(1, 3), min_size=2, max_size=3), n=st.integers(2, 10),
+       seed=st.integers(0, 1000))
+def test_nested_wrappers_of_any_sizes_normalise_over_the_whole_batch(replica_waits, counts, n,
+                                                                     seed):
+    """Two or three wrappers deep, of 1-3 replicas each, batches of 2-10 (outer chunks that
+    split into fewer chunks, or not at all)."""
+    check_nested(replica_waits, counts, n, seed)
+
+
+def test_nested_wrapper_failure_fails_the_outer_call_fast(monkeypatch, replica_waits):
+    """One replica of an inner call raises inside bn1: the replicas of the other outer chunk
+    (waiting in the outer call's group) hear of it at once, not at the timeout."""
+    monkeypatch.setenv(sbn_sync.TIMEOUT_ENV, "60")
+    net = Net()
+    net.fault = _bad_channels(3)
+    x, _ = batch(8, seed=7)
+    # tags of the whole batch: the inner calls split each outer chunk's tags alike
+    with pytest.raises(ValueError, match="channels"):
+        nested(net, [2, 2])(x, torch.arange(8.0) // 2)
+    assert ended_by_an_error(replica_waits) and not gave_up_at_the_deadline(replica_waits)
+
+
+@one_backend  # the merge's saved tensors: above the ops
+def test_nested_wrappers_around_checkpointed_blocks_match_the_whole_batch():
+    """The outer call's master merges the nested calls' statistics inside its checkpointed
+    block, whose recomputation replays the layer without that merge: the merge's tensors are
+    not the checkpoint's to save (else a CheckpointError: a different number of tensors saved
+    in the recomputation)."""
+    ckpt = CheckpointNet(mode="non-reentrant")
+    ref = CheckpointNet(sync=False)
+    ref.load_state_dict(ckpt.state_dict())
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (ckpt, ref)]
+    x, y = batch(9, seed=91)
+    out, grads = train_step(nested(ckpt, [2, 2]), ckpt, opts[0], x, y[:, :2])
+    ref_out, ref_grads = train_step(ref, ref, opts[1], x, y[:, :2])
+    torch.testing.assert_close(out, ref_out, **TOL)
+    for g, rg in zip(grads, ref_grads):
+        torch.testing.assert_close(g, rg, **TOL)
+    assert_same_state(ckpt, ref)
