@@ -2,9 +2,11 @@
 
 Every replica sends its ``(mean, M2, count)`` to the master (rank 0), which merges them (and,
 under ``torch.distributed``, those of every process) and answers each replica with the global
-``(mean, invstd)`` on its device. The tensors handed over keep their autograd history: backward
-needs no exchange. ``sync.ReplicaGroup`` carries the payloads; this module says what they are
-and makes them safe to read on another thread's streams.
+``(mean, invstd)`` on its device. In a DataParallel call nested in another, the master of
+each nested call merges its replicas' statistics and sends them on, as one ``SubBatch``, to
+the outer call's master in its replica's place. The tensors handed over keep their autograd
+history: backward needs no exchange. ``sync.ReplicaGroup`` carries the payloads; this module
+says what they are and makes them safe to read on another thread's streams.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from . import distributed
+from . import distributed, stats
 from .functional import ReplicaStats, merge_replicas, on_device
 from .replicas import ReplicaSlot
 from .streams import stream_event, wait_for
@@ -47,36 +49,48 @@ class Exchange:
 
     def __call__(self, own: ReplicaStats) -> tuple[torch.Tensor, torch.Tensor]:
         """Send local statistics to the master, get the global ``(mean, invstd)`` back."""
-        slot = self.slot
-        if slot is None or slot.group.size == 1:
-            mean, m2, invstd, total = self._merge([own])
-            self.track(mean, m2, total)
-        elif slot.rank == 0:
-            group = slot.group
-            call = group.begin_call(0)
-            contributions = [_received(c) for c in group.gather(call, _handed(own, own.mean))]
-            mean, m2, invstd, total = self._merge(contributions)
-            self.track(mean, m2, total)
-            answers = []
-            for c in contributions:
-                answer = (on_device(mean, c.mean.device), on_device(invstd, c.mean.device))
-                answers.append(_handed(answer, answer[0]))
-            group.scatter(call, answers)
-        else:
-            group = slot.group
-            mean, invstd = _received(
-                group.exchange(slot.rank, group.begin_call(slot.rank), _handed(own, own.mean))
-            )
+        mean, invstd = self._share(self.slot, own)
         self.own, self.mean, self.invstd = own, mean, invstd
         return mean, invstd
 
-    def _merge(self, contributions: list[ReplicaStats]):
+    def _share(self, slot: ReplicaSlot | None, contribution: ReplicaStats | SubBatch
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The global ``(mean, invstd)``, ``contribution`` (this replica's statistics, or
+        those of the replicas of a call nested in this one) met with the others of ``slot``'s
+        group."""
+        if slot is None or not slot.synced:
+            mean, m2, invstd, total = self._merge([contribution])
+            self.track(mean, m2, total)
+            return mean, invstd
+        group, rank = slot.group, slot.rank
+        call = group.begin_call(rank)
+        handed = _handed(contribution, contribution.mean)
+        if rank > 0:
+            return _received(group.exchange(rank, call, handed))
+        contributions = [_received(c) for c in group.gather(call, handed)]
+        if slot.parent is None:
+            mean, m2, invstd, total = self._merge(contributions)
+            self.track(mean, m2, total)
+        else:  # a nested call: its replicas' statistics go on as its replica's in the outer one
+            try:
+                mean, m2, _, total = _merged(contributions, self.eps)
+                mean, invstd = self._share(slot.parent, SubBatch(mean, m2, total))
+            except BaseException as error:  # the outer call's replicas stop waiting for it
+                slot.parent.group.fail(slot.parent.rank, error)
+                raise
+        answers = []
+        for c in contributions:
+            answer = (on_device(mean, c.mean.device), on_device(invstd, c.mean.device))
+            answers.append(_handed(answer, answer[0]))
+        group.scatter(call, answers)
+        return mean, invstd
+
+    def _merge(self, contributions: list[ReplicaStats | SubBatch]):
         """Master: merge every replica's (and process's) statistics.
 
         Returns the global ``(mean, M2, invstd, count)``.
         """
-        mean, m2, invstd = merge_replicas(contributions, self.eps)
-        total = sum(c.count for c in contributions)
+        mean, m2, invstd, total = _merged(contributions, self.eps)
         if self.across_processes:
             mean, m2, invstd, total = distributed.merge_across_processes(
                 mean, m2, total, self.eps, self.process_group
@@ -87,6 +101,48 @@ class Exchange:
                 "over the whole synchronised batch"
             )
         return mean, m2, invstd, total
+
+
+class SubBatch(NamedTuple):
+    """The statistics of a nested call's replicas, merged by its master: what it brings to
+    the outer call's merge in its replica's place (differentiable: their graph leads to the
+    replicas' inputs)."""
+
+    mean: torch.Tensor
+    m2: torch.Tensor
+    count: int
+
+
+def _merged(contributions: list[ReplicaStats | SubBatch], eps: float
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """``(mean, M2, invstd, count)`` of the contributions, on the first one's device.
+
+    The replicas' by ``merge_replicas`` (whose backward writes their input gradients); nested
+    calls' merged statistics, if any, then join them in Chan's merge in differentiable ATen
+    ops, under saved-tensor hooks of their own: a checkpoint around the master's call must not
+    take those tensors for its region's, as its recomputation replays the layer without a
+    merge.
+    """
+    replicas = [c for c in contributions if isinstance(c, ReplicaStats)]
+    parts = [c for c in contributions if isinstance(c, SubBatch)]
+    total = sum(c.count for c in contributions)
+    if replicas:
+        mean, m2, invstd = merge_replicas(replicas, eps)
+        if not parts:
+            return mean, m2, invstd, total
+        parts.append(SubBatch(mean, m2, sum(c.count for c in replicas)))
+    device, dtype, wide = contributions[0].mean.device, contributions[0].mean.dtype, torch.float64
+    with torch.autograd.graph.saved_tensors_hooks(_kept, _kept):
+        merged = stats.chan_merge(
+            [on_device(p.mean, device).to(wide) for p in parts],
+            [on_device(p.m2, device).to(wide) for p in parts],
+            stats.counts_of([p.count for p in parts], device, wide), eps,
+        )
+        return merged.mean.to(dtype), merged.m2.to(dtype), merged.invstd.to(dtype), total
+
+
+def _kept(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
 
 
 class _OnStream(NamedTuple):

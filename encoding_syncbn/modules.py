@@ -174,7 +174,7 @@ class SyncBatchNorm(_BatchNorm):
         """Called by ``torch.nn.parallel.replicate`` once per replica, in rank order."""
         group = replicas.group_taking_members(self._open_group)
         if group is None:
-            group = replicas.new_group(self._label())
+            group = replicas.new_group(self._label(), self._replica_slot)
             self._open_group = weakref.ref(group)
             # The replicas' parameters are copies of these, made just now: reading them back
             # here, once, spares every replica a device-to-host copy in each of its calls.
@@ -185,7 +185,7 @@ class SyncBatchNorm(_BatchNorm):
                     if self.inplace and not self._computed_by_hooks() else None
                 )
         replica = super()._replicate_for_data_parallel()
-        replica._replica_slot = ReplicaSlot(group, group.add_member(replica))
+        replica._replica_slot = ReplicaSlot(group, group.add_member(replica), self._replica_slot)
         replica._open_group = None
         replica._recompute_cache = RecomputeCache()
         replica._aside = self._open_aside
@@ -302,7 +302,7 @@ class SyncBatchNorm(_BatchNorm):
             count = self._training_count(x) if self.training else 0
             slot = self._replica_slot
             if self.training and self.sync and (
-                    (slot is not None and slot.group.size > 1) or self._syncs_processes()):
+                    (slot is not None and slot.synced) or self._syncs_processes()):
                 tracing.refuse_synced_transform(self._label())
             var, mean = torch.var_mean(x.to(acc), [0, *range(2, x.dim())], correction=0)
             if self.training:
@@ -392,7 +392,7 @@ class SyncBatchNorm(_BatchNorm):
         recomputing = recompute.inside_backward(compiling)
         refresh = not (self.training and recomputing)
         running = self._running() if self.training and not recomputing else None
-        if self.sync and ((slot is not None and slot.group.size > 1) or self._syncs_processes()):
+        if self.sync and ((slot is not None and slot.synced) or self._syncs_processes()):
             config = self._with_aside(config, compiling, refresh, *params)
             if recomputing:
                 return self._recompute_cache.replay(x, weight, bias, config)

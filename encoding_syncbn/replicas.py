@@ -5,6 +5,11 @@ replica, in rank order, before any replica runs: the first call after a forward 
 ``ReplicaGroup`` and each call adds a member (rank 0, the replica on ``device_ids[0]``, is the
 master). A group's size is therefore the number of replicas of this call. The original layer
 holds its open group weakly (``weakref.ref``), so that pickling and copying never meet it.
+
+A DataParallel call nested in another (a wrapper inside a wrapper) replicates the outer
+call's replicas: their group's master merges its replicas' statistics and takes part in the
+outer call's group as the replica it was replicated from (``ReplicaSlot.parent``), so that
+every replica normalises with the statistics of the whole outer batch.
 """
 
 from __future__ import annotations
@@ -21,10 +26,18 @@ from .sync import ReplicaGroup, ReplicaSession, replication_session
 
 
 class ReplicaSlot(NamedTuple):
-    """A replica's place in its DataParallel call: its group and its rank there (0: master)."""
+    """A replica's place in its DataParallel call: its group and its rank there (0: master),
+    and, in a call nested in another, the place there of the replica it was made from."""
 
     group: ReplicaGroup
     rank: int
+    parent: ReplicaSlot | None = None
+
+    @property
+    def synced(self) -> bool:
+        """Whether other replicas share this one's statistics (a nested call's group may be
+        of one: DataParallel replicates a batch smaller than its devices onto fewer)."""
+        return self.parent is not None or self.group.size > 1
 
 
 def group_taking_members(open_group: weakref.ref[ReplicaGroup] | None) -> ReplicaGroup | None:
@@ -34,8 +47,17 @@ def group_taking_members(open_group: weakref.ref[ReplicaGroup] | None) -> Replic
     return group if group is not None and group.accepts_members() else None
 
 
-def new_group(label: str) -> ReplicaGroup:
-    """A group for a new ``replicate()`` call, its errors naming the layer by ``label``."""
+def new_group(label: str, parent: ReplicaSlot | None) -> ReplicaGroup:
+    """A group for a new ``replicate()`` call, its errors naming the layer by ``label``.
+
+    ``parent``: the slot of the layer being replicated, where it is itself a replica (the
+    call is nested in another). That replica is running now: its group takes no more
+    members, and the calling thread (the outer call's, which runs the nested one) is the
+    one whose exit its peers watch for.
+    """
+    if parent is not None:
+        parent.group.close()
+        parent.group.session.register(parent.rank)
     return ReplicaGroup(replication_session(_end_at_next_step), label)
 
 

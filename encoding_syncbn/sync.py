@@ -22,7 +22,9 @@ Groups are new at every ``replicate()``, so nothing of a failed step can reach a
 Every wait polls in short slices and gives up with ``SyncError`` when the deadline
 (``ENCODING_SYNCBN_TIMEOUT`` seconds, read at each call, default 60) passes, when a peer has
 failed, when a peer's thread has exited without arriving, or when a peer waits in another
-layer for this replica (the replicas called the layers in different orders).
+layer for this replica (the replicas called the layers in different orders). A rank that
+gives up before the master has taken its payload takes it back: a master arriving after that
+raises ``SyncError`` too, rather than merging without it.
 """
 
 from __future__ import annotations
@@ -67,12 +69,14 @@ class Reply(NamedTuple):
 class _Meeting:
     """The payloads of one call of a layer, filled in as the ranks arrive."""
 
-    __slots__ = ("call", "payloads", "missing")
+    __slots__ = ("call", "payloads", "missing", "withdrawn")
 
     def __init__(self, call: int, size: int) -> None:
         self.call = call
         self.payloads: list[Any] = [None] * size
         self.missing = set(range(1, size))
+        # Ranks that gave up before the master took the payloads (their wait failed).
+        self.withdrawn: set[int] = set()
 
 
 class _Waiting(NamedTuple):
@@ -224,6 +228,15 @@ class ReplicaGroup:
         finally:  # a failed call keeps no payload (they hold the replicas' graphs) either
             with self._lock:
                 self._meeting = None
+                withdrawn = sorted(meeting.withdrawn)
+        if withdrawn:
+            # The master came late: those ranks arrived (opening its gate), then their wait
+            # for its answer ended (the timeout, or a failure) and took their payloads back.
+            raise self._error(
+                f"reached call {call} of this layer after ranks {withdrawn} had stopped waiting "
+                f"for it: {self.session.failure}",
+                0,
+            )
         return meeting.payloads
 
     def _still_missing(self, meeting: _Meeting) -> list[int]:
@@ -245,6 +258,7 @@ class ReplicaGroup:
             with self._lock:
                 if self._meeting is meeting:  # not taken by the master: it never will be
                     meeting.payloads[rank] = None
+                    meeting.withdrawn.add(rank)
             raise
         reply, self._replies[rank] = self._replies[rank], None
         if reply is None or reply.call != call:

@@ -10,6 +10,8 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 # The shared references (tests/reference.py) import as a plain module.
 sys.path.insert(0, os.path.dirname(__file__))
 
+from replica_waits import record_waits  # noqa: E402
+
 import encoding_syncbn  # noqa: E402
 from encoding_syncbn import _compat  # noqa: E402
 from encoding_syncbn.kernels import torch_ops, triton_available  # noqa: E402
@@ -45,3 +47,9 @@ def each_backend(request, monkeypatch):
     encoding_syncbn.set_backend(request.param.split("-")[0])
     yield request.param
     encoding_syncbn.set_backend("auto")
+
+
+@pytest.fixture
+def replica_waits(monkeypatch):
+    """Every wait of a replica on its peers during the test (``replica_waits.record_waits``)."""
+    return record_waits(monkeypatch)

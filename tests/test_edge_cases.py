@@ -4,7 +4,6 @@ SimulatedDataParallel, the out-of-place warning per layer. Float64 references: n
 from __future__ import annotations
 
 import sys
-import time
 import warnings
 
 import pytest
@@ -14,6 +13,7 @@ from backends import each_backend, one_backend
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from reference import activate
+from replica_waits import assert_waited_only_on_this_step
 from torch import nn
 
 from encoding_syncbn import SyncBatchNorm, SyncError
@@ -78,7 +78,8 @@ class _StemThenSync(nn.Module):
         return self.bn(self.fc(x))
 
 
-def test_failed_step_with_replicas_kept_alive_does_not_stall_the_next(monkeypatch):
+def test_failed_step_with_replicas_kept_alive_does_not_stall_the_next(monkeypatch,
+                                                                      replica_waits):
     """Every replica fails in the stem (a shape error), before the only sync layer; the
     exception is kept (as a notebook keeps ``sys.last_value``), and with it the replicas and
     their group. The next step must form a group of its own, not wait for the dead ranks."""
@@ -89,12 +90,14 @@ def test_failed_step_with_replicas_kept_alive_does_not_stall_the_next(monkeypatc
     with pytest.raises(RuntimeError) as failed:
         parallel(torch.randn(6, 5, dtype=DT))  # wrong width for fc
     monkeypatch.setattr(sys, "last_value", failed.value, raising=False)
+    failed_group = model.bn._open_group()  # held by the failed step's replicas
+    assert failed_group is not None
     ref = nn.BatchNorm1d(4, dtype=DT)
     ref.load_state_dict(model.bn.state_dict())
     x = torch.randn(6, 3, dtype=DT)
-    start = time.monotonic()
+    replica_waits.clear()
     out = parallel(x)
-    assert time.monotonic() - start < 1.0, "the step waited for the failed step's replicas"
+    assert_waited_only_on_this_step(replica_waits, [failed_group], 2)
     with torch.no_grad():
         expected = F.leaky_relu(ref(model.fc(x)), 0.01)
     torch.testing.assert_close(out, expected, **TOL)
