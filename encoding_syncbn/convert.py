@@ -187,6 +187,13 @@ def _where(path: str) -> str:
     return repr(path) if path else "the root of the model"
 
 
+def is_norm_layer(module: nn.Module) -> bool:
+    """Whether the registry knows ``module``'s class or one of its bases (``_BatchNorm``,
+    and so every synchronised layer, included): a norm layer, whose ``forward`` may update
+    its state (count the batch, fold it into running statistics)."""
+    return any(_key(cls) in _CONVERSIONS for cls in type(module).__mro__)
+
+
 def _conversion_for(module: nn.Module, path: str) -> _Conversion | None:
     """The conversion of ``module``'s class, else of the nearest registered base class that
     ``forward`` is inherited from; None for a module that is not a norm layer to convert."""

@@ -25,7 +25,6 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import fx, nn
-from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.lazy import LazyModuleMixin
 
 from . import _compat, activations, convert
@@ -80,8 +79,9 @@ def convert_inplace_abn(module: nn.Module, process_group: Any = None) -> nn.Modu
     """Return ``module`` synchronised as ``convert_sync_batchnorm`` does, with every BatchNorm
     that may safely run in place turned into an In-Place Activated BatchNorm.
 
-    A BatchNorm (``nn.BatchNorm*d``, ``nn.SyncBatchNorm``, timm's ``BatchNormAct2d`` ...)
-    whose output feeds only a ``LeakyReLU`` or ``ELU`` (slope > 0) becomes
+    A BatchNorm (``nn.BatchNorm*d``, ``nn.SyncBatchNorm``, timm's ``BatchNormAct2d``,
+    mapillary's ``ABN`` ...) whose output feeds only a ``LeakyReLU`` or ``ELU`` (slope > 0),
+    or has that activation itself, becomes
     ``SyncBatchNorm(activation=..., inplace=True)``:
 
     - **fused**, when the activation is a module applied only right after such BatchNorms
@@ -100,8 +100,11 @@ def convert_inplace_abn(module: nn.Module, process_group: Any = None) -> nn.Modu
     ``state_dict`` loads into the result with the same keys; the result computes what the
     original computed.
 
-    Modules ``torch.fx`` cannot trace are looked into child by child, with a warning naming
-    them (a child called from their untraced code in another way is not seen). Why each
+    Every norm layer the registry knows is traced as one call: its ``forward`` never runs
+    on the tracer's proxies, so the conversion changes no state (mapillary's layers count
+    the batch before their extension fails on a proxy). Modules ``torch.fx`` cannot trace
+    are looked into child by child, with a warning naming them (a child called from their
+    untraced code in another way is not seen). Why each
     BatchNorm stays out of place: ``logging.getLogger("encoding_syncbn.fuse")`` at DEBUG.
     """
     # Traced in both modes: tracing fixes `if self.training:` branches to the current one.
@@ -217,22 +220,26 @@ class _Planner:
         return decisions
 
 
-def _norm_kind(module: nn.Module) -> tuple[str, float] | None:
-    """``(activation, slope)`` of the out-of-place layer ``module`` converts to, when that is
-    a plain ``SyncBatchNorm`` whose activation is none or may run in place; else None."""
-    if type(module) is SyncBatchNorm:
-        synced = module
-    elif isinstance(module, _BatchNorm):
+def _synced_form(module: nn.Module) -> nn.Module | None:
+    """What ``convert_sync_batchnorm`` makes of the norm layer ``module`` (a synchronised
+    layer it keeps: itself); None for any other module, and for one it refuses (it says
+    why)."""
+    if type(module) is not SyncBatchNorm and convert.is_norm_layer(module):
+        if isinstance(module, LazyModuleMixin) and module.has_uninitialized_params():
+            return None
         try:
             conversion = convert._conversion_for(module, "")
         except TypeError:  # convert_sync_batchnorm raises it, with the module's path
             return None
-        if conversion is None or (isinstance(module, LazyModuleMixin)
-                                  and module.has_uninitialized_params()):
-            return None  # convert_sync_batchnorm says why
-        synced = conversion.to_sync(module, None)
-    else:
-        return None
+        if conversion is not None:
+            return conversion.to_sync(module, None)
+    return module if isinstance(module, SyncBatchNorm) else None
+
+
+def _norm_kind(module: nn.Module) -> tuple[str, float] | None:
+    """``(activation, slope)`` of the out-of-place layer ``module`` converts to, when that is
+    a plain ``SyncBatchNorm`` whose activation is none or may run in place; else None."""
+    synced = _synced_form(module)
     if type(synced) is not SyncBatchNorm or synced.inplace:
         return None
     # Of the invertible ones, identity is left out of place: its conversion chose that.
@@ -347,7 +354,11 @@ def _writes(user: fx.Node, value: fx.Node, root: nn.Module) -> bool:
         name = getattr(user.target, "__name__", "")
         return name.endswith("_") or any(arg is True for arg in user.args[1:])
     if user.op == "call_module":
-        return bool(getattr(root.get_submodule(user.target), "inplace", False))
+        # A norm layer as the conversion makes it: mapillary's InPlaceABN, timm's InplaceAbn
+        # have no `inplace` flag, and become in-place layers.
+        module = root.get_submodule(user.target)
+        synced = _synced_form(module)
+        return bool(getattr(module if synced is None else synced, "inplace", False))
     return False
 
 
@@ -387,8 +398,10 @@ def _where(path: str) -> str:
 
 
 def _is_leaf(module: nn.Module) -> bool:
-    """torch's own modules and norm layers are traced as single calls."""
-    return isinstance(module, _BatchNorm) or (
+    """torch's own modules and every norm layer the registry knows are traced as single
+    calls: a norm layer's ``forward`` never runs on the tracer's proxies, where it could
+    update its state before failing (mapillary's counts the batch first)."""
+    return convert.is_norm_layer(module) or (
         module.__module__.startswith(("torch.nn", "torch.ao.nn"))
         and not isinstance(module, nn.Sequential)
     )

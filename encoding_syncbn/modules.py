@@ -253,7 +253,7 @@ class SyncBatchNorm(_BatchNorm):
             return tracing.fx_leaf_call(self, self._label(), input)
         # Asked once a call (~1,600 instructions a question) and handed to the checks below.
         compiling = torch.compiler.is_compiling()
-        if tracing.in_aten_ops(self.training, compiling):
+        if tracing.in_aten_ops(compiling):
             return self._forward_in_aten_ops(input)
         slot = self._replica_slot
         if slot is not None:
@@ -285,10 +285,11 @@ class SyncBatchNorm(_BatchNorm):
 
     def _forward_in_aten_ops(self, x: torch.Tensor) -> torch.Tensor:
         """The layer in differentiable ATen ops (``tracing.in_aten_ops``): evaluation for a
-        program that must run without this package (the training trace is refused), and any
+        program that must run without this package (a training capture is refused), and any
         call under a ``torch.func`` transform."""
-        if self.training and torch.jit.is_tracing():
-            tracing.refuse_training_trace(self._label())
+        capture = tracing.capture_of_training(self.training)
+        if capture is not None:
+            tracing.refuse_training_capture(self._label(), capture)
         if torch.jit.is_tracing():
             with warnings.catch_warnings():
                 # A warning at each size the checks compare: constants of the trace, rightly.

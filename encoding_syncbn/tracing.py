@@ -5,12 +5,16 @@ registered custom ops: the Triton kernels stay):
   extraction, quantisation prep): a layer records itself as one ``call_module`` node, a leaf,
   as FX records ``torch.nn``'s own modules. Running the traced module calls the layer itself,
   synchronised and in place as before.
-- ``torch.export`` of an evaluating layer, and ``torch.jit.trace`` (TorchScript, the
-  TorchScript-based ONNX exporter): the layer computes in ATen ops, the same formula as its
+- ``torch.export`` and ``torch.jit.trace`` (TorchScript, the TorchScript-based ONNX
+  exporter) of an evaluating layer: the layer computes in ATen ops, the same formula as its
   kernels (``functional.norm_act_composite``), so that the captured program needs neither this
-  package nor Triton to run (ONNX, AOTInductor, ExecuTorch). A training ``torch.export`` keeps
-  the custom ops; a training ``torch.jit.trace`` is refused, as its graph would hold neither
-  the synchronisation nor the running statistics' update.
+  package nor Triton to run (ONNX, AOTInductor, ExecuTorch). Of a training layer both are
+  refused, naming the layer: a captured program cannot exchange statistics with the
+  DataParallel replicas or processes it will run beside, so it would normalise each one's
+  batch alone, silently (``nn.SyncBatchNorm`` exports outside torch.distributed as such a
+  plain BatchNorm).
+  ``revert_sync_batchnorm`` gives that per-replica model in plain modules, to capture
+  knowingly.
 - ``torch.jit.script``: refused, naming the layer; ``revert_sync_batchnorm`` gives the
   equivalent plain modules, which script.
 - ``torch.func`` transforms (``grad``, ``vjp``, ``jacrev``, ``jvp``, ``vmap``: meta-learning,
@@ -64,23 +68,36 @@ def in_forward_ad() -> bool:
     return getattr(forward_ad, "_current_level", -1) >= 0
 
 
-def in_aten_ops(training: bool, compiling: bool) -> bool:
+def in_aten_ops(compiling: bool) -> bool:
     """Whether the layer computes in ATen ops, its kernels' formula
     (``functional.norm_act_composite``): its call is being captured for a program that must
-    run without this package (``torch.jit.trace``, or an evaluating layer under
-    ``torch.export``), or differentiated by a ``torch.func`` transform or in forward mode.
+    run without this package (``torch.jit.trace``, ``torch.export``: both refuse a training
+    layer, see ``capture_of_training``), or differentiated by a ``torch.func`` transform or in
+    forward mode.
     ``compiling``: ``torch.compiler.is_compiling()``, as the caller asked it."""
     return (_compat.functorch_transform_active(compiling) or in_forward_ad()
-            or _compat.jit_tracing(compiling)
-            or (not training and torch.compiler.is_exporting()))
+            or _compat.jit_tracing(compiling) or torch.compiler.is_exporting())
 
 
-def refuse_training_trace(label: str) -> None:
-    """``torch.jit.trace`` of a training layer."""
+def capture_of_training(training: bool) -> str | None:
+    """Which capture records a training layer now (``torch.jit.trace``,
+    ``torch.export``), refused by ``refuse_training_capture``; None: none."""
+    if not training:
+        return None
+    if torch.jit.is_tracing():
+        return "torch.jit.trace"
+    if torch.compiler.is_exporting():
+        return "torch.export"
+    return None
+
+
+def refuse_training_capture(label: str, capture: str) -> None:
+    """``torch.jit.trace`` or ``torch.export`` (``capture``) of a training layer."""
     raise RuntimeError(
-        f"{label}: torch.jit.trace records the layer in evaluation only (model.eval() "
-        "first): a traced training step would hold neither the synchronisation across "
-        f"replicas nor the running statistics' update; {_REVERT}"
+        f"{label}: {capture} records the layer in evaluation only (model.eval() first): a "
+        "captured training step cannot synchronise the batch statistics across DataParallel "
+        "replicas or processes, and would normalise each one's batch alone; to capture that "
+        f"per-replica training step knowingly, capture the reverted model: {_REVERT}"
     )
 
 

@@ -12,8 +12,14 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from backends import each_backend
-from convert_check import assert_same_run, check_converted, check_reverted
+from backends import each_backend, one_backend
+from convert_check import (
+    assert_same_run,
+    assert_same_state,
+    check_converted,
+    check_reverted,
+    run,
+)
 from reference import assert_close
 from third_party import import_or_skip
 from torch import nn
@@ -299,3 +305,162 @@ def test_hooks_see_what_they_saw(hooked):
     for got, expected, what in zip(kept["converted"][0], kept["original"][0],
                                    ("input", "output")):
         assert_close(got, expected, what=f"the hook's {what}")
+
+
+# ---- every norm layer the registry knows: a leaf of the trace, its state untouched ----------
+
+
+class _AsRank(nn.Module):
+    """``norm`` applied to a 4-D input seen as 3-D (BatchNorm1d) or 5-D (BatchNorm3d)."""
+
+    def __init__(self, norm: nn.Module, rank: int) -> None:
+        super().__init__()
+        self.norm, self.rank = norm, rank
+
+    def forward(self, x):
+        seen = x.flatten(2) if self.rank == 3 else x.unsqueeze(2)
+        return self.norm(seen).reshape(x.shape)
+
+
+class _BatchNormSubclass(nn.modules.batchnorm._BatchNorm):
+    """A user's BatchNorm keeping ``_BatchNorm``'s forward (registered through its base)."""
+
+    def _check_input_dim(self, input):
+        pass
+
+
+def _every_norm_layer(timm_abn: nn.Module) -> nn.Module:
+    """A conv before each norm class the registry knows (but the lazy BatchNorms, which are
+    BatchNorms once they have seen an input), every other one followed by a LeakyReLU that
+    may fuse, in float64, with weights, biases, statistics and batch counts of their own,
+    every other one with ``momentum=None`` (cumulative average: the factor is 1 / the batch
+    count). ``timm_abn``: timm's InplaceAbn (it has no batch count: its momentum stays)."""
+    import mapillary
+    from timm.layers import BatchNormAct2d, convert_sync_batchnorm
+
+    from encoding_syncbn import inplace_abn as ours
+    from encoding_syncbn.norm_act import BatchNormAct
+
+    c, abn = 4, {"activation": "elu", "activation_param": 0.5}
+    norms = [
+        nn.BatchNorm2d(c), _AsRank(nn.BatchNorm1d(c), 3), _AsRank(nn.BatchNorm3d(c), 5),
+        nn.SyncBatchNorm(c), _BatchNormSubclass(c), BatchNormAct(c, act=nn.LeakyReLU(0.2)),
+        BatchNormAct2d(c, act_layer=nn.ELU),
+        convert_sync_batchnorm(BatchNormAct2d(c, act_layer=nn.Hardswish)), timm_abn,
+        ours.ABN(c, **abn), ours.InPlaceABN(c, **abn), ours.InPlaceABNSync(c, **abn),
+        mapillary.ABN(c, **abn), mapillary.InPlaceABN(c, **abn),
+        mapillary.InPlaceABNSync(c, **abn),
+    ]
+    layers: list[nn.Module] = [nn.Conv2d(3, c, 1)]
+    for i, norm in enumerate(norms):
+        layers += [nn.Conv2d(c, c, 3, padding=1), norm]
+        if i % 2 == 0:
+            layers.append(nn.LeakyReLU(0.1))
+        norm = getattr(norm, "norm", norm)  # inside _AsRank
+        if getattr(norm, "num_batches_tracked", None) is not None:
+            norm.num_batches_tracked.fill_(3 + i)
+            norm.momentum = None if i % 2 else 0.1
+    model = nn.Sequential(*layers, nn.Conv2d(c, 2, 1)).double()
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for module in model.modules():
+            if getattr(module, "running_mean", None) is not None:
+                module.weight.uniform_(0.5, 1.5)
+                module.bias.uniform_(-0.5, 0.5)
+                module.running_mean.uniform_(-1, 1)
+                module.running_var.uniform_(0.5, 2)
+    return model
+
+
+def _check_state_untouched_and_same_steps(model: nn.Module, x: torch.Tensor) -> nn.Module:
+    """``convert_inplace_abn(model)`` traces it whole (no warning), holds the very buffers
+    with the same values (batch counts included), and computes what a copy of the original
+    does over two training steps (outputs, gradients, state after each) and in evaluation.
+    Nothing is loaded into the converted model, which would hide a changed state."""
+    reference = copy.deepcopy(model)
+    buffers = dict(model.named_buffers())
+    state = {key: value.clone() for key, value in model.state_dict().items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a module fx could not trace warns
+        converted = convert_inplace_abn(model)
+    after = converted.state_dict()
+    assert list(after) == list(state)
+    for key, value in state.items():
+        assert after[key].dtype == value.dtype and torch.equal(after[key], value), key
+    for key, buffer in converted.named_buffers():
+        assert buffer is buffers[key], f"{key}: a new tensor"
+    for step in range(2):
+        assert_same_run(run(converted, x, step), run(reference, x, step),
+                              f"training step {step}")
+        assert_same_state(converted, reference, f"after training step {step}")
+    converted.eval()
+    reference.eval()
+    assert_same_run(run(converted, x), run(reference, x), "evaluation")
+    return converted
+
+
+def test_every_registered_norm_layer_is_a_leaf_and_keeps_its_state(monkeypatch):
+    """Every class the registry knows, in one model: the tracer never runs a norm layer's
+    forward (mapillary's counts the batch before its extension fails on the tracer's proxy:
+    each trace attempt counted one more, in a new tensor, and with ``momentum=None`` the
+    running statistics came out wrong), so the whole model is traced, its pairs judged, and
+    the converted model computes what the original did, statistics included."""
+    import_or_skip("timm")
+    import mapillary
+    from timm.layers import inplace_abn as timm_iabn
+
+    monkeypatch.setattr(timm_iabn, "inplace_abn", mapillary.inplace_abn)  # its extension's
+    timm_abn = timm_iabn.InplaceAbn(4, act_layer="leaky_relu", act_param=0.1)
+    model = _every_norm_layer(timm_abn)
+    converted = _check_state_untouched_and_same_steps(model, torch.randn(2, 3, 5, 5,
+                                                                         dtype=torch.float64))
+    # Traced whole: its pairs are judged (BatchNorm2d + its LeakyReLU fused, mapillary's ABN
+    # in place with its ELU, the BatchNorm1d/3d on views out of place).
+    found = modes(converted)
+    assert (found["2"], found["32"], found["5.norm"]) == (
+        ("leaky_relu", True), ("elu", True), ("none", False)), found
+
+
+@one_backend  # the converter's trace; the layers' backends are exercised in the test above
+def test_smp_with_mapillarys_inplace_abn_keeps_its_state(monkeypatch):
+    """segmentation_models_pytorch's ``decoder_use_norm="inplace"`` (mapillary's InPlaceABN,
+    leaky_relu of slope 0) in a Unet, with ``momentum=None``: traced whole, converted
+    exactly, no batch counted."""
+    smp = import_or_skip("segmentation_models_pytorch")
+    import mapillary
+    from segmentation_models_pytorch.base import modules as smp_modules
+
+    monkeypatch.setattr(smp_modules, "InPlaceABN", mapillary.InPlaceABN)
+    torch.manual_seed(0)
+    unet = smp.Unet("resnet18", encoder_weights=None, encoder_depth=2, decoder_channels=(8, 4),
+                    classes=2, decoder_use_norm="inplace").double()
+    abns = [m for m in unet.modules() if isinstance(m, mapillary.InPlaceABN)]
+    assert abns
+    for module in abns:
+        module.momentum = None
+        module.num_batches_tracked.fill_(5)
+    _check_state_untouched_and_same_steps(unet, torch.randn(2, 3, 16, 16, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("layer", ["mapillary", "timm"])
+def test_a_layer_that_becomes_in_place_is_a_write(layer, monkeypatch):
+    """mapillary's InPlaceABN and timm's InplaceAbn have no ``inplace`` flag but convert to
+    in-place layers: fed the output of a BatchNorm + LeakyReLU directly, they would overwrite
+    what that fused layer keeps for backward. The BatchNorm runs in place without activation
+    (the LeakyReLU stays, and makes the tensor they overwrite); the model computes the same."""
+    import mapillary
+
+    if layer == "timm":
+        import_or_skip("timm")
+        from timm.layers import inplace_abn as timm_iabn
+
+        monkeypatch.setattr(timm_iabn, "inplace_abn", mapillary.inplace_abn)
+        abn = timm_iabn.InplaceAbn(4, act_layer="elu", act_param=0.5)
+    else:
+        abn = mapillary.InPlaceABN(4, activation="elu", activation_param=0.5)
+    torch.manual_seed(0)
+    conv, bn = conv_bn()
+    model = nn.Sequential(conv, bn, nn.LeakyReLU(0.1), abn, nn.Conv2d(4, 2, 1)).double()
+    converted = _check_state_untouched_and_same_steps(
+        model, torch.randn(4, 4, 5, 5, dtype=torch.float64))
+    assert modes(converted) == {"1": ("identity", True), "3": ("elu", True)}

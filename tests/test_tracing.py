@@ -193,15 +193,70 @@ def test_jit_trace_of_a_converted_network():
     assert_close(traced(x.clone()), model(x.clone()), what="traced network")
 
 
-def test_jit_trace_in_training_is_refused_and_changes_nothing():
+_CAPTURES = {
+    "jit.trace": lambda model, x: torch.jit.trace(model, x),
+    "export": lambda model, x: torch.export.export(model, (x,), strict=False),
+    "export-strict": lambda model, x: torch.export.export(model, (x,), strict=True),
+}
+
+
+@pytest.mark.parametrize("capture", sorted(_CAPTURES))
+def test_training_capture_is_refused_by_name_and_changes_nothing(capture):
+    """``torch.jit.trace`` and ``torch.export`` (either tracer) of a training model: refused
+    at its first layer, by name, saying what to do, every buffer untouched; the evaluating
+    model then captures as usual. (Dynamo, export's strict tracer, reports the error inside
+    its own, the message kept.)"""
     model = network()
     before = copy.deepcopy(model.state_dict())
     x = torch.randn(4, 3, 6, 6, dtype=torch.float64)
-    with pytest.raises(RuntimeError,
-                       match=r"SyncBatchNorm\(4\) at model path '1'.*evaluation only"):
-        torch.jit.trace(model, x)
-    for name, value in model.state_dict().items():
-        assert torch.equal(value, before[name]), name
+    name = "torch.jit.trace" if capture == "jit.trace" else "torch.export"
+    with pytest.raises(Exception, match=rf"SyncBatchNorm\(4\) at model path '1': {name} "
+                       r"records the layer in evaluation only \(model.eval\(\) first\)"
+                       r".*revert_sync_batchnorm"):
+        _CAPTURES[capture](model, x.clone())
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, before[key]), key
+    model.eval()
+    captured = _CAPTURES[capture](model, x.clone())
+    program = captured if capture == "jit.trace" else captured.module()
+    assert_close(program(x.clone()), model(x.clone()), what=f"{capture} in evaluation")
+
+
+@pytest.mark.parametrize("make", [
+    lambda: SyncBatchNormAct(4, act=nn.Hardswish()),
+    lambda: InPlaceABN(4, activation="elu", activation_param=0.5),
+    lambda: SyncBatchNorm(4, momentum=None, track_running_stats=False, sync=False),
+], ids=["SyncBatchNormAct", "InPlaceABN", "untracked-unsynced"])
+def test_training_export_is_refused_for_every_layer(make):
+    """Each kind of layer refuses, with or without running statistics or sync: the program
+    would normalise each replica alone whatever the layer's settings, as a per-replica
+    BatchNorm that ``revert_sync_batchnorm`` says outright."""
+    model = convert_sync_batchnorm(nn.Sequential(nn.Conv2d(3, 4, 1), make()).double())
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(RuntimeError, match=r"\(4\)[^:]*: torch.export records the layer in "
+                       "evaluation only"):
+        torch.export.export(model, (torch.randn(2, 3, 4, 4, dtype=torch.float64),))
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, before[key]), key
+
+
+def test_training_export_of_the_reverted_model():
+    """What the refusal points to: the reverted model exports in training as plain ATen ops
+    (``aten.batch_norm``, as torch's own BatchNorms export), and the program
+    computes the layers' training step on one replica, their running statistics included.
+    (With ``momentum=None`` torch's own BatchNorms do not export in training: the factor
+    1 / num_batches_tracked is data-dependent.)"""
+    model = network()
+    x = torch.randn(4, 3, 6, 6, dtype=torch.float64)
+    program = torch.export.export(revert_sync_batchnorm(copy.deepcopy(model)), (x.clone(),))
+    ops = {str(node.target) for node in program.graph.nodes if node.op == "call_function"}
+    assert "aten.batch_norm.default" in ops and not [op for op in ops if "encoding" in op], ops
+    trained = program.module()
+    for step in range(2):
+        y = torch.randn(4, 3, 6, 6, dtype=torch.float64) if step else x
+        assert_close(trained(y.clone()), model(y.clone()), what=f"step {step}")
+    for key, value in model.state_dict().items():
+        assert_close(trained.state_dict()[key], value, what=key)
 
 
 @pytest.mark.parametrize("momentum", [0.1, None])
