@@ -21,6 +21,7 @@ import sys
 import textwrap
 import types
 
+import mapillary
 import pytest
 import torch
 import torch.nn.functional as F
@@ -298,20 +299,17 @@ def test_the_functions(function):
 
 
 def mapillary_named(name, group=None):
-    """A module whose class is named like mapillary's ``inplace_abn.abn.<name>``, holding
-    their attributes, Parameters and buffers: only for the converter's class-path matching
-    (what the converted layer computes is checked against the formula)."""
-    cls = type(name, (nn.Module,), {"__module__": "inplace_abn.abn", "__qualname__": name})
-    module = cls()
-    module.num_features, module.eps, module.momentum, module.affine = C, 1e-4, 0.2, True
-    module.track_running_stats, module.activation, module.activation_param = True, "elu", 0.7
-    if name == "InPlaceABNSync":
-        module.group = group
-    module.weight = nn.Parameter(torch.tensor(WEIGHT, dtype=torch.float64))
-    module.bias = nn.Parameter(torch.tensor(BIAS, dtype=torch.float64))
-    module.register_buffer("running_mean", torch.linspace(-1, 1, C, dtype=torch.float64))
-    module.register_buffer("running_var", torch.linspace(0.5, 2, C, dtype=torch.float64))
-    module.register_buffer("num_batches_tracked", torch.tensor(3))
+    """mapillary's layer ``name`` (tests/mapillary.py: their class path, attributes,
+    Parameters and buffers) with this module's weights, statistics and batch count."""
+    group = {"group": group} if name == "InPlaceABNSync" else {}
+    module = getattr(mapillary, name)(C, 1e-4, 0.2, activation="elu", activation_param=0.7,
+                                      **group).double()
+    with torch.no_grad():
+        module.weight.copy_(torch.tensor(WEIGHT))
+        module.bias.copy_(torch.tensor(BIAS))
+        module.running_mean.copy_(torch.linspace(-1, 1, C))
+        module.running_var.copy_(torch.linspace(0.5, 2, C))
+        module.num_batches_tracked.fill_(3)
     return module
 
 
