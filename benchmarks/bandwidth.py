@@ -2,14 +2,14 @@
 
     python benchmarks/bandwidth.py [--peak-gbps 3350] [--repeats 50]
 
-For each shape and op: the bytes the op must move (batch_stats reads x; normalize_act reads
-x and writes y; backward_reduce reads y and dy; backward_dx reads y and dy and writes dx; then
-torch's own batch_norm and leaky_relu, forward and backward, for comparison) over
-its median time (CUDA events around the call, queued behind a spin kernel so that the host's
-planning and launching do not count; after a warm-up), in GB/s and as a share of
-``--peak-gbps`` (default: the H100 SXM's 3350 GB/s). Needs a CUDA GPU: without one it says
-so and exits (0, nothing recorded). Prints its table (``--record``: into benchmarks/RESULTS.md
-too).
+For each shape and op: the Triton launches of one call, and the bytes the op must move
+(batch_stats reads x; normalize_act and normalize_running read x and write y; backward_reduce
+reads y and dy; backward_dx reads y and dy and writes dx; batch_backward both; then torch's own
+batch_norm and leaky_relu, forward and backward, for comparison) over its median time (CUDA
+events around the call, queued behind a spin kernel so that the host's planning and launching
+do not count; after a warm-up), in GB/s and as a share of ``--peak-gbps`` (default: the H100
+SXM's 3350 GB/s). Needs a CUDA GPU: without one it says so and exits (0, nothing recorded).
+Prints its table (``--record``: into benchmarks/RESULTS.md too).
 """
 
 from __future__ import annotations
@@ -32,20 +32,49 @@ SHAPES = [
 # Elements read or written per element of the activation: ours, then what torch's own
 # BatchNorm (cuDNN) and leaky_relu do for the same layer, counted the same way (a two-pass
 # forward 3, a backward 5; the activation 2 and 3).
-TRAFFIC = {"batch_stats": 1, "normalize_act": 2, "backward_reduce": 2, "backward_dx": 3,
-           "torch batch_norm": 3, "torch batch_norm backward": 5, "torch leaky_relu": 2,
-           "torch leaky_relu backward": 3}
+TRAFFIC = {"batch_stats": 1, "normalize_act": 2, "normalize_running": 2, "backward_reduce": 2,
+           "backward_dx": 3, "batch_backward": 5, "torch batch_norm": 3,
+           "torch batch_norm backward": 5, "torch leaky_relu": 2, "torch leaky_relu backward": 3}
 
 
 def _ops(T, x, dy, vec, out):
-    """The four passes over one activation (leaky_relu, rebuilt from the output in backward;
-    batch_stats' second launch reads and writes per-channel vectors only)."""
+    """The passes over one activation (leaky_relu, rebuilt from the output in backward), as a
+    training layer calls them: batch_stats with running statistics and the small-gamma check;
+    evaluation's normalize_running; the backward's two ops alone and as one batch_backward."""
+    from encoding_syncbn.kernels import NormParams
+
+    c = x.shape[1]
+    running = (torch.zeros(c, device=x.device), torch.ones(c, device=x.device),
+               torch.zeros((), dtype=torch.long, device=x.device), 0.1)
+    params = NormParams(*vec, "leaky_relu", 0.01)
+    count = x.numel() // c
     return {
-        "batch_stats": lambda: T.batch_stats(x, 1e-5, None, None, None, None, None, None, 0.0),
+        "batch_stats": lambda: T.batch_stats(x, 1e-5, *running, *vec[2:], 0.016),
         "normalize_act": lambda: T.normalize_act(x, *vec, "leaky_relu", 0.01, out),
+        "normalize_running": lambda: T.normalize_running(x, running[0], running[1], 1e-5,
+                                                         *vec[2:], "leaky_relu", 0.01, out),
         "backward_reduce": lambda: T.backward_reduce(out, dy, *vec, "leaky_relu", 0.01, True),
         "backward_dx": lambda: T.backward_dx(out, dy, *vec, "leaky_relu", 0.01, True, *vec[:3]),
+        "batch_backward": lambda: T.DIRECT.batch_backward(out, dy, params, True, count),
     }
+
+
+def _launches(fn) -> int:
+    """The Triton launches of one call of ``fn`` (counted at ``JITFunction.run``)."""
+    from triton.runtime.jit import JITFunction
+
+    run, count = JITFunction.run, [0]
+
+    def counted(self, *args, **kwargs):
+        count[0] += 1
+        return run(self, *args, **kwargs)
+
+    JITFunction.run = counted
+    try:
+        fn()
+    finally:
+        JITFunction.run = run
+    return count[0]
 
 
 # GPU cycles of a spin kernel queued before each timed call (~2.5 ms at 2 GHz): the host plans
@@ -128,17 +157,21 @@ def main() -> int:
         layout = "channels_last" if channels_last else "nchw"
         for op, fn in ops.items():
             seconds = _time(fn, args.repeats)
+            launches = _launches(fn) if not op.startswith("torch") else None
             gbps = TRAFFIC[op] * x.numel() * x.element_size() / seconds / 1e9
             row = {"device": name, "shape": list(shape), "dtype": str(dtype).split(".")[1],
-                   "layout": layout, "op": op, "us": round(seconds * 1e6, 1),
-                   "gbps": round(gbps, 1), "of_peak": round(gbps / args.peak_gbps, 3)}
+                   "layout": layout, "op": op, "launches": launches,
+                   "us": round(seconds * 1e6, 1), "gbps": round(gbps, 1),
+                   "of_peak": round(gbps / args.peak_gbps, 3)}
             rows.append(row)
-            print(f"{str(shape):>20} {row['dtype']:>8} {layout:>13} {op:>16} "
-                  f"{row['us']:9.1f} us {gbps:8.1f} GB/s {100 * row['of_peak']:5.1f}%")
+            print(f"{str(shape):>20} {row['dtype']:>8} {layout:>13} {op:>17} "
+                  f"{'-' if launches is None else launches:>2} {row['us']:9.1f} us "
+                  f"{gbps:8.1f} GB/s {100 * row['of_peak']:5.1f}%")
     table = results.markdown_table(
-        ["shape", "dtype", "layout", "op", "us", "GB/s", "of peak"],
-        [[str(tuple(r["shape"])), r["dtype"], r["layout"], r["op"], r["us"], r["gbps"],
-          r["of_peak"]] for r in rows])
+        ["shape", "dtype", "layout", "op", "launches", "us", "GB/s", "of peak"],
+        [[str(tuple(r["shape"])), r["dtype"], r["layout"], r["op"],
+          "-" if r["launches"] is None else r["launches"], r["us"], r["gbps"], r["of_peak"]]
+         for r in rows])
     results.record(args, f"bandwidth.py ({name})", table,
                    notes=f"Bytes each op must move over its median time (CUDA events "
                          f"behind a spin kernel, "

@@ -6,7 +6,7 @@ Runs ``SyncBatchNorm(C, activation="leaky_relu")`` (in place, one replica, train
 Triton backend on CPU tensors, the kernel launches replaced by no-ops and the launch planner
 told it plans for a 132-SM GPU (an H100 SXM), so what is timed is everything the host does for
 a layer call except the launches themselves (Triton's launcher adds its own cost per launch:
-counted in ``launches``, not timed). The no-op launch of ``finalize_stats`` zeroes the
+counted in ``launches``, not timed). The no-op launch of ``batch_stats`` zeroes the
 small-gamma flags the layer reads back (uninitialised, they would keep random channels aside).
 The input is a fresh uninitialised non-leaf tensor per call (made outside the timed region;
 nothing reads its values).
@@ -22,7 +22,7 @@ two per-channel gradients made in advance, which autograd accumulates as it does
 is above the floor ("own") is the layer's own host time; the floor is what PyTorch's autograd
 costs any in-place layer here. A third harness, also in turns, splits "own" in two: the bare
 ops (``_BareLayer``: an in-place autograd Function that calls the backend's three ops, the same
-six launches with the same arguments as the layer's, and nothing else), above which is what
+launches with the same arguments as the layer's, and nothing else), above which is what
 the layer's own Python adds ("above bare": module call, input checks, configuration, the
 channels kept aside, the wrappers around the ops).
 
@@ -225,16 +225,16 @@ def _steps(layers, links, make_input, dy, iters):
 def plan_without_launching(triton_ops) -> list[int]:
     """Make the Triton backend plan for an H100 and launch nothing; returns the launch count
     (one element, incremented by the launches each op would make)."""
-    from encoding_syncbn.kernels.triton.finalize_stats import _finalize_stats_kernel
+    from encoding_syncbn.kernels.triton.channel_stats import _batch_stats_kernel
     from encoding_syncbn.kernels.triton.plan import Target
 
     launches = [0]
-    small_flags = _finalize_stats_kernel.arg_names.index("small_ptr")
+    small_flags = _batch_stats_kernel.arg_names.index("small_ptr")
 
     def no_launch(planned, device):
         launches[0] += len(planned)
         for launch in planned:
-            if launch.kernel is _finalize_stats_kernel:  # its small-gamma flags: none set
+            if launch.kernel is _batch_stats_kernel:  # its small-gamma flags: none set
                 launch.args[small_flags].zero_()
 
     triton_ops._run = no_launch
@@ -376,7 +376,7 @@ def main():
         "no-ops, planned for a 132-SM GPU: thread CPU time, the fastest of "
         f"{args.repeats} means over {args.iters} calls. 'floor': the same harness around an "
         "empty in-place autograd Function, measured in turns with ours; 'bare ops': one that "
-        "calls the backend's three ops and nothing else (the same six launches); 'own': ours "
+        "calls the backend's three ops and nothing else (the same launches); 'own': ours "
         "minus the floor; 'above bare': ours minus the bare ops, what the layer's own Python "
         "adds to its ops. 'in the ops': the part inside the Triton backend's ops (dx's allocation "
         "included). ATen ops: outside the backend's ops. The stacked figures are per layer of "

@@ -12,12 +12,16 @@ over threads), instructions per element and per byte the loop moves (reads and w
 input's dtype), and the multi-function-unit (division, exp), shuffle and barrier instructions
 inside it. A kernel whose loop issues many instructions per byte is bound by issuing them, not
 by memory: a ranking of where a GPU's bandwidth goes, before a profiler on the GPU says how
-much. Prints the table (``--record``: into benchmarks/RESULTS.md too).
+much. The statistics kernel is planned as an in-place layer trains (running statistics, the
+small-gamma check); a split reduction's merge of its partials is no tile loop. Prints the table
+(``--record``: into benchmarks/RESULTS.md too); the last line is one JSON object with
+``statistics_instructions_per_byte`` (the largest over the layouts) and each kernel's figure.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import re
 
 import results
@@ -35,7 +39,9 @@ def _instructions(sass: str) -> list[tuple[int, str, str]]:
 
 
 def _tile_loop(instructions: list[tuple[int, str, str]]) -> list[str]:
-    """The opcodes of the widest backward branch's span that holds a global load."""
+    """The opcodes of the widest backward branch's span that loads the input: a global load
+    other than the ``.STRONG.GPU`` ones (``ld.global.cg``) with which a split reduction's last
+    program reads the other programs' partials."""
     best: list[str] = []
     for addr, op, operands in instructions:
         if op != "BRA" or not operands.startswith("0x"):
@@ -44,7 +50,8 @@ def _tile_loop(instructions: list[tuple[int, str, str]]) -> list[str]:
         if target >= addr:
             continue
         body = [o for a, o, _ in instructions if target <= a <= addr]
-        if any(o.startswith("LDG") for o in body) and len(body) > len(best):
+        if (any(o.startswith("LDG") and ".STRONG" not in o for o in body)
+                and len(body) > len(best)):
             best = body
     return best
 
@@ -61,7 +68,7 @@ def _launches(shape: tuple[int, ...], channels_last: bool):
 
     from encoding_syncbn.kernels.triton.backward_dx import _plan_backward_dx
     from encoding_syncbn.kernels.triton.backward_reduce import _plan_backward_reduce
-    from encoding_syncbn.kernels.triton.channel_stats import _plan_partial_stats
+    from encoding_syncbn.kernels.triton.channel_stats import _plan_batch_stats
     from encoding_syncbn.kernels.triton.normalize_act import _plan_normalize_act
     from encoding_syncbn.kernels.triton.plan import Target
 
@@ -71,8 +78,11 @@ def _launches(shape: tuple[int, ...], channels_last: bool):
     params = (v, v, v, v, "leaky_relu", 0.01)
     target = Target(False, H100_SMS)
     count = x.numel() // shape[1]
+    batches = torch.empty((), dtype=torch.int64, device="meta")
+    # As an in-place layer trains: running statistics, its counter, the small-gamma check.
+    stats = _plan_batch_stats(x, 1e-5, v, v, batches, 0.1, v, v, 0.016, target)[0][0]
     return [
-        ("statistics", _plan_partial_stats(x, target)[0], 1),
+        ("statistics", stats, 1),
         ("normalize", _plan_normalize_act(x, *params, x, target)[0][0], 2),
         ("backward reduce", _plan_backward_reduce(x, x, *params, True, target)[0][0], 2),
         ("backward dx", _plan_backward_dx(x, x, *params, True, v, v, v, count, target)[0][0], 3),
@@ -103,12 +113,15 @@ def main() -> None:
             print(" ".join(str(cell) for cell in rows[-1]), flush=True)
     table = results.markdown_table(header, rows)
     print(table)
+    statistics = max(row[7] for row in rows if row[2] == "statistics")
     results.record(args, "kernel_instructions.py (cpu)", table, notes=(
         f"SASS for sm_{args.arch} compiled on this CPU (no GPU), launches planned for a "
         f"{H100_SMS}-SM H100, float16 inputs: the instructions in each kernel's tile loop, per "
         "element a thread takes an iteration and per byte the loop reads and writes (2 bytes "
         "an element per tensor moved: statistics 1, normalize and reduce 2, dx 3). MUFU: "
         "reciprocals (divisions), exponentials; SHFL, BAR: cross-thread reductions."))
+    print(json.dumps({"statistics_instructions_per_byte": statistics,
+                      "per_byte": {f"{row[2]} {row[1]}": row[7] for row in rows}}))
 
 
 if __name__ == "__main__":

@@ -34,9 +34,8 @@ H100_SMS = 132
 def planned_launches():
     """The launches of one single-replica in-place training call, in order, with the op that
     plans each (the layer's own planners, on CPU tensors: nothing is launched)."""
-    from encoding_syncbn.kernels.triton.backward_dx import _plan_backward_dx
-    from encoding_syncbn.kernels.triton.backward_reduce import _plan_backward_reduce
-    from encoding_syncbn.kernels.triton.finalize_stats import _plan_batch_stats
+    from encoding_syncbn.kernels.triton.backward_dx import _plan_batch_backward
+    from encoding_syncbn.kernels.triton.channel_stats import _plan_batch_stats
     from encoding_syncbn.kernels.triton.normalize_act import _plan_normalize_act
     from encoding_syncbn.kernels.triton.plan import Target
 
@@ -48,12 +47,8 @@ def planned_launches():
     stats, _ = _plan_batch_stats(x, 1e-5, zeros.clone(), ones.clone(), batches, 0.1, ones,
                                  zeros, 0.016, target)
     normalize, _ = _plan_normalize_act(x, *vectors, "leaky_relu", 0.01, x, target)
-    reduce, (sum_dz, sum_dz_xhat) = _plan_backward_reduce(x, dy, *vectors, "leaky_relu", 0.01,
-                                                          True, target)
-    dx, _ = _plan_backward_dx(x, dy, *vectors, "leaky_relu", 0.01, True, ones, sum_dz_xhat,
-                              sum_dz, count, target)
-    ops = [("batch_stats", stats), ("normalize_act", normalize), ("backward_reduce", reduce),
-           ("backward_dx", dx)]
+    backward, _ = _plan_batch_backward(x, dy, *vectors, "leaky_relu", 0.01, True, count, target)
+    ops = [("batch_stats", stats), ("normalize_act", normalize), ("batch_backward", backward)]
     return [(op, launch) for op, launches in ops for launch in launches]
 
 

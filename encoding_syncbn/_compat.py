@@ -295,3 +295,18 @@ def cuobjdump_path() -> str:
         return knobs.nvidia.cuobjdump.path
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
                         "cuobjdump")
+
+
+@functools.cache
+def _raw_stream_getter() -> Callable[[int], int] | None:
+    return getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def current_stream_handle(device_index: int) -> int:
+    """The handle of the current CUDA stream of a device, as Triton's launcher asks for it
+    (``torch._C._cuda_getCurrentRawStream``: no Stream object is built); the public
+    ``torch.cuda.current_stream(...).cuda_stream`` where this torch lacks it."""
+    getter = _raw_stream_getter()
+    if getter is not None:
+        return getter(device_index)
+    return torch.cuda.current_stream(device_index).cuda_stream

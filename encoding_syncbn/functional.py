@@ -151,18 +151,25 @@ def _written_back(x: torch.Tensor, out: torch.Tensor, config: ActConfig) -> torc
 
 
 def _normalize(ctx, x, mean, invstd, weight, bias, config: ActConfig, aside_channels,
-               backend: Backend | None = None) -> torch.Tensor:
+               backend: Backend | None = None, running_eps: float | None = None
+               ) -> torch.Tensor:
     """Run the forward pass, in place or not, and save what backward needs; ``backend``: the
-    one the caller looked up for ``x`` (None: look it up)."""
+    one the caller looked up for ``x`` (None: look it up). ``running_eps`` not None: ``mean``
+    and ``invstd`` are the running mean and variance, from which the backend's
+    ``normalize_running`` derives the statistics in the same pass."""
     # Saved only where channels are kept aside (usually none): each saved tensor costs a pack
     # in forward and an unpack with its version check in backward.
     aside = ((aside_channels, x.index_select(1, aside_channels))
              if _keeps_aside(config, aside_channels) else ())
     overwrites = _overwrites_input(config)
     out = x if overwrites else torch.empty_like(x)
-    (backend or ops_for(x)).normalize_act(
-        x, NormParams(mean, invstd, weight, bias, config.activation, config.slope), out
-    )
+    if running_eps is None:
+        (backend or ops_for(x)).normalize_act(
+            x, NormParams(mean, invstd, weight, bias, config.activation, config.slope), out
+        )
+    else:
+        mean, invstd = (backend or ops_for(x)).normalize_running(
+            x, mean, invstd, running_eps, weight, bias, config.activation, config.slope, out)
     if overwrites:
         ctx.mark_dirty(x)
     ctx.save_for_backward(out if config.inplace else x, weight, bias, *aside)
@@ -357,14 +364,17 @@ class NormAct(torch.autograd.Function):
     """``y = act((x - mean) * invstd * w + b)`` with given statistics.
 
     With a ``link`` (synchronised training), the input gradient is left to ``MergeReplicas``;
-    without one (evaluation: constant statistics) it is ``w * invstd * dz``.
+    without one (evaluation: constant statistics) it is ``w * invstd * dz``. ``running_eps``
+    not None (evaluation): ``mean`` and ``invstd`` are the running mean and variance, buffers
+    with no gradient (``normalize_running``).
     """
 
     @staticmethod
     def forward(ctx, x, mean, invstd, weight, bias, config: ActConfig, link: _Link | None,
-                aside_channels):
+                aside_channels, running_eps: float | None = None):
         ctx.link = link
-        return _normalize(ctx, x, mean, invstd, weight, bias, config, aside_channels)
+        return _normalize(ctx, x, mean, invstd, weight, bias, config, aside_channels,
+                          running_eps=running_eps)
 
     @staticmethod
     def backward(ctx, grad_output):
@@ -379,7 +389,7 @@ class NormAct(torch.autograd.Function):
                 ctx.link.saved, ctx.link.config = saved, config
                 ctx.link.ready = stream_event(saved.tensor)
                 _compat.queue_backward_callback(ctx.link.clear)
-            return (*grads, None, None, None)
+            return (*grads, None, None, None, None)
         backend, params = ops_for(saved.tensor), _params(saved, config)
         sum_dz, sum_dz_xhat = _reduce(saved, grad_output, config, params, backend)
         scale = saved.weight * saved.invstd
@@ -404,6 +414,7 @@ class NormAct(torch.autograd.Function):
         return (
             grad_input, grad_mean, grad_invstd,
             *_param_grads(*ctx.needs_input_grad[3:5], sum_dz, sum_dz_xhat), None, None, None,
+            None,
         )
 
 
@@ -649,6 +660,23 @@ def synced_batch_norm_act(
     mean, invstd = exchange(own)
     aside = aside_index(weight, bias, config.inplace, config.aside)
     out = _compat.apply_function(NormAct, x, mean, invstd, weight, bias, config, own.link, aside)
+    return _written_back(x, out, config)
+
+
+def normalize_running(
+    x: torch.Tensor,
+    running_mean: torch.Tensor,
+    running_var: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    config: ActConfig,
+) -> torch.Tensor:
+    """Normalise with the running statistics (evaluation): ``invstd`` is derived in the same
+    pass as the output (``Backend.normalize_running``)."""
+    aside = aside_index(weight, bias, config.inplace, config.aside)
+    out = _compat.apply_function(NormAct, x, running_mean, running_var, weight, bias, config,
+                                 None, aside, eps)
     return _written_back(x, out, config)
 
 

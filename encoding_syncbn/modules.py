@@ -27,7 +27,7 @@ from .functional import (
     ActConfig,
     batch_norm_act,
     norm_act_composite,
-    normalize_with,
+    normalize_running,
     synced_batch_norm_act,
 )
 from .kernels import RunningStats, channel_vector, torch_ops
@@ -409,14 +409,11 @@ class SyncBatchNorm(_BatchNorm):
 
     def _forward_running(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
                          config: ActConfig) -> torch.Tensor:
-        """Evaluation: normalise with the running statistics."""
-        acc = torch_ops.stats_dtype(x.dtype)
-        invstd = torch.rsqrt(self.running_var.to(acc) + self.eps)
-        # A copy, not the buffer: a training forward (its in-place running-stats update),
-        # load_state_dict or a buffer broadcast between this forward and its backward
-        # would otherwise fail backward's saved-tensor version check.
-        mean = self.running_mean.to(acc, copy=True)
-        return normalize_with(x, mean, invstd, weight, bias, config)
+        """Evaluation: normalise with the running statistics (the backend derives invstd in
+        the same pass, and keeps copies of the statistics for the backward: a training
+        forward, load_state_dict or a buffer broadcast may change the buffers before it)."""
+        return normalize_running(x, self.running_mean, self.running_var, self.eps, weight, bias,
+                                 config)
 
     def _training_count(self, x: torch.Tensor) -> int:
         """Values per channel of a training input, refusing one (no variance to take)."""

@@ -117,9 +117,11 @@ def test_a_registered_backend_runs_the_layer(counting, inplace):
         x_in = x.clone().requires_grad_()
         out = layer(x_in.clone() if inplace else x_in)
         out.backward(dy)
+        evaluated = layer.eval()(x.clone())
         results[name] = (out.detach(), x_in.grad, layer.running_mean, layer.running_var,
-                         layer.num_batches_tracked)
-    assert counting.calls == {"batch_stats": 1, "normalize_act": 1, "batch_backward": 1}
+                         layer.num_batches_tracked, evaluated)
+    assert counting.calls == {"batch_stats": 1, "normalize_act": 1, "batch_backward": 1,
+                              "normalize_running": 1}
     torch.testing.assert_close(results["counting"], results["torch"], rtol=0, atol=0)
     encoding_syncbn.set_backend("counting")  # for the fixture's check
 

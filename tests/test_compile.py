@@ -27,10 +27,12 @@ C = 4
 
 # Custom ops of each backend's forward and backward graphs: the Triton kernels, or the ATen
 # path wrapped as custom ops (its slab loops with out= calls cannot be traced).
+# (statistics, normalisation in training, in evaluation, reduction, input gradient)
 KERNELS = {
-    "triton": ("batch_stats", "normalize_act_", "backward_reduce", "backward_dx"),
-    "torch": ("aten_channel_stats", "aten_normalize_act_", "aten_backward_reduce",
-              "aten_backward_dx"),
+    "triton": ("batch_stats", "normalize_act_", "normalize_running_", "backward_reduce",
+               "backward_dx"),
+    "torch": ("aten_channel_stats", "aten_normalize_act_", "aten_normalize_running_",
+              "aten_backward_reduce", "aten_backward_dx"),
 }
 KERNELS["torch-slabs"] = KERNELS["torch"]
 
@@ -118,8 +120,9 @@ def test_compiled_layer_matches_eager(each_backend, activation, training):
         assert_same(step(layer, x, dy), step(compiled, x, dy))
 
     forward, backward = recorder.custom_ops()  # one graph each: no break, no recompile
-    stats, normalize, reduce, input_grad = KERNELS[each_backend]
-    assert normalize in forward and (stats in forward) == training
+    stats, normalize, normalize_running, reduce, input_grad = KERNELS[each_backend]
+    assert (normalize if training else normalize_running) in forward
+    assert (stats in forward) == training
     # Triton computes and finishes the statistics (invstd, running statistics) in one opaque
     # op; the torch backend's statistics are an opaque op, the rest ATen calls traced as they
     # are.

@@ -4,6 +4,7 @@ pytest imports every test module into one process: the interpreter switch must b
 environment before anything imports triton, hence the first statements below.
 """
 
+import contextlib
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -31,7 +32,6 @@ from encoding_syncbn.kernels import (  # noqa: E402
 from encoding_syncbn.kernels.triton import activations as TA  # noqa: E402
 from encoding_syncbn.kernels.triton import backward_reduce as TB  # noqa: E402
 from encoding_syncbn.kernels.triton import channel_stats as TS  # noqa: E402
-from encoding_syncbn.kernels.triton import finalize_stats as TF  # noqa: E402
 from encoding_syncbn.kernels.triton import ops as T  # noqa: E402
 from encoding_syncbn.kernels.triton import plan as P  # noqa: E402
 from encoding_syncbn.kernels.triton import tiles as TT  # noqa: E402
@@ -140,13 +140,12 @@ def test_channel_stats(shape, fmt, dtype):
 @pytest.mark.parametrize("fmt", ["nchw", "last"])
 def test_channel_stats_split_reduction(fmt):
     # Few channels, many tiles: the tiles of a channel are split over several programs and the
-    # partial (mean, M2, n) merged by the second kernel.
+    # partial (mean, M2, n) merged by the last of them to finish, in the same launch.
     shape = (64, 2, 33, 9) if fmt == "nchw" else (64, 3, 17, 11)
     x = make_input(shape, torch.float64, fmt)
     launches, _ = TS._plan_channel_stats(x, P._target(x.device))
-    assert [launch.kernel for launch in launches] == [TS._channel_stats_kernel,
-                                                      TS._welford_merge_kernel]
-    assert launches[0].grid[1] > 1
+    assert [launch.kernel for launch in launches] == [TS._channel_stats_kernel]
+    assert launches[0].grid[1] > 1 and launches[0].constexprs["SPLIT"]
     mean, m2, count = T.channel_stats(x)
     ref_mean, ref_m2, _ = reference_stats(x)
     assert_close(mean, ref_mean, torch.float64)
@@ -215,6 +214,39 @@ def test_normalize_act_large_mean_float32():
                           bias.to(DEVICE), "identity", 0.0, torch.empty_like(x, device=DEVICE))
     exact = (x.double() - mean.double().view(1, 3, 1, 1)) * invstd.double().view(1, 3, 1, 1)
     torch.testing.assert_close(out.cpu().double(), exact, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype,running_dtype", [
+    (torch.float64, torch.float64), (torch.float32, torch.float32),
+    (torch.float16, torch.float32), (torch.bfloat16, torch.bfloat16),
+    (torch.float32, torch.float16)])
+@pytest.mark.parametrize("shape,fmt", CASES[1:5], ids=CASE_IDS[1:5])
+def test_normalize_running(shape, fmt, dtype, running_dtype):
+    """Evaluation in one launch: the output as ``normalize_act`` gives it from the reference's
+    (mean, invstd), and those (mean, invstd) to the last bit (the running mean in the
+    statistics dtype, ``1 / sqrt(var + eps)`` correctly rounded as the CPU's rsqrt), from
+    buffers of any dtype, in place or not; the buffers untouched."""
+    x = make_input(shape, dtype, fmt)
+    acc = torch_ops.stats_dtype(dtype)
+    g = torch.Generator().manual_seed(4)
+    c = shape[1]
+    running_mean = (torch.randn(c, generator=g, dtype=torch.float64) * 3).to(running_dtype)
+    running_var = (torch.rand(c, generator=g, dtype=torch.float64) * 4 + 1e-3).to(running_dtype)
+    _, _, weight, bias = make_params(c, acc)
+    buffers = running_mean.clone(), running_var.clone()
+    ref_out = torch.empty_like(upcast(x))
+    ref_mean, ref_invstd = torch_ops.normalize_running(upcast(x), running_mean, running_var,
+                                                       1e-3, weight, bias, "elu", 1.3, ref_out)
+    for inplace in (False, True):
+        src = x.clone()
+        out = src if inplace else torch.empty_like(src)
+        mean, invstd = T.normalize_running(src, running_mean, running_var, 1e-3, weight, bias,
+                                           "elu", 1.3, out)
+        assert mean.dtype == invstd.dtype == acc
+        torch.testing.assert_close((mean, invstd), (ref_mean, ref_invstd), rtol=0, atol=0)
+        assert out.stride() == x.stride()
+        assert_close(out, ref_out.to(dtype), dtype)
+    torch.testing.assert_close((running_mean, running_var), buffers, rtol=0, atol=0)
 
 
 def test_elu_near_zero_is_accurate():
@@ -414,8 +446,8 @@ def test_backward_split_reduction(fmt):
     x = make_input(shape, torch.float64, fmt)
     launches, _ = TB._plan_backward_reduce(x, x, *make_params(shape[1], torch.float64),
                                           "elu", 1.0, True, P._target(x.device))
-    assert [launch.kernel for launch in launches] == [TB._backward_reduce_kernel,
-                                                      TB._sum_merge_kernel]
+    assert [launch.kernel for launch in launches] == [TB._backward_reduce_kernel]
+    assert launches[0].grid[1] > 1 and launches[0].constexprs["SPLIT"]
     _check_backward(shape, fmt, torch.float64, "elu", True)
 
 
@@ -721,33 +753,39 @@ def test_batch_stats(c, fmt, dtype, running_dtype, counter, momentum, check, see
 def test_batch_stats_merges_split_partials(fmt):
     shape = (64, 2, 33, 9) if fmt == "nchw" else (64, 3, 17, 11)
     x = make_input(shape, torch.float32, fmt)
-    launches, (_, _, _) = TF._plan_batch_stats(x, 1e-5, None, None, None, None, None, None,
+    launches, (_, _, _) = TS._plan_batch_stats(x, 1e-5, None, None, None, None, None, None,
                                                 0.0, P._target(x.device))
-    assert [launch.kernel for launch in launches] == [TS._channel_stats_kernel,
-                                                      TF._finalize_stats_kernel]
-    assert launches[0].grid[1] > 1
+    assert [launch.kernel for launch in launches] == [TS._batch_stats_kernel]
+    assert launches[0].grid[1] > 1 and launches[0].constexprs["SPLIT"]
     running = (torch.zeros(shape[1]), torch.ones(shape[1]), torch.tensor(0), None)
     check_batch_stats(x, running, *make_params(shape[1], torch.float32)[2:], 0.016, None)
 
 
 @pytest.mark.parametrize("shape,fmt", [((64, 1, 32, 32), "nchw"), ((256, 3, 9, 9), "last")])
-def test_reductions_planned_for_a_gpu_merge_many_partials(shape, fmt):
+def test_reductions_planned_for_a_gpu_merge_many_partials(shape, fmt, monkeypatch):
     """Planned for a 132-SM GPU (small tiles, a few programs per SM), few channels split over
-    more programs than a merge step takes (BLOCK_P rows): every merge (statistics, the
-    finalising kernel, the backward sums) loops over several steps. Run here by the
-    interpreter (or the GPU)."""
+    more programs than a merge step takes (BLOCK_P rows, made small here): every merge by the
+    last program (statistics, batch statistics, the backward sums) loops over several steps.
+    Run here by the interpreter (or the GPU)."""
+    monkeypatch.setattr(P, "_MAX_MERGE_ROWS", 8)
+    P.clear_memos()
     x = make_input(shape, torch.float32, fmt)
     c, target = shape[1], P.Target(False, 132)
     weight, bias = make_params(c, torch.float32)[2:]
-    stats, (mean, m2) = TS._plan_channel_stats(x, target)
-    running = (torch.zeros(c, device=x.device), torch.ones(c, device=x.device), None, 0.1)
-    fused, (fused_mean, invstd, small) = TF._plan_batch_stats(x, 1e-5, *running, weight, bias,
-                                                              0.016, target)
-    params = (mean, invstd, weight, bias)
-    reduce, sums = TB._plan_backward_reduce(x, x, *params, "leaky_relu", 0.1, False, target)
-    for launches in (stats, fused, reduce):
-        assert launches[0].grid[1] > P._MERGE_ROWS
-        T._run(launches, x.device)
+    try:
+        stats, (mean, m2) = TS._plan_channel_stats(x, target)
+        running = (torch.zeros(c, device=x.device), torch.ones(c, device=x.device), None, 0.1)
+        fused, (fused_mean, invstd, small) = TS._plan_batch_stats(x, 1e-5, *running, weight,
+                                                                  bias, 0.016, target)
+        params = (mean, invstd, weight, bias)
+        reduce, sums = TB._plan_backward_reduce(x, x, *params, "leaky_relu", 0.1, False, target)
+        for launches in (stats, fused, reduce):
+            assert len(launches) == 1
+            assert launches[0].grid[1] > 2 * launches[0].constexprs["BLOCK_P"]
+            T._run(launches, x.device)
+    finally:
+        monkeypatch.undo()
+        P.clear_memos()
     ref_mean, ref_m2, count = reference_stats(x)
     assert_close(mean, ref_mean.float(), torch.float32)
     assert_close(m2, ref_m2.float(), torch.float32)
@@ -763,14 +801,25 @@ def test_reductions_planned_for_a_gpu_merge_many_partials(shape, fmt):
         assert_close(got, want.float(), torch.float32, sum_terms=x[:, 0].numel())
 
 
-@pytest.mark.parametrize("momentum,programs", [(0.1, 10), (None, 1)])
-def test_finalize_stats_runs_a_program_per_channel_block(momentum, programs):
-    """300 channels: a program per 32 of them; a cumulative average, whose every channel needs
-    the incremented counter, in one program (none may read a counter another incremented)."""
-    part = torch.zeros(3, 2, 300)
-    running = torch.zeros(300), torch.ones(300), torch.tensor(3)
-    launch, _ = TF._plan_finalize_stats(part, 10, 1e-5, *running, momentum, None, None, 0.0)
-    assert launch.grid == (programs, 1)
+@pytest.mark.parametrize("fmt", ["nchw", "last"])
+def test_merging_programs_rearm_their_counters(fmt):
+    """The last program of each split channel block, and the last block of a cumulative
+    average (which counts the batch once every block has read the counter), set their
+    counters back to 0: the next launch finds them as the first did, and the batch counter
+    goes up by one, whatever the number of channel blocks."""
+    from encoding_syncbn.kernels.triton.partials import split_counters
+
+    shape = (40, 70, 9, 5) if fmt == "nchw" else (40, 150, 9, 5)
+    x = make_input(shape, torch.float32, fmt)
+    c = shape[1]
+    counters = split_counters(x.device, 1)
+    for _ in range(2):
+        running = (torch.zeros(c), torch.ones(c), torch.tensor(3), None)
+        check_batch_stats(x, running, None, None, 0.0, None)
+        assert not counters.any()
+    T.channel_stats(x[:, :3])
+    T.backward_reduce(x[:, :3], x[:, :3], *make_params(3, torch.float32), "elu", 1.0, False)
+    assert not counters.any()
 
 
 def test_batch_stats_cumulative_average_needs_the_counter():
@@ -794,6 +843,9 @@ def test_opcheck():
         torch.library.opcheck(ops.channel_stats.default, (x,))
         torch.library.opcheck(ops.normalize_act_.default,
                               (x, *params, "elu", 1.0, torch.empty_like(x)))
+        torch.library.opcheck(ops.normalize_running_.default,
+                              (x, params[0], params[1], 1e-5, *params[2:], "elu", 1.0,
+                               torch.empty_like(x)))
         torch.library.opcheck(ops.backward_reduce.default,
                               (y, x, *params, "leaky_relu", 0.1, True))
         running = (torch.zeros(4), torch.ones(4), torch.tensor(3), None)
@@ -826,18 +878,98 @@ def test_eager_calls_skip_the_dispatcher_and_tracers_still_see_the_ops():
         T.channel_stats(x)
         T.batch_stats(x, 1e-5, None, None, None, None, *params[2:], 0.01)
         y = T.normalize_act(x, *params, "leaky_relu", 0.1, torch.empty_like(x))
+        T.normalize_running(x, *params[:2], 1e-5, *params[2:], "leaky_relu", 0.1,
+                            torch.empty_like(x))
         T.backward_reduce(y, x, *params, "leaky_relu", 0.1, True)
         T.backward_dx(y, x, *params, "leaky_relu", 0.1, True, *coefs)
 
     ours = {f"encoding_syncbn::{name}" for name in
-            ("channel_stats", "batch_stats", "normalize_act_", "backward_reduce",
-             "backward_dx")}
+            ("channel_stats", "batch_stats", "normalize_act_", "normalize_running_",
+             "backward_reduce", "backward_dx")}
     with torch.profiler.profile() as profile:  # sees dispatched ops, is no dispatch mode
         every_op()
     assert ours.isdisjoint(event.name for event in profile.events())
     with Recorder() as recorder:
         every_op()
     assert {name.replace(".", "::", 1) for name in recorder.ops} >= ours
+
+
+# ------------------------------------------------------------------------------------------
+# Launches per layer call
+# ------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def counted_launches():
+    """The names of the Triton kernels launched inside the block, in order (counted where
+    Triton runs a grid: the interpreter's executor, or the JIT's ``run`` on a GPU)."""
+    if P.INTERPRET:
+        from triton.runtime import interpreter
+
+        owner, attr = interpreter.GridExecutor, "__call__"
+    else:
+        owner, attr = triton.runtime.jit.JITFunction, "run"
+    names = []
+    launch = getattr(owner, attr)
+
+    def counted(self, *args, **kwargs):
+        names.append(self.fn.__name__)
+        return launch(self, *args, **kwargs)
+
+    setattr(owner, attr, counted)
+    try:
+        yield names
+    finally:
+        setattr(owner, attr, launch)
+
+
+# (shape, layout): a reduction split over programs (few channels, many rows) and not.
+LAUNCH_CASES = [((64, 3, 16, 16), "nchw"), ((96, 3, 8, 12), "last"), ((2, 8, 3, 5), "nchw"),
+                ((2, 70, 3, 5), "last")]
+
+
+@pytest.mark.parametrize("shape,fmt", LAUNCH_CASES,
+                         ids=[f"{'x'.join(map(str, s))}-{f}" for s, f in LAUNCH_CASES])
+@pytest.mark.parametrize("inplace", [True, False])
+def test_launches_per_layer_call(shape, fmt, inplace):
+    """One replica's training forward in 2 launches (statistics finished by the last program
+    of a split channel block: running statistics, small-gamma flags; then normalise), its
+    backward in 2 (reduction, its split partials merged by the last program; then dx, each
+    program deriving its coefficients), an evaluating forward in 1 (invstd from the running
+    variance inside the normalising kernel); synchronised over 2 replicas, each replica the same
+    2 + 2 (the exchange between statistics and normalisation, and between reduction and dx,
+    forces them): no launch of its own for the finishing work."""
+    import encoding_syncbn
+    from encoding_syncbn.testing import SimulatedDataParallel
+
+    x0 = make_input(shape, torch.float32, fmt)
+    launches, _ = TS._plan_channel_stats(x0, P._target(x0.device))
+    assert (launches[0].grid[1] > 1) == (shape[1] < 4)  # the cases split as named
+    encoding_syncbn.set_backend("triton")
+    try:
+        layer = encoding_syncbn.SyncBatchNorm(shape[1], activation="leaky_relu",
+                                              inplace=inplace).to(DEVICE)
+        for replicas in (1, 2):
+            model = SimulatedDataParallel(layer, replicas) if replicas > 1 else layer
+            x = x0.clone().requires_grad_()
+            with counted_launches() as forward:
+                y = model(x * 1)
+            with counted_launches() as backward:
+                y.backward(torch.ones_like(y))
+            # (Replicas' launches interleave: compared as sets of launches.)
+            stats = "_batch_stats_kernel" if replicas == 1 else "_channel_stats_kernel"
+            assert sorted(forward) == sorted([stats, "_normalize_act_kernel"] * replicas)
+            assert sorted(backward) == sorted(["_backward_reduce_kernel",
+                                               "_backward_dx_kernel"] * replicas)
+        layer.eval()
+        with counted_launches() as evaluation:
+            y = layer(x0.clone().requires_grad_() * 1)
+        assert evaluation == ["_normalize_running_kernel"]
+        with torch.no_grad(), counted_launches() as evaluation:
+            layer(x0.clone())
+        assert evaluation == ["_normalize_running_kernel"]
+    finally:
+        encoding_syncbn.set_backend("auto")
 
 
 # ------------------------------------------------------------------------------------------
@@ -853,7 +985,6 @@ def test_check_compiles_every_kernel():
         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    for name in ("_channel_stats_kernel", "_welford_merge_kernel", "_finalize_stats_kernel",
-                 "_normalize_act_kernel", "_backward_reduce_kernel", "_sum_merge_kernel",
-                 "_backward_dx_kernel"):
+    for name in ("_channel_stats_kernel", "_batch_stats_kernel", "_normalize_act_kernel",
+                 "_backward_reduce_kernel", "_backward_dx_kernel"):
         assert name in proc.stdout

@@ -6,6 +6,9 @@ A backend computes, per channel, what ``torch_ops`` (the reference) documents::
     batch_stats(x, eps, running, check)
                     -> (mean, invstd, small-gamma flags); running stats updated
     normalize_act(x, params, out)                   out = act((x - mean) * invstd * weight + bias)
+    normalize_running(x, running_mean, running_var, eps, weight, bias, activation, slope, out)
+                    -> (mean, invstd): normalize_act from the running statistics,
+                       invstd = 1 / sqrt(running_var + eps) (evaluation, in one pass)
     backward_reduce(saved, dy, params, from_output) -> (sum(dz), sum(dz * xhat))
     backward_dx(saved, dy, params, from_output, coefs)
                                     dx = coefs.dz * dz + coefs.xhat * xhat + coefs.const
@@ -24,9 +27,10 @@ should see: the layer's backward differentiates through them itself), whatever t
 is called under: a backend that computes them in differentiable ops does so without grad.
 
 Every per-channel vector a backend is handed (in ``NormParams``, ``DxCoefs``, ``BatchSums``,
-``GammaCheck``) is a contiguous (C,) tensor in the statistics dtype: the caller makes it so
-once (:func:`channel_vector`), not every op at every call. ``RunningStats`` are the layer's own
-buffers, updated in place, in whatever dtype and strides they have.
+``GammaCheck``, ``normalize_running``'s weight and bias) is a contiguous (C,) tensor in the
+statistics dtype: the caller makes it so once (:func:`channel_vector`), not every op at every
+call. ``RunningStats`` (and ``normalize_running``'s running mean and variance) are the layer's
+own buffers, in whatever dtype and strides they have.
 A new backend, or a test double, is one class implementing :class:`Backend`, registered with
 ``kernels.register_backend``.
 """
@@ -134,6 +138,11 @@ class Backend(Protocol):
     def normalize_act(self, x: torch.Tensor, params: NormParams,
                       out: torch.Tensor) -> torch.Tensor: ...
 
+    def normalize_running(self, x: torch.Tensor, running_mean: torch.Tensor,
+                          running_var: torch.Tensor, eps: float, weight: torch.Tensor,
+                          bias: torch.Tensor, activation: str, slope: float,
+                          out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
     def backward_reduce(self, saved: torch.Tensor, dy: torch.Tensor, params: NormParams,
                         saved_is_output: bool) -> tuple[torch.Tensor, torch.Tensor]: ...
 
@@ -168,6 +177,13 @@ class FunctionsBackend:
     def normalize_act(self, x: torch.Tensor, params: NormParams,
                       out: torch.Tensor) -> torch.Tensor:
         return self._f.normalize_act(x, *params, out)
+
+    def normalize_running(self, x: torch.Tensor, running_mean: torch.Tensor,
+                          running_var: torch.Tensor, eps: float, weight: torch.Tensor,
+                          bias: torch.Tensor, activation: str, slope: float,
+                          out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._f.normalize_running(x, running_mean, running_var, eps, weight, bias,
+                                         activation, slope, out)
 
     def backward_reduce(self, saved: torch.Tensor, dy: torch.Tensor, params: NormParams,
                         saved_is_output: bool) -> tuple[torch.Tensor, torch.Tensor]:

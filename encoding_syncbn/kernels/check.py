@@ -41,7 +41,8 @@ from .triton.specialisations import launch_specialisations  # noqa: E402
 _SM_COUNT = {80: 108, 86: 84, 89: 128, 90: 132}
 
 _PTR_TYPES = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16",
-              torch.float64: "*fp64", torch.uint8: "*u8", torch.int64: "*i64"}
+              torch.float64: "*fp64", torch.uint8: "*u8", torch.int32: "*i32",
+              torch.int64: "*i64"}
 _DIVISIBILITY = [["tt.divisibility", 16]]
 _RESOURCE = re.compile(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)")
 
@@ -99,7 +100,7 @@ def _key(spec: Spec) -> tuple:
 
 
 def specialisations(arch: int) -> list[Spec]:
-    """Distinct specialisations for one architecture (the merge kernels recur across plans)."""
+    """Distinct specialisations for one architecture (some recur across plans)."""
     target = Target(False, _SM_COUNT.get(arch, 132))
     seen, specs = set(), []
     for label, launch in launch_specialisations(target):

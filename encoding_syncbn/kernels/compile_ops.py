@@ -54,6 +54,22 @@ def _normalize_act(x: torch.Tensor, mean: torch.Tensor, invstd: torch.Tensor,
     torch_ops.normalize_act(x, mean, invstd, weight, bias, activation, slope, out)
 
 
+@torch.library.custom_op("encoding_syncbn::aten_normalize_running_", mutates_args=("out",))
+def _normalize_running(x: torch.Tensor, running_mean: torch.Tensor, running_var: torch.Tensor,
+                       eps: float, weight: torch.Tensor, bias: torch.Tensor, activation: str,
+                       slope: float, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch_ops.normalize_running(x, running_mean, running_var, eps, weight, bias,
+                                       activation, slope, out)
+
+
+@_normalize_running.register_fake
+def _(x: torch.Tensor, running_mean: torch.Tensor, running_var: torch.Tensor, eps: float,
+      weight: torch.Tensor, bias: torch.Tensor, activation: str, slope: float,
+      out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    acc = stats_dtype(x.dtype)
+    return x.new_empty(x.shape[1], dtype=acc), x.new_empty(x.shape[1], dtype=acc)
+
+
 @torch.library.custom_op("encoding_syncbn::aten_backward_reduce", mutates_args=())
 def _backward_reduce(saved: torch.Tensor, dy: torch.Tensor, mean: torch.Tensor,
                      invstd: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
@@ -115,6 +131,12 @@ def normalize_act(x, mean, invstd, weight, bias, activation: str, slope: float, 
     torch.ops.encoding_syncbn.aten_normalize_act_(x, mean, invstd, weight, bias, activation,
                                                   float(slope), out)
     return out
+
+
+def normalize_running(x, running_mean, running_var, eps: float, weight, bias, activation: str,
+                      slope: float, out):
+    return torch.ops.encoding_syncbn.aten_normalize_running_(
+        x, running_mean, running_var, float(eps), weight, bias, activation, float(slope), out)
 
 
 def backward_reduce(saved, dy, mean, invstd, weight, bias, activation: str, slope: float,

@@ -255,6 +255,20 @@ def normalize_act(
     return out
 
 
+def normalize_running(x: torch.Tensor, running_mean: torch.Tensor, running_var: torch.Tensor,
+                      eps: float, weight: torch.Tensor, bias: torch.Tensor, activation: str,
+                      slope: float, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Evaluation: ``normalize_act`` with ``mean = running_mean`` and ``invstd =
+    1 / sqrt(running_var + eps)`` (buffers of any dtype, taken in the statistics dtype);
+    returns that ``(mean, invstd)`` as new tensors (the buffers may change before a
+    backward reads them)."""
+    acc = stats_dtype(x.dtype)
+    mean = running_mean.to(acc, copy=True)
+    invstd = torch.rsqrt(running_var.to(acc) + eps)
+    normalize_act(x, mean, invstd, weight, bias, activation, slope, out)
+    return mean, invstd
+
+
 def _xhat_dz(saved, dy, mean, invstd, weight, inverse_weight, bias, activation: str,
              slope: float, saved_is_output: bool, scratch) -> tuple[torch.Tensor, torch.Tensor]:
     """``(xhat, dz)`` of one channel-last piece, written into ``scratch = (xhat, dz, aux)``,

@@ -3,9 +3,11 @@
 Same names, signatures, semantics and dtype rules as ``torch_ops`` (the reference); read its
 docstring for the notation (``z``, ``y``, ``dz``, ``xhat``). One job a file: ``plan`` (geometry,
 tiles, memoised launch planning), ``tiles`` (device functions addressing a tile),
-``activations`` (the activation device functions), one file per op with its kernels and
-launch planner, ``specialisations`` (every launch the planners can produce, for ``check.py``)
-and ``ops`` (launch, torch.library registration, the public functions).
+``activations`` (the activation device functions), ``partials`` (a split reduction's merge by
+its last program), one file per op with its kernels and launch planner (``finalize_stats``: what
+follows the batch statistics per channel), ``specialisations`` (every launch the planners can
+produce, for ``check.py``) and ``ops`` (launch, torch.library registration, the public
+functions).
 
 Memory traffic per element of an activation of B bytes, the least each pass can move
 (``benchmarks/traffic.py`` counts what the kernels move):
@@ -23,11 +25,11 @@ Tensor geometry. An ``(N, C, *)`` input is handled as ``N`` images of ``C`` chan
   BLOCK_B channels]``.
 
 Any other strides are copied once to NCHW. The grid is ``(channel blocks, splits)``: the tiles of
-a channel block are dealt out to ``splits`` programs in contiguous ranges. The reductions write
-one partial result per program into a ``[splits, C]`` buffer (deterministic: no atomics),
-merged by a second small kernel: ``channel_stats``' merge kernel, ``batch_stats``' finalising
-kernel (both with ``channel_stats._merge_partials``), ``backward_reduce``'s sum kernel when
-``splits > 1``.
+a channel block are dealt out to ``splits`` programs in contiguous ranges. A split reduction's
+programs write one partial result each into a ``[splits, C]`` buffer, and the last of a channel
+block to finish merges them in index order in the same launch (``partials``): the statistics
+then finish there too (``finalize_stats``), so a training step is two launches forward and two
+backward, evaluation one.
 
 Accumulation is in float32 for half, bfloat16 and float32 inputs and in float64 for float64
 inputs; per-channel vectors come in (contiguous: see ``kernels.backend``) and go out in that

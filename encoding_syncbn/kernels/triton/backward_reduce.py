@@ -1,4 +1,5 @@
-"""backward_reduce: sum(dz) and sum(dz * xhat), partials then a fixed-order sum."""
+"""backward_reduce: sum(dz) and sum(dz * xhat); split reductions merged by their last program
+(one launch)."""
 
 from __future__ import annotations
 
@@ -6,20 +7,21 @@ import torch
 import triton
 import triton.language as tl
 
+from .partials import _last_to_finish, _rearm, _sum_partials, split_counters
 from .plan import (
     Launch,
     OpPlan,
     Target,
     Tile,
     _in_layout,
-    _merge_launch,
     _prepare,
     plan_op,
 )
 from .tiles import (
+    _block_channels,
     _channel_block,
+    _channel_sums,
     _load_norm_params,
-    _store_channel_sum,
     _tile,
     _tile_range,
     _tile_xhat_dz,
@@ -28,13 +30,16 @@ from .tiles import (
 
 @triton.jit
 def _backward_reduce_kernel(saved_ptr, dy_ptr, mean_ptr, invstd_ptr, weight_ptr, bias_ptr,
-                            sum_dz_ptr, sum_dz_xhat_ptr, plane, slope: tl.float64, N, C, S, R, CS,
-                            tiles, tiles_s, tiles_per_prog, ACTIVATION: tl.constexpr,
-                            SAVED_IS_OUTPUT: tl.constexpr, CHANNELS_LAST: tl.constexpr,
-                            BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, ACC: tl.constexpr):
-    """Partial sum(dz) and sum(dz * xhat) per channel over this program's tiles -> row pid_1 of
-    ``sum_dz`` and of ``sum_dz_xhat + plane`` (split: one [2, splits, C] buffer passed as both,
-    ``plane`` = splits * C; not split: the two outputs, ``plane`` = 0)."""
+                            sum_dz_ptr, sum_dz_xhat_ptr, part_ptr, counter_ptr,
+                            slope: tl.float64, N, C, S, R, CS, tiles, tiles_s, tiles_per_prog,
+                            ACTIVATION: tl.constexpr, SAVED_IS_OUTPUT: tl.constexpr,
+                            CHANNELS_LAST: tl.constexpr, BLOCK_A: tl.constexpr,
+                            BLOCK_B: tl.constexpr, ACC: tl.constexpr, SPLIT: tl.constexpr,
+                            BLOCK_P: tl.constexpr):
+    """sum(dz) and sum(dz * xhat) per channel over this program's tiles -> ``sum_dz``,
+    ``sum_dz_xhat``. ``SPLIT``: each program stores its sums in row pid_1 of the [2, splits,
+    C] buffer ``part``, and the last of a channel block to finish sums the rows in index order
+    (``partials``)."""
     c0 = _channel_block(CHANNELS_LAST, BLOCK_B)
     mean, invstd, weight, bias = _load_norm_params(mean_ptr, invstd_ptr, weight_ptr, bias_ptr,
                                                    c0, C, CHANNELS_LAST, BLOCK_B)
@@ -49,29 +54,23 @@ def _backward_reduce_kernel(saved_ptr, dy_ptr, mean_ptr, invstd_ptr, weight_ptr,
         # Padding lanes may hold inf/nan (0 / weight); keep them out of the sums.
         acc_dz += tl.where(mask, dz, 0.0)
         acc_dz_xhat += tl.where(mask, dz * xhat, 0.0)
-    row = tl.program_id(1)
-    _store_channel_sum(sum_dz_ptr, acc_dz, row, c0, C, CHANNELS_LAST, BLOCK_B)
-    _store_channel_sum(sum_dz_xhat_ptr + plane, acc_dz_xhat, row, c0, C, CHANNELS_LAST, BLOCK_B)
-
-
-@triton.jit
-def _sum_merge_kernel(part_ptr, plane, a_ptr, b_ptr, C, splits, BLOCK_P: tl.constexpr,
-                      BLOCK_C: tl.constexpr):
-    """From the [2, splits, C] partials ``part``: a[c] = sum_p part[0, p, c] and
-    b[c] = sum_p part[1, p, c], always in the same order."""
-    c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)[None, :]
-    p = tl.arange(0, BLOCK_P)[:, None]
-    acc_ty = part_ptr.dtype.element_ty
-    acc_a = tl.zeros([BLOCK_P, BLOCK_C], acc_ty)
-    acc_b = tl.zeros([BLOCK_P, BLOCK_C], acc_ty)
-    for p0 in range(0, splits, BLOCK_P):
-        mask = (p0 + p < splits) & (c < C)
-        offs = (p0 + p) * C + c
-        acc_a += tl.load(part_ptr + offs, mask=mask, other=0.0)
-        acc_b += tl.load(part_ptr + plane + offs, mask=mask, other=0.0)
-    c1 = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
-    tl.store(a_ptr + c1, tl.sum(acc_a, 0), mask=c1 < C)
-    tl.store(b_ptr + c1, tl.sum(acc_b, 0), mask=c1 < C)
+    c = _block_channels(c0, CHANNELS_LAST, BLOCK_B)
+    sum_dz = _channel_sums(acc_dz, CHANNELS_LAST)
+    sum_dz_xhat = _channel_sums(acc_dz_xhat, CHANNELS_LAST)
+    if SPLIT:
+        plane = tl.num_programs(1) * C
+        row_ptr = part_ptr + tl.program_id(1) * C + c
+        tl.store(row_ptr, sum_dz, mask=c < C)
+        tl.store(row_ptr + plane, sum_dz_xhat, mask=c < C)
+        finishing = _last_to_finish(counter_ptr, tl.program_id(0))
+        if finishing:
+            sum_dz, sum_dz_xhat = _sum_partials(part_ptr, plane, c, C, BLOCK_P)
+            _rearm(counter_ptr, tl.program_id(0))
+    else:
+        finishing = True
+    if finishing:
+        tl.store(sum_dz_ptr + c, sum_dz, mask=c < C)
+        tl.store(sum_dz_xhat_ptr + c, sum_dz_xhat, mask=c < C)
 
 
 def _plan_backward_reduce(saved: torch.Tensor, dy: torch.Tensor, mean: torch.Tensor,
@@ -91,20 +90,15 @@ def _plan_backward_reduce(saved: torch.Tensor, dy: torch.Tensor, mean: torch.Ten
 def _reduce_launches(plan: OpPlan, saved: torch.Tensor, dy: torch.Tensor, mean: torch.Tensor,
                      invstd: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
                      ) -> tuple[list[Launch], tuple[torch.Tensor, torch.Tensor]]:
-    """The reduction's launches as ``plan`` plans them, on ``saved`` and ``dy`` as it
-    launches on them (prepared, in the planned layout), and their ``(sum_dz, sum_dz_xhat)``."""
-    acc, grid, c = plan.acc, plan.grid, plan.geo.c
-    splits = grid[1]
+    """The reduction's launch as ``plan`` plans it, on ``saved`` and ``dy`` as it launches on
+    them (prepared, in the planned layout), and its ``(sum_dz, sum_dz_xhat)``."""
+    acc, (blocks, splits), c = plan.acc, plan.grid, plan.geo.c
     sum_dz = saved.new_empty(c, dtype=acc)
     sum_dz_xhat = saved.new_empty(c, dtype=acc)
-    if splits == 1:
-        rows, merge = (sum_dz, sum_dz_xhat, 0), []
-    else:  # one buffer of two planes, passed whole (no views of its planes to make), merged
-        part = saved.new_empty(2 * splits * c, dtype=acc)
-        rows = (part, part, splits * c)
-        merge = [_merge_launch(_sum_merge_kernel, (part, splits * c), splits, c,
-                               (sum_dz, sum_dz_xhat))]
-    reduce = Launch(_backward_reduce_kernel, grid,
-                    (saved, dy, mean, invstd, weight, bias, *rows, plan.slope, *plan.args),
+    # Split: one buffer of two planes of partial sums; else unread.
+    part = saved.new_empty(2 * splits * c, dtype=acc) if splits > 1 else sum_dz
+    reduce = Launch(_backward_reduce_kernel, plan.grid,
+                    (saved, dy, mean, invstd, weight, bias, sum_dz, sum_dz_xhat, part,
+                     split_counters(saved.device, blocks), plan.slope, *plan.args),
                     plan.constexprs, plan.num_warps)
-    return [reduce, *merge], (sum_dz, sum_dz_xhat)
+    return [reduce], (sum_dz, sum_dz_xhat)

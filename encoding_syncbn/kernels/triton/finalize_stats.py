@@ -1,11 +1,10 @@
-"""finalize_stats: a batch's statistics finished in one launch after the statistics kernel.
+"""finalize_stats: what follows a batch's statistics, per channel, done by the statistics
+kernel's program that has a channel block's (mean, M2) (``channel_stats``' batch kernel).
 
-From the statistics kernel's partial ``(mean, M2, n)`` rows, a program per block of channels
-merges each channel's rows (Chan), computes ``invstd``, folds the batch into the running
-statistics and flags the channels whose gamma is too small to invert.
-``torch_ops.finalize_stats`` does the last three in some thirteen ATen calls on (C,) vectors,
-each costing more host time than the arithmetic; here the whole single-replica forward's
-statistics are two launches (``batch_stats``).
+It computes ``invstd``, folds the batch into the running statistics and flags the channels
+whose gamma is too small to invert. ``torch_ops.finalize_stats`` does the same in some
+thirteen ATen calls on (C,) vectors, each costing more host time than the arithmetic; here a
+single-replica forward's statistics are one launch (``batch_stats``).
 """
 
 from __future__ import annotations
@@ -16,26 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..torch_ops import stats_dtype
-from .channel_stats import _merge_partials, _partial_stats_launch
-from .plan import (
-    _MERGE_ROWS,
-    _TL_DTYPES,
-    Launch,
-    OpPlan,
-    Target,
-    Tile,
-    _plan_op_memo,
-    _prepare,
-    plan_memo,
-)
-
-# Channels per program (per step of the single program of a cumulative average). Merging the
-# partial rows keeps [_MERGE_ROWS, BLOCK_C] lanes of four accumulators live: at 64 channels a
-# step (8 lanes a thread) the AOT check found float32 specialisations spilling on sm_90, at 32
-# none.
-_BLOCK_C = 32
-_NUM_WARPS = 4
+from .plan import _TL_DTYPES, plan_memo
 
 
 @triton.jit
@@ -72,91 +52,86 @@ def _lerp(start, end, weight):
 
 
 @triton.jit
-def _finalize_stats_kernel(part_ptr, plane, splits, mean_ptr, invstd_ptr, count: tl.float64,
-                           eps: tl.float64, running_mean_ptr, running_var_ptr, batches_ptr,
-                           keep: tl.float64, momentum: tl.float64, var_alpha: tl.float64,
-                           weight_ptr, bias_ptr, small_ptr, gamma_limit: tl.float64, C,
-                           RUNNING: tl.constexpr, COUNTER: tl.constexpr,
-                           CUMULATIVE: tl.constexpr, CHECK: tl.constexpr, ACC: tl.constexpr,
-                           RUN_ACC: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
-    """A program per block of BLOCK_C channels; the first increments the batch counter. With a
-    cumulative average every channel needs the incremented counter: one program then walks
-    every channel (no program may read a counter another has already incremented). A block's
-    channels past C are masked.
+def _finish_batch_stats(c, mean, m2, counter_ptr, mean_ptr, invstd_ptr, count: tl.float64,
+                        eps: tl.float64, running_mean_ptr, running_var_ptr, batches_ptr,
+                        keep: tl.float64, momentum: tl.float64, var_alpha: tl.float64,
+                        weight_ptr, bias_ptr, small_ptr, gamma_limit: tl.float64, C,
+                        RUNNING: tl.constexpr, COUNTER: tl.constexpr,
+                        CUMULATIVE: tl.constexpr, CHECK: tl.constexpr, ACC: tl.constexpr,
+                        RUN_ACC: tl.constexpr):
+    """A channel block's batch statistics finished, by the program that has its (mean, M2):
+    stored mean, invstd, running statistics and small-gamma flags of the channels ``c`` (a
+    block; those past C masked).
 
-    (mean, M2) from the [3, splits, C] partials ``part``, as ``channel_stats``' merge kernel
-    takes them (:func:`_merge_partials`: both give the same bits);
     invstd = 1 / sqrt(M2 / count + eps), correctly rounded steps (as ATen's CPU rsqrt);
     running, as ATen's two calls: r_mean = r_mean * keep + momentum * mean and r_var = r_var *
     keep + var_alpha * M2 (keep = 1 - momentum, var_alpha = momentum / (count - 1), from the
     host); cumulative: lerp(r, stat, 1 / batches), the variance's stat M2 * var_alpha
-    (var_alpha = 1 / (count - 1): a float64 division fewer, which spilled on sm_90);
+    (var_alpha = 1 / (count - 1));
     small = |w| <= gamma_limit * max(1, |b|).
+
+    The batch counter is incremented once: by channel block 0, or, for a cumulative average
+    (where every block reads it), by the last block to finish (``counter_ptr``: the counter
+    after the channel blocks' own), once every other block has read it.
     """
+    valid = c < C
     n = tl.full([], count, ACC)
     epsilon = tl.full([], eps, ACC)
-    if COUNTER:
-        batches = tl.load(batches_ptr) + 1
-        if tl.program_id(0) == 0:  # the only program of a cumulative average
-            tl.store(batches_ptr, batches)
-    if CUMULATIVE:
-        factor = _div(tl.full([], 1.0, RUN_ACC), batches.to(RUN_ACC))
-    kept = tl.full([], keep, RUN_ACC)
-    taken = tl.full([], momentum, RUN_ACC)
-    taken_var = tl.full([], var_alpha, RUN_ACC)
-    limit = tl.full([], gamma_limit, ACC)
-    # Compiled as two loops, not one with the program's bounds: the latter spilled a float64
-    # cumulative specialisation on sm_80.
-    if CUMULATIVE:
-        c_start, c_stop = 0, C
-    else:
-        c_start = tl.program_id(0) * BLOCK_C
-        c_stop = c_start + BLOCK_C
-    for c0 in range(c_start, c_stop, BLOCK_C):
-        c = c0 + tl.arange(0, BLOCK_C)
-        valid = c < C
-        mean, m2 = _merge_partials(part_ptr, plane, splits, c, C, BLOCK_P, BLOCK_C)
-        tl.store(mean_ptr + c, mean, mask=valid)
-        # invstd last: nothing else is live across its division and square root (subroutine
-        # calls, around which live values spilled).
-        if RUNNING:
-            r_mean = tl.load(running_mean_ptr + c, mask=valid, other=0.0).to(RUN_ACC)
-            r_var = tl.load(running_var_ptr + c, mask=valid, other=0.0).to(RUN_ACC)
+    tl.store(mean_ptr + c, mean, mask=valid)
+    if RUNNING:
+        if COUNTER:
+            batches = tl.load(batches_ptr) + 1
+        r_mean = tl.load(running_mean_ptr + c, mask=valid, other=0.0).to(RUN_ACC)
+        r_var = tl.load(running_var_ptr + c, mask=valid, other=0.0).to(RUN_ACC)
+        taken_var = tl.full([], var_alpha, RUN_ACC)
+        if CUMULATIVE:
+            factor = _div(tl.full([], 1.0, RUN_ACC), batches.to(RUN_ACC))
+            r_mean = _lerp(r_mean, mean.to(RUN_ACC), factor)
+            r_var = _lerp(r_var, m2.to(RUN_ACC) * taken_var, factor)
+        else:
+            kept = tl.full([], keep, RUN_ACC)
+            taken = tl.full([], momentum, RUN_ACC)
+            r_mean = r_mean * kept + taken * mean.to(RUN_ACC)
+            r_var = r_var * kept + taken_var * m2.to(RUN_ACC)
+        _store(running_mean_ptr + c, r_mean, valid)
+        _store(running_var_ptr + c, r_var, valid)
+        if COUNTER:
             if CUMULATIVE:
-                r_mean = _lerp(r_mean, mean.to(RUN_ACC), factor)
-                r_var = _lerp(r_var, m2.to(RUN_ACC) * taken_var, factor)
+                blocks = tl.num_programs(0)
+                tl.debug_barrier()
+                finished = tl.atomic_add(counter_ptr + blocks, 1, sem="acq_rel", scope="gpu")
+                if finished == blocks - 1:
+                    tl.store(batches_ptr, batches)
+                    tl.store(counter_ptr + blocks, 0)
             else:
-                r_mean = r_mean * kept + taken * mean.to(RUN_ACC)
-                r_var = r_var * kept + taken_var * m2.to(RUN_ACC)
-            _store(running_mean_ptr + c, r_mean, valid)
-            _store(running_var_ptr + c, r_var, valid)
-        if CHECK:
-            w = tl.load(weight_ptr + c, mask=valid, other=1.0)
-            b = tl.load(bias_ptr + c, mask=valid, other=0.0)
-            bound = tl.maximum(tl.abs(b), 1.0, propagate_nan=tl.PropagateNan.ALL) * limit
-            tl.store(small_ptr + c, (tl.abs(w) <= bound).to(tl.uint8), mask=valid)
-        invstd = _div(tl.full([], 1.0, ACC), _sqrt(_div(m2, n) + epsilon))
-        tl.store(invstd_ptr + c, invstd, mask=valid)
+                if tl.program_id(0) == 0:
+                    tl.store(batches_ptr, batches)
+    if CHECK:
+        w = tl.load(weight_ptr + c, mask=valid, other=1.0)
+        b = tl.load(bias_ptr + c, mask=valid, other=0.0)
+        limit = tl.full([], gamma_limit, ACC)
+        bound = tl.maximum(tl.abs(b), 1.0, propagate_nan=tl.PropagateNan.ALL) * limit
+        tl.store(small_ptr + c, (tl.abs(w) <= bound).to(tl.uint8), mask=valid)
+    # invstd last: nothing else is live across its division and square root (subroutine
+    # calls, around which live values spilled).
+    invstd = _div(tl.full([], 1.0, ACC), _sqrt(_div(m2, n) + epsilon))
+    tl.store(invstd_ptr + c, invstd, mask=valid)
 
 
-class _FinalizePlan(NamedTuple):
-    """Everything about a finalising launch but its tensors (memoised by
-    :func:`_finalize_plan`)."""
+class FinishPlan(NamedTuple):
+    """The finishing step's scalars and constexprs (memoised by :func:`finish_plan`)."""
 
-    grid: tuple[int, int]
-    # (plane, splits, count, eps, keep, momentum, var_alpha, gamma_limit, C), the launch's
-    # scalar arguments in the kernel's order.
+    # (count, eps, keep, momentum, var_alpha, gamma_limit): the kernel's scalar arguments.
     scalars: tuple
     constexprs: dict
     flags: int  # the small-gamma flags it writes: C with the check, else none
 
 
 @plan_memo
-def _finalize_plan(acc: torch.dtype, splits: int, c: int, count: int, eps: float,
-                   running_dtype: torch.dtype | None, has_counter: bool, momentum: float | None,
-                   check: bool, gamma_limit: float) -> _FinalizePlan:
-    """The launch's grid, scalars and constexprs: host ints and floats only, the same from
-    call to call (memoised)."""
+def finish_plan(acc: torch.dtype, c: int, count: int, eps: float,
+                running_dtype: torch.dtype | None, has_counter: bool, momentum: float | None,
+                check: bool, gamma_limit: float) -> FinishPlan:
+    """Host ints and floats only, the same from call to call (memoised)."""
     running = running_dtype is not None
     counter = running and has_counter
     cumulative = running and momentum is None
@@ -165,84 +140,27 @@ def _finalize_plan(acc: torch.dtype, splits: int, c: int, count: int, eps: float
     run_acc = (torch.float64 if torch.float64 in (acc, running_dtype) else torch.float32
                ) if running else acc
     momentum = 0.0 if momentum is None else float(momentum)
-    scalars = (splits * c, splits, float(count), float(eps), 1.0 - momentum, momentum,
-               (1.0 if cumulative else momentum) / max(count - 1, 1), float(gamma_limit), c)
+    scalars = (float(count), float(eps), 1.0 - momentum, momentum,
+               (1.0 if cumulative else momentum) / max(count - 1, 1), float(gamma_limit))
     constexprs = {"RUNNING": running, "COUNTER": counter, "CUMULATIVE": cumulative,
-                  "CHECK": check, "ACC": _TL_DTYPES[stats_dtype(acc)],
-                  "RUN_ACC": _TL_DTYPES[run_acc], "BLOCK_P": _MERGE_ROWS,
-                  "BLOCK_C": _BLOCK_C}
-    programs = 1 if cumulative else -(-c // _BLOCK_C)
-    return _FinalizePlan((programs, 1), scalars, constexprs, c if check else 0)
+                  "CHECK": check, "RUN_ACC": _TL_DTYPES[run_acc]}
+    return FinishPlan(scalars, constexprs, c if check else 0)
 
 
-def _finalize_launch(plan: _FinalizePlan, part: torch.Tensor, running_mean: torch.Tensor | None,
-                     running_var: torch.Tensor | None, batches: torch.Tensor | None,
-                     weight: torch.Tensor | None, bias: torch.Tensor | None
-                     ) -> tuple[Launch, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """The launch over ``part`` (the statistics kernel's partials, in the statistics dtype),
-    and ``(mean, invstd, small)``: ``small`` has C uint8 flags given a ``weight``, else no
-    element. An absent tensor is passed as ``mean`` (its constexpr keeps it unread)."""
-    plane, splits, count, eps, keep, momentum, var_alpha, limit, c = plan.scalars
-    mean = part.new_empty(c)
-    invstd = part.new_empty(c)
-    small = part.new_empty(plan.flags, dtype=torch.uint8)
-    args = (part, plane, splits, mean, invstd, count, eps,
+def finish_args(plan: FinishPlan, mean: torch.Tensor, running_mean: torch.Tensor | None,
+                running_var: torch.Tensor | None, batches: torch.Tensor | None,
+                weight: torch.Tensor | None, bias: torch.Tensor | None
+                ) -> tuple[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """The finishing step's arguments from ``invstd_ptr`` to ``gamma_limit`` (after
+    ``mean_ptr``, which is ``mean``), and ``(mean, invstd, small)``: ``small`` has C uint8
+    flags given a ``weight``, else no element. An absent tensor is passed as ``mean`` (its
+    constexpr keeps it unread)."""
+    count, eps, keep, momentum, var_alpha, limit = plan.scalars
+    invstd = torch.empty_like(mean)
+    small = mean.new_empty(plan.flags, dtype=torch.uint8)
+    args = (invstd, count, eps,
             mean if running_mean is None else running_mean,
             mean if running_var is None else running_var,
             batches if plan.constexprs["COUNTER"] else mean, keep, momentum, var_alpha,
-            mean if weight is None else weight, mean if bias is None else bias, small, limit, c)
-    return Launch(_finalize_stats_kernel, plan.grid, args, plan.constexprs, _NUM_WARPS), (
-        mean, invstd, small)
-
-
-def _plan_finalize_stats(part: torch.Tensor, count: int, eps: float,
-                         running_mean: torch.Tensor | None, running_var: torch.Tensor | None,
-                         batches: torch.Tensor | None, momentum: float | None,
-                         weight: torch.Tensor | None, bias: torch.Tensor | None,
-                         gamma_limit: float
-                         ) -> tuple[Launch, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """:func:`_finalize_launch` over ``part``, the statistics kernel's [3, splits, C]
-    partials."""
-    splits, c = part.shape[1:]
-    plan = _finalize_plan(part.dtype, splits, c, count, eps,
-                          running_mean.dtype if running_mean is not None else None,
-                          batches is not None, momentum, weight is not None, gamma_limit)
-    return _finalize_launch(plan, part, running_mean, running_var, batches, weight, bias)
-
-
-@plan_memo
-def _batch_stats_plan(sizes: tuple[int, ...], strides: tuple[int, ...], dtype: torch.dtype,
-                      target: Target, tile: Tile | None, eps: float,
-                      running_dtype: torch.dtype | None, has_counter: bool,
-                      momentum: float | None, check: bool, gamma_limit: float
-                      ) -> tuple[OpPlan, _FinalizePlan] | None:
-    """Both launches' plans, memoised together: one lookup a call (None: an empty x)."""
-    stats = _plan_op_memo(sizes, strides, dtype, target, True, tile, None, 0.0, None)
-    if stats is None:
-        return None
-    geo = stats.geo
-    return stats, _finalize_plan(stats.acc, stats.grid[1], geo.c, geo.n * geo.s, eps,
-                                 running_dtype, has_counter, momentum, check, gamma_limit)
-
-
-def _plan_batch_stats(x: torch.Tensor, eps: float, running_mean: torch.Tensor | None,
-                      running_var: torch.Tensor | None, batches: torch.Tensor | None,
-                      momentum: float | None, weight: torch.Tensor | None,
-                      bias: torch.Tensor | None, gamma_limit: float, target: Target,
-                      tile: Tile | None = None
-                      ) -> tuple[list[Launch], tuple[torch.Tensor, torch.Tensor, torch.Tensor]
-                                 ] | None:
-    """``batch_stats``: the statistics kernel, then the finalising one over its partials; two
-    launches whatever the split (None: an empty x, nothing to launch)."""
-    plans = _batch_stats_plan(
-        x.shape, x.stride(), x.dtype, target, tile, eps,
-        running_mean.dtype if running_mean is not None else None, batches is not None,
-        momentum, weight is not None, gamma_limit)
-    if plans is None:
-        return None
-    stats, finalize = plans
-    x = _prepare(x, stats)
-    part = x.new_empty(3 * finalize.scalars[0], dtype=stats.acc)  # planes of splits * C
-    launch, result = _finalize_launch(finalize, part, running_mean, running_var, batches,
-                                      weight, bias)
-    return [_partial_stats_launch(stats, x, part), launch], result
+            mean if weight is None else weight, mean if bias is None else bias, small, limit)
+    return args, (mean, invstd, small)

@@ -1,4 +1,4 @@
-"""normalize_act: one read, one write (in place when out is x)."""
+"""normalize_act and normalize_running: one read, one write (in place when out is x)."""
 
 from __future__ import annotations
 
@@ -7,32 +7,30 @@ import triton
 import triton.language as tl
 
 from .activations import _activate
+from .finalize_stats import _div, _sqrt
 from .plan import (
     Launch,
+    OpPlan,
     Target,
     Tile,
     _geometry,
     _prepare,
     plan_op,
 )
-from .tiles import _channel_block, _load_channel, _tile, _tile_range
+from .tiles import _channel_block, _load_channel, _store_channel, _tile, _tile_range
 
 
 @triton.jit
-def _normalize_act_kernel(x_ptr, out_ptr, mean_ptr, invstd_ptr, weight_ptr, bias_ptr,
-                          slope: tl.float64, N, C, S, R, CS, tiles, tiles_s, tiles_per_prog,
-                          ACTIVATION: tl.constexpr, CHANNELS_LAST: tl.constexpr,
-                          BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, ACC: tl.constexpr):
-    """out = act((x - mean) * (invstd * weight) + bias), one read and one write per element.
+def _normalize_tiles(x_ptr, out_ptr, mean, scale, bias, slope, c0, N, C, S, R, CS, tiles,
+                     tiles_s, tiles_per_prog, ACTIVATION: tl.constexpr,
+                     CHANNELS_LAST: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr,
+                     ACC: tl.constexpr):
+    """out = act((x - mean) * scale + bias) over this program's tiles, one read and one write
+    per element.
 
     The mean is subtracted before scaling (no x * scale + shift: it cancels when |mean| >> std).
     ``out`` may be ``x``: each element is read and written by the same program.
     """
-    c0 = _channel_block(CHANNELS_LAST, BLOCK_B)
-    mean = _load_channel(mean_ptr, c0, C, CHANNELS_LAST, BLOCK_B)
-    scale = _load_channel(invstd_ptr, c0, C, CHANNELS_LAST, BLOCK_B) * _load_channel(
-        weight_ptr, c0, C, CHANNELS_LAST, BLOCK_B)
-    bias = _load_channel(bias_ptr, c0, C, CHANNELS_LAST, BLOCK_B)
     alpha = tl.full([], slope, ACC)
     start, stop = _tile_range(tiles, tiles_per_prog)
     for t in range(start, stop):
@@ -40,6 +38,52 @@ def _normalize_act_kernel(x_ptr, out_ptr, mean_ptr, invstd_ptr, weight_ptr, bias
         x = tl.load(x_ptr + base + local, mask=mask, other=0.0).to(ACC)
         y = _activate((x - mean) * scale + bias, alpha, ACTIVATION)
         tl.store(out_ptr + base + local, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _normalize_act_kernel(x_ptr, out_ptr, mean_ptr, invstd_ptr, weight_ptr, bias_ptr,
+                          slope: tl.float64, N, C, S, R, CS, tiles, tiles_s, tiles_per_prog,
+                          ACTIVATION: tl.constexpr, CHANNELS_LAST: tl.constexpr,
+                          BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, ACC: tl.constexpr):
+    """out = act((x - mean) * (invstd * weight) + bias) (:func:`_normalize_tiles`)."""
+    c0 = _channel_block(CHANNELS_LAST, BLOCK_B)
+    mean = _load_channel(mean_ptr, c0, C, CHANNELS_LAST, BLOCK_B)
+    scale = _load_channel(invstd_ptr, c0, C, CHANNELS_LAST, BLOCK_B) * _load_channel(
+        weight_ptr, c0, C, CHANNELS_LAST, BLOCK_B)
+    bias = _load_channel(bias_ptr, c0, C, CHANNELS_LAST, BLOCK_B)
+    _normalize_tiles(x_ptr, out_ptr, mean, scale, bias, slope, c0, N, C, S, R, CS, tiles,
+                     tiles_s, tiles_per_prog, ACTIVATION, CHANNELS_LAST, BLOCK_A, BLOCK_B, ACC)
+
+
+@triton.jit
+def _normalize_running_kernel(x_ptr, out_ptr, running_mean_ptr, running_var_ptr, eps: tl.float64,
+                              weight_ptr, bias_ptr, mean_ptr, invstd_ptr, slope: tl.float64, N,
+                              C, S, R, CS, tiles, tiles_s, tiles_per_prog,
+                              ACTIVATION: tl.constexpr, CHANNELS_LAST: tl.constexpr,
+                              BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, ACC: tl.constexpr):
+    """Evaluation: ``_normalize_act_kernel`` with the running statistics (buffers of any
+    dtype), ``invstd = 1 / sqrt(running_var + eps)`` per channel (correctly rounded steps, as
+    ``batch_stats``' and ATen's CPU rsqrt); the first program of each channel block also
+    stores the mean and invstd it used (in ACC) for the backward."""
+    c0 = _channel_block(CHANNELS_LAST, BLOCK_B)
+    mean = _load_channel(running_mean_ptr, c0, C, CHANNELS_LAST, BLOCK_B).to(ACC)
+    var = _load_channel(running_var_ptr, c0, C, CHANNELS_LAST, BLOCK_B).to(ACC)
+    invstd = _div(tl.full([], 1.0, ACC), _sqrt(var + tl.full([], eps, ACC)))
+    if tl.program_id(1) == 0:
+        _store_channel(mean_ptr, mean, c0, C, CHANNELS_LAST, BLOCK_B)
+        _store_channel(invstd_ptr, invstd, c0, C, CHANNELS_LAST, BLOCK_B)
+    scale = invstd * _load_channel(weight_ptr, c0, C, CHANNELS_LAST, BLOCK_B)
+    bias = _load_channel(bias_ptr, c0, C, CHANNELS_LAST, BLOCK_B)
+    _normalize_tiles(x_ptr, out_ptr, mean, scale, bias, slope, c0, N, C, S, R, CS, tiles,
+                     tiles_s, tiles_per_prog, ACTIVATION, CHANNELS_LAST, BLOCK_A, BLOCK_B, ACC)
+
+
+def _destination(x: torch.Tensor, out: torch.Tensor, plan: OpPlan) -> torch.Tensor:
+    """``out`` when it lies like ``x`` (as the plan launches on it), else a temporary that the
+    caller copies to ``out``."""
+    if out is x or (out.shape == x.shape and _geometry(out) == plan.geo):
+        return out
+    return torch.empty_like(x, dtype=out.dtype)
 
 
 def _plan_normalize_act(x: torch.Tensor, mean: torch.Tensor, invstd: torch.Tensor,
@@ -53,9 +97,30 @@ def _plan_normalize_act(x: torch.Tensor, mean: torch.Tensor, invstd: torch.Tenso
     if plan is None:
         return None
     x = _prepare(x, plan)
-    same_layout = out is x or (out.shape == x.shape and _geometry(out) == plan.geo)
-    dst = out if same_layout else torch.empty_like(x, dtype=out.dtype)
+    dst = _destination(x, out, plan)
     launch = Launch(_normalize_act_kernel, plan.grid,
                     (x, dst, mean, invstd, weight, bias, plan.slope, *plan.args),
                     plan.constexprs, plan.num_warps)
     return [launch], dst
+
+
+def _plan_normalize_running(x: torch.Tensor, running_mean: torch.Tensor,
+                            running_var: torch.Tensor, eps: float, weight: torch.Tensor,
+                            bias: torch.Tensor, activation: str, slope: float, out: torch.Tensor,
+                            target: Target, tile: Tile | None = None
+                            ) -> tuple[list[Launch], torch.Tensor,
+                                       tuple[torch.Tensor, torch.Tensor]] | None:
+    """As ``_plan_normalize_act``, from the running statistics (contiguous buffers), with the
+    ``(mean, invstd)`` the launch writes (None: an empty x, nothing to launch)."""
+    plan = plan_op(x, target, False, tile, activation, slope)
+    if plan is None:
+        return None
+    x = _prepare(x, plan)
+    dst = _destination(x, out, plan)
+    mean = x.new_empty(plan.geo.c, dtype=plan.acc)
+    invstd = torch.empty_like(mean)
+    launch = Launch(_normalize_running_kernel, plan.grid,
+                    (x, dst, running_mean, running_var, float(eps), weight, bias, mean, invstd,
+                     plan.slope, *plan.args),
+                    plan.constexprs, plan.num_warps)
+    return [launch], dst, (mean, invstd)

@@ -24,9 +24,9 @@ from ..backend import (
 from ..torch_ops import stats_dtype
 from .backward_dx import _plan_backward_dx, _plan_batch_backward
 from .backward_reduce import _plan_backward_reduce
-from .channel_stats import _plan_channel_stats
-from .finalize_stats import _plan_batch_stats
-from .normalize_act import _plan_normalize_act
+from .channel_stats import _plan_batch_stats, _plan_channel_stats
+from .normalize_act import _plan_normalize_act, _plan_normalize_running
+from .partials import reset_counters
 from .plan import INTERPRET as INTERPRET
 from .plan import Launch, _empty_dx, _geometry, _target
 
@@ -46,9 +46,14 @@ def _run(launches: list[Launch], device: torch.device) -> None:
     else:
         guard = torch.cuda.device(device)
     with guard:
-        for launch in launches:
-            launch.kernel[launch.grid](*launch.args, **launch.constexprs,
-                                       num_warps=launch.num_warps, enable_fp_fusion=True)
+        try:
+            for launch in launches:
+                launch.kernel[launch.grid](*launch.args, **launch.constexprs,
+                                           num_warps=launch.num_warps, enable_fp_fusion=True)
+        except BaseException:
+            if device.type != "cuda":  # interpreted: a kernel may have stopped half-way
+                reset_counters()
+            raise
 
 
 def _zero_vectors(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -108,6 +113,23 @@ def _normalize_act_impl(x: torch.Tensor, mean: torch.Tensor, invstd: torch.Tenso
         out.copy_(dst)
 
 
+def _normalize_running_impl(x: torch.Tensor, running_mean: torch.Tensor,
+                            running_var: torch.Tensor, eps: float, weight: torch.Tensor,
+                            bias: torch.Tensor, activation: str, slope: float,
+                            out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    device = x.device
+    planned = _plan_normalize_running(x, running_mean.contiguous(), running_var.contiguous(),
+                                      eps, weight, bias, activation, slope, out, _target(device))
+    if planned is None:  # empty: no launch, the reference's answer (per-channel vectors only)
+        return torch_ops.normalize_running(x, running_mean, running_var, eps, weight, bias,
+                                           activation, slope, out)
+    launches, dst, stats = planned
+    _run(launches, device)
+    if dst is not out:
+        out.copy_(dst)
+    return stats
+
+
 def _backward_reduce_impl(saved: torch.Tensor, dy: torch.Tensor, mean: torch.Tensor,
                           invstd: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
                           activation: str, slope: float, saved_is_output: bool
@@ -142,7 +164,7 @@ def _backward_dx_impl(saved: torch.Tensor, dy: torch.Tensor, mean: torch.Tensor,
 def _batch_backward_direct(saved: torch.Tensor, dy: torch.Tensor, params: NormParams,
                            saved_is_output: bool, count: int
                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``batch_backward`` in three launches planned by one lookup (eager calls only: the
+    """``batch_backward`` in two launches planned by one lookup (eager calls only: the
     dispatcher sees it as its two registered ops, see ``TritonBackend.batch_backward``)."""
     mean, invstd, weight, bias, activation, slope = params
     device = saved.device
@@ -170,6 +192,9 @@ _batch_stats_op = torch.library.custom_op(
 _normalize_act_op = torch.library.custom_op(
     "encoding_syncbn::normalize_act_", mutates_args=("out",))(_normalize_act_impl)
 
+_normalize_running_op = torch.library.custom_op(
+    "encoding_syncbn::normalize_running_", mutates_args=("out",))(_normalize_running_impl)
+
 _backward_reduce_op = torch.library.custom_op(
     "encoding_syncbn::backward_reduce", mutates_args=())(_backward_reduce_impl)
 
@@ -192,6 +217,14 @@ def _(x: torch.Tensor, eps: float, running_mean: torch.Tensor | None,
     flags = c if weight is not None else 0
     return (x.new_empty(c, dtype=acc), x.new_empty(c, dtype=acc),
             x.new_empty(flags, dtype=torch.uint8))
+
+
+@_normalize_running_op.register_fake
+def _(x: torch.Tensor, running_mean: torch.Tensor, running_var: torch.Tensor, eps: float,
+      weight: torch.Tensor, bias: torch.Tensor, activation: str, slope: float,
+      out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    acc = stats_dtype(x.dtype)
+    return x.new_empty(x.shape[1], dtype=acc), x.new_empty(x.shape[1], dtype=acc)
 
 
 @_backward_reduce_op.register_fake
@@ -226,6 +259,8 @@ class TritonBackend:
         self._stats = ops.channel_stats if through_dispatcher else _channel_stats_impl
         self._batch_stats = ops.batch_stats if through_dispatcher else _batch_stats_impl
         self._normalize = ops.normalize_act_ if through_dispatcher else _normalize_act_impl
+        self._running = (ops.normalize_running_ if through_dispatcher
+                         else _normalize_running_impl)
         self._reduce = ops.backward_reduce if through_dispatcher else _backward_reduce_impl
         self._dx = ops.backward_dx if through_dispatcher else _backward_dx_impl
 
@@ -245,7 +280,7 @@ class TritonBackend:
                     check: GammaCheck | None
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """``(mean, invstd)`` of the batch, the running statistics folded in, and the
-        small-gamma flags (uint8) where ``check`` asks: two launches. The kernels record no
+        small-gamma flags (uint8) where ``check`` asks: one launch. The kernels record no
         autograd history; the registered op is called without grad (it has no autograd
         formula)."""
         flat = (x, float(eps), *(running or NO_RUNNING), *(check or NO_CHECK))
@@ -262,6 +297,15 @@ class TritonBackend:
         mean, invstd, weight, bias, activation, slope = params
         self._normalize(x, mean, invstd, weight, bias, activation, float(slope), out)
         return out
+
+    def normalize_running(self, x: torch.Tensor, running_mean: torch.Tensor,
+                          running_var: torch.Tensor, eps: float, weight: torch.Tensor,
+                          bias: torch.Tensor, activation: str, slope: float,
+                          out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``normalize_act`` from the running statistics in one launch: ``invstd`` derived per
+        channel in the kernel, which also writes the ``(mean, invstd)`` it used."""
+        return self._running(x, running_mean, running_var, float(eps), weight, bias, activation,
+                             float(slope), out)
 
     def backward_reduce(self, saved: torch.Tensor, dy: torch.Tensor, params: NormParams,
                         saved_is_output: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -341,6 +385,13 @@ def normalize_act(x: torch.Tensor, mean: torch.Tensor, invstd: torch.Tensor,
                   out: torch.Tensor) -> torch.Tensor:
     return backend_for(x).normalize_act(
         x, NormParams(*_vectors(x, mean, invstd, weight, bias), activation, slope), out)
+
+
+def normalize_running(x: torch.Tensor, running_mean: torch.Tensor, running_var: torch.Tensor,
+                      eps: float, weight: torch.Tensor, bias: torch.Tensor, activation: str,
+                      slope: float, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return backend_for(x).normalize_running(x, running_mean, running_var, eps,
+                                            *_vectors(x, weight, bias), activation, slope, out)
 
 
 def backward_reduce(saved: torch.Tensor, dy: torch.Tensor, mean: torch.Tensor,

@@ -61,12 +61,9 @@ _INTERPRET_PROGRAMS = 16
 # CUDA limits grid axis 1 to 65535; splits beyond that take more tiles each instead.
 _MAX_SPLITS = 65535
 _INT32_MAX = 2**31 - 1
-# The partial-merge kernels: [_MERGE_ROWS splits, _MERGE_CHANNELS channels] per step (one
-# dict for every launch: launches only read their constexprs).
-_MERGE_ROWS = 16
-_MERGE_CHANNELS = 64
-_MERGE_CONSTEXPRS = {"BLOCK_P": _MERGE_ROWS, "BLOCK_C": _MERGE_CHANNELS}
-
+# Merging a split reduction's partials: [rows, channels of the block] a step, rows up to
+# this many, and no more lanes than a tile has (fp64's registers).
+_MAX_MERGE_ROWS = 256
 
 class Tile(NamedTuple):
     """Tile shape: [block_a images or rows, block_b positions or channels]."""
@@ -250,6 +247,14 @@ def _tile_constexprs(geo: _Geometry, tile: Tile, dtype: torch.dtype) -> dict:
     }
 
 
+def _split_constexprs(geo: _Geometry, tile: Tile, splits: int) -> dict:
+    """A reduction's: whether its channel blocks are split over programs (``SPLIT``: the last
+    to finish merges the partials, ``partials``), and the partial rows merged a step."""
+    channels = tile.block_b if geo.channels_last else 1
+    rows = min(_MAX_MERGE_ROWS, max(1, tile.block_a * tile.block_b // channels))
+    return {"SPLIT": splits > 1, "BLOCK_P": rows}
+
+
 class OpPlan(NamedTuple):
     """Everything about one op's main launch but its tensors (memoised by :func:`plan_op`)."""
 
@@ -325,6 +330,8 @@ def _plan_op_memo(sizes: tuple[int, ...], strides: tuple[int, ...], dtype: torch
         geo = layout(sizes, _contiguous_strides(sizes))
     tile, grid, args = _plan_tiles(geo, dtype, target, reduction, tile)
     constexprs.update(_tile_constexprs(geo, tile, dtype))
+    if reduction:
+        constexprs.update(_split_constexprs(geo, tile, grid[1]))
     return OpPlan(copy, geo, stats_dtype(dtype), grid, args, constexprs, _num_warps(dtype),
                   float(slope))
 
@@ -340,14 +347,6 @@ def _contiguous_strides(sizes: tuple[int, ...]) -> tuple[int, ...]:
 def _prepare(x: torch.Tensor, plan: OpPlan) -> torch.Tensor:
     """``x`` as the plan launches on it (a contiguous copy where ``plan.copy``)."""
     return x.contiguous() if plan.copy else x
-
-
-def _merge_launch(kernel: object, partials: tuple, splits: int, c: int,
-                  outputs: tuple[torch.Tensor, ...]) -> Launch:
-    """A merge kernel's launch: ``partials`` (its arguments addressing the [splits, C] partial
-    results) merged into ``outputs``."""
-    return Launch(kernel, (_cdiv(c, _MERGE_CHANNELS), 1), (*partials, *outputs, c, splits),
-                  _MERGE_CONSTEXPRS, _NUM_WARPS)
 
 
 def _kernel_activation(activation: str, slope: float, saved_is_output: bool = False

@@ -10,8 +10,7 @@ import torch
 from ..torch_ops import stats_dtype
 from .backward_dx import _plan_backward_dx
 from .backward_reduce import _plan_backward_reduce
-from .channel_stats import _plan_channel_stats
-from .finalize_stats import _plan_finalize_stats
+from .channel_stats import _plan_batch_stats, _plan_channel_stats
 from .normalize_act import _plan_normalize_act
 from .plan import (
     BACKWARD_VARIANTS,
@@ -39,10 +38,13 @@ _SPECIALISATION_SHAPES = (
 )
 
 
-# Channel counts for finalize_stats: 1 (a constant to Triton), odd, a multiple of 16; partial
-# rows: one (a constant: no merge), odd, a multiple of 16.
-_FINALIZE_CHANNELS = (1, 7, 64)
-_FINALIZE_SPLITS = (1, 3, 16)
+# The batch statistics' finishing variants are compiled for each statistics dtype on these
+# shapes: a split reduction in each layout, and one program per channel block.
+_FINISH_SHAPES = (
+    ((32, 16, 64, 64), torch.contiguous_format),
+    ((32, 64, 32, 32), torch.channels_last),
+    ((4, 4096, 8, 8), torch.contiguous_format),
+)
 
 
 def _running_variants(c: int) -> Iterator[tuple[tuple, torch.Tensor | None, float | None]]:
@@ -56,21 +58,28 @@ def _running_variants(c: int) -> Iterator[tuple[tuple, torch.Tensor | None, floa
             yield buffers, batches, momentum
 
 
-def _finalize_specialisations() -> Iterator[tuple[str, Launch]]:
-    """finalize_stats for each statistics dtype, number of partial rows, running statistics
-    (:func:`_running_variants`), with and without the gamma check."""
-    for acc, c, splits in itertools.product((torch.float32, torch.float64), _FINALIZE_CHANNELS,
-                                            _FINALIZE_SPLITS):
-        vec = torch.empty(c, dtype=acc, device="meta")
-        part = torch.empty((3, splits, c), dtype=acc, device="meta")
-        for (buffers, batches, momentum), check in itertools.product(_running_variants(c),
-                                                                    (False, True)):
-            gamma = (vec, vec) if check else (None, None)
-            launch, _ = _plan_finalize_stats(part, 8, 1e-5, *buffers, batches, momentum, *gamma,
-                                             0.016)
+def _batch_stats_launch(x: torch.Tensor, target: Target, tile, buffers: tuple,
+                        batches: torch.Tensor | None, momentum: float | None,
+                        check: bool) -> Launch:
+    vec = torch.empty(x.shape[1], dtype=stats_dtype(x.dtype), device="meta")
+    gamma = (vec, vec) if check else (None, None)
+    launches, _ = _plan_batch_stats(x, 1e-5, *buffers, batches, momentum, *gamma, 0.016, target,
+                                    tile)
+    return launches[0]
+
+
+def _finish_specialisations(target: Target) -> Iterator[tuple[str, Launch]]:
+    """batch_stats for each statistics dtype, running statistics (:func:`_running_variants`),
+    with and without the gamma check, on :data:`_FINISH_SHAPES`."""
+    for dtype, (shape, fmt) in itertools.product((torch.float32, torch.float64),
+                                                 _FINISH_SHAPES):
+        x = torch.empty(shape, dtype=dtype, device="meta", memory_format=fmt)
+        for (buffers, batches, momentum), check in itertools.product(
+                _running_variants(shape[1]), (False, True)):
             running_dtype = None if buffers[0] is None else buffers[0].dtype
-            yield (f"{acc} C={c} splits={splits} running={running_dtype} "
-                   f"counter={batches is not None} momentum={momentum} check={check}"), launch
+            yield (f"{dtype} {tuple(shape)} running={running_dtype} "
+                   f"counter={batches is not None} momentum={momentum} check={check}"
+                   ), _batch_stats_launch(x, target, None, buffers, batches, momentum, check)
 
 
 def launch_specialisations(target: Target) -> Iterator[tuple[str, Launch]]:
@@ -81,9 +90,9 @@ def launch_specialisations(target: Target) -> Iterator[tuple[str, Launch]]:
     :func:`tile_choices` whose offsets fit, every activation and saved input/output, the merge
     kernels, and shapes that change how Triton types the integer arguments: sizes of 1
     (constants), odd sizes (no divisibility hint), 2-D inputs, and sizes past 2**31 (int64);
-    and every variant of finalize_stats.
+    and every finishing variant of batch_stats.
     """
-    yield from _finalize_specialisations()
+    yield from _finish_specialisations(target)
     for dtype in DTYPES:
         acc = stats_dtype(dtype)
         for shape, fmt in _SPECIALISATION_SHAPES:
@@ -96,8 +105,12 @@ def launch_specialisations(target: Target) -> Iterator[tuple[str, Launch]]:
                     continue
                 where = f"{dtype} {layout} {tuple(shape)} tile={tile.block_a}x{tile.block_b}"
                 launches, _ = _plan_channel_stats(x, target, tile)
-                for launch in launches:
-                    yield where, launch
+                yield where, launches[0]
+                # As an in-place layer in training runs it: running statistics, the check.
+                running = tuple(torch.empty(shape[1], dtype=acc, device="meta")
+                                for _ in range(2))
+                counter = torch.empty((), dtype=torch.int64, device="meta")
+                yield where, _batch_stats_launch(x, target, tile, running, counter, 0.1, True)
                 for act in KERNEL_ACTIVATIONS:
                     launches, _ = _plan_normalize_act(x, vec, vec, vec, vec, act, 0.01, x,
                                                       target, tile)
@@ -106,8 +119,7 @@ def launch_specialisations(target: Target) -> Iterator[tuple[str, Launch]]:
                     label = f"{where} {act} saved={'y' if saved_is_output else 'x'}"
                     common = (x, x, vec, vec, vec, vec, act, 0.01, saved_is_output)
                     launches, _ = _plan_backward_reduce(*common, target, tile)
-                    for launch in launches:
-                        yield label, launch
+                    yield label, launches[0]
                     for sums_count in (0, 8):  # coefficients given, or derived from sums
                         launches, _ = _plan_backward_dx(*common, vec, vec, vec, sums_count,
                                                         target, tile)

@@ -56,13 +56,35 @@ def _load_channel(ptr, c0, C, CHANNELS_LAST: tl.constexpr, BLOCK_B: tl.constexpr
 
 
 @triton.jit
-def _store_channel_sum(ptr, acc, row, c0, C, CHANNELS_LAST: tl.constexpr, BLOCK_B: tl.constexpr):
-    """``ptr[row, c] = sum of acc over its lanes of channel c`` (partial buffer [splits, C])."""
+def _store_channel(ptr, v, c0, C, CHANNELS_LAST: tl.constexpr, BLOCK_B: tl.constexpr):
+    """Store a per-channel vector shaped as ``_load_channel`` gives it."""
+    if CHANNELS_LAST:
+        c = c0 + tl.arange(0, BLOCK_B)[None, :]
+        tl.store(ptr + c, v, mask=c < C)
+    else:
+        tl.store(ptr + c0, v)
+
+
+@triton.jit
+def _block_channels(c0, CHANNELS_LAST: tl.constexpr, BLOCK_B: tl.constexpr):
+    """This program's channels as a vector: [BLOCK_B] in channels_last, [1] in NCHW (those past
+    C are the caller's to mask)."""
     if CHANNELS_LAST:
         c = c0 + tl.arange(0, BLOCK_B)
-        tl.store(ptr + row * C + c, tl.sum(acc, 0), mask=c < C)
     else:
-        tl.store(ptr + row * C + c0, tl.sum(acc))
+        c = c0 + tl.arange(0, 1)
+    return c
+
+
+@triton.jit
+def _channel_sums(acc, CHANNELS_LAST: tl.constexpr):
+    """Per channel of the program, the sum of a tile of lane accumulators: a vector shaped as
+    ``_block_channels``."""
+    if CHANNELS_LAST:
+        total = tl.sum(acc, 0)
+    else:
+        total = tl.zeros([1], acc.dtype) + tl.sum(acc)
+    return total
 
 
 @triton.jit
