@@ -4,10 +4,11 @@ Each model is converted and checked in float64 against itself (tests/convert_che
 outputs and gradients in train and eval mode, the same running statistics, its state_dict
 loading strictly, nothing per-replica left, and revert giving back its classes.
 
-On the default backend (the torch one on the CPU), except timm's resnet18 and its norm-act
-layers, which run on every backend: the Triton kernels run in Triton's interpreter, 46 s for
-resnet18 here and 6 minutes for the whole module on two cores. For all of them on the Triton
-path: ``ENCODING_SYNCBN_BACKEND=triton python -m pytest -n 2 tests/test_convert_models.py``.
+On the default backend (the torch one on the CPU), except timm's ``test_resnet`` and its
+norm-act layers, which run on every backend: the Triton kernels run in Triton's interpreter,
+whose cost grows with the channels (``test_resnet``: 95 s on two cores at load 10; resnet18:
+257-370 s at load 12-16). For all of them on the Triton path:
+``ENCODING_SYNCBN_BACKEND=triton python -m pytest -n 2 tests/test_convert_models.py``.
 """
 
 from __future__ import annotations
@@ -56,10 +57,19 @@ def test_torchvision_deeplabv3_mobilenet_v3_large():
     check_conversion(model, batch(2, 32))
 
 
-@each_backend
 def test_timm_resnet18():
     timm = import_or_skip("timm")
     check_conversion(built(lambda: timm.create_model("resnet18", num_classes=5)), batch(4, 32))
+
+
+@each_backend
+def test_timm_test_resnet():
+    """timm's own small ResNet for its tests (deep stem, basic and bottleneck blocks, average
+    downsampling; 16-192 channels): the Triton interpreter's cost grows with the channels, and
+    resnet18's 64-512 took minutes there."""
+    timm = import_or_skip("timm")
+    check_conversion(built(lambda: timm.create_model("test_resnet", num_classes=5)),
+                     batch(4, 32))
 
 
 def test_timm_efficientnet_b0_fuses_its_silu_under_data_parallel():
