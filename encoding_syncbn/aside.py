@@ -8,12 +8,12 @@ gamma is too small for that keep their input aside and get their gradients from 
 from __future__ import annotations
 
 import ctypes
-import functools
 
 import torch
 
 from .kernels import GammaCheck, compile_ops, torch_ops
 from .streams import stream_event
+from .tensor_cache import tensor_cache
 
 # A channel is rebuilt from y only if |w| > MIN_INVERTIBLE_GAMMA * max(1, |b|): xhat =
 # (z - b) / w amplifies z's rounding by |b| / |w|.
@@ -106,7 +106,11 @@ class AsideWatch:
             return
         pinned = self._pinned
         if pinned is None or pinned.shape != small.shape or pinned.dtype != small.dtype:
-            pinned = self._pinned = torch.empty(small.shape, dtype=small.dtype, pin_memory=True)
+            # Written by the calls after this one, in inference mode or not: a normal tensor
+            # (see ``tensor_cache``).
+            with torch.inference_mode(False):
+                pinned = self._pinned = torch.empty(small.shape, dtype=small.dtype,
+                                                    pin_memory=True)
         pinned.copy_(small, non_blocking=True)
         self._host, self._ready = pinned, stream_event(small)
 
@@ -190,7 +194,7 @@ def aside_index(weight: torch.Tensor, bias: torch.Tensor, inplace: bool,
     return small_gamma_index(weight, bias)
 
 
-@functools.lru_cache(maxsize=256)
+@tensor_cache(maxsize=256)
 def channel_index(channels: tuple[int, ...], device: torch.device) -> torch.Tensor:
     """``channels`` as an index tensor on ``device``, built once (shared: read only)."""
     return torch.tensor(channels, dtype=torch.long, device=device)

@@ -41,6 +41,9 @@ _ABSENT = object()
 # The options checked together, at construction and when assigned (``__setattr__``).
 _ACTIVATION_OPTIONS = ("activation", "slope", "inplace")
 
+# The options checked each alone, at construction and when assigned (``__setattr__``).
+_STATISTICS_OPTIONS = ("eps", "momentum")
+
 # The attributes the layer's ``ActConfig`` is made of: assigning one remakes it.
 _CONFIG_SOURCES = (*_ACTIVATION_OPTIONS, "_aside", "_label_text")
 
@@ -108,13 +111,12 @@ class SyncBatchNorm(_BatchNorm):
     ) -> None:
         if not isinstance(num_features, int) or num_features < 1:
             raise ValueError(f"num_features must be a positive int, got {num_features!r}")
-        if not (isinstance(eps, (int, float)) and eps > 0):
-            # eps = 0 divides by zero on a constant channel (NaN outputs and gradients).
-            raise ValueError(f"SyncBatchNorm: eps must be a positive number, got {eps!r}")
+        label = f"SyncBatchNorm({num_features})"
+        _check_statistics_option(label, "eps", eps)
+        _check_statistics_option(label, "momentum", momentum)
         _check_process_group(process_group)
         slope = float(slope)
-        inplace = inplace_policy.resolve_inplace(f"SyncBatchNorm({num_features})", activation,
-                                                 slope, inplace, dtype)
+        inplace = inplace_policy.resolve_inplace(label, activation, slope, inplace, dtype)
         super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype)
         if not bias:  # not by torch's `bias` argument, which torch 2.11 lacks
             self.register_parameter("bias", None)
@@ -148,10 +150,12 @@ class SyncBatchNorm(_BatchNorm):
         self._warned_out_of_place: list[bool] = [False]
 
     def __setattr__(self, name: str, value: Any) -> None:
-        """Assigning ``activation``, ``slope`` or ``inplace`` after construction is checked as
-        the constructor checks them (an in-place slope of 0 would divide by zero in backward,
-        an in-place relu could not be inverted): a ValueError naming the layer, nothing
-        changed."""
+        """Assigning ``activation``, ``slope``, ``inplace``, ``eps`` or ``momentum`` after
+        construction is checked as the constructor checks them (an in-place slope of 0 would
+        divide by zero in backward, an in-place relu could not be inverted, eps = 0 divides by
+        zero on a constant channel): an error naming the layer, nothing changed."""
+        if name in _STATISTICS_OPTIONS and "inplace" in self.__dict__:
+            _check_statistics_option(self._label(), name, value)
         if name in _ACTIVATION_OPTIONS and "inplace" in self.__dict__:
             options = {key: self.__dict__[key] for key in _ACTIVATION_OPTIONS}
             options[name] = value = float(value) if name == "slope" else value
@@ -487,6 +491,20 @@ def record_paths(root: torch.nn.Module) -> None:
     for path, module in root.named_modules():
         if isinstance(module, SyncBatchNorm) and path:
             module._set_path(path)
+
+
+def _check_statistics_option(layer: str, name: str, value: Any) -> None:
+    """Refuse an ``eps`` that is not a positive number (eps = 0 divides by zero on a constant
+    channel: NaN outputs and gradients), or a ``momentum`` that is neither None (cumulative
+    average) nor a number in [0, 1] (the running statistics' update factor), naming ``layer``."""
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if name == "eps" and not (number and value > 0):
+        raise ValueError(f"{layer}: eps must be a positive number, got {value!r}")
+    if name == "momentum" and value is not None and not (number and 0 <= value <= 1):
+        raise ValueError(
+            f"{layer}: momentum must be None (cumulative average) or a number in [0, 1] (the "
+            f"running statistics' update factor), got {value!r}"
+        )
 
 
 def _check_process_group(process_group: Any) -> None:

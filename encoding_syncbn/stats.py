@@ -22,11 +22,12 @@ never runs it again.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
+
+from .tensor_cache import tensor_cache
 
 
 class _Counts(NamedTuple):
@@ -46,7 +47,7 @@ def _counts_from_tensor(counts: torch.Tensor, dtype: torch.dtype) -> _Counts:
     return _Counts(column, column / max(total, 1.0), total)
 
 
-@functools.lru_cache(maxsize=64)
+@tensor_cache(maxsize=64)
 def _counts_from_ints(counts: tuple[int, ...], device: torch.device, dtype: torch.dtype
                       ) -> _Counts:
     """Cached: the replicas' counts repeat from step to step, and building the tensors from
@@ -54,7 +55,7 @@ def _counts_from_ints(counts: tuple[int, ...], device: torch.device, dtype: torc
     return _counts_from_tensor(torch.tensor(counts, dtype=torch.float64, device=device), dtype)
 
 
-@functools.lru_cache(maxsize=64)
+@tensor_cache(maxsize=64)
 def _constant(value: float, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """``value`` as a 0-dim tensor, built once (shared: read only). The merge passes its
     constants as tensors (or ``alpha=``/``value=``): ATen first copies a Python number operand

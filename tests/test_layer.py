@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from backends import each_backend
+from backends import each_backend, one_backend
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from reference import ACTIVATIONS, SLOPES, activate, assert_close, plain_twin, reference_step
@@ -748,6 +748,53 @@ def test_options_assigned_later_are_checked_by_name(activation, name, value, wor
     for word in [*words, layer._label()]:
         assert word in str(info.value)
     assert (layer.activation, layer.slope, layer.inplace) == before
+
+
+@one_backend  # checked at assignment, before any op
+@pytest.mark.parametrize("name,value,words", [
+    ("eps", 0, ["eps must be a positive number", "got 0"]),
+    ("eps", -1e-5, ["eps must be a positive number"]),
+    ("eps", float("nan"), ["eps must be a positive number", "nan"]),
+    ("eps", "1e-5", ["eps must be a positive number", "'1e-5'"]),
+    ("eps", None, ["eps must be a positive number"]),
+    ("eps", True, ["eps must be a positive number"]),
+    ("momentum", -0.1, ["momentum must be None", "[0, 1]"]),
+    ("momentum", 1.5, ["momentum must be None"]),
+    ("momentum", float("nan"), ["momentum must be None"]),
+    ("momentum", "0.1", ["momentum must be None", "'0.1'"]),
+])
+def test_statistics_options_assigned_later_are_checked_by_name(name, value, words):
+    """``eps`` and ``momentum`` assigned after construction are checked as the constructor
+    checks them (eps = 0 gave NaN on a constant channel; a momentum that is not a number
+    failed only in the update, after the batch was counted), naming the layer; the layer is
+    left as it was and computes as before."""
+    layer = make_layer("leaky_relu")
+    with pytest.raises(ValueError) as info:
+        setattr(layer, name, value)
+    for word in [*words, layer._label()]:
+        assert word in str(info.value)
+    assert (layer.eps, layer.momentum) == (1e-5, 0.1)
+    with pytest.raises(ValueError, match=words[0].replace("[", r"\[")):
+        SyncBatchNorm(C, **{name: value})
+
+
+@pytest.mark.parametrize("name,value", [("eps", 1e-3), ("eps", 2), ("momentum", 0.5),
+                                        ("momentum", None), ("momentum", 0), ("momentum", 1)])
+def test_statistics_options_assigned_later_are_used(name, value):
+    """A valid ``eps`` or ``momentum`` assigned later takes effect, as in nn.BatchNorm2d."""
+    layer = make_layer("leaky_relu")
+    setattr(layer, name, value)
+    twin = plain_twin(layer, 4)
+    x = torch.randn(6, C, 3, 2, dtype=torch.float64)
+    x[:, 0] = 0.5  # a constant channel: eps alone keeps it finite
+    grad = torch.randn_like(x)
+    expected, expected_dx = reference_step(twin, x, grad, "leaky_relu", layer.slope)
+    leaf = x.clone().requires_grad_()
+    out = layer(leaf * 1)
+    out.backward(grad)
+    assert_close(out, expected, what=f"output at {name}={value}")
+    assert_close(leaf.grad, expected_dx, what=f"input grad at {name}={value}")
+    assert_close(layer.running_var, twin.running_var, what=f"running_var at {name}={value}")
 
 
 def test_options_assigned_later_are_used():
