@@ -5,17 +5,19 @@ compiled here, no GPU needed.
 
 For one training call's launches (planned for a 132-SM H100: (8, 256, 128, 128) fp16 NCHW and
 (32, 64, 56, 56) fp16 channels_last, in place with leaky_relu), each kernel that walks the
-input tile by tile is compiled as the AOT check compiles it (``kernels/check.py``) and its
-SASS disassembled (cuobjdump). The tile loop is the backward branch around the global loads;
-printed per kernel: its instructions, the elements a thread takes per iteration (tile elements
-over threads), instructions per element and per byte the loop moves (reads and writes of the
-input's dtype), and the multi-function-unit (division, exp), shuffle and barrier instructions
-inside it. A kernel whose loop issues many instructions per byte is bound by issuing them, not
-by memory: a ranking of where a GPU's bandwidth goes, before a profiler on the GPU says how
-much. The statistics kernel is planned as an in-place layer trains (running statistics, the
-small-gamma check); a split reduction's merge of its partials is no tile loop. Prints the table
-(``--record``: into benchmarks/RESULTS.md too); the last line is one JSON object with
-``statistics_instructions_per_byte`` (the largest over the layouts) and each kernel's figure.
+input tile by tile is compiled as the AOT check compiles it (``kernels/check.py``) and its SASS
+disassembled (cuobjdump). The tile loop is the backward branch around the global loads; printed
+per kernel: its instructions, the elements a thread takes from a tile (tile elements over
+threads), the tiles an iteration takes (more than one where the compiler unrolled the loop: the
+bytes its global loads and stores move say how many), instructions per element and per byte the
+loop moves (reads and writes of the input's dtype), and the multi-function-unit (division,
+exp), shuffle and barrier instructions inside it. A kernel whose loop issues many instructions
+per byte is bound by issuing them, not by memory: a ranking of where a GPU's bandwidth goes,
+before a profiler on the GPU says how much. The statistics kernel is planned as an in-place
+layer trains (running statistics, the small-gamma check); a split reduction's merge of its
+partials is no tile loop. Prints the table (``--record``: into benchmarks/RESULTS.md too);
+the last line is one JSON object with ``statistics_instructions_per_byte`` (the largest
+over the layouts) and each kernel's figure.
 """
 
 from __future__ import annotations
@@ -54,6 +56,20 @@ def _tile_loop(instructions: list[tuple[int, str, str]]) -> list[str]:
                 and len(body) > len(best)):
             best = body
     return best
+
+
+# Bytes one thread moves with a global load or store, by the opcode's width suffix (none: 32
+# bits).
+_WIDTHS = {"128": 16, "64": 8, "U16": 2, "S16": 2, "U8": 1, "S8": 1}
+
+
+def _bytes_moved(loop: list[str]) -> int:
+    """Bytes one thread loads and stores through the loop's global memory instructions."""
+    moved = 0
+    for op in loop:
+        if op.startswith(("LDG", "STG")):
+            moved += next((w for suffix, w in _WIDTHS.items() if op.endswith("." + suffix)), 4)
+    return moved
 
 
 def _sass(launch, arch: int) -> str:
@@ -95,7 +111,8 @@ def main() -> None:
     results.add_arguments(parser)
     args = parser.parse_args()
     header = ["shape", "layout", "kernel", "tile", "loop instructions", "elements a thread",
-              "instructions an element", "instructions a byte", "MUFU", "SHFL", "BAR"]
+              "tiles an iteration", "instructions an element", "instructions a byte", "MUFU",
+              "SHFL", "BAR"]
     rows = []
     for shape, channels_last in SHAPES:
         for name, launch, tensors in _launches(shape, channels_last):
@@ -104,16 +121,18 @@ def main() -> None:
                 raise SystemExit(f"{name}: no tile loop found in its SASS")
             block_a, block_b = launch.constexprs["BLOCK_A"], launch.constexprs["BLOCK_B"]
             per_thread = block_a * block_b // (32 * launch.num_warps)
-            per_element = len(loop) / per_thread
+            # The compiler may unroll the loop: its loads and stores say over how many tiles.
+            unrolled = _bytes_moved(loop) / (per_thread * 2 * tensors)
+            per_element = len(loop) / (per_thread * unrolled)
             rows.append([str(shape), "channels_last" if channels_last else "nchw", name,
-                         f"{block_a}x{block_b}", len(loop), per_thread, round(per_element, 1),
-                         round(per_element / (2 * tensors), 1),
+                         f"{block_a}x{block_b}", len(loop), per_thread, round(unrolled, 2),
+                         round(per_element, 1), round(per_element / (2 * tensors), 1),
                          *(sum(op.startswith(unit) for op in loop)
                            for unit in ("MUFU", "SHFL", "BAR"))])
             print(" ".join(str(cell) for cell in rows[-1]), flush=True)
     table = results.markdown_table(header, rows)
     print(table)
-    statistics = max(row[7] for row in rows if row[2] == "statistics")
+    statistics = max(row[8] for row in rows if row[2] == "statistics")
     results.record(args, "kernel_instructions.py (cpu)", table, notes=(
         f"SASS for sm_{args.arch} compiled on this CPU (no GPU), launches planned for a "
         f"{H100_SMS}-SM H100, float16 inputs: the instructions in each kernel's tile loop, per "
@@ -121,7 +140,7 @@ def main() -> None:
         "an element per tensor moved: statistics 1, normalize and reduce 2, dx 3). MUFU: "
         "reciprocals (divisions), exponentials; SHFL, BAR: cross-thread reductions."))
     print(json.dumps({"statistics_instructions_per_byte": statistics,
-                      "per_byte": {f"{row[2]} {row[1]}": row[7] for row in rows}}))
+                      "per_byte": {f"{row[2]} {row[1]}": row[8] for row in rows}}))
 
 
 if __name__ == "__main__":

@@ -163,6 +163,46 @@ def test_channel_stats_large_mean_float32():
     torch.testing.assert_close(m2.cpu().double(), ref_m2, rtol=1e-4, atol=0)
 
 
+@pytest.mark.parametrize("fmt", ["nchw", "last"])
+@pytest.mark.parametrize("dtype,offset,std,m2_rtol", [
+    (torch.float64, 1e8, 1e-3, 1e-9), (torch.float32, 1e4, 0.5, 2e-5),
+    (torch.float16, 300.0, 2.0, 2e-5), (torch.bfloat16, 300.0, 8.0, 2e-5)])
+def test_channel_stats_far_from_their_shift(fmt, dtype, offset, std, m2_rtol):
+    """The statistics sum each value's deviation from a shift taken from the channel block's
+    first tile. That tile far from the channel's mean (its images 20 std above the others), a
+    large common offset, the tiles split over programs: the mean within a few roundings of the
+    float64 truth of the same values, M2 within the statistics dtype's summation error."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(48, 3, 9, 11, generator=g, dtype=torch.float64) * std + offset
+    x[:6] += 20 * std
+    x = layout(x.to(dtype), fmt).to(DEVICE)
+    launches, _ = TS._plan_channel_stats(x, P._target(x.device))
+    assert launches[0].grid[1] > 1
+    mean, m2, _ = T.channel_stats(x)
+    # The truth in float64, two passes about the mean with the residual's correction (the
+    # reference's one-pass Welford loses 1e-5 of M2 at an offset of 1e11 std).
+    values = x.cpu().double().transpose(0, 1).reshape(3, -1)
+    truth_mean = values.mean(1)
+    centred = values - truth_mean[:, None]
+    truth_m2 = centred.square().sum(1) - centred.sum(1).square() / values.shape[1]
+    eps = torch.finfo(torch_ops.stats_dtype(dtype)).eps
+    torch.testing.assert_close(mean.cpu().double(), truth_mean, rtol=4 * eps, atol=0)
+    torch.testing.assert_close(m2.cpu().double(), truth_m2, rtol=m2_rtol, atol=0)
+
+
+@pytest.mark.parametrize("fmt", ["nchw", "last"])
+@pytest.mark.parametrize("dtype,value", [(torch.float32, 3e38), (torch.float32, -1e30),
+                                         (torch.bfloat16, 3e38), (torch.float16, 65504.0)])
+def test_channel_stats_of_a_constant_channel_near_the_largest_value(fmt, dtype, value):
+    """A constant channel: its shift is its value exactly, so the mean is the value and M2
+    is 0, up to the dtype's largest values (no sum or square overflows)."""
+    x = make_input((40, 3, 5, 7), dtype, fmt)
+    x[:, 1] = value
+    mean, m2, _ = T.channel_stats(x)
+    assert mean[1].item() == x[0, 1, 0, 0].item() and m2[1].item() == 0.0
+    assert torch.isfinite(mean).all() and torch.isfinite(m2).all()
+
+
 def test_channel_stats_empty_batch():
     x = torch.empty(0, 4, 3, 3, device=DEVICE)
     mean, m2, count = T.channel_stats(x)

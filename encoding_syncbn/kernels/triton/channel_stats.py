@@ -1,4 +1,4 @@
-"""channel_stats and batch_stats: Welford per lane, Chan across lanes and programs; the last
+"""channel_stats and batch_stats: sums of deviations from a shift taken from the data; the last
 program of a channel block finishes the block's statistics (one launch)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import triton
 import triton.language as tl
 
 from .finalize_stats import FinishPlan, _finish_batch_stats, finish_args, finish_plan
-from .partials import _last_to_finish, _merge_lanes, _merge_partials, _rearm, split_counters
+from .partials import _last_to_finish, _rearm, _sum_partials, split_counters
 from .plan import (
     Launch,
     OpPlan,
@@ -19,7 +19,16 @@ from .plan import (
     plan_memo,
     plan_op,
 )
-from .tiles import _block_channels, _channel_block, _tile, _tile_range
+from .tiles import (
+    _block_channels,
+    _channel_block,
+    _channel_sums,
+    _channel_vector,
+    _next_tile,
+    _tile_at,
+    _tile_coordinates,
+    _tile_range,
+)
 
 
 @triton.jit
@@ -29,50 +38,70 @@ def _block_stats(x_ptr, part_ptr, counter_ptr, N, C, S, R, CS, tiles, tiles_s, t
     """``(c, mean, M2, finishing)``: this program's channels ``c`` (a block: BLOCK_B channels
     in channels_last, one in NCHW) and, where ``finishing``, their (mean, M2) over the batch.
 
-    Every lane runs Welford's update over the elements it visits,
-        n += 1,  d = x - mean,  mean += d / n,  M2 += d * (x - mean),
-    then the lanes of a channel are merged with Chan's formula (``_merge_lanes``).
-    An infinite element turns a lane's Welford mean into inf - inf = NaN: such a lane takes
-    the mean of its plain sum instead (inf, or NaN for both signs, as BatchNorm's mean).
+    Each channel's values are taken as deviations d = x - K from a shift K: the mean of the
+    channel's values in the block's first tile (0 where that is not finite), which every
+    program of the block computes alike (a division a program, none in the loop). Every lane
+    sums d and d^2 over the tiles it visits; with the sums over the channel's n values (R of
+    them: N * S),
+        mean = K + sum(d) / n,   M2 = sum(d^2) - sum(d)^2 / n.
+    K lies close to the mean (a mean of many of the channel's values), so sum(d) is small and
+    M2 loses no digits to a large offset, while the loop does no division: an element costs a
+    subtraction, an add and a fused multiply-add. K is rounded to x's dtype and masked lanes
+    load it: their d is 0. Infinities: K = 0 then, or the sums turn inf / NaN, giving
+    BatchNorm's mean (inf, or NaN for both signs) and a NaN M2.
     ``SPLIT``: the channel block's tiles are split over the programs of grid axis 1; each
-    stores its (mean, M2, n) in row pid_1 of the [3, splits, C] buffer ``part`` and the last to
-    finish merges the rows (``partials``): only it is ``finishing``.
+    stores its two sums in row pid_1 of the [2, splits, C] buffer ``part`` and the last to
+    finish adds the rows up in index order (``partials``): only it is ``finishing``.
     """
     c0 = _channel_block(CHANNELS_LAST, BLOCK_B)
-    mean = tl.zeros([BLOCK_A, BLOCK_B], ACC)
-    m2 = tl.zeros([BLOCK_A, BLOCK_B], ACC)
-    cnt = tl.zeros([BLOCK_A, BLOCK_B], ACC)
-    total = tl.zeros([BLOCK_A, BLOCK_B], ACC)
-    start, stop = _tile_range(tiles, tiles_per_prog)
-    for t in range(start, stop):
-        base, local, mask = _tile(t, c0, N, C, S, R, CS, tiles_s, CHANNELS_LAST, BLOCK_A, BLOCK_B)
-        x = tl.load(x_ptr + base + local, mask=mask, other=0.0).to(ACC)
-        cnt += mask.to(ACC)
-        total += x
-        d = tl.where(mask, x - mean, 0.0)
-        mean += d / tl.maximum(cnt, 1.0)
-        m2 += d * (x - mean)
-    mean = tl.where(mean == mean, mean, total / tl.maximum(cnt, 1.0))
-    c = _block_channels(c0, CHANNELS_LAST, BLOCK_B)
+    # The shift, from tile 0 (read by every program of the block; the first program's own):
+    # its first row's value plus the tile's mean deviation from it (a constant channel's shift
+    # is its value exactly; no sum near the dtype's largest values overflows).
+    base, local, mask = _tile_at(0, 0, c0, N, C, S, R, CS, CHANNELS_LAST, BLOCK_A, BLOCK_B)
+    first = tl.load(x_ptr + base + local, mask=mask, other=0.0).to(ACC)
     if CHANNELS_LAST:
-        mean_c, m2_c, cnt_c = _merge_lanes(mean, m2, cnt, 0)
+        b = tl.arange(0, BLOCK_B)[None, :]
+        origin = tl.load(x_ptr + base + b, mask=b < C - c0, other=0.0).to(ACC)
+        # (A block's channels past C have no values: their shift is 0.)
+        count = tl.maximum(tl.sum(mask.to(ACC), 0, keep_dims=True), 1.0)
+        shift = origin + tl.sum(tl.where(mask, first - origin, 0.0), 0, keep_dims=True) / count
     else:
-        one = tl.zeros([1], ACC)
-        mean_s, m2_s, cnt_s = _merge_lanes(mean, m2, cnt, None)
-        mean_c, m2_c, cnt_c = one + mean_s, one + m2_s, one + cnt_s
+        origin = tl.load(x_ptr + base).to(ACC)
+        shift = origin + tl.sum(tl.where(mask, first - origin, 0.0)) / tl.sum(mask.to(ACC))
+    shift = tl.where(shift - shift == 0.0, shift, 0.0).to(x_ptr.dtype.element_ty)
+    k = shift.to(ACC)
+    start, stop = _tile_range(tiles, tiles_per_prog)
+    # The first program takes tile 0 from its registers, and walks the rest.
+    s1 = tl.where(mask & (start == 0), first - k, 0.0)
+    s2 = s1 * s1
+    start = tl.where(start == 0, 1, start)
+    tn, ts = _tile_coordinates(start, tiles_s, CHANNELS_LAST)
+    for _ in range(start, stop):
+        base, local, mask = _tile_at(tn, ts, c0, N, C, S, R, CS, CHANNELS_LAST, BLOCK_A,
+                                     BLOCK_B)
+        d = tl.load(x_ptr + base + local, mask=mask, other=shift).to(ACC) - k
+        s1 += d
+        s2 += d * d
+        tn, ts = _next_tile(tn, ts, tiles_s, CHANNELS_LAST)
+    c = _block_channels(c0, CHANNELS_LAST, BLOCK_B)
+    sum_d = _channel_sums(s1, CHANNELS_LAST)
+    sum_d2 = _channel_sums(s2, CHANNELS_LAST)
     if SPLIT:
         plane = tl.num_programs(1) * C
         row_ptr = part_ptr + tl.program_id(1) * C + c
-        tl.store(row_ptr, mean_c, mask=c < C)
-        tl.store(row_ptr + plane, m2_c, mask=c < C)
-        tl.store(row_ptr + 2 * plane, cnt_c, mask=c < C)
+        tl.store(row_ptr, sum_d, mask=c < C)
+        tl.store(row_ptr + plane, sum_d2, mask=c < C)
         finishing = _last_to_finish(counter_ptr, tl.program_id(0))
         if finishing:
-            mean_c, m2_c = _merge_partials(part_ptr, plane, c, C, BLOCK_P)
+            sum_d, sum_d2 = _sum_partials(part_ptr, plane, c, C, BLOCK_P)
             _rearm(counter_ptr, tl.program_id(0))
     else:
         finishing = True
-    return c, mean_c, m2_c, finishing
+    n = R.to(ACC)
+    mean = _channel_vector(k, CHANNELS_LAST) + sum_d / n
+    # Rounding may leave a constant channel's M2 a hair below 0 (NaN stays NaN).
+    m2 = tl.maximum(sum_d2 - sum_d * (sum_d / n), 0.0, propagate_nan=tl.PropagateNan.ALL)
+    return c, mean, m2, finishing
 
 
 @triton.jit
@@ -113,10 +142,11 @@ def _batch_stats_kernel(x_ptr, part_ptr, counter_ptr, mean_ptr, invstd_ptr, coun
 
 def _stats_buffers(plan: OpPlan, x: torch.Tensor, mean: torch.Tensor, extra_counters: int = 0
                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The statistics kernel's ``part`` buffer (split: 3 * splits * C partials; else ``mean``,
-    unread) and counters (one per channel block, and ``extra_counters`` after them)."""
+    """The statistics kernel's ``part`` buffer (split: 2 * splits * C partial sums; else
+    ``mean``, unread) and counters (one per channel block, and ``extra_counters`` after
+    them)."""
     blocks, splits = plan.grid
-    part = x.new_empty(3 * splits * plan.geo.c, dtype=plan.acc) if splits > 1 else mean
+    part = x.new_empty(2 * splits * plan.geo.c, dtype=plan.acc) if splits > 1 else mean
     return part, split_counters(x.device, blocks + extra_counters)
 
 

@@ -22,41 +22,6 @@ from ... import _compat
 
 
 @triton.jit
-def _welford_combine(mean_a, m2_a, n_a, mean_b, m2_b, n_b):
-    """Chan et al.: merge two (mean, M2, n) summaries of disjoint sets.
-
-    n = n_a + n_b,  d = mean_b - mean_a,  mean = mean_a + d * n_b / n,
-    M2 = M2_a + M2_b + d^2 * n_a * n_b / n.   Empty summaries (n = 0) are neutral.
-    """
-    n = n_a + n_b
-    w_b = tl.where(n > 0.0, n_b / tl.maximum(n, 1.0), 0.0)
-    d = mean_b - mean_a
-    return mean_a + d * w_b, m2_a + m2_b + d * d * n_a * w_b, n
-
-
-@triton.jit
-def _merge_lanes(mean, m2, n, AXIS: tl.constexpr):
-    """Chan's formula for all the (mean, M2, n) lanes along AXIS (None: every lane) at once:
-
-        n = sum n_i,   mean = sum n_i mean_i / n,   M2 = sum M2_i + sum n_i (mean_i - mean)^2
-
-    The mean is taken in two passes (the residual sum n_i (mean_i - m0) / n corrects the first
-    estimate m0), so a large common offset costs no precision. Plain sums rather than
-    tl.reduce with a tuple combine: the same math, and the interpreter runs tuple reductions
-    as a Python loop over every element.
-    """
-    total = tl.sum(n, AXIS, keep_dims=True)
-    inv = tl.where(total > 0.0, 1.0 / tl.maximum(total, 1.0), 0.0)
-    m0 = tl.sum(n * mean, AXIS, keep_dims=True) * inv
-    m1 = m0 + tl.sum(n * (mean - m0), AXIS, keep_dims=True) * inv
-    # An infinite m0 makes the correction inf - inf: keep m0 (the sum's mean, as BatchNorm's).
-    m1 = tl.where(m1 == m1, m1, m0)
-    d = mean - m1
-    # Summing the kept size-1 axes away only drops them.
-    return tl.sum(m1, AXIS), tl.sum(m2 + n * d * d, AXIS), tl.sum(total, AXIS)
-
-
-@triton.jit
 def _last_to_finish(counter_ptr, block):
     """Whether this program is the last of its channel block's programs (grid axis 1) to
     finish; call it after storing the program's partial row. The barrier orders every
@@ -74,40 +39,10 @@ def _rearm(counter_ptr, block):
 
 
 @triton.jit
-def _merge_partials(part_ptr, plane, c, C, BLOCK_P: tl.constexpr):
-    """(mean, M2) of the channels ``c`` (a [CB] block) from the [3, splits, C] partial
-    (mean, M2, n) rows (planes ``plane`` elements apart), BLOCK_P rows a step, in index order.
-
-    Infinite partial means: a lane whose merged mean is NaN takes the mean of the plain sums
-    ``sum(n_p * mean_p) / n`` (as the statistics kernel's own lanes do).
-    Read past the L1 cache (``.cg``): the rows were written by other programs.
-    """
-    splits = tl.num_programs(1)
-    c2 = c[None, :]
-    p = tl.arange(0, BLOCK_P)[:, None]
-    acc_ty = part_ptr.dtype.element_ty
-    mean = tl.zeros([BLOCK_P, c.shape[0]], acc_ty)
-    m2 = tl.zeros([BLOCK_P, c.shape[0]], acc_ty)
-    cnt = tl.zeros([BLOCK_P, c.shape[0]], acc_ty)
-    total = tl.zeros([BLOCK_P, c.shape[0]], acc_ty)
-    for p0 in range(0, splits, BLOCK_P):
-        mask = (p0 + p < splits) & (c2 < C)
-        offs = (p0 + p) * C + c2
-        part_mean = tl.load(part_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg")
-        part_m2 = tl.load(part_ptr + plane + offs, mask=mask, other=0.0, cache_modifier=".cg")
-        part_cnt = tl.load(part_ptr + 2 * plane + offs, mask=mask, other=0.0,
-                           cache_modifier=".cg")
-        total += tl.where(part_cnt > 0.0, part_mean * part_cnt, 0.0)
-        mean, m2, cnt = _welford_combine(mean, m2, cnt, part_mean, part_m2, part_cnt)
-    mean = tl.where(mean == mean, mean, total / tl.maximum(cnt, 1.0))
-    mean_c, m2_c, _ = _merge_lanes(mean, m2, cnt, 0)
-    return mean_c, m2_c
-
-
-@triton.jit
 def _sum_partials(part_ptr, plane, c, C, BLOCK_P: tl.constexpr):
     """Per channel of ``c`` (a [CB] block): the sums of planes 0 and 1 of the [2, splits, C]
-    partials, BLOCK_P rows a step, always in the same order (read as ``_merge_partials``)."""
+    partials, BLOCK_P rows a step, always in the same order. Read past the L1 cache (``.cg``):
+    the rows were written by other programs."""
     splits = tl.num_programs(1)
     c2 = c[None, :]
     p = tl.arange(0, BLOCK_P)[:, None]

@@ -10,7 +10,42 @@ from .activations import _xhat_dz
 @triton.jit
 def _tile(t, c0, N, C, S, R, CS, tiles_s, CHANNELS_LAST: tl.constexpr, BLOCK_A: tl.constexpr,
           BLOCK_B: tl.constexpr):
-    """``(base, local, mask)`` of tile ``t`` of the channel block starting at ``c0``.
+    """``(base, local, mask)`` of tile ``t`` of the channel block starting at ``c0``
+    (:func:`_tile_at` of its coordinates)."""
+    tn, ts = _tile_coordinates(t, tiles_s, CHANNELS_LAST)
+    return _tile_at(tn, ts, c0, N, C, S, R, CS, CHANNELS_LAST, BLOCK_A, BLOCK_B)
+
+
+@triton.jit
+def _tile_coordinates(t, tiles_s, CHANNELS_LAST: tl.constexpr):
+    """``(tn, ts)``: tile ``t``'s row of images and run of positions (NCHW); channels_last:
+    ``(t, 0)``, its block of rows."""
+    if CHANNELS_LAST:
+        tn, ts = t, 0
+    else:
+        tn = t // tiles_s
+        ts = t - tn * tiles_s
+    return tn, ts
+
+
+@triton.jit
+def _next_tile(tn, ts, tiles_s, CHANNELS_LAST: tl.constexpr):
+    """The coordinates of the tile after ``(tn, ts)``, without a division."""
+    if CHANNELS_LAST:
+        tn += 1
+    else:
+        ts += 1
+        wrap = ts == tiles_s
+        tn = tl.where(wrap, tn + 1, tn)
+        ts = tl.where(wrap, 0, ts)
+    return tn, ts
+
+
+@triton.jit
+def _tile_at(tn, ts, c0, N, C, S, R, CS, CHANNELS_LAST: tl.constexpr, BLOCK_A: tl.constexpr,
+             BLOCK_B: tl.constexpr):
+    """``(base, local, mask)`` of the tile at ``(tn, ts)`` (:func:`_tile_coordinates`) of the
+    channel block starting at ``c0``.
 
     ``base`` is a scalar int64 element offset, ``local`` the int32 offsets inside the tile:
     per-element address arithmetic stays 32-bit while tensors may exceed 2**31 elements
@@ -19,15 +54,14 @@ def _tile(t, c0, N, C, S, R, CS, tiles_s, CHANNELS_LAST: tl.constexpr, BLOCK_A: 
     a = tl.arange(0, BLOCK_A)[:, None]
     b = tl.arange(0, BLOCK_B)[None, :]
     if CHANNELS_LAST:
-        r0 = tl.cast(t, tl.int64) * BLOCK_A
+        r0 = tl.cast(tn, tl.int64) * BLOCK_A
         base = r0 * C + c0
         local = a * C + b
         mask = (a < R - r0) & (b < C - c0)
     else:
-        tn = t // tiles_s
         n0 = tl.cast(tn, tl.int64) * BLOCK_A
         # One plane may pass 2**31 elements: the position offset is int64 too.
-        s0 = tl.cast(t - tn * tiles_s, tl.int64) * BLOCK_B
+        s0 = tl.cast(ts, tl.int64) * BLOCK_B
         base = n0 * CS + tl.cast(c0, tl.int64) * S + s0
         local = a * CS + b
         mask = (a < N - n0) & (b < S - s0)
@@ -85,6 +119,17 @@ def _channel_sums(acc, CHANNELS_LAST: tl.constexpr):
     else:
         total = tl.zeros([1], acc.dtype) + tl.sum(acc)
     return total
+
+
+@triton.jit
+def _channel_vector(v, CHANNELS_LAST: tl.constexpr):
+    """A per-channel value as ``_load_channel`` shapes it ([1, BLOCK_B] or a scalar), as a
+    vector shaped as ``_block_channels``."""
+    if CHANNELS_LAST:
+        vector = tl.sum(v, 0)  # over its one row
+    else:
+        vector = tl.zeros([1], v.dtype) + v
+    return vector
 
 
 @triton.jit
