@@ -2,7 +2,7 @@
 
 From the statistics kernel's partial ``(mean, M2, n)`` rows, a program per block of channels
 merges each channel's rows (Chan), computes ``invstd``, folds the batch into the running
-statistics and flags the channels whose gamma is too small to invert.
+statistics and flags the channels whose gamma is too small (or not finite) to invert.
 ``torch_ops.finalize_stats`` does the last three in some thirteen ATen calls on (C,) vectors,
 each costing more host time than the arithmetic; here the whole single-replica forward's
 statistics are two launches (``batch_stats``).
@@ -36,6 +36,7 @@ from .plan import (
 # none.
 _BLOCK_C = 32
 _NUM_WARPS = 4
+_INF = tl.constexpr(float("inf"))
 
 
 @triton.jit
@@ -91,7 +92,7 @@ def _finalize_stats_kernel(part_ptr, plane, splits, mean_ptr, invstd_ptr, count:
     keep + var_alpha * M2 (keep = 1 - momentum, var_alpha = momentum / (count - 1), from the
     host); cumulative: lerp(r, stat, 1 / batches), the variance's stat M2 * var_alpha
     (var_alpha = 1 / (count - 1): a float64 division fewer, which spilled on sm_90);
-    small = |w| <= gamma_limit * max(1, |b|).
+    small = not gamma_limit * max(1, |b|) < |w| < inf (``torch_ops.small_gamma``).
     """
     n = tl.full([], count, ACC)
     epsilon = tl.full([], eps, ACC)
@@ -134,7 +135,9 @@ def _finalize_stats_kernel(part_ptr, plane, splits, mean_ptr, invstd_ptr, count:
             w = tl.load(weight_ptr + c, mask=valid, other=1.0)
             b = tl.load(bias_ptr + c, mask=valid, other=0.0)
             bound = tl.maximum(tl.abs(b), 1.0, propagate_nan=tl.PropagateNan.ALL) * limit
-            tl.store(small_ptr + c, (tl.abs(w) <= bound).to(tl.uint8), mask=valid)
+            magnitude = tl.abs(w)
+            rebuilt = (magnitude > bound) & (magnitude < _INF)  # False for any NaN
+            tl.store(small_ptr + c, (~rebuilt).to(tl.uint8), mask=valid)
         invstd = _div(tl.full([], 1.0, ACC), _sqrt(_div(m2, n) + epsilon))
         tl.store(invstd_ptr + c, invstd, mask=valid)
 
