@@ -22,8 +22,8 @@ MIN_INVERTIBLE_GAMMA = 1e-3
 
 def small_gamma_mask(weight: torch.Tensor, bias: torch.Tensor | None, margin: float = 1.0
                      ) -> torch.Tensor:
-    """Per channel: ``|w| <= margin * MIN_INVERTIBLE_GAMMA * max(1, |b|)`` (no host sync;
-    no bias: ``b = 0``)."""
+    """Per channel: ``|w| <= margin * MIN_INVERTIBLE_GAMMA * max(1, |b|)``, or w or b NaN or
+    inf (``torch_ops.small_gamma``; no host sync; no bias: ``b = 0``)."""
     bias = torch.zeros_like(weight) if bias is None else bias
     return torch_ops.small_gamma(weight, bias, margin * MIN_INVERTIBLE_GAMMA)
 

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from encoding_syncbn import SyncBatchNorm
+from encoding_syncbn.testing import SimulatedDataParallel
 
 ACTIVATIONS = ("none", "identity", "leaky_relu", "elu", "relu")
 # Fused out of place only (not invertible); tested on their own (tests/test_activations.py).
@@ -63,3 +64,101 @@ def assert_close(actual, expected, dtype=torch.float64, what=""):
     }[dtype]
     torch.testing.assert_close(actual.to(expected.dtype), expected, msg=lambda m: f"{what}: {m}",
                                **tolerances)
+
+
+#: What ``check_nonfinite_gradients`` injects. Not an infinite weight: nn.BatchNorm2d on the
+#: CPU computes z = x * (w * invstd) + (b - mean * w * invstd), whose inf - inf makes such a
+#: channel's outputs NaN; the layer computes (x - mean) * invstd * w + b, as ATen's CUDA kernel
+#: does (+-inf): different outputs, whose gradients are not comparable.
+NONFINITE = (float("nan"), float("inf"), -float("inf"))
+
+
+def batchnorm_grads(ref: nn.Module, x: torch.Tensor, dy: torch.Tensor, activation: str,
+                    elu_from_output: bool) -> tuple[torch.Tensor, ...]:
+    """``(dx, dw, db)`` of nn.BatchNorm2d + the activation, ELU's derivative NaN at a NaN z
+    (the convention of ``activations.py``: ATen's vectorised ELU backward, which its scalar
+    tail does not follow on small tensors).
+
+    ``elu_from_output``: in evaluation, for an in-place ELU layer, whose output saturates at
+    -alpha: a z of -inf leaves the output of any z below about -37 (float64), which is what
+    the layer rebuilds; there dz is 0, and so is its term of dw = sum(dz * xhat), where
+    nn.BatchNorm2d's (x - mean) * dz is -inf * 0 = NaN. Such a channel (finite weight and
+    bias: not kept aside) gets that dw, with the terms where dz is 0 left out.
+    """
+    leaf = x.detach().clone().requires_grad_()
+    z = ref(leaf)
+    nan_z, seen = z.detach().isnan(), {}
+
+    def at_z(grad: torch.Tensor) -> torch.Tensor:
+        if activation == "elu":
+            grad = grad.masked_fill(nan_z, float("nan"))
+        seen["dz"] = grad
+        return grad
+
+    z.register_hook(at_z)
+    activate(z, activation, SLOPES.get(activation, 0.01)).backward(dy)
+    dw = ref.weight.grad
+    if elu_from_output:
+        dims, view = (0, 2, 3), (1, -1, 1, 1)
+        dz = seen["dz"]
+        dotp = torch.where(dz == 0, 0.0, (x - ref.running_mean.view(view)) * dz).sum(dims)
+        saturated = (torch.isneginf(z).any(dim=0).flatten(1).any(dim=1)
+                     & ref.weight.isfinite() & ref.bias.isfinite())
+        dw = torch.where(saturated, dotp * torch.rsqrt(ref.running_var + ref.eps), dw)
+    return leaf.grad, dw, ref.bias.grad
+
+
+def assert_same_nonfinite(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    """The same NaN and inf elements (infinities of the same sign), the finite ones close."""
+    got = got.cpu()
+    for name, mask in (("NaN", torch.isnan), ("inf", torch.isposinf), ("-inf", torch.isneginf)):
+        same = torch.equal(mask(got), mask(want))
+        assert same, (f"{what}: {name} at {mask(got).nonzero().tolist()}, nn.BatchNorm2d's "
+                      f"at {mask(want).nonzero().tolist()}")
+    torch.testing.assert_close(got, want, equal_nan=True, rtol=1e-9, atol=1e-9,
+                               msg=lambda m: f"{what}: {m}")
+
+
+def check_nonfinite_gradients(activation: str, inplace: bool, training: bool,
+                              channels_last: bool,
+                              injections: list[tuple[str, float, int, int]],
+                              replicas: int | None, seed: int, device: str = "cpu") -> None:
+    """A (3, 3, 2, 3) float64 layer, with ``injections`` put into it: each ``(target, value,
+    channel, element)`` writes ``value`` into x (``element``: 0-17 of that channel) or into
+    the channel's entry of a parameter or buffer (``target``: its name). Its input, weight and
+    bias gradients, on ``device`` under ``replicas`` simulated replicas (None: called
+    directly), have NaN and inf where nn.BatchNorm2d + the activation has them (on the CPU),
+    and the same finite values elsewhere."""
+    gen = torch.Generator().manual_seed(seed)
+    layer = SyncBatchNorm(3, activation=activation, slope=SLOPES.get(activation, 0.01),
+                          inplace=inplace, dtype=torch.float64)
+    ref = nn.BatchNorm2d(3, dtype=torch.float64)
+    x = torch.randn(3, 3, 2, 3, generator=gen, dtype=torch.float64)
+    with torch.no_grad():
+        # Gammas of either sign, far above the limit under which in place keeps channels aside.
+        state = {"weight": (torch.rand(3, generator=gen, dtype=torch.float64) + 0.5)
+                 * torch.randn(3, generator=gen, dtype=torch.float64).sign(),
+                 "bias": torch.randn(3, generator=gen, dtype=torch.float64),
+                 "running_mean": torch.randn(3, generator=gen, dtype=torch.float64),
+                 "running_var": torch.rand(3, generator=gen, dtype=torch.float64) + 0.5}
+        for target, value, channel, element in injections:
+            if target == "x":
+                x[element // 6, channel, element % 6 // 3, element % 3] = value
+            else:
+                state[target][channel] = value
+        for module in (layer, ref):
+            for name, value in state.items():
+                getattr(module, name).copy_(value)
+    layer.train(training).to(device)
+    ref.train(training)
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    dy = torch.randn(x.shape, generator=gen, dtype=torch.float64)
+    leaf = x.to(device, copy=True).requires_grad_()
+    runner = SimulatedDataParallel(layer, replicas) if replicas else layer
+    runner(leaf * 1).backward(dy.to(device))  # a non-leaf: in place, really overwritten
+    expected = batchnorm_grads(ref, x, dy, activation,
+                               elu_from_output=activation == "elu" and inplace and not training)
+    for what, got, want in zip(("dx", "dw", "db"), (leaf.grad, layer.weight.grad,
+                                                    layer.bias.grad), expected):
+        assert_same_nonfinite(got, want, what)

@@ -10,10 +10,12 @@ largest shapes' float64 references would take minutes on the CPU), the layers wi
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
-from reference import activate
+from reference import NONFINITE, activate, check_nonfinite_gradients
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -496,3 +498,21 @@ def test_func_grad_on_gpu(device="cuda"):
     scale = max(g.abs().max() for g in want.values())
     for name in want:
         torch.testing.assert_close(got[name] / scale, want[name] / scale, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("activation,inplace", [
+    (a, False) for a in ("none", "identity", "leaky_relu", "elu", "relu", "silu", "gelu",
+                         "gelu_tanh")] + [(a, True) for a in ("identity", "leaky_relu", "elu")])
+@pytest.mark.parametrize("training,replicas", [(False, None), (True, None), (True, 2)])
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_nonfinite_gradients_follow_batchnorm_on_gpu(activation, inplace, training, replicas,
+                                                     channels_last):
+    """Each kind of NaN and inf (reference.NONFINITE) in turn, in an input element and in each
+    parameter and buffer, in the real kernels: gradients with NaN and inf where nn.BatchNorm2d
+    + the activation has them (float64, on the CPU); the CPU suite generates mixes of them."""
+    for target in ("x", "running_mean", "running_var", "weight", "bias"):
+        for value in NONFINITE:
+            if target == "weight" and not math.isnan(value):
+                continue  # see reference.NONFINITE
+            check_nonfinite_gradients(activation, inplace, training, channels_last,
+                                      [(target, value, 1, 4)], replicas, seed=1, device="cuda")

@@ -3,6 +3,7 @@ SimulatedDataParallel, the out-of-place warning per layer. Float64 references: n
 
 from __future__ import annotations
 
+import math
 import sys
 import warnings
 
@@ -12,11 +13,17 @@ import torch.nn.functional as F
 from backends import each_backend, one_backend
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
-from reference import activate
+from reference import (
+    ACTIVATIONS,
+    NONFINITE,
+    SMOOTH_ACTIVATIONS,
+    activate,
+    check_nonfinite_gradients,
+)
 from replica_waits import assert_waited_only_on_this_step
 from torch import nn
 
-from encoding_syncbn import SyncBatchNorm, SyncError
+from encoding_syncbn import SyncBatchNorm, SyncError, activations
 from encoding_syncbn import sync as sbn_sync
 from encoding_syncbn.testing import SimulatedDataParallel
 
@@ -262,6 +269,49 @@ def test_nan_and_inf_propagate_as_batchnorm(activation, inplace, replicas):
         torch.testing.assert_close(got, want, equal_nan=True, rtol=1e-9, atol=1e-9,
                                    msg=lambda m, name=name: f"{name}: {m}")
 
+
+# (target, value, channel, element) as check_nonfinite_gradients takes them.
+_INJECTIONS = st.tuples(
+    st.sampled_from(("x", "running_mean", "running_var", "weight", "bias")),
+    st.sampled_from(NONFINITE), st.integers(0, 2), st.integers(0, 17),
+).filter(lambda injection: injection[0] != "weight" or math.isnan(injection[1]))
+_NONFINITE_MODES = [(a, False) for a in (*ACTIVATIONS, *SMOOTH_ACTIVATIONS)] + [
+    (a, True) for a in ACTIVATIONS if a != "none" and activations.runs_in_place(a, 0.1)
+]
+
+
+@settings(max_examples=30, deadline=None, derandomize=True)
+@given(
+    mode=st.sampled_from(_NONFINITE_MODES),
+    training=st.booleans(),
+    channels_last=st.booleans(),
+    injections=st.lists(_INJECTIONS, min_size=1, max_size=3),
+    replicas=st.sampled_from([None, 2]),
+    seed=st.integers(0, 2**16),
+)
+# The cases issue 35 names: in evaluation, a NaN input element and a NaN running_mean; in
+# place, a NaN bias (training, synchronised) and a NaN weight.
+@example(mode=("leaky_relu", False), training=False, channels_last=False,
+         injections=[("x", float("nan"), 0, 5)], replicas=None, seed=0)
+@example(mode=("identity", True), training=False, channels_last=False,
+         injections=[("running_mean", float("nan"), 1, 0)], replicas=None, seed=0)
+@example(mode=("leaky_relu", True), training=True, channels_last=False,
+         injections=[("bias", float("nan"), 2, 0)], replicas=None, seed=0)
+@example(mode=("leaky_relu", True), training=True, channels_last=False,
+         injections=[("bias", float("nan"), 2, 0)], replicas=2, seed=0)
+@example(mode=("elu", True), training=False, channels_last=True,
+         injections=[("weight", float("nan"), 0, 0)], replicas=None, seed=0)
+# In place, ELU saturated at a z of -inf (see reference.batchnorm_grads).
+@example(mode=("elu", True), training=False, channels_last=False,
+         injections=[("x", -float("inf"), 0, 3), ("running_mean", float("inf"), 1, 0)],
+         replicas=None, seed=0)
+def test_nonfinite_gradients_follow_batchnorm(mode, training, channels_last, injections, replicas,
+                                              seed):
+    """NaN and inf put into input elements, running statistics, weight and bias: the input,
+    weight and bias gradients have NaN and inf exactly where nn.BatchNorm2d + the activation
+    has them (float64), and the same finite values elsewhere; on one replica, and on two
+    (simulated DataParallel: synchronised statistics in training)."""
+    check_nonfinite_gradients(*mode, training, channels_last, injections, replicas, seed)
 
 @one_backend  # calls the Triton kernels directly
 @pytest.mark.parametrize("where", [(0, 0), (200, 0), (0, 1), (600, 1)])

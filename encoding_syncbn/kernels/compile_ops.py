@@ -107,7 +107,7 @@ def _(saved: torch.Tensor, dy: torch.Tensor, mean: torch.Tensor, invstd: torch.T
 
 
 def aside_channels(weight: torch.Tensor, bias: torch.Tensor, min_gamma: float) -> torch.Tensor:
-    """Indices of the channels with ``|weight| <= min_gamma * max(1, |bias|)``."""
+    """Indices of the channels ``torch_ops.small_gamma`` flags."""
     return torch.ops.encoding_syncbn.aside_channels(weight, bias, float(min_gamma))
 
 

@@ -210,9 +210,14 @@ def track_batch(running_mean: torch.Tensor, running_var: torch.Tensor,
 
 
 def small_gamma(weight: torch.Tensor, bias: torch.Tensor, limit: float) -> torch.Tensor:
-    """Per channel: ``|weight| <= limit * max(1, |bias|)`` (bool; no host sync)."""
+    """Per channel: not ``limit * max(1, |bias|) < |weight| < inf`` (bool; no host sync).
+
+    A NaN or infinite weight or bias is flagged too: rebuilding xhat = (z - bias) / weight
+    from such a channel's output gives NaN where nn.BatchNorm's gradients have none.
+    """
     with torch.no_grad():
-        return weight.abs() <= bias.abs().clamp_min_(1.0).mul_(limit)
+        magnitude = weight.abs().nan_to_num_(nan=0.0, posinf=0.0)
+        return (magnitude > bias.abs().clamp_min_(1.0).mul_(limit)).logical_not_()
 
 
 def as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -363,10 +368,13 @@ def backward_dx(
     coef_xhat: torch.Tensor,
     coef_const: torch.Tensor,
 ) -> torch.Tensor:
-    """``dx = coef_dz * dz + coef_xhat * xhat + coef_const``, in ``saved``'s dtype.
+    """``dx = coef_dz * dz + coef_xhat * xhat + coef_const``, in ``saved``'s dtype; where
+    ``coef_xhat`` is 0 the xhat term is 0, even where xhat is NaN or inf.
 
     Every input gradient of the layer has this form (see ``functional.py`` for the
-    coefficients of the local and the synchronised case).
+    coefficients of the local and the synchronised case). With constant statistics
+    (evaluation) ``coef_xhat`` is 0: dx is ``w * invstd * dz``, as ATen's, which reads no x,
+    so that a NaN input element or running mean makes no NaN input gradient by itself.
     """
     # In saved's own layout, as the compiled path's fake implementation promises.
     dx = torch.empty_like(saved)
@@ -374,9 +382,13 @@ def backward_dx(
         return dx
     walked = _in_rows_layout(saved)
     target = _target_for(dx, walked)
+    no_xhat_term = coef_xhat == 0
     for xhat, dz, piece_dx in _backward_pieces(walked, dy, mean, invstd, weight, bias,
                                                activation, slope, saved_is_output, target):
-        torch.addcmul(xhat.mul_(coef_xhat).add_(coef_const), dz, coef_dz, out=piece_dx)
+        # As many passes as xhat * coef_xhat + coef_const in two ops.
+        term = torch.addcmul(coef_const, xhat, coef_xhat, out=xhat)
+        torch.where(no_xhat_term, coef_const, term, out=term)
+        torch.addcmul(term, dz, coef_dz, out=piece_dx)
     if target is not dx:
         dx.copy_(target)
     return dx

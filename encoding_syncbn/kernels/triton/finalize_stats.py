@@ -2,7 +2,7 @@
 kernel's program that has a channel block's (mean, M2) (``channel_stats``' batch kernel).
 
 It computes ``invstd``, folds the batch into the running statistics and flags the channels
-whose gamma is too small to invert. ``torch_ops.finalize_stats`` does the same in some
+whose gamma is too small (or not finite) to invert. ``torch_ops.finalize_stats`` does the same in some
 thirteen ATen calls on (C,) vectors, each costing more host time than the arithmetic; here a
 single-replica forward's statistics are one launch (``batch_stats``).
 """
@@ -16,6 +16,8 @@ import triton
 import triton.language as tl
 
 from .plan import _TL_DTYPES, plan_memo
+
+_INF = tl.constexpr(float("inf"))
 
 
 @triton.jit
@@ -68,7 +70,7 @@ def _finish_batch_stats(c, mean, m2, counter_ptr, mean_ptr, invstd_ptr, count: t
     keep + var_alpha * M2 (keep = 1 - momentum, var_alpha = momentum / (count - 1), from the
     host); cumulative: lerp(r, stat, 1 / batches), the variance's stat M2 * var_alpha
     (var_alpha = 1 / (count - 1));
-    small = |w| <= gamma_limit * max(1, |b|).
+    small = not gamma_limit * max(1, |b|) < |w| < inf (``torch_ops.small_gamma``).
 
     The batch counter is incremented once: by channel block 0, or, for a cumulative average
     (where every block reads it), by the last block to finish (``counter_ptr``: the counter
@@ -111,7 +113,9 @@ def _finish_batch_stats(c, mean, m2, counter_ptr, mean_ptr, invstd_ptr, count: t
         b = tl.load(bias_ptr + c, mask=valid, other=0.0)
         limit = tl.full([], gamma_limit, ACC)
         bound = tl.maximum(tl.abs(b), 1.0, propagate_nan=tl.PropagateNan.ALL) * limit
-        tl.store(small_ptr + c, (tl.abs(w) <= bound).to(tl.uint8), mask=valid)
+        magnitude = tl.abs(w)
+        rebuilt = (magnitude > bound) & (magnitude < _INF)  # False for any NaN
+        tl.store(small_ptr + c, (~rebuilt).to(tl.uint8), mask=valid)
     # invstd last: nothing else is live across its division and square root (subroutine
     # calls, around which live values spilled).
     invstd = _div(tl.full([], 1.0, ACC), _sqrt(_div(m2, n) + epsilon))
