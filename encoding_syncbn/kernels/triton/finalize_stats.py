@@ -2,8 +2,8 @@
 kernel's program that has a channel block's (mean, M2) (``channel_stats``' batch kernel).
 
 It computes ``invstd``, folds the batch into the running statistics and flags the channels
-whose gamma is too small (or not finite) to invert. ``torch_ops.finalize_stats`` does the same in some
-thirteen ATen calls on (C,) vectors, each costing more host time than the arithmetic; here a
+whose gamma is too small (or not finite) to invert. ``torch_ops.finalize_stats`` does the same
+in some thirteen ATen calls on (C,) vectors, each costing more host time than the arithmetic; here a
 single-replica forward's statistics are one launch (``batch_stats``).
 """
 
