@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..torch_ops import stats_dtype
+from ..torch_ops import SMALL_GAMMA_FLOOR, stats_dtype
 from .channel_stats import _merge_partials, _partial_stats_launch
 from .plan import (
     _MERGE_ROWS,
@@ -36,6 +36,7 @@ from .plan import (
 # none.
 _BLOCK_C = 32
 _NUM_WARPS = 4
+_SMALL_GAMMA_FLOOR = tl.constexpr(SMALL_GAMMA_FLOOR)
 
 
 @triton.jit
@@ -72,6 +73,15 @@ def _lerp(start, end, weight):
 
 
 @triton.jit
+def _small_gamma(w, b, limit):
+    """``torch_ops.small_gamma``'s test, in ``limit``'s dtype: ``|w| <= max(limit * |b|,
+    min(limit, SMALL_GAMMA_FLOOR))`` (a NaN beta flags nothing, as there)."""
+    floor = tl.minimum(limit, tl.full([], _SMALL_GAMMA_FLOOR, limit.dtype))
+    bound = tl.maximum(tl.abs(b) * limit, floor, propagate_nan=tl.PropagateNan.ALL)
+    return tl.abs(w) <= bound
+
+
+@triton.jit
 def _finalize_stats_kernel(part_ptr, plane, splits, mean_ptr, invstd_ptr, count: tl.float64,
                            eps: tl.float64, running_mean_ptr, running_var_ptr, batches_ptr,
                            keep: tl.float64, momentum: tl.float64, var_alpha: tl.float64,
@@ -91,7 +101,7 @@ def _finalize_stats_kernel(part_ptr, plane, splits, mean_ptr, invstd_ptr, count:
     keep + var_alpha * M2 (keep = 1 - momentum, var_alpha = momentum / (count - 1), from the
     host); cumulative: lerp(r, stat, 1 / batches), the variance's stat M2 * var_alpha
     (var_alpha = 1 / (count - 1): a float64 division fewer, which spilled on sm_90);
-    small = |w| <= gamma_limit * max(1, |b|).
+    small = _small_gamma(w, b, gamma_limit).
     """
     n = tl.full([], count, ACC)
     epsilon = tl.full([], eps, ACC)
@@ -133,8 +143,7 @@ def _finalize_stats_kernel(part_ptr, plane, splits, mean_ptr, invstd_ptr, count:
         if CHECK:
             w = tl.load(weight_ptr + c, mask=valid, other=1.0)
             b = tl.load(bias_ptr + c, mask=valid, other=0.0)
-            bound = tl.maximum(tl.abs(b), 1.0, propagate_nan=tl.PropagateNan.ALL) * limit
-            tl.store(small_ptr + c, (tl.abs(w) <= bound).to(tl.uint8), mask=valid)
+            tl.store(small_ptr + c, _small_gamma(w, b, limit).to(tl.uint8), mask=valid)
         invstd = _div(tl.full([], 1.0, ACC), _sqrt(_div(m2, n) + epsilon))
         tl.store(invstd_ptr + c, invstd, mask=valid)
 
