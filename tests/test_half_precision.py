@@ -208,3 +208,39 @@ def test_a_layer_switching_dtype_checks_its_channels_again(dtype):
         layer(torch.randn(SHAPE).to(input_dtype) * 1).float().sum().backward()
         assert watch.known == expected
         assert watch._limit == aside.gamma_limit(input_dtype, watched=True)
+
+
+@pytest.mark.parametrize("activation", ["identity", "leaky_relu"])
+def test_evaluation_whose_float16_output_overflows(activation):
+    """Evaluation with running statistics far from the data: nn.BatchNorm2d's float16 output
+    overflows to inf there, and so does ours. The input gradient is w * invstd * dz, which
+    needs no rebuilt input: finite as torch's, within 3x its error. The weight gradient of a
+    channel with an infinite output needs the input the output lost: it is not finite (never a
+    finite wrong value); the other channels' are torch's."""
+    slope = SLOPES.get(activation, 0.01)
+    gen = torch.Generator().manual_seed(11)
+    gamma, beta = torch.tensor([2.0, -1.5, 1.0, 0.5]), torch.tensor([0.5, 0.0, -0.2, 0.1])
+    # Channels 0 and 1: variance 1e-6 (invstd 302 with eps) against data of spread 100: |z|
+    # past float16's 65504.
+    running = (torch.tensor([0.0, 1.0, 0.0, 0.0]), torch.tensor([1e-6, 1e-6, 1.0, 2.0]))
+    x = (torch.randn(SHAPE, generator=gen) * 100).to(torch.float16)
+    dy = torch.randn(SHAPE, generator=gen).to(torch.float16)
+    twin = nn.BatchNorm2d(C).eval()
+    layer = SyncBatchNorm(C, activation=activation, slope=slope, inplace=True).eval()
+    for norm in (twin, layer):
+        _load(norm, gamma, beta, running)
+    reference, sizes = _reference(x, dy, gamma, beta, running, activation, slope, False)
+    torch_same = _gradients(twin, x, dy, "autocast", 1, activation, slope)
+    ours = _gradients(layer, x, dy, "autocast", 1, activation, slope)
+    assert torch_same[0].isfinite().all() and torch_same[1].isfinite().all()
+    overflowed = [0, 1]
+    with torch.autocast("cpu", dtype=torch.float16):
+        out = layer(x.clone())
+    assert out.isinf().flatten(2).any(2).any(0).tolist() == [True, True, False, False]
+    assert not ours[1][overflowed].isfinite().any()
+    kept = [2, 3]
+    _assert_within_bound((ours[0], ours[1][kept], ours[2]),
+                         (torch_same[0], torch_same[1][kept], torch_same[2]),
+                         (reference[0], reference[1][kept], reference[2]),
+                         (sizes[0], sizes[1][kept], sizes[2]), torch.float16,
+                         f"{activation} evaluation overflowing float16")

@@ -366,7 +366,10 @@ def backward_dx(
     """``dx = coef_dz * dz + coef_xhat * xhat + coef_const``, in ``saved``'s dtype.
 
     Every input gradient of the layer has this form (see ``functional.py`` for the
-    coefficients of the local and the synchronised case).
+    coefficients of the local and the synchronised case). A channel whose ``coef_xhat`` is 0
+    (every channel in evaluation, where dx is ``w * invstd * dz`` as in nn.BatchNorm) takes no
+    xhat term at all: a half-precision output that overflowed to inf rebuilds an infinite
+    xhat, which would make its dx NaN.
     """
     # In saved's own layout, as the compiled path's fake implementation promises.
     dx = torch.empty_like(saved)
@@ -374,8 +377,10 @@ def backward_dx(
         return dx
     walked = _in_rows_layout(saved)
     target = _target_for(dx, walked)
+    no_xhat = coef_xhat == 0
     for xhat, dz, piece_dx in _backward_pieces(walked, dy, mean, invstd, weight, bias,
                                                activation, slope, saved_is_output, target):
+        xhat.masked_fill_(no_xhat, 0.0)
         torch.addcmul(xhat.mul_(coef_xhat).add_(coef_const), dz, coef_dz, out=piece_dx)
     if target is not dx:
         dx.copy_(target)

@@ -38,7 +38,8 @@ def _backward_dx_kernel(saved_ptr, dy_ptr, dx_ptr, mean_ptr, invstd_ptr, weight_
                         ACTIVATION: tl.constexpr, SAVED_IS_OUTPUT: tl.constexpr,
                         FROM_SUMS: tl.constexpr, CHANNELS_LAST: tl.constexpr,
                         BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, ACC: tl.constexpr):
-    """dx = (coef_dz * dz + coef_xhat * xhat) + coef_const, written in saved's dtype.
+    """dx = (coef_dz * dz + coef_xhat * xhat) + coef_const, written in saved's dtype; a
+    channel whose coef_xhat is 0 (evaluation) takes no xhat term (``torch_ops.backward_dx``).
 
     ``FROM_SUMS`` (``BatchSums``): coef_xhat_ptr and coef_const_ptr hold sum(dz * xhat) and
     sum(dz) of the batch, coef_dz_ptr is unread, and the coefficients are derived per channel
@@ -58,12 +59,13 @@ def _backward_dx_kernel(saved_ptr, dy_ptr, dx_ptr, mean_ptr, invstd_ptr, weight_
     else:
         coef_dz = _load_channel(coef_dz_ptr, c0, C, CHANNELS_LAST, BLOCK_B)
     alpha = tl.full([], slope, ACC)
+    no_xhat = coef_xhat == 0.0
     start, stop = _tile_range(tiles, tiles_per_prog)
     for t in range(start, stop):
         base, local, mask = _tile(t, c0, N, C, S, R, CS, tiles_s, CHANNELS_LAST, BLOCK_A, BLOCK_B)
         xhat, dz = _tile_xhat_dz(saved_ptr, dy_ptr, base + local, mask, mean, invstd, weight,
                                  bias, alpha, ACTIVATION, SAVED_IS_OUTPUT, ACC)
-        dx = (dz * coef_dz + xhat * coef_xhat) + coef_const
+        dx = (dz * coef_dz + tl.where(no_xhat, 0.0, xhat) * coef_xhat) + coef_const
         tl.store(dx_ptr + base + local, dx.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
