@@ -1,10 +1,15 @@
 """How much activation memory ``convert_inplace_abn`` saves on real models (CPU).
 
-    python benchmarks/bench_inplace_memory.py [--batch 8] [--size 128] [--record]
+    python benchmarks/bench_inplace_memory.py [--batch 8] [--size 128]
+        [--autocast {float16,bfloat16}] [--beta-over-gamma S] [--record]
 
 For each model (built with LeakyReLU where it had ReLU, random weights), one training step
-(forward, backward) in float32, three ways: the original model, ``convert_sync_batchnorm``
-(synchronised, out of place) and ``convert_inplace_abn``. Measured: the bytes autograd keeps
+(forward, backward) in float32, or under ``torch.autocast`` in ``--autocast``'s dtype, three
+ways: the original model, ``convert_sync_batchnorm`` (synchronised, out of place) and
+``convert_inplace_abn``. ``--beta-over-gamma S`` sets each norm layer's beta to
+``S * |gamma| * N(0, 1)`` per channel, a stand-in for trained parameters: in half precision an
+in-place layer keeps aside the channels whose |beta| is large against |gamma| (their rebuilt
+input would lose precision), and the table counts them. Measured: the bytes autograd keeps
 for backward, counted by a saved-tensors hook at the end of the forward: every distinct
 storage packed for backward, the model's parameters excluded. That is the activation memory a
 training step holds at its peak (just before backward starts), exactly and independent of
@@ -55,19 +60,43 @@ def models() -> dict[str, nn.Module]:
     }
 
 
-def saved_bytes(model: nn.Module, x: torch.Tensor) -> int:
-    """Bytes of the distinct non-parameter storages saved for backward by one forward."""
+def spread_betas(model: nn.Module, ratio: float, gen: torch.Generator) -> nn.Module:
+    """``model`` with each norm layer's beta set to ``ratio * |gamma| * N(0, 1)`` per channel."""
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, nn.modules.batchnorm._NormBase) and module.affine:
+                noise = torch.randn(module.bias.shape, generator=gen)
+                module.bias.copy_(ratio * module.weight.abs() * noise)
+    return model
+
+
+def parameter_copy(tensor: torch.Tensor, parameters: set[int]) -> bool:
+    """Whether ``tensor`` is a cast of a parameter (autocast's half-precision weights), by its
+    autograd history: a copy whose input is the parameter itself."""
+    node = tensor.grad_fn
+    if node is None or type(node).__name__ != "ToCopyBackward0":
+        return False
+    return any(getattr(source, "variable", None) is not None
+               and source.variable.untyped_storage().data_ptr() in parameters
+               for source, _ in node.next_functions if source is not None)
+
+
+def saved_bytes(model: nn.Module, x: torch.Tensor, autocast: torch.dtype | None) -> int:
+    """Bytes of the distinct non-parameter storages saved for backward by one forward (under
+    ``torch.autocast`` in ``autocast``'s dtype, unless None: the half-precision copies it makes
+    of the parameters are not counted either)."""
     parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
     storages: dict[int, int] = {}
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
         storage = tensor.untyped_storage()
-        if storage.data_ptr() not in parameters:
+        if storage.data_ptr() not in parameters and not parameter_copy(tensor, parameters):
             storages[storage.data_ptr()] = storage.nbytes()
         return tensor
 
     model.train()
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+    with (torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor),
+          torch.autocast("cpu", dtype=autocast, enabled=autocast is not None)):
         out = model(x * 1)
     out = out if isinstance(out, torch.Tensor) else out[0]
     out.float().square().mean().backward()
@@ -81,25 +110,48 @@ def main() -> None:
                         help="images per training step (default: %(default)s)")
     parser.add_argument("--size", type=int, default=128,
                         help="height and width of each image (default: %(default)s)")
+    parser.add_argument("--autocast", choices=["float16", "bfloat16"], default=None,
+                        help="run the step under torch.autocast in this dtype "
+                             "(default: float32, no autocast)")
+    parser.add_argument("--beta-over-gamma", type=float, default=0.0, metavar="S",
+                        help="set each norm's beta to S * |gamma| * N(0, 1) per channel "
+                             "(default: %(default)s, the parameters as initialised)")
     results.add_arguments(parser)
     args = parser.parse_args()
-    from encoding_syncbn import convert_inplace_abn, convert_sync_batchnorm
+    from encoding_syncbn import SyncBatchNorm, convert_inplace_abn, convert_sync_batchnorm
+    from encoding_syncbn.aside import gamma_limit, small_gamma_mask
 
+    autocast = getattr(torch, args.autocast) if args.autocast else None
     torch.manual_seed(0)
     x = torch.randn(args.batch, 3, args.size, args.size)
     rows = []
     for name, model in models().items():
-        sizes = [saved_bytes(convert(copy.deepcopy(model)), x) / 2**20 for convert in
-                 (lambda m: m, convert_sync_batchnorm, convert_inplace_abn)]
-        rows.append([name, *(f"{size:.1f}" for size in sizes), f"{sizes[2] / sizes[0]:.2f}"])
+        spread_betas(model, args.beta_over_gamma, torch.Generator().manual_seed(0))
+        in_place = convert_inplace_abn(copy.deepcopy(model))
+        sizes = [saved_bytes(converted, x, autocast) / 2**20 for converted in
+                 (model, convert_sync_batchnorm(copy.deepcopy(model)), in_place)]
+        layers = [m for m in in_place.modules() if isinstance(m, SyncBatchNorm) and m.inplace]
+        # As a single replica's layer chooses them (its watch's limit, with the margin).
+        limit = gamma_limit(autocast or x.dtype, watched=True)
+        aside = sum(int(small_gamma_mask(m.weight, m.bias, limit).sum()) for m in layers)
+        channels = sum(m.num_features for m in layers)
+        rows.append([name, *(f"{size:.1f}" for size in sizes), f"{sizes[2] / sizes[0]:.2f}",
+                     f"{aside} / {channels}"])
     table = results.markdown_table(
         ["model", "original MiB", "convert_sync_batchnorm MiB", "convert_inplace_abn MiB",
-         "in place / original"], rows)
-    notes = (f"One training step, input {tuple(x.shape)} float32, random weights: the bytes "
-             "autograd keeps for backward (distinct storages packed by a saved-tensors hook, "
-             "parameters excluded).")
+         "in place / original", "channels kept aside / in place"], rows)
+    dtype = f"under autocast {args.autocast}" if autocast else "float32"
+    params = (f"each norm's beta = {args.beta_over_gamma:g} * |gamma| * N(0, 1)"
+              if args.beta_over_gamma else "parameters as initialised")
+    notes = (f"One training step, input {tuple(x.shape)} {dtype}, random weights, {params}: "
+             "the bytes autograd keeps for backward (distinct storages packed by a "
+             "saved-tensors hook, parameters excluded); the channels the in-place layers keep "
+             "aside (their input saved: see the README's Limits).")
     print(notes + "\n\n" + table)
-    results.record(args, "bench_inplace_memory.py", table, notes)
+    options = ([f"autocast {args.autocast}"] if autocast else []) + (
+        [f"beta-over-gamma {args.beta_over_gamma:g}"] if args.beta_over_gamma else [])
+    heading = "bench_inplace_memory.py" + (f" ({', '.join(options)})" if options else "")
+    results.record(args, heading, table, notes)
 
 
 if __name__ == "__main__":

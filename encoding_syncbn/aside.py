@@ -15,22 +15,52 @@ from .kernels import GammaCheck, compile_ops, torch_ops
 from .streams import stream_event
 from .tensor_cache import tensor_cache
 
-# A channel is rebuilt from y only if |w| > MIN_INVERTIBLE_GAMMA * max(1, |b|): xhat =
-# (z - b) / w amplifies z's rounding by |b| / |w|.
+# Rebuilding a channel's input from its output y divides by gamma: xhat = (z - b) / w, with z
+# the activation's inverse of y. That multiplies y's rounding by |z| / |w| <= |xhat| + |b| / |w|;
+# which amplification a channel affords depends on y's dtype.
+#
+# float32 and float64 outputs: rebuilt where |w| > MIN_INVERTIBLE_GAMMA * max(1, |b|), an
+# amplification of up to 1e3 (y's rounding: 6e-8 in float32).
 MIN_INVERTIBLE_GAMMA = 1e-3
+# float16 and bfloat16 outputs: rebuilt where |w| > HALF_PRECISION_LIMIT * |b| (and |w| is above
+# torch_ops.SMALL_GAMMA_FLOOR). y's rounding there (5e-4, 4e-3) is the size of the error
+# nn.BatchNorm's own gradients have in that dtype, so the rebuild may add about as much again,
+# not amplify it: at |b| <= |w| the gradients stay within 3x nn.BatchNorm2d's error in the same
+# dtype (tests/test_half_precision.py).
+HALF_PRECISION_LIMIT = 1.0
+
+# AsideWatch keeps aside channels up to this many times the limits: its answer may be a few
+# calls old. Gamma rarely shrinks 16-fold in a few optimiser steps; |b| / |w| rarely grows by a
+# quarter.
+ASIDE_MARGIN = 16.0
+HALF_ASIDE_MARGIN = 1.25
+
+# By the output's dtype: the limit, and the limit the watch checks (with its margin).
+_LIMITS = {dtype: (HALF_PRECISION_LIMIT, HALF_PRECISION_LIMIT * HALF_ASIDE_MARGIN)
+           if dtype in torch_ops.HALF_DTYPES
+           else (MIN_INVERTIBLE_GAMMA, MIN_INVERTIBLE_GAMMA * ASIDE_MARGIN)
+           for dtype in torch_ops.INPUT_DTYPES}
 
 
-def small_gamma_mask(weight: torch.Tensor, bias: torch.Tensor | None, margin: float = 1.0
+def gamma_limit(dtype: torch.dtype, watched: bool = False) -> float:
+    """The ``limit`` of ``torch_ops.small_gamma`` for an in-place layer whose output has
+    ``dtype`` (its input's); ``watched``: with ``AsideWatch``'s margin."""
+    return _LIMITS[dtype][watched]
+
+
+def small_gamma_mask(weight: torch.Tensor, bias: torch.Tensor | None, limit: float
                      ) -> torch.Tensor:
-    """Per channel: ``|w| <= margin * MIN_INVERTIBLE_GAMMA * max(1, |b|)``, or w or b NaN or
-    inf (``torch_ops.small_gamma``; no host sync; no bias: ``b = 0``)."""
+    """Per channel: ``torch_ops.small_gamma(weight, bias, limit)``: gamma too small for the
+    output's dtype to rebuild the input, or w or b NaN or inf (no host sync; no bias:
+    ``b = 0``)."""
     bias = torch.zeros_like(weight) if bias is None else bias
-    return torch_ops.small_gamma(weight, bias, margin * MIN_INVERTIBLE_GAMMA)
+    return torch_ops.small_gamma(weight, bias, limit)
 
 
-def small_gamma_index(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def small_gamma_index(weight: torch.Tensor, bias: torch.Tensor | None, limit: float
+                      ) -> torch.Tensor:
     """The channels' indices whose output cannot be inverted: ``(k,)``, sized by the data."""
-    return small_gamma_mask(weight, bias).nonzero().view(-1)
+    return small_gamma_mask(weight, bias, limit).nonzero().view(-1)
 
 
 # What AsideWatch holds for flags without values (the meta device, fake tensors): a pass that
@@ -39,10 +69,6 @@ _NO_VALUES = object()
 
 # The flags' dtypes ``AsideWatch._read`` reads as they lie: one byte each.
 _BYTE_FLAGS = (torch.uint8, torch.bool)
-
-# AsideWatch keeps aside channels up to this many times the invertibility limit: its answer
-# may be a few calls old, and gamma rarely shrinks that much in a few optimiser steps.
-ASIDE_MARGIN = 16.0
 
 
 class AsideWatch:
@@ -54,15 +80,19 @@ class AsideWatch:
     the launch that finishes the batch statistics: ``check_for``, ``offer``) and copies the
     flags to (pinned) host memory without waiting; a call uses the newest answer whose copy is
     done (on the CPU: its own), and only a layer's first call on a GPU waits for one. The check
-    keeps aside every channel with ``|w|`` up to ``ASIDE_MARGIN`` times the invertibility
-    limit, so an answer a few calls old still covers a channel whose gamma shrank below the
-    limit since, unless it shrank more than that many times over.
+    keeps aside every channel up to ``ASIDE_MARGIN`` (half precision: ``HALF_ASIDE_MARGIN``)
+    times the limits, so an answer a few calls old still covers a channel whose gamma shrank
+    below the limit since, unless it shrank more than that many times over. Answers hold for
+    the dtype they were made for: a call in another dtype (autocast switched on or off) starts
+    afresh, as a first call.
     """
 
-    __slots__ = ("known", "_host", "_ready", "_pinned", "_reader")
+    __slots__ = ("known", "_limit", "_host", "_ready", "_pinned", "_reader")
 
     def __init__(self) -> None:
         self.known: tuple[int, ...] | None = None
+        # The limit ``known`` and the answer on its way were checked with.
+        self._limit: float | None = None
         # An answer on its way, as flags in host memory (_NO_VALUES: this call's, from a pass
         # without values).
         self._host: torch.Tensor | object | None = None
@@ -80,13 +110,26 @@ class AsideWatch:
             return False
         return not refresh or (weight.is_cuda and torch.cuda.is_current_stream_capturing())
 
-    def check_for(self, weight: torch.Tensor | None, bias: torch.Tensor,
+    def _limit_for(self, dtype: torch.dtype, weight: torch.Tensor, refresh: bool) -> float:
+        """The limit a call on ``dtype`` checks; answers made with another are dropped
+        (unless the call must keep its answer)."""
+        limit = gamma_limit(dtype, watched=True)
+        if limit != self._limit and not self._frozen(weight, refresh):
+            self.known = self._host = self._ready = None
+            self._limit = limit
+        return limit
+
+    def check_for(self, weight: torch.Tensor | None, bias: torch.Tensor, dtype: torch.dtype,
                   refresh: bool = True) -> GammaCheck | None:
-        """The check to run on the device in this call (then ``offer`` its flags), or None
-        when no new answer is wanted: one is on its way, or the call keeps its answer."""
-        if weight is None or self._host is not None or self._frozen(weight, refresh):
+        """The check to run on the device in this call on an input of ``dtype`` (then
+        ``offer`` its flags), or None when no new answer is wanted: one is on its way, or the
+        call keeps its answer."""
+        if weight is None:
             return None
-        return GammaCheck(weight, bias, ASIDE_MARGIN * MIN_INVERTIBLE_GAMMA)
+        limit = self._limit_for(dtype, weight, refresh)
+        if self._host is not None or self._frozen(weight, refresh):
+            return None
+        return GammaCheck(weight, bias, limit)
 
     def offer(self, small: torch.Tensor) -> None:
         """Start bringing per-channel flags (nonzero: keep aside) to the host, without
@@ -115,19 +158,21 @@ class AsideWatch:
         self._host, self._ready = pinned, stream_event(small)
 
     def channels(self, weight: torch.Tensor | None, bias: torch.Tensor | None,
-                 refresh: bool = True, flags: torch.Tensor | None = None) -> tuple[int, ...]:
-        """The channels to keep aside now; ``flags``: the result of this call's check
-        (``check_for`` asked for it: the call refreshes its answer), offered first. Without a
-        check offered, the parameters are checked here, in ATen calls. ``refresh=False`` (a
-        checkpoint's recompute): the answer the original call used."""
+                 dtype: torch.dtype, refresh: bool = True, flags: torch.Tensor | None = None
+                 ) -> tuple[int, ...]:
+        """The channels to keep aside now, in a call on an input of ``dtype``; ``flags``: the
+        result of this call's check (``check_for`` asked for it: the call refreshes its
+        answer), offered first. Without a check offered, the parameters are checked here, in
+        ATen calls. ``refresh=False`` (a checkpoint's recompute): the answer the original call
+        used."""
         if flags is not None:
             self.offer(flags)
         elif weight is None:  # affine=False: gamma is 1 everywhere
             return ()
         elif self._frozen(weight, refresh):
             return self.known
-        elif self._host is None:
-            self.offer(small_gamma_mask(weight, bias, ASIDE_MARGIN))
+        elif self._host is None or self._limit != gamma_limit(dtype, watched=True):
+            self.offer(small_gamma_mask(weight, bias, self._limit_for(dtype, weight, refresh)))
         host = self._host
         if host is None:  # none on its way: the newest answer (on the CPU: this call's)
             return self.known
@@ -161,24 +206,25 @@ class AsideWatch:
         return tuple(i for i, flag in enumerate(data) if flag)
 
 
-def small_gamma_channels(weight: torch.Tensor | None, bias: torch.Tensor | None
-                         ) -> tuple[int, ...]:
-    """The channels an in-place layer with these parameters keeps aside, as host ints.
+def small_gamma_channels(weight: torch.Tensor | None, bias: torch.Tensor | None,
+                         dtype: torch.dtype) -> tuple[int, ...]:
+    """The channels an in-place layer with these parameters keeps aside on inputs of
+    ``dtype``, as host ints.
 
     On a GPU this reads the parameters back (one device-to-host copy): ``SyncBatchNorm`` does
     it once per ``replicate()`` on the original parameters, so that its replicas need none.
     """
     if weight is None:  # affine=False: gamma is 1 everywhere
         return ()
-    return tuple(small_gamma_index(weight, bias).tolist())
+    return tuple(small_gamma_index(weight, bias, gamma_limit(dtype)).tolist())
 
 
 def aside_index(weight: torch.Tensor, bias: torch.Tensor, inplace: bool,
-                known: tuple[int, ...] | None) -> torch.Tensor | None:
-    """Indices of the channels that cannot be rebuilt from the output, or None where there
-    are none to keep (out of place, or none known: the usual answer, which then costs the
-    layer's Function no index); ``known``: those channels as host ints, where the caller knows
-    them (None: look them up).
+                known: tuple[int, ...] | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """Indices of the channels that cannot be rebuilt from an output of ``dtype``, or None
+    where there are none to keep (out of place, or none known: the usual answer, which then
+    costs the layer's Function no index); ``known``: those channels as host ints, where the
+    caller knows them (None: look them up).
 
     Chosen before the layer's autograd Function runs, and passed to it: while compiling, their
     number is a data-dependent (unbacked) size, which must be bound outside the Function's
@@ -188,10 +234,10 @@ def aside_index(weight: torch.Tensor, bias: torch.Tensor, inplace: bool,
         return None
     if torch.compiler.is_compiling():
         # A custom op of data-dependent size: Dynamo would refuse nonzero itself.
-        return compile_ops.aside_channels(weight.detach(), bias.detach(), MIN_INVERTIBLE_GAMMA)
+        return compile_ops.aside_channels(weight.detach(), bias.detach(), gamma_limit(dtype))
     if known is not None:
         return channel_index(known, weight.device) if known else None
-    return small_gamma_index(weight, bias)
+    return small_gamma_index(weight, bias, gamma_limit(dtype))
 
 
 @tensor_cache(maxsize=256)

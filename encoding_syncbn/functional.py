@@ -630,15 +630,15 @@ def batch_norm_act(
     backend = ops_for(x)
     if count is None:
         count = x.numel() // x.shape[1]
-    check = watch.check_for(weight, bias, refresh) if watch is not None else None
+    check = watch.check_for(weight, bias, x.dtype, refresh) if watch is not None else None
     mean, invstd, small = backend.batch_stats(x, eps, running, check)
     if watch is None:
-        aside = aside_index(weight, bias, config.inplace, config.aside)
+        aside = aside_index(weight, bias, config.inplace, config.aside, x.dtype)
         out = _compat.apply_function(BatchNormAct, x, weight, bias, (mean, invstd, count),
                                      config, aside, eps, backend)
         return _written_back(x, out, config)
     # Eager and in place: the channels are host ints now, and the Function overwrites x.
-    known = watch.channels(weight, bias, refresh, small)
+    known = watch.channels(weight, bias, x.dtype, refresh, small)
     aside = channel_index(known, weight.device) if known else None
     return _compat.apply_function_eagerly(BatchNormAct, x, weight, bias, (mean, invstd, count),
                                           config, aside, eps, backend)
@@ -658,7 +658,7 @@ def synced_batch_norm_act(
     """
     own = replica_stats(x)
     mean, invstd = exchange(own)
-    aside = aside_index(weight, bias, config.inplace, config.aside)
+    aside = aside_index(weight, bias, config.inplace, config.aside, x.dtype)
     out = _compat.apply_function(NormAct, x, mean, invstd, weight, bias, config, own.link, aside)
     return _written_back(x, out, config)
 
@@ -689,6 +689,6 @@ def normalize_with(
     config: ActConfig,
 ) -> torch.Tensor:
     """Normalise with fixed statistics (evaluation, or a recompute reusing global ones)."""
-    aside = aside_index(weight, bias, config.inplace, config.aside)
+    aside = aside_index(weight, bias, config.inplace, config.aside, x.dtype)
     out = _compat.apply_function(NormAct, x, mean, invstd, weight, bias, config, None, aside)
     return _written_back(x, out, config)

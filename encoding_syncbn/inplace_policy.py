@@ -54,6 +54,20 @@ def resolve_inplace(layer: str, activation: str, slope: float, inplace: bool | N
     return bool(inplace)
 
 
+# The activations whose inverse cannot rebuild their input from a half-precision output: ELU's
+# z = log1p(y / alpha) amplifies y's rounding by exp(-z), and how far z goes below 0 depends
+# on the data, not on gamma and beta (at alpha = 1, float16 rounds y to -alpha, losing z
+# entirely, below z = -8.3, bfloat16 below -6.2).
+_OUT_OF_PLACE_IN_HALF_PRECISION = frozenset({"elu"})
+
+
+def stays_in_place(activation: str, dtype: torch.dtype) -> bool:
+    """Whether an in-place layer of ``activation`` computes in place on inputs of ``dtype``:
+    in float16 and bfloat16 ELU runs out of place (saving its input, as ``inplace=False``),
+    since no choice of channels bounds how much of its input the output loses there."""
+    return not (dtype in torch_ops.HALF_DTYPES and activation in _OUT_OF_PLACE_IN_HALF_PRECISION)
+
+
 # The views autograd restricts in-place writes to, by their creation kind: where they come from.
 _RESTRICTED_VIEWS = {
     "MULTI_OUTPUT_NODE": "an output of torch.chunk, split or unbind (or DataParallel's scatter)",

@@ -21,7 +21,7 @@ from . import (
     replicas,
     tracing,
 )
-from .aside import AsideWatch, small_gamma_channels
+from .aside import AsideWatch, gamma_limit, small_gamma_channels
 from .exchange import Exchange
 from .functional import (
     ActConfig,
@@ -49,7 +49,7 @@ _CONFIG_SOURCES = (*_ACTIVATION_OPTIONS, "_aside", "_label_text")
 
 # Attributes that only make sense for the live object: dropped by pickle and deepcopy.
 _TRANSIENT = ("_open_group", "_replica_slot", "_recompute_cache", "_open_aside", "_aside",
-              "_aside_watch", "_warned_out_of_place", "_config")
+              "_aside_limit", "_aside_watch", "_warned_out_of_place", "_config")
 
 
 class SyncBatchNorm(_BatchNorm):
@@ -80,7 +80,9 @@ class SyncBatchNorm(_BatchNorm):
             leaky_relu, elu); ``"none"``, relu, silu and gelu cannot be in place (True is an
             error).
             In place, 1/slope must be finite in the compute dtype (float32 unless ``dtype``
-            is float64).
+            is float64). On float16 and bfloat16 inputs (autocast) channels with
+            |beta| >= |gamma| keep their input aside, and ELU runs out of place: a rebuild from
+            a half-precision output would lose precision (see ``aside``).
 
     In place, the tensor passed in is overwritten and returned. A tensor autograd will not let
     us overwrite (a leaf that requires grad, an output of ``torch.chunk``/``split``) is
@@ -141,8 +143,11 @@ class SyncBatchNorm(_BatchNorm):
         self._recompute_cache = RecomputeCache()
         # In place: the channels kept aside, found once per replicate() for all replicas
         # (``_open_aside``, on the original) and handed to each (``_aside``); None: unknown.
-        self._open_aside: tuple[int, ...] | None = None
+        # ``_aside_limit``: the limit they were found with (``aside.gamma_limit`` of the dtype
+        # the replicas' inputs were expected in).
+        self._open_aside: tuple[tuple[int, ...], float] | None = None
         self._aside: tuple[int, ...] | None = None
+        self._aside_limit = 0.0
         # Without replicate(): the same, known without a device sync (see AsideWatch).
         self._aside_watch = AsideWatch()
         # Whether this layer has warned that it ran out of place: once per layer, shared with
@@ -184,17 +189,30 @@ class SyncBatchNorm(_BatchNorm):
             # here, once, spares every replica a device-to-host copy in each of its calls.
             # Not for a weight a hook recomputes in each forward: its value is the last one.
             with replicas.reading_parameters(group):
-                self._open_aside = (
-                    small_gamma_channels(self.weight, self.bias)
-                    if self.inplace and not self._computed_by_hooks() else None
-                )
+                self._open_aside = None
+                if self.inplace and not self._computed_by_hooks():
+                    weight = self.weight  # read once: a parametrization computes it
+                    dtype = self._expected_input_dtype(weight)
+                    self._open_aside = (small_gamma_channels(weight, self.bias, dtype),
+                                        gamma_limit(dtype))
         replica = super()._replicate_for_data_parallel()
         replica._replica_slot = ReplicaSlot(group, group.add_member(replica), self._replica_slot)
         replica._open_group = None
         replica._recompute_cache = RecomputeCache()
-        replica._aside = self._open_aside
+        replica._aside, replica._aside_limit = self._open_aside or (None, 0.0)
         replica._aside_watch = AsideWatch()  # where the replica finds them itself (not shared)
         return replica
+
+    def _expected_input_dtype(self, weight: torch.Tensor | None) -> torch.dtype:
+        """The dtype the replicas' inputs are expected in: autocast's where it is on for the
+        parameters' device, else theirs (``weight``'s: the layer's, as read once; a call on
+        another dtype checks again: ``_act_config``)."""
+        state = self.running_mean if weight is None else weight
+        if state is None:
+            return torch.get_default_dtype()
+        if torch.is_autocast_enabled(state.device.type):
+            return torch.get_autocast_dtype(state.device.type)
+        return state.dtype
 
     def _computed_by_hooks(self) -> bool:
         """Whether ``weight`` or ``bias`` is a plain attribute that a forward pre-hook sets
@@ -357,12 +375,21 @@ class SyncBatchNorm(_BatchNorm):
     def _act_config(self, x: torch.Tensor, compiling: bool) -> ActConfig:
         """The activation, and whether and around which channels it runs in place (those
         found at ``replicate()``; None: not known yet, see ``_watching``): the layer's
-        configuration, out of place where ``x`` cannot be overwritten. (Without a weight
-        gamma is 1: the watch and ``small_gamma_channels`` find no channel to keep aside.)"""
+        configuration, out of place where ``x`` cannot be overwritten or its dtype cannot
+        rebuild the activation (``inplace_policy.stays_in_place``). Channels found for another
+        dtype than x's, under a looser limit, are looked up again. (Without a weight gamma is
+        1: the watch and ``small_gamma_channels`` find no channel to keep aside.)"""
         config = self._config
-        if config.inplace and not inplace_policy.can_overwrite(x, self._warned_out_of_place,
-                                                               compiling):
+        if not config.inplace:
+            return config
+        if not inplace_policy.can_overwrite(x, self._warned_out_of_place, compiling):
             return config._replace(inplace=False)
+        dtype = x.dtype
+        if dtype in torch_ops.HALF_DTYPES:
+            if not inplace_policy.stays_in_place(config.activation, dtype):
+                return config._replace(inplace=False)
+            if config.aside is not None and self._aside_limit < gamma_limit(dtype):
+                return config.with_aside(None)
         return config
 
     def _watching(self, config: ActConfig, compiling: bool) -> AsideWatch | None:
@@ -373,13 +400,15 @@ class SyncBatchNorm(_BatchNorm):
         return None
 
     def _with_aside(self, config: ActConfig, compiling: bool, refresh: bool,
-                    weight: torch.Tensor | None, bias: torch.Tensor | None) -> ActConfig:
+                    weight: torch.Tensor | None, bias: torch.Tensor | None,
+                    dtype: torch.dtype) -> ActConfig:
         """``config`` with the channels kept aside known, chosen by the layer's ``weight`` and
-        ``bias``; ``refresh=False`` (a checkpoint's recompute): those of the original call."""
+        ``bias`` for an input of ``dtype``; ``refresh=False`` (a checkpoint's recompute): those
+        of the original call."""
         watch = self._watching(config, compiling)
         if watch is None:
             return config
-        return config.with_aside(watch.channels(weight, bias, refresh=refresh))
+        return config.with_aside(watch.channels(weight, bias, dtype, refresh=refresh))
 
     def _forward(self, x: torch.Tensor, slot: ReplicaSlot | None, compiling: bool
                  ) -> torch.Tensor:
@@ -390,15 +419,15 @@ class SyncBatchNorm(_BatchNorm):
         weight, bias = self._affine_params(*params, x)
         config = self._act_config(x, compiling)
         if not self.training and self._registered(self._buffers, "running_mean") is not None:
-            return self._forward_running(x, weight, bias,
-                                         self._with_aside(config, compiling, True, *params))
+            return self._forward_running(
+                x, weight, bias, self._with_aside(config, compiling, True, *params, x.dtype))
         # Batch statistics: training, or evaluation without running ones. Asked only here:
         # evaluation with running statistics never asks autograd (its private API untouched).
         recomputing = recompute.inside_backward(compiling)
         refresh = not (self.training and recomputing)
         running = self._running() if self.training and not recomputing else None
         if self.sync and ((slot is not None and slot.synced) or self._syncs_processes()):
-            config = self._with_aside(config, compiling, refresh, *params)
+            config = self._with_aside(config, compiling, refresh, *params, x.dtype)
             if recomputing:
                 return self._recompute_cache.replay(x, weight, bias, config)
             return self._forward_synced(x, slot, weight, bias, config, running)

@@ -86,7 +86,7 @@ def synced_in_one_thread(x, w, b, config, split, other_ranks=None):
         means, m2s, counts = other_ranks
         own_count = sum(c.count for c in contributions)
         mean, _, invstd = merge_stats([mean, *means], [m2, *m2s], [own_count, *counts], 1e-3)
-    aside = aside_index(w, b, config.inplace, config.aside)
+    aside = aside_index(w, b, config.inplace, config.aside, x.dtype)
     return [NormAct.apply(c.x, mean, invstd, w, b, config, c.link, aside)
             for c in contributions]
 

@@ -191,5 +191,6 @@ def test_the_watch_reads_flags_of_any_dtype_and_layout(flags, dtype, step):
         padded[::step] = torch.tensor(offered_flags)
         offered = padded.to(dtype)[::step]
         weight = torch.ones(len(offered_flags))
-        assert watch.channels(weight, torch.zeros_like(weight), flags=offered) == tuple(
+        assert watch.channels(weight, torch.zeros_like(weight), weight.dtype,
+                              flags=offered) == tuple(
             i for i, flag in enumerate(offered_flags) if flag)

@@ -17,12 +17,17 @@ has not this structure, ``install()`` changes nothing.
 ``install()`` also makes a scalar's ``__index__`` (a ``range`` bound) squeeze its 1-element array
 before ``int()``: Triton 3.6's interpreter does ``int(array)``, which NumPy 2.4 refuses, so every
 kernel loop with runtime bounds fails there (triton-lang/triton#9171; Triton 3.9 squeezes).
+
+And it makes a float32 -> bfloat16 cast round to nearest (even), as a GPU's does: Triton 3.9's
+interpreter truncates it, which doubles a bfloat16 output's rounding error, and what the
+half-precision tests bound is that error.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import triton.language as tl
 from triton.runtime import interpreter
 
@@ -48,8 +53,34 @@ def _squeeze_index() -> None:
     interpreter._patch_lang_tensor = patch_lang_tensor
 
 
+def _round_to_bfloat16(data: np.ndarray) -> np.ndarray:
+    """float32 values as bfloat16 bits (uint16, the interpreter's storage), rounded to nearest
+    even; a NaN stays a (quiet) NaN."""
+    bits = np.asarray(data, dtype=np.float32).view(np.uint32)
+    rounded = ((bits + np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1))) >> 16).astype(np.uint16)
+    nan = np.isnan(data)
+    rounded[nan] = ((bits[nan] >> 16) | np.uint32(0x40)).astype(np.uint16)
+    return rounded
+
+
+def _round_bfloat16_casts() -> None:
+    builder = getattr(interpreter, "InterpreterBuilder", None)
+    cast = getattr(builder, "cast_impl", None)
+    if cast is None or getattr(cast, "rounds_bfloat16", False):
+        return
+
+    def cast_impl(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            return interpreter.TensorHandle(_round_to_bfloat16(src.data), dst_type.scalar)
+        return cast(self, src, dst_type)
+
+    cast_impl.rounds_bfloat16 = True
+    builder.cast_impl = cast_impl
+
+
 def install() -> None:
     _squeeze_index()
+    _round_bfloat16_casts()
     function = getattr(interpreter, "InterpretedFunction", None)
     if (function is None or not hasattr(function, "rewrite")
             or getattr(function.__call__, "skips_repeated_patch", False)):

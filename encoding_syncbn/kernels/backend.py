@@ -111,7 +111,7 @@ class RunningStats(NamedTuple):
 
 class GammaCheck(NamedTuple):
     """Which channels' gamma is too small to rebuild their input from the output: flagged
-    where ``|weight| <= limit * max(1, |bias|)``."""
+    where ``torch_ops.small_gamma(weight, bias, limit)``."""
 
     weight: torch.Tensor
     bias: torch.Tensor

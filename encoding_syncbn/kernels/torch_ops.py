@@ -36,6 +36,8 @@ from .. import _compat, activations
 
 #: The input dtypes the layer computes in, on every backend.
 INPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+#: Those of half precision, whose rounding an in-place layer's rebuilt input must not amplify.
+HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
 def stats_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -209,15 +211,27 @@ def track_batch(running_mean: torch.Tensor, running_var: torch.Tensor,
         running_var.copy_(r_var)
 
 
-def small_gamma(weight: torch.Tensor, bias: torch.Tensor, limit: float) -> torch.Tensor:
-    """Per channel: not ``limit * max(1, |bias|) < |weight| < inf`` (bool; no host sync).
+#: ``small_gamma``'s floor for a limit above it: a gamma this small is too small to divide by
+#: whatever beta (float16 outputs under 6e-5 are subnormal, and a gamma near zero may cross it
+#: between a check and its use). Limits at most this (those of float32 and float64 outputs)
+#: are their own floor.
+SMALL_GAMMA_FLOOR = 0.02
 
-    A NaN or infinite weight or bias is flagged too: rebuilding xhat = (z - bias) / weight
-    from such a channel's output gives NaN where nn.BatchNorm's gradients have none.
+
+def small_gamma(weight: torch.Tensor, bias: torch.Tensor, limit: float) -> torch.Tensor:
+    """Per channel: not ``max(limit * |bias|, min(limit, SMALL_GAMMA_FLOOR)) < |weight| < inf``
+    (bool; no host sync): for a limit up to the floor, ``|weight| <= limit * max(1, |bias|)``.
+
+    Rebuilding the input from the output divides by gamma and multiplies the output's rounding
+    by ``|bias| / |weight|``: ``limit`` is the smallest ``|weight| / |bias|`` a channel is
+    rebuilt at (``aside.gamma_limit`` chooses it by the output's dtype). A NaN or infinite
+    weight or bias is flagged too: rebuilding xhat = (z - bias) / weight from such a channel's
+    output gives NaN where nn.BatchNorm's gradients have none.
     """
     with torch.no_grad():
         magnitude = weight.abs().nan_to_num_(nan=0.0, posinf=0.0)
-        return (magnitude > bias.abs().clamp_min_(1.0).mul_(limit)).logical_not_()
+        bound = bias.abs().mul_(limit).clamp_min_(min(limit, SMALL_GAMMA_FLOOR))
+        return (magnitude > bound).logical_not_()
 
 
 def as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -15,9 +15,11 @@ import torch
 import triton
 import triton.language as tl
 
+from ..torch_ops import SMALL_GAMMA_FLOOR
 from .plan import _TL_DTYPES, plan_memo
 
 _INF = tl.constexpr(float("inf"))
+_SMALL_GAMMA_FLOOR = tl.constexpr(SMALL_GAMMA_FLOOR)
 
 
 @triton.jit
@@ -54,6 +56,18 @@ def _lerp(start, end, weight):
 
 
 @triton.jit
+def _small_gamma(w, b, limit):
+    """``torch_ops.small_gamma``'s test, in ``limit``'s dtype: not ``max(limit * |b|,
+    min(limit, SMALL_GAMMA_FLOOR)) < |w| < inf`` (a NaN or infinite w or b is flagged, as
+    there)."""
+    floor = tl.minimum(limit, tl.full([], _SMALL_GAMMA_FLOOR, limit.dtype))
+    bound = tl.maximum(tl.abs(b) * limit, floor, propagate_nan=tl.PropagateNan.ALL)
+    magnitude = tl.abs(w)
+    rebuilt = (magnitude > bound) & (magnitude < _INF)  # False for any NaN
+    return ~rebuilt
+
+
+@triton.jit
 def _finish_batch_stats(c, mean, m2, counter_ptr, mean_ptr, invstd_ptr, count: tl.float64,
                         eps: tl.float64, running_mean_ptr, running_var_ptr, batches_ptr,
                         keep: tl.float64, momentum: tl.float64, var_alpha: tl.float64,
@@ -70,7 +84,7 @@ def _finish_batch_stats(c, mean, m2, counter_ptr, mean_ptr, invstd_ptr, count: t
     keep + var_alpha * M2 (keep = 1 - momentum, var_alpha = momentum / (count - 1), from the
     host); cumulative: lerp(r, stat, 1 / batches), the variance's stat M2 * var_alpha
     (var_alpha = 1 / (count - 1));
-    small = not gamma_limit * max(1, |b|) < |w| < inf (``torch_ops.small_gamma``).
+    small = _small_gamma(w, b, gamma_limit).
 
     The batch counter is incremented once: by channel block 0, or, for a cumulative average
     (where every block reads it), by the last block to finish (``counter_ptr``: the counter
@@ -112,10 +126,7 @@ def _finish_batch_stats(c, mean, m2, counter_ptr, mean_ptr, invstd_ptr, count: t
         w = tl.load(weight_ptr + c, mask=valid, other=1.0)
         b = tl.load(bias_ptr + c, mask=valid, other=0.0)
         limit = tl.full([], gamma_limit, ACC)
-        bound = tl.maximum(tl.abs(b), 1.0, propagate_nan=tl.PropagateNan.ALL) * limit
-        magnitude = tl.abs(w)
-        rebuilt = (magnitude > bound) & (magnitude < _INF)  # False for any NaN
-        tl.store(small_ptr + c, (~rebuilt).to(tl.uint8), mask=valid)
+        tl.store(small_ptr + c, _small_gamma(w, b, limit).to(tl.uint8), mask=valid)
     # invstd last: nothing else is live across its division and square root (subroutine
     # calls, around which live values spilled).
     invstd = _div(tl.full([], 1.0, ACC), _sqrt(_div(m2, n) + epsilon))

@@ -1,0 +1,246 @@
+"""In place in half precision: the gradients of an in-place layer whose output is float16 or
+bfloat16 (under ``torch.autocast``, in a model made half, or on a half input with float32
+parameters) stay within 3x the error nn.BatchNorm2d + the activation make in the same
+precision, against float64, over the whole range of gamma and beta.
+
+Backward rebuilds the input from the half-precision output, dividing by gamma; it amplifies the
+output's rounding by ``|beta| / |gamma|``. Channels where that is too much are kept aside
+(``aside.HALF_PRECISION_LIMIT``), and ELU runs out of place in half precision
+(``inplace_policy.stays_in_place``).
+
+Each gradient's error is measured per channel: the largest error of its elements (dx), or the
+error of the channel's value (dw, db). The bound is 3x the larger of nn.BatchNorm2d's own error
+and half an ulp of the dtype at the gradient's size there: the largest |dx| of the channel, and
+for the sums ``dw = sum(dz * xhat)`` and ``db = sum(dz)`` the root of the sum of their squared
+terms (how large a sum of such terms is, whatever cancels in it). That floor is what rounding to
+the dtype costs: torch's gradients carry it in a half model and not under autocast (float32
+parameters, float32 sums), where a value that cancels to ~0 would otherwise allow no error.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from backends import each_backend, one_backend
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from reference import SLOPES, activate
+from torch import nn
+
+from encoding_syncbn import SyncBatchNorm
+from encoding_syncbn.testing import SimulatedDataParallel
+
+pytestmark = each_backend
+
+C = 4
+SHAPE = (4, C, 3, 3)
+HALF = [torch.float16, torch.bfloat16]
+# How the layer meets half precision: autocast (float32 parameters, half activations), a model
+# made half (``.half()``), or a half input into float32 parameters without autocast.
+MODES = ["autocast", "half model", "half input"]
+BOUND = 3.0
+
+# A gamma: zero, or a sign and a magnitude from 1e-3 to 10; beta: a multiple of |gamma| from 0
+# to 1e3 (or beta alone where gamma is zero), either sign.
+magnitudes = st.one_of(st.just(0.0), st.floats(1e-3, 10.0))
+ratios = st.one_of(st.just(0.0), st.just(1.0), st.floats(1e-2, 1e3))
+signs = st.sampled_from([1.0, -1.0])
+channel = st.tuples(magnitudes, signs, ratios, signs)
+
+
+def _parameters(channels):
+    gamma = torch.tensor([m * s for m, s, _, _ in channels])
+    beta = torch.tensor([(m or 1.0) * r * s for m, _, r, s in channels])
+    return gamma, beta
+
+
+def _reference(x, dy, gamma, beta, running, activation, slope, training):
+    """float64 nn.BatchNorm2d + the activation: the gradients and, per channel, the sizes the
+    floor takes (see the module docstring)."""
+    norm = nn.BatchNorm2d(C, dtype=torch.float64).train(training)
+    _load(norm, gamma, beta, running)
+    leaf = x.double().requires_grad_()
+    z = norm(leaf)
+    z.retain_grad()
+    activate(z, activation, slope).backward(dy.double())
+    stats = (None, None) if training else (norm.running_mean, norm.running_var)
+    xhat = F.batch_norm(leaf.detach(), *stats, training=training, eps=norm.eps)
+    dz, dims = z.grad, [0, 2, 3]
+    sizes = (leaf.grad.abs().amax(dims), (dz * xhat).square().sum(dims).sqrt(),
+             dz.square().sum(dims).sqrt())
+    return (leaf.grad, norm.weight.grad, norm.bias.grad), sizes
+
+
+def _load(norm, gamma, beta, running):
+    with torch.no_grad():
+        norm.weight.copy_(gamma)
+        norm.bias.copy_(beta)
+        norm.running_mean.copy_(running[0])
+        norm.running_var.copy_(running[1])
+
+
+def _gradients(norm, x, dy, mode, replicas, activation, slope):
+    """The input, weight and bias gradients of ``norm`` (+ the activation, unless it fuses
+    one) on ``x``, under ``mode``."""
+    model = SimulatedDataParallel(norm, replicas) if replicas > 1 else norm
+    leaf = x.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=x.dtype, enabled=mode == "autocast"), \
+            warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the out-of-place fallback's warning, where it runs
+        out = model(leaf * 1)
+        if not isinstance(norm, SyncBatchNorm):
+            out = activate(out, activation, slope)
+    assert out.dtype == x.dtype
+    out.backward(dy)
+    return leaf.grad, norm.weight.grad, norm.bias.grad
+
+
+def _assert_within_bound(ours, torch_same, reference, sizes, dtype, what, summed=1):
+    """Per channel: our error <= BOUND * max(torch's error, half an ulp at the size);
+    ``summed``: the half-precision gradients summed into each parameter gradient (a half
+    model's replicas each round theirs before DataParallel adds them, rounding again)."""
+    half_ulp = torch.finfo(dtype).eps / 2
+    for name, got, theirs, want, size in zip(("dx", "dw", "db"), ours, torch_same, reference,
+                                             sizes):
+        error = (got.double() - want).abs()
+        torch_error = (theirs.double() - want).abs()
+        roundings = 1
+        if error.dim() > 1:  # dx: the largest error of each channel's elements
+            error, torch_error = error.amax([0, 2, 3]), torch_error.amax([0, 2, 3])
+        elif summed > 1:
+            roundings = summed + 1
+        assert torch.isfinite(error).all(), f"{what}: {name} is not finite: {got}"
+        allowed = BOUND * torch.maximum(torch_error, roundings * half_ulp * size)
+        # A gradient ~0 in every channel (a layer whose dz is 0): an absolute floor.
+        allowed = allowed.clamp_min(1e-3 * half_ulp * float(size.max()) + 1e-30)
+        bad = error > allowed
+        assert not bad.any(), (
+            f"{what}: {name} off in channels {bad.nonzero().view(-1).tolist()}: error "
+            f"{error[bad].tolist()} > allowed {allowed[bad].tolist()} (torch's "
+            f"{torch_error[bad].tolist()}, size {size[bad].tolist()})")
+
+
+@settings(max_examples=30, deadline=None, derandomize=True)
+@given(
+    dtype=st.sampled_from(HALF),
+    mode=st.sampled_from(MODES),
+    activation=st.sampled_from(["identity", "leaky_relu", "elu"]),
+    replicas=st.sampled_from([1, 2]),
+    training=st.sampled_from([True, True, False]),
+    channels=st.lists(channel, min_size=C, max_size=C),
+    offset=st.floats(-3.0, 3.0),
+    seed=st.integers(0, 2**16),
+)
+def test_gradients_within_three_times_batchnorms_error(dtype, mode, activation, replicas,
+                                                       training, channels, offset, seed):
+    """Identity, leaky_relu and ELU in place, trained alone or under (simulated) DataParallel,
+    or evaluated with running statistics: input, weight and bias gradients within 3x
+    nn.BatchNorm2d + the activation's error in the same precision (see the module docstring),
+    for gammas from 0 to 10 of either sign and |beta| / |gamma| from 0 to 1e3."""
+    slope = SLOPES.get(activation, 0.01)
+    gamma, beta = _parameters(channels)
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randn(SHAPE, generator=gen) * 2 + offset).to(dtype)
+    dy = torch.randn(SHAPE, generator=gen).to(dtype)
+    # Running statistics near the data's (evaluation with statistics far from it: below).
+    running = (torch.randn(C, generator=gen) * 0.5 + offset, torch.rand(C, generator=gen) * 6 + 1)
+    reference, sizes = _reference(x, dy, gamma, beta, running, activation, slope, training)
+    params = dtype if mode == "half model" else torch.float32
+    twin = nn.BatchNorm2d(C).to(params).train(training)
+    layer = SyncBatchNorm(C, activation=activation, slope=slope, inplace=True).to(params)
+    layer.train(training)
+    for norm in (twin, layer):
+        _load(norm, gamma, beta, running)
+    torch_same = _gradients(twin, x, dy, mode, 1, activation, slope)
+    ours = _gradients(layer, x, dy, mode, replicas, activation, slope)
+    _assert_within_bound(ours, torch_same, reference, sizes, dtype,
+                         f"{dtype} {mode} {activation} x{replicas} "
+                         f"{'training' if training else 'eval'}, gamma {gamma.tolist()}, "
+                         f"beta {beta.tolist()}", replicas if mode == "half model" else 1)
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_elu_runs_out_of_place_in_half_precision(dtype):
+    """ELU's inverse cannot rebuild a saturated half-precision output (z = log1p(y / alpha)
+    amplifies y's rounding by exp(-z)): an in-place ELU layer computes out of place on half
+    inputs, under autocast or not, as ``inplace=False`` does, and in place again on float32."""
+    gen = torch.Generator().manual_seed(3)
+    layer = SyncBatchNorm(C, activation="elu", slope=0.7, inplace=True)
+    twin = SyncBatchNorm(C, activation="elu", slope=0.7, inplace=False)
+    for norm in (layer, twin):
+        _load(norm, torch.tensor([4.0, 1.0, -2.0, 0.5]), torch.tensor([-3.0, 0.0, 1.0, -1.0]),
+              (torch.zeros(C), torch.ones(C)))
+    x = (torch.randn(SHAPE, generator=gen) * 3).to(dtype)
+    dy = torch.randn(SHAPE, generator=gen).to(dtype)
+    for autocast in (True, False):
+        results = []
+        for norm in (layer, twin):
+            h = x.clone().requires_grad_() * 1
+            with torch.autocast("cpu", dtype=dtype, enabled=autocast):
+                out = norm(h)
+            assert out.data_ptr() != h.data_ptr()
+            out.backward(dy)
+            results.append((out, norm.weight.grad.clone(), norm.bias.grad.clone()))
+            norm.zero_grad()
+        for got, want in zip(*results):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+    h = torch.randn(SHAPE, generator=gen) * 1
+    assert layer(h).data_ptr() == h.data_ptr()
+
+
+@one_backend
+@pytest.mark.parametrize("dtype", HALF)
+def test_a_layer_switching_dtype_checks_its_channels_again(dtype):
+    """A single-replica layer's channels kept aside are chosen for the dtype of the call: after
+    a float32 call (where |beta| = 10 |gamma| is rebuilt), a half-precision one (autocast
+    between convolutions) keeps that channel aside, and the float32 call after it rebuilds it
+    again."""
+    from encoding_syncbn import aside
+
+    layer = SyncBatchNorm(C, activation="leaky_relu", inplace=True)
+    _load(layer, torch.ones(C), torch.tensor([0.0, 10.0, 0.5, -10.0]),
+          (torch.zeros(C), torch.ones(C)))
+    watch = layer._aside_watch
+    for input_dtype, expected in ((torch.float32, ()), (dtype, (1, 3)), (torch.float32, ())):
+        layer(torch.randn(SHAPE).to(input_dtype) * 1).float().sum().backward()
+        assert watch.known == expected
+        assert watch._limit == aside.gamma_limit(input_dtype, watched=True)
+
+
+@pytest.mark.parametrize("activation", ["identity", "leaky_relu"])
+def test_evaluation_whose_float16_output_overflows(activation):
+    """Evaluation with running statistics far from the data: nn.BatchNorm2d's float16 output
+    overflows to inf there, and so does ours. The input gradient is w * invstd * dz, which
+    needs no rebuilt input: finite as torch's, within 3x its error. The weight gradient of a
+    channel with an infinite output needs the input the output lost: it is not finite (never a
+    finite wrong value); the other channels' are torch's."""
+    slope = SLOPES.get(activation, 0.01)
+    gen = torch.Generator().manual_seed(11)
+    gamma, beta = torch.tensor([2.0, -1.5, 1.0, 0.5]), torch.tensor([0.5, 0.0, -0.2, 0.1])
+    # Channels 0 and 1: variance 1e-6 (invstd 302 with eps) against data of spread 100: |z|
+    # past float16's 65504.
+    running = (torch.tensor([0.0, 1.0, 0.0, 0.0]), torch.tensor([1e-6, 1e-6, 1.0, 2.0]))
+    x = (torch.randn(SHAPE, generator=gen) * 100).to(torch.float16)
+    dy = torch.randn(SHAPE, generator=gen).to(torch.float16)
+    twin = nn.BatchNorm2d(C).eval()
+    layer = SyncBatchNorm(C, activation=activation, slope=slope, inplace=True).eval()
+    for norm in (twin, layer):
+        _load(norm, gamma, beta, running)
+    reference, sizes = _reference(x, dy, gamma, beta, running, activation, slope, False)
+    torch_same = _gradients(twin, x, dy, "autocast", 1, activation, slope)
+    ours = _gradients(layer, x, dy, "autocast", 1, activation, slope)
+    assert torch_same[0].isfinite().all() and torch_same[1].isfinite().all()
+    overflowed = [0, 1]
+    with torch.autocast("cpu", dtype=torch.float16):
+        out = layer(x.clone())
+    assert out.isinf().flatten(2).any(2).any(0).tolist() == [True, True, False, False]
+    assert not ours[1][overflowed].isfinite().any()
+    kept = [2, 3]
+    _assert_within_bound((ours[0], ours[1][kept], ours[2]),
+                         (torch_same[0], torch_same[1][kept], torch_same[2]),
+                         (reference[0], reference[1][kept], reference[2]),
+                         (sizes[0], sizes[1][kept], sizes[2]), torch.float16,
+                         f"{activation} evaluation overflowing float16")
