@@ -674,7 +674,7 @@ def normalize_running(
 ) -> torch.Tensor:
     """Normalise with the running statistics (evaluation): ``invstd`` is derived in the same
     pass as the output (``Backend.normalize_running``)."""
-    aside = aside_index(weight, bias, config.inplace, config.aside)
+    aside = aside_index(weight, bias, config.inplace, config.aside, x.dtype)
     out = _compat.apply_function(NormAct, x, running_mean, running_var, weight, bias, config,
                                  None, aside, eps)
     return _written_back(x, out, config)
