@@ -105,6 +105,16 @@ def jit_tracing(compiling: bool) -> bool:
     return not compiling and _jit_tracing()
 
 
+def exporting() -> bool:
+    """Whether ``torch.export`` traces the call: torch.compiler's flag, read as it lies.
+
+    Not ``torch.compiler.is_exporting()``: before torch 2.13 Dynamo answers that call with
+    True inside any ``torch.compile`` (on torch 2.11 every compiled training layer was refused
+    as an export, found on an H100); the flag itself is set by ``torch.export`` alone."""
+    flag = getattr(torch.compiler, "_is_exporting_flag", None)
+    return torch.compiler.is_exporting() if flag is None else flag
+
+
 def functorch_transform_active(compiling: bool) -> bool:
     """Whether a ``torch.func`` transform (grad, vjp, jvp, vmap, ...) is running;
     ``compiling``: ``torch.compiler.is_compiling()``, as the caller asked it.

@@ -76,7 +76,7 @@ def in_aten_ops(compiling: bool) -> bool:
     forward mode.
     ``compiling``: ``torch.compiler.is_compiling()``, as the caller asked it."""
     return (_compat.functorch_transform_active(compiling) or in_forward_ad()
-            or _compat.jit_tracing(compiling) or torch.compiler.is_exporting())
+            or _compat.jit_tracing(compiling) or _compat.exporting())
 
 
 def capture_of_training(training: bool) -> str | None:
@@ -86,7 +86,7 @@ def capture_of_training(training: bool) -> str | None:
         return None
     if torch.jit.is_tracing():
         return "torch.jit.trace"
-    if torch.compiler.is_exporting():
+    if _compat.exporting():
         return "torch.export"
     return None
 

@@ -104,3 +104,22 @@ def test_bias_less_layers_on_a_torch_whose_batchnorms_take_no_bias(monkeypatch):
         reverted = revert_sync_batchnorm(converted)
         assert reverted[1].bias is None
         torch.testing.assert_close(reverted(x), expected)
+
+
+def test_a_compiled_call_is_no_export_where_dynamo_says_it_is(monkeypatch):
+    """Before torch 2.13, Dynamo answers ``torch.compiler.is_exporting()`` with True inside any
+    ``torch.compile``: the layer reads torch.compiler's flag instead, so that such an answer
+    neither refuses a training call as an export nor sends it to the ATen path; an export, which
+    sets the flag, still refuses it."""
+    monkeypatch.setattr(torch.compiler, "is_exporting", lambda: True)
+    layer = SyncBatchNorm(3, activation="leaky_relu").double()
+    x = torch.randn(4, 3, 5, dtype=torch.float64)
+    written = x.clone()
+    out = layer(written)  # in place: the layer's own kernels, not the ATen path's copy
+    assert out.data_ptr() == written.data_ptr() and layer.num_batches_tracked == 1
+    torch.testing.assert_close(out, torch.nn.functional.leaky_relu(
+        torch.nn.functional.batch_norm(x, None, None, training=True), 0.01))
+    monkeypatch.setattr(torch.compiler, "_is_exporting_flag", True)
+    with pytest.raises(RuntimeError, match="torch.export records the layer in evaluation only"):
+        layer(x.clone())
+    assert layer.num_batches_tracked == 1
