@@ -319,6 +319,9 @@ class SyncBatchNorm(_BatchNorm):
                 self._check_input(x)
         else:  # torch.export (whose strict tracer cannot trace the warnings' filters)
             self._check_input(x)
+        state = self.running_mean if self.running_mean is not None else self.weight
+        if state is not None and x.device != state.device:
+            self._refuse_device(x, state)
         acc = torch_ops.stats_dtype(x.dtype)
         weight, bias = self._affine_params(self.weight, self.bias, x)
         if self.training or self.running_mean is None:  # the batch's own statistics
@@ -329,11 +332,37 @@ class SyncBatchNorm(_BatchNorm):
                 tracing.refuse_synced_transform(self._label())
             var, mean = torch.var_mean(x.to(acc), [0, *range(2, x.dim())], correction=0)
             if self.training:
-                _track_batch(self._running(), mean.detach(), var.detach() * count, count)
+                self._track_batch_staged(mean.detach(), var.detach() * count, count)
         else:
             mean, var = self.running_mean.to(acc), self.running_var.to(acc)
         config = ActConfig(self.activation, self.slope, False, (), self._label())
         return norm_act_composite(config)(x, mean, torch.rsqrt(var + self.eps), weight, bias)
+
+    def _track_batch_staged(self, mean: torch.Tensor, m2: torch.Tensor, count: int) -> None:
+        """``_track_batch`` under a transform: computed on copies of the running statistics
+        first, written back only once that succeeded. ``vmap`` gives per-sample statistics,
+        which cannot be folded into the buffers: refused with them untouched (the update
+        itself would fail after scaling them). (Under ``grad`` torch refuses the write back,
+        the first write, as it refuses ``nn.BatchNorm``'s update.)"""
+        running = self._running()
+        if running is None:
+            return
+        staged = RunningStats(running.mean.clone(), running.var.clone(),
+                              None if running.batches is None else running.batches.clone(),
+                              running.momentum)
+        try:
+            _track_batch(staged, mean, m2, count)
+        except RuntimeError as error:
+            raise RuntimeError(
+                f"{self._label()}: cannot fold this call's batch statistics into its running "
+                "statistics under this torch.func transform (under vmap they are per sample); "
+                "the running statistics are unchanged. Use track_running_stats=False "
+                "(torch.func.replace_all_batch_norm_modules_), or evaluate (model.eval()). "
+                f"PyTorch said: {error}"
+            ) from error
+        for buffer, value in zip(running[:3], staged[:3]):  # mean, var, batches
+            if buffer is not None:
+                buffer.copy_(value)
 
     def _parameter_pair(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """``(weight, bias)`` as registered, read once a call (a parametrized weight is
@@ -416,11 +445,15 @@ class SyncBatchNorm(_BatchNorm):
         (one replica, or ``sync=False``); ``compiling``: whether torch.compile traces the
         call."""
         params = self._parameter_pair()
+        running_mean = self._registered(self._buffers, "running_mean")
+        state = running_mean if running_mean is not None else params[0]
+        if state is not None and x.device != state.device:
+            self._refuse_device(x, state)
         weight, bias = self._affine_params(*params, x)
         config = self._act_config(x, compiling)
-        if not self.training and self._registered(self._buffers, "running_mean") is not None:
-            return self._forward_running(
-                x, weight, bias, self._with_aside(config, compiling, True, *params, x.dtype))
+        if not self.training and running_mean is not None:
+            return self._forward_running(x, weight, bias,
+                                         self._with_aside(config, compiling, True, *params, x.dtype))
         # Batch statistics: training, or evaluation without running ones. Asked only here:
         # evaluation with running statistics never asks autograd (its private API untouched).
         recomputing = recompute.inside_backward(compiling)
@@ -433,12 +466,38 @@ class SyncBatchNorm(_BatchNorm):
             return self._forward_synced(x, slot, weight, bias, config, running)
         # This replica's batch alone.
         count = self._training_count(x)
+        if running is not None and slot is not None and slot.group.size > 1:
+            self._checked_by_every_replica(slot, x, count)
         if count == 0:
             _track_batch(running, None, None, 0)
             # Empty, and attached to the parameters (zero gradients) as nn.BatchNorm's result.
             return torch.nn.functional.batch_norm(x, None, None, weight, bias, True, 0.0, self.eps)
         return batch_norm_act(x, weight, bias, self.eps, config, running,
                               self._watching(config, compiling), refresh, count)
+
+    def _refuse_device(self, x: torch.Tensor, state: torch.Tensor) -> None:
+        """An input on another device than the layer's state (``state``: a running statistic,
+        else the weight), refused before anything is read or written."""
+        raise RuntimeError(
+            f"{self._label()}: expected input on device {state.device} like the layer's "
+            f"parameters and running statistics, got input on device {x.device}; move the "
+            "input or the layer (layer.to(device))"
+        )
+
+    @staticmethod
+    def _checked_by_every_replica(slot: ReplicaSlot, x: torch.Tensor, count: int) -> None:
+        """Unsynchronised (``sync=False``) training under DataParallel: replica 0 updates the
+        running statistics (the original layer's buffers), yet each replica checks only its
+        own input. Each call, the other replicas report that their input passed the checks
+        (without waiting), and replica 0 waits for those reports before its update wherever
+        a peer's input could fail them: where its own has one value per sample and channel
+        (a peer's chunk, of the same sample shape, may then hold one value per channel)."""
+        group = slot.group
+        call = group.begin_call(slot.rank)
+        if slot.rank:
+            group.checks_passed(slot.rank)
+        elif count == x.shape[0]:
+            group.wait_for_checks(call)
 
     def _forward_running(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
                          config: ActConfig) -> torch.Tensor:

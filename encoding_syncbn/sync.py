@@ -147,6 +147,10 @@ class ReplicaGroup:
         self._gates: list[threading.Lock] = []
         self._replies: list[Reply | None] = []
         self._calls_begun: list[int] = []
+        # Unsynchronised layers: each rank's calls whose input passed the layer's checks, and
+        # the condition the master waits on for them (``wait_for_checks``).
+        self._checked: list[int] = []
+        self._checks_reported = threading.Condition(self._lock)
 
     @property
     def size(self) -> int:
@@ -163,6 +167,7 @@ class ReplicaGroup:
         self._gates.append(gate)
         self._replies.append(None)
         self._calls_begun.append(0)
+        self._checked.append(0)
         self.session.last_grown = self
         return self.size - 1
 
@@ -264,6 +269,46 @@ class ReplicaGroup:
         if reply is None or reply.call != call:
             raise self._error(f"expected the master's answer to call {call}, got {reply}", rank)
         return reply.payload
+
+    def checks_passed(self, rank: int) -> None:
+        """Rank > 0 of an unsynchronised layer: its input for its latest call passed the
+        layer's checks. Never waits."""
+        with self._checks_reported:
+            self._checked[rank] += 1
+            self._checks_reported.notify_all()
+
+    def wait_for_checks(self, call: int) -> None:
+        """Master of an unsynchronised layer: wait until every other rank's input for ``call``
+        passed the layer's checks (``checks_passed``), or raise ``SyncError`` as ``_wait``
+        does: a peer failed (its input was refused), exited, waits in another layer, or did
+        not come in time."""
+        session = self.session
+        deadline = time.monotonic() + timeout_seconds()
+        session._waiting[0] = _Waiting(self, call)
+        try:
+            with self._checks_reported:
+                while True:
+                    behind = [r for r in range(1, self.size) if self._checked[r] <= call]
+                    if not behind:
+                        return
+                    if session.failure is not None:
+                        raise self._error(f"{session.failure}; waiting for ranks {behind}", 0)
+                    gone = [peer for peer in behind if session.exited(peer)]
+                    if gone:
+                        raise self._error(
+                            f"ranks {gone} exited without reaching call {call} of this layer "
+                            f"(they failed, or called it fewer times)", 0)
+                    disorder = self._check_order(0, behind)
+                    if disorder is not None:
+                        raise self._error(disorder, 0)
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        raise self._error(
+                            f"ranks {behind} did not arrive within {timeout_seconds():g} s "
+                            f"(set {TIMEOUT_ENV} to change the bound)", 0)
+                    self._checks_reported.wait(min(_POLL_SECONDS, remaining))
+        finally:
+            del session._waiting[0]
 
     def _wait(self, rank: int, call: int, peers: Callable[[], list[int]]) -> None:
         """Pass ``rank``'s gate for ``call``, or raise ``SyncError`` (see the module doc).

@@ -516,3 +516,58 @@ def test_nonfinite_gradients_follow_batchnorm_on_gpu(activation, inplace, traini
                 continue  # see reference.NONFINITE
             check_nonfinite_gradients(activation, inplace, training, channels_last,
                                       [(target, value, 1, 4)], replicas, seed=1, device="cuda")
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_training_after_an_inference_mode_call_on_gpu(training, device="cuda"):
+    """An in-place layer with a zero gamma called first under inference_mode, then trained
+    with autograd: every call as nn.BatchNorm2d + leaky_relu. The pinned host buffer its
+    flags of small gammas are copied into, made in that first call, is written by the later
+    ones outside inference mode."""
+    layer = SyncBatchNorm(4, activation="leaky_relu", slope=0.1).to(device)
+    with torch.no_grad():
+        layer.weight.copy_(torch.tensor([1.5, 0.0, -0.7, 2.0]))
+    twin = nn.BatchNorm2d(4).to(device)
+    twin.load_state_dict(layer.state_dict())
+    layer.train(training)
+    twin.train(training)
+    x = torch.randn(8, 4, 6, 6, device=device)
+    with torch.inference_mode():
+        out = layer(x.clone())
+        expected = F.leaky_relu(twin(x), 0.1)
+    torch.testing.assert_close(out, expected, rtol=TOL[torch.float32], atol=TOL[torch.float32])
+    layer.train()
+    twin.train()
+    for step in range(3):
+        x = torch.randn(8, 4, 6, 6, device=device)
+        dy = torch.randn_like(x)
+        leaf, ref_leaf = x.clone().requires_grad_(), x.clone().requires_grad_()
+        out = layer(leaf * 1)
+        expected = F.leaky_relu(twin(ref_leaf), 0.1)
+        out.backward(dy)
+        expected.backward(dy)
+        for got, want in ((out, expected), (leaf.grad, ref_leaf.grad),
+                          (layer.running_var, twin.running_var)):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=f"step {step}")
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("training", [True, False])
+@pytest.mark.parametrize("layer_on,input_on", [("cpu", "cuda"), ("cuda", "cpu")])
+def test_input_on_another_device_is_refused_on_gpu(backend, training, layer_on, input_on):
+    """A CUDA input into a CPU layer and the reverse, in place: refused before anything is
+    read or written (the Triton kernels would otherwise be handed a CPU buffer), naming both
+    devices; the buffers and the input as they were."""
+    encoding_syncbn.set_backend(backend)
+    layer = SyncBatchNorm(4, activation="leaky_relu").to(layer_on).train(training)
+    with torch.no_grad():
+        layer.running_var.uniform_(0.5, 1.5)
+    before = {k: v.clone() for k, v in layer.state_dict().items()}
+    x = torch.randn(6, 4, 3, 3, device=input_on)
+    given = x.clone()
+    with pytest.raises(RuntimeError, match=f"expected input on device {layer_on}.*"
+                                           f"got input on device {input_on}"):
+        layer(given)
+    for key, value in layer.state_dict().items():
+        assert torch.equal(value, before[key]), key
+    assert torch.equal(given, x)

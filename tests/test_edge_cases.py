@@ -396,3 +396,201 @@ def test_fake_tensor_pass_in_place_leaves_no_answer_behind():
     torch.testing.assert_close(leaf.grad, expected_leaf.grad, **TOL)
     torch.testing.assert_close(layer.weight.grad, twin.weight.grad, **TOL)
     assert layer._aside_watch.known == (2,)
+
+
+# ---- inputs that do not match the layer: another device, another dtype ---------------------
+
+
+def _state(layer: nn.Module) -> dict[str, torch.Tensor]:
+    return {key: value.clone() for key, value in layer.state_dict().items()}
+
+
+def _assert_unchanged(layer: nn.Module, before: dict[str, torch.Tensor]) -> None:
+    for key, value in layer.state_dict().items():
+        if not value.is_meta:  # (a meta layer's state has no values to compare)
+            assert torch.equal(value, before[key]), key
+
+
+_LAYER_OPTIONS = st.fixed_dictionaries({
+    "mode": st.sampled_from([("leaky_relu", True), ("identity", True), ("none", False),
+                             ("elu", False)]),
+    "affine": st.booleans(),
+    "track_running_stats": st.booleans(),
+    "training": st.booleans(),
+})
+
+
+def _layer_from(options: dict, device: str) -> SyncBatchNorm:
+    activation, inplace = options["mode"]
+    layer = SyncBatchNorm(4, activation=activation, slope=0.1, inplace=inplace,
+                          affine=options["affine"],
+                          track_running_stats=options["track_running_stats"], dtype=DT)
+    with torch.no_grad():
+        for value in layer.state_dict().values():
+            if value.is_floating_point():
+                value.uniform_(0.5, 1.5)  # not the defaults: an update shows
+    return layer.to(device).train(options["training"])
+
+
+@settings(max_examples=16, deadline=None, derandomize=True)
+@given(options=_LAYER_OPTIONS, layer_on=st.sampled_from(["cpu", "meta"]))
+def test_input_on_another_device_is_refused_before_anything_changes(options, layer_on):
+    """A meta input into a CPU layer, or a CPU input into a meta layer, training or not, with
+    or without parameters and running statistics, in place or not: refused
+    before anything is read or written, naming both devices and the layer; every buffer and
+    the input as they were (before, a training call decayed the running statistics first;
+    without parameters it returned a meta tensor, as the Triton backend did always). A layer
+    with neither parameters nor running statistics has no device: it takes any input, as
+    nn.BatchNorm2d does."""
+    layer = _layer_from(options, layer_on)
+    before = _state(layer)
+    input_on = "meta" if layer_on == "cpu" else "cpu"
+    x = torch.randn(6, 4, 3, 2, dtype=DT).to(input_on)
+    given = x.clone()
+    if not options["affine"] and not options["track_running_stats"]:
+        out = layer(given)
+        assert out.device == x.device and out.shape == x.shape
+        return
+    with pytest.raises(RuntimeError) as info:
+        layer(given)
+    for words in (f"expected input on device {layer_on}", f"got input on device {input_on}",
+                  "SyncBatchNorm(4)"):
+        assert words in str(info.value), str(info.value)
+    _assert_unchanged(layer, before)
+    if not given.is_meta:
+        assert torch.equal(given, x)
+
+
+@pytest.mark.parametrize("momentum", [0.1, None])
+@pytest.mark.parametrize("activation,inplace", [("none", False), ("leaky_relu", True)])
+def test_vmap_over_a_tracking_training_layer_leaves_the_buffers(momentum, activation, inplace):
+    """``torch.func.vmap`` over a training layer that tracks running statistics: the batch's
+    statistics are per mapped sample and cannot be folded into the buffers. Refused, naming
+    the layer and what to do, with every buffer as it was (before, running_mean and the
+    counter were updated first, then a broadcast error); nn.BatchNorm2d refuses too.
+    Without running statistics it maps as nn.BatchNorm2d does."""
+    layer = _layer_from({"mode": (activation, inplace), "affine": True,
+                         "track_running_stats": True, "training": True}, "cpu")
+    layer.momentum = momentum
+    before = _state(layer)
+    x = torch.randn(3, 5, 4, 2, 2, dtype=DT)
+    with pytest.raises(RuntimeError, match=r"SyncBatchNorm\(4\).*vmap.*track_running_stats"):
+        torch.func.vmap(layer)(x)
+    _assert_unchanged(layer, before)
+    layer.track_running_stats = False
+    layer.running_mean = layer.running_var = None
+    plain = nn.BatchNorm2d(4, track_running_stats=False, dtype=DT)
+    plain.load_state_dict({k: layer.state_dict()[k] for k in ("weight", "bias")})
+    expected = activate(torch.func.vmap(plain)(x), activation, 0.1)
+    torch.testing.assert_close(torch.func.vmap(layer)(x.clone()), expected, **TOL)
+
+
+@pytest.mark.parametrize("batch", [5, 7])
+def test_unsynchronised_replicas_all_check_before_replica_0_updates(batch):
+    """``sync=False`` under DataParallel, an (N, C) input whose last chunk holds one value per
+    channel (5 or 7 rows over 4 replicas): that replica raises, and replica 0, whose chunk is
+    valid, updates nothing either (it waits for the others' checks before its update).
+    Then a valid step keeps replica 0's update, as nn.BatchNorm1d on its chunk."""
+    layer = _layer_from({"mode": ("leaky_relu", True), "affine": True,
+                         "track_running_stats": True, "training": True}, "cpu")
+    layer.sync = False
+    before = _state(layer)
+    runner = SimulatedDataParallel(layer, 4)
+    with pytest.raises(ValueError, match=r"more than 1 value per channel.*\(1, 4\)"):
+        runner(torch.randn(batch, 4, dtype=DT))
+    _assert_unchanged(layer, before)
+    twin = nn.BatchNorm1d(4, dtype=DT)
+    twin.load_state_dict(layer.state_dict())
+    x = torch.randn(8, 4, dtype=DT)
+    out = runner(x.clone())
+    expected = torch.cat([activate(twin(chunk), "leaky_relu", 0.1) for chunk in x.chunk(4)])
+    torch.testing.assert_close(out, expected, **TOL)
+    fresh = nn.BatchNorm1d(4, dtype=DT)
+    fresh.load_state_dict(before)
+    fresh(x[:2])
+    for name in ("running_mean", "running_var", "num_batches_tracked"):
+        torch.testing.assert_close(getattr(layer, name), getattr(fresh, name), **TOL)
+
+
+class _FirstChunkOnly(nn.Module):
+    """Calls its layer on chunks of 3 rows only: with 8 rows over 3 replicas (3, 3, 2), the
+    last replica never does."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x):
+        return self.layer(x) if x.shape[0] == 3 else x
+
+
+def test_unsynchronised_replica_0_waits_for_a_replica_that_never_comes(monkeypatch):
+    """Replica 0 of a ``sync=False`` layer whose input has one value per sample and channel
+    waits for every other replica's checks: one that never calls the layer fails the step
+    after the timeout with ``SyncError`` naming it, the buffers unchanged."""
+    monkeypatch.setenv(sbn_sync.TIMEOUT_ENV, "0.5")
+    layer = _layer_from({"mode": ("none", False), "affine": True,
+                         "track_running_stats": True, "training": True}, "cpu")
+    layer.sync = False
+    before = _state(layer)
+    with pytest.raises(SyncError, match=r"SyncBatchNorm\(4\).*rank 0.*ranks \[2\] did not"):
+        SimulatedDataParallel(_FirstChunkOnly(layer), 3)(torch.randn(8, 4, dtype=DT))
+    _assert_unchanged(layer, before)
+
+
+_DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
+# Tolerances of a value computed in float32 or better and rounded to the coarser dtype.
+_MIXED_TOL = {torch.float64: 1e-9, torch.float32: 1e-5, torch.float16: 4e-3,
+              torch.bfloat16: 2e-2}
+
+
+@settings(max_examples=12, deadline=None, derandomize=True)
+@given(
+    layer_dtype=st.sampled_from(_DTYPES),
+    input_dtype=st.sampled_from(_DTYPES),
+    mode=st.sampled_from([("leaky_relu", True), ("leaky_relu", False), ("elu", True)]),
+    training=st.booleans(),
+    replicas=st.sampled_from([1, 2]),
+    seed=st.integers(0, 2**16),
+)
+def test_input_of_another_dtype_than_the_layer(layer_dtype, input_dtype, mode, training,
+                                               replicas, seed):
+    """An input of any floating dtype into a layer of any (outside autocast: a float64 input
+    into a float32 layer, a float32 one into a half-precision model): the layer computes in
+    the input's statistics dtype, returns the input's dtype, keeps its parameters' and
+    buffers' dtypes and rounds each update into them once. Outputs, gradients and running
+    statistics match nn.BatchNorm2d + the activation in float64 on the layer's own values,
+    within the coarser dtype's rounding (nn.BatchNorm2d refuses such mixes on the CPU)."""
+    activation, inplace = mode
+    slope = 0.1 if activation == "leaky_relu" else 0.7
+    gen = torch.Generator().manual_seed(seed)
+    layer = SyncBatchNorm(4, activation=activation, slope=slope, inplace=inplace,
+                          dtype=layer_dtype).train(training)
+    with torch.no_grad():
+        layer.weight.copy_(torch.tensor([1.5, -0.7, 0.0, 2.0]))
+        layer.bias.copy_(torch.tensor([0.1, 0.2, -0.3, 0.0]))
+        layer.running_mean.copy_(torch.tensor([0.5, -0.5, 1.0, 0.0]))
+        layer.running_var.copy_(torch.tensor([1.5, 0.7, 2.0, 1.0]))
+    twin = nn.BatchNorm2d(4, dtype=DT).train(training)
+    twin.load_state_dict({k: v.double() if v.is_floating_point() else v
+                          for k, v in layer.state_dict().items()})
+    x = (torch.randn(6, 4, 3, 2, generator=gen, dtype=DT) * 2 + 1).to(input_dtype)
+    dy = torch.randn(x.shape, generator=gen, dtype=DT).to(input_dtype)
+    leaf, ref_leaf = x.clone().requires_grad_(), x.double().requires_grad_()
+    out = SimulatedDataParallel(layer, replicas)(leaf * 1)
+    expected = activate(twin(ref_leaf), activation, slope)
+    out.backward(dy)
+    expected.backward(dy.double())
+    assert out.dtype == input_dtype and leaf.grad.dtype == input_dtype
+    assert all(v.dtype == layer_dtype for k, v in layer.state_dict().items()
+               if k != "num_batches_tracked")
+    assert layer.weight.grad.dtype == layer_dtype
+    coarser = max(_MIXED_TOL[layer_dtype], _MIXED_TOL[input_dtype])
+    for name, got, want in [("output", out, expected), ("input grad", leaf.grad, ref_leaf.grad),
+                            ("weight grad", layer.weight.grad, twin.weight.grad),
+                            ("bias grad", layer.bias.grad, twin.bias.grad),
+                            ("running_mean", layer.running_mean, twin.running_mean),
+                            ("running_var", layer.running_var, twin.running_var)]:
+        torch.testing.assert_close(got.double(), want, rtol=coarser, atol=coarser,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+    assert layer.num_batches_tracked.item() == twin.num_batches_tracked.item()
