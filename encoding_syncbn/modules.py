@@ -452,8 +452,8 @@ class SyncBatchNorm(_BatchNorm):
         weight, bias = self._affine_params(*params, x)
         config = self._act_config(x, compiling)
         if not self.training and running_mean is not None:
-            return self._forward_running(x, weight, bias,
-                                         self._with_aside(config, compiling, True, *params, x.dtype))
+            return self._forward_running(
+                x, weight, bias, self._with_aside(config, compiling, True, *params, x.dtype))
         # Batch statistics: training, or evaluation without running ones. Asked only here:
         # evaluation with running statistics never asks autograd (its private API untouched).
         recomputing = recompute.inside_backward(compiling)
