@@ -1,7 +1,7 @@
 """What in place costs in precision, per dtype: the gradients of an in-place layer against
 nn.BatchNorm2d + the activation in the same dtype, both against float64.
 
-    python benchmarks/inplace_precision.py [--no-record]
+    python benchmarks/inplace_precision.py [--record]
 
 In place, backward rebuilds the input from the output (xhat = (z - beta) / gamma), which
 multiplies the output's rounding by up to |beta| / |gamma|; the layer keeps aside the channels

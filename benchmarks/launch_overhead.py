@@ -1,21 +1,19 @@
-"""Host time of Triton's own launcher, the part of it that runs without a GPU, per launch.
+"""Host time of Triton's own launcher per launch of a layer call, down to the driver's launch.
 
-    python benchmarks/launch_overhead.py [--iters 20000] [--repeats 5]
+    python benchmarks/launch_overhead.py [--iters 5000] [--repeats 5]
 
-``host_overhead.py`` times everything the layer's host path does for a call but the launches.
-On a GPU each launch then goes through Triton's ``JITFunction.run``: it binds the arguments and
-specialises each one (a pointer's dtype and 16-byte alignment, an int equal to 1 or divisible
-by 16), turns that into the compiled kernel's cache key, and only then asks the driver to
-launch (launch metadata, ``cuLaunchKernel``). The binding and the key need no GPU: this script
-times them for each launch of one single-replica training call, (8, 256, 128, 128) fp16 NCHW
-in place with leaky_relu, planned for sm_90 with 132 SMs, with the key cache warm as in a
-training loop. The driver's part needs a GPU and is not timed here.
-
-Uses Triton's internals (``create_function_from_signature``, ``compute_cache_key``,
-``make_backend``), as ``JITFunction.run`` calls them in Triton 3.6 to 3.9; with another Triton
-it may say it cannot measure and exit (0, nothing recorded). Times are
-thread CPU time, the fastest of ``--repeats`` means. Prints the table (``--record``: into
-benchmarks/RESULTS.md too); the last line is one JSON object with ``launcher_us_per_call``.
+``host_overhead.py`` times a whole layer call; this script times its launches one by one:
+each launch of one single-replica training call, (8, 256, 128, 128) fp16 NCHW in place with
+leaky_relu, planned for sm_90 with 132 SMs, called as the ops call it (``kernel[grid](...)``)
+on CPU tensors, through Triton's ``JITFunction.run`` (binding and specialising the arguments,
+the cache key, the check of the constexpr globals the kernel reads, launch metadata) and its
+C launcher (each argument extracted, each pointer checked) to the driver's
+``cuLaunchKernelEx``: ``stub_driver.py``'s stand-in, which answers as an H100 and whose launch
+returns at once (the driver's own work inside a launch is not counted). The kernels are
+compiled for sm_90 on the CPU on first use (Triton's cache keeps them). Times are thread CPU
+time, the fastest of ``--repeats`` means. Prints the table (``--record``:
+into benchmarks/RESULTS.md too); the last line is one JSON object with ``launcher_us_per_call``
+and ``launches``.
 """
 
 from __future__ import annotations
@@ -24,56 +22,49 @@ import argparse
 import json
 import time
 
+import host_overhead
 import results
+import stub_driver
 import torch
 
-SHAPE, DTYPE, C = (8, 256, 128, 128), torch.float16, 256
-H100_SMS = 132
+# host_overhead.py's headline case: (8, 256, 128, 128) float16 NCHW.
+SHAPE, DTYPE, _ = host_overhead.SHAPES[0]
+C = SHAPE[1]
+H100_SMS = stub_driver.H100_SMS
 
 
 def planned_launches():
-    """The launches of one single-replica in-place training call, in order, with the op that
-    plans each (the layer's own planners, on CPU tensors: nothing is launched)."""
-    from encoding_syncbn.kernels.triton.backward_dx import _plan_batch_backward
-    from encoding_syncbn.kernels.triton.channel_stats import _plan_batch_stats
-    from encoding_syncbn.kernels.triton.normalize_act import _plan_normalize_act
-    from encoding_syncbn.kernels.triton.plan import Target
+    """The launches of one single-replica in-place training call of the layer, in order:
+    recorded from a real forward+backward on CPU tensors (``host_overhead.py``'s routing of
+    them to the Triton backend)."""
+    import encoding_syncbn
+    from encoding_syncbn.kernels.triton import ops as triton_ops
 
-    target = Target(False, H100_SMS)
-    x, dy = torch.empty(SHAPE, dtype=DTYPE), torch.empty(SHAPE, dtype=DTYPE)
-    ones, zeros, batches = torch.ones(C), torch.zeros(C), torch.zeros((), dtype=torch.long)
-    count = x.numel() // C
-    vectors = (zeros, ones, ones, zeros)  # mean, invstd, weight, bias
-    stats, _ = _plan_batch_stats(x, 1e-5, zeros.clone(), ones.clone(), batches, 0.1, ones,
-                                 zeros, 0.016, target)
-    normalize, _ = _plan_normalize_act(x, *vectors, "leaky_relu", 0.01, x, target)
-    backward, _ = _plan_batch_backward(x, dy, *vectors, "leaky_relu", 0.01, True, count, target)
-    ops = [("batch_stats", stats), ("normalize_act", normalize), ("batch_backward", backward)]
-    return [(op, launch) for op, launches in ops for launch in launches]
+    encoding_syncbn.set_backend("triton")
+    launcher = host_overhead.StubLaunches(triton_ops)
+    recorded, run = [], launcher.run
+
+    def record(planned, device):
+        recorded.extend(planned)
+        run(planned, device)
+
+    launcher.run = record
+    layer = encoding_syncbn.SyncBatchNorm(C, activation="leaky_relu")
+    like = torch.empty(SHAPE, dtype=DTYPE, requires_grad=True)
+    layer(host_overhead._Fresh.apply(like, False)).backward(torch.empty(SHAPE, dtype=DTYPE))
+    launcher.run = run
+    return recorded
 
 
-def launcher_step(launch, backend):
-    """What ``JITFunction.run`` does for ``launch`` before the driver: the arguments bound and
-    specialised, and the cache key (its per-device key cache warm)."""
-    from triton import knobs
-    from triton.runtime import jit
-
-    kernel = launch.kernel
-    binder = jit.create_function_from_signature(kernel.signature, kernel.params, backend)
-    options = {**launch.constexprs, "num_warps": launch.num_warps, "enable_fp_fusion": True}
-    key_cache: dict = {}
-
-    # The compilation knobs run() passes: Triton 3.6 has the first, 3.9 both.
-    knob_names = [name for name in ("instrumentation_mode", "fpsan_homomorphic_casts")
-                  if hasattr(knobs.compilation, name)]
+def launch_step(launch):
+    """``launch`` as the ops launch it (``ops._run``), ready to time."""
+    kernel, grid, args, constexprs = launch.kernel, launch.grid, launch.args, launch.constexprs
+    num_warps = launch.num_warps
 
     def step():
-        kwargs = dict(options, debug=kernel.debug or knobs.runtime.debug,
-                      **{name: getattr(knobs.compilation, name) for name in knob_names})
-        _, specialization, bound_options = binder(*launch.args, **kwargs)
-        return jit.compute_cache_key(key_cache, specialization, bound_options)
+        kernel[grid](*args, **constexprs, num_warps=num_warps, enable_fp_fusion=True)
 
-    step()
+    step()  # compiled (or found in Triton's cache) and loaded here, not timed
     return step
 
 
@@ -89,47 +80,36 @@ def time_us(step, iters: int, repeats: int) -> float:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--iters", type=int, default=20000, help="launches per repeat")
+    parser.add_argument("--iters", type=int, default=5000, help="launches per repeat")
     parser.add_argument("--repeats", type=int, default=5,
                         help="repeats; the fastest is reported (default 5)")
     results.add_arguments(parser)
     args = parser.parse_args()
-    from encoding_syncbn.kernels.triton.plan import INTERPRET
-
-    if INTERPRET:
-        print("TRITON_INTERPRET is set: the kernels are interpreted, not launched through "
-              "Triton's launcher; run without it (no GPU is needed)")
-        return
-    try:
-        from triton.backends.compiler import GPUTarget
-        from triton.compiler.compiler import make_backend
-
-        backend = make_backend(GPUTarget("cuda", 90, 32))
-        steps = [(op, launch, launcher_step(launch, backend))
-                 for op, launch in planned_launches()]
-    except (ImportError, AttributeError, TypeError) as error:
-        print(f"cannot measure Triton's launcher with this Triton: {type(error).__name__}: "
-              f"{error}")
-        return
+    stub = stub_driver.activate(H100_SMS)  # imports triton: after --help
+    steps = [(launch, launch_step(launch)) for launch in planned_launches()]
     rows = []
-    for op, launch, step in steps:
-        kernel_name = launch.kernel.fn.__name__
-        rows.append([op, kernel_name, len(launch.args),
-                     round(time_us(step, args.iters, args.repeats), 2)])
+    for launch, step in steps:
+        name = launch.kernel.fn.__name__
+        before = stub.launches()
+        step()
+        if stub.launches() != before + 1:
+            raise SystemExit(f"{name}: the launch did not reach the driver's cuLaunchKernelEx")
+        rows.append([name, len(launch.args), round(time_us(step, args.iters, args.repeats), 2)])
         print(" ".join(str(cell) for cell in rows[-1]), flush=True)
-    total = round(sum(row[3] for row in rows), 1)
-    table = results.markdown_table(["op", "kernel", "arguments", "binding + key us"], rows)
+    total = round(sum(row[2] for row in rows), 1)
+    table = results.markdown_table(["kernel", "arguments", "launch us"], rows)
     table += f"\n\nPer layer call ({len(rows)} launches): {total} us."
     print(table)
     import triton
 
     results.record(args, f"launch_overhead.py (cpu, triton {triton.__version__})", table, notes=(
-        "Triton's JITFunction.run before the driver (arguments bound and specialised, the cache "
-        "key from its warm key cache), per launch of one single-replica in-place training call "
-        f"{SHAPE} fp16 NCHW, leaky_relu, planned for sm_90 with {H100_SMS} SMs: thread CPU time, "
-        f"the fastest of {args.repeats} means over {args.iters} calls. Not timed: the driver's "
-        "part of each launch (launch metadata, cuLaunchKernel), which needs a GPU. Not part of "
-        "host_overhead.py's figures, which replace the launches with no-ops."))
+        "Triton's launcher per launch of one single-replica in-place training call "
+        f"{SHAPE} fp16 NCHW, leaky_relu, planned for sm_90 with {H100_SMS} SMs, called as the "
+        "ops call it (kernel[grid](...), CPU tensors): JITFunction.run and the C launcher down "
+        "to the driver's cuLaunchKernelEx, stubbed (benchmarks/stub_driver.py: the driver's own "
+        "work inside a launch is not counted). Thread CPU time, the fastest of "
+        f"{args.repeats} means over {args.iters} launches. host_overhead.py's figures include "
+        "these launches."))
     print(json.dumps({"launcher_us_per_call": total, "launches": len(rows)}))
 
 
