@@ -326,9 +326,9 @@ def test_training_steps_in_a_cuda_graph(capture, monkeypatch):
         for run, optimiser in zip((graphed, ref), optimisers):
             optimiser.zero_grad()
             out = run(x)
+            outs.append(out.detach().clone())  # before a CUDA graph tree's next replay
             out.square().mean().backward()
             optimiser.step()
-            outs.append(out.detach().clone())
         torch.testing.assert_close(outs[0], outs[1], rtol=1e-4, atol=1e-4)
     assert calls == []
     assert counters["inductor"]["cudagraph_skips"] == 0
