@@ -125,8 +125,11 @@ def _finish_batch_stats(c, mean, m2, counter_ptr, mean_ptr, invstd_ptr, count: t
     if CHECK:
         w = tl.load(weight_ptr + c, mask=valid, other=1.0)
         b = tl.load(bias_ptr + c, mask=valid, other=0.0)
-        limit = tl.full([], gamma_limit, ACC)
-        tl.store(small_ptr + c, _small_gamma(w, b, limit).to(tl.uint8), mask=valid)
+        # In float32 whatever ACC: float64's registers spilled 8 bytes on sm_80 (a cumulative
+        # average's float64 specialisations), and the flag is a threshold, not a result.
+        limit = tl.full([], gamma_limit, tl.float32)
+        small = _small_gamma(w.to(tl.float32), b.to(tl.float32), limit)
+        tl.store(small_ptr + c, small.to(tl.uint8), mask=valid)
     # invstd last: nothing else is live across its division and square root (subroutine
     # calls, around which live values spilled).
     invstd = _div(tl.full([], 1.0, ACC), _sqrt(_div(m2, n) + epsilon))
