@@ -187,10 +187,11 @@ class SyncBatchNorm(_BatchNorm):
             self._open_group = weakref.ref(group)
             # The replicas' parameters are copies of these, made just now: reading them back
             # here, once, spares every replica a device-to-host copy in each of its calls.
-            # Not for a weight a hook recomputes in each forward: its value is the last one.
+            # Not for a weight a hook recomputes in each forward: its value is the last one;
+            # nor for one on the meta device, which has no values to read.
             with replicas.reading_parameters(group):
                 self._open_aside = None
-                if self.inplace and not self._computed_by_hooks():
+                if self.inplace and not self._computed_by_hooks() and not self._on_meta():
                     weight = self.weight  # read once: a parametrization computes it
                     dtype = self._expected_input_dtype(weight)
                     self._open_aside = (small_gamma_channels(weight, self.bias, dtype),
@@ -210,9 +211,15 @@ class SyncBatchNorm(_BatchNorm):
         state = self.running_mean if weight is None else weight
         if state is None:
             return torch.get_default_dtype()
-        if torch.is_autocast_enabled(state.device.type):
-            return torch.get_autocast_dtype(state.device.type)
+        device_type = state.device.type
+        if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(
+                device_type):
+            return torch.get_autocast_dtype(device_type)
         return state.dtype
+
+    def _on_meta(self) -> bool:
+        """Whether the layer's parameters live on the meta device (shapes, no values)."""
+        return any(p.is_meta for p in (self.weight, self.bias) if p is not None)
 
     def _computed_by_hooks(self) -> bool:
         """Whether ``weight`` or ``bias`` is a plain attribute that a forward pre-hook sets

@@ -39,9 +39,12 @@ class _Counts(NamedTuple):
     total: float
 
 
-def _counts_from_tensor(counts: torch.Tensor, dtype: torch.dtype) -> _Counts:
+def _counts_from_tensor(counts: torch.Tensor, dtype: torch.dtype, total: float | None = None
+                        ) -> _Counts:
+    """``total``: the counts' sum where the caller has it on the host (else read back)."""
     column = counts.to(dtype).unsqueeze(1)
-    total = float(counts.sum())
+    if total is None:
+        total = float(counts.sum())
     # All counts zero (a rank or replica set with an empty batch): zeros, not 0/0 = NaN,
     # which would poison the cross-process merge it takes part in.
     return _Counts(column, column / max(total, 1.0), total)
@@ -52,7 +55,8 @@ def _counts_from_ints(counts: tuple[int, ...], device: torch.device, dtype: torc
                       ) -> _Counts:
     """Cached: the replicas' counts repeat from step to step, and building the tensors from
     host numbers costs a host-to-device copy, which waits for the device's queue."""
-    return _counts_from_tensor(torch.tensor(counts, dtype=torch.float64, device=device), dtype)
+    return _counts_from_tensor(torch.tensor(counts, dtype=torch.float64, device=device), dtype,
+                               float(sum(counts)))
 
 
 @tensor_cache(maxsize=64)

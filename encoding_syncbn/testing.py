@@ -23,6 +23,7 @@ in its peers. With a single chunk the module is called directly.
 from __future__ import annotations
 
 import threading
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -123,13 +124,16 @@ class SimulatedDataParallel(nn.Module):
         errors: list[BaseException | None] = [None] * chunks
         grad_enabled = torch.is_grad_enabled()
         device_type = first.device.type
+        # (Devices autocast does not know, such as meta, run without it.)
         autocast = (device_type, torch.get_autocast_dtype(device_type),
-                    torch.is_autocast_enabled(device_type))
+                    torch.is_autocast_enabled(device_type)
+                    ) if torch.amp.is_autocast_available(device_type) else None
 
         def run(j: int) -> None:
             try:
                 # A context of its own per thread: autocast's keeps the state it replaces.
-                with torch.set_grad_enabled(grad_enabled), torch.amp.autocast(*autocast):
+                autocasting = torch.amp.autocast(*autocast) if autocast else nullcontext()
+                with torch.set_grad_enabled(grad_enabled), autocasting:
                     outputs[j] = replicas[j](*scattered_inputs[j], **scattered_kwargs[j])
             except BaseException as error:  # re-raised in the caller's thread below
                 errors[j] = error

@@ -356,15 +356,17 @@ def test_running_variance_at_large_offset_is_as_precise_as_batchnorm(offset):
 # ---- passes without values: the meta device, fake tensors (shape and FLOP tools) -----------
 
 
+@pytest.mark.parametrize("replicas", [1, 2])
 @pytest.mark.parametrize("training", [True, False])
 @pytest.mark.parametrize("inplace", [True, False])
-def test_meta_device_forward_and_backward(training, inplace):
+def test_meta_device_forward_and_backward(training, inplace, replicas):
     """A layer on the meta device (shape inference, lazy model building) runs as
-    nn.BatchNorm2d does there: shapes only. In place, its flags of small gammas have no values
-    to read: nothing is kept aside."""
+    nn.BatchNorm2d does there: shapes only, alone or replicated. In place, its flags of small
+    gammas have no values to read: nothing is kept aside."""
     layer = SyncBatchNorm(4, activation="leaky_relu", inplace=inplace).to("meta").train(training)
+    model = SimulatedDataParallel(layer, replicas) if replicas > 1 else layer
     x = torch.empty(2, 4, 3, 3, device="meta", requires_grad=True)
-    out = layer(x * 1)
+    out = model(x * 1)
     out.sum().backward()
     assert out.is_meta and out.shape == x.shape
     assert x.grad.is_meta and x.grad.shape == x.shape and layer.weight.grad.is_meta
