@@ -60,30 +60,6 @@ def disable_torch_function_subclass() -> Any:
         raise _missing("torch._C.DisableTorchFunctionSubclass", error) from error
 
 
-@functools.cache
-def _grad_mode_setter() -> Callable[[bool], None]:
-    # torch.set_grad_enabled does the same through an object built per call: the fallback.
-    return getattr(torch._C, "_set_grad_enabled", torch.set_grad_enabled)
-
-
-class _NoGrad:
-    __slots__ = ("prev",)
-
-    def __enter__(self) -> None:
-        self.prev = torch.is_grad_enabled()
-        _grad_mode_setter()(False)
-
-    def __exit__(self, *exc: object) -> None:
-        _grad_mode_setter()(self.prev)
-
-
-def no_grad() -> _NoGrad:
-    """``torch.no_grad()`` for a block (not a decorator), by autograd's mode setter:
-    ``torch.no_grad()`` builds three objects a use, ~4 us more a layer call in the host
-    harness (``benchmarks/host_overhead.py``)."""
-    return _NoGrad()
-
-
 # Whether a torch.func transform runs: the dispatch-key query torch's own Function.apply asks,
 # and functorch's innermost level (None outside any transform), which Dynamo knows. Resolved at
 # import with fallbacks: a torch without one falls back to the other, or to "none runs".

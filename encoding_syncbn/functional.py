@@ -441,7 +441,7 @@ def replica_stats(x: torch.Tensor) -> ReplicaStats:
     one replica's (at mean 1e6, std 1 and 2-4 replicas: ~1e-3 relative, against ~1e-8).
     Half-precision inputs have float32 statistics, finer than their own rounding.
     """
-    with _compat.no_grad():
+    with torch.no_grad():
         mean, m2, count = ops_for(x).channel_stats(x)
         precise_mean = None
         if x.dtype == torch.float32 and count > 0:
