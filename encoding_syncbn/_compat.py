@@ -106,33 +106,6 @@ def functorch_transform_active(compiling: bool) -> bool:
 
 
 @functools.cache
-def _c_function_apply() -> Callable[..., Any] | None:
-    return getattr(getattr(torch._C, "_FunctionBase", None), "__dict__", {}).get("apply")
-
-
-def apply_function(function: type[torch.autograd.Function], *args: Any) -> Any:
-    """``function.apply(*args)`` for arguments that hold no tensor left wrapped by a finished
-    ``torch.func`` transform (``unwrap_if_dead``): straight to autograd's C++ apply where that
-    is what ``Function.apply`` would call, eagerly and outside any transform. What this skips
-    of its Python wrapper (a ``setup_context`` lookup, a generator over the arguments
-    unwrapping such tensors) is ~3 us a layer call in the host harness
-    (``benchmarks/host_overhead.py``, in turns). Elsewhere, and where this torch has no such
-    apply: ``function.apply`` itself (Dynamo traces it; the transforms need its dispatch)."""
-    if torch.compiler.is_compiling():
-        return function.apply(*args)
-    return apply_function_eagerly(function, *args)
-
-
-def apply_function_eagerly(function: type[torch.autograd.Function], *args: Any) -> Any:
-    """:func:`apply_function` for a caller that knows it is not being compiled (the layer's
-    eager in-place call: ``torch.compiler.is_compiling`` costs ~1,600 instructions a call)."""
-    apply = _c_function_apply()
-    if apply is None or _transforms_active():
-        return function.apply(*args)
-    return apply(function, *args)
-
-
-@functools.cache
 def _unwrap_dead() -> Callable[[torch.Tensor], torch.Tensor]:
     return getattr(getattr(torch._C, "_functorch", None), "unwrap_if_dead", lambda x: x)
 
