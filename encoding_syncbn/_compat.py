@@ -75,10 +75,9 @@ _functorch_level: Callable[[], int | None] = getattr(
 _jit_tracing: Callable[[], bool] = getattr(torch._C, "_is_tracing", None) or torch.jit.is_tracing
 
 
-def jit_tracing(compiling: bool) -> bool:
-    """``torch.jit.is_tracing()``; ``compiling``: ``torch.compiler.is_compiling()``, as the
-    caller asked it (Dynamo answers False itself and need not trace the query)."""
-    return not compiling and _jit_tracing()
+def jit_tracing() -> bool:
+    """``torch.jit.is_tracing()`` (while compiling False: Dynamo need not trace the query)."""
+    return not torch.compiler.is_compiling() and _jit_tracing()
 
 
 def exporting() -> bool:
@@ -91,16 +90,15 @@ def exporting() -> bool:
     return torch.compiler.is_exporting() if flag is None else flag
 
 
-def functorch_transform_active(compiling: bool) -> bool:
-    """Whether a ``torch.func`` transform (grad, vjp, jvp, vmap, ...) is running;
-    ``compiling``: ``torch.compiler.is_compiling()``, as the caller asked it.
+def functorch_transform_active() -> bool:
+    """Whether a ``torch.func`` transform (grad, vjp, jvp, vmap, ...) is running.
 
     Eagerly by the dispatch-key query: ``maybe_current_level`` creates this thread's functorch
     state on first use, which every later ``backward()`` then copies with the thread's state
     (some 8,700 instructions a layer call in the host harness, counted under cachegrind, and a
     cost to every other backward of the program). While compiling by the level, which Dynamo
     traces."""
-    if compiling:
+    if torch.compiler.is_compiling():
         return _functorch_level() is not None
     return _transforms_active()
 
