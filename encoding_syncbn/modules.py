@@ -35,9 +35,6 @@ from .recompute import RecomputeCache
 from .replicas import ReplicaSlot
 from .sync import ReplicaGroup
 
-# What ``_registered`` finds in a table that lacks the name.
-_ABSENT = object()
-
 # The options checked together, at construction and when assigned (``__setattr__``).
 _ACTIVATION_OPTIONS = ("activation", "slope", "inplace")
 
@@ -362,22 +359,6 @@ class SyncBatchNorm(_BatchNorm):
             if buffer is not None:
                 buffer.copy_(value)
 
-    def _parameter_pair(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """``(weight, bias)`` as registered, read once a call (a parametrized weight is
-        computed at each read), as ``_registered`` reads them."""
-        parameters = self._parameters
-        weight, bias = parameters.get("weight", _ABSENT), parameters.get("bias", _ABSENT)
-        return (self.weight if weight is _ABSENT else weight,
-                self.bias if bias is _ABSENT else bias)
-
-    def _registered(self, table: dict[str, Any], name: str) -> Any:
-        """The parameter or buffer ``name`` from ``table`` (``_parameters`` or ``_buffers``):
-        ``nn.Module.__getattr__`` costs ~0.6 us a read here, and a call reads five. A name the
-        table lacks is read as an attribute (a DataParallel replica's parameters, a
-        parametrization's property)."""
-        value = table.get(name, _ABSENT)
-        return getattr(self, name) if value is _ABSENT else value
-
     def _affine_params(self, weight: torch.Tensor | None, bias: torch.Tensor | None,
                        x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's ``weight`` and ``bias`` as it computes with them on ``x`` and hands them
@@ -439,8 +420,8 @@ class SyncBatchNorm(_BatchNorm):
     def _forward(self, x: torch.Tensor, slot: ReplicaSlot | None) -> torch.Tensor:
         """The dispatch: evaluation with running statistics, training synced, training alone
         (one replica, or ``sync=False``)."""
-        params = self._parameter_pair()
-        running_mean = self._registered(self._buffers, "running_mean")
+        params = self.weight, self.bias  # read once: a parametrized weight is computed at each read
+        running_mean = self.running_mean
         state = running_mean if running_mean is not None else params[0]
         if state is not None and x.device != state.device:
             self._refuse_device(x, state)
@@ -526,16 +507,10 @@ class SyncBatchNorm(_BatchNorm):
 
     def _running(self) -> RunningStats | None:
         """The running statistics a training call updates (None: not tracked)."""
-        if not self.track_running_stats:
+        if not self.track_running_stats or self.running_mean is None:
             return None
-        buffers = self._buffers  # read as ``_registered`` reads them, without its calls
-        mean = buffers.get("running_mean", _ABSENT)
-        var = buffers.get("running_var", _ABSENT)
-        batches = buffers.get("num_batches_tracked", _ABSENT)
-        if mean is _ABSENT or var is _ABSENT or batches is _ABSENT:
-            mean, var, batches = (self._registered(buffers, name) for name in
-                                  ("running_mean", "running_var", "num_batches_tracked"))
-        return None if mean is None else RunningStats(mean, var, batches, self.momentum)
+        return RunningStats(self.running_mean, self.running_var, self.num_batches_tracked,
+                            self.momentum)
 
     @classmethod
     def convert_sync_batchnorm(cls, module: torch.nn.Module, process_group: Any = None):
