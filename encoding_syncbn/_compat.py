@@ -60,30 +60,6 @@ def disable_torch_function_subclass() -> Any:
         raise _missing("torch._C.DisableTorchFunctionSubclass", error) from error
 
 
-@functools.cache
-def _grad_mode_setter() -> Callable[[bool], None]:
-    # torch.set_grad_enabled does the same through an object built per call: the fallback.
-    return getattr(torch._C, "_set_grad_enabled", torch.set_grad_enabled)
-
-
-class _NoGrad:
-    __slots__ = ("prev",)
-
-    def __enter__(self) -> None:
-        self.prev = torch.is_grad_enabled()
-        _grad_mode_setter()(False)
-
-    def __exit__(self, *exc: object) -> None:
-        _grad_mode_setter()(self.prev)
-
-
-def no_grad() -> _NoGrad:
-    """``torch.no_grad()`` for a block (not a decorator), by autograd's mode setter:
-    ``torch.no_grad()`` builds three objects a use, ~4 us more a layer call in the host
-    harness (``benchmarks/host_overhead.py``)."""
-    return _NoGrad()
-
-
 # Whether a torch.func transform runs: the dispatch-key query torch's own Function.apply asks,
 # and functorch's innermost level (None outside any transform), which Dynamo knows. Resolved at
 # import with fallbacks: a torch without one falls back to the other, or to "none runs".
@@ -99,10 +75,9 @@ _functorch_level: Callable[[], int | None] = getattr(
 _jit_tracing: Callable[[], bool] = getattr(torch._C, "_is_tracing", None) or torch.jit.is_tracing
 
 
-def jit_tracing(compiling: bool) -> bool:
-    """``torch.jit.is_tracing()``; ``compiling``: ``torch.compiler.is_compiling()``, as the
-    caller asked it (Dynamo answers False itself and need not trace the query)."""
-    return not compiling and _jit_tracing()
+def jit_tracing() -> bool:
+    """``torch.jit.is_tracing()`` (while compiling False: Dynamo need not trace the query)."""
+    return not torch.compiler.is_compiling() and _jit_tracing()
 
 
 def exporting() -> bool:
@@ -115,45 +90,17 @@ def exporting() -> bool:
     return torch.compiler.is_exporting() if flag is None else flag
 
 
-def functorch_transform_active(compiling: bool) -> bool:
-    """Whether a ``torch.func`` transform (grad, vjp, jvp, vmap, ...) is running;
-    ``compiling``: ``torch.compiler.is_compiling()``, as the caller asked it.
+def functorch_transform_active() -> bool:
+    """Whether a ``torch.func`` transform (grad, vjp, jvp, vmap, ...) is running.
 
     Eagerly by the dispatch-key query: ``maybe_current_level`` creates this thread's functorch
     state on first use, which every later ``backward()`` then copies with the thread's state
     (some 8,700 instructions a layer call in the host harness, counted under cachegrind, and a
     cost to every other backward of the program). While compiling by the level, which Dynamo
     traces."""
-    if compiling:
+    if torch.compiler.is_compiling():
         return _functorch_level() is not None
     return _transforms_active()
-
-
-@functools.cache
-def _c_function_apply() -> Callable[..., Any] | None:
-    return getattr(getattr(torch._C, "_FunctionBase", None), "__dict__", {}).get("apply")
-
-
-def apply_function(function: type[torch.autograd.Function], *args: Any) -> Any:
-    """``function.apply(*args)`` for arguments that hold no tensor left wrapped by a finished
-    ``torch.func`` transform (``unwrap_if_dead``): straight to autograd's C++ apply where that
-    is what ``Function.apply`` would call, eagerly and outside any transform. What this skips
-    of its Python wrapper (a ``setup_context`` lookup, a generator over the arguments
-    unwrapping such tensors) is ~3 us a layer call in the host harness
-    (``benchmarks/host_overhead.py``, in turns). Elsewhere, and where this torch has no such
-    apply: ``function.apply`` itself (Dynamo traces it; the transforms need its dispatch)."""
-    if torch.compiler.is_compiling():
-        return function.apply(*args)
-    return apply_function_eagerly(function, *args)
-
-
-def apply_function_eagerly(function: type[torch.autograd.Function], *args: Any) -> Any:
-    """:func:`apply_function` for a caller that knows it is not being compiled (the layer's
-    eager in-place call: ``torch.compiler.is_compiling`` costs ~1,600 instructions a call)."""
-    apply = _c_function_apply()
-    if apply is None or _transforms_active():
-        return function.apply(*args)
-    return apply(function, *args)
 
 
 @functools.cache

@@ -7,8 +7,6 @@ gamma is too small for that keep their input aside and get their gradients from 
 
 from __future__ import annotations
 
-import ctypes
-
 import torch
 
 from .kernels import GammaCheck, compile_ops, torch_ops
@@ -67,9 +65,6 @@ def small_gamma_index(weight: torch.Tensor, bias: torch.Tensor | None, limit: fl
 # computes no values keeps nothing aside, and leaves no answer for the calls after it.
 _NO_VALUES = object()
 
-# The flags' dtypes ``AsideWatch._read`` reads as they lie: one byte each.
-_BYTE_FLAGS = (torch.uint8, torch.bool)
-
 
 class AsideWatch:
     """The channels a single-replica in-place layer keeps aside, known on the host without
@@ -87,7 +82,7 @@ class AsideWatch:
     afresh, as a first call.
     """
 
-    __slots__ = ("known", "_limit", "_host", "_ready", "_pinned", "_reader")
+    __slots__ = ("known", "_limit", "_host", "_ready", "_pinned")
 
     def __init__(self) -> None:
         self.known: tuple[int, ...] | None = None
@@ -99,8 +94,6 @@ class AsideWatch:
         self._ready: torch.cuda.Event | None = None
         # Reused from call to call (one answer is on its way at a time).
         self._pinned: torch.Tensor | None = None
-        # How ``_read`` reads C flags: (C, a ctypes array type of C bytes, C zero bytes).
-        self._reader: tuple[int, type[ctypes.Array], bytes] | None = None
 
     def _frozen(self, weight: torch.Tensor, refresh: bool) -> bool:
         """Whether the call must keep the answer it has: a checkpoint's recompute
@@ -139,8 +132,6 @@ class AsideWatch:
             # No values to read (the meta device, a tracing tool's fake tensors): no answer.
             self._host, self._ready = _NO_VALUES, None
             return
-        if small.dtype not in _BYTE_FLAGS or not small.is_contiguous():
-            small = small.to(torch.uint8).contiguous()  # as ``_read`` reads them
         if small.is_cpu:  # read where they lie: no device sync
             self.known = self._read(small)
             return
@@ -185,25 +176,10 @@ class AsideWatch:
             self.known = self._read(host)
         return self.known
 
-    def _read(self, flags: torch.Tensor) -> tuple[int, ...]:
-        """The indices of the nonzero flags of ``flags``, a contiguous (C,) tensor of one byte an
-        element (bool or uint8: what the checks write) in host memory, read as they lie: a copy
-        of C bytes, no ATen call and no numpy. The tensor stays alive and in place while it is
-        read.
-
-        Through a ctypes array type made once per C (``from_address``), not
-        ``ctypes.string_at`` (a foreign-function call through libffi): in the host harness that
-        costs the layer 2-3 us a call less, as numpy's view and ``nonzero`` cost 2-3 us more
-        than ``string_at``. The type and the all-zero answer are kept per watch (a layer's C
-        does not change)."""
-        n = flags.numel()
-        reader = self._reader
-        if reader is None or reader[0] != n:
-            reader = self._reader = (n, ctypes.c_char * n, bytes(n))
-        data = reader[1].from_address(flags.data_ptr()).raw
-        if data == reader[2]:  # the usual answer: none
-            return ()
-        return tuple(i for i, flag in enumerate(data) if flag)
+    @staticmethod
+    def _read(flags: torch.Tensor) -> tuple[int, ...]:
+        """The indices of the nonzero flags of ``flags``, a (C,) tensor in host memory."""
+        return tuple(flags.numpy().nonzero()[0].tolist())
 
 
 def small_gamma_channels(weight: torch.Tensor | None, bias: torch.Tensor | None,

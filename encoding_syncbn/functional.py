@@ -441,7 +441,7 @@ def replica_stats(x: torch.Tensor) -> ReplicaStats:
     one replica's (at mean 1e6, std 1 and 2-4 replicas: ~1e-3 relative, against ~1e-8).
     Half-precision inputs have float32 statistics, finer than their own rounding.
     """
-    with _compat.no_grad():
+    with torch.no_grad():
         mean, m2, count = ops_for(x).channel_stats(x)
         precise_mean = None
         if x.dtype == torch.float32 and count > 0:
@@ -634,14 +634,14 @@ def batch_norm_act(
     mean, invstd, small = backend.batch_stats(x, eps, running, check)
     if watch is None:
         aside = aside_index(weight, bias, config.inplace, config.aside, x.dtype)
-        out = _compat.apply_function(BatchNormAct, x, weight, bias, (mean, invstd, count),
-                                     config, aside, eps, backend)
+        out = BatchNormAct.apply(x, weight, bias, (mean, invstd, count), config, aside, eps,
+                                 backend)
         return _written_back(x, out, config)
     # Eager and in place: the channels are host ints now, and the Function overwrites x.
     known = watch.channels(weight, bias, x.dtype, refresh, small)
     aside = channel_index(known, weight.device) if known else None
-    return _compat.apply_function_eagerly(BatchNormAct, x, weight, bias, (mean, invstd, count),
-                                          config, aside, eps, backend)
+    return BatchNormAct.apply(x, weight, bias, (mean, invstd, count), config, aside, eps,
+                              backend)
 
 
 def synced_batch_norm_act(
@@ -659,7 +659,7 @@ def synced_batch_norm_act(
     own = replica_stats(x)
     mean, invstd = exchange(own)
     aside = aside_index(weight, bias, config.inplace, config.aside, x.dtype)
-    out = _compat.apply_function(NormAct, x, mean, invstd, weight, bias, config, own.link, aside)
+    out = NormAct.apply(x, mean, invstd, weight, bias, config, own.link, aside)
     return _written_back(x, out, config)
 
 
@@ -675,8 +675,7 @@ def normalize_running(
     """Normalise with the running statistics (evaluation): ``invstd`` is derived in the same
     pass as the output (``Backend.normalize_running``)."""
     aside = aside_index(weight, bias, config.inplace, config.aside, x.dtype)
-    out = _compat.apply_function(NormAct, x, running_mean, running_var, weight, bias, config,
-                                 None, aside, eps)
+    out = NormAct.apply(x, running_mean, running_var, weight, bias, config, None, aside, eps)
     return _written_back(x, out, config)
 
 
@@ -690,5 +689,5 @@ def normalize_with(
 ) -> torch.Tensor:
     """Normalise with fixed statistics (evaluation, or a recompute reusing global ones)."""
     aside = aside_index(weight, bias, config.inplace, config.aside, x.dtype)
-    out = _compat.apply_function(NormAct, x, mean, invstd, weight, bias, config, None, aside)
+    out = NormAct.apply(x, mean, invstd, weight, bias, config, None, aside)
     return _written_back(x, out, config)

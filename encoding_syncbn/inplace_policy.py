@@ -77,10 +77,10 @@ _RESTRICTED_VIEWS = {
 }
 
 
-def can_overwrite(x: torch.Tensor, warned: list[bool], compiling: bool) -> bool:
+def can_overwrite(x: torch.Tensor, warned: list[bool]) -> bool:
     """Whether ``x`` may be overwritten by a custom Function; if not, warn unless ``warned[0]``
-    (the layer's flag: once per layer) or while compiling (``compiling``:
-    ``torch.compiler.is_compiling()``, as the caller asked it)."""
+    (the layer's flag: once per layer) or while compiling."""
+    compiling = torch.compiler.is_compiling()
     # The usual input first, in the fewest checks: eagerly (Dynamo cannot trace _is_view), a
     # fresh non-leaf tensor, dense (no two elements share memory), outside inference mode.
     if (not compiling and not x._is_view()

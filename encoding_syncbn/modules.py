@@ -35,9 +35,6 @@ from .recompute import RecomputeCache
 from .replicas import ReplicaSlot
 from .sync import ReplicaGroup
 
-# What ``_registered`` finds in a table that lacks the name.
-_ABSENT = object()
-
 # The options checked together, at construction and when assigned (``__setattr__``).
 _ACTIVATION_OPTIONS = ("activation", "slope", "inplace")
 
@@ -280,9 +277,7 @@ class SyncBatchNorm(_BatchNorm):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if not isinstance(input, torch.Tensor) and tracing.is_fx_proxy(input):
             return tracing.fx_leaf_call(self, self._label(), input)
-        # Asked once a call (~1,600 instructions a question) and handed to the checks below.
-        compiling = torch.compiler.is_compiling()
-        if tracing.in_aten_ops(compiling):
+        if tracing.in_aten_ops():
             return self._forward_in_aten_ops(input)
         slot = self._replica_slot
         if slot is not None:
@@ -294,15 +289,15 @@ class SyncBatchNorm(_BatchNorm):
             if (dim < 2 or input.shape[1] != self.num_features
                     or input.dtype not in torch_ops.INPUT_DTYPES):
                 self._check_input(input)  # raises, saying what is wrong
-            if not compiling:  # Dynamo's tensors are never such wrappers
+            if not torch.compiler.is_compiling():  # Dynamo's tensors are never such wrappers
                 input = _compat.unwrap_if_dead(input)
             self._last_input_dim[0] = dim
             if self.inplace and inplace_check.checking():
                 inplace_check.before_write(input, self._label())
-                out = self._forward(input, slot, compiling)
+                out = self._forward(input, slot)
                 # ``out is input``: written in place (not a fallback out of place).
                 return inplace_check.after_write(input, out, self._label()) if out is input else out
-            return self._forward(input, slot, compiling)
+            return self._forward(input, slot)
         except BaseException as error:
             if slot is not None:
                 slot.group.fail(slot.rank, error)
@@ -371,22 +366,6 @@ class SyncBatchNorm(_BatchNorm):
             if buffer is not None:
                 buffer.copy_(value)
 
-    def _parameter_pair(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """``(weight, bias)`` as registered, read once a call (a parametrized weight is
-        computed at each read), as ``_registered`` reads them."""
-        parameters = self._parameters
-        weight, bias = parameters.get("weight", _ABSENT), parameters.get("bias", _ABSENT)
-        return (self.weight if weight is _ABSENT else weight,
-                self.bias if bias is _ABSENT else bias)
-
-    def _registered(self, table: dict[str, Any], name: str) -> Any:
-        """The parameter or buffer ``name`` from ``table`` (``_parameters`` or ``_buffers``):
-        ``nn.Module.__getattr__`` costs ~0.6 us a read here, and a call reads five. A name the
-        table lacks is read as an attribute (a DataParallel replica's parameters, a
-        parametrization's property)."""
-        value = table.get(name, _ABSENT)
-        return getattr(self, name) if value is _ABSENT else value
-
     def _affine_params(self, weight: torch.Tensor | None, bias: torch.Tensor | None,
                        x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's ``weight`` and ``bias`` as it computes with them on ``x`` and hands them
@@ -408,7 +387,7 @@ class SyncBatchNorm(_BatchNorm):
         )
         return weight, bias
 
-    def _act_config(self, x: torch.Tensor, compiling: bool) -> ActConfig:
+    def _act_config(self, x: torch.Tensor) -> ActConfig:
         """The activation, and whether and around which channels it runs in place (those
         found at ``replicate()``; None: not known yet, see ``_watching``): the layer's
         configuration, out of place where ``x`` cannot be overwritten or its dtype cannot
@@ -418,7 +397,7 @@ class SyncBatchNorm(_BatchNorm):
         config = self._config
         if not config.inplace:
             return config
-        if not inplace_policy.can_overwrite(x, self._warned_out_of_place, compiling):
+        if not inplace_policy.can_overwrite(x, self._warned_out_of_place):
             return config._replace(inplace=False)
         dtype = x.dtype
         if dtype in torch_ops.HALF_DTYPES:
@@ -428,46 +407,43 @@ class SyncBatchNorm(_BatchNorm):
                 return config.with_aside(None)
         return config
 
-    def _watching(self, config: ActConfig, compiling: bool) -> AsideWatch | None:
+    def _watching(self, config: ActConfig) -> AsideWatch | None:
         """The watch that finds the channels kept aside, where ``config`` does not know them
         (while compiling, ``aside.aside_index`` finds them in the graph)."""
-        if config.inplace and config.aside is None and not compiling:
+        if config.inplace and config.aside is None and not torch.compiler.is_compiling():
             return self._aside_watch
         return None
 
-    def _with_aside(self, config: ActConfig, compiling: bool, refresh: bool,
-                    weight: torch.Tensor | None, bias: torch.Tensor | None,
-                    dtype: torch.dtype) -> ActConfig:
+    def _with_aside(self, config: ActConfig, refresh: bool, weight: torch.Tensor | None,
+                    bias: torch.Tensor | None, dtype: torch.dtype) -> ActConfig:
         """``config`` with the channels kept aside known, chosen by the layer's ``weight`` and
         ``bias`` for an input of ``dtype``; ``refresh=False`` (a checkpoint's recompute): those
         of the original call."""
-        watch = self._watching(config, compiling)
+        watch = self._watching(config)
         if watch is None:
             return config
         return config.with_aside(watch.channels(weight, bias, dtype, refresh=refresh))
 
-    def _forward(self, x: torch.Tensor, slot: ReplicaSlot | None, compiling: bool
-                 ) -> torch.Tensor:
+    def _forward(self, x: torch.Tensor, slot: ReplicaSlot | None) -> torch.Tensor:
         """The dispatch: evaluation with running statistics, training synced, training alone
-        (one replica, or ``sync=False``); ``compiling``: whether torch.compile traces the
-        call."""
-        params = self._parameter_pair()
-        running_mean = self._registered(self._buffers, "running_mean")
+        (one replica, or ``sync=False``)."""
+        params = self.weight, self.bias  # read once: a parametrized weight is computed at each read
+        running_mean = self.running_mean
         state = running_mean if running_mean is not None else params[0]
         if state is not None and x.device != state.device:
             self._refuse_device(x, state)
         weight, bias = self._affine_params(*params, x)
-        config = self._act_config(x, compiling)
+        config = self._act_config(x)
         if not self.training and running_mean is not None:
             return self._forward_running(
-                x, weight, bias, self._with_aside(config, compiling, True, *params, x.dtype))
+                x, weight, bias, self._with_aside(config, True, *params, x.dtype))
         # Batch statistics: training, or evaluation without running ones. Asked only here:
         # evaluation with running statistics never asks autograd (its private API untouched).
-        recomputing = recompute.inside_backward(compiling)
+        recomputing = recompute.inside_backward()
         refresh = not (self.training and recomputing)
         running = self._running() if self.training and not recomputing else None
         if self.sync and ((slot is not None and slot.synced) or self._syncs_processes()):
-            config = self._with_aside(config, compiling, refresh, *params, x.dtype)
+            config = self._with_aside(config, refresh, *params, x.dtype)
             if recomputing:
                 return self._recompute_cache.replay(x, weight, bias, config)
             return self._forward_synced(x, slot, weight, bias, config, running)
@@ -480,7 +456,7 @@ class SyncBatchNorm(_BatchNorm):
             # Empty, and attached to the parameters (zero gradients) as nn.BatchNorm's result.
             return torch.nn.functional.batch_norm(x, None, None, weight, bias, True, 0.0, self.eps)
         return batch_norm_act(x, weight, bias, self.eps, config, running,
-                              self._watching(config, compiling), refresh, count)
+                              self._watching(config), refresh, count)
 
     def _refuse_device(self, x: torch.Tensor, state: torch.Tensor) -> None:
         """An input on another device than the layer's state (``state``: a running statistic,
@@ -538,16 +514,10 @@ class SyncBatchNorm(_BatchNorm):
 
     def _running(self) -> RunningStats | None:
         """The running statistics a training call updates (None: not tracked)."""
-        if not self.track_running_stats:
+        if not self.track_running_stats or self.running_mean is None:
             return None
-        buffers = self._buffers  # read as ``_registered`` reads them, without its calls
-        mean = buffers.get("running_mean", _ABSENT)
-        var = buffers.get("running_var", _ABSENT)
-        batches = buffers.get("num_batches_tracked", _ABSENT)
-        if mean is _ABSENT or var is _ABSENT or batches is _ABSENT:
-            mean, var, batches = (self._registered(buffers, name) for name in
-                                  ("running_mean", "running_var", "num_batches_tracked"))
-        return None if mean is None else RunningStats(mean, var, batches, self.momentum)
+        return RunningStats(self.running_mean, self.running_var, self.num_batches_tracked,
+                            self.momentum)
 
     @classmethod
     def convert_sync_batchnorm(cls, module: torch.nn.Module, process_group: Any = None):

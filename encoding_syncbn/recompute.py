@@ -86,10 +86,9 @@ def may_be_recomputed() -> bool:
     return not torch.is_grad_enabled() or _compat.saved_tensor_hooks_may_be_active()
 
 
-def inside_backward(compiling: bool) -> bool:
-    """A checkpoint recomputation runs the forward again inside backward (graph task >= 0);
-    ``compiling``: ``torch.compiler.is_compiling()``, as the caller asked it.
+def inside_backward() -> bool:
+    """A checkpoint recomputation runs the forward again inside backward (graph task >= 0).
 
     A compiled graph is traced once, not re-run eagerly by a recomputation.
     """
-    return not compiling and _compat.inside_backward()
+    return not torch.compiler.is_compiling() and _compat.inside_backward()

@@ -68,15 +68,14 @@ def in_forward_ad() -> bool:
     return getattr(forward_ad, "_current_level", -1) >= 0
 
 
-def in_aten_ops(compiling: bool) -> bool:
+def in_aten_ops() -> bool:
     """Whether the layer computes in ATen ops, its kernels' formula
     (``functional.norm_act_composite``): its call is being captured for a program that must
     run without this package (``torch.jit.trace``, ``torch.export``: both refuse a training
     layer, see ``capture_of_training``), or differentiated by a ``torch.func`` transform or in
-    forward mode.
-    ``compiling``: ``torch.compiler.is_compiling()``, as the caller asked it."""
-    return (_compat.functorch_transform_active(compiling) or in_forward_ad()
-            or _compat.jit_tracing(compiling) or _compat.exporting())
+    forward mode."""
+    return (_compat.functorch_transform_active() or in_forward_ad() or _compat.jit_tracing()
+            or _compat.exporting())
 
 
 def capture_of_training(training: bool) -> str | None:

@@ -5,6 +5,7 @@ environment before anything imports triton, hence the first statements below.
 """
 
 import contextlib
+import math
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -22,6 +23,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+from encoding_syncbn.activations import elu_inverse_floor  # noqa: E402
 from encoding_syncbn.kernels import (  # noqa: E402
     TORCH,
     BatchSums,
@@ -478,6 +480,26 @@ def test_unknown_or_non_invertible_activation_id_fails_to_compile(activation, sa
     with pytest.raises(Exception, match="unknown activation id|without an inverse"):
         _activation_probe[(1,)](x, torch.empty_like(x), activation, saved_is_output)
     _activation_probe[(1,)](x, torch.empty_like(x), "leaky_relu", saved_is_output)
+
+
+@triton.jit
+def _constants_probe(like_ptr, out_ptr):
+    like = tl.load(like_ptr)
+    tl.store(out_ptr, TA._elu_floor(like))
+    tl.store(out_ptr + 1, TA._sqrt1_2(like))
+    tl.store(out_ptr + 2, TA._inv_sqrt_2pi(like))
+    tl.store(out_ptr + 3, TA._gelu_tanh_beta(like))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_activation_constants_are_their_definitions(dtype):
+    """The kernels' constants, literals in their source, are their definitions rounded once
+    to the operand's dtype."""
+    out = torch.empty(4, dtype=dtype, device=DEVICE)
+    _constants_probe[(1,)](torch.zeros(1, dtype=dtype, device=DEVICE), out)
+    want = torch.tensor([elu_inverse_floor(dtype), math.sqrt(0.5), 1.0 / math.sqrt(2.0 * math.pi),
+                         math.sqrt(2.0 / math.pi)], dtype=torch.float64).to(dtype)
+    assert torch.equal(out.cpu(), want)
 
 
 @pytest.mark.parametrize("fmt", ["nchw", "last"])

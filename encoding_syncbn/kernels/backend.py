@@ -42,8 +42,6 @@ from typing import NamedTuple, Protocol
 
 import torch
 
-from .. import _compat
-
 
 def channel_vector(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``t`` as backends take a per-channel vector: contiguous, in ``dtype`` (the statistics
@@ -171,7 +169,7 @@ class FunctionsBackend:
     def batch_stats(self, x: torch.Tensor, eps: float, running: RunningStats | None,
                     check: GammaCheck | None
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        with _compat.no_grad():
+        with torch.no_grad():
             return self._f.batch_stats(x, eps, *(running or NO_RUNNING), *(check or NO_CHECK))
 
     def normalize_act(self, x: torch.Tensor, params: NormParams,

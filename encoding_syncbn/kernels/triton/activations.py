@@ -6,21 +6,47 @@ definition in ``encoding_syncbn/activations.py``; an id with no code here (or, f
 output, one with no inverse) fails to compile (``tl.static_assert``): no catch-all branch.
 """
 
-import math
-
-import torch
 import triton
 import triton.language as tl
 
-from ...activations import elu_inverse_floor
+# The constants are literals inside jitted functions, each in the dtype of its operand, not
+# module-level ``tl.constexpr`` globals: Triton compares every global a kernel reads (its
+# callees' included) with its compile-time value at each launch, some 1-3 us a global a launch
+# on the host (test_triton_ops checks the literals against their definitions).
 
-_ELU_FLOOR_FP32 = tl.constexpr(elu_inverse_floor(torch.float32))
-_ELU_FLOOR_FP64 = tl.constexpr(elu_inverse_floor(torch.float64))
+
+@triton.jit
+def _elu_floor(like):
+    """``activations.elu_inverse_floor`` for ``like``'s dtype: -1 + eps / 2 of float64 for a
+    float64 ``like``, else of float32."""
+    if like.dtype == tl.float64:
+        floor = tl.full([], -0.9999999999999999, like.dtype)  # -1 + 2**-53
+    else:
+        floor = tl.full([], -0.9999999403953552, like.dtype)  # -1 + 2**-24
+    return floor
+
+
 # GELU's constants, as ATen's: 1/sqrt(2), 1/sqrt(2 pi); tanh form: sqrt(2/pi), 0.044715.
-_SQRT1_2 = tl.constexpr(math.sqrt(0.5))
-_INV_SQRT_2PI = tl.constexpr(1.0 / math.sqrt(2.0 * math.pi))
-_GELU_TANH_BETA = tl.constexpr(math.sqrt(2.0 / math.pi))
-_GELU_TANH_KAPPA = tl.constexpr(0.044715)
+
+
+@triton.jit
+def _sqrt1_2(like):
+    return tl.full([], 0.7071067811865476, like.dtype)
+
+
+@triton.jit
+def _inv_sqrt_2pi(like):
+    return tl.full([], 0.3989422804014327, like.dtype)
+
+
+@triton.jit
+def _gelu_tanh_beta(like):
+    return tl.full([], 0.7978845608028654, like.dtype)
+
+
+@triton.jit
+def _gelu_tanh_kappa(like):
+    return tl.full([], 0.044715, like.dtype)
 
 
 @triton.jit
@@ -50,12 +76,6 @@ def _log1p(r):
 
 
 @triton.jit
-def _constant(value, like):
-    """``value`` in ``like``'s dtype, rounded once from the Python float (fp64 stays exact)."""
-    return tl.full([], value, like.dtype)
-
-
-@triton.jit
 def _sigmoid(t):
     """``(sigmoid(t), 1 - sigmoid(t))``, the second without cancellation where sigmoid(t)
     is near 1 (``exp(-t) * sigmoid(t)``; an fp32 ``1 - s`` there has a relative error of up
@@ -69,7 +89,7 @@ def _sigmoid(t):
 def _gelu_tanh_u(z):
     """GELU's tanh form is ``z * (1 + tanh(u)) / 2 = z * sigmoid(2u)`` with this ``u``
     (computed without tanh, which Triton has only through libdevice)."""
-    return _constant(_GELU_TANH_BETA, z) * (z + _constant(_GELU_TANH_KAPPA, z) * z * z * z)
+    return _gelu_tanh_beta(z) * (z + _gelu_tanh_kappa(z) * z * z * z)
 
 
 @triton.jit
@@ -87,7 +107,7 @@ def _activate(z, slope, ACTIVATION: tl.constexpr):
     elif ACTIVATION == "silu":
         y = z / (1.0 + tl.exp(-z))  # as ATen's CPU kernel
     elif ACTIVATION == "gelu":
-        y = 0.5 * z * (1.0 + tl.math.erf(z * _constant(_SQRT1_2, z)))
+        y = 0.5 * z * (1.0 + tl.math.erf(z * _sqrt1_2(z)))
     elif ACTIVATION == "gelu_tanh":
         y = z / (1.0 + tl.exp(-2.0 * _gelu_tanh_u(z)))
     else:
@@ -112,11 +132,7 @@ def _xhat_dz(s, dy, mean, invstd, weight, bias, slope, ACTIVATION: tl.constexpr,
             z = tl.where(positive, s, s / slope)
             dz = tl.where(positive, dy, dy * slope)
         elif ACTIVATION == "elu":
-            if s.dtype == tl.float64:
-                floor = tl.full([], _ELU_FLOOR_FP64, s.dtype)
-            else:
-                floor = tl.full([], _ELU_FLOOR_FP32, s.dtype)
-            ratio = tl.maximum(s / slope, floor)
+            ratio = tl.maximum(s / slope, _elu_floor(s))
             z = tl.where(positive, s, _log1p(ratio))
             dz = tl.where(positive, dy, dy * (s + slope))
         else:
@@ -139,14 +155,13 @@ def _xhat_dz(s, dy, mean, invstd, weight, bias, slope, ACTIVATION: tl.constexpr,
             sig, one_minus = _sigmoid(z)
             dz = dy * sig * (1.0 + z * one_minus)
         elif ACTIVATION == "gelu":
-            cdf = 0.5 * (1.0 + tl.math.erf(z * _constant(_SQRT1_2, z)))
-            pdf = _constant(_INV_SQRT_2PI, z) * tl.exp(-0.5 * z * z)
+            cdf = 0.5 * (1.0 + tl.math.erf(z * _sqrt1_2(z)))
+            pdf = _inv_sqrt_2pi(z) * tl.exp(-0.5 * z * z)
             dz = dy * (cdf + z * pdf)
         elif ACTIVATION == "gelu_tanh":
             # d/dz z*s = s + z * 2 s (1 - s) * u', u' = sqrt(2/pi) * (1 + 3 * 0.044715 z^2)
             sig, one_minus = _sigmoid(2.0 * _gelu_tanh_u(z))
-            du = _constant(_GELU_TANH_BETA, z) * (
-                1.0 + 3.0 * _constant(_GELU_TANH_KAPPA, z) * z * z)
+            du = _gelu_tanh_beta(z) * (1.0 + 3.0 * _gelu_tanh_kappa(z) * z * z)
             dz = dy * sig * (1.0 + 2.0 * z * one_minus * du)
         else:
             tl.static_assert(False, "unknown activation id (see encoding_syncbn/activations.py)")

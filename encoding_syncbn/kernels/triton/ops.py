@@ -285,7 +285,7 @@ class TritonBackend:
         formula)."""
         flat = (x, float(eps), *(running or NO_RUNNING), *(check or NO_CHECK))
         if self._through_dispatcher:
-            with _compat.no_grad():
+            with torch.no_grad():
                 mean, invstd, small = self._batch_stats(*flat)
         else:
             mean, invstd, small = self._batch_stats(*flat)
