@@ -178,8 +178,10 @@ class AsideWatch:
 
     @staticmethod
     def _read(flags: torch.Tensor) -> tuple[int, ...]:
-        """The indices of the nonzero flags of ``flags``, a (C,) tensor in host memory."""
-        return tuple(flags.numpy().nonzero()[0].tolist())
+        """The indices of the nonzero flags of ``flags``, a (C,) tensor in host memory (torch's
+        nonzero: numpy's costs 1% fewer host instructions a step, but torch does not require
+        numpy)."""
+        return tuple(flags.nonzero().flatten().tolist())
 
 
 def small_gamma_channels(weight: torch.Tensor | None, bias: torch.Tensor | None,
