@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .partials import _last_to_finish, _rearm, _sum_partials, split_counters
+from .partials import _merge_split, split_counters
 from .plan import (
     Launch,
     OpPlan,
@@ -57,17 +57,8 @@ def _backward_reduce_kernel(saved_ptr, dy_ptr, mean_ptr, invstd_ptr, weight_ptr,
     c = _block_channels(c0, CHANNELS_LAST, BLOCK_B)
     sum_dz = _channel_sums(acc_dz, CHANNELS_LAST)
     sum_dz_xhat = _channel_sums(acc_dz_xhat, CHANNELS_LAST)
-    if SPLIT:
-        plane = tl.num_programs(1) * C
-        row_ptr = part_ptr + tl.program_id(1) * C + c
-        tl.store(row_ptr, sum_dz, mask=c < C)
-        tl.store(row_ptr + plane, sum_dz_xhat, mask=c < C)
-        finishing = _last_to_finish(counter_ptr, tl.program_id(0))
-        if finishing:
-            sum_dz, sum_dz_xhat = _sum_partials(part_ptr, plane, c, C, BLOCK_P)
-            _rearm(counter_ptr, tl.program_id(0))
-    else:
-        finishing = True
+    sum_dz, sum_dz_xhat, finishing = _merge_split(sum_dz, sum_dz_xhat, part_ptr,
+                                                  counter_ptr + c0, c, C, SPLIT, BLOCK_P)
     if finishing:
         tl.store(sum_dz_ptr + c, sum_dz, mask=c < C)
         tl.store(sum_dz_xhat_ptr + c, sum_dz_xhat, mask=c < C)
@@ -92,13 +83,13 @@ def _reduce_launches(plan: OpPlan, saved: torch.Tensor, dy: torch.Tensor, mean: 
                      ) -> tuple[list[Launch], tuple[torch.Tensor, torch.Tensor]]:
     """The reduction's launch as ``plan`` plans it, on ``saved`` and ``dy`` as it launches on
     them (prepared, in the planned layout), and its ``(sum_dz, sum_dz_xhat)``."""
-    acc, (blocks, splits), c = plan.acc, plan.grid, plan.geo.c
+    acc, splits, c = plan.acc, plan.grid[1], plan.geo.c
     sum_dz = saved.new_empty(c, dtype=acc)
     sum_dz_xhat = saved.new_empty(c, dtype=acc)
     # Split: one buffer of two planes of partial sums; else unread.
     part = saved.new_empty(2 * splits * c, dtype=acc) if splits > 1 else sum_dz
     reduce = Launch(_backward_reduce_kernel, plan.grid,
                     (saved, dy, mean, invstd, weight, bias, sum_dz, sum_dz_xhat, part,
-                     split_counters(saved.device, blocks), plan.slope, *plan.args),
+                     split_counters(saved.device, c), plan.slope, *plan.args),
                     plan.constexprs, plan.num_warps)
     return [reduce], (sum_dz, sum_dz_xhat)

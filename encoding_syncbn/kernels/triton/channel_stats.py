@@ -8,7 +8,7 @@ import triton
 import triton.language as tl
 
 from .finalize_stats import FinishPlan, _finish_batch_stats, finish_args, finish_plan
-from .partials import _last_to_finish, _rearm, _sum_partials, split_counters
+from .partials import _merge_split, split_counters
 from .plan import (
     Launch,
     OpPlan,
@@ -86,17 +86,8 @@ def _block_stats(x_ptr, part_ptr, counter_ptr, N, C, S, R, CS, tiles, tiles_s, t
     c = _block_channels(c0, CHANNELS_LAST, BLOCK_B)
     sum_d = _channel_sums(s1, CHANNELS_LAST)
     sum_d2 = _channel_sums(s2, CHANNELS_LAST)
-    if SPLIT:
-        plane = tl.num_programs(1) * C
-        row_ptr = part_ptr + tl.program_id(1) * C + c
-        tl.store(row_ptr, sum_d, mask=c < C)
-        tl.store(row_ptr + plane, sum_d2, mask=c < C)
-        finishing = _last_to_finish(counter_ptr, tl.program_id(0))
-        if finishing:
-            sum_d, sum_d2 = _sum_partials(part_ptr, plane, c, C, BLOCK_P)
-            _rearm(counter_ptr, tl.program_id(0))
-    else:
-        finishing = True
+    sum_d, sum_d2, finishing = _merge_split(sum_d, sum_d2, part_ptr, counter_ptr, c, C,
+                                            SPLIT, BLOCK_P)
     n = R.to(ACC)
     mean = _channel_vector(k, CHANNELS_LAST) + sum_d / n
     # Rounding may leave a constant channel's M2 a hair below 0 (NaN stays NaN).
@@ -143,11 +134,11 @@ def _batch_stats_kernel(x_ptr, part_ptr, counter_ptr, mean_ptr, invstd_ptr, coun
 def _stats_buffers(plan: OpPlan, x: torch.Tensor, mean: torch.Tensor, extra_counters: int = 0
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """The statistics kernel's ``part`` buffer (split: 2 * splits * C partial sums; else
-    ``mean``, unread) and counters (one per channel block, and ``extra_counters`` after
-    them)."""
-    blocks, splits = plan.grid
+    ``mean``, unread) and counters (one per channel: ``partials``, and ``extra_counters``
+    after them)."""
+    splits = plan.grid[1]
     part = x.new_empty(2 * splits * plan.geo.c, dtype=plan.acc) if splits > 1 else mean
-    return part, split_counters(x.device, blocks + extra_counters)
+    return part, split_counters(x.device, plan.geo.c + extra_counters)
 
 
 def _plan_channel_stats(x: torch.Tensor, target: Target, tile: Tile | None = None
@@ -199,7 +190,7 @@ def _plan_batch_stats(x: torch.Tensor, eps: float, running_mean: torch.Tensor | 
     stats, finish, constexprs = plans
     x = _prepare(x, stats)
     mean = x.new_empty(stats.geo.c, dtype=stats.acc)
-    # One counter after the channel blocks': the cumulative average's finished blocks.
+    # One counter after the channels': the cumulative average's finished blocks.
     part, counters = _stats_buffers(stats, x, mean, 1)
     args, result = finish_args(finish, mean, running_mean, running_var, batches, weight, bias)
     return [Launch(_batch_stats_kernel, stats.grid, (x, part, counters, mean, *args, *stats.args),

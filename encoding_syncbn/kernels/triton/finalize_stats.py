@@ -87,21 +87,27 @@ def _finish_batch_stats(c, mean, m2, counter_ptr, mean_ptr, invstd_ptr, count: t
     small = _small_gamma(w, b, gamma_limit).
 
     The batch counter is incremented once: by channel block 0, or, for a cumulative average
-    (where every block reads it), by the last block to finish (``counter_ptr``: the counter
-    after the channel blocks' own), once every other block has read it.
+    (where every block reads it), by the last block to finish (``counter_ptr + C``: the
+    counter after the channels' own), once every other block has read it.
     """
     valid = c < C
     n = tl.full([], count, ACC)
     epsilon = tl.full([], eps, ACC)
+    # The divisions and the square root first, while little is live: in float64 they are
+    # subroutine calls, and ptxas 13 (under Triton 3.9's --regAllocOptLevel=2) spilled values
+    # that were live across them.
+    if COUNTER:
+        batches = tl.load(batches_ptr) + 1
+    if CUMULATIVE:
+        factor = _div(tl.full([], 1.0, RUN_ACC), batches.to(RUN_ACC))
+    invstd = _div(tl.full([], 1.0, ACC), _sqrt(_div(m2, n) + epsilon))
+    tl.store(invstd_ptr + c, invstd, mask=valid)
     tl.store(mean_ptr + c, mean, mask=valid)
     if RUNNING:
-        if COUNTER:
-            batches = tl.load(batches_ptr) + 1
         r_mean = tl.load(running_mean_ptr + c, mask=valid, other=0.0).to(RUN_ACC)
         r_var = tl.load(running_var_ptr + c, mask=valid, other=0.0).to(RUN_ACC)
         taken_var = tl.full([], var_alpha, RUN_ACC)
         if CUMULATIVE:
-            factor = _div(tl.full([], 1.0, RUN_ACC), batches.to(RUN_ACC))
             r_mean = _lerp(r_mean, mean.to(RUN_ACC), factor)
             r_var = _lerp(r_var, m2.to(RUN_ACC) * taken_var, factor)
         else:
@@ -115,25 +121,18 @@ def _finish_batch_stats(c, mean, m2, counter_ptr, mean_ptr, invstd_ptr, count: t
             if CUMULATIVE:
                 blocks = tl.num_programs(0)
                 tl.debug_barrier()
-                finished = tl.atomic_add(counter_ptr + blocks, 1, sem="acq_rel", scope="gpu")
+                finished = tl.atomic_add(counter_ptr + C, 1, sem="acq_rel", scope="gpu")
                 if finished == blocks - 1:
                     tl.store(batches_ptr, batches)
-                    tl.store(counter_ptr + blocks, 0)
+                    tl.store(counter_ptr + C, 0)
             else:
                 if tl.program_id(0) == 0:
                     tl.store(batches_ptr, batches)
     if CHECK:
         w = tl.load(weight_ptr + c, mask=valid, other=1.0)
         b = tl.load(bias_ptr + c, mask=valid, other=0.0)
-        # In float32 whatever ACC: float64's registers spilled 8 bytes on sm_80 (a cumulative
-        # average's float64 specialisations), and the flag is a threshold, not a result.
-        limit = tl.full([], gamma_limit, tl.float32)
-        small = _small_gamma(w.to(tl.float32), b.to(tl.float32), limit)
-        tl.store(small_ptr + c, small.to(tl.uint8), mask=valid)
-    # invstd last: nothing else is live across its division and square root (subroutine
-    # calls, around which live values spilled).
-    invstd = _div(tl.full([], 1.0, ACC), _sqrt(_div(m2, n) + epsilon))
-    tl.store(invstd_ptr + c, invstd, mask=valid)
+        limit = tl.full([], gamma_limit, ACC)
+        tl.store(small_ptr + c, _small_gamma(w, b, limit).to(tl.uint8), mask=valid)
 
 
 class FinishPlan(NamedTuple):

@@ -2,12 +2,13 @@
 them to finish merges the partials, in the same launch.
 
 Each program stores its row of the ``[planes, splits, C]`` partial buffer, then increments its
-channel block's counter (acquire-release, after a barrier: every thread's stores come before
-it). The program that finds ``splits - 1`` there is the last: the acquire makes every other
-program's row visible to it; it merges the rows in index order (the same bits whatever order
-the programs finished in) and sets the counter back to 0 for the next launch. The counters
-live in one int32 buffer per device and stream (:func:`split_counters`), zeroed once; launches
-on one stream run one after another, so they never share a counter at the same time.
+channel block's counter, the one at the block's first channel (acquire-release, after a
+barrier: every thread's stores come before it). The program that finds ``splits - 1`` there is
+the last: the acquire makes every other program's row visible to it; it merges the rows in
+index order (the same bits whatever order the programs finished in) and sets the counter back
+to 0 for the next launch. The counters live in one int32 buffer per device and stream
+(:func:`split_counters`), zeroed once; launches on one stream run one after another, so they
+never share a counter at the same time.
 """
 
 from __future__ import annotations
@@ -22,46 +23,54 @@ from ... import _compat
 
 
 @triton.jit
-def _last_to_finish(counter_ptr, block):
-    """Whether this program is the last of its channel block's programs (grid axis 1) to
-    finish; call it after storing the program's partial row. The barrier orders every
-    thread's stores before the one thread's atomic, whose release publishes them and whose
-    acquire (in the last program) makes the other programs' rows visible."""
-    tl.debug_barrier()
-    arrived = tl.atomic_add(counter_ptr + block, 1, sem="acq_rel", scope="gpu")
-    return arrived == tl.num_programs(1) - 1
+def _merge_split(sum_a, sum_b, part_ptr, block_counter_ptr, c, C, SPLIT: tl.constexpr,
+                 BLOCK_P: tl.constexpr):
+    """``(sum_a, sum_b, finishing)``: a channel block's two per-channel sums over all of its
+    programs (grid axis 1), in the program that is ``finishing`` (without ``SPLIT``, every
+    program has the whole sums). ``block_counter_ptr``: the channel block's counter, the one
+    at its first channel (``counter_ptr + c0``: the kernels keep c0 live anyway, where the
+    block index would be one more value across their loops, which ptxas 13 under Triton
+    3.9's ``--regAllocOptLevel=2`` spilled).
 
-
-@triton.jit
-def _rearm(counter_ptr, block):
-    """Set a counter back to 0 for the next launch (which starts after this one ends)."""
-    tl.store(counter_ptr + block, 0)
-
-
-@triton.jit
-def _sum_partials(part_ptr, plane, c, C, BLOCK_P: tl.constexpr):
-    """Per channel of ``c`` (a [CB] block): the sums of planes 0 and 1 of the [2, splits, C]
-    partials, BLOCK_P rows a step, always in the same order. Read past the L1 cache (``.cg``):
-    the rows were written by other programs."""
-    splits = tl.num_programs(1)
-    c2 = c[None, :]
-    p = tl.arange(0, BLOCK_P)[:, None]
-    acc_ty = part_ptr.dtype.element_ty
-    acc_a = tl.zeros([BLOCK_P, c.shape[0]], acc_ty)
-    acc_b = tl.zeros([BLOCK_P, c.shape[0]], acc_ty)
-    for p0 in range(0, splits, BLOCK_P):
-        mask = (p0 + p < splits) & (c2 < C)
-        offs = (p0 + p) * C + c2
-        acc_a += tl.load(part_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg")
-        acc_b += tl.load(part_ptr + plane + offs, mask=mask, other=0.0, cache_modifier=".cg")
-    return tl.sum(acc_a, 0), tl.sum(acc_b, 0)
+    Each program stores its sums in row pid_1 of the [2, splits, C] buffer ``part``; the
+    barrier orders every thread's stores before the one thread's atomic, whose release
+    publishes them and whose acquire (in the last program) makes the other rows visible. The
+    last program adds the rows up BLOCK_P at a time, always in index order, reading past the
+    L1 cache (``.cg``: other programs wrote them), and sets the counter back to 0.
+    """
+    if SPLIT:
+        splits = tl.num_programs(1)
+        plane = splits * C
+        row_ptr = part_ptr + tl.program_id(1) * C + c
+        tl.store(row_ptr, sum_a, mask=c < C)
+        tl.store(row_ptr + plane, sum_b, mask=c < C)
+        tl.debug_barrier()
+        arrived = tl.atomic_add(block_counter_ptr, 1, sem="acq_rel", scope="gpu")
+        finishing = arrived == splits - 1
+        if finishing:
+            c2 = c[None, :]
+            p = tl.arange(0, BLOCK_P)[:, None]
+            acc_a = tl.zeros([BLOCK_P, c.shape[0]], sum_a.dtype)
+            acc_b = tl.zeros([BLOCK_P, c.shape[0]], sum_b.dtype)
+            for p0 in range(0, splits, BLOCK_P):
+                mask = (p0 + p < splits) & (c2 < C)
+                offs = (p0 + p) * C + c2
+                acc_a += tl.load(part_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg")
+                acc_b += tl.load(part_ptr + plane + offs, mask=mask, other=0.0,
+                                 cache_modifier=".cg")
+            sum_a = tl.sum(acc_a, 0)
+            sum_b = tl.sum(acc_b, 0)
+            tl.store(block_counter_ptr, 0)
+    else:
+        finishing = True
+    return sum_a, sum_b, finishing
 
 
 # --------------------------------------------------------------------------------------------
 # The counters (host side)
 # --------------------------------------------------------------------------------------------
 
-# Counters per buffer at least: one per channel block of any launch planned so far fits.
+# Counters per buffer at least: a layer of up to this many channels needs no larger one.
 _MIN_COUNTERS = 4096
 
 _counters: dict[tuple[torch.device, int], torch.Tensor] = {}
