@@ -426,7 +426,7 @@ def test_backward_planned_for_any_target(c, fmt, dtype, variant, sms, seed):
     shape = (60, c, 5, 9) if c < 16 else (2, c, 3, 5)
     with pytest.MonkeyPatch.context() as patch:
         if sms is not None:
-            patch.setattr(T, "_target", lambda device: P.Target(False, sms))
+            patch.setattr(triton_ops, "_target", lambda device: P.Target(False, sms))
         _check_backward(shape, fmt, dtype, *variant, seed=seed)
 
 
@@ -586,7 +586,7 @@ def _tile_offsets(geo, tile, t, c0):
     tiles_s = 1 if geo.channels_last else -(-s // tile.block_b)
     off = torch.empty(tile.block_a * tile.block_b, dtype=torch.int64)
     mask = torch.empty(tile.block_a * tile.block_b, dtype=torch.bool)
-    with T._INTERPRETER_LOCK:
+    with triton_ops._INTERPRETER_LOCK:
         _tile_offsets_kernel[(1,)](off, mask, t, c0, n, c, s, n * s, c * s, tiles_s,
                                    geo.channels_last, tile.block_a, tile.block_b)
     return off.view(tile), mask.view(tile)
