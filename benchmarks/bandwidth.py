@@ -41,21 +41,30 @@ def _ops(T, x, dy, vec, out):
     """The passes over one activation (leaky_relu, rebuilt from the output in backward), as a
     training layer calls them: batch_stats with running statistics and the small-gamma check;
     evaluation's normalize_running; the backward's two ops alone and as one batch_backward."""
-    from encoding_syncbn.kernels import NormParams
+    from encoding_syncbn.kernels import (
+        DxCoefs,
+        GammaCheck,
+        NormParams,
+        RunningParams,
+        RunningStats,
+    )
 
     c = x.shape[1]
-    running = (torch.zeros(c, device=x.device), torch.ones(c, device=x.device),
-               torch.zeros((), dtype=torch.long, device=x.device), 0.1)
+    running = RunningStats(torch.zeros(c, device=x.device), torch.ones(c, device=x.device),
+                           torch.zeros((), dtype=torch.long, device=x.device), 0.1)
     params = NormParams(*vec, "leaky_relu", 0.01)
+    evaluation = RunningParams(running.mean, running.var, 1e-5, *vec[2:], "leaky_relu", 0.01)
+    check = GammaCheck(*vec[2:], 0.016)
+    coefs = DxCoefs(*vec[:3])
     count = x.numel() // c
+    B = T.EAGER
     return {
-        "batch_stats": lambda: T.batch_stats(x, 1e-5, *running, *vec[2:], 0.016),
-        "normalize_act": lambda: T.normalize_act(x, *vec, "leaky_relu", 0.01, out),
-        "normalize_running": lambda: T.normalize_running(x, running[0], running[1], 1e-5,
-                                                         *vec[2:], "leaky_relu", 0.01, out),
-        "backward_reduce": lambda: T.backward_reduce(out, dy, *vec, "leaky_relu", 0.01, True),
-        "backward_dx": lambda: T.backward_dx(out, dy, *vec, "leaky_relu", 0.01, True, *vec[:3]),
-        "batch_backward": lambda: T.DIRECT.batch_backward(out, dy, params, True, count),
+        "batch_stats": lambda: B.batch_stats(x, 1e-5, running, check),
+        "normalize_act": lambda: B.normalize_act(x, params, out),
+        "normalize_running": lambda: B.normalize_running(x, evaluation, out),
+        "backward_reduce": lambda: B.backward_reduce(out, dy, params, True),
+        "backward_dx": lambda: B.backward_dx(out, dy, params, True, coefs),
+        "batch_backward": lambda: B.batch_backward(out, dy, params, True, count),
     }
 
 

@@ -53,7 +53,7 @@ def _child(layer: str, steps: int) -> None:
     harness.StubLaunches(triton_ops)
     channels = SHAPE[1]
     module = {"ours": lambda: encoding_syncbn.SyncBatchNorm(channels, activation="leaky_relu"),
-              "bare": lambda: harness._BareLayer(channels, triton_ops.DIRECT),
+              "bare": lambda: harness._BareLayer(channels, triton_ops.EAGER),
               "floor": lambda: harness._FloorLayer(channels)}[layer]()
     like = torch.empty(SHAPE, dtype=torch.float16, requires_grad=True)
     dy = torch.empty(SHAPE, dtype=torch.float16)

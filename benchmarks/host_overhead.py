@@ -285,7 +285,7 @@ def measure(triton_ops, launcher, stub, shape, dtype, channels_last, iters, repe
     # float32 parameters, as under AMP.
     ours = [SyncBatchNorm(channels, activation="leaky_relu") for _ in range(stack)]
     floor = [_FloorLayer(channels) for _ in range(stack)]
-    bare = [_BareLayer(channels, triton_ops.DIRECT) for _ in range(stack)]
+    bare = [_BareLayer(channels, triton_ops.EAGER) for _ in range(stack)]
     variants = {
         "ours": (ours[:1], iters), "floor": (floor[:1], iters), "bare": (bare[:1], iters),
         "ours stacked": (ours, max(1, iters // stack)),
@@ -314,7 +314,7 @@ def _time_in_ops(triton_ops, launcher, layers, links, make_input, dy, iters, rep
     """Microseconds per call inside the backend's ops (a pass of its own, ops wrapped): the
     fastest repeat's total, each op's part of it, and the part inside the launches."""
     spent = dict.fromkeys([*BACKEND_OPS, LAUNCHES], 0.0)
-    direct = triton_ops.DIRECT
+    direct = triton_ops.EAGER
     plain = {name: getattr(direct, name) for name in BACKEND_OPS}
     run = launcher.run
 

@@ -82,6 +82,7 @@ def _launches(shape: tuple[int, ...], channels_last: bool):
     """``(name, launch, tensors moved per element)`` of the tile-walking kernels."""
     import torch
 
+    from encoding_syncbn.kernels import BatchSums, NormParams
     from encoding_syncbn.kernels.triton.backward_dx import _plan_backward_dx
     from encoding_syncbn.kernels.triton.backward_reduce import _plan_backward_reduce
     from encoding_syncbn.kernels.triton.channel_stats import _plan_batch_stats
@@ -91,7 +92,7 @@ def _launches(shape: tuple[int, ...], channels_last: bool):
     fmt = torch.channels_last if channels_last else torch.contiguous_format
     x = torch.empty(shape, dtype=torch.float16, device="meta", memory_format=fmt)
     v = torch.empty(shape[1], dtype=torch.float32, device="meta")
-    params = (v, v, v, v, "leaky_relu", 0.01)
+    params = NormParams(v, v, v, v, "leaky_relu", 0.01)
     target = Target(False, H100_SMS)
     count = x.numel() // shape[1]
     batches = torch.empty((), dtype=torch.int64, device="meta")
@@ -99,9 +100,10 @@ def _launches(shape: tuple[int, ...], channels_last: bool):
     stats = _plan_batch_stats(x, 1e-5, v, v, batches, 0.1, v, v, 0.016, target)[0][0]
     return [
         ("statistics", stats, 1),
-        ("normalize", _plan_normalize_act(x, *params, x, target)[0][0], 2),
+        ("normalize", _plan_normalize_act(x, params, x, target)[0][0], 2),
         ("backward reduce", _plan_backward_reduce(x, x, *params, True, target)[0][0], 2),
-        ("backward dx", _plan_backward_dx(x, x, *params, True, v, v, v, count, target)[0][0], 3),
+        ("backward dx",
+         _plan_backward_dx(x, x, params, True, BatchSums(v, v, count), target)[0][0], 3),
     ]
 
 

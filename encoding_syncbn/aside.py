@@ -212,7 +212,8 @@ def aside_index(weight: torch.Tensor, bias: torch.Tensor, inplace: bool,
         return None
     if torch.compiler.is_compiling():
         # A custom op of data-dependent size: Dynamo would refuse nonzero itself.
-        return compile_ops.aside_channels(weight.detach(), bias.detach(), gamma_limit(dtype))
+        return compile_ops.aside_channels(GammaCheck(weight.detach(), bias.detach(),
+                                                     gamma_limit(dtype)))
     if known is not None:
         return channel_index(known, weight.device) if known else None
     return small_gamma_index(weight, bias, gamma_limit(dtype))

@@ -52,6 +52,7 @@ from .kernels import (
     BatchSums,
     DxCoefs,
     NormParams,
+    RunningParams,
     RunningStats,
     dx_coefs,
     ops_for,
@@ -168,8 +169,8 @@ def _normalize(ctx, x, mean, invstd, weight, bias, config: ActConfig, aside_chan
             x, NormParams(mean, invstd, weight, bias, config.activation, config.slope), out
         )
     else:
-        mean, invstd = (backend or ops_for(x)).normalize_running(
-            x, mean, invstd, running_eps, weight, bias, config.activation, config.slope, out)
+        mean, invstd = (backend or ops_for(x)).normalize_running(x, RunningParams(
+            mean, invstd, running_eps, weight, bias, config.activation, config.slope), out)
     if overwrites:
         ctx.mark_dirty(x)
     ctx.save_for_backward(out if config.inplace else x, weight, bias, *aside)

@@ -144,7 +144,7 @@ def test_batch_stats_records_no_autograd_history(name):
         if not kernels.triton_available():
             pytest.skip("triton is not installed (it is an optional, Linux-only dependency)")
         from encoding_syncbn.kernels.triton import ops as triton_ops
-        backend = triton_ops.DIRECT if name == "triton" else triton_ops.DISPATCHED
+        backend = triton_ops.EAGER if name == "triton" else triton_ops.TRACED
     torch.manual_seed(0)
     x = torch.randn(4, 3, 5, 5, dtype=torch.float64, requires_grad=True) * 2
     weight, bias = torch.tensor([1.0, 1e-9, -2.0], dtype=torch.float64), torch.zeros(3).double()

@@ -217,7 +217,10 @@ def test_opcheck_compile_ops(slab, monkeypatch):
         ops.aten_normalize_act_(x, *params, "leaky_relu", 0.1, y)
         torch.library.opcheck(ops.aten_backward_reduce.default,
                               (y, x, *params, "leaky_relu", 0.1, True))
+        # Given coefficients (DxCoefs: count -1), and derived from a batch's sums.
         torch.library.opcheck(ops.aten_backward_dx.default,
-                              (y, x, *params, "leaky_relu", 0.1, True, *coefs))
+                              (y, x, *params, "leaky_relu", 0.1, True, *coefs, -1))
+        torch.library.opcheck(ops.aten_backward_dx.default,
+                              (y, x, *params, "leaky_relu", 0.1, True, *coefs, 90))
     for weight in (torch.tensor([1.0, 0.0, 1e-5, -2.0]), torch.zeros(C), torch.ones(C)):
         torch.library.opcheck(ops.aside_channels.default, (weight, torch.full((C,), 0.5), 1e-3))

@@ -15,6 +15,8 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from flat_ops import REFERENCE as R
+from flat_ops import triton_ops as flat_triton_ops
 from reference import NONFINITE, activate, check_nonfinite_gradients
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -40,6 +42,12 @@ def triton_on_gpu():
     encoding_syncbn.set_backend("triton")
     yield ops
     encoding_syncbn.set_backend("auto")
+
+
+@pytest.fixture
+def flat_triton(triton_on_gpu):
+    """The Triton ops with flat arguments (the kernel tests' spelling)."""
+    return flat_triton_ops()
 
 
 @pytest.fixture(autouse=True)
@@ -83,9 +91,9 @@ _SHAPES = [(3, 5, 7, 9), (2, 3, 4, 5, 6), (7, 5), (16, 64, 129, 131), (64, 256, 
 @pytest.mark.parametrize("activation,saved_is_output", [
     ("leaky_relu", True), ("elu", True), ("identity", True), ("relu", False),
     ("leaky_relu", False)])
-def test_kernels_match_reference(triton_on_gpu, dtype, channels_last, shape, activation,
-                                 saved_is_output):
-    T = triton_on_gpu
+def test_kernels_match_reference(triton_on_gpu, flat_triton, dtype, channels_last, shape,
+                                 activation, saved_is_output):
+    T = flat_triton
     x = _input(shape, dtype, channels_last)
     ref_x = x.double()
     c, acc = shape[1], torch_ops.stats_dtype(dtype)
@@ -104,7 +112,7 @@ def test_kernels_match_reference(triton_on_gpu, dtype, channels_last, shape, act
     out = torch.empty_like(x)
     T.normalize_act(x, *vecs, activation, slope, out)
     ref_out = torch.empty_like(ref_x)
-    torch_ops.normalize_act(ref_x, ref_mean, invstd, weight, bias, activation, slope, ref_out)
+    R.normalize_act(ref_x, ref_mean, invstd, weight, bias, activation, slope, ref_out)
     _close(out, ref_out, dtype)
     saved = out if saved_is_output else x
     # From the input, an element whose z is within float32 rounding of 0 may fall on the other
@@ -119,19 +127,19 @@ def test_kernels_match_reference(triton_on_gpu, dtype, channels_last, shape, act
     dy = _input(shape, dtype, channels_last, seed=2)
     ref_dy = dy.double()
     sums = T.backward_reduce(saved, dy, *vecs, activation, slope, saved_is_output)
-    ref_sums = torch_ops.backward_reduce(ref_saved, ref_dy, ref_mean, invstd, weight, bias,
+    ref_sums = R.backward_reduce(ref_saved, ref_dy, ref_mean, invstd, weight, bias,
                                          activation, slope, saved_is_output)
     for got, want in zip(sums, ref_sums):
         _close(got / count, want / count, torch.float32, 10)
     coefs = [torch.randn(c, generator=g, dtype=torch.float64).cuda() for _ in range(3)]
     dx = T.backward_dx(saved, dy, *vecs, activation, slope, saved_is_output,
                        *(v.to(acc) for v in coefs))
-    ref_dx = torch_ops.backward_dx(ref_saved, ref_dy, ref_mean, invstd, weight, bias, activation,
+    ref_dx = R.backward_dx(ref_saved, ref_dy, ref_mean, invstd, weight, bias, activation,
                                    slope, saved_is_output, *coefs)
     _close(dx.masked_fill(near_kink, 0), ref_dx.masked_fill(near_kink, 0), dtype, 4)
     # A layer on its own batch: the coefficients derived in the kernel from the sums.
-    dx = T.DIRECT.backward_dx(saved, dy, NormParams(*vecs, activation, slope), saved_is_output,
-                              BatchSums(*sums, count))
+    dx = triton_on_gpu.EAGER.backward_dx(saved, dy, NormParams(*vecs, activation, slope),
+                                         saved_is_output, BatchSums(*sums, count))
     ref_dx = TORCH.backward_dx(ref_saved, ref_dy,
                                NormParams(ref_mean, invstd, weight, bias, activation, slope),
                                saved_is_output, BatchSums(*(v.double() for v in sums), count))
@@ -141,12 +149,12 @@ def test_kernels_match_reference(triton_on_gpu, dtype, channels_last, shape, act
 @pytest.mark.parametrize("running_dtype", [None, torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("momentum", [0.1, None])
 @pytest.mark.parametrize("shape", [(64, 3, 40, 40), (4, 300, 9, 7)])
-def test_batch_stats_matches_reference(triton_on_gpu, running_dtype, momentum, shape):
+def test_batch_stats_matches_reference(flat_triton, running_dtype, momentum, shape):
     """The statistics, invstd, the running statistics, the counter and the small-gamma flags
     in two launches (few channels: split and merged by the finalising kernel), against the ATen
     reference in float64 (gammas away from the flags' limit, where float32 and float64
     agree)."""
-    T = triton_on_gpu
+    T = flat_triton
     c, limit = shape[1], 0.016
     g = torch.Generator().manual_seed(3)
     x = torch.randn(shape, generator=g, dtype=torch.float64) * 2 + 3
@@ -164,7 +172,7 @@ def test_batch_stats_matches_reference(triton_on_gpu, running_dtype, momentum, s
     none = (None, None, None, None)
     mean, invstd, small = T.batch_stats(x.float().cuda(), 1e-5, *(running or none),
                                         weight.float().cuda(), bias.float().cuda(), limit)
-    ref_mean, ref_invstd, ref_small = torch_ops.batch_stats(
+    ref_mean, ref_invstd, ref_small = R.batch_stats(
         x, 1e-5, *(ref_running or none), weight, bias, limit)
     _close(mean, ref_mean, torch.float32)
     _close(invstd, ref_invstd, torch.float32)

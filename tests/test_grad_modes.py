@@ -12,6 +12,7 @@ import torch
 from backends import each_backend, one_backend
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
+from merge import merge_stats
 from reference import SLOPES, activate
 from torch import nn
 
@@ -139,9 +140,9 @@ def test_merge_after_inference_mode_differentiates_twice():
     stats._counts_from_ints.cache_clear()  # built here, under inference_mode
     stats._constant.cache_clear()
     with torch.inference_mode():
-        stats.merge_stats(means, m2s, counts, 1e-5)
+        merge_stats(means, m2s, counts, 1e-5)
     leaves = [m.clone().requires_grad_() for m in means]
-    mean = stats.merge_stats(leaves, m2s, counts, 1e-5)[0]
+    mean = merge_stats(leaves, m2s, counts, 1e-5)[0]
     (grad,) = torch.autograd.grad(mean.square().sum(), leaves[0], create_graph=True)
     grad.sum().backward()
     # mean = (4 m_0 + 7 m_1) / 11: d/dm_0 of sum(mean^2) = 2 mean * 4/11, whose sum's

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from backends import each_backend
+from merge import merge_stats
 
 from encoding_syncbn import SyncBatchNorm
 from encoding_syncbn.aside import aside_index
@@ -16,7 +17,6 @@ from encoding_syncbn.functional import (
     normalize_with,
     replica_stats,
 )
-from encoding_syncbn.stats import merge_stats
 from encoding_syncbn.testing import SimulatedDataParallel
 
 pytestmark = each_backend

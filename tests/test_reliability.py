@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from backends import each_backend, one_backend
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
+from merge import merge_stats
 from replica_waits import (
     assert_waited_only_on_this_step,
     ended_by_an_error,
@@ -36,7 +37,6 @@ from torch.utils.checkpoint import checkpoint
 
 from encoding_syncbn import SyncBatchNorm, SyncError
 from encoding_syncbn import sync as sbn_sync
-from encoding_syncbn.stats import merge_stats
 from encoding_syncbn.testing import SimulatedDataParallel, replicate
 
 DT = torch.float64

@@ -1,9 +1,10 @@
-"""The Chan merge (``stats.merge_stats``) against the statistics of the whole batch."""
+"""The Chan merge (``merge.merge_stats``) against the statistics of the whole batch."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from merge import merge_stats
 
 from encoding_syncbn import stats
 from encoding_syncbn.kernels import torch_ops
@@ -26,7 +27,7 @@ def test_merge_gives_the_whole_batch_statistics(split, counts_as):
     x = torch.randn(sum(split), 3, 4, dtype=torch.float64) * 0.5 + 1e4
     means, m2s, counts = groups_of(x, split)
     given = counts if counts_as == "ints" else torch.tensor(counts, dtype=torch.float64)
-    mean, m2, invstd = stats.merge_stats(means, m2s, given, 1e-5)
+    mean, m2, invstd = merge_stats(means, m2s, given, 1e-5)
     whole = x.transpose(0, 1).reshape(3, -1)
     torch.testing.assert_close(mean, whole.mean(1), rtol=1e-14, atol=0)
     torch.testing.assert_close(m2, whole.var(1, correction=0) * whole.shape[1],
@@ -37,7 +38,7 @@ def test_merge_gives_the_whole_batch_statistics(split, counts_as):
 
 def test_all_counts_zero_merge_to_zeros():
     means, m2s = torch.zeros(2, 3), torch.zeros(2, 3)
-    mean, m2, invstd = stats.merge_stats(means, m2s, [0, 0], 1e-5)
+    mean, m2, invstd = merge_stats(means, m2s, [0, 0], 1e-5)
     assert torch.equal(mean, torch.zeros(3)) and torch.equal(m2, torch.zeros(3))
     torch.testing.assert_close(invstd, torch.full((3,), 1e-5) ** -0.5)
 
@@ -46,26 +47,26 @@ def test_counts_given_as_ints_become_tensors_once():
     """Replicas' counts repeat from step to step: their tensors are built (on the GPU, a
     host-to-device copy that waits for the device) the first time only."""
     means, m2s = torch.randn(3, 4), torch.rand(3, 4)
-    stats.merge_stats(means, m2s, [5, 6, 7], 1e-5)
+    merge_stats(means, m2s, [5, 6, 7], 1e-5)
     built = stats._counts_from_ints.cache_info().misses
     for _ in range(3):
-        stats.merge_stats(means, m2s, [5, 6, 7], 1e-5)
+        merge_stats(means, m2s, [5, 6, 7], 1e-5)
     assert stats._counts_from_ints.cache_info().misses == built
 
 
 def test_groups_as_separate_tensors_or_stacked_merge_alike():
     means, m2s = torch.randn(3, 4, dtype=torch.float64), torch.rand(3, 4, dtype=torch.float64)
-    stacked = stats.merge_stats(means, m2s, [2, 5, 1], 1e-5)
-    separate = stats.merge_stats(list(means), list(m2s), [2, 5, 1], 1e-5)
+    stacked = merge_stats(means, m2s, [2, 5, 1], 1e-5)
+    separate = merge_stats(list(means), list(m2s), [2, 5, 1], 1e-5)
     for got, expected in zip(separate, stacked):
         torch.testing.assert_close(got, expected, rtol=0, atol=0)
 
 
 def test_mismatched_or_no_groups_are_refused():
     with pytest.raises(ValueError, match="as many means, M2s and counts, got 3, 3 and 2"):
-        stats.merge_stats(torch.zeros(3, 4), torch.zeros(3, 4), [1, 2], 1e-5)
+        merge_stats(torch.zeros(3, 4), torch.zeros(3, 4), [1, 2], 1e-5)
     with pytest.raises(ValueError, match="at least one group, got none"):
-        stats.merge_stats([], [], [], 1e-5)
+        merge_stats([], [], [], 1e-5)
 
 
 def test_groups_m2_gradients_stay_apart_when_accumulated():
@@ -75,7 +76,7 @@ def test_groups_m2_gradients_stay_apart_when_accumulated():
     m2s = [(torch.rand(4, dtype=torch.float64) + 1).requires_grad_() for _ in range(3)]
     grads = []
     for _ in range(2):
-        _, m2, invstd = stats.merge_stats(means, m2s, [2, 5, 1], 1e-5)
+        _, m2, invstd = merge_stats(means, m2s, [2, 5, 1], 1e-5)
         (m2.sum() + invstd.sum()).backward()
         grads.append(m2s[0].grad.clone())
     torch.testing.assert_close(grads[1], 2 * grads[0], rtol=1e-14, atol=0)

@@ -22,21 +22,27 @@ pytest.importorskip("triton")
 import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
+from flat_ops import REFERENCE as R  # noqa: E402
+from flat_ops import triton_ops as flat_triton_ops  # noqa: E402
 
 from encoding_syncbn.activations import elu_inverse_floor  # noqa: E402
 from encoding_syncbn.kernels import (  # noqa: E402
     TORCH,
     BatchSums,
+    GammaCheck,
     NormParams,
+    RunningStats,
     dx_coefs,
     torch_ops,
 )
 from encoding_syncbn.kernels.triton import activations as TA  # noqa: E402
 from encoding_syncbn.kernels.triton import backward_reduce as TB  # noqa: E402
 from encoding_syncbn.kernels.triton import channel_stats as TS  # noqa: E402
-from encoding_syncbn.kernels.triton import ops as T  # noqa: E402
+from encoding_syncbn.kernels.triton import ops as triton_ops  # noqa: E402
 from encoding_syncbn.kernels.triton import plan as P  # noqa: E402
 from encoding_syncbn.kernels.triton import tiles as TT  # noqa: E402
+
+T = flat_triton_ops()
 
 if P.INTERPRET:
     DEVICE = "cpu"
@@ -221,7 +227,7 @@ def _check_normalize(x, activation, dtype, inplace):
     acc = torch_ops.stats_dtype(dtype)
     mean, invstd, weight, bias = make_params(x.shape[1], acc)
     slope = SLOPE[activation]
-    expected = torch_ops.normalize_act(upcast(x), mean, invstd, weight, bias, activation, slope,
+    expected = R.normalize_act(upcast(x), mean, invstd, weight, bias, activation, slope,
                                        torch.empty_like(upcast(x))).to(dtype)
     out = x if inplace else torch.empty_like(x)
     result = T.normalize_act(x, mean, invstd, weight, bias, activation, slope, out)
@@ -277,7 +283,7 @@ def test_normalize_running(shape, fmt, dtype, running_dtype):
     _, _, weight, bias = make_params(c, acc)
     buffers = running_mean.clone(), running_var.clone()
     ref_out = torch.empty_like(upcast(x))
-    ref_mean, ref_invstd = torch_ops.normalize_running(upcast(x), running_mean, running_var,
+    ref_mean, ref_invstd = R.normalize_running(upcast(x), running_mean, running_var,
                                                        1e-3, weight, bias, "elu", 1.3, ref_out)
     for inplace in (False, True):
         src = x.clone()
@@ -307,7 +313,7 @@ def test_normalize_act_other_strides_and_out_layouts():
     base = make_input((6, 4, 5, 8), torch.float32)
     x = base[:, :, :, ::2]  # neither NCHW nor channels_last: read through one copy
     mean, invstd, weight, bias = make_params(4, torch.float32)
-    expected = torch_ops.normalize_act(x, mean, invstd, weight, bias, "elu", 1.0,
+    expected = R.normalize_act(x, mean, invstd, weight, bias, "elu", 1.0,
                                        torch.empty_like(x))
     for out in (torch.empty_like(x), torch.empty(x.shape, device=DEVICE),
                 layout(torch.empty(x.shape), "last").to(DEVICE)):
@@ -336,7 +342,7 @@ def _check_backward(shape, fmt, dtype, activation, saved_is_output, dy_fmt=None,
     mean, invstd, weight, bias = make_params(shape[1], acc, seed=seed + 1)
     slope = SLOPE[activation]
     if saved_is_output:
-        saved = torch_ops.normalize_act(x, mean, invstd, weight, bias, activation, slope,
+        saved = R.normalize_act(x, mean, invstd, weight, bias, activation, slope,
                                         torch.empty_like(x))
     else:
         saved = x
@@ -349,7 +355,7 @@ def _check_backward(shape, fmt, dtype, activation, saved_is_output, dy_fmt=None,
     # The reference gets dy in saved's layout: same values, and torch_ops (as of writing) fails
     # to write dx when saved is channels_last and dy is not.
     ref_dy = upcast(layout(dy, fmt))
-    ref_sums = torch_ops.backward_reduce(upcast(saved), ref_dy, mean, invstd, weight, bias,
+    ref_sums = R.backward_reduce(upcast(saved), ref_dy, mean, invstd, weight, bias,
                                          activation, slope, saved_is_output)
     for got, ref in zip(sums, ref_sums):
         assert got.dtype == acc
@@ -357,7 +363,7 @@ def _check_backward(shape, fmt, dtype, activation, saved_is_output, dy_fmt=None,
 
     dx = T.backward_dx(saved, dy, mean, invstd, weight, bias, activation, slope,
                        saved_is_output, *coefs)
-    ref_dx = torch_ops.backward_dx(upcast(saved), ref_dy, mean, invstd, weight, bias,
+    ref_dx = R.backward_dx(upcast(saved), ref_dy, mean, invstd, weight, bias,
                                    activation, slope, saved_is_output, *coefs).to(dtype)
     assert dx.dtype == dtype and dx.stride() == saved.stride()
     assert_close(dx, ref_dx, dtype)
@@ -366,8 +372,9 @@ def _check_backward(shape, fmt, dtype, activation, saved_is_output, dy_fmt=None,
     # same bits as given in dx_coefs' order, and close to the reference from the same sums.
     params = NormParams(mean, invstd, weight, bias, activation, slope)
     batch = BatchSums(*sums, terms)
-    from_sums = T.DIRECT.backward_dx(saved, dy, params, saved_is_output, batch)
-    given = T.DIRECT.backward_dx(saved, dy, params, saved_is_output, dx_coefs(params, batch))
+    from_sums = triton_ops.EAGER.backward_dx(saved, dy, params, saved_is_output, batch)
+    given = triton_ops.EAGER.backward_dx(saved, dy, params, saved_is_output,
+                                         dx_coefs(params, batch))
     torch.testing.assert_close(from_sums, given, rtol=0, atol=0)
     ref_from_sums = TORCH.backward_dx(upcast(saved), ref_dy, params, saved_is_output,
                                       batch).to(dtype)
@@ -375,7 +382,7 @@ def _check_backward(shape, fmt, dtype, activation, saved_is_output, dy_fmt=None,
 
     # Both in one call (one plan lookup, the same three launches): the same bits as the two
     # calls, eagerly and through the registered ops; the reference's the same as its two.
-    for backend in (T.DIRECT, T.DISPATCHED):
+    for backend in (triton_ops.EAGER, triton_ops.TRACED):
         dx_sums = backend.batch_backward(saved, dy, params, saved_is_output, terms)
         torch.testing.assert_close(dx_sums, (from_sums, *sums), rtol=0, atol=0)
     ref_sums = TORCH.backward_reduce(upcast(saved), ref_dy, params, saved_is_output)
@@ -419,7 +426,7 @@ def test_backward_planned_for_any_target(c, fmt, dtype, variant, sms, seed):
     shape = (60, c, 5, 9) if c < 16 else (2, c, 3, 5)
     with pytest.MonkeyPatch.context() as patch:
         if sms is not None:
-            patch.setattr(T, "_target", lambda device: P.Target(False, sms))
+            patch.setattr(triton_ops, "_target", lambda device: P.Target(False, sms))
         _check_backward(shape, fmt, dtype, *variant, seed=seed)
 
 
@@ -446,14 +453,14 @@ def test_smooth_activations_float32_accuracy(activation):
     ones, zeros = torch.ones(n), torch.zeros(n)
     params = [v.to(DEVICE) for v in (zeros, ones, ones, zeros)]
     x = z.to(DEVICE)
-    want = torch_ops.normalize_act(z.double(), *(v.double() for v in (zeros, ones, ones, zeros)),
+    want = R.normalize_act(z.double(), *(v.double() for v in (zeros, ones, ones, zeros)),
                                    activation, 0.0, torch.empty_like(z.double()))
     got = T.normalize_act(x, *params, activation, 0.0, torch.empty_like(x))
     torch.testing.assert_close(got.cpu().double(), want, rtol=1e-6, atol=1e-7)
     # dx = 1 * dz + 0 * xhat + 0: the derivative itself, dy = 1.
     coefs = (params[1], params[0], params[0])
     got_dz = T.backward_dx(x, torch.ones_like(x), *params, activation, 0.0, False, *coefs)
-    want_dz = torch_ops.backward_dx(z.double(), torch.ones_like(want),
+    want_dz = R.backward_dx(z.double(), torch.ones_like(want),
                                     *(v.double() for v in (zeros, ones, ones, zeros)),
                                     activation, 0.0, False, *(v.double() for v in (ones, zeros,
                                                                                   zeros)))
@@ -579,7 +586,7 @@ def _tile_offsets(geo, tile, t, c0):
     tiles_s = 1 if geo.channels_last else -(-s // tile.block_b)
     off = torch.empty(tile.block_a * tile.block_b, dtype=torch.int64)
     mask = torch.empty(tile.block_a * tile.block_b, dtype=torch.bool)
-    with T._INTERPRETER_LOCK:
+    with triton_ops._INTERPRETER_LOCK:
         _tile_offsets_kernel[(1,)](off, mask, t, c0, n, c, s, n * s, c * s, tiles_s,
                                    geo.channels_last, tile.block_a, tile.block_b)
     return off.view(tile), mask.view(tile)
@@ -636,7 +643,7 @@ def test_elu_inverse_clamp_matches_reference():
                 "elu", alpha, True)
         coefs = (ones.to(DEVICE), ones.to(DEVICE), zeros.to(DEVICE))
         got = T.backward_dx(*args, *coefs)
-        ref = torch_ops.backward_dx(y, dy, zeros, ones, ones, zeros, "elu", alpha, True,
+        ref = R.backward_dx(y, dy, zeros, ones, ones, zeros, "elu", alpha, True,
                                     ones, ones, zeros)
         assert torch.isfinite(got.cpu()).all()
         assert_close(got, ref, dtype)
@@ -698,7 +705,7 @@ def test_empty_input_through_the_direct_ops(shape):
     x = torch.empty(shape, device=DEVICE)
     mean, invstd, weight, bias = make_params(3, torch.float32)
     results = {}
-    for name, backend in (("triton", T.DIRECT), ("torch", kernels.TORCH)):
+    for name, backend in (("triton", triton_ops.EAGER), ("torch", kernels.TORCH)):
         running = kernels.RunningStats(torch.full((3, 2), 2.0, device=DEVICE)[:, 0],
                                        torch.full((3,), 3.0, device=DEVICE),
                                        torch.zeros((), dtype=torch.long, device=DEVICE), None)
@@ -707,11 +714,11 @@ def test_empty_input_through_the_direct_ops(shape):
         out = backend.normalize_act(x, params, torch.empty_like(x))
         results[name] = (stats[0], stats[1], stats[2].bool(), out, *running[:3])
     with pytest.raises(ValueError, match="unknown activation"):  # checked, though empty
-        T.DIRECT.normalize_act(x, params._replace(activation="swish"), x)
+        triton_ops.EAGER.normalize_act(x, params._replace(activation="swish"), x)
     torch.testing.assert_close(results["triton"], results["torch"], rtol=0, atol=0,
                                equal_nan=True)
     # (No backward of an empty batch in the torch backend: the layer answers it itself.)
-    dx, sum_dz, sum_dz_xhat = T.DIRECT.batch_backward(x, x, params, True, 0)
+    dx, sum_dz, sum_dz_xhat = triton_ops.EAGER.batch_backward(x, x, params, True, 0)
     assert dx.shape == x.shape
     assert sum_dz.tolist() == sum_dz_xhat.tolist() == [0.0] * 3
 
@@ -766,7 +773,8 @@ def check_batch_stats(x, running, weight, bias, limit, momentum):
                                         limit)
     ref_mean, ref_m2, count = T.channel_stats(x)
     ref_invstd, ref_small = torch_ops.finalize_stats(
-        ref_mean, ref_m2, count, 1e-5, *(ref_running or no_running), weight, bias, limit)
+        ref_mean, ref_m2, count, 1e-5, ref_running and RunningStats(*ref_running),
+        None if weight is None else GammaCheck(weight, bias, limit))
     acc = torch_ops.stats_dtype(x.dtype)
     assert mean.dtype == invstd.dtype == acc
     torch.testing.assert_close(mean, ref_mean, rtol=0, atol=0)
@@ -844,7 +852,7 @@ def test_reductions_planned_for_a_gpu_merge_many_partials(shape, fmt, monkeypatc
         for launches in (stats, fused, reduce):
             assert len(launches) == 1
             assert launches[0].grid[1] > 2 * launches[0].constexprs["BLOCK_P"]
-            T._run(launches, x.device)
+            triton_ops._run(launches, x.device)
     finally:
         monkeypatch.undo()
         P.clear_memos()
@@ -852,11 +860,11 @@ def test_reductions_planned_for_a_gpu_merge_many_partials(shape, fmt, monkeypatc
     assert_close(mean, ref_mean.float(), torch.float32)
     assert_close(m2, ref_m2.float(), torch.float32)
     torch.testing.assert_close(fused_mean, mean, rtol=0, atol=0)
-    ref_invstd, ref_small = torch_ops.finalize_stats(mean, m2, count, 1e-5, None, None, None,
-                                                     None, weight, bias, 0.016)
+    ref_invstd, ref_small = torch_ops.finalize_stats(mean, m2, count, 1e-5, None,
+                                                     GammaCheck(weight, bias, 0.016))
     torch.testing.assert_close(invstd, ref_invstd, rtol=0, atol=0)
     assert small.tolist() == ref_small.int().tolist()
-    ref_sums = torch_ops.backward_reduce(x.cpu().double(), x.cpu().double(),
+    ref_sums = R.backward_reduce(x.cpu().double(), x.cpu().double(),
                                          *(v.cpu().double() for v in params), "leaky_relu", 0.1,
                                          False)
     for got, want in zip(sums, ref_sums):
@@ -900,7 +908,7 @@ def test_opcheck():
         x = make_input((3, 4, 5, 6), torch.float32, fmt)
         params = make_params(4, torch.float32)
         coefs = make_params(4, torch.float32, seed=5)[1:]
-        y = torch_ops.normalize_act(x, *params, "leaky_relu", 0.1, torch.empty_like(x))
+        y = R.normalize_act(x, *params, "leaky_relu", 0.1, torch.empty_like(x))
         ops = torch.ops.encoding_syncbn
         torch.library.opcheck(ops.channel_stats.default, (x,))
         torch.library.opcheck(ops.normalize_act_.default,

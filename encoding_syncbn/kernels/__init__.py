@@ -26,13 +26,14 @@ from .backend import (
     FunctionsBackend,
     GammaCheck,
     NormParams,
+    RunningParams,
     RunningStats,
     channel_vector,
     dx_coefs,
 )
 
-__all__ = ["Backend", "BatchSums", "DxCoefs", "GammaCheck", "NormParams", "RunningStats",
-           "channel_vector", "dx_coefs", "get_backend", "ops_for", "reference_ops",
+__all__ = ["Backend", "BatchSums", "DxCoefs", "GammaCheck", "NormParams", "RunningParams",
+           "RunningStats", "channel_vector", "dx_coefs", "get_backend", "ops_for", "reference_ops",
            "register_backend", "set_backend"]
 
 BACKENDS = ("auto", "torch", "triton")
@@ -40,7 +41,7 @@ BACKEND_ENV = "ENCODING_SYNCBN_BACKEND"
 
 TORCH = FunctionsBackend("torch", torch_ops)
 #: What ``torch.compile`` traces in place of ``TORCH`` (the same functions as opaque ops).
-COMPILED = FunctionsBackend("compiled", compile_ops)
+COMPILED = compile_ops.BACKEND
 
 # Backends registered by name beside BACKENDS (tests' doubles, out-of-tree backends).
 _registered: dict[str, Backend] = {}

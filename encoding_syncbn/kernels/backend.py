@@ -6,9 +6,9 @@ A backend computes, per channel, what ``torch_ops`` (the reference) documents::
     batch_stats(x, eps, running, check)
                     -> (mean, invstd, small-gamma flags); running stats updated
     normalize_act(x, params, out)                   out = act((x - mean) * invstd * weight + bias)
-    normalize_running(x, running_mean, running_var, eps, weight, bias, activation, slope, out)
+    normalize_running(x, running, out)
                     -> (mean, invstd): normalize_act from the running statistics,
-                       invstd = 1 / sqrt(running_var + eps) (evaluation, in one pass)
+                       invstd = 1 / sqrt(running.var + running.eps) (evaluation, in one pass)
     backward_reduce(saved, dy, params, from_output) -> (sum(dz), sum(dz * xhat))
     backward_dx(saved, dy, params, from_output, coefs)
                                     dx = coefs.dz * dz + coefs.xhat * xhat + coefs.const
@@ -19,18 +19,19 @@ A backend computes, per channel, what ``torch_ops`` (the reference) documents::
 ``params`` bundles what every op but the statistics needs (:class:`NormParams`), ``coefs`` the
 backward's per-channel coefficients (:class:`DxCoefs`, or :class:`BatchSums` from which a
 backend derives them: the Triton kernel does so per channel, with no ATen call on the host).
-They are NamedTuples in the order of the flat ``torch_ops`` signatures, so an implementation
-over flat functions unpacks them with ``*``.
+``running`` is :class:`RunningParams`. These NamedTuples are each op's arguments, defined here
+once: every backend takes them as they are, and where ``torch.library`` needs flat arguments
+``custom_ops`` derives the op's schema from their fields.
 
 ``batch_stats`` records no autograd history (the statistics are no function of x autograd
 should see: the layer's backward differentiates through them itself), whatever the grad mode it
 is called under: a backend that computes them in differentiable ops does so without grad.
 
 Every per-channel vector a backend is handed (in ``NormParams``, ``DxCoefs``, ``BatchSums``,
-``GammaCheck``, ``normalize_running``'s weight and bias) is a contiguous (C,) tensor in the
+``GammaCheck``, ``RunningParams``' weight and bias) is a contiguous (C,) tensor in the
 statistics dtype: the caller makes it so once (:func:`channel_vector`), not every op at every
-call. ``RunningStats`` (and ``normalize_running``'s running mean and variance) are the layer's
-own buffers, in whatever dtype and strides they have.
+call. ``RunningStats`` (and ``RunningParams``' mean and variance) are the layer's own buffers,
+in whatever dtype and strides they have.
 A new backend, or a test double, is one class implementing :class:`Backend`, registered with
 ``kernels.register_backend``.
 """
@@ -107,6 +108,19 @@ class RunningStats(NamedTuple):
     momentum: float | None
 
 
+class RunningParams(NamedTuple):
+    """``normalize_running``'s: :class:`NormParams` with the running buffers (any dtype and
+    strides) and ``eps`` in place of the batch's mean and invstd."""
+
+    mean: torch.Tensor
+    var: torch.Tensor
+    eps: float
+    weight: torch.Tensor
+    bias: torch.Tensor
+    activation: str
+    slope: float
+
+
 class GammaCheck(NamedTuple):
     """Which channels' gamma is too small to rebuild their input from the output: flagged
     where ``torch_ops.small_gamma(weight, bias, limit)``."""
@@ -114,11 +128,6 @@ class GammaCheck(NamedTuple):
     weight: torch.Tensor
     bias: torch.Tensor
     limit: float
-
-
-#: What ``batch_stats``' flat functions take for an absent RunningStats / GammaCheck.
-NO_RUNNING = RunningStats(None, None, None, None)
-NO_CHECK = GammaCheck(None, None, 0.0)
 
 
 class Backend(Protocol):
@@ -136,9 +145,7 @@ class Backend(Protocol):
     def normalize_act(self, x: torch.Tensor, params: NormParams,
                       out: torch.Tensor) -> torch.Tensor: ...
 
-    def normalize_running(self, x: torch.Tensor, running_mean: torch.Tensor,
-                          running_var: torch.Tensor, eps: float, weight: torch.Tensor,
-                          bias: torch.Tensor, activation: str, slope: float,
+    def normalize_running(self, x: torch.Tensor, running: RunningParams,
                           out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def backward_reduce(self, saved: torch.Tensor, dy: torch.Tensor, params: NormParams,
@@ -153,8 +160,7 @@ class Backend(Protocol):
 
 
 class FunctionsBackend:
-    """A backend over a module of flat functions with ``torch_ops``' signatures (``torch_ops``
-    itself; ``compile_ops``, its traceable twin)."""
+    """A backend over a module of functions with the ops' signatures (``torch_ops``)."""
 
     def __init__(self, name: str, functions: ModuleType) -> None:
         self.name = name
@@ -170,26 +176,23 @@ class FunctionsBackend:
                     check: GammaCheck | None
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         with torch.no_grad():
-            return self._f.batch_stats(x, eps, *(running or NO_RUNNING), *(check or NO_CHECK))
+            return self._f.batch_stats(x, eps, running, check)
 
     def normalize_act(self, x: torch.Tensor, params: NormParams,
                       out: torch.Tensor) -> torch.Tensor:
-        return self._f.normalize_act(x, *params, out)
+        return self._f.normalize_act(x, params, out)
 
-    def normalize_running(self, x: torch.Tensor, running_mean: torch.Tensor,
-                          running_var: torch.Tensor, eps: float, weight: torch.Tensor,
-                          bias: torch.Tensor, activation: str, slope: float,
+    def normalize_running(self, x: torch.Tensor, running: RunningParams,
                           out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._f.normalize_running(x, running_mean, running_var, eps, weight, bias,
-                                         activation, slope, out)
+        return self._f.normalize_running(x, running, out)
 
     def backward_reduce(self, saved: torch.Tensor, dy: torch.Tensor, params: NormParams,
                         saved_is_output: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._f.backward_reduce(saved, dy, *params, saved_is_output)
+        return self._f.backward_reduce(saved, dy, params, saved_is_output)
 
     def backward_dx(self, saved: torch.Tensor, dy: torch.Tensor, params: NormParams,
                     saved_is_output: bool, coefs: DxCoefs | BatchSums) -> torch.Tensor:
-        return self._f.backward_dx(saved, dy, *params, saved_is_output, *dx_coefs(params, coefs))
+        return self._f.backward_dx(saved, dy, params, saved_is_output, coefs)
 
     def batch_backward(self, saved: torch.Tensor, dy: torch.Tensor, params: NormParams,
                        saved_is_output: bool, count: int

@@ -2,9 +2,10 @@
 step between the statistics and the normalisation (``finalize_stats``; with the statistics,
 ``batch_stats``).
 
-This is the CPU path and the reference every other backend is tested against. All per-channel
-vectors (``mean``, ``invstd``, ``weight``, ``bias`` and the coefficients) are in the statistics
-dtype: float32 for half, bfloat16 and float32 inputs, float64 for float64 inputs. Element
+This is the CPU path and the reference every other backend is tested against. The ops take
+their arguments in the bundles of ``kernels.backend`` (``NormParams``, ``DxCoefs``, ...). All
+per-channel vectors (``mean``, ``invstd``, ``weight``, ``bias`` and the coefficients) are in the
+statistics dtype: float32 for half, bfloat16 and float32 inputs, float64 for float64 inputs. Element
 tensors (``x``, ``y``, ``dy``, ``dx``) have shape ``(N, C, *)`` in any memory format.
 
 Notation, per channel c and element e of that channel::
@@ -33,6 +34,15 @@ from __future__ import annotations
 import torch
 
 from .. import _compat, activations
+from .backend import (
+    BatchSums,
+    DxCoefs,
+    GammaCheck,
+    NormParams,
+    RunningParams,
+    RunningStats,
+    dx_coefs,
+)
 
 #: The input dtypes the layer computes in, on every backend.
 INPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -144,39 +154,27 @@ def channel_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
 
 
 @torch.no_grad()
-def finalize_stats(
-    mean: torch.Tensor,
-    m2: torch.Tensor,
-    count: int,
-    eps: float,
-    running_mean: torch.Tensor | None,
-    running_var: torch.Tensor | None,
-    batches: torch.Tensor | None,
-    momentum: float | None,
-    weight: torch.Tensor | None,
-    bias: torch.Tensor | None,
-    gamma_limit: float,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+def finalize_stats(mean: torch.Tensor, m2: torch.Tensor, count: int, eps: float,
+                   running: RunningStats | None, check: GammaCheck | None
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """What follows a batch's statistics, per channel: ``invstd = 1 / sqrt(M2 / count + eps)``;
-    the running statistics folded in (``track_batch``; skipped when ``running_mean`` is None);
-    and, given a ``weight``, the flags ``small_gamma(weight, bias, gamma_limit)`` (else None).
+    the running statistics folded in (``track_batch``; skipped when ``running`` is None);
+    and, given a ``check``, the flags ``small_gamma(*check)`` (else None).
     The Triton backend does all three in ``batch_stats``' second launch."""
     invstd = torch.rsqrt(m2 / count + eps)
-    if running_mean is not None:
-        track_batch(running_mean, running_var, batches, momentum, mean, m2, count)
-    small = small_gamma(weight, bias, gamma_limit) if weight is not None else None
+    if running is not None:
+        track_batch(*running, mean, m2, count)
+    small = small_gamma(*check) if check is not None else None
     return invstd, small
 
 
-def batch_stats(x: torch.Tensor, eps: float, running_mean: torch.Tensor | None,
-                running_var: torch.Tensor | None, batches: torch.Tensor | None,
-                momentum: float | None, weight: torch.Tensor | None, bias: torch.Tensor | None,
-                gamma_limit: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+def batch_stats(x: torch.Tensor, eps: float, running: RunningStats | None,
+                check: GammaCheck | None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """A single-replica training forward's statistics: ``channel_stats`` then
     ``finalize_stats``, as ``(mean, invstd, small)``."""
     mean, m2, count = channel_stats(x)
-    invstd, small = finalize_stats(mean, m2, count, eps, running_mean, running_var, batches,
-                                   momentum, weight, bias, gamma_limit)
+    invstd, small = finalize_stats(mean, m2, count, eps, running, check)
     return mean, invstd, small
 
 
@@ -239,21 +237,13 @@ def as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t if t.dtype == dtype else t.to(dtype)
 
 
-def normalize_act(
-    x: torch.Tensor,
-    mean: torch.Tensor,
-    invstd: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor,
-    activation: str,
-    slope: float,
-    out: torch.Tensor,
-) -> torch.Tensor:
+def normalize_act(x: torch.Tensor, params: NormParams, out: torch.Tensor) -> torch.Tensor:
     """``out = act((x - mean) * (invstd * weight) + bias)``; ``out`` may be ``x`` itself.
 
     The mean is subtracted before scaling: ``x * scale + shift`` loses the normalised value
     to cancellation when |mean| >> std.
     """
+    mean, invstd, weight, bias, activation, slope = params
     if x.numel() == 0:
         return out
     source = _in_rows_layout(x)
@@ -274,17 +264,17 @@ def normalize_act(
     return out
 
 
-def normalize_running(x: torch.Tensor, running_mean: torch.Tensor, running_var: torch.Tensor,
-                      eps: float, weight: torch.Tensor, bias: torch.Tensor, activation: str,
-                      slope: float, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Evaluation: ``normalize_act`` with ``mean = running_mean`` and ``invstd =
-    1 / sqrt(running_var + eps)`` (buffers of any dtype, taken in the statistics dtype);
+def normalize_running(x: torch.Tensor, running: RunningParams,
+                      out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Evaluation: ``normalize_act`` with ``mean = running.mean`` and ``invstd =
+    1 / sqrt(running.var + eps)`` (buffers of any dtype, taken in the statistics dtype);
     returns that ``(mean, invstd)`` as new tensors (the buffers may change before a
     backward reads them)."""
+    running_mean, running_var, eps, weight, bias, activation, slope = running
     acc = stats_dtype(x.dtype)
     mean = running_mean.to(acc, copy=True)
     invstd = torch.rsqrt(running_var.to(acc) + eps)
-    normalize_act(x, mean, invstd, weight, bias, activation, slope, out)
+    normalize_act(x, NormParams(mean, invstd, weight, bias, activation, slope), out)
     return mean, invstd
 
 
@@ -315,13 +305,13 @@ def _xhat_dz(saved, dy, mean, invstd, weight, inverse_weight, bias, activation: 
     return xhat, dz
 
 
-def _backward_pieces(saved, dy, mean, invstd, weight, bias, activation, slope,
-                     saved_is_output, *outs):
+def _backward_pieces(saved, dy, params: NormParams, saved_is_output: bool, *outs):
     """Yield ``(xhat, dz, *out_pieces)`` for each piece of ``saved``, ``dy`` and ``outs``.
 
     ``saved`` must be one slab or have an ``(A, C, B)`` view, and ``outs`` its layout. The
     ``(xhat, dz)`` of a piece are valid until the next one is yielded.
     """
+    mean, invstd, weight, bias, activation, slope = params
     if saved_is_output and activations.ACTIVATIONS[activation].inverse is None:
         raise ValueError(f"activation {activation!r} cannot be inverted from its output")
     if saved.numel() > _SLAB_ELEMENTS and (
@@ -341,24 +331,14 @@ def _backward_pieces(saved, dy, mean, invstd, weight, bias, activation, slope,
                *out_pieces)
 
 
-def backward_reduce(
-    saved: torch.Tensor,
-    dy: torch.Tensor,
-    mean: torch.Tensor,
-    invstd: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor,
-    activation: str,
-    slope: float,
-    saved_is_output: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def backward_reduce(saved: torch.Tensor, dy: torch.Tensor, params: NormParams,
+                    saved_is_output: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-channel ``(sum(dz), sum(dz * xhat))`` in the statistics dtype."""
     if saved.numel() == 0:
-        return torch.zeros_like(mean), torch.zeros_like(mean)
+        return torch.zeros_like(params.mean), torch.zeros_like(params.mean)
     saved = _in_rows_layout(saved)
     sums = None
-    for xhat, dz in _backward_pieces(saved, dy, mean, invstd, weight, bias, activation, slope,
-                                     saved_is_output):
+    for xhat, dz in _backward_pieces(saved, dy, params, saved_is_output):
         dims = _reduced_dims(dz)
         piece_sums = dz.sum(dim=dims), xhat.mul_(dz).sum(dim=dims)
         if sums is None:
@@ -368,21 +348,10 @@ def backward_reduce(
     return sums
 
 
-def backward_dx(
-    saved: torch.Tensor,
-    dy: torch.Tensor,
-    mean: torch.Tensor,
-    invstd: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor,
-    activation: str,
-    slope: float,
-    saved_is_output: bool,
-    coef_dz: torch.Tensor,
-    coef_xhat: torch.Tensor,
-    coef_const: torch.Tensor,
-) -> torch.Tensor:
-    """``dx = coef_dz * dz + coef_xhat * xhat + coef_const``, in ``saved``'s dtype; where
+def backward_dx(saved: torch.Tensor, dy: torch.Tensor, params: NormParams,
+                saved_is_output: bool, coefs: DxCoefs | BatchSums) -> torch.Tensor:
+    """``dx = coef_dz * dz + coef_xhat * xhat + coef_const``, in ``saved``'s dtype, with the
+    coefficients ``coefs`` (``dx_coefs`` derives them from ``BatchSums``); where
     ``coef_xhat`` is 0 the xhat term is 0, even where xhat is NaN or inf.
 
     Every input gradient of the layer has this form (see ``functional.py`` for the
@@ -390,6 +359,7 @@ def backward_dx(
     (evaluation) ``coef_xhat`` is 0: dx is ``w * invstd * dz``, as ATen's, which reads no x,
     so that a NaN input element or running mean makes no NaN input gradient by itself.
     """
+    coef_dz, coef_xhat, coef_const = dx_coefs(params, coefs)
     # In saved's own layout, as the compiled path's fake implementation promises.
     dx = torch.empty_like(saved)
     if saved.numel() == 0:
@@ -397,8 +367,7 @@ def backward_dx(
     walked = _in_rows_layout(saved)
     target = _target_for(dx, walked)
     no_xhat_term = coef_xhat == 0
-    for xhat, dz, piece_dx in _backward_pieces(walked, dy, mean, invstd, weight, bias,
-                                               activation, slope, saved_is_output, target):
+    for xhat, dz, piece_dx in _backward_pieces(walked, dy, params, saved_is_output, target):
         # As many passes as xhat * coef_xhat + coef_const in two ops.
         term = torch.addcmul(coef_const, xhat, coef_xhat, out=xhat)
         torch.where(no_xhat_term, coef_const, term, out=term)

@@ -8,6 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..backend import BatchSums, DxCoefs, NormParams
 from .backward_reduce import _reduce_launches
 from .plan import (
     Launch,
@@ -70,24 +71,26 @@ def _backward_dx_kernel(saved_ptr, dy_ptr, dx_ptr, mean_ptr, invstd_ptr, weight_
         tl.store(dx_ptr + base + local, dx.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
-def _plan_backward_dx(saved: torch.Tensor, dy: torch.Tensor, mean: torch.Tensor,
-                      invstd: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
-                      activation: str, slope: float, saved_is_output: bool,
-                      coef_dz: torch.Tensor, coef_xhat: torch.Tensor, coef_const: torch.Tensor,
-                      sums_count: int, target: Target, tile: Tile | None = None
-                      ) -> tuple[list[Launch], torch.Tensor] | None:
-    """``sums_count`` > 0: ``coef_xhat`` and ``coef_const`` are the sums of a batch of that
-    many elements a channel (``FROM_SUMS``; ``coef_dz`` is not read). None: an empty input."""
-    plan = plan_op(saved, target, False, tile, activation, slope, bool(saved_is_output))
+def _plan_backward_dx(saved: torch.Tensor, dy: torch.Tensor, params: NormParams,
+                      saved_is_output: bool, coefs: DxCoefs | BatchSums, target: Target,
+                      tile: Tile | None = None) -> tuple[list[Launch], torch.Tensor] | None:
+    """From ``BatchSums`` of a non-empty batch the kernel derives the coefficients
+    (``FROM_SUMS``); None: an empty input."""
+    plan = plan_op(saved, target, False, tile, params.activation, params.slope,
+                   bool(saved_is_output))
     if plan is None:
         return None
     dx = _empty_dx(saved, not plan.copy)
     saved = _prepare(saved, plan)
     dy = _in_layout(dy, saved.stride(), plan.geo.channels_last)
-    from_sums = sums_count > 0
-    return [_dx_launch(plan, _dx_constexprs(plan, from_sums), saved, dy, dx,
-                       (mean, invstd, weight, bias), (coef_dz, coef_xhat, coef_const),
-                       -1.0 / sums_count if from_sums else 0.0)], dx
+    if isinstance(coefs, BatchSums):
+        count = coefs.count
+        coefs = (params.weight, coefs.sum_dz_xhat, coefs.sum_dz)  # the dz slot unread
+    else:
+        count = 0
+    from_sums = count > 0
+    return [_dx_launch(plan, _dx_constexprs(plan, from_sums), saved, dy, dx, params[:4], coefs,
+                       -1.0 / count if from_sums else 0.0)], dx
 
 
 def _dx_constexprs(plan: OpPlan, from_sums: bool) -> dict:
@@ -100,8 +103,8 @@ def _dx_launch(plan: OpPlan, constexprs: dict, saved: torch.Tensor, dy: torch.Te
                coefs: tuple[torch.Tensor, ...], neg_inv_count: float) -> Launch:
     """The dx kernel's launch as ``plan`` plans it (``constexprs``: the plan's and
     ``FROM_SUMS``), on ``saved`` and ``dy`` as it launches on them, into ``dx``; ``params``:
-    (mean, invstd, weight, bias), ``coefs`` as ``_plan_backward_dx``'s, ``neg_inv_count``
-    ``-1 / sums_count`` from sums (else unread)."""
+    (mean, invstd, weight, bias), ``coefs``: (coef_dz, coef_xhat, coef_const), or from sums
+    (unread, sum(dz * xhat), sum(dz)) with ``neg_inv_count`` ``-1 / count`` (else unread)."""
     return Launch(_backward_dx_kernel, plan.grid,
                   (saved, dy, dx, *params, *coefs, neg_inv_count, plan.slope, *plan.args),
                   constexprs, plan.num_warps)
@@ -126,18 +129,17 @@ def _batch_backward_plans(sizes: tuple[int, ...], strides: tuple[int, ...], dtyp
     return _BackwardPlans(reduce, dx, _dx_constexprs(dx, True))
 
 
-def _plan_batch_backward(saved: torch.Tensor, dy: torch.Tensor, mean: torch.Tensor,
-                         invstd: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
-                         activation: str, slope: float, saved_is_output: bool, count: int,
-                         target: Target, tile: Tile | None = None
+def _plan_batch_backward(saved: torch.Tensor, dy: torch.Tensor, params: NormParams,
+                         saved_is_output: bool, count: int, target: Target,
+                         tile: Tile | None = None
                          ) -> tuple[list[Launch], tuple[torch.Tensor, torch.Tensor, torch.Tensor]
                                     ] | None:
     """``batch_backward``: the reduction, then dx from its sums (``FROM_SUMS``, ``count``
     elements a channel), planned by one lookup; ``(dx, sum_dz, sum_dz_xhat)`` (None: an empty
     input, nothing to launch)."""
     strides = saved.stride()
-    plans = _batch_backward_plans(saved.shape, strides, saved.dtype, target, tile, activation,
-                                  slope, bool(saved_is_output))
+    plans = _batch_backward_plans(saved.shape, strides, saved.dtype, target, tile,
+                                  params.activation, params.slope, bool(saved_is_output))
     if plans is None:
         return None
     reduce, dx_plan, dx_constexprs = plans
@@ -146,8 +148,8 @@ def _plan_batch_backward(saved: torch.Tensor, dy: torch.Tensor, mean: torch.Tens
     if reduce.copy:  # launched on a contiguous copy: its strides
         strides = saved.stride()
     dy = _in_layout(dy, strides, reduce.geo.channels_last)
-    params = (mean, invstd, weight, bias)
-    launches, (sum_dz, sum_dz_xhat) = _reduce_launches(reduce, saved, dy, *params)
-    launches.append(_dx_launch(dx_plan, dx_constexprs, saved, dy, dx, params,
-                               (weight, sum_dz_xhat, sum_dz), -1.0 / count))
+    vectors = params[:4]
+    launches, (sum_dz, sum_dz_xhat) = _reduce_launches(reduce, saved, dy, *vectors)
+    launches.append(_dx_launch(dx_plan, dx_constexprs, saved, dy, dx, vectors,
+                               (params.weight, sum_dz_xhat, sum_dz), -1.0 / count))
     return launches, (dx, sum_dz, sum_dz_xhat)

@@ -6,6 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..backend import NormParams, RunningParams
 from .activations import _activate
 from .finalize_stats import _div, _sqrt
 from .plan import (
@@ -86,35 +87,34 @@ def _destination(x: torch.Tensor, out: torch.Tensor, plan: OpPlan) -> torch.Tens
     return torch.empty_like(x, dtype=out.dtype)
 
 
-def _plan_normalize_act(x: torch.Tensor, mean: torch.Tensor, invstd: torch.Tensor,
-                        weight: torch.Tensor, bias: torch.Tensor, activation: str, slope: float,
-                        out: torch.Tensor, target: Target, tile: Tile | None = None
-                        ) -> tuple[list[Launch], torch.Tensor] | None:
+def _plan_normalize_act(x: torch.Tensor, params: NormParams, out: torch.Tensor, target: Target,
+                        tile: Tile | None = None) -> tuple[list[Launch], torch.Tensor] | None:
     """Plan into ``out`` when it lies like (the possibly copied) x, else into a temporary that
     the caller copies to ``out`` (returned as the tensor the kernel writes); None: an empty x,
     nothing to launch."""
-    plan = plan_op(x, target, False, tile, activation, slope)
+    plan = plan_op(x, target, False, tile, params.activation, params.slope)
     if plan is None:
         return None
     x = _prepare(x, plan)
     dst = _destination(x, out, plan)
     launch = Launch(_normalize_act_kernel, plan.grid,
-                    (x, dst, mean, invstd, weight, bias, plan.slope, *plan.args),
+                    (x, dst, *params[:4], plan.slope, *plan.args),
                     plan.constexprs, plan.num_warps)
     return [launch], dst
 
 
-def _plan_normalize_running(x: torch.Tensor, running_mean: torch.Tensor,
-                            running_var: torch.Tensor, eps: float, weight: torch.Tensor,
-                            bias: torch.Tensor, activation: str, slope: float, out: torch.Tensor,
+def _plan_normalize_running(x: torch.Tensor, running: RunningParams, out: torch.Tensor,
                             target: Target, tile: Tile | None = None
                             ) -> tuple[list[Launch], torch.Tensor,
                                        tuple[torch.Tensor, torch.Tensor]] | None:
-    """As ``_plan_normalize_act``, from the running statistics (contiguous buffers), with the
-    ``(mean, invstd)`` the launch writes (None: an empty x, nothing to launch)."""
+    """As ``_plan_normalize_act``, from the running statistics (buffers of any strides, read
+    contiguous), with the ``(mean, invstd)`` the launch writes (None: an empty x, nothing to
+    launch)."""
+    running_mean, running_var, eps, weight, bias, activation, slope = running
     plan = plan_op(x, target, False, tile, activation, slope)
     if plan is None:
         return None
+    running_mean, running_var = running_mean.contiguous(), running_var.contiguous()
     x = _prepare(x, plan)
     dst = _destination(x, out, plan)
     mean = x.new_empty(plan.geo.c, dtype=plan.acc)

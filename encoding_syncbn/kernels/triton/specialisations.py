@@ -7,6 +7,7 @@ from collections.abc import Iterator
 
 import torch
 
+from ..backend import BatchSums, DxCoefs, NormParams
 from ..torch_ops import stats_dtype
 from .backward_dx import _plan_backward_dx
 from .backward_reduce import _plan_backward_reduce
@@ -112,15 +113,18 @@ def launch_specialisations(target: Target) -> Iterator[tuple[str, Launch]]:
                 counter = torch.empty((), dtype=torch.int64, device="meta")
                 yield where, _batch_stats_launch(x, target, tile, running, counter, 0.1, True)
                 for act in KERNEL_ACTIVATIONS:
-                    launches, _ = _plan_normalize_act(x, vec, vec, vec, vec, act, 0.01, x,
-                                                      target, tile)
+                    launches, _ = _plan_normalize_act(
+                        x, NormParams(vec, vec, vec, vec, act, 0.01), x, target, tile)
                     yield f"{where} {act}", launches[0]
                 for saved_is_output, act in BACKWARD_VARIANTS:
                     label = f"{where} {act} saved={'y' if saved_is_output else 'x'}"
-                    common = (x, x, vec, vec, vec, vec, act, 0.01, saved_is_output)
-                    launches, _ = _plan_backward_reduce(*common, target, tile)
+                    params = NormParams(vec, vec, vec, vec, act, 0.01)
+                    launches, _ = _plan_backward_reduce(x, x, *params, saved_is_output, target,
+                                                        tile)
                     yield label, launches[0]
-                    for sums_count in (0, 8):  # coefficients given, or derived from sums
-                        launches, _ = _plan_backward_dx(*common, vec, vec, vec, sums_count,
+                    # Coefficients given, or derived from sums.
+                    for coefs in (DxCoefs(vec, vec, vec), BatchSums(vec, vec, 8)):
+                        launches, _ = _plan_backward_dx(x, x, params, saved_is_output, coefs,
                                                         target, tile)
-                        yield f"{label} from_sums={sums_count > 0}", launches[0]
+                        from_sums = isinstance(coefs, BatchSums)
+                        yield f"{label} from_sums={from_sums}", launches[0]
