@@ -402,9 +402,10 @@ class SyncBatchNorm(_BatchNorm):
         return config
 
     def _forward(self, x: torch.Tensor, slot: ReplicaSlot | None) -> torch.Tensor:
-        """Choose the mode and run it: evaluation with running statistics, training synced
-        (or its checkpoint recomputation), training alone (one replica, or ``sync=False``).
-        Each mode is one call into ``functional``, which runs the mode's autograd Function."""
+        """Choose the mode and run it: evaluation with running statistics; batch statistics
+        synchronised (or a checkpoint's recomputation of such a call); batch statistics of
+        this replica alone (one replica, or ``sync=False``). Each mode is one call into
+        ``functional``, which runs the mode's autograd Function (docs/internals.md)."""
         params = self.weight, self.bias  # read once: a parametrized weight is computed at each read
         running_mean = self.running_mean
         state = running_mean if running_mean is not None else params[0]
