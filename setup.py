@@ -26,19 +26,20 @@ setup(
     package_data={"encoding_syncbn": ["py.typed"]},
     python_requires=">=3.9",
     # 2.4: the first release with torch.library.custom_op, register_fake and register_autograd.
-    # torch is the one package the library imports (triton is optional, found at run time).
-    install_requires=["torch>=2.4"],
+    # triton is optional, found at run time; numpy reads an in-place layer's small-gamma
+    # flags on the host without dispatching a torch op (small_gamma.SmallGammaChannels).
+    install_requires=["torch>=2.4", "numpy"],
     extras_require={
         # pytest-xdist runs the suite on every core (-n auto); torchvision, timm and smp are
         # the real models the converters are tested on (tests/test_convert_models.py); onnx,
-        # onnxscript and onnxruntime run the exported models (tests/test_tracing.py); numpy
-        # carries their inputs and the example's data; lightning (which brings
-        # pytorch_lightning) fits with the plugin (tests/test_lightning.py).
-        "test": ["pytest", "pytest-xdist", "hypothesis", "expecttest", "ruff", "numpy",
+        # onnxscript and onnxruntime run the exported models (tests/test_tracing.py);
+        # lightning (which brings pytorch_lightning) fits with the plugin
+        # (tests/test_lightning.py).
+        "test": ["pytest", "pytest-xdist", "hypothesis", "expecttest", "ruff",
                  "triton; platform_system == 'Linux'",
                  "torchvision", "timm", "segmentation-models-pytorch",
                  "onnx", "onnxscript", "onnxruntime", "lightning"],
-        "examples": ["numpy", "tqdm", "matplotlib", "pillow"],
+        "examples": ["tqdm", "matplotlib", "pillow"],
         # encoding_syncbn.lightning's SyncBatchNormPlugin; pytorch_lightning works too.
         "lightning": ["lightning"],
     },

@@ -119,7 +119,7 @@ def main() -> None:
     results.add_arguments(parser)
     args = parser.parse_args()
     from encoding_syncbn import SyncBatchNorm, convert_inplace_abn, convert_sync_batchnorm
-    from encoding_syncbn.aside import gamma_limit, small_gamma_mask
+    from encoding_syncbn.small_gamma import gamma_limit, small_gamma_mask
 
     autocast = getattr(torch, args.autocast) if args.autocast else None
     torch.manual_seed(0)
@@ -131,8 +131,8 @@ def main() -> None:
         sizes = [saved_bytes(converted, x, autocast) / 2**20 for converted in
                  (model, convert_sync_batchnorm(copy.deepcopy(model)), in_place)]
         layers = [m for m in in_place.modules() if isinstance(m, SyncBatchNorm) and m.inplace]
-        # As a single replica's layer chooses them (its watch's limit, with the margin).
-        limit = gamma_limit(autocast or x.dtype, watched=True)
+        # As a single replica's layer chooses them (the limit with its margin).
+        limit = gamma_limit(autocast or x.dtype, with_margin=True)
         aside = sum(int(small_gamma_mask(m.weight, m.bias, limit).sum()) for m in layers)
         channels = sum(m.num_features for m in layers)
         rows.append([name, *(f"{size:.1f}" for size in sizes), f"{sizes[2] / sizes[0]:.2f}",

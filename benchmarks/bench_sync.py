@@ -114,7 +114,6 @@ def one_thread_work_us(replicas: int, calls: int, turns: int) -> PerCall:
     ``BatchNormAct`` once per replica (``"sync=False"``)."""
     import torch
 
-    from encoding_syncbn.aside import nothing
     from encoding_syncbn.functional import (
         ActConfig,
         NormAct,
@@ -125,13 +124,12 @@ def one_thread_work_us(replicas: int, calls: int, turns: int) -> PerCall:
 
     weight = torch.ones(8, requires_grad=True)
     bias = torch.zeros(8, requires_grad=True)
-    config = ActConfig("leaky_relu", 0.01, True, ())
-    no_channels = nothing(torch.long, weight.device)
+    config = ActConfig("leaky_relu", 0.01, True)
 
     def synced(xs: list[torch.Tensor]) -> list[torch.Tensor]:
         contributions = [replica_stats(x) for x in xs]
         mean, _, invstd = merge_replicas(contributions, 1e-5)
-        return [NormAct.apply(c.x, mean, invstd, weight, bias, config, c.link, no_channels)
+        return [NormAct.apply(c.x, mean, invstd, weight, bias, config, c.link, None)
                 for c in contributions]
 
     def alone(xs: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -124,6 +124,11 @@ def convert_sync_batchnorm(module: nn.Module, process_group: Any = None) -> nn.M
     return module
 
 
+# Where nn.SyncBatchNorm users look for it. Attached here: the layer's module does not import
+# its converters (they import it).
+SyncBatchNorm.convert_sync_batchnorm = staticmethod(convert_sync_batchnorm)
+
+
 def revert_sync_batchnorm(module: nn.Module) -> nn.Module:
     """Return ``module`` with every synchronised layer replaced by a per-replica one.
 

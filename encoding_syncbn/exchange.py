@@ -11,13 +11,13 @@ says what they are and makes them safe to read on another thread's streams.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
 
 from . import distributed, stats
-from .functional import ReplicaStats, merge_replicas, on_device
+from .functional import ReplicaStats, merge_replicas, on_device, track_batch
+from .kernels import RunningStats
 from .replicas import ReplicaSlot
 from .streams import stream_event, wait_for
 
@@ -26,26 +26,25 @@ class Exchange:
     """``exchange`` for ``functional.synced_batch_norm_act``: ``(ReplicaStats) -> (mean,
     invstd)``, the global statistics on the replica's device.
 
-    The master hands the global ``(mean, M2, count)`` to ``track`` (the layer's running
-    statistics) before it answers: once the replicas run again, every ATen call of the master
-    waits for the GIL in turn with theirs (measured on 2 cores, 4 simulated replicas: the
-    synchronised forward is slower when the update comes after the answers). What the layer
-    needs afterwards is left on the object: ``own`` / ``mean`` / ``invstd`` (for the recompute
-    cache).
+    The master folds the global ``(mean, M2, count)`` into ``running`` (the layer's running
+    statistics; None: not tracked) before it answers: once the replicas run again, every ATen
+    call of the master waits for the GIL in turn with theirs (measured on 2 cores, 4 simulated
+    replicas: the synchronised forward is slower when the update comes after the answers).
+    What the layer needs afterwards is left on the object: ``own`` / ``mean`` / ``invstd``
+    (for the recompute cache).
     """
 
-    __slots__ = ("slot", "eps", "process_group", "across_processes", "track", "label", "own",
-                 "mean", "invstd")
+    __slots__ = ("slot", "eps", "process_group", "across_processes", "running", "label",
+                 "own", "mean", "invstd")
 
     def __init__(self, slot: ReplicaSlot | None, eps: float, process_group: Any,
-                 across_processes: bool,
-                 track: Callable[[torch.Tensor, torch.Tensor, int], None], label: str) -> None:
+                 across_processes: bool, running: RunningStats | None, label: str) -> None:
         self.slot = slot
         self.label = label  # how errors name the layer
         self.eps = eps
         self.process_group = process_group
         self.across_processes = across_processes
-        self.track = track
+        self.running = running
 
     def __call__(self, own: ReplicaStats) -> tuple[torch.Tensor, torch.Tensor]:
         """Send local statistics to the master, get the global ``(mean, invstd)`` back."""
@@ -60,7 +59,7 @@ class Exchange:
         group."""
         if slot is None or not slot.synced:
             mean, m2, invstd, total = self._merge([contribution])
-            self.track(mean, m2, total)
+            track_batch(self.running, mean, m2, total)
             return mean, invstd
         group, rank = slot.group, slot.rank
         call = group.begin_call(rank)
@@ -70,7 +69,7 @@ class Exchange:
         contributions = [_received(c) for c in group.gather(call, handed)]
         if slot.parent is None:
             mean, m2, invstd, total = self._merge(contributions)
-            self.track(mean, m2, total)
+            track_batch(self.running, mean, m2, total)
         else:  # a nested call: its replicas' statistics go on as its replica's in the outer one
             try:
                 mean, m2, _, total = _merged(contributions, self.eps)

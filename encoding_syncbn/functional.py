@@ -27,7 +27,8 @@ device, not once per replica.
 
 In place, only y is kept: x, z and xhat are rebuilt from it. Channels whose |w| is too small
 to divide by (zero-initialised residual BNs) keep their input aside instead, so every sign and
-value of gamma gets exact gradients (which channels, and how the host learns them: ``aside``).
+value of gamma gets exact gradients (which channels, and how the host learns them:
+``small_gamma``).
 
 Double backward (a gradient penalty: ``torch.autograd.grad(..., create_graph=True)``, then a
 backward through that gradient): under ``create_graph`` each backward is autograd's gradient of
@@ -46,7 +47,6 @@ from typing import Callable, NamedTuple
 import torch
 
 from . import _compat, activations, stats
-from .aside import AsideWatch, aside_index, channel_index
 from .kernels import (
     Backend,
     BatchSums,
@@ -59,6 +59,7 @@ from .kernels import (
     reference_ops,
     torch_ops,
 )
+from .small_gamma import SmallGammaChannels
 from .streams import stream_event, wait_for
 
 DOUBLE_BACKWARD_IN_PLACE = (
@@ -71,20 +72,13 @@ DOUBLE_BACKWARD_IN_PLACE = (
 class ActConfig(NamedTuple):
     """The activation fused after the normalisation, and whether it overwrites its input.
 
-    ``aside``: the channels to keep aside in place (see ``aside.small_gamma_channels``) when
-    they are known in advance, as host ints; None: look them up at each call. ``layer``: how
-    errors name the layer (``SyncBatchNorm._label``).
+    ``layer``: how errors name the layer (``SyncBatchNorm._label``).
     """
 
     activation: str
     slope: float
     inplace: bool
-    aside: tuple[int, ...] | None = None
     layer: str = "SyncBatchNorm"
-
-    def with_aside(self, aside: tuple[int, ...]) -> ActConfig:
-        """This config, the channels kept aside known (``_replace`` costs a few us a call)."""
-        return ActConfig(self.activation, self.slope, self.inplace, aside, self.layer)
 
 
 class _Saved(NamedTuple):
@@ -95,8 +89,8 @@ class _Saved(NamedTuple):
     invstd: torch.Tensor
     weight: torch.Tensor
     bias: torch.Tensor
-    aside_channels: torch.Tensor | None  # None: no channel kept aside
-    aside_input: torch.Tensor | None
+    kept_channels: torch.Tensor | None  # None: no channel kept aside
+    kept_input: torch.Tensor | None  # their input
 
 
 class _Link:
@@ -117,19 +111,19 @@ class _Link:
         self.saved = self.grad_output = self.scale = self.ready = None
 
 
-def _keeps_aside(config: ActConfig, aside_channels: torch.Tensor | None) -> bool:
+def _keeps_input(config: ActConfig, kept_channels: torch.Tensor | None) -> bool:
     """Whether the layer keeps channels aside: saves their input, recomputes their backward.
 
-    Eagerly: whether there are any (None: none, see ``aside_index``). While compiling their
-    number is data-dependent, so the aside path (which handles none) is traced whenever the
-    layer is in place. Backward reads the answer from what forward saved
-    (``_Saved.aside_channels`` None: no channel aside).
+    Eagerly: whether there are any (None: none, see ``SmallGammaChannels.index``). While
+    compiling their number is data-dependent, so that path (which handles none) is traced
+    whenever the layer is in place. Backward reads the answer from what forward saved
+    (``_Saved.kept_channels`` None: no channel kept aside).
     """
-    if aside_channels is None:
+    if kept_channels is None:
         return False
     if torch.compiler.is_compiling():
         return config.inplace
-    return aside_channels.numel() > 0
+    return kept_channels.numel() > 0
 
 
 def _overwrites_input(config: ActConfig) -> bool:
@@ -151,7 +145,7 @@ def _written_back(x: torch.Tensor, out: torch.Tensor, config: ActConfig) -> torc
     return out
 
 
-def _normalize(ctx, x, mean, invstd, weight, bias, config: ActConfig, aside_channels,
+def _normalize(ctx, x, mean, invstd, weight, bias, config: ActConfig, kept_channels,
                backend: Backend | None = None, running_eps: float | None = None
                ) -> torch.Tensor:
     """Run the forward pass, in place or not, and save what backward needs; ``backend``: the
@@ -160,8 +154,8 @@ def _normalize(ctx, x, mean, invstd, weight, bias, config: ActConfig, aside_chan
     ``normalize_running`` derives the statistics in the same pass."""
     # Saved only where channels are kept aside (usually none): each saved tensor costs a pack
     # in forward and an unpack with its version check in backward.
-    aside = ((aside_channels, x.index_select(1, aside_channels))
-             if _keeps_aside(config, aside_channels) else ())
+    kept = ((kept_channels, x.index_select(1, kept_channels))
+            if _keeps_input(config, kept_channels) else ())
     overwrites = _overwrites_input(config)
     out = x if overwrites else torch.empty_like(x)
     if running_eps is None:
@@ -173,7 +167,7 @@ def _normalize(ctx, x, mean, invstd, weight, bias, config: ActConfig, aside_chan
             mean, invstd, running_eps, weight, bias, config.activation, config.slope), out)
     if overwrites:
         ctx.mark_dirty(x)
-    ctx.save_for_backward(out if config.inplace else x, weight, bias, *aside)
+    ctx.save_for_backward(out if config.inplace else x, weight, bias, *kept)
     # Per-channel vectors nothing writes to: kept as they are, without a saved tensor's pack
     # and unpack (~1-2 us a layer call in the host harness, with BatchNormAct taking them as
     # no input of its own).
@@ -196,8 +190,8 @@ def _unpack(ctx) -> _Saved:
     mean, invstd = ctx.stats
     if len(saved) == 3:  # no channel kept aside (see _normalize)
         return _Saved(saved[0], mean, invstd, saved[1], saved[2], None, None)
-    tensor, weight, bias, aside_channels, aside_input = saved
-    return _Saved(tensor, mean, invstd, weight, bias, aside_channels, aside_input)
+    tensor, weight, bias, kept_channels, kept_input = saved
+    return _Saved(tensor, mean, invstd, weight, bias, kept_channels, kept_input)
 
 
 def _modified_message(config: ActConfig, torch_message: str) -> str:
@@ -217,12 +211,12 @@ def _modified_message(config: ActConfig, torch_message: str) -> str:
     )
 
 
-def _aside_args(saved: _Saved, grad_output: torch.Tensor, config: ActConfig):
+def _kept_args(saved: _Saved, grad_output: torch.Tensor, config: ActConfig):
     """The ``reference_ops`` arguments that recompute the channels kept aside from their input."""
-    idx = saved.aside_channels
+    idx = saved.kept_channels
     params = NormParams(saved.mean[idx], saved.invstd[idx], saved.weight[idx], saved.bias[idx],
                         config.activation, config.slope)
-    return saved.aside_input, grad_output.index_select(1, idx), params, False
+    return saved.kept_input, grad_output.index_select(1, idx), params, False
 
 
 def _params(saved: _Saved, config: ActConfig) -> NormParams:
@@ -235,18 +229,18 @@ def _reduce(saved: _Saved, grad_output: torch.Tensor, config: ActConfig, params:
     """Per-channel ``(sum(dz), sum(dz * xhat))``; ``params``: ``_params(saved, config)``,
     ``backend``: the one looked up for ``saved.tensor`` (both made once per backward)."""
     sums = backend.backward_reduce(saved.tensor, grad_output, params, config.inplace)
-    return _exact_aside_sums(saved, grad_output, config, *sums)
+    return _exact_kept_sums(saved, grad_output, config, *sums)
 
 
-def _exact_aside_sums(saved: _Saved, grad_output: torch.Tensor, config: ActConfig,
+def _exact_kept_sums(saved: _Saved, grad_output: torch.Tensor, config: ActConfig,
                       sum_dz: torch.Tensor, sum_dz_xhat: torch.Tensor):
     """The sums with those of the channels kept aside recomputed from their input."""
-    if saved.aside_channels is not None:
+    if saved.kept_channels is not None:
         exact_dz, exact_dz_xhat = reference_ops().backward_reduce(
-            *_aside_args(saved, grad_output, config)
+            *_kept_args(saved, grad_output, config)
         )
-        sum_dz = sum_dz.index_copy(0, saved.aside_channels, exact_dz)
-        sum_dz_xhat = sum_dz_xhat.index_copy(0, saved.aside_channels, exact_dz_xhat)
+        sum_dz = sum_dz.index_copy(0, saved.kept_channels, exact_dz)
+        sum_dz_xhat = sum_dz_xhat.index_copy(0, saved.kept_channels, exact_dz_xhat)
     return sum_dz, sum_dz_xhat
 
 
@@ -255,17 +249,17 @@ def _input_grad(saved: _Saved, grad_output, config: ActConfig, coefs: DxCoefs | 
     """``dx = coefs.dz * dz + coefs.xhat * xhat + coefs.const`` in one pass (``BatchSums``:
     the backend derives the coefficients); ``params`` and ``backend`` as ``_reduce``."""
     dx = backend.backward_dx(saved.tensor, grad_output, params, config.inplace, coefs)
-    _exact_aside_dx(dx, saved, grad_output, config, params, coefs)
+    _exact_kept_dx(dx, saved, grad_output, config, params, coefs)
     return dx
 
 
-def _exact_aside_dx(dx: torch.Tensor, saved: _Saved, grad_output: torch.Tensor,
+def _exact_kept_dx(dx: torch.Tensor, saved: _Saved, grad_output: torch.Tensor,
                     config: ActConfig, params: NormParams, coefs: DxCoefs | BatchSums) -> None:
     """Write into ``dx`` the channels kept aside, recomputed from their input."""
-    idx = saved.aside_channels
+    idx = saved.kept_channels
     if idx is not None:
         exact = reference_ops().backward_dx(
-            *_aside_args(saved, grad_output, config),
+            *_kept_args(saved, grad_output, config),
             DxCoefs(*(c[idx] for c in dx_coefs(params, coefs))),
         )
         dx.index_copy_(1, idx, exact)
@@ -322,10 +316,10 @@ class BatchNormAct(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, stats: tuple[torch.Tensor, torch.Tensor, int],
-                config: ActConfig, aside_channels, eps: float, backend: Backend):
+                config: ActConfig, kept_channels, eps: float, backend: Backend):
         mean, invstd, ctx.count = stats
         ctx.eps = eps
-        return _normalize(ctx, x, mean, invstd, weight, bias, config, aside_channels, backend)
+        return _normalize(ctx, x, mean, invstd, weight, bias, config, kept_channels, backend)
 
     @staticmethod
     def backward(ctx, grad_output):
@@ -352,10 +346,10 @@ class BatchNormAct(torch.autograd.Function):
         # of every other channel reads only its own sums).
         grad_input, sum_dz, sum_dz_xhat = backend.batch_backward(
             saved.tensor, grad_output, params, config.inplace, ctx.count)
-        if saved.aside_channels is not None:
-            sum_dz, sum_dz_xhat = _exact_aside_sums(saved, grad_output, config, sum_dz,
+        if saved.kept_channels is not None:
+            sum_dz, sum_dz_xhat = _exact_kept_sums(saved, grad_output, config, sum_dz,
                                                     sum_dz_xhat)
-            _exact_aside_dx(grad_input, saved, grad_output, config, params,
+            _exact_kept_dx(grad_input, saved, grad_output, config, params,
                             BatchSums(sum_dz, sum_dz_xhat, ctx.count))
         return (grad_input, *_param_grads(needs[1], needs[2], sum_dz, sum_dz_xhat),
                 None, None, None, None, None)
@@ -372,9 +366,9 @@ class NormAct(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, mean, invstd, weight, bias, config: ActConfig, link: _Link | None,
-                aside_channels, running_eps: float | None = None):
+                kept_channels, running_eps: float | None = None):
         ctx.link = link
-        return _normalize(ctx, x, mean, invstd, weight, bias, config, aside_channels,
+        return _normalize(ctx, x, mean, invstd, weight, bias, config, kept_channels,
                           running_eps=running_eps)
 
     @staticmethod
@@ -616,33 +610,49 @@ def on_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t if t.device == device else t.to(device)
 
 
+def track_batch(running: RunningStats | None, mean: torch.Tensor | None,
+                m2: torch.Tensor | None, count: int) -> None:
+    """Count the batch and fold it into ``running`` (nothing when None: not tracked; see
+    ``torch_ops.track_batch``)."""
+    if running is not None:
+        torch_ops.track_batch(*running, mean, m2, count)
+
+
+def _kept_channels(small_gamma: SmallGammaChannels | None, config: ActConfig,
+                   weight: torch.Tensor, bias: torch.Tensor, dtype: torch.dtype,
+                   recomputing: bool = False, flags: torch.Tensor | None = None
+                   ) -> torch.Tensor | None:
+    """The channels an in-place call keeps aside, as the Function takes them (None: out of
+    place, or none); ``small_gamma``: the layer's (None: read now, with a device sync)."""
+    if not config.inplace:
+        return None
+    if small_gamma is None:
+        small_gamma = SmallGammaChannels()
+    return small_gamma.index(weight, bias, dtype, recomputing, flags)
+
+
 def batch_norm_act(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float, config: ActConfig,
-    running: RunningStats | None = None, watch: AsideWatch | None = None, refresh: bool = True,
-    count: int | None = None,
+    running: RunningStats | None = None, small_gamma: SmallGammaChannels | None = None,
+    recomputing: bool = False, count: int | None = None,
 ) -> torch.Tensor:
     """Normalise ``x`` with its own batch statistics, folded into ``running`` on the way;
     ``count``: its values per channel, where the caller knows them.
 
-    ``watch``: an eager in-place call whose channels kept aside are not known yet (see
-    ``SyncBatchNorm._watching``): it picks them, its check riding on the launch that finishes
-    the statistics (``refresh`` as ``AsideWatch.channels``).
+    In place, the channels kept aside come from ``small_gamma`` (see ``_kept_channels``),
+    whose check of the parameters rides on the launch that finishes the statistics;
+    ``recomputing``: a checkpoint's recomputation, which keeps the original call's channels.
     """
     backend = ops_for(x)
     if count is None:
         count = x.numel() // x.shape[1]
-    check = watch.check_for(weight, bias, x.dtype, refresh) if watch is not None else None
-    mean, invstd, small = backend.batch_stats(x, eps, running, check)
-    if watch is None:
-        aside = aside_index(weight, bias, config.inplace, config.aside, x.dtype)
-        out = BatchNormAct.apply(x, weight, bias, (mean, invstd, count), config, aside, eps,
-                                 backend)
-        return _written_back(x, out, config)
-    # Eager and in place: the channels are host ints now, and the Function overwrites x.
-    known = watch.channels(weight, bias, x.dtype, refresh, small)
-    aside = channel_index(known, weight.device) if known else None
-    return BatchNormAct.apply(x, weight, bias, (mean, invstd, count), config, aside, eps,
-                              backend)
+    check = (small_gamma.check(weight, bias, x.dtype, recomputing)
+             if config.inplace and small_gamma is not None else None)
+    mean, invstd, flags = backend.batch_stats(x, eps, running, check)
+    kept = _kept_channels(small_gamma, config, weight, bias, x.dtype, recomputing, flags)
+    out = BatchNormAct.apply(x, weight, bias, (mean, invstd, count), config, kept, eps,
+                             backend)
+    return _written_back(x, out, config)
 
 
 def synced_batch_norm_act(
@@ -651,16 +661,18 @@ def synced_batch_norm_act(
     bias: torch.Tensor,
     config: ActConfig,
     exchange: Callable[[ReplicaStats], tuple[torch.Tensor, torch.Tensor]],
+    small_gamma: SmallGammaChannels | None = None,
 ) -> torch.Tensor:
     """Normalise ``x`` with statistics merged across replicas by ``exchange``.
 
     ``exchange(replica_stats(x))`` returns the global ``(mean, invstd)`` on x's device, still
-    attached to the autograd graph of the merge (``merge_replicas``).
+    attached to the autograd graph of the merge (``merge_replicas``). ``small_gamma``: as
+    ``batch_norm_act``.
     """
+    kept = _kept_channels(small_gamma, config, weight, bias, x.dtype)
     own = replica_stats(x)
     mean, invstd = exchange(own)
-    aside = aside_index(weight, bias, config.inplace, config.aside, x.dtype)
-    out = NormAct.apply(x, mean, invstd, weight, bias, config, own.link, aside)
+    out = NormAct.apply(x, mean, invstd, weight, bias, config, own.link, kept)
     return _written_back(x, out, config)
 
 
@@ -672,11 +684,13 @@ def normalize_running(
     weight: torch.Tensor,
     bias: torch.Tensor,
     config: ActConfig,
+    small_gamma: SmallGammaChannels | None = None,
 ) -> torch.Tensor:
     """Normalise with the running statistics (evaluation): ``invstd`` is derived in the same
-    pass as the output (``Backend.normalize_running``)."""
-    aside = aside_index(weight, bias, config.inplace, config.aside, x.dtype)
-    out = NormAct.apply(x, running_mean, running_var, weight, bias, config, None, aside, eps)
+    pass as the output (``Backend.normalize_running``). ``small_gamma``: as
+    ``batch_norm_act``."""
+    kept = _kept_channels(small_gamma, config, weight, bias, x.dtype)
+    out = NormAct.apply(x, running_mean, running_var, weight, bias, config, None, kept, eps)
     return _written_back(x, out, config)
 
 
@@ -687,8 +701,11 @@ def normalize_with(
     weight: torch.Tensor,
     bias: torch.Tensor,
     config: ActConfig,
+    small_gamma: SmallGammaChannels | None = None,
+    recomputing: bool = False,
 ) -> torch.Tensor:
-    """Normalise with fixed statistics (evaluation, or a recompute reusing global ones)."""
-    aside = aside_index(weight, bias, config.inplace, config.aside, x.dtype)
-    out = NormAct.apply(x, mean, invstd, weight, bias, config, None, aside)
+    """Normalise with fixed statistics (evaluation, or a recompute reusing global ones);
+    ``small_gamma`` and ``recomputing``: as ``batch_norm_act``."""
+    kept = _kept_channels(small_gamma, config, weight, bias, x.dtype, recomputing)
+    out = NormAct.apply(x, mean, invstd, weight, bias, config, None, kept)
     return _written_back(x, out, config)

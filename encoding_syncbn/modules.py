@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import warnings
 import weakref
 from typing import Any
@@ -21,7 +20,6 @@ from . import (
     replicas,
     tracing,
 )
-from .aside import AsideWatch, gamma_limit, small_gamma_channels
 from .exchange import Exchange
 from .functional import (
     ActConfig,
@@ -29,10 +27,12 @@ from .functional import (
     norm_act_composite,
     normalize_running,
     synced_batch_norm_act,
+    track_batch,
 )
 from .kernels import RunningStats, channel_vector, torch_ops
 from .recompute import RecomputeCache
 from .replicas import ReplicaSlot
+from .small_gamma import SmallGammaChannels
 from .sync import ReplicaGroup
 
 # The options checked together, at construction and when assigned (``__setattr__``).
@@ -42,11 +42,11 @@ _ACTIVATION_OPTIONS = ("activation", "slope", "inplace")
 _STATISTICS_OPTIONS = ("eps", "momentum")
 
 # The attributes the layer's ``ActConfig`` is made of: assigning one remakes it.
-_CONFIG_SOURCES = (*_ACTIVATION_OPTIONS, "_aside", "_label_text")
+_CONFIG_SOURCES = (*_ACTIVATION_OPTIONS, "_label_text")
 
 # Attributes that only make sense for the live object: dropped by pickle and deepcopy.
-_TRANSIENT = ("_open_group", "_replica_slot", "_recompute_cache", "_open_aside", "_aside",
-              "_aside_limit", "_aside_watch", "_warned_out_of_place", "_config")
+_TRANSIENT = ("_open_group", "_replica_slot", "_recompute_cache", "_replicas_small_gamma",
+              "_small_gamma", "_warned_out_of_place", "_config")
 
 
 class SyncBatchNorm(_BatchNorm):
@@ -79,7 +79,7 @@ class SyncBatchNorm(_BatchNorm):
             In place, 1/slope must be finite in the compute dtype (float32 unless ``dtype``
             is float64). On float16 and bfloat16 inputs (autocast) channels with
             |beta| >= |gamma| keep their input aside, and ELU runs out of place: a rebuild from
-            a half-precision output would lose precision (see ``aside``).
+            a half-precision output would lose precision (see ``small_gamma``).
 
     In place, the tensor passed in is overwritten and returned. A tensor autograd will not let
     us overwrite (a leaf that requires grad, an output of ``torch.chunk``/``split``) is
@@ -89,6 +89,10 @@ class SyncBatchNorm(_BatchNorm):
     ``encoding_syncbn.check_inplace()`` reports both at the offending operation, and
     ``convert_inplace_abn`` chooses the layers of a model that may run in place. Out of place,
     the layer supports double backward (gradient penalties); in place it raises.
+
+    ``SyncBatchNorm.convert_sync_batchnorm(module, process_group=None)``, where
+    ``nn.SyncBatchNorm`` users look for it, is ``encoding_syncbn.convert_sync_batchnorm``
+    (attached by ``convert.py``, which imports this module, not the other way round).
     """
 
     def __init__(
@@ -138,18 +142,16 @@ class SyncBatchNorm(_BatchNorm):
         self._open_group: weakref.ref[ReplicaGroup] | None = None
         self._replica_slot: ReplicaSlot | None = None
         self._recompute_cache = RecomputeCache()
-        # In place: the channels kept aside, found once per replicate() for all replicas
-        # (``_open_aside``, on the original) and handed to each (``_aside``); None: unknown.
-        # ``_aside_limit``: the limit they were found with (``aside.gamma_limit`` of the dtype
-        # the replicas' inputs were expected in).
-        self._open_aside: tuple[tuple[int, ...], float] | None = None
-        self._aside: tuple[int, ...] | None = None
-        self._aside_limit = 0.0
-        # Without replicate(): the same, known without a device sync (see AsideWatch).
-        self._aside_watch = AsideWatch()
+        # In place: the channels kept aside (gamma too small to rebuild their input). The
+        # original layer reads them once per replicate() for all its replicas
+        # (``_replicas_small_gamma``; None: not read); each replica, and a layer called
+        # without replicate(), has its own.
+        self._replicas_small_gamma: SmallGammaChannels | None = None
+        self._small_gamma = SmallGammaChannels()
         # Whether this layer has warned that it ran out of place: once per layer, shared with
         # its replicas (which copy __dict__ shallowly), so that each layer's fallback is told.
         self._warned_out_of_place: list[bool] = [False]
+        self._config = self._make_config()
 
     def __setattr__(self, name: str, value: Any) -> None:
         """Assigning ``activation``, ``slope``, ``inplace``, ``eps`` or ``momentum`` after
@@ -166,10 +168,13 @@ class SyncBatchNorm(_BatchNorm):
             inplace_policy.resolve_inplace(self._label(), options["activation"], options["slope"],
                                            options["inplace"], self._compute_dtype())
         super().__setattr__(name, value)
-        if name in _CONFIG_SOURCES and "_aside" in self.__dict__:  # "_aside": set up
-            # Made here, not in each call (a NamedTuple and five reads a call otherwise).
-            self._config = ActConfig(self.activation, self.slope, self.inplace, self._aside,
-                                     self._label_text)
+        if name in _CONFIG_SOURCES and "_config" in self.__dict__:
+            self._config = self._make_config()
+
+    def _make_config(self) -> ActConfig:
+        """The layer's ``ActConfig``: made when one of its sources is assigned, not in each
+        call (a NamedTuple and four reads a call otherwise)."""
+        return ActConfig(self.activation, self.slope, self.inplace, self._label_text)
 
     def _compute_dtype(self) -> torch.dtype | None:
         """The dtype of the layer's parameters or statistics (None: it has neither)."""
@@ -187,24 +192,24 @@ class SyncBatchNorm(_BatchNorm):
             # Not for a weight a hook recomputes in each forward: its value is the last one;
             # nor for one on the meta device, which has no values to read.
             with replicas.reading_parameters(group):
-                self._open_aside = None
-                if self.inplace and not self._computed_by_hooks() and not self._on_meta():
-                    weight = self.weight  # read once: a parametrization computes it
-                    dtype = self._expected_input_dtype(weight)
-                    self._open_aside = (small_gamma_channels(weight, self.bias, dtype),
-                                        gamma_limit(dtype))
+                self._replicas_small_gamma = None
+                if self.inplace and not self._computed_by_hooks():
+                    weight, bias = self.weight, self.bias  # read once: parametrizations compute
+                    if not _on_meta(weight, bias):
+                        self._replicas_small_gamma = SmallGammaChannels.read_now(
+                            weight, bias, self._expected_input_dtype(weight))
         replica = super()._replicate_for_data_parallel()
         replica._replica_slot = ReplicaSlot(group, group.add_member(replica), self._replica_slot)
         replica._open_group = None
         replica._recompute_cache = RecomputeCache()
-        replica._aside, replica._aside_limit = self._open_aside or (None, 0.0)
-        replica._aside_watch = AsideWatch()  # where the replica finds them itself (not shared)
+        found = self._replicas_small_gamma
+        replica._small_gamma = found.copy() if found is not None else SmallGammaChannels()
         return replica
 
     def _expected_input_dtype(self, weight: torch.Tensor | None) -> torch.dtype:
         """The dtype the replicas' inputs are expected in: autocast's where it is on for the
         parameters' device, else theirs (``weight``'s: the layer's, as read once; a call on
-        another dtype checks again: ``_act_config``)."""
+        a dtype with a stricter limit checks again: ``SmallGammaChannels.index``)."""
         state = self.running_mean if weight is None else weight
         if state is None:
             return torch.get_default_dtype()
@@ -213,10 +218,6 @@ class SyncBatchNorm(_BatchNorm):
                 device_type):
             return torch.get_autocast_dtype(device_type)
         return state.dtype
-
-    def _on_meta(self) -> bool:
-        """Whether the layer's parameters live on the meta device (shapes, no values)."""
-        return any(p.is_meta for p in (self.weight, self.bias) if p is not None)
 
     def _computed_by_hooks(self) -> bool:
         """Whether ``weight`` or ``bias`` is a plain attribute that a forward pre-hook sets
@@ -337,7 +338,7 @@ class SyncBatchNorm(_BatchNorm):
                 self._track_batch_staged(mean.detach(), var.detach() * count, count)
         else:
             mean, var = self.running_mean.to(acc), self.running_var.to(acc)
-        config = ActConfig(self.activation, self.slope, False, (), self._label())
+        config = ActConfig(self.activation, self.slope, False, self._label())
         return norm_act_composite(config)(x, mean, torch.rsqrt(var + self.eps), weight, bias)
 
     def _track_batch_staged(self, mean: torch.Tensor, m2: torch.Tensor, count: int) -> None:
@@ -353,7 +354,7 @@ class SyncBatchNorm(_BatchNorm):
                               None if running.batches is None else running.batches.clone(),
                               running.momentum)
         try:
-            _track_batch(staged, mean, m2, count)
+            track_batch(staged, mean, m2, count)
         except RuntimeError as error:
             raise RuntimeError(
                 f"{self._label()}: cannot fold this call's batch statistics into its running "
@@ -388,45 +389,23 @@ class SyncBatchNorm(_BatchNorm):
         return weight, bias
 
     def _act_config(self, x: torch.Tensor) -> ActConfig:
-        """The activation, and whether and around which channels it runs in place (those
-        found at ``replicate()``; None: not known yet, see ``_watching``): the layer's
-        configuration, out of place where ``x`` cannot be overwritten or its dtype cannot
-        rebuild the activation (``inplace_policy.stays_in_place``). Channels found for another
-        dtype than x's, under a looser limit, are looked up again. (Without a weight gamma is
-        1: the watch and ``small_gamma_channels`` find no channel to keep aside.)"""
+        """The activation, and whether it runs in place: the layer's configuration, out of
+        place where ``x`` cannot be overwritten or its dtype cannot rebuild the activation
+        (``inplace_policy.stays_in_place``)."""
         config = self._config
         if not config.inplace:
             return config
-        if not inplace_policy.can_overwrite(x, self._warned_out_of_place):
+        if not inplace_policy.can_overwrite(x, self._warned_out_of_place) or (
+                x.dtype in torch_ops.HALF_DTYPES
+                and not inplace_policy.stays_in_place(config.activation, x.dtype)):
             return config._replace(inplace=False)
-        dtype = x.dtype
-        if dtype in torch_ops.HALF_DTYPES:
-            if not inplace_policy.stays_in_place(config.activation, dtype):
-                return config._replace(inplace=False)
-            if config.aside is not None and self._aside_limit < gamma_limit(dtype):
-                return config.with_aside(None)
         return config
 
-    def _watching(self, config: ActConfig) -> AsideWatch | None:
-        """The watch that finds the channels kept aside, where ``config`` does not know them
-        (while compiling, ``aside.aside_index`` finds them in the graph)."""
-        if config.inplace and config.aside is None and not torch.compiler.is_compiling():
-            return self._aside_watch
-        return None
-
-    def _with_aside(self, config: ActConfig, refresh: bool, weight: torch.Tensor | None,
-                    bias: torch.Tensor | None, dtype: torch.dtype) -> ActConfig:
-        """``config`` with the channels kept aside known, chosen by the layer's ``weight`` and
-        ``bias`` for an input of ``dtype``; ``refresh=False`` (a checkpoint's recompute): those
-        of the original call."""
-        watch = self._watching(config)
-        if watch is None:
-            return config
-        return config.with_aside(watch.channels(weight, bias, dtype, refresh=refresh))
-
     def _forward(self, x: torch.Tensor, slot: ReplicaSlot | None) -> torch.Tensor:
-        """The dispatch: evaluation with running statistics, training synced, training alone
-        (one replica, or ``sync=False``)."""
+        """Choose the mode and run it: evaluation with running statistics; batch statistics
+        synchronised (or a checkpoint's recomputation of such a call); batch statistics of
+        this replica alone (one replica, or ``sync=False``). Each mode is one call into
+        ``functional``, which runs the mode's autograd Function (docs/internals.md)."""
         params = self.weight, self.bias  # read once: a parametrized weight is computed at each read
         running_mean = self.running_mean
         state = running_mean if running_mean is not None else params[0]
@@ -434,29 +413,37 @@ class SyncBatchNorm(_BatchNorm):
             self._refuse_device(x, state)
         weight, bias = self._affine_params(*params, x)
         config = self._act_config(x)
+        small_gamma = self._small_gamma
         if not self.training and running_mean is not None:
-            return self._forward_running(
-                x, weight, bias, self._with_aside(config, True, *params, x.dtype))
+            # The backend derives invstd in the same pass, and keeps copies of the statistics
+            # for the backward: a training forward, load_state_dict or a buffer broadcast may
+            # change the buffers before it.
+            return normalize_running(x, running_mean, self.running_var, self.eps, weight, bias,
+                                     config, small_gamma)
         # Batch statistics: training, or evaluation without running ones. Asked only here:
         # evaluation with running statistics never asks autograd (its private API untouched).
         recomputing = recompute.inside_backward()
-        refresh = not (self.training and recomputing)
         running = self._running() if self.training and not recomputing else None
         if self.sync and ((slot is not None and slot.synced) or self._syncs_processes()):
-            config = self._with_aside(config, refresh, *params, x.dtype)
             if recomputing:
-                return self._recompute_cache.replay(x, weight, bias, config)
-            return self._forward_synced(x, slot, weight, bias, config, running)
+                return self._recompute_cache.replay(x, weight, bias, config, small_gamma)
+            # The master folds the merged statistics into the running ones; each replica
+            # remembers the call for a checkpoint's recomputation.
+            exchange = Exchange(slot, self.eps, self.process_group, self._syncs_processes(),
+                                running, self._label())
+            out = synced_batch_norm_act(x, weight, bias, config, exchange, small_gamma)
+            self._recompute_cache.remember(exchange.own, exchange.mean, exchange.invstd)
+            return out
         # This replica's batch alone.
         count = self._training_count(x)
         if running is not None and slot is not None and slot.group.size > 1:
             self._checked_by_every_replica(slot, x, count)
         if count == 0:
-            _track_batch(running, None, None, 0)
+            track_batch(running, None, None, 0)
             # Empty, and attached to the parameters (zero gradients) as nn.BatchNorm's result.
             return torch.nn.functional.batch_norm(x, None, None, weight, bias, True, 0.0, self.eps)
-        return batch_norm_act(x, weight, bias, self.eps, config, running,
-                              self._watching(config), refresh, count)
+        return batch_norm_act(x, weight, bias, self.eps, config, running, small_gamma,
+                              recomputing, count)
 
     def _refuse_device(self, x: torch.Tensor, state: torch.Tensor) -> None:
         """An input on another device than the layer's state (``state``: a running statistic,
@@ -482,14 +469,6 @@ class SyncBatchNorm(_BatchNorm):
         elif count == x.shape[0]:
             group.wait_for_checks(call)
 
-    def _forward_running(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
-                         config: ActConfig) -> torch.Tensor:
-        """Evaluation: normalise with the running statistics (the backend derives invstd in
-        the same pass, and keeps copies of the statistics for the backward: a training
-        forward, load_state_dict or a buffer broadcast may change the buffers before it)."""
-        return normalize_running(x, self.running_mean, self.running_var, self.eps, weight, bias,
-                                 config)
-
     def _training_count(self, x: torch.Tensor) -> int:
         """Values per channel of a training input, refusing one (no variance to take)."""
         count = x.numel() // self.num_features
@@ -500,31 +479,12 @@ class SyncBatchNorm(_BatchNorm):
             )
         return count
 
-    def _forward_synced(self, x: torch.Tensor, slot: ReplicaSlot | None, weight: torch.Tensor,
-                        bias: torch.Tensor, config: ActConfig, running: RunningStats | None
-                        ) -> torch.Tensor:
-        """Batch statistics of every replica (and process): exchanged, then normalised; the
-        master folds the merged statistics into the running ones, and each replica remembers
-        the call for a checkpoint's recomputation."""
-        exchange = Exchange(slot, self.eps, self.process_group, self._syncs_processes(),
-                            functools.partial(_track_batch, running), self._label())
-        out = synced_batch_norm_act(x, weight, bias, config, exchange)
-        self._recompute_cache.remember(exchange.own, exchange.mean, exchange.invstd)
-        return out
-
     def _running(self) -> RunningStats | None:
         """The running statistics a training call updates (None: not tracked)."""
         if not self.track_running_stats or self.running_mean is None:
             return None
         return RunningStats(self.running_mean, self.running_var, self.num_batches_tracked,
                             self.momentum)
-
-    @classmethod
-    def convert_sync_batchnorm(cls, module: torch.nn.Module, process_group: Any = None):
-        """``encoding_syncbn.convert_sync_batchnorm``, where ``nn.SyncBatchNorm`` users look."""
-        from .convert import convert_sync_batchnorm  # convert.py imports this module
-
-        return convert_sync_batchnorm(module, process_group)
 
     @property
     def last_input_dim(self) -> int | None:
@@ -541,12 +501,9 @@ class SyncBatchNorm(_BatchNorm):
         return text
 
 
-def _track_batch(running: RunningStats | None, mean: torch.Tensor | None,
-                 m2: torch.Tensor | None, count: int) -> None:
-    """Count the batch and fold it into ``running`` (nothing when None: see
-    ``torch_ops.track_batch``)."""
-    if running is not None:
-        torch_ops.track_batch(*running, mean, m2, count)
+def _on_meta(weight: torch.Tensor | None, bias: torch.Tensor | None) -> bool:
+    """Whether the layer's parameters live on the meta device (shapes, no values)."""
+    return any(p.is_meta for p in (weight, bias) if p is not None)
 
 
 def record_paths(root: torch.nn.Module) -> None:

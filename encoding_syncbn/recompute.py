@@ -16,6 +16,7 @@ import torch
 from . import _compat
 from .functional import ActConfig, ReplicaStats, normalize_with
 from .kernels import ops_for
+from .small_gamma import SmallGammaChannels
 
 # How many recent synchronised calls a replica remembers for checkpoint recomputation.
 CACHE_SIZE = 64
@@ -52,9 +53,9 @@ class RecomputeCache:
             )
 
     def replay(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
-               config: ActConfig) -> torch.Tensor:
+               config: ActConfig, small_gamma: SmallGammaChannels) -> torch.Tensor:
         """Checkpoint recomputation: normalise ``x`` with the global statistics of the
-        original call.
+        original call (in place, keeping aside the channels it kept: ``small_gamma``'s).
 
         The call is found by its input's statistics, recomputed by the backend that computed
         them then (another backend's differ in the last bits: Triton's against ATen's).
@@ -72,7 +73,8 @@ class RecomputeCache:
                         "reentrant mode rebuilds each replica's graph apart, so gradients "
                         "cannot flow between replicas; use use_reentrant=False"
                     )
-                return normalize_with(x, call.mean, call.invstd, weight, bias, config)
+                return normalize_with(x, call.mean, call.invstd, weight, bias, config,
+                                      small_gamma, recomputing=True)
         raise RuntimeError(
             "SyncBatchNorm: a recomputation (checkpoint) found no synchronised call with the "
             "same input statistics; the checkpointed function must be deterministic"

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import ast
 import copy
+import pathlib
 import pickle
 import warnings
 
@@ -243,6 +245,47 @@ def test_revert_of_an_unregistered_source_is_an_error():
 def test_classmethod_is_the_converter():
     net = SyncBatchNorm.convert_sync_batchnorm(nn.Sequential(nn.BatchNorm2d(3)), GROUP)
     assert type(net[0]) is SyncBatchNorm and net[0].process_group is GROUP
+
+
+def _package_imports() -> dict[str, set[str]]:
+    """Each module of the package: the modules of the package it imports, lazily or not
+    (``from . import x`` counted as an import of ``x``)."""
+    root = pathlib.Path(encoding_syncbn.__file__).parent
+    graph = {}
+    for path in root.rglob("*.py"):
+        parts = path.relative_to(root.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1])
+                found.update([f"{base}.{node.module}"] if node.module
+                             else [f"{base}.{alias.name}" for alias in node.names])
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                found.update(alias.name for alias in node.names)
+                found.add(getattr(node, "module", None) or "")
+        graph[name] = found
+    return {name: {m for m in found if m in graph and m != name}
+            for name, found in graph.items()}
+
+
+def test_imports_run_one_way():
+    """No module of the package imports, even lazily, one that imports it back (directly or
+    through others): the layer does not import its converters, which import the layer. The
+    package's ``__init__``, which imports its modules to re-export their names, is left out."""
+    graph = _package_imports()
+    graph.pop("encoding_syncbn")
+    for start in graph:
+        reached, todo = set(), list(graph[start])
+        while todo:
+            name = todo.pop()
+            if name in graph and name not in reached:
+                reached.add(name)
+                todo.extend(graph[name])
+        assert start not in reached, f"{start} imports a module that imports it back"
+    assert not graph["encoding_syncbn.modules"] & {"encoding_syncbn.convert",
+                                                   "encoding_syncbn.norm_act"}
 
 
 # ---- shared modules (issue 15 item 2) ---------------------------------------------------------

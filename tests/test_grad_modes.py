@@ -16,7 +16,7 @@ from merge import merge_stats
 from reference import SLOPES, activate
 from torch import nn
 
-from encoding_syncbn import SyncBatchNorm, aside, stats
+from encoding_syncbn import SyncBatchNorm, small_gamma, stats
 from encoding_syncbn.testing import SimulatedDataParallel
 
 pytestmark = each_backend
@@ -115,7 +115,7 @@ def test_training_after_an_inference_mode_call_with_a_channel_kept_aside(trainin
     zero gamma, then training with autograd, on that layer and on a new one (before, both
     failed with "Inference tensors cannot be saved for backward": a process-wide cache held
     the kept-aside channels' index tensor made under inference mode)."""
-    aside.channel_index.cache_clear()  # so that the inference_mode call builds the entry
+    small_gamma.channel_index.cache_clear()  # so that the inference_mode call builds the entry
     layer = SyncBatchNorm(C, activation="leaky_relu", slope=0.1, dtype=DT)
     with torch.no_grad():
         layer.weight.copy_(torch.tensor([1.5, 0.0, -0.7, 2.0]))

@@ -8,7 +8,6 @@ from backends import each_backend
 from merge import merge_stats
 
 from encoding_syncbn import SyncBatchNorm
-from encoding_syncbn.aside import aside_index
 from encoding_syncbn.functional import (
     ActConfig,
     NormAct,
@@ -17,6 +16,7 @@ from encoding_syncbn.functional import (
     normalize_with,
     replica_stats,
 )
+from encoding_syncbn.small_gamma import SmallGammaChannels
 from encoding_syncbn.testing import SimulatedDataParallel
 
 pytestmark = each_backend
@@ -86,8 +86,8 @@ def synced_in_one_thread(x, w, b, config, split, other_ranks=None):
         means, m2s, counts = other_ranks
         own_count = sum(c.count for c in contributions)
         mean, _, invstd = merge_stats([mean, *means], [m2, *m2s], [own_count, *counts], 1e-3)
-    aside = aside_index(w, b, config.inplace, config.aside, x.dtype)
-    return [NormAct.apply(c.x, mean, invstd, w, b, config, c.link, aside)
+    kept = SmallGammaChannels().index(w, b, x.dtype) if config.inplace else None
+    return [NormAct.apply(c.x, mean, invstd, w, b, config, c.link, kept)
             for c in contributions]
 
 

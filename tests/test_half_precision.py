@@ -5,7 +5,7 @@ precision, against float64, over the whole range of gamma and beta.
 
 Backward rebuilds the input from the half-precision output, dividing by gamma; it amplifies the
 output's rounding by ``|beta| / |gamma|``. Channels where that is too much are kept aside
-(``aside.HALF_PRECISION_LIMIT``), and ELU runs out of place in half precision
+(``small_gamma.HALF_PRECISION_LIMIT``), and ELU runs out of place in half precision
 (``inplace_policy.stays_in_place``).
 
 Each gradient's error is measured per channel: the largest error of its elements (dx), or the
@@ -198,16 +198,16 @@ def test_a_layer_switching_dtype_checks_its_channels_again(dtype):
     a float32 call (where |beta| = 10 |gamma| is rebuilt), a half-precision one (autocast
     between convolutions) keeps that channel aside, and the float32 call after it rebuilds it
     again."""
-    from encoding_syncbn import aside
+    from encoding_syncbn.small_gamma import gamma_limit
 
     layer = SyncBatchNorm(C, activation="leaky_relu", inplace=True)
     _load(layer, torch.ones(C), torch.tensor([0.0, 10.0, 0.5, -10.0]),
           (torch.zeros(C), torch.ones(C)))
-    watch = layer._aside_watch
+    channels = layer._small_gamma
     for input_dtype, expected in ((torch.float32, ()), (dtype, (1, 3)), (torch.float32, ())):
         layer(torch.randn(SHAPE).to(input_dtype) * 1).float().sum().backward()
-        assert watch.known == expected
-        assert watch._limit == aside.gamma_limit(input_dtype, watched=True)
+        assert channels.known == expected
+        assert channels._limit == gamma_limit(input_dtype, with_margin=True)
 
 
 @pytest.mark.parametrize("activation", ["identity", "leaky_relu"])

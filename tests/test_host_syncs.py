@@ -116,9 +116,9 @@ def test_a_gamma_that_becomes_zero_is_kept_aside_at_the_next_call():
 
 
 # Gammas around the in-place limits, in units of max(1, |b|): zero, below, on and above 1e-3
-# (rebuilt from the output only above it) and AsideWatch's 16x margin; paired with biases of 0,
-# 1 and 100. Plain gammas (0.3, 2) besides: scaled by 100 they would saturate ELU, whose
-# inverse then loses the input (a documented limit of ELU in place).
+# (rebuilt from the output only above it) and SmallGammaChannels' 16x margin; paired with
+# biases of 0, 1 and 100. Plain gammas (0.3, 2) besides: scaled by 100 they would saturate ELU,
+# whose inverse then loses the input (a documented limit of ELU in place).
 LIMIT_FACTORS = [0.0, 0.5e-3, 1e-3, 1.5e-3, 16e-3, 17e-3, -1e-3, -20e-3]
 PLAIN_GAMMAS = [0.3, -0.3, 2.0]
 
@@ -178,19 +178,19 @@ def test_single_replica_steps_match_batchnorm(activation, channels, momentum, st
     dtype=st.sampled_from([torch.bool, torch.uint8, torch.int8, torch.int32, torch.float32]),
     step=st.integers(1, 3),
 )
-def test_the_watch_reads_flags_of_any_dtype_and_layout(flags, dtype, step):
-    """``AsideWatch`` reads offered flags as bytes where they lie: flags a backend hands it
-    in another dtype (a wider int, float) or strided are read as what they say, not as their
-    raw bytes (the channels kept aside are the nonzero flags, and only those); from one call
+def test_flags_of_any_dtype_and_layout_are_read(flags, dtype, step):
+    """``SmallGammaChannels`` reads offered flags as bytes where they lie: flags a backend
+    hands it in another dtype (a wider int, float) or strided are read as what they say, not as
+    their raw bytes (the channels kept aside are the nonzero flags, and only those); from one call
     to the next, flags of another length too (its reader is kept per length)."""
-    from encoding_syncbn.aside import AsideWatch
+    from encoding_syncbn.small_gamma import SmallGammaChannels
 
-    watch = AsideWatch()
+    channels = SmallGammaChannels()
     for offered_flags in (flags, flags[::-1], flags[1:] or flags):
         padded = torch.zeros(len(offered_flags) * step, dtype=torch.int64)
         padded[::step] = torch.tensor(offered_flags)
         offered = padded.to(dtype)[::step]
         weight = torch.ones(len(offered_flags))
-        assert watch.channels(weight, torch.zeros_like(weight), weight.dtype,
-                              flags=offered) == tuple(
-            i for i, flag in enumerate(offered_flags) if flag)
+        index = channels.index(weight, torch.zeros_like(weight), weight.dtype, flags=offered)
+        assert ([] if index is None else index.tolist()) == [
+            i for i, flag in enumerate(offered_flags) if flag]
