@@ -18,6 +18,11 @@ has not this structure, ``install()`` changes nothing.
 before ``int()``: Triton 3.6's interpreter does ``int(array)``, which NumPy 2.4 refuses, so every
 kernel loop with runtime bounds fails there (triton-lang/triton#9171; Triton 3.9 squeezes).
 
+It runs a launch's programs with grid axis 0 fastest, as a GPU hands out its blocks: Triton's
+interpreter runs axis 0 slowest, so a channel block's split programs (axis 1) all ran before
+the next block's, and kernels that shared one arrival counter among all blocks passed. Now
+the blocks' programs interleave, and such a kernel leaves channels unfinished.
+
 And it makes a float32 -> bfloat16 cast round to nearest (even), as a GPU's does: Triton 3.9's
 interpreter truncates it, which doubles a bfloat16 output's rounding error, and what the
 half-precision tests bound is that error.
@@ -78,9 +83,34 @@ def _round_bfloat16_casts() -> None:
     builder.cast_impl = cast_impl
 
 
+def _axis_0_fastest() -> None:
+    builder = getattr(interpreter, "InterpreterBuilder", None)
+    set_dim = getattr(builder, "set_grid_dim", None)
+    set_idx = getattr(builder, "set_grid_idx", None)
+    if set_dim is None or set_idx is None or getattr(set_idx, "axis_0_fastest", False):
+        return
+
+    def set_grid_dim(self, nx, ny, nz):
+        set_dim(self, nx, ny, nz)
+        self.programs_started = 0
+
+    def set_grid_idx(self, x, y, z):
+        # The interpreter asks for (x, y, z) in axis-0-slowest order: the k-th program it
+        # starts runs as the k-th in axis-0-fastest order instead.
+        nx, ny, _ = self.grid_dim
+        k = self.programs_started
+        self.programs_started = k + 1
+        set_idx(self, k % nx, (k // nx) % ny, k // (nx * ny))
+
+    set_grid_idx.axis_0_fastest = True
+    builder.set_grid_dim = set_grid_dim
+    builder.set_grid_idx = set_grid_idx
+
+
 def install() -> None:
     _squeeze_index()
     _round_bfloat16_casts()
+    _axis_0_fastest()
     function = getattr(interpreter, "InterpretedFunction", None)
     if (function is None or not hasattr(function, "rewrite")
             or getattr(function.__call__, "skips_repeated_patch", False)):

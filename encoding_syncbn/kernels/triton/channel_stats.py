@@ -86,8 +86,8 @@ def _block_stats(x_ptr, part_ptr, counter_ptr, N, C, S, R, CS, tiles, tiles_s, t
     c = _block_channels(c0, CHANNELS_LAST, BLOCK_B)
     sum_d = _channel_sums(s1, CHANNELS_LAST)
     sum_d2 = _channel_sums(s2, CHANNELS_LAST)
-    sum_d, sum_d2, finishing = _merge_split(sum_d, sum_d2, part_ptr, counter_ptr, c, C,
-                                            SPLIT, BLOCK_P)
+    sum_d, sum_d2, finishing = _merge_split(sum_d, sum_d2, part_ptr,
+                                            counter_ptr + tl.program_id(0), c, C, SPLIT, BLOCK_P)
     n = R.to(ACC)
     mean = _channel_vector(k, CHANNELS_LAST) + sum_d / n
     # Rounding may leave a constant channel's M2 a hair below 0 (NaN stays NaN).

@@ -2,7 +2,7 @@
 them to finish merges the partials, in the same launch.
 
 Each program stores its row of the ``[planes, splits, C]`` partial buffer, then increments its
-channel block's counter, the one at the block's first channel (acquire-release, after a
+channel block's counter (acquire-release, after a
 barrier: every thread's stores come before it). The program that finds ``splits - 1`` there is
 the last: the acquire makes every other program's row visible to it; it merges the rows in
 index order (the same bits whatever order the programs finished in) and sets the counter back
@@ -27,10 +27,10 @@ def _merge_split(sum_a, sum_b, part_ptr, block_counter_ptr, c, C, SPLIT: tl.cons
                  BLOCK_P: tl.constexpr):
     """``(sum_a, sum_b, finishing)``: a channel block's two per-channel sums over all of its
     programs (grid axis 1), in the program that is ``finishing`` (without ``SPLIT``, every
-    program has the whole sums). ``block_counter_ptr``: the channel block's counter, the one
-    at its first channel (``counter_ptr + c0``: the kernels keep c0 live anyway, where the
-    block index would be one more value across their loops, which ptxas 13 under Triton
-    3.9's ``--regAllocOptLevel=2`` spilled).
+    program has the whole sums). ``block_counter_ptr``: a counter of the channel block's own,
+    at its block index (statistics) or its first channel (backward reduction: its c0 is live
+    across the loop anyway, where ptxas 13 under Triton 3.9's ``--regAllocOptLevel=2``
+    spilled the block index; the statistics kernels spilled the other way round).
 
     Each program stores its sums in row pid_1 of the [2, splits, C] buffer ``part``; the
     barrier orders every thread's stores before the one thread's atomic, whose release
