@@ -34,7 +34,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from .. import _compat  # noqa: E402
-from .triton.plan import Launch, Target  # noqa: E402
+from .triton.plan import COMPILE_OPTIONS, Launch, Target  # noqa: E402
 from .triton.specialisations import launch_specialisations  # noqa: E402
 
 # SM counts of the reference parts (A100, H100 SXM): only the grid planning depends on them.
@@ -117,7 +117,7 @@ def compile_spec(spec: Spec, arch: int):
     source = ASTSource(fn=spec.kernel, signature=spec.signature, constexprs=spec.constexprs,
                        attrs=spec.attrs)
     return triton.compile(source, target=GPUTarget("cuda", arch, 32),
-                          options={"num_warps": spec.num_warps, "enable_fp_fusion": True})
+                          options={"num_warps": spec.num_warps, **COMPILE_OPTIONS})
 
 
 def cuobjdump(cubin: bytes, option: str) -> str:
