@@ -39,7 +39,8 @@ def _block_stats(x_ptr, part_ptr, counter_ptr, N, C, S, R, CS, tiles, tiles_s, t
     in channels_last, one in NCHW) and, where ``finishing``, their (mean, M2) over the batch.
 
     Each channel's values are taken as deviations d = x - K from a shift K: the mean of the
-    channel's values in the block's first tile (0 where that is not finite), which every
+    channel's values in the block's first tile (split: in its first 8 rows, so that every
+    program reading them adds little traffic; 0 where that is not finite), which every
     program of the block computes alike (a division a program, none in the loop). Every lane
     sums d and d^2 over the tiles it visits; with the sums over the channel's n values (R of
     them: N * S),
@@ -54,27 +55,37 @@ def _block_stats(x_ptr, part_ptr, counter_ptr, N, C, S, R, CS, tiles, tiles_s, t
     finish adds the rows up in index order (``partials``): only it is ``finishing``.
     """
     c0 = _channel_block(CHANNELS_LAST, BLOCK_B)
-    # The shift, from tile 0 (read by every program of the block; the first program's own):
-    # its first row's value plus the tile's mean deviation from it (a constant channel's shift
-    # is its value exactly; no sum near the dtype's largest values overflows).
-    base, local, mask = _tile_at(0, 0, c0, N, C, S, R, CS, CHANNELS_LAST, BLOCK_A, BLOCK_B)
-    first = tl.load(x_ptr + base + local, mask=mask, other=0.0).to(ACC)
+    # The shift, from tile 0: its first row's value plus the tile's mean deviation from it (a
+    # constant channel's shift is its value exactly; no sum near the dtype's largest values
+    # overflows). Split, every program of the block reads it: then from its first 8 rows only.
+    if SPLIT and BLOCK_A > 8:
+        head, head_local, head_mask = _tile_at(0, 0, c0, N, C, S, R, CS, CHANNELS_LAST, 8, BLOCK_B)
+    else:
+        head, head_local, head_mask = _tile_at(0, 0, c0, N, C, S, R, CS, CHANNELS_LAST, BLOCK_A,
+                                               BLOCK_B)
+    first = tl.load(x_ptr + head + head_local, mask=head_mask, other=0.0).to(ACC)
     if CHANNELS_LAST:
         b = tl.arange(0, BLOCK_B)[None, :]
-        origin = tl.load(x_ptr + base + b, mask=b < C - c0, other=0.0).to(ACC)
+        origin = tl.load(x_ptr + head + b, mask=b < C - c0, other=0.0).to(ACC)
         # (A block's channels past C have no values: their shift is 0.)
-        count = tl.maximum(tl.sum(mask.to(ACC), 0, keep_dims=True), 1.0)
-        shift = origin + tl.sum(tl.where(mask, first - origin, 0.0), 0, keep_dims=True) / count
+        count = tl.maximum(tl.sum(head_mask.to(ACC), 0, keep_dims=True), 1.0)
+        shift = origin + tl.sum(tl.where(head_mask, first - origin, 0.0), 0, keep_dims=True) / count
     else:
-        origin = tl.load(x_ptr + base).to(ACC)
-        shift = origin + tl.sum(tl.where(mask, first - origin, 0.0)) / tl.sum(mask.to(ACC))
+        origin = tl.load(x_ptr + head).to(ACC)
+        count = tl.sum(head_mask.to(ACC))
+        shift = origin + tl.sum(tl.where(head_mask, first - origin, 0.0)) / count
     shift = tl.where(shift - shift == 0.0, shift, 0.0).to(x_ptr.dtype.element_ty)
     k = shift.to(ACC)
     start, stop = _tile_range(tiles, tiles_per_prog)
-    # The first program takes tile 0 from its registers, and walks the rest.
-    s1 = tl.where(mask & (start == 0), first - k, 0.0)
-    s2 = s1 * s1
-    start = tl.where(start == 0, 1, start)
+    if SPLIT and BLOCK_A > 8:
+        s1 = tl.zeros([BLOCK_A, BLOCK_B], ACC)
+        s2 = tl.zeros([BLOCK_A, BLOCK_B], ACC)
+    else:
+        # The whole of tile 0 was read: the program that starts there takes it from its
+        # registers, and walks the rest.
+        s1 = tl.where(head_mask & (start == 0), first - k, 0.0)
+        s2 = s1 * s1
+        start = tl.where(start == 0, 1, start)
     tn, ts = _tile_coordinates(start, tiles_s, CHANNELS_LAST)
     for _ in range(start, stop):
         base, local, mask = _tile_at(tn, ts, c0, N, C, S, R, CS, CHANNELS_LAST, BLOCK_A,
