@@ -16,17 +16,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from reference import activate
 from torch import nn
-
-
-def _activate(y: torch.Tensor, activation: str, param: float) -> torch.Tensor:
-    if activation == "leaky_relu":
-        return F.leaky_relu(y, param)
-    if activation == "elu":
-        return F.elu(y, param)
-    if activation == "relu":
-        return F.relu(y)
-    return y
 
 
 def inplace_abn(x, weight, bias, running_mean, running_var, training=True, momentum=0.1,
@@ -38,7 +29,7 @@ def inplace_abn(x, weight, bias, running_mean, running_var, training=True, momen
     if weight is not None:
         weight = weight.abs() + eps
     y = F.batch_norm(x, running_mean, running_var, weight, bias, training, momentum, eps)
-    return _activate(y, activation, activation_param)
+    return activate(y, activation, activation_param)
 
 
 class ABN(nn.Module):
@@ -74,7 +65,7 @@ class ABN(nn.Module):
         factor, training = self._factor_and_training()
         y = F.batch_norm(x, *self._running(), self.weight, self.bias, training, factor,
                          self.eps)
-        return _activate(y, self.activation, self.activation_param)
+        return activate(y, self.activation, self.activation_param)
 
 
 class InPlaceABN(ABN):
