@@ -17,11 +17,9 @@ length follows the machine's load).
 from __future__ import annotations
 
 import copy
-import datetime
 import json
 import os
 import shutil
-import sys
 import tempfile
 import time
 import traceback
@@ -29,6 +27,7 @@ from collections import Counter
 from multiprocessing.connection import wait
 from pathlib import Path
 
+import gloo_group
 import pytest
 import torch
 import torch.distributed as dist
@@ -43,7 +42,6 @@ from encoding_syncbn.testing import SimulatedDataParallel
 
 C = 4
 STALL_SECONDS = 180.0  # with no scenario finished by any rank (import and rendezvous included)
-COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=60)
 SLOPES = {"leaky_relu": 0.1, "elu": 0.7}
 # (activation, inplace): every in-place activation, plus out-of-place ones.
 MODES = [("leaky_relu", True), ("elu", True), ("identity", True), ("none", False),
@@ -445,13 +443,7 @@ def _worker(rank, world, port, outdir, backend):
             import triton_interpreter
 
             triton_interpreter.install()
-        if sys.platform.startswith("linux"):
-            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # localhost only
-        torch.set_num_threads(1)
-        store = dist.TCPStore("127.0.0.1", port, world, is_master=False,
-                              timeout=COLLECTIVE_TIMEOUT)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
-                                timeout=COLLECTIVE_TIMEOUT)
+        gloo_group.join(rank, world, port)
         # Every rank creates every group, in the same order.
         solos = [dist.new_group([r]) for r in range(world)]
         ctx = {"world": world, "solo": solos[rank]}
@@ -496,8 +488,7 @@ def _launch(world, backend):
     record]}."""
     outdir = tempfile.mkdtemp(prefix=f"syncbn_dist{world}_")
     # The parent holds the rendezvous store, so the port is free and stays ours.
-    store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False,
-                          timeout=COLLECTIVE_TIMEOUT)
+    store = gloo_group.rendezvous(world)
     context = _process_context()
     processes = [
         context.Process(target=_worker, args=(rank, world, store.port, outdir, backend),

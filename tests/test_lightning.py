@@ -17,7 +17,6 @@ process group is killed.
 
 from __future__ import annotations
 
-import datetime
 import importlib.util
 import os
 import shutil
@@ -29,6 +28,7 @@ import textwrap
 import traceback
 from pathlib import Path
 
+import gloo_group
 import pytest
 import torch
 import torch.distributed as dist
@@ -39,7 +39,6 @@ ROOT = os.path.dirname(TESTS)
 WORLD = 2
 STEPS, HALF = 3, 4  # each batch: 2 * HALF images, rank r takes images [r * HALF, (r+1) * HALF)
 C = 4
-COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=60)
 LAUNCH_DEADLINE_S = 300.0  # Lightning's import and every fit included: a hang guard only
 # Each run: the Lightning package whose Trainer fits, and the plugin's arguments
 # ("factory": a function creating a group of both ranks, called by the plugin's apply).
@@ -233,13 +232,7 @@ def _rank(rank: int, port: int, outdir: str) -> None:
     out = Path(outdir)
     try:
         os.environ["LOCAL_RANK"] = str(rank)
-        if sys.platform.startswith("linux"):
-            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # localhost only
-        torch.set_num_threads(1)
-        store = dist.TCPStore("127.0.0.1", port, WORLD, is_master=False,
-                              timeout=COLLECTIVE_TIMEOUT)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD,
-                                timeout=COLLECTIVE_TIMEOUT)
+        gloo_group.join(rank, WORLD, port)
         results = {run: _fit(rank, run, out) for run in RUNS}
         results["misuse"] = _misuse(rank, out)
         torch.save(results, out / f"rank{rank}.pt")
@@ -271,8 +264,7 @@ def _launch() -> dict:
     """{"ranks": [per-rank results or None], "problems": str}."""
     outdir = tempfile.mkdtemp(prefix="syncbn_lightning_")
     # The parent holds the rendezvous store, so the port is free and stays ours.
-    store = dist.TCPStore("127.0.0.1", 0, WORLD, is_master=True, wait_for_workers=False,
-                          timeout=COLLECTIVE_TIMEOUT)
+    store = gloo_group.rendezvous(WORLD)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [ROOT, TESTS] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
     code = f"import test_lightning; test_lightning._launcher({store.port}, {outdir!r})"
