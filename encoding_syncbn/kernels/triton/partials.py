@@ -32,11 +32,9 @@ def _merge_split(sum_a, sum_b, part_ptr, block_counter_ptr, c, C, SPLIT: tl.cons
     across the loop anyway, where ptxas 13 under Triton 3.9's ``--regAllocOptLevel=2``
     spilled the block index; the statistics kernels spilled the other way round).
 
-    Each program stores its sums in row pid_1 of the [2, splits, C] buffer ``part``; the
-    barrier orders every thread's stores before the one thread's atomic, whose release
-    publishes them and whose acquire (in the last program) makes the other rows visible. The
-    last program adds the rows up BLOCK_P at a time, always in index order, reading past the
-    L1 cache (``.cg``: other programs wrote them), and sets the counter back to 0.
+    The protocol is the module's, on rows pid_1 of the [2, splits, C] buffer ``part``; the last
+    program adds the rows up BLOCK_P at a time, reading past the L1 cache (``.cg``: other
+    programs wrote them).
     """
     if SPLIT:
         splits = tl.num_programs(1)
