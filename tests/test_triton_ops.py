@@ -413,7 +413,7 @@ def test_backward_half(fmt, dtype, activation, saved_is_output):
 
 
 @settings(max_examples=12, deadline=None, derandomize=True)
-@given(c=st.sampled_from([1, 2, 5, 64, 300]), fmt=st.sampled_from(["nchw", "last"]),
+@given(c=st.sampled_from([1, 2, 5, 64, 100]), fmt=st.sampled_from(["nchw", "last"]),
        dtype=st.sampled_from([torch.float16, torch.bfloat16, torch.float32, torch.float64]),
        variant=st.sampled_from(VARIANTS), sms=st.sampled_from([None, 1, 8, 132]),
        seed=st.integers(0, 2**16))
@@ -546,15 +546,58 @@ def test_backward_gpu_tile_shapes(monkeypatch):
         P.clear_memos()  # no plan for the GPU tiles left for the tests after this one
 
 
+@settings(max_examples=16, deadline=None, derandomize=True)
+@given(fmt=st.sampled_from(["nchw", "last"]), which=st.integers(0, 2),
+       gpu_tiles=st.booleans(), n=st.integers(2, 5), c=st.sampled_from([1, 3, 40, 70]),
+       spatial=st.sampled_from([(1, 1), (2, 3), (7, 7), (9, 15)]),
+       dtype=st.sampled_from([torch.float16, torch.bfloat16, torch.float32, torch.float64]),
+       sms=st.sampled_from([None, 132]), seed=st.integers(0, 2**16))
+@example(fmt="nchw", which=2, gpu_tiles=True, n=3, c=70, spatial=(9, 15),
+         dtype=torch.float32, sms=132, seed=0)  # channel rows: split, 3 blocks, partial last
+@example(fmt="nchw", which=2, gpu_tiles=False, n=2, c=40, spatial=(7, 7), dtype=torch.float16,
+         sms=None, seed=1)  # channel rows: 2 images of 7x7, unsplit
+def test_every_tile_computes_the_same(fmt, which, gpu_tiles, n, c, spatial, dtype, sms, seed):
+    """Each tile the planner may choose (``tile_choices``: NCHW rows of images, one long run,
+    rows of channels; channels_last's two widths), forced whatever the padding would pick, at
+    the interpreter's and the GPU's sizes, split over programs or not: the statistics, the
+    batch statistics, the normalisation and the backward as the reference computes them."""
+    shape = (n, c, *spatial)
+    channels_last = fmt == "last" or spatial == (1, 1)  # (N, C, 1, 1) reads as rows of C
+    choices = P.tile_choices(channels_last, dtype, interpret=not gpu_tiles)
+    tile = choices[which % len(choices)]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(P, "_pick_tile", lambda geo, dtype, interpret: tile)
+        if sms is not None:
+            patch.setattr(triton_ops, "_target", lambda device: P.Target(False, sms))
+        P.clear_memos()
+        try:
+            x = make_input(shape, dtype, fmt, seed=seed)
+            assert P.plan_op(x, P._target(x.device), True).constexprs["CHANNEL_ROWS"] == (
+                tile.channel_rows)
+            mean, m2, _ = T.channel_stats(x)
+            ref_mean, ref_m2, _ = torch_ops.channel_stats(upcast(x))
+            acc = torch_ops.stats_dtype(dtype)
+            assert_close(mean, ref_mean, acc)
+            assert_close(m2, ref_m2, acc)
+            running, weight, bias, limit = finalize_inputs(c, acc, acc, True, 0.1, True, seed)
+            check_batch_stats(x, running, weight, bias, limit, 0.1)
+            _check_normalize(x, "leaky_relu", dtype, inplace=False)
+            _check_backward(shape, fmt, dtype, "elu", True, seed=seed)
+        finally:
+            P.clear_memos()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_gpu_tiles_keep_in_tile_offsets_within_int32(dtype):
     """The kernels address a tile's elements with int32 offsets from its start: images of
-    over 2**31 / 32 elements each (a (32, 96, 1025, 1025) batch) must get the one-image tile,
-    whose offsets fit, not the 64-wide one that the padding cost alone would choose."""
+    over 2**31 / 32 elements each (a (32, 96, 1025, 1025) batch) must get a tile whose
+    offsets fit (one image's long run, or rows of its channels), not the 32 images that the
+    padding cost alone would choose."""
     for n, c, s in [(32, 96, 1025 * 1025), (32, 256, 769 * 769), (40, 3, 5 * 13)]:
         geo = P._Geometry(False, n, c, s)
         tile = P._pick_tile(geo, dtype, interpret=False)
-        assert (min(tile.block_a, n) - 1) * c * s + tile.block_b - 1 < 2**31, (geo, tile)
+        rows, row_stride = (c, s) if tile.channel_rows else (n, c * s)
+        assert (min(tile.block_a, rows) - 1) * row_stride + tile.block_b - 1 < 2**31, (geo, tile)
         if c * s < 2**31 // 64:  # every tile is safe: the padding cost alone decides
             # fp32: the 32x64 tile pads least; fp64's tiles are 2x64 and 1x128, which pad the
             # same here, and the tie goes to the wider one.
@@ -568,11 +611,11 @@ def test_gpu_tiles_keep_in_tile_offsets_within_int32(dtype):
 
 @triton.jit
 def _tile_offsets_kernel(off_ptr, mask_ptr, t, c0, N, C, S, R, CS, tiles_s,
-                         CHANNELS_LAST: tl.constexpr, BLOCK_A: tl.constexpr,
-                         BLOCK_B: tl.constexpr):
+                         CHANNELS_LAST: tl.constexpr, CHANNEL_ROWS: tl.constexpr,
+                         BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr):
     """Stores the element offsets and mask that ``_tile`` gives tile ``t`` (nothing else)."""
-    base, local, mask = TT._tile(t, c0, N, C, S, R, CS, tiles_s, CHANNELS_LAST, BLOCK_A,
-                                 BLOCK_B)
+    base, local, mask = TT._tile(t, c0, N, C, S, R, CS, tiles_s, CHANNELS_LAST, CHANNEL_ROWS,
+                                 BLOCK_A, BLOCK_B)
     i = tl.arange(0, BLOCK_A)[:, None] * BLOCK_B + tl.arange(0, BLOCK_B)[None, :]
     tl.store(off_ptr + i, base + local)
     tl.store(mask_ptr + i, mask)
@@ -588,8 +631,9 @@ def _tile_offsets(geo, tile, t, c0):
     mask = torch.empty(tile.block_a * tile.block_b, dtype=torch.bool)
     with triton_ops._INTERPRETER_LOCK:
         _tile_offsets_kernel[(1,)](off, mask, t, c0, n, c, s, n * s, c * s, tiles_s,
-                                   geo.channels_last, tile.block_a, tile.block_b)
-    return off.view(tile), mask.view(tile)
+                                   geo.channels_last, tile.channel_rows, tile.block_a,
+                                   tile.block_b)
+    return off.view(tile.block_a, tile.block_b), mask.view(tile.block_a, tile.block_b)
 
 
 def _expected_tile_offsets(geo, tile, t, c0):
@@ -601,7 +645,11 @@ def _expected_tile_offsets(geo, tile, t, c0):
         r, ch = t * tile.block_a + a, c0 + b
         return r * c + ch, (r < n * s) & (ch < c)
     tiles_s = -(-s // tile.block_b)
-    img, pos = (t // tiles_s) * tile.block_a + a, (t % tiles_s) * tile.block_b + b
+    pos = (t % tiles_s) * tile.block_b + b
+    if tile.channel_rows:
+        img, ch = t // tiles_s, c0 + a
+        return (img * c + ch) * s + pos, (ch < c) & (pos < s)
+    img = (t // tiles_s) * tile.block_a + a
     return (img * c + c0) * s + pos, (img < n) & (pos < s)
 
 
@@ -613,10 +661,13 @@ def _expected_tile_offsets(geo, tile, t, c0):
     # The whole tensor past 2**31 (and 2**32), each plane small: image and channel offsets.
     (P._Geometry(False, 2**20, 5, 1000), P.Tile(32, 64), 32767 * 16 + 15, 4),
     (P._Geometry(False, 3, 2**12, 2**20 + 3), P.Tile(1, 2048), 2 * 513 + 512, 4095),
+    # Rows of channels: the last image's planes, the last channel block.
+    (P._Geometry(False, 2**20, 70, 49), P.Tile(32, 64, True), 2**20 - 1, 64),
     # channels_last: rows past 2**31 / C, the last channel block.
     (P._Geometry(True, 2**16, 70, 2**16), P.Tile(32, 64), 2**27 - 1, 64),
     (P._Geometry(True, 7, 2**24, 33), P.Tile(128, 16), 1, 2**24 - 16),
-], ids=["plane", "plane-last-channel", "batch-nchw", "batch-long-run", "batch-last",
+], ids=["plane", "plane-last-channel", "batch-nchw", "batch-long-run", "batch-channel-rows",
+        "batch-last",
         "many-channels"])
 def test_tile_addresses_past_2_31_elements(geo, tile, t, c0):
     """Every element offset ``_tile`` computes for tensors past 2**31 elements, against exact
@@ -993,15 +1044,17 @@ def counted_launches():
         setattr(owner, attr, launch)
 
 
-# (shape, layout): a reduction split over programs (few channels, many rows) and not.
-LAUNCH_CASES = [((64, 3, 16, 16), "nchw"), ((96, 3, 8, 12), "last"), ((2, 8, 3, 5), "nchw"),
-                ((2, 70, 3, 5), "last")]
+# (shape, layout, split): reductions split over programs and not, each tiling of the
+# interpreter's plans (NCHW rows of images, NCHW rows of channels, channels_last).
+LAUNCH_CASES = [((64, 3, 16, 16), "nchw", True), ((128, 16, 3, 5), "nchw", False),
+                ((2, 8, 3, 5), "nchw", True), ((96, 3, 8, 12), "last", True),
+                ((2, 70, 3, 5), "last", False)]
 
 
-@pytest.mark.parametrize("shape,fmt", LAUNCH_CASES,
-                         ids=[f"{'x'.join(map(str, s))}-{f}" for s, f in LAUNCH_CASES])
+@pytest.mark.parametrize("shape,fmt,split", LAUNCH_CASES,
+                         ids=[f"{'x'.join(map(str, s))}-{f}" for s, f, _ in LAUNCH_CASES])
 @pytest.mark.parametrize("inplace", [True, False])
-def test_launches_per_layer_call(shape, fmt, inplace):
+def test_launches_per_layer_call(shape, fmt, split, inplace):
     """One replica's training forward in 2 launches (statistics finished by the last program
     of a split channel block: running statistics, small-gamma flags; then normalise), its
     backward in 2 (reduction, its split partials merged by the last program; then dx, each
@@ -1014,7 +1067,7 @@ def test_launches_per_layer_call(shape, fmt, inplace):
 
     x0 = make_input(shape, torch.float32, fmt)
     launches, _ = TS._plan_channel_stats(x0, P._target(x0.device))
-    assert (launches[0].grid[1] > 1) == (shape[1] < 4)  # the cases split as named
+    assert (launches[0].grid[1] > 1) == split  # the cases split as named
     encoding_syncbn.set_backend("triton")
     try:
         layer = encoding_syncbn.SyncBatchNorm(shape[1], activation="leaky_relu",

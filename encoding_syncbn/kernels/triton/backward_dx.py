@@ -38,7 +38,8 @@ def _backward_dx_kernel(saved_ptr, dy_ptr, dx_ptr, mean_ptr, invstd_ptr, weight_
                         slope: tl.float64, N, C, S, R, CS, tiles, tiles_s, tiles_per_prog,
                         ACTIVATION: tl.constexpr, SAVED_IS_OUTPUT: tl.constexpr,
                         FROM_SUMS: tl.constexpr, CHANNELS_LAST: tl.constexpr,
-                        BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, ACC: tl.constexpr):
+                        CHANNEL_ROWS: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr,
+                        ACC: tl.constexpr):
     """dx = (coef_dz * dz + coef_xhat * xhat) + coef_const, written in saved's dtype; the
     xhat term 0 where coef_xhat is 0 (as ``torch_ops.backward_dx``).
 
@@ -47,23 +48,25 @@ def _backward_dx_kernel(saved_ptr, dy_ptr, dx_ptr, mean_ptr, invstd_ptr, weight_
     in ``dx_coefs``' order: scale = w * invstd, p = scale * (-1/n), (scale, p * sum(dz *
     xhat), p * sum(dz)).
     """
-    c0 = _channel_block(CHANNELS_LAST, BLOCK_B)
+    c0 = _channel_block(CHANNELS_LAST, CHANNEL_ROWS, BLOCK_A, BLOCK_B)
     mean, invstd, weight, bias = _load_norm_params(mean_ptr, invstd_ptr, weight_ptr, bias_ptr,
-                                                   c0, C, CHANNELS_LAST, BLOCK_B)
-    coef_xhat = _load_channel(coef_xhat_ptr, c0, C, CHANNELS_LAST, BLOCK_B)
-    coef_const = _load_channel(coef_const_ptr, c0, C, CHANNELS_LAST, BLOCK_B)
+                                                   c0, C, CHANNELS_LAST, CHANNEL_ROWS,
+                                                   BLOCK_A, BLOCK_B)
+    coef_xhat = _load_channel(coef_xhat_ptr, c0, C, CHANNELS_LAST, CHANNEL_ROWS, BLOCK_A, BLOCK_B)
+    coef_const = _load_channel(coef_const_ptr, c0, C, CHANNELS_LAST, CHANNEL_ROWS, BLOCK_A, BLOCK_B)
     if FROM_SUMS:
         coef_dz = weight * invstd
         per_element = coef_dz * tl.full([], neg_inv_count, ACC)
         coef_xhat = per_element * coef_xhat
         coef_const = per_element * coef_const
     else:
-        coef_dz = _load_channel(coef_dz_ptr, c0, C, CHANNELS_LAST, BLOCK_B)
+        coef_dz = _load_channel(coef_dz_ptr, c0, C, CHANNELS_LAST, CHANNEL_ROWS, BLOCK_A, BLOCK_B)
     no_xhat_term = coef_xhat == 0.0
     alpha = tl.full([], slope, ACC)
     start, stop = _tile_range(tiles, tiles_per_prog)
     for t in range(start, stop):
-        base, local, mask = _tile(t, c0, N, C, S, R, CS, tiles_s, CHANNELS_LAST, BLOCK_A, BLOCK_B)
+        base, local, mask = _tile(t, c0, N, C, S, R, CS, tiles_s, CHANNELS_LAST, CHANNEL_ROWS,
+                                  BLOCK_A, BLOCK_B)
         xhat, dz = _tile_xhat_dz(saved_ptr, dy_ptr, base + local, mask, mean, invstd, weight,
                                  bias, alpha, ACTIVATION, SAVED_IS_OUTPUT, ACC)
         # A zero coef_xhat (constant statistics) drops the xhat term: NaN * 0 is no NaN of dx.

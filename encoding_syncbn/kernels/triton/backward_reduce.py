@@ -33,30 +33,32 @@ def _backward_reduce_kernel(saved_ptr, dy_ptr, mean_ptr, invstd_ptr, weight_ptr,
                             sum_dz_ptr, sum_dz_xhat_ptr, part_ptr, counter_ptr,
                             slope: tl.float64, N, C, S, R, CS, tiles, tiles_s, tiles_per_prog,
                             ACTIVATION: tl.constexpr, SAVED_IS_OUTPUT: tl.constexpr,
-                            CHANNELS_LAST: tl.constexpr, BLOCK_A: tl.constexpr,
-                            BLOCK_B: tl.constexpr, ACC: tl.constexpr, SPLIT: tl.constexpr,
-                            BLOCK_P: tl.constexpr):
+                            CHANNELS_LAST: tl.constexpr, CHANNEL_ROWS: tl.constexpr,
+                            BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, ACC: tl.constexpr,
+                            SPLIT: tl.constexpr, BLOCK_P: tl.constexpr):
     """sum(dz) and sum(dz * xhat) per channel over this program's tiles -> ``sum_dz``,
     ``sum_dz_xhat``. ``SPLIT``: each program stores its sums in row pid_1 of the [2, splits,
     C] buffer ``part``, and the last of a channel block to finish sums the rows in index order
     (``partials``)."""
-    c0 = _channel_block(CHANNELS_LAST, BLOCK_B)
+    c0 = _channel_block(CHANNELS_LAST, CHANNEL_ROWS, BLOCK_A, BLOCK_B)
     mean, invstd, weight, bias = _load_norm_params(mean_ptr, invstd_ptr, weight_ptr, bias_ptr,
-                                                   c0, C, CHANNELS_LAST, BLOCK_B)
+                                                   c0, C, CHANNELS_LAST, CHANNEL_ROWS,
+                                                   BLOCK_A, BLOCK_B)
     alpha = tl.full([], slope, ACC)
     acc_dz = tl.zeros([BLOCK_A, BLOCK_B], ACC)
     acc_dz_xhat = tl.zeros([BLOCK_A, BLOCK_B], ACC)
     start, stop = _tile_range(tiles, tiles_per_prog)
     for t in range(start, stop):
-        base, local, mask = _tile(t, c0, N, C, S, R, CS, tiles_s, CHANNELS_LAST, BLOCK_A, BLOCK_B)
+        base, local, mask = _tile(t, c0, N, C, S, R, CS, tiles_s, CHANNELS_LAST, CHANNEL_ROWS,
+                                  BLOCK_A, BLOCK_B)
         xhat, dz = _tile_xhat_dz(saved_ptr, dy_ptr, base + local, mask, mean, invstd, weight,
                                  bias, alpha, ACTIVATION, SAVED_IS_OUTPUT, ACC)
         # Padding lanes may hold inf/nan (0 / weight); keep them out of the sums.
         acc_dz += tl.where(mask, dz, 0.0)
         acc_dz_xhat += tl.where(mask, dz * xhat, 0.0)
-    c = _block_channels(c0, CHANNELS_LAST, BLOCK_B)
-    sum_dz = _channel_sums(acc_dz, CHANNELS_LAST)
-    sum_dz_xhat = _channel_sums(acc_dz_xhat, CHANNELS_LAST)
+    c = _block_channels(c0, CHANNELS_LAST, CHANNEL_ROWS, BLOCK_A, BLOCK_B)
+    sum_dz = _channel_sums(acc_dz, CHANNELS_LAST, CHANNEL_ROWS)
+    sum_dz_xhat = _channel_sums(acc_dz_xhat, CHANNELS_LAST, CHANNEL_ROWS)
     sum_dz, sum_dz_xhat, finishing = _merge_split(sum_dz, sum_dz_xhat, part_ptr,
                                                   counter_ptr + c0, c, C, SPLIT, BLOCK_P)
     if finishing:

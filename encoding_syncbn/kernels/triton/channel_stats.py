@@ -33,13 +33,14 @@ from .tiles import (
 
 @triton.jit
 def _block_stats(x_ptr, part_ptr, counter_ptr, N, C, S, R, CS, tiles, tiles_s, tiles_per_prog,
-                 CHANNELS_LAST: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr,
-                 ACC: tl.constexpr, SPLIT: tl.constexpr, BLOCK_P: tl.constexpr):
-    """``(c, mean, M2, finishing)``: this program's channels ``c`` (a block: BLOCK_B channels
-    in channels_last, one in NCHW) and, where ``finishing``, their (mean, M2) over the batch.
+                 CHANNELS_LAST: tl.constexpr, CHANNEL_ROWS: tl.constexpr, BLOCK_A: tl.constexpr,
+                 BLOCK_B: tl.constexpr, ACC: tl.constexpr, SPLIT: tl.constexpr,
+                 BLOCK_P: tl.constexpr):
+    """``(c, mean, M2, finishing)``: this program's channels ``c`` (a block: ``_block_channels``)
+    and, where ``finishing``, their (mean, M2) over the batch.
 
     Each channel's values are taken as deviations d = x - K from a shift K: the mean of the
-    channel's values in the block's first tile (split: in its first 8 rows, so that every
+    channel's values in the block's first tile (split: in its first 8 rows or columns, so that every
     program reading them adds little traffic; 0 where that is not finite), which every
     program of the block computes alike (a division a program, none in the loop). Every lane
     sums d and d^2 over the tiles it visits; with the sums over the channel's n values (R of
@@ -54,22 +55,32 @@ def _block_stats(x_ptr, part_ptr, counter_ptr, N, C, S, R, CS, tiles, tiles_s, t
     stores its two sums in row pid_1 of the [2, splits, C] buffer ``part`` and the last to
     finish adds the rows up in index order (``partials``): only it is ``finishing``.
     """
-    c0 = _channel_block(CHANNELS_LAST, BLOCK_B)
+    c0 = _channel_block(CHANNELS_LAST, CHANNEL_ROWS, BLOCK_A, BLOCK_B)
     # The shift, from tile 0: its first row's value plus the tile's mean deviation from it (a
     # constant channel's shift is its value exactly; no sum near the dtype's largest values
-    # overflows). Split, every program of the block reads it: then from its first 8 rows only.
-    if SPLIT and BLOCK_A > 8:
-        head, head_local, head_mask = _tile_at(0, 0, c0, N, C, S, R, CS, CHANNELS_LAST, 8, BLOCK_B)
+    # overflows). Split, every program of the block reads it: then only its first 8 rows
+    # (with channel rows: 8 positions of each channel).
+    if SPLIT and CHANNEL_ROWS and BLOCK_B > 8:
+        head, head_local, head_mask = _tile_at(0, 0, c0, N, C, S, R, CS, CHANNELS_LAST,
+                                               CHANNEL_ROWS, BLOCK_A, 8)
+    elif SPLIT and not CHANNEL_ROWS and BLOCK_A > 8:
+        head, head_local, head_mask = _tile_at(0, 0, c0, N, C, S, R, CS, CHANNELS_LAST,
+                                               CHANNEL_ROWS, 8, BLOCK_B)
     else:
-        head, head_local, head_mask = _tile_at(0, 0, c0, N, C, S, R, CS, CHANNELS_LAST, BLOCK_A,
-                                               BLOCK_B)
+        head, head_local, head_mask = _tile_at(0, 0, c0, N, C, S, R, CS, CHANNELS_LAST,
+                                               CHANNEL_ROWS, BLOCK_A, BLOCK_B)
     first = tl.load(x_ptr + head + head_local, mask=head_mask, other=0.0).to(ACC)
+    # (A block's channels past C have no values: their shift is 0.)
     if CHANNELS_LAST:
         b = tl.arange(0, BLOCK_B)[None, :]
         origin = tl.load(x_ptr + head + b, mask=b < C - c0, other=0.0).to(ACC)
-        # (A block's channels past C have no values: their shift is 0.)
         count = tl.maximum(tl.sum(head_mask.to(ACC), 0, keep_dims=True), 1.0)
         shift = origin + tl.sum(tl.where(head_mask, first - origin, 0.0), 0, keep_dims=True) / count
+    elif CHANNEL_ROWS:
+        a = tl.arange(0, BLOCK_A)[:, None]
+        origin = tl.load(x_ptr + head + a * S, mask=a < C - c0, other=0.0).to(ACC)
+        count = tl.maximum(tl.sum(head_mask.to(ACC), 1, keep_dims=True), 1.0)
+        shift = origin + tl.sum(tl.where(head_mask, first - origin, 0.0), 1, keep_dims=True) / count
     else:
         origin = tl.load(x_ptr + head).to(ACC)
         count = tl.sum(head_mask.to(ACC))
@@ -77,7 +88,7 @@ def _block_stats(x_ptr, part_ptr, counter_ptr, N, C, S, R, CS, tiles, tiles_s, t
     shift = tl.where(shift - shift == 0.0, shift, 0.0).to(x_ptr.dtype.element_ty)
     k = shift.to(ACC)
     start, stop = _tile_range(tiles, tiles_per_prog)
-    if SPLIT and BLOCK_A > 8:
+    if SPLIT and ((CHANNEL_ROWS and BLOCK_B > 8) or (not CHANNEL_ROWS and BLOCK_A > 8)):
         s1 = tl.zeros([BLOCK_A, BLOCK_B], ACC)
         s2 = tl.zeros([BLOCK_A, BLOCK_B], ACC)
     else:
@@ -88,19 +99,19 @@ def _block_stats(x_ptr, part_ptr, counter_ptr, N, C, S, R, CS, tiles, tiles_s, t
         start = tl.where(start == 0, 1, start)
     tn, ts = _tile_coordinates(start, tiles_s, CHANNELS_LAST)
     for _ in range(start, stop):
-        base, local, mask = _tile_at(tn, ts, c0, N, C, S, R, CS, CHANNELS_LAST, BLOCK_A,
-                                     BLOCK_B)
+        base, local, mask = _tile_at(tn, ts, c0, N, C, S, R, CS, CHANNELS_LAST, CHANNEL_ROWS,
+                                     BLOCK_A, BLOCK_B)
         d = tl.load(x_ptr + base + local, mask=mask, other=shift).to(ACC) - k
         s1 += d
         s2 += d * d
         tn, ts = _next_tile(tn, ts, tiles_s, CHANNELS_LAST)
-    c = _block_channels(c0, CHANNELS_LAST, BLOCK_B)
-    sum_d = _channel_sums(s1, CHANNELS_LAST)
-    sum_d2 = _channel_sums(s2, CHANNELS_LAST)
+    c = _block_channels(c0, CHANNELS_LAST, CHANNEL_ROWS, BLOCK_A, BLOCK_B)
+    sum_d = _channel_sums(s1, CHANNELS_LAST, CHANNEL_ROWS)
+    sum_d2 = _channel_sums(s2, CHANNELS_LAST, CHANNEL_ROWS)
     sum_d, sum_d2, finishing = _merge_split(sum_d, sum_d2, part_ptr,
                                             counter_ptr + tl.program_id(0), c, C, SPLIT, BLOCK_P)
     n = R.to(ACC)
-    mean = _channel_vector(k, CHANNELS_LAST) + sum_d / n
+    mean = _channel_vector(k, CHANNELS_LAST, CHANNEL_ROWS) + sum_d / n
     # Rounding may leave a constant channel's M2 a hair below 0 (NaN stays NaN).
     m2 = tl.maximum(sum_d2 - sum_d * (sum_d / n), 0.0, propagate_nan=tl.PropagateNan.ALL)
     return c, mean, m2, finishing
@@ -109,12 +120,13 @@ def _block_stats(x_ptr, part_ptr, counter_ptr, N, C, S, R, CS, tiles, tiles_s, t
 @triton.jit
 def _channel_stats_kernel(x_ptr, part_ptr, counter_ptr, mean_ptr, m2_ptr, N, C, S, R, CS, tiles,
                           tiles_s, tiles_per_prog, CHANNELS_LAST: tl.constexpr,
+                          CHANNEL_ROWS: tl.constexpr,
                           BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, ACC: tl.constexpr,
                           SPLIT: tl.constexpr, BLOCK_P: tl.constexpr):
     """Per channel (mean, M2) of x (:func:`_block_stats`)."""
     c, mean, m2, finishing = _block_stats(x_ptr, part_ptr, counter_ptr, N, C, S, R, CS, tiles,
-                                          tiles_s, tiles_per_prog, CHANNELS_LAST, BLOCK_A,
-                                          BLOCK_B, ACC, SPLIT, BLOCK_P)
+                                          tiles_s, tiles_per_prog, CHANNELS_LAST, CHANNEL_ROWS,
+                                          BLOCK_A, BLOCK_B, ACC, SPLIT, BLOCK_P)
     if finishing:
         tl.store(mean_ptr + c, mean, mask=c < C)
         tl.store(m2_ptr + c, m2, mask=c < C)
@@ -126,6 +138,7 @@ def _batch_stats_kernel(x_ptr, part_ptr, counter_ptr, mean_ptr, invstd_ptr, coun
                         keep: tl.float64, momentum: tl.float64, var_alpha: tl.float64,
                         weight_ptr, bias_ptr, small_ptr, gamma_limit: tl.float64, N, C, S, R,
                         CS, tiles, tiles_s, tiles_per_prog, CHANNELS_LAST: tl.constexpr,
+                        CHANNEL_ROWS: tl.constexpr,
                         BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, ACC: tl.constexpr,
                         SPLIT: tl.constexpr, BLOCK_P: tl.constexpr, RUNNING: tl.constexpr,
                         COUNTER: tl.constexpr, CUMULATIVE: tl.constexpr, CHECK: tl.constexpr,
@@ -133,8 +146,8 @@ def _batch_stats_kernel(x_ptr, part_ptr, counter_ptr, mean_ptr, invstd_ptr, coun
     """A batch's (mean, invstd), running statistics and small-gamma flags
     (:func:`_block_stats`, then ``finalize_stats._finish_batch_stats``)."""
     c, mean, m2, finishing = _block_stats(x_ptr, part_ptr, counter_ptr, N, C, S, R, CS, tiles,
-                                          tiles_s, tiles_per_prog, CHANNELS_LAST, BLOCK_A,
-                                          BLOCK_B, ACC, SPLIT, BLOCK_P)
+                                          tiles_s, tiles_per_prog, CHANNELS_LAST, CHANNEL_ROWS,
+                                          BLOCK_A, BLOCK_B, ACC, SPLIT, BLOCK_P)
     if finishing:
         _finish_batch_stats(c, mean, m2, counter_ptr, mean_ptr, invstd_ptr, count, eps,
                             running_mean_ptr, running_var_ptr, batches_ptr, keep, momentum,

@@ -24,8 +24,8 @@ from .tiles import _channel_block, _load_channel, _store_channel, _tile, _tile_r
 @triton.jit
 def _normalize_tiles(x_ptr, out_ptr, mean, scale, bias, slope, c0, N, C, S, R, CS, tiles,
                      tiles_s, tiles_per_prog, ACTIVATION: tl.constexpr,
-                     CHANNELS_LAST: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr,
-                     ACC: tl.constexpr):
+                     CHANNELS_LAST: tl.constexpr, CHANNEL_ROWS: tl.constexpr, BLOCK_A: tl.constexpr,
+                     BLOCK_B: tl.constexpr, ACC: tl.constexpr):
     """out = act((x - mean) * scale + bias) over this program's tiles, one read and one write
     per element.
 
@@ -35,7 +35,8 @@ def _normalize_tiles(x_ptr, out_ptr, mean, scale, bias, slope, c0, N, C, S, R, C
     alpha = tl.full([], slope, ACC)
     start, stop = _tile_range(tiles, tiles_per_prog)
     for t in range(start, stop):
-        base, local, mask = _tile(t, c0, N, C, S, R, CS, tiles_s, CHANNELS_LAST, BLOCK_A, BLOCK_B)
+        base, local, mask = _tile(t, c0, N, C, S, R, CS, tiles_s, CHANNELS_LAST, CHANNEL_ROWS,
+                                  BLOCK_A, BLOCK_B)
         x = tl.load(x_ptr + base + local, mask=mask, other=0.0).to(ACC)
         y = _activate((x - mean) * scale + bias, alpha, ACTIVATION)
         tl.store(out_ptr + base + local, y.to(out_ptr.dtype.element_ty), mask=mask)
@@ -45,15 +46,17 @@ def _normalize_tiles(x_ptr, out_ptr, mean, scale, bias, slope, c0, N, C, S, R, C
 def _normalize_act_kernel(x_ptr, out_ptr, mean_ptr, invstd_ptr, weight_ptr, bias_ptr,
                           slope: tl.float64, N, C, S, R, CS, tiles, tiles_s, tiles_per_prog,
                           ACTIVATION: tl.constexpr, CHANNELS_LAST: tl.constexpr,
+                          CHANNEL_ROWS: tl.constexpr,
                           BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, ACC: tl.constexpr):
     """out = act((x - mean) * (invstd * weight) + bias) (:func:`_normalize_tiles`)."""
-    c0 = _channel_block(CHANNELS_LAST, BLOCK_B)
-    mean = _load_channel(mean_ptr, c0, C, CHANNELS_LAST, BLOCK_B)
-    scale = _load_channel(invstd_ptr, c0, C, CHANNELS_LAST, BLOCK_B) * _load_channel(
-        weight_ptr, c0, C, CHANNELS_LAST, BLOCK_B)
-    bias = _load_channel(bias_ptr, c0, C, CHANNELS_LAST, BLOCK_B)
+    c0 = _channel_block(CHANNELS_LAST, CHANNEL_ROWS, BLOCK_A, BLOCK_B)
+    mean = _load_channel(mean_ptr, c0, C, CHANNELS_LAST, CHANNEL_ROWS, BLOCK_A, BLOCK_B)
+    scale = (_load_channel(invstd_ptr, c0, C, CHANNELS_LAST, CHANNEL_ROWS, BLOCK_A, BLOCK_B)
+             * _load_channel(weight_ptr, c0, C, CHANNELS_LAST, CHANNEL_ROWS, BLOCK_A, BLOCK_B))
+    bias = _load_channel(bias_ptr, c0, C, CHANNELS_LAST, CHANNEL_ROWS, BLOCK_A, BLOCK_B)
     _normalize_tiles(x_ptr, out_ptr, mean, scale, bias, slope, c0, N, C, S, R, CS, tiles,
-                     tiles_s, tiles_per_prog, ACTIVATION, CHANNELS_LAST, BLOCK_A, BLOCK_B, ACC)
+                     tiles_s, tiles_per_prog, ACTIVATION, CHANNELS_LAST, CHANNEL_ROWS, BLOCK_A,
+                     BLOCK_B, ACC)
 
 
 @triton.jit
@@ -61,22 +64,25 @@ def _normalize_running_kernel(x_ptr, out_ptr, running_mean_ptr, running_var_ptr,
                               weight_ptr, bias_ptr, mean_ptr, invstd_ptr, slope: tl.float64, N,
                               C, S, R, CS, tiles, tiles_s, tiles_per_prog,
                               ACTIVATION: tl.constexpr, CHANNELS_LAST: tl.constexpr,
+                              CHANNEL_ROWS: tl.constexpr,
                               BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, ACC: tl.constexpr):
     """Evaluation: ``_normalize_act_kernel`` with the running statistics (buffers of any
     dtype), ``invstd = 1 / sqrt(running_var + eps)`` per channel (correctly rounded steps, as
     ``batch_stats``' and ATen's CPU rsqrt); the first program of each channel block also
     stores the mean and invstd it used (in ACC) for the backward."""
-    c0 = _channel_block(CHANNELS_LAST, BLOCK_B)
-    mean = _load_channel(running_mean_ptr, c0, C, CHANNELS_LAST, BLOCK_B).to(ACC)
-    var = _load_channel(running_var_ptr, c0, C, CHANNELS_LAST, BLOCK_B).to(ACC)
+    c0 = _channel_block(CHANNELS_LAST, CHANNEL_ROWS, BLOCK_A, BLOCK_B)
+    mean = _load_channel(running_mean_ptr, c0, C, CHANNELS_LAST, CHANNEL_ROWS, BLOCK_A, BLOCK_B)
+    var = _load_channel(running_var_ptr, c0, C, CHANNELS_LAST, CHANNEL_ROWS, BLOCK_A, BLOCK_B)
+    mean, var = mean.to(ACC), var.to(ACC)
     invstd = _div(tl.full([], 1.0, ACC), _sqrt(var + tl.full([], eps, ACC)))
     if tl.program_id(1) == 0:
-        _store_channel(mean_ptr, mean, c0, C, CHANNELS_LAST, BLOCK_B)
-        _store_channel(invstd_ptr, invstd, c0, C, CHANNELS_LAST, BLOCK_B)
-    scale = invstd * _load_channel(weight_ptr, c0, C, CHANNELS_LAST, BLOCK_B)
-    bias = _load_channel(bias_ptr, c0, C, CHANNELS_LAST, BLOCK_B)
+        _store_channel(mean_ptr, mean, c0, C, CHANNELS_LAST, CHANNEL_ROWS, BLOCK_A, BLOCK_B)
+        _store_channel(invstd_ptr, invstd, c0, C, CHANNELS_LAST, CHANNEL_ROWS, BLOCK_A, BLOCK_B)
+    scale = invstd * _load_channel(weight_ptr, c0, C, CHANNELS_LAST, CHANNEL_ROWS, BLOCK_A, BLOCK_B)
+    bias = _load_channel(bias_ptr, c0, C, CHANNELS_LAST, CHANNEL_ROWS, BLOCK_A, BLOCK_B)
     _normalize_tiles(x_ptr, out_ptr, mean, scale, bias, slope, c0, N, C, S, R, CS, tiles,
-                     tiles_s, tiles_per_prog, ACTIVATION, CHANNELS_LAST, BLOCK_A, BLOCK_B, ACC)
+                     tiles_s, tiles_per_prog, ACTIVATION, CHANNELS_LAST, CHANNEL_ROWS, BLOCK_A,
+                     BLOCK_B, ACC)
 
 
 def _destination(x: torch.Tensor, out: torch.Tensor, plan: OpPlan) -> torch.Tensor:

@@ -50,8 +50,9 @@ def _num_warps(dtype: torch.dtype) -> int:
     return _NUM_WARPS_FP64 if dtype == torch.float64 else _NUM_WARPS
 
 
-# Tile widths. NCHW: rows of 64 positions over many images (small and medium maps), or one long
-# run of a single image. channels_last: rows of 16 channels (C <= 16) or 64.
+# Tile widths. NCHW: rows of 64 positions, each row an image (many images) or a channel of one
+# image (few images: the 1-8 a GPU gets in segmentation), or one long run of a single image.
+# channels_last: rows of 16 channels (C <= 16) or 64.
 _NCHW_WIDTH = 64
 _CHANNELS_LAST_WIDTHS = (16, 64)
 # Programs per launch to aim for, per SM on a GPU / in total in the interpreter.
@@ -66,10 +67,12 @@ _INT32_MAX = 2**31 - 1
 _MAX_MERGE_ROWS = 256
 
 class Tile(NamedTuple):
-    """Tile shape: [block_a images or rows, block_b positions or channels]."""
+    """Tile shape: [block_a images, channels or rows, block_b positions or channels]
+    (``tiles.py``); ``channel_rows``: NCHW, the rows are channels of one image."""
 
     block_a: int
     block_b: int
+    channel_rows: bool = False
 
 
 class Target(NamedTuple):
@@ -118,25 +121,36 @@ def tile_choices(channels_last: bool, dtype: torch.dtype, interpret: bool = INTE
         elems = _GPU_TILE_ELEMS_FP64 if dtype == torch.float64 else _GPU_TILE_ELEMS
     if channels_last:
         return tuple(Tile(elems // w, w) for w in _CHANNELS_LAST_WIDTHS)
-    return Tile(elems // _NCHW_WIDTH, _NCHW_WIDTH), Tile(1, elems)
+    rows = elems // _NCHW_WIDTH
+    return Tile(rows, _NCHW_WIDTH), Tile(1, elems), Tile(rows, _NCHW_WIDTH, True)
 
 
 def _offsets_fit(geo: _Geometry, tile: Tile) -> bool:
     """Whether every element a tile reads lies within int32 of the tile's start: ``_tile``
-    keeps the in-tile offsets (rows times the row stride, C*S in NCHW) in 32 bits."""
-    row_stride, rows = (geo.c, geo.n * geo.s) if geo.channels_last else (geo.c * geo.s, geo.n)
+    keeps the in-tile offsets (rows times the row stride: C, C*S or S) in 32 bits."""
+    if geo.channels_last:
+        row_stride, rows = geo.c, geo.n * geo.s
+    elif tile.channel_rows:
+        row_stride, rows = geo.s, geo.c
+    else:
+        row_stride, rows = geo.c * geo.s, geo.n
     return (min(tile.block_a, rows) - 1) * row_stride + tile.block_b - 1 <= _INT32_MAX
 
 
 def _pick_tile(geo: _Geometry, dtype: torch.dtype, interpret: bool) -> Tile:
-    """The tile with the least padding over the (rows, channels) or (images, positions) extent;
-    ties go to the wider tile (longer contiguous runs, fewer channel blocks). Only tiles whose
-    offsets fit in int32: NCHW's one-row tile always does."""
-    extent_a, extent_b = (geo.n * geo.s, geo.c) if geo.channels_last else (geo.n, geo.s)
+    """The tile with the least padding: the fewest elements its tiles cover in all; ties go to
+    the wider tile (longer contiguous runs, fewer channel blocks), then to rows of images.
+    Only tiles whose offsets fit in int32: NCHW's one-row tile always does."""
 
-    def cost(t: Tile) -> tuple[int, int]:
-        padded = _cdiv(extent_a, t.block_a) * t.block_a
-        return padded * _cdiv(extent_b, t.block_b) * t.block_b, -t.block_b
+    def cost(t: Tile) -> tuple[int, int, bool]:
+        if geo.channels_last:
+            sizes = ((geo.n * geo.s, t.block_a), (geo.c, t.block_b))
+        elif t.channel_rows:
+            sizes = ((geo.n, 1), (geo.c, t.block_a), (geo.s, t.block_b))
+        else:
+            sizes = ((geo.n, t.block_a), (geo.c, 1), (geo.s, t.block_b))
+        return math.prod(_cdiv(size, block) * block for size, block in sizes), -t.block_b, \
+            t.channel_rows
 
     choices = [t for t in tile_choices(geo.channels_last, dtype, interpret)
                if _offsets_fit(geo, t)]
@@ -230,6 +244,10 @@ def _plan_tiles(geo: _Geometry, dtype: torch.dtype, target: Target, reduction: b
         channel_blocks = _cdiv(c, tile.block_b)
         tiles_s = 1
         tiles = _cdiv(n * s, tile.block_a)
+    elif tile.channel_rows:
+        channel_blocks = _cdiv(c, tile.block_a)
+        tiles_s = _cdiv(s, tile.block_b)
+        tiles = n * tiles_s
     else:
         channel_blocks = c
         tiles_s = _cdiv(s, tile.block_b)
@@ -249,6 +267,7 @@ def _plan_tiles(geo: _Geometry, dtype: torch.dtype, target: Target, reduction: b
 def _tile_constexprs(geo: _Geometry, tile: Tile, dtype: torch.dtype) -> dict:
     return {
         "CHANNELS_LAST": geo.channels_last,
+        "CHANNEL_ROWS": tile.channel_rows,
         "BLOCK_A": tile.block_a,
         "BLOCK_B": tile.block_b,
         "ACC": _TL_DTYPES[stats_dtype(dtype)],
@@ -258,7 +277,7 @@ def _tile_constexprs(geo: _Geometry, tile: Tile, dtype: torch.dtype) -> dict:
 def _split_constexprs(geo: _Geometry, tile: Tile, splits: int) -> dict:
     """A reduction's: whether its channel blocks are split over programs (``SPLIT``: the last
     to finish merges the partials, ``partials``), and the partial rows merged a step."""
-    channels = tile.block_b if geo.channels_last else 1
+    channels = tile.block_b if geo.channels_last else tile.block_a if tile.channel_rows else 1
     rows = min(_MAX_MERGE_ROWS, max(1, tile.block_a * tile.block_b // channels))
     return {"SPLIT": splits > 1, "BLOCK_P": rows}
 

@@ -1,5 +1,20 @@
 """Device functions shared by the kernels: where a tile lies, which channels a program owns,
-per-channel loads and stores."""
+per-channel loads and stores.
+
+A tile is [BLOCK_A, BLOCK_B] elements, laid over the tensor one of three ways (constexprs
+``CHANNELS_LAST`` and ``CHANNEL_ROWS``):
+
+- NCHW, rows of images: rows are BLOCK_A images, columns a run of BLOCK_B positions, all of
+  the program's one channel (large maps, or many images);
+- NCHW, ``CHANNEL_ROWS``: rows are the program's BLOCK_A channels, columns a run of BLOCK_B
+  positions, all of one image (small maps, few images: 2 images of a 7x7 map would fill 2 of
+  32 rows of images, but every row of channels);
+- channels_last: rows are BLOCK_A positions (over all images), columns the program's BLOCK_B
+  channels.
+
+Per-channel values are shaped to broadcast over a tile: a scalar (one channel), [BLOCK_A, 1]
+(channel rows) or [1, BLOCK_B] (channels_last).
+"""
 
 import triton
 import triton.language as tl
@@ -8,18 +23,18 @@ from .activations import _xhat_dz
 
 
 @triton.jit
-def _tile(t, c0, N, C, S, R, CS, tiles_s, CHANNELS_LAST: tl.constexpr, BLOCK_A: tl.constexpr,
-          BLOCK_B: tl.constexpr):
+def _tile(t, c0, N, C, S, R, CS, tiles_s, CHANNELS_LAST: tl.constexpr,
+          CHANNEL_ROWS: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr):
     """``(base, local, mask)`` of tile ``t`` of the channel block starting at ``c0``
     (:func:`_tile_at` of its coordinates)."""
     tn, ts = _tile_coordinates(t, tiles_s, CHANNELS_LAST)
-    return _tile_at(tn, ts, c0, N, C, S, R, CS, CHANNELS_LAST, BLOCK_A, BLOCK_B)
+    return _tile_at(tn, ts, c0, N, C, S, R, CS, CHANNELS_LAST, CHANNEL_ROWS, BLOCK_A, BLOCK_B)
 
 
 @triton.jit
 def _tile_coordinates(t, tiles_s, CHANNELS_LAST: tl.constexpr):
-    """``(tn, ts)``: tile ``t``'s row of images and run of positions (NCHW); channels_last:
-    ``(t, 0)``, its block of rows."""
+    """``(tn, ts)``: tile ``t``'s row of images (or image, ``CHANNEL_ROWS``) and run of
+    positions (NCHW); channels_last: ``(t, 0)``, its block of rows."""
     if CHANNELS_LAST:
         tn, ts = t, 0
     else:
@@ -42,8 +57,8 @@ def _next_tile(tn, ts, tiles_s, CHANNELS_LAST: tl.constexpr):
 
 
 @triton.jit
-def _tile_at(tn, ts, c0, N, C, S, R, CS, CHANNELS_LAST: tl.constexpr, BLOCK_A: tl.constexpr,
-             BLOCK_B: tl.constexpr):
+def _tile_at(tn, ts, c0, N, C, S, R, CS, CHANNELS_LAST: tl.constexpr,
+             CHANNEL_ROWS: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr):
     """``(base, local, mask)`` of the tile at ``(tn, ts)`` (:func:`_tile_coordinates`) of the
     channel block starting at ``c0``.
 
@@ -59,30 +74,44 @@ def _tile_at(tn, ts, c0, N, C, S, R, CS, CHANNELS_LAST: tl.constexpr, BLOCK_A: t
         local = a * C + b
         mask = (a < R - r0) & (b < C - c0)
     else:
-        n0 = tl.cast(tn, tl.int64) * BLOCK_A
         # One plane may pass 2**31 elements: the position offset is int64 too.
         s0 = tl.cast(ts, tl.int64) * BLOCK_B
-        base = n0 * CS + tl.cast(c0, tl.int64) * S + s0
-        local = a * CS + b
-        mask = (a < N - n0) & (b < S - s0)
+        if CHANNEL_ROWS:
+            base = tl.cast(tn, tl.int64) * CS + tl.cast(c0, tl.int64) * S + s0
+            local = a * S + b
+            mask = (a < C - c0) & (b < S - s0)
+        else:
+            n0 = tl.cast(tn, tl.int64) * BLOCK_A
+            base = n0 * CS + tl.cast(c0, tl.int64) * S + s0
+            local = a * CS + b
+            mask = (a < N - n0) & (b < S - s0)
     return base, local, mask
 
 
 @triton.jit
-def _channel_block(CHANNELS_LAST: tl.constexpr, BLOCK_B: tl.constexpr):
-    """First channel of this program: channels_last programs own BLOCK_B channels, NCHW one."""
+def _channel_block(CHANNELS_LAST: tl.constexpr, CHANNEL_ROWS: tl.constexpr,
+                   BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr):
+    """First channel of this program: it owns BLOCK_B channels (channels_last), BLOCK_A
+    (``CHANNEL_ROWS``) or one."""
     if CHANNELS_LAST:
         c0 = tl.program_id(0) * BLOCK_B
+    elif CHANNEL_ROWS:
+        c0 = tl.program_id(0) * BLOCK_A
     else:
         c0 = tl.program_id(0)
     return c0
 
 
 @triton.jit
-def _load_channel(ptr, c0, C, CHANNELS_LAST: tl.constexpr, BLOCK_B: tl.constexpr):
-    """A per-channel vector, shaped to broadcast over a tile: [1, BLOCK_B] or a scalar."""
+def _load_channel(ptr, c0, C, CHANNELS_LAST: tl.constexpr, CHANNEL_ROWS: tl.constexpr,
+                  BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr):
+    """A per-channel vector, shaped to broadcast over a tile: [1, BLOCK_B], [BLOCK_A, 1] or a
+    scalar (channels past C load 1)."""
     if CHANNELS_LAST:
         c = c0 + tl.arange(0, BLOCK_B)[None, :]
+        v = tl.load(ptr + c, mask=c < C, other=1.0)
+    elif CHANNEL_ROWS:
+        c = c0 + tl.arange(0, BLOCK_A)[:, None]
         v = tl.load(ptr + c, mask=c < C, other=1.0)
     else:
         v = tl.load(ptr + c0)
@@ -90,43 +119,54 @@ def _load_channel(ptr, c0, C, CHANNELS_LAST: tl.constexpr, BLOCK_B: tl.constexpr
 
 
 @triton.jit
-def _store_channel(ptr, v, c0, C, CHANNELS_LAST: tl.constexpr, BLOCK_B: tl.constexpr):
+def _store_channel(ptr, v, c0, C, CHANNELS_LAST: tl.constexpr, CHANNEL_ROWS: tl.constexpr,
+                   BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr):
     """Store a per-channel vector shaped as ``_load_channel`` gives it."""
     if CHANNELS_LAST:
         c = c0 + tl.arange(0, BLOCK_B)[None, :]
+        tl.store(ptr + c, v, mask=c < C)
+    elif CHANNEL_ROWS:
+        c = c0 + tl.arange(0, BLOCK_A)[:, None]
         tl.store(ptr + c, v, mask=c < C)
     else:
         tl.store(ptr + c0, v)
 
 
 @triton.jit
-def _block_channels(c0, CHANNELS_LAST: tl.constexpr, BLOCK_B: tl.constexpr):
-    """This program's channels as a vector: [BLOCK_B] in channels_last, [1] in NCHW (those past
-    C are the caller's to mask)."""
+def _block_channels(c0, CHANNELS_LAST: tl.constexpr, CHANNEL_ROWS: tl.constexpr,
+                    BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr):
+    """This program's channels as a vector: [BLOCK_B] in channels_last, [BLOCK_A] with
+    ``CHANNEL_ROWS``, else [1] (those past C are the caller's to mask)."""
     if CHANNELS_LAST:
         c = c0 + tl.arange(0, BLOCK_B)
+    elif CHANNEL_ROWS:
+        c = c0 + tl.arange(0, BLOCK_A)
     else:
         c = c0 + tl.arange(0, 1)
     return c
 
 
 @triton.jit
-def _channel_sums(acc, CHANNELS_LAST: tl.constexpr):
+def _channel_sums(acc, CHANNELS_LAST: tl.constexpr, CHANNEL_ROWS: tl.constexpr):
     """Per channel of the program, the sum of a tile of lane accumulators: a vector shaped as
     ``_block_channels``."""
     if CHANNELS_LAST:
         total = tl.sum(acc, 0)
+    elif CHANNEL_ROWS:
+        total = tl.sum(acc, 1)
     else:
         total = tl.zeros([1], acc.dtype) + tl.sum(acc)
     return total
 
 
 @triton.jit
-def _channel_vector(v, CHANNELS_LAST: tl.constexpr):
-    """A per-channel value as ``_load_channel`` shapes it ([1, BLOCK_B] or a scalar), as a
-    vector shaped as ``_block_channels``."""
+def _channel_vector(v, CHANNELS_LAST: tl.constexpr, CHANNEL_ROWS: tl.constexpr):
+    """A per-channel value as ``_load_channel`` shapes it, as a vector shaped as
+    ``_block_channels``."""
     if CHANNELS_LAST:
         vector = tl.sum(v, 0)  # over its one row
+    elif CHANNEL_ROWS:
+        vector = tl.sum(v, 1)  # over its one column
     else:
         vector = tl.zeros([1], v.dtype) + v
     return vector
@@ -141,12 +181,13 @@ def _tile_range(tiles, tiles_per_prog):
 
 @triton.jit
 def _load_norm_params(mean_ptr, invstd_ptr, weight_ptr, bias_ptr, c0, C,
-                      CHANNELS_LAST: tl.constexpr, BLOCK_B: tl.constexpr):
+                      CHANNELS_LAST: tl.constexpr, CHANNEL_ROWS: tl.constexpr,
+                      BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr):
     """``(mean, invstd, weight, bias)`` of this program's channels, as ``_load_channel``."""
-    return (_load_channel(mean_ptr, c0, C, CHANNELS_LAST, BLOCK_B),
-            _load_channel(invstd_ptr, c0, C, CHANNELS_LAST, BLOCK_B),
-            _load_channel(weight_ptr, c0, C, CHANNELS_LAST, BLOCK_B),
-            _load_channel(bias_ptr, c0, C, CHANNELS_LAST, BLOCK_B))
+    return (_load_channel(mean_ptr, c0, C, CHANNELS_LAST, CHANNEL_ROWS, BLOCK_A, BLOCK_B),
+            _load_channel(invstd_ptr, c0, C, CHANNELS_LAST, CHANNEL_ROWS, BLOCK_A, BLOCK_B),
+            _load_channel(weight_ptr, c0, C, CHANNELS_LAST, CHANNEL_ROWS, BLOCK_A, BLOCK_B),
+            _load_channel(bias_ptr, c0, C, CHANNELS_LAST, CHANNEL_ROWS, BLOCK_A, BLOCK_B))
 
 
 @triton.jit
