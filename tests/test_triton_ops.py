@@ -423,7 +423,9 @@ def test_backward_planned_for_any_target(c, fmt, dtype, variant, sms, seed):
     """The backward reduction and dx, planned as for the interpreter (``sms`` None) or for a
     GPU of 1-132 SMs: split over programs or not, the partial buffer's two planes merged in one
     step or several (few channels get many rows), against the reference."""
-    shape = (60, c, 5, 9) if c < 16 else (2, c, 3, 5)
+    # Few channels get many rows (float64's GPU tiles are 2 rows: 12 images give 6 tiles).
+    rows = 12 if dtype == torch.float64 and sms is not None else 60
+    shape = (rows, c, 5, 9) if c < 16 else (2, c, 3, 5)
     with pytest.MonkeyPatch.context() as patch:
         if sms is not None:
             patch.setattr(triton_ops, "_target", lambda device: P.Target(False, sms))
@@ -546,7 +548,7 @@ def test_backward_gpu_tile_shapes(monkeypatch):
         P.clear_memos()  # no plan for the GPU tiles left for the tests after this one
 
 
-@settings(max_examples=16, deadline=None, derandomize=True)
+@settings(max_examples=10, deadline=None, derandomize=True)
 @given(fmt=st.sampled_from(["nchw", "last"]), which=st.integers(0, 2),
        gpu_tiles=st.booleans(), n=st.integers(2, 5), c=st.sampled_from([1, 3, 40, 70]),
        spatial=st.sampled_from([(1, 1), (2, 3), (7, 7), (9, 15)]),

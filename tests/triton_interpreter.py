@@ -26,6 +26,13 @@ the blocks' programs interleave, and such a kernel leaves channels unfinished.
 And it makes a float32 -> bfloat16 cast round to nearest (even), as a GPU's does: Triton 3.9's
 interpreter truncates it, which doubles a bfloat16 output's rounding error, and what the
 half-precision tests bound is that error.
+
+Two answers it memoises, both recomputed by every interpreted operation: the NumPy dtype of a
+Triton type (a dict of 20 NumPy dtypes built at each call), and a block type's shape, size
+and name (validated and formatted at each of the several block types an operation makes).
+Each is a pure function of its arguments. A training step of an in-place layer on an (8, 4, 3,
+2) float64 input, 30 steps, CPU time: median 87-108 ms without, 67-77 ms with (three runs of
+each, taking turns).
 """
 
 from __future__ import annotations
@@ -107,10 +114,56 @@ def _axis_0_fastest() -> None:
     builder.set_grid_idx = set_grid_idx
 
 
+def _memoise_np_dtype() -> None:
+    get = getattr(interpreter, "_get_np_dtype", None)
+    if get is None or getattr(get, "memoised", False):
+        return
+    np_dtypes: dict[Any, np.dtype] = {}
+
+    def get_np_dtype(tt_dtype):
+        # A block's is its element's; a pointer's (or a block of pointers') is uint64.
+        scalar = tt_dtype.element_ty if isinstance(tt_dtype, tl.block_type) else tt_dtype
+        if isinstance(scalar, tl.pointer_type):
+            scalar = tl.uint64
+        np_dtype = np_dtypes.get(scalar)
+        if np_dtype is None:
+            np_dtype = np_dtypes[scalar] = get(scalar)
+        return np_dtype
+
+    get_np_dtype.memoised = True
+    interpreter._get_np_dtype = get_np_dtype
+
+
+def _memoise_block_types() -> None:
+    block_type = tl.core.block_type
+    init = block_type.__init__
+    if getattr(init, "memoised", False):
+        return
+    made: dict[tuple, dict] = {}  # (element type, shape) -> the attributes __init__ sets
+
+    def block_type_init(self, element_ty, shape):
+        try:
+            key = (element_ty, tuple(d if type(d) is int else d.value for d in shape))
+            attributes = made.get(key)
+        except (AttributeError, TypeError):  # a shape of other values: not memoised
+            key = attributes = None
+        if attributes is None:
+            init(self, element_ty, shape)  # validates; raises on a bad shape
+            if key is not None:
+                made[key] = dict(vars(self))
+        else:
+            vars(self).update(attributes)
+
+    block_type_init.memoised = True
+    block_type.__init__ = block_type_init
+
+
 def install() -> None:
     _squeeze_index()
     _round_bfloat16_casts()
     _axis_0_fastest()
+    _memoise_np_dtype()
+    _memoise_block_types()
     function = getattr(interpreter, "InterpretedFunction", None)
     if (function is None or not hasattr(function, "rewrite")
             or getattr(function.__call__, "skips_repeated_patch", False)):
