@@ -589,6 +589,26 @@ def test_every_tile_computes_the_same(fmt, which, gpu_tiles, n, c, spatial, dtyp
             P.clear_memos()
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("n,c,s", [(8, 1024, 14 * 14), (2, 256, 8 * 8), (1, 512, 7 * 7),
+                                   (4, 2048, 7 * 7), (64, 2048, 7 * 7)])
+def test_small_maps_fill_their_tiles_on_a_gpu(n, c, s, dtype):
+    """Small maps, many channels, few images (NCHW, planned for a 132-SM GPU): at least 3 of 4
+    lanes of every tile hold an element (rows of 32 images of a 7x7 map held 2 of 32 rows when
+    there were 2 images), and a launch has a program for each SM, none walking more than a few
+    tiles."""
+    geo = P._Geometry(False, n, c, s)
+    for reduction in (True, False):
+        tile, (blocks, splits), args = P._plan_tiles(geo, dtype, P.Target(False, 132),
+                                                     reduction, None)
+        covered = blocks * splits * args[-1] * tile.block_a * tile.block_b
+        assert n * c * s >= 0.75 * covered, (tile, blocks, splits)
+        # Fewer programs than SMs only where each has a single tile (a tensor that small).
+        assert args[-1] <= 4 and (blocks * splits >= 132 or args[-1] == 1), (
+            tile, blocks, splits, args)
+        assert tile.channel_rows == (n < 32), tile  # 32 images fill rows of images
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_gpu_tiles_keep_in_tile_offsets_within_int32(dtype):
     """The kernels address a tile's elements with int32 offsets from its start: images of
