@@ -136,54 +136,41 @@ def _memoise_np_dtype() -> None:
     interpreter._get_np_dtype = get_np_dtype
 
 
-def _memoise_block_types() -> None:
-    block_type = tl.core.block_type
-    init = block_type.__init__
+def _memoise_init(cls: type, key_of, per_instance: tuple[str, ...] = ()) -> None:
+    """``cls.__init__`` memoised: an instance made with the key of an earlier one gets the
+    attributes that one's ``__init__`` set, but ``per_instance``: those set from ``__init__``'s
+    arguments of the same names and order, each time."""
+    init = cls.__init__
     if getattr(init, "memoised", False):
         return
-    made: dict[tuple, dict] = {}  # (element type, shape) -> the attributes __init__ sets
+    made: dict[tuple, dict] = {}
 
-    def block_type_init(self, element_ty, shape):
+    def memoised_init(self, *args):
         try:
-            key = (element_ty, tuple(d if type(d) is int else d.value for d in shape))
+            key = key_of(*args)
             attributes = made.get(key)
-        except (AttributeError, TypeError):  # a shape of other values: not memoised
+        except (AttributeError, TypeError):  # arguments it cannot key: not memoised
             key = attributes = None
         if attributes is None:
-            init(self, element_ty, shape)  # validates; raises on a bad shape
+            init(self, *args)  # validates, and raises on bad arguments
             if key is not None:
-                made[key] = dict(vars(self))
+                made[key] = {k: v for k, v in vars(self).items() if k not in per_instance}
         else:
             vars(self).update(attributes)
+            for name, value in zip(per_instance, args):
+                setattr(self, name, value)
 
-    block_type_init.memoised = True
-    block_type.__init__ = block_type_init
+    memoised_init.memoised = True
+    cls.__init__ = memoised_init
 
 
-def _memoise_tensor_attributes() -> None:
-    tensor = tl.core.tensor
-    init = tensor.__init__
-    if getattr(init, "memoised", False):
-        return
-    made: dict[tuple, dict] = {}  # (shape, scalar type) -> the attributes but handle and type
-
-    def tensor_init(self, handle, type):
-        try:
-            key = (type.shape if type.is_block() else (), type.scalar)
-            attributes = made.get(key)
-        except TypeError:  # an unhashable type: not memoised
-            key = attributes = None
-        if attributes is None:
-            init(self, handle, type)
-            if key is not None:
-                made[key] = {k: v for k, v in vars(self).items() if k not in ("handle", "type")}
-        else:
-            vars(self).update(attributes)
-            self.handle = handle
-            self.type = type
-
-    tensor_init.memoised = True
-    tensor.__init__ = tensor_init
+def _memoise_types_and_tensors() -> None:
+    # A block type: all of it by (element type, shape in ints).
+    _memoise_init(tl.core.block_type, lambda element_ty, shape: (
+        element_ty, tuple(d if type(d) is int else d.value for d in shape)))
+    # A tensor: all but its handle and type, by (shape, scalar type).
+    _memoise_init(tl.core.tensor, lambda handle, ty: (
+        ty.shape if ty.is_block() else (), ty.scalar), per_instance=("handle", "type"))
 
 
 def install() -> None:
@@ -191,8 +178,7 @@ def install() -> None:
     _round_bfloat16_casts()
     _axis_0_fastest()
     _memoise_np_dtype()
-    _memoise_block_types()
-    _memoise_tensor_attributes()
+    _memoise_types_and_tensors()
     function = getattr(interpreter, "InterpretedFunction", None)
     if (function is None or not hasattr(function, "rewrite")
             or getattr(function.__call__, "skips_repeated_patch", False)):
