@@ -28,8 +28,9 @@ import re
 
 import results
 
-# (shape, channels_last): the host harness's first two shapes, float16.
-SHAPES = [((8, 256, 128, 128), False), ((32, 64, 56, 56), True)]
+# (shape, channels_last): the host harness's first two shapes, and a small map with many
+# channels (NCHW tiles of rows of channels), float16.
+SHAPES = [((8, 256, 128, 128), False), ((32, 64, 56, 56), True), ((8, 1024, 14, 14), False)]
 H100_SMS = 132
 # "/*0a40*/   @!P0 BRA 0x5c0 ;": address, predicate, opcode and operands of one instruction.
 _INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
@@ -126,7 +127,9 @@ def main() -> None:
             # The compiler may unroll the loop: its loads and stores say over how many tiles.
             unrolled = _bytes_moved(loop) / (per_thread * 2 * tensors)
             per_element = len(loop) / (per_thread * unrolled)
-            rows.append([str(shape), "channels_last" if channels_last else "nchw", name,
+            layout = ("channels_last" if channels_last else
+                      "nchw, rows of channels" if launch.constexprs["CHANNEL_ROWS"] else "nchw")
+            rows.append([str(shape), layout, name,
                          f"{block_a}x{block_b}", len(loop), per_thread, round(unrolled, 2),
                          round(per_element, 1), round(per_element / (2 * tensors), 1),
                          *(sum(op.startswith(unit) for op in loop)
