@@ -120,15 +120,21 @@ def main() -> None:
     for shape, channels_last in SHAPES:
         for name, launch, tensors in _launches(shape, channels_last):
             loop = _tile_loop(_instructions(_sass(launch, args.arch)))
-            if not loop:
-                raise SystemExit(f"{name}: no tile loop found in its SASS")
             block_a, block_b = launch.constexprs["BLOCK_A"], launch.constexprs["BLOCK_B"]
+            layout = ("channels_last" if channels_last else
+                      "nchw, rows of channels" if launch.constexprs["CHANNEL_ROWS"] else "nchw")
+            if not loop:
+                # One tile a program: the tile count (1) is specialised and the loop is gone.
+                if launch.args[-1] != 1:
+                    raise SystemExit(f"{name}: no tile loop found in its SASS")
+                rows.append([str(shape), layout, name, f"{block_a}x{block_b}",
+                             "none (one tile a program)", *["-"] * 7])
+                print(" ".join(str(cell) for cell in rows[-1]), flush=True)
+                continue
             per_thread = block_a * block_b // (32 * launch.num_warps)
             # The compiler may unroll the loop: its loads and stores say over how many tiles.
             unrolled = _bytes_moved(loop) / (per_thread * 2 * tensors)
             per_element = len(loop) / (per_thread * unrolled)
-            layout = ("channels_last" if channels_last else
-                      "nchw, rows of channels" if launch.constexprs["CHANNEL_ROWS"] else "nchw")
             rows.append([str(shape), layout, name,
                          f"{block_a}x{block_b}", len(loop), per_thread, round(unrolled, 2),
                          round(per_element, 1), round(per_element / (2 * tensors), 1),
