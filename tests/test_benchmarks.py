@@ -1,0 +1,38 @@
+"""The CPU host benchmarks run end to end (a few calls each), their last line the JSON object
+their docstrings promise, its figures nested as measured: the launches inside the backend's
+ops, the ops inside the layer's call."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+pytest.importorskip("triton")
+
+
+def _last_json_line(script: str, *args: str) -> dict:
+    result = subprocess.run([sys.executable, str(BENCHMARKS / script), *args],
+                            capture_output=True, text=True, cwd=BENCHMARKS)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_host_overhead_counts_the_launcher_inside_the_ops():
+    figures = _last_json_line("host_overhead.py", "--iters", "3", "--repeats", "1",
+                              "--shapes", "1", "--stack", "2")
+    assert figures["launcher_included"] is True
+    assert figures["launches"] == 4
+    assert 0 < figures["launcher_us_fwd_bwd"] < figures["in_ops_us_fwd_bwd"]
+    assert figures["in_ops_us_fwd_bwd"] < figures["host_us_fwd_bwd"]
+
+
+def test_launch_overhead_times_each_launch_of_a_call():
+    figures = _last_json_line("launch_overhead.py", "--iters", "3", "--repeats", "1")
+    assert figures["launches"] == 4
+    assert figures["launcher_us_per_call"] > 0
