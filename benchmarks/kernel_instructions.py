@@ -3,30 +3,37 @@ compiled here, no GPU needed.
 
     python benchmarks/kernel_instructions.py [--arch 90]
 
-For one training call's launches (planned for a 132-SM H100: (8, 256, 128, 128) fp16 NCHW and
-(32, 64, 56, 56) fp16 channels_last, in place with leaky_relu), each kernel that walks the
+For one training call's launches (planned for a 132-SM H100: (8, 256, 128, 128) fp16 NCHW,
+(32, 64, 56, 56) fp16 channels_last and (8, 1024, 14, 14) fp16 NCHW, whose 196-position rows
+are a multiple of 4 elements, not of 16; in place with leaky_relu), each kernel that walks the
 input tile by tile is compiled as the AOT check compiles it (``kernels/check.py``) and its SASS
 disassembled (cuobjdump). The tile loop is the backward branch around the global loads; printed
 per kernel: its instructions, the elements a thread takes from a tile (tile elements over
 threads), the tiles an iteration takes (more than one where the compiler unrolled the loop: the
 bytes its global loads and stores move say how many), instructions per element and per byte the
-loop moves (reads and writes of the input's dtype), and the multi-function-unit (division,
-exp), shuffle and barrier instructions inside it. A kernel whose loop issues many instructions
-per byte is bound by issuing them, not by memory: a ranking of where a GPU's bandwidth goes,
-before a profiler on the GPU says how much. The statistics kernel is planned as an in-place
-layer trains (running statistics, the small-gamma check); a split reduction's merge of its
-partials is no tile loop. Prints the table (``--record``: into benchmarks/RESULTS.md too);
-the last line is one JSON object with ``statistics_instructions_per_byte`` (the largest
-over the layouts) and each kernel's figure.
+loop moves (reads and writes of the input's dtype), the bytes of its widest load (16: a
+thread's 8 elements in one vector load; 2: one element a load), and the multi-function-unit
+(division, exp), shuffle and barrier instructions inside it. A kernel whose loop issues many
+instructions per byte is bound by issuing them, not by memory: a ranking of where a GPU's
+bandwidth goes, before a profiler on the GPU says how much. The statistics kernel is planned
+as an in-place layer trains (running statistics, the small-gamma check); a split reduction's
+merge of its partials is no tile loop. Prints the table (``--record``: into
+benchmarks/RESULTS.md too); the last line is one JSON object with
+``statistics_instructions_per_byte`` (the largest over the layouts) and each kernel's figures
+(``per_byte``, ``load_bytes``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 
 import results
+
+# The kernels must be Triton's JIT functions, compiled, not the interpreter's stand-ins.
+os.environ.pop("TRITON_INTERPRET", None)
 
 # (shape, channels_last): the host harness's first two shapes, and a small map with many
 # channels (NCHW tiles of rows of channels), float16.
@@ -64,13 +71,18 @@ def _tile_loop(instructions: list[tuple[int, str, str]]) -> list[str]:
 _WIDTHS = {"128": 16, "64": 8, "U16": 2, "S16": 2, "U8": 1, "S8": 1}
 
 
+def _load_width(loop: list[str]) -> int:
+    """Bytes of the widest global load in the loop (vector loads: 8 or 16)."""
+    return max(_width(op) for op in loop if op.startswith("LDG"))
+
+
+def _width(op: str) -> int:
+    return next((w for suffix, w in _WIDTHS.items() if op.endswith("." + suffix)), 4)
+
+
 def _bytes_moved(loop: list[str]) -> int:
     """Bytes one thread loads and stores through the loop's global memory instructions."""
-    moved = 0
-    for op in loop:
-        if op.startswith(("LDG", "STG")):
-            moved += next((w for suffix, w in _WIDTHS.items() if op.endswith("." + suffix)), 4)
-    return moved
+    return sum(_width(op) for op in loop if op.startswith(("LDG", "STG")))
 
 
 def _sass(launch, arch: int) -> str:
@@ -114,8 +126,8 @@ def main() -> None:
     results.add_arguments(parser)
     args = parser.parse_args()
     header = ["shape", "layout", "kernel", "tile", "loop instructions", "elements a thread",
-              "tiles an iteration", "instructions an element", "instructions a byte", "MUFU",
-              "SHFL", "BAR"]
+              "tiles an iteration", "instructions an element", "instructions a byte",
+              "bytes a load", "MUFU", "SHFL", "BAR"]
     rows = []
     for shape, channels_last in SHAPES:
         for name, launch, tensors in _launches(shape, channels_last):
@@ -128,7 +140,7 @@ def main() -> None:
                 if launch.args[-1] != 1:
                     raise SystemExit(f"{name}: no tile loop found in its SASS")
                 rows.append([str(shape), layout, name, f"{block_a}x{block_b}",
-                             "none (one tile a program)", *["-"] * 7])
+                             "none (one tile a program)", *["-"] * 8])
                 print(" ".join(str(cell) for cell in rows[-1]), flush=True)
                 continue
             per_thread = block_a * block_b // (32 * launch.num_warps)
@@ -138,7 +150,7 @@ def main() -> None:
             rows.append([str(shape), layout, name,
                          f"{block_a}x{block_b}", len(loop), per_thread, round(unrolled, 2),
                          round(per_element, 1), round(per_element / (2 * tensors), 1),
-                         *(sum(op.startswith(unit) for op in loop)
+                         _load_width(loop), *(sum(op.startswith(unit) for op in loop)
                            for unit in ("MUFU", "SHFL", "BAR"))])
             print(" ".join(str(cell) for cell in rows[-1]), flush=True)
     table = results.markdown_table(header, rows)
@@ -151,7 +163,8 @@ def main() -> None:
         "an element per tensor moved: statistics 1, normalize and reduce 2, dx 3). MUFU: "
         "reciprocals (divisions), exponentials; SHFL, BAR: cross-thread reductions."))
     print(json.dumps({"statistics_instructions_per_byte": statistics,
-                      "per_byte": {f"{row[2]} {row[1]}": row[8] for row in rows}}))
+                      "per_byte": {f"{row[2]} {row[1]}": row[8] for row in rows},
+                      "load_bytes": {f"{row[2]} {row[1]}": row[9] for row in rows}}))
 
 
 if __name__ == "__main__":

@@ -36,3 +36,16 @@ def test_launch_overhead_times_each_launch_of_a_call():
     figures = _last_json_line("launch_overhead.py", "--iters", "3", "--repeats", "1")
     assert figures["launches"] == 4
     assert figures["launcher_us_per_call"] > 0
+
+
+def test_kernel_loops_issue_few_instructions_and_load_vectors():
+    """sm_90 SASS of each tile loop (compiled on the CPU): the statistics kernel at most 6
+    instructions a byte read on every layout, and every loop loading whole vectors of its
+    thread's elements where rows allow: 16 bytes, and 8 on a 14x14 map's float16 rows (196
+    positions: a multiple of 4)."""
+    figures = _last_json_line("kernel_instructions.py")
+    assert figures["statistics_instructions_per_byte"] <= 6
+    loads = {kernel: width for kernel, width in figures["load_bytes"].items() if width != "-"}
+    assert loads
+    for kernel, width in loads.items():
+        assert width == (8 if "rows of channels" in kernel else 16), (kernel, width)

@@ -550,19 +550,26 @@ def test_backward_gpu_tile_shapes(monkeypatch):
 
 @settings(max_examples=10, deadline=None, derandomize=True)
 @given(fmt=st.sampled_from(["nchw", "last"]), which=st.integers(0, 2),
-       gpu_tiles=st.booleans(), n=st.integers(2, 5), c=st.sampled_from([1, 3, 40, 70]),
-       spatial=st.sampled_from([(1, 1), (2, 3), (7, 7), (9, 15)]),
+       gpu_tiles=st.booleans(), n=st.integers(2, 5), c=st.sampled_from([1, 3, 12, 40, 70]),
+       spatial=st.sampled_from([(1, 1), (2, 3), (2, 6), (4, 6), (7, 7), (9, 15)]),
        dtype=st.sampled_from([torch.float16, torch.bfloat16, torch.float32, torch.float64]),
        sms=st.sampled_from([None, 132]), seed=st.integers(0, 2**16))
 @example(fmt="nchw", which=2, gpu_tiles=True, n=3, c=70, spatial=(9, 15),
          dtype=torch.float32, sms=132, seed=0)  # channel rows: split, 3 blocks, partial last
 @example(fmt="nchw", which=2, gpu_tiles=False, n=2, c=40, spatial=(7, 7), dtype=torch.float16,
          sms=None, seed=1)  # channel rows: 2 images of 7x7, unsplit
+@example(fmt="nchw", which=2, gpu_tiles=True, n=3, c=70, spatial=(2, 6), dtype=torch.float16,
+         sms=132, seed=2)  # channel rows of 12 positions: ALIGN 4
+@example(fmt="nchw", which=0, gpu_tiles=True, n=5, c=3, spatial=(4, 6), dtype=torch.bfloat16,
+         sms=132, seed=3)  # rows of images of 24 positions: ALIGN 8
+@example(fmt="last", which=1, gpu_tiles=True, n=4, c=12, spatial=(2, 3), dtype=torch.float32,
+         sms=132, seed=4)  # channels_last rows of 12 channels: ALIGN 4
 def test_every_tile_computes_the_same(fmt, which, gpu_tiles, n, c, spatial, dtype, sms, seed):
     """Each tile the planner may choose (``tile_choices``: NCHW rows of images, one long run,
     rows of channels; channels_last's two widths), forced whatever the padding would pick, at
-    the interpreter's and the GPU's sizes, split over programs or not: the statistics, the
-    batch statistics, the normalisation and the backward as the reference computes them."""
+    the interpreter's and the GPU's sizes, split over programs or not, rows of every
+    alignment (``ALIGN`` 1 to 8): the statistics, the batch statistics, the normalisation and
+    the backward as the reference computes them."""
     shape = (n, c, *spatial)
     channels_last = fmt == "last" or spatial == (1, 1)  # (N, C, 1, 1) reads as rows of C
     choices = P.tile_choices(channels_last, dtype, interpret=not gpu_tiles)
@@ -607,6 +614,35 @@ def test_small_maps_fill_their_tiles_on_a_gpu(n, c, s, dtype):
         assert args[-1] <= 4 and (blocks * splits >= 132 or args[-1] == 1), (
             tile, blocks, splits, args)
         assert tile.channel_rows == (n < 32), tile  # 32 images fill rows of images
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(channels_last=st.booleans(), length=st.integers(1, 5000),
+       dtype=st.sampled_from([torch.float16, torch.bfloat16, torch.float32, torch.float64]))
+def test_rows_aligned_to_the_widest_vector_that_divides_them(channels_last, length, dtype):
+    """``ALIGN`` divides the row length (S positions; C channels in channels_last), and is the
+    largest power of two that does, up to a 16-byte vector: the kernels then read a 14x14 map's
+    float32 rows 16 bytes at a time."""
+    c, s = (length, 1) if channels_last else (3, length)
+    align = P.row_align(P._Geometry(channels_last, 2, c, s), dtype)
+    vector = 16 // dtype.itemsize
+    assert length % align == 0 and align & (align - 1) == 0 and align <= vector
+    assert align == vector or (length // align) % 2 == 1
+
+
+def test_a_wrong_row_alignment_changes_the_statistics(monkeypatch):
+    """The kernels take ``ALIGN`` as a fact about the row length by rounding the length down to
+    a multiple of it, so a planner that claimed too much would compute other sums, which the
+    interpreted tests see (a hint the compiler trusted would fail only on a GPU)."""
+    x = make_input((2, 3, 2, 3), torch.float16)
+    monkeypatch.setattr(P, "row_align", lambda geo, dtype: 4)  # 6 positions: 2 is the truth
+    P.clear_memos()
+    try:
+        mean, _, _ = T.channel_stats(x)
+    finally:
+        monkeypatch.undo()
+        P.clear_memos()
+    assert not torch.allclose(mean, torch_ops.channel_stats(upcast(x))[0])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

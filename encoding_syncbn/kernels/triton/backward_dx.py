@@ -23,6 +23,7 @@ from .plan import (
     plan_op,
 )
 from .tiles import (
+    _aligned_rows,
     _channel_block,
     _load_channel,
     _load_norm_params,
@@ -39,7 +40,7 @@ def _backward_dx_kernel(saved_ptr, dy_ptr, dx_ptr, mean_ptr, invstd_ptr, weight_
                         ACTIVATION: tl.constexpr, SAVED_IS_OUTPUT: tl.constexpr,
                         FROM_SUMS: tl.constexpr, CHANNELS_LAST: tl.constexpr,
                         CHANNEL_ROWS: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr,
-                        ACC: tl.constexpr):
+                        ALIGN: tl.constexpr, ACC: tl.constexpr):
     """dx = (coef_dz * dz + coef_xhat * xhat) + coef_const, written in saved's dtype; the
     xhat term 0 where coef_xhat is 0 (as ``torch_ops.backward_dx``).
 
@@ -48,6 +49,7 @@ def _backward_dx_kernel(saved_ptr, dy_ptr, dx_ptr, mean_ptr, invstd_ptr, weight_
     in ``dx_coefs``' order: scale = w * invstd, p = scale * (-1/n), (scale, p * sum(dz *
     xhat), p * sum(dz)).
     """
+    C, S, CS = _aligned_rows(C, S, CS, CHANNELS_LAST, ALIGN)
     c0 = _channel_block(CHANNELS_LAST, CHANNEL_ROWS, BLOCK_A, BLOCK_B)
     mean, invstd, weight, bias = _load_norm_params(mean_ptr, invstd_ptr, weight_ptr, bias_ptr,
                                                    c0, C, CHANNELS_LAST, CHANNEL_ROWS,

@@ -18,6 +18,7 @@ from .plan import (
     plan_op,
 )
 from .tiles import (
+    _aligned_rows,
     _block_channels,
     _channel_block,
     _channel_sums,
@@ -34,12 +35,13 @@ def _backward_reduce_kernel(saved_ptr, dy_ptr, mean_ptr, invstd_ptr, weight_ptr,
                             slope: tl.float64, N, C, S, R, CS, tiles, tiles_s, tiles_per_prog,
                             ACTIVATION: tl.constexpr, SAVED_IS_OUTPUT: tl.constexpr,
                             CHANNELS_LAST: tl.constexpr, CHANNEL_ROWS: tl.constexpr,
-                            BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, ACC: tl.constexpr,
-                            SPLIT: tl.constexpr, BLOCK_P: tl.constexpr):
+                            BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, ALIGN: tl.constexpr,
+                            ACC: tl.constexpr, SPLIT: tl.constexpr, BLOCK_P: tl.constexpr):
     """sum(dz) and sum(dz * xhat) per channel over this program's tiles -> ``sum_dz``,
     ``sum_dz_xhat``. ``SPLIT``: each program stores its sums in row pid_1 of the [2, splits,
     C] buffer ``part``, and the last of a channel block to finish sums the rows in index order
     (``partials``)."""
+    C, S, CS = _aligned_rows(C, S, CS, CHANNELS_LAST, ALIGN)
     c0 = _channel_block(CHANNELS_LAST, CHANNEL_ROWS, BLOCK_A, BLOCK_B)
     mean, invstd, weight, bias = _load_norm_params(mean_ptr, invstd_ptr, weight_ptr, bias_ptr,
                                                    c0, C, CHANNELS_LAST, CHANNEL_ROWS,

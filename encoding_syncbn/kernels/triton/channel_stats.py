@@ -20,6 +20,7 @@ from .plan import (
     plan_op,
 )
 from .tiles import (
+    _aligned_rows,
     _block_channels,
     _channel_block,
     _channel_sums,
@@ -32,10 +33,18 @@ from .tiles import (
 
 
 @triton.jit
+def _mean_near(values, origin, mask, AXIS: tl.constexpr):
+    """Per channel along ``AXIS``, the mean of the masked ``values`` taken as ``origin`` plus
+    their mean deviation from it (``origin`` where none is masked in)."""
+    count = tl.maximum(tl.sum(mask.to(values.dtype), AXIS, keep_dims=True), 1.0)
+    return origin + tl.sum(tl.where(mask, values - origin, 0.0), AXIS, keep_dims=True) / count
+
+
+@triton.jit
 def _block_stats(x_ptr, part_ptr, counter_ptr, N, C, S, R, CS, tiles, tiles_s, tiles_per_prog,
                  CHANNELS_LAST: tl.constexpr, CHANNEL_ROWS: tl.constexpr, BLOCK_A: tl.constexpr,
-                 BLOCK_B: tl.constexpr, ACC: tl.constexpr, SPLIT: tl.constexpr,
-                 BLOCK_P: tl.constexpr):
+                 BLOCK_B: tl.constexpr, ALIGN: tl.constexpr, ACC: tl.constexpr,
+                 SPLIT: tl.constexpr, BLOCK_P: tl.constexpr):
     """``(c, mean, M2, finishing)``: this program's channels ``c`` (a block: ``_block_channels``)
     and, where ``finishing``, their (mean, M2) over the batch.
 
@@ -55,32 +64,27 @@ def _block_stats(x_ptr, part_ptr, counter_ptr, N, C, S, R, CS, tiles, tiles_s, t
     stores its two sums in row pid_1 of the [2, splits, C] buffer ``part`` and the last to
     finish adds the rows up in index order (``partials``): only it is ``finishing``.
     """
+    C, S, CS = _aligned_rows(C, S, CS, CHANNELS_LAST, ALIGN)
     c0 = _channel_block(CHANNELS_LAST, CHANNEL_ROWS, BLOCK_A, BLOCK_B)
     # The shift, from tile 0: its first row's value plus the tile's mean deviation from it (a
     # constant channel's shift is its value exactly; no sum near the dtype's largest values
     # overflows). Split, every program of the block reads it: then only its first 8 rows
     # (with channel rows: 8 positions of each channel).
-    if SPLIT and CHANNEL_ROWS and BLOCK_B > 8:
-        head, head_local, head_mask = _tile_at(0, 0, c0, N, C, S, R, CS, CHANNELS_LAST,
-                                               CHANNEL_ROWS, BLOCK_A, 8)
-    elif SPLIT and not CHANNEL_ROWS and BLOCK_A > 8:
-        head, head_local, head_mask = _tile_at(0, 0, c0, N, C, S, R, CS, CHANNELS_LAST,
-                                               CHANNEL_ROWS, 8, BLOCK_B)
-    else:
-        head, head_local, head_mask = _tile_at(0, 0, c0, N, C, S, R, CS, CHANNELS_LAST,
-                                               CHANNEL_ROWS, BLOCK_A, BLOCK_B)
+    HEAD_ONLY: tl.constexpr = SPLIT and (BLOCK_B if CHANNEL_ROWS else BLOCK_A) > 8
+    HEAD_A: tl.constexpr = 8 if HEAD_ONLY and not CHANNEL_ROWS else BLOCK_A
+    HEAD_B: tl.constexpr = 8 if HEAD_ONLY and CHANNEL_ROWS else BLOCK_B
+    head, head_local, head_mask = _tile_at(0, 0, c0, N, C, S, R, CS, CHANNELS_LAST,
+                                           CHANNEL_ROWS, HEAD_A, HEAD_B)
     first = tl.load(x_ptr + head + head_local, mask=head_mask, other=0.0).to(ACC)
     # (A block's channels past C have no values: their shift is 0.)
     if CHANNELS_LAST:
         b = tl.arange(0, BLOCK_B)[None, :]
         origin = tl.load(x_ptr + head + b, mask=b < C - c0, other=0.0).to(ACC)
-        count = tl.maximum(tl.sum(head_mask.to(ACC), 0, keep_dims=True), 1.0)
-        shift = origin + tl.sum(tl.where(head_mask, first - origin, 0.0), 0, keep_dims=True) / count
+        shift = _mean_near(first, origin, head_mask, 0)
     elif CHANNEL_ROWS:
         a = tl.arange(0, BLOCK_A)[:, None]
         origin = tl.load(x_ptr + head + a * S, mask=a < C - c0, other=0.0).to(ACC)
-        count = tl.maximum(tl.sum(head_mask.to(ACC), 1, keep_dims=True), 1.0)
-        shift = origin + tl.sum(tl.where(head_mask, first - origin, 0.0), 1, keep_dims=True) / count
+        shift = _mean_near(first, origin, head_mask, 1)
     else:
         origin = tl.load(x_ptr + head).to(ACC)
         count = tl.sum(head_mask.to(ACC))
@@ -88,7 +92,7 @@ def _block_stats(x_ptr, part_ptr, counter_ptr, N, C, S, R, CS, tiles, tiles_s, t
     shift = tl.where(shift - shift == 0.0, shift, 0.0).to(x_ptr.dtype.element_ty)
     k = shift.to(ACC)
     start, stop = _tile_range(tiles, tiles_per_prog)
-    if SPLIT and ((CHANNEL_ROWS and BLOCK_B > 8) or (not CHANNEL_ROWS and BLOCK_A > 8)):
+    if HEAD_ONLY:
         s1 = tl.zeros([BLOCK_A, BLOCK_B], ACC)
         s2 = tl.zeros([BLOCK_A, BLOCK_B], ACC)
     else:
@@ -121,12 +125,12 @@ def _block_stats(x_ptr, part_ptr, counter_ptr, N, C, S, R, CS, tiles, tiles_s, t
 def _channel_stats_kernel(x_ptr, part_ptr, counter_ptr, mean_ptr, m2_ptr, N, C, S, R, CS, tiles,
                           tiles_s, tiles_per_prog, CHANNELS_LAST: tl.constexpr,
                           CHANNEL_ROWS: tl.constexpr,
-                          BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, ACC: tl.constexpr,
-                          SPLIT: tl.constexpr, BLOCK_P: tl.constexpr):
+                          BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, ALIGN: tl.constexpr,
+                          ACC: tl.constexpr, SPLIT: tl.constexpr, BLOCK_P: tl.constexpr):
     """Per channel (mean, M2) of x (:func:`_block_stats`)."""
     c, mean, m2, finishing = _block_stats(x_ptr, part_ptr, counter_ptr, N, C, S, R, CS, tiles,
                                           tiles_s, tiles_per_prog, CHANNELS_LAST, CHANNEL_ROWS,
-                                          BLOCK_A, BLOCK_B, ACC, SPLIT, BLOCK_P)
+                                          BLOCK_A, BLOCK_B, ALIGN, ACC, SPLIT, BLOCK_P)
     if finishing:
         tl.store(mean_ptr + c, mean, mask=c < C)
         tl.store(m2_ptr + c, m2, mask=c < C)
@@ -139,15 +143,16 @@ def _batch_stats_kernel(x_ptr, part_ptr, counter_ptr, mean_ptr, invstd_ptr, coun
                         weight_ptr, bias_ptr, small_ptr, gamma_limit: tl.float64, N, C, S, R,
                         CS, tiles, tiles_s, tiles_per_prog, CHANNELS_LAST: tl.constexpr,
                         CHANNEL_ROWS: tl.constexpr,
-                        BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, ACC: tl.constexpr,
-                        SPLIT: tl.constexpr, BLOCK_P: tl.constexpr, RUNNING: tl.constexpr,
+                        BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, ALIGN: tl.constexpr,
+                        ACC: tl.constexpr, SPLIT: tl.constexpr, BLOCK_P: tl.constexpr,
+                        RUNNING: tl.constexpr,
                         COUNTER: tl.constexpr, CUMULATIVE: tl.constexpr, CHECK: tl.constexpr,
                         RUN_ACC: tl.constexpr):
     """A batch's (mean, invstd), running statistics and small-gamma flags
     (:func:`_block_stats`, then ``finalize_stats._finish_batch_stats``)."""
     c, mean, m2, finishing = _block_stats(x_ptr, part_ptr, counter_ptr, N, C, S, R, CS, tiles,
                                           tiles_s, tiles_per_prog, CHANNELS_LAST, CHANNEL_ROWS,
-                                          BLOCK_A, BLOCK_B, ACC, SPLIT, BLOCK_P)
+                                          BLOCK_A, BLOCK_B, ALIGN, ACC, SPLIT, BLOCK_P)
     if finishing:
         _finish_batch_stats(c, mean, m2, counter_ptr, mean_ptr, invstd_ptr, count, eps,
                             running_mean_ptr, running_var_ptr, batches_ptr, keep, momentum,

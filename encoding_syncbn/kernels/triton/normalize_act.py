@@ -18,20 +18,28 @@ from .plan import (
     _prepare,
     plan_op,
 )
-from .tiles import _channel_block, _load_channel, _store_channel, _tile, _tile_range
+from .tiles import (
+    _aligned_rows,
+    _channel_block,
+    _load_channel,
+    _store_channel,
+    _tile,
+    _tile_range,
+)
 
 
 @triton.jit
 def _normalize_tiles(x_ptr, out_ptr, mean, scale, bias, slope, c0, N, C, S, R, CS, tiles,
                      tiles_s, tiles_per_prog, ACTIVATION: tl.constexpr,
                      CHANNELS_LAST: tl.constexpr, CHANNEL_ROWS: tl.constexpr, BLOCK_A: tl.constexpr,
-                     BLOCK_B: tl.constexpr, ACC: tl.constexpr):
+                     BLOCK_B: tl.constexpr, ALIGN: tl.constexpr, ACC: tl.constexpr):
     """out = act((x - mean) * scale + bias) over this program's tiles, one read and one write
     per element.
 
     The mean is subtracted before scaling (no x * scale + shift: it cancels when |mean| >> std).
     ``out`` may be ``x``: each element is read and written by the same program.
     """
+    C, S, CS = _aligned_rows(C, S, CS, CHANNELS_LAST, ALIGN)
     alpha = tl.full([], slope, ACC)
     start, stop = _tile_range(tiles, tiles_per_prog)
     for t in range(start, stop):
@@ -46,8 +54,8 @@ def _normalize_tiles(x_ptr, out_ptr, mean, scale, bias, slope, c0, N, C, S, R, C
 def _normalize_act_kernel(x_ptr, out_ptr, mean_ptr, invstd_ptr, weight_ptr, bias_ptr,
                           slope: tl.float64, N, C, S, R, CS, tiles, tiles_s, tiles_per_prog,
                           ACTIVATION: tl.constexpr, CHANNELS_LAST: tl.constexpr,
-                          CHANNEL_ROWS: tl.constexpr,
-                          BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, ACC: tl.constexpr):
+                          CHANNEL_ROWS: tl.constexpr, BLOCK_A: tl.constexpr,
+                          BLOCK_B: tl.constexpr, ALIGN: tl.constexpr, ACC: tl.constexpr):
     """out = act((x - mean) * (invstd * weight) + bias) (:func:`_normalize_tiles`)."""
     c0 = _channel_block(CHANNELS_LAST, CHANNEL_ROWS, BLOCK_A, BLOCK_B)
     mean = _load_channel(mean_ptr, c0, C, CHANNELS_LAST, CHANNEL_ROWS, BLOCK_A, BLOCK_B)
@@ -56,7 +64,7 @@ def _normalize_act_kernel(x_ptr, out_ptr, mean_ptr, invstd_ptr, weight_ptr, bias
     bias = _load_channel(bias_ptr, c0, C, CHANNELS_LAST, CHANNEL_ROWS, BLOCK_A, BLOCK_B)
     _normalize_tiles(x_ptr, out_ptr, mean, scale, bias, slope, c0, N, C, S, R, CS, tiles,
                      tiles_s, tiles_per_prog, ACTIVATION, CHANNELS_LAST, CHANNEL_ROWS, BLOCK_A,
-                     BLOCK_B, ACC)
+                     BLOCK_B, ALIGN, ACC)
 
 
 @triton.jit
@@ -64,8 +72,8 @@ def _normalize_running_kernel(x_ptr, out_ptr, running_mean_ptr, running_var_ptr,
                               weight_ptr, bias_ptr, mean_ptr, invstd_ptr, slope: tl.float64, N,
                               C, S, R, CS, tiles, tiles_s, tiles_per_prog,
                               ACTIVATION: tl.constexpr, CHANNELS_LAST: tl.constexpr,
-                              CHANNEL_ROWS: tl.constexpr,
-                              BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, ACC: tl.constexpr):
+                              CHANNEL_ROWS: tl.constexpr, BLOCK_A: tl.constexpr,
+                              BLOCK_B: tl.constexpr, ALIGN: tl.constexpr, ACC: tl.constexpr):
     """Evaluation: ``_normalize_act_kernel`` with the running statistics (buffers of any
     dtype), ``invstd = 1 / sqrt(running_var + eps)`` per channel (correctly rounded steps, as
     ``batch_stats``' and ATen's CPU rsqrt); the first program of each channel block also
@@ -82,7 +90,7 @@ def _normalize_running_kernel(x_ptr, out_ptr, running_mean_ptr, running_var_ptr,
     bias = _load_channel(bias_ptr, c0, C, CHANNELS_LAST, CHANNEL_ROWS, BLOCK_A, BLOCK_B)
     _normalize_tiles(x_ptr, out_ptr, mean, scale, bias, slope, c0, N, C, S, R, CS, tiles,
                      tiles_s, tiles_per_prog, ACTIVATION, CHANNELS_LAST, CHANNEL_ROWS, BLOCK_A,
-                     BLOCK_B, ACC)
+                     BLOCK_B, ALIGN, ACC)
 
 
 def _destination(x: torch.Tensor, out: torch.Tensor, plan: OpPlan) -> torch.Tensor:

@@ -264,12 +264,27 @@ def _plan_tiles(geo: _Geometry, dtype: torch.dtype, target: Target, reduction: b
     return tile, (channel_blocks, splits), args
 
 
+# The widest vector load or store a thread issues: 16 bytes.
+_VECTOR_BYTES = 16
+
+
+def row_align(geo: _Geometry, dtype: torch.dtype) -> int:
+    """``ALIGN``: the largest power of two, up to a 16-byte vector of ``dtype``, that divides
+    the length of a tensor row (S positions in NCHW, C channels in channels_last). Triton only
+    tells its kernels that a size is a multiple of 16; a 14x14 map (196 positions) is a
+    multiple of 4, so float32 rows of it start on 16 bytes and load as vectors once the
+    kernel knows (``tiles._aligned_rows``)."""
+    length = geo.c if geo.channels_last else geo.s
+    return min(length & -length, _VECTOR_BYTES // dtype.itemsize)
+
+
 def _tile_constexprs(geo: _Geometry, tile: Tile, dtype: torch.dtype) -> dict:
     return {
         "CHANNELS_LAST": geo.channels_last,
         "CHANNEL_ROWS": tile.channel_rows,
         "BLOCK_A": tile.block_a,
         "BLOCK_B": tile.block_b,
+        "ALIGN": row_align(geo, dtype),
         "ACC": _TL_DTYPES[stats_dtype(dtype)],
     }
 

@@ -26,7 +26,9 @@ from .plan import (
 
 # (shape, memory format) of the planned launches above: a split reduction (C small) and one
 # program per channel block (C large); a single odd image; one plane of over 2**31 elements;
-# C*S over 2**31; 2-D rows; rows past 2**31 in channels_last.
+# C*S over 2**31; 2-D rows; rows past 2**31 in channels_last; and rows (S positions, C
+# channels) that are multiples of 8, 4 and 2 but not of 16, each ``ALIGN`` below Triton's
+# own hint of 16 (``plan.row_align``).
 _SPECIALISATION_SHAPES = (
     ((32, 16, 64, 64), torch.contiguous_format),
     ((4, 4096, 8, 8), torch.contiguous_format),
@@ -36,6 +38,12 @@ _SPECIALISATION_SHAPES = (
     ((32, 64, 32, 32), torch.channels_last),
     ((8, 7), torch.contiguous_format),
     ((2**17, 3, 128, 128), torch.channels_last),
+    ((2, 64, 4, 6), torch.contiguous_format),
+    ((2, 64, 14, 14), torch.contiguous_format),
+    ((2, 64, 5, 2), torch.contiguous_format),
+    ((4, 24, 8, 8), torch.channels_last),
+    ((4, 12, 8, 8), torch.channels_last),
+    ((4, 6, 8, 8), torch.channels_last),
 )
 
 

@@ -23,6 +23,22 @@ from .activations import _xhat_dz
 
 
 @triton.jit
+def _aligned_rows(C, S, CS, CHANNELS_LAST: tl.constexpr, ALIGN: tl.constexpr):
+    """``(C, S, CS)``, the row length (S and CS = C * S in NCHW, C in channels_last) written
+    as a multiple of ``ALIGN`` (``plan.row_align``), which the compiler reads: every row then
+    starts ALIGN-aligned and every mask changes ALIGN elements at a time, so tiles load and
+    store as vectors. The value is the same when ALIGN divides it, as the planner found; a
+    wrong ALIGN would change it, and the interpreted tests with it."""
+    if ALIGN > 1:
+        if CHANNELS_LAST:
+            C = C // ALIGN * ALIGN
+        else:
+            S = S // ALIGN * ALIGN
+            CS = CS // ALIGN * ALIGN
+    return C, S, CS
+
+
+@triton.jit
 def _tile(t, c0, N, C, S, R, CS, tiles_s, CHANNELS_LAST: tl.constexpr,
           CHANNEL_ROWS: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr):
     """``(base, local, mask)`` of tile ``t`` of the channel block starting at ``c0``
@@ -76,15 +92,16 @@ def _tile_at(tn, ts, c0, N, C, S, R, CS, CHANNELS_LAST: tl.constexpr,
     else:
         # One plane may pass 2**31 elements: the position offset is int64 too.
         s0 = tl.cast(ts, tl.int64) * BLOCK_B
-        if CHANNEL_ROWS:
-            base = tl.cast(tn, tl.int64) * CS + tl.cast(c0, tl.int64) * S + s0
+        if CHANNEL_ROWS:  # rows: channels c0... of image tn
+            n0 = tl.cast(tn, tl.int64)
             local = a * S + b
-            mask = (a < C - c0) & (b < S - s0)
-        else:
+            rows_left = C - c0
+        else:  # rows: images n0... of channel c0
             n0 = tl.cast(tn, tl.int64) * BLOCK_A
-            base = n0 * CS + tl.cast(c0, tl.int64) * S + s0
             local = a * CS + b
-            mask = (a < N - n0) & (b < S - s0)
+            rows_left = N - n0
+        base = n0 * CS + tl.cast(c0, tl.int64) * S + s0
+        mask = (a < rows_left) & (b < S - s0)
     return base, local, mask
 
 
