@@ -160,8 +160,10 @@ def main() -> None:
         f"SASS for sm_{args.arch} compiled on this CPU (no GPU), launches planned for a "
         f"{H100_SMS}-SM H100, float16 inputs: the instructions in each kernel's tile loop, per "
         "element a thread takes an iteration and per byte the loop reads and writes (2 bytes "
-        "an element per tensor moved: statistics 1, normalize and reduce 2, dx 3). MUFU: "
-        "reciprocals (divisions), exponentials; SHFL, BAR: cross-thread reductions."))
+        "an element per tensor moved: statistics 1, normalize and reduce 2, dx 3). Bytes a "
+        "load: the widest global load a thread issues in the loop (16: 8 float16 values at "
+        "once). MUFU: reciprocals (divisions), exponentials; SHFL, BAR: cross-thread "
+        "reductions."))
     print(json.dumps({"statistics_instructions_per_byte": statistics,
                       "per_byte": {f"{row[2]} {row[1]}": row[8] for row in rows},
                       "load_bytes": {f"{row[2]} {row[1]}": row[9] for row in rows}}))
