@@ -5,14 +5,16 @@
 For the shapes of ``bandwidth.py``'s first rows, the four passes over one activation (as there)
 timed with the planner's constants as shipped and with one or two of them changed: elements a
 tile (``_GPU_TILE_ELEMS``), warps a program (``_NUM_WARPS``), programs an SM for reductions
-and elementwise passes. Median of ``--repeats`` calls timed as there, in us, and each
-configuration's four passes summed. Needs a CUDA GPU. Prints its table (``--record``: into
-benchmarks/RESULTS.md too).
+and elementwise passes, the register ceiling the kernels compile with (``COMPILE_OPTIONS``:
+ptxas under 255 registers uses more than it picks alone, so fewer programs fit an SM).
+Median of ``--repeats`` calls timed as there, in us, and each configuration's four passes
+summed. Needs a CUDA GPU. Prints its table (``--record``: into benchmarks/RESULTS.md too).
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import sys
 
 import results
@@ -30,7 +32,18 @@ CONFIGS = {
     "reductions 16 a SM": {"_REDUCE_PROGRAMS_PER_SM": 16},
     "4 warps, reductions 16 a SM": {"_NUM_WARPS": 4, "_REDUCE_PROGRAMS_PER_SM": 16},
     "elementwise 64 a SM": {"_ELEMENTWISE_PROGRAMS_PER_SM": 64},
+    "no register ceiling": {"COMPILE_OPTIONS": {"enable_fp_fusion": True}},
+    "registers <= 128": {"COMPILE_OPTIONS": {"enable_fp_fusion": True, "maxnreg": 128}},
 }
+
+
+def _set(plan, name: str, value) -> None:
+    """Set a planner constant; the compile options in place (the ops hold that dict)."""
+    if name == "COMPILE_OPTIONS":
+        plan.COMPILE_OPTIONS.clear()
+        plan.COMPILE_OPTIONS.update(value)
+    else:
+        setattr(plan, name, value)
 
 
 def main() -> int:
@@ -44,7 +57,8 @@ def main() -> int:
     from encoding_syncbn.kernels.triton import ops as T
     from encoding_syncbn.kernels.triton import plan
 
-    shipped = {name: getattr(plan, name) for config in CONFIGS.values() for name in config}
+    shipped = {name: copy.copy(getattr(plan, name))
+               for config in CONFIGS.values() for name in config}
     rows = []
     for shape, dtype, channels_last in SHAPES[:2]:
         x, dy, vec = _inputs(shape, dtype, channels_last)
@@ -52,13 +66,13 @@ def main() -> int:
         layout = "channels_last" if channels_last else "nchw"
         for label, config in CONFIGS.items():
             for name, value in {**shipped, **config}.items():
-                setattr(plan, name, value)
+                _set(plan, name, value)
             plan.clear_memos()
             us = [round(_time(fn, args.repeats) * 1e6, 1) for fn in ops.values()]
             rows.append([f"{shape} {str(dtype)[6:]} {layout}", label, *us, round(sum(us), 1)])
             print(" | ".join(map(str, rows[-1])), flush=True)
     for name, value in shipped.items():
-        setattr(plan, name, value)
+        _set(plan, name, value)
     table = results.markdown_table(["input", "planner", *ops, "sum"], rows)
     print(table)
     gpu = torch.cuda.get_device_name()
@@ -68,7 +82,7 @@ def main() -> int:
         f"{shipped.get('_GPU_TILE_ELEMS')} elements, "
         f"{shipped.get('_NUM_WARPS')} warps, {shipped.get('_REDUCE_PROGRAMS_PER_SM')} "
         f"reduction / {shipped.get('_ELEMENTWISE_PROGRAMS_PER_SM')} elementwise programs "
-        f"an SM."))
+        f"an SM, compile options {shipped.get('COMPILE_OPTIONS')}."))
     return 0
 
 
