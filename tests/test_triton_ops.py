@@ -1162,6 +1162,15 @@ def test_launches_per_layer_call(shape, fmt, split, inplace):
 # ------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("registers,num_warps,programs", [
+    (32, 8, 8), (64, 8, 4), (65, 8, 3), (72, 8, 3), (128, 8, 2), (136, 8, 1), (255, 8, 1),
+    (32, 4, 16), (64, 4, 8), (168, 4, 3)])
+def test_programs_an_sm_holds(registers, num_warps, programs):
+    """An SM's 65,536 registers go to a warp 256 at a time (8 a thread) and hold at most 64
+    warps: CUDA's occupancy table for sm_80 and sm_90."""
+    assert P.programs_per_sm(registers, num_warps) == programs
+
+
 def test_check_compiles_every_kernel():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run(
@@ -1173,3 +1182,4 @@ def test_check_compiles_every_kernel():
     for name in ("_channel_stats_kernel", "_batch_stats_kernel", "_normalize_act_kernel",
                  "_backward_reduce_kernel", "_backward_dx_kernel"):
         assert name in proc.stdout
+    assert "per SM" in proc.stdout.splitlines()[0]

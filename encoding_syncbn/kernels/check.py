@@ -34,7 +34,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from .. import _compat  # noqa: E402
-from .triton.plan import COMPILE_OPTIONS, Launch, Target  # noqa: E402
+from .triton.plan import COMPILE_OPTIONS, Launch, Target, programs_per_sm  # noqa: E402
 from .triton.specialisations import launch_specialisations  # noqa: E402
 
 # SM counts of the reference parts (A100, H100 SXM): only the grid planning depends on them.
@@ -63,7 +63,9 @@ class Row(NamedTuple):
     registers: int
     spills: int
     shared: int
+    programs: int  # resident on one SM, as registers and threads allow
     error: str
+
 
 
 def launch_spec(label: str, launch: Launch) -> Spec:
@@ -150,9 +152,10 @@ def _compile(index: int) -> Row:
         compiled = compile_spec(spec, arch)
         regs, spills, shared = _resources(compiled.asm["cubin"])
         # Triton's own shared-memory plan (reductions) adds to the static amount.
-        return Row(name, spec.label, arch, regs, spills, max(shared, compiled.metadata.shared), "")
+        return Row(name, spec.label, arch, regs, spills, max(shared, compiled.metadata.shared),
+                   programs_per_sm(regs, spec.num_warps), "")
     except Exception as exc:  # report every failure, keep compiling the rest
-        return Row(name, spec.label, arch, 0, 0, 0, f"{type(exc).__name__}: {exc}")
+        return Row(name, spec.label, arch, 0, 0, 0, 0, f"{type(exc).__name__}: {exc}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -209,24 +212,27 @@ def main(argv: list[str] | None = None) -> int:
 def _print_table(rows: list[Row]) -> None:
     width = max(len(r.label) for r in rows)
     print(f"{'kernel':<26} {'specialisation':<{width}} {'arch':>6} {'regs':>5} {'spill':>6} "
-          f"{'smem':>6}")
+          f"{'smem':>6} {'per SM':>6}")
     for r in rows:
-        status = "FAILED" if r.error else f"{r.registers:>5} {r.spills:>6} {r.shared:>6}"
+        status = ("FAILED" if r.error else
+                  f"{r.registers:>5} {r.spills:>6} {r.shared:>6} {r.programs:>6}")
         print(f"{r.kernel:<26} {r.label:<{width}} {'sm_' + str(r.arch):>6} {status}")
 
 
 def _print_summary(rows: list[Row]) -> None:
     print(f"{'kernel':<26} {'arch':>6} {'variants':>8} {'regs min-max':>13} {'spills':>7} "
-          f"{'smem max':>9} {'failed':>6}")
+          f"{'smem max':>9} {'per SM min-max':>14} {'failed':>6}")
     groups: dict[tuple[str, int], list[Row]] = {}
     for r in rows:
         groups.setdefault((r.kernel, r.arch), []).append(r)
     for (kernel, arch), group in groups.items():
         ok = [r for r in group if not r.error]
         regs = f"{min(r.registers for r in ok)}-{max(r.registers for r in ok)}" if ok else "-"
+        programs = (f"{min(r.programs for r in ok)}-{max(r.programs for r in ok)}" if ok
+                    else "-")
         print(f"{kernel:<26} {'sm_' + str(arch):>6} {len(group):>8} {regs:>13} "
               f"{sum(r.spills for r in ok):>7} {max((r.shared for r in ok), default=0):>9} "
-              f"{len(group) - len(ok):>6}")
+              f"{programs:>14} {len(group) - len(ok):>6}")
 
 
 if __name__ == "__main__":

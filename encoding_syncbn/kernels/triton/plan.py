@@ -90,6 +90,22 @@ class Target(NamedTuple):
 COMPILE_OPTIONS = {"enable_fp_fusion": True, "maxnreg": 255}
 
 
+# An SM of sm_80 and sm_90: 65,536 registers, allocated to a warp in units of 256 (8 a
+# thread), and at most 64 warps resident (the few KB of shared memory a kernel here takes
+# never limit it).
+_SM_REGISTERS = 65536
+_REGISTER_UNIT = 256
+_SM_WARPS = 64
+
+
+def programs_per_sm(registers: int, num_warps: int) -> int:
+    """Programs of ``num_warps`` warps, ``registers`` a thread, that one SM holds at once
+    (``kernels.check`` reports it per specialisation; reductions are planned at
+    ``_REDUCE_PROGRAMS_PER_SM``)."""
+    per_warp = -(-registers * 32 // _REGISTER_UNIT) * _REGISTER_UNIT
+    return min(_SM_REGISTERS // (per_warp * num_warps), _SM_WARPS // num_warps)
+
+
 class Launch(NamedTuple):
     """One kernel launch, fully planned (``check.py`` compiles these ahead of time)."""
 
