@@ -67,7 +67,6 @@ class Row(NamedTuple):
     error: str
 
 
-
 def launch_spec(label: str, launch: Launch) -> Spec:
     """Type a planned launch's arguments as Triton's JIT specialises them."""
     kernel = launch.kernel

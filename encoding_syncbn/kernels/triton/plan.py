@@ -247,6 +247,14 @@ def _in_layout(t: torch.Tensor, strides: tuple[int, ...], channels_last: bool) -
     return _to_last(t).contiguous().permute(0, t.dim() - 1, *range(1, t.dim() - 1))
 
 
+def _program_channels(geo: _Geometry, tile: Tile) -> int:
+    """Channels a program owns (``tiles._channel_block``): BLOCK_B in channels_last, BLOCK_A
+    with rows of channels, else one."""
+    if geo.channels_last:
+        return tile.block_b
+    return tile.block_a if tile.channel_rows else 1
+
+
 def _plan_tiles(geo: _Geometry, dtype: torch.dtype, target: Target, reduction: bool,
                 tile: Tile | None) -> tuple[Tile, tuple[int, int], tuple[int, ...]]:
     """Tile, grid and the kernels' geometry arguments ``(N, C, S, R, CS, tiles, tiles_s, tpp)``.
@@ -256,16 +264,14 @@ def _plan_tiles(geo: _Geometry, dtype: torch.dtype, target: Target, reduction: b
     """
     tile = tile or _pick_tile(geo, dtype, target.interpret)
     n, c, s = geo.n, geo.c, geo.s
+    channel_blocks = _cdiv(c, _program_channels(geo, tile))
     if geo.channels_last:
-        channel_blocks = _cdiv(c, tile.block_b)
         tiles_s = 1
         tiles = _cdiv(n * s, tile.block_a)
     elif tile.channel_rows:
-        channel_blocks = _cdiv(c, tile.block_a)
         tiles_s = _cdiv(s, tile.block_b)
         tiles = n * tiles_s
     else:
-        channel_blocks = c
         tiles_s = _cdiv(s, tile.block_b)
         tiles = _cdiv(n, tile.block_a) * tiles_s
     if target.interpret:
@@ -308,8 +314,8 @@ def _tile_constexprs(geo: _Geometry, tile: Tile, dtype: torch.dtype) -> dict:
 def _split_constexprs(geo: _Geometry, tile: Tile, splits: int) -> dict:
     """A reduction's: whether its channel blocks are split over programs (``SPLIT``: the last
     to finish merges the partials, ``partials``), and the partial rows merged a step."""
-    channels = tile.block_b if geo.channels_last else tile.block_a if tile.channel_rows else 1
-    rows = min(_MAX_MERGE_ROWS, max(1, tile.block_a * tile.block_b // channels))
+    rows = min(_MAX_MERGE_ROWS,
+               max(1, tile.block_a * tile.block_b // _program_channels(geo, tile)))
     return {"SPLIT": splits > 1, "BLOCK_P": rows}
 
 
