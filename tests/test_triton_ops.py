@@ -5,6 +5,7 @@ environment before anything imports triton, hence the first statements below.
 """
 
 import contextlib
+import json
 import math
 import os
 
@@ -1183,3 +1184,35 @@ def test_check_compiles_every_kernel():
                  "_backward_reduce_kernel", "_backward_dx_kernel"):
         assert name in proc.stdout
     assert "per SM" in proc.stdout.splitlines()[0]
+
+
+# Run in a process of its own, as CI runs the check: compiled kernels, not interpreted ones.
+_COVERAGE_SCRIPT = """
+import itertools, json
+from encoding_syncbn.kernels import check
+specs = check.specialisations(90)
+chosen = check.covering_pairs(specs)
+def pairs(group):
+    return {(s.kernel.__name__, p) for s in group
+            for p in itertools.combinations(check._choices(s), 2)}
+print(json.dumps({"all": len(specs), "chosen": len(chosen),
+                  "kernels": len({s.kernel.__name__ for s in specs}),
+                  "covered": pairs(chosen) == pairs(specs),
+                  "planned": all(any(c is s for s in specs) for c in chosen),
+                  "twice": len(check.covering_pairs(specs + specs)) == len(chosen)}))
+"""
+
+
+def test_check_pairs_cover_every_planned_pair_of_choices():
+    """CI's representative set (``--pairs``): every pair of argument typings that some planned
+    specialisation of a kernel makes occurs in a chosen one of that kernel; the set is a small
+    part of the whole, and planning every shape twice does not grow it."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", _COVERAGE_SCRIPT], capture_output=True,
+                          text=True, env=env, timeout=300,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    found = json.loads(proc.stdout.splitlines()[-1])
+    assert found["covered"] and found["planned"] and found["twice"], found
+    assert found["kernels"] == 5
+    assert found["chosen"] * 10 < found["all"], found

@@ -1,6 +1,7 @@
 """Ahead-of-time compile every Triton kernel specialisation the package launches; report resources.
 
-    python -m encoding_syncbn.kernels.check --arch 80 90
+    python -m encoding_syncbn.kernels.check --arch 80 90             # all: before a kernel change
+    python -m encoding_syncbn.kernels.check --arch 80 90 --pairs     # CI's representative set
 
 Needs no GPU. The specialisations come from
 :func:`encoding_syncbn.kernels.triton.specialisations.launch_specialisations`, which plans
@@ -10,6 +11,15 @@ type them (ints equal to 1 become constants, multiples of 16 carry a divisibilit
 are assumed 16-byte aligned). Each cubin is read with the ``cuobjdump --dump-resource-usage``
 that Triton ships. Exit status 1 on any compile failure or any spill to local memory.
 Triton's own cache makes a second run fast.
+
+The whole set grows with every planned shape and tile: run it before a kernel change. CI
+compiles ``--pairs``, a representative set whose size does not follow the number of plans: for
+each kernel, a set of its specialisations (picked greedily, in the order planned) in which
+every pair of choices that any planned specialisation makes occurs at least once; a choice is
+one argument's typing (its pointer dtype, integer width, constant 1, divisibility hint) or one
+constexpr's value. So each dtype meets each activation, layout, tile and split choice, each
+integer typing meets each of those, and so on; a new shape adds to the set only where it brings
+a choice or a pair of choices no plan made before.
 """
 
 from __future__ import annotations
@@ -20,6 +30,7 @@ import os
 os.environ.pop("TRITON_INTERPRET", None)
 
 import argparse  # noqa: E402
+import itertools  # noqa: E402
 import multiprocessing  # noqa: E402
 import re  # noqa: E402
 import subprocess  # noqa: E402
@@ -112,6 +123,32 @@ def specialisations(arch: int) -> list[Spec]:
     return specs
 
 
+def _choices(spec: Spec) -> list[tuple[str, str, bool]]:
+    """Each argument's typing in ``spec``: (name, type or constexpr value, divisibility hint)."""
+    return [(name, str(spec.constexprs[name]) if kind == "constexpr" else kind, (i,) in spec.attrs)
+            for i, (name, kind) in enumerate(spec.signature.items())]
+
+
+def covering_pairs(specs: list[Spec]) -> list[Spec]:
+    """Per kernel, specialisations of ``specs`` in which every pair of choices (two arguments'
+    typings, :func:`_choices`) that some specialisation of that kernel makes occurs: each step
+    takes the first one that covers the most pairs not covered yet."""
+    kernels: dict[str, list[Spec]] = {}
+    for spec in specs:
+        kernels.setdefault(spec.kernel.__name__, []).append(spec)
+    chosen = []
+    for group in kernels.values():
+        ids: dict[tuple, int] = {}
+        pairs = [{ids.setdefault(pair, len(ids))
+                  for pair in itertools.combinations(_choices(spec), 2)} for spec in group]
+        uncovered = set(ids.values())
+        while uncovered:
+            best = max(range(len(group)), key=lambda i: len(pairs[i] & uncovered))
+            uncovered -= pairs[best]
+            chosen.append(group[best])
+    return chosen
+
+
 def compile_spec(spec: Spec, arch: int):
     """``spec`` compiled for ``sm_<arch>`` as the launcher compiles it (Triton's compiled
     kernel: ``asm["cubin"]``, ``metadata``)."""
@@ -167,6 +204,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="only kernels whose name contains this (repeatable)")
     parser.add_argument("--limit", type=int, default=None,
                         help="at most this many specialisations per kernel and arch (smoke test)")
+    parser.add_argument("--pairs", action="store_true",
+                        help="only a representative set: every pair of choices a kernel's "
+                             "specialisations make, covered once (CI's; see the docstring)")
     parser.add_argument("--summary", action="store_true",
                         help="print one line per kernel and arch instead of every specialisation")
     args = parser.parse_args(argv)
@@ -174,7 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     for arch in args.arch:
         per_kernel: dict[str, int] = {}
-        for spec in specialisations(arch):
+        specs = specialisations(arch)
+        for spec in covering_pairs(specs) if args.pairs else specs:
             name = spec.kernel.__name__
             if args.kernel and not any(k in name for k in args.kernel):
                 continue
