@@ -4,16 +4,17 @@
 
 ``host_overhead.py`` times a whole layer call; this script times its launches one by one:
 each launch of one single-replica training call, (8, 256, 128, 128) fp16 NCHW in place with
-leaky_relu, planned for sm_90 with 132 SMs, called as the ops call it (``kernel[grid](...)``)
-on CPU tensors, through Triton's ``JITFunction.run`` (binding and specialising the arguments,
-the cache key, the check of the constexpr globals the kernel reads, launch metadata) and its
-C launcher (each argument extracted, each pointer checked) to the driver's
-``cuLaunchKernelEx``: ``stub_driver.py``'s stand-in, which answers as an H100 and whose launch
-returns at once (the driver's own work inside a launch is not counted). The kernels are
-compiled for sm_90 on the CPU on first use (Triton's cache keeps them). Times are thread CPU
-time, the fastest of ``--repeats`` means. Prints the table (``--record``:
-into benchmarks/RESULTS.md too); the last line is one JSON object with ``launcher_us_per_call``
-and ``launches``.
+leaky_relu, planned for sm_90 with 132 SMs, on CPU tensors, two ways: through Triton's public
+launch (``kernel[grid](...)``: ``JITFunction.run`` binding and specialising the arguments, the
+cache key, the check of the constexpr globals the kernel reads, launch metadata), and as the
+ops launch it (``kernels/triton/launch.py``: the compiled kernel called directly once seen).
+Both end in Triton's C launcher (each argument extracted, each pointer checked) and the
+driver's ``cuLaunchKernelEx``: ``stub_driver.py``'s stand-in, which answers as an H100 and
+whose launch returns at once (the driver's own work inside a launch is not counted). The
+kernels are compiled for sm_90 on the CPU on first use (Triton's cache keeps them). Times are
+thread CPU time, the fastest of ``--repeats`` means. Prints the table (``--record``: into
+benchmarks/RESULTS.md too); the last line is one JSON object with ``launcher_us_per_call`` (as
+the ops launch), ``public_launcher_us_per_call`` and ``launches``.
 """
 
 from __future__ import annotations
@@ -56,17 +57,21 @@ def planned_launches():
     return recorded
 
 
-def launch_step(launch):
-    """``launch`` as the ops launch it (``ops._run``), ready to time."""
-    kernel, grid, args, constexprs = launch.kernel, launch.grid, launch.args, launch.constexprs
-    num_warps = launch.num_warps
-    from encoding_syncbn.kernels.triton.plan import COMPILE_OPTIONS  # (--help needs no triton)
+def launch_steps(planned):
+    """``planned`` launched through Triton's public launch (``kernel[grid](...)``), and as the
+    ops launch it (``launch.launch``: its compiled kernel directly once seen), ready to time."""
+    from encoding_syncbn.kernels.triton import launch  # (--help needs no triton)
 
-    def step():
-        kernel[grid](*args, **constexprs, num_warps=num_warps, **COMPILE_OPTIONS)
+    def public():
+        launch.public(planned)
 
-    step()  # compiled (or found in Triton's cache) and loaded here, not timed
-    return step
+    def ops():
+        launch.launch(planned, None)
+
+    ops()  # compiled (or found in Triton's cache), loaded and remembered here, not timed
+    if launch.compiled_for(planned, None) is None:
+        raise SystemExit(f"{planned.kernel.fn.__name__}: no direct launch with this Triton")
+    return public, ops
 
 
 def time_us(step, iters: int, repeats: int) -> float:
@@ -87,31 +92,38 @@ def main():
     results.add_arguments(parser)
     args = parser.parse_args()
     stub = stub_driver.activate(H100_SMS)  # imports triton: after --help
-    steps = [(launch, launch_step(launch)) for launch in planned_launches()]
     rows = []
-    for launch, step in steps:
-        name = launch.kernel.fn.__name__
-        before = stub.launches()
-        step()
-        if stub.launches() != before + 1:
-            raise SystemExit(f"{name}: the launch did not reach the driver's cuLaunchKernelEx")
-        rows.append([name, len(launch.args), round(time_us(step, args.iters, args.repeats), 2)])
-        print(" ".join(str(cell) for cell in rows[-1]), flush=True)
-    total = round(sum(row[2] for row in rows), 1)
-    table = results.markdown_table(["kernel", "arguments", "launch us"], rows)
-    table += f"\n\nPer layer call ({len(rows)} launches): {total} us."
+    for planned in planned_launches():
+        name = planned.kernel.fn.__name__
+        row = [name, len(planned.args)]
+        for step in launch_steps(planned):
+            before = stub.launches()
+            step()
+            if stub.launches() != before + 1:
+                raise SystemExit(f"{name}: the launch did not reach the driver's "
+                                 "cuLaunchKernelEx")
+            row.append(round(time_us(step, args.iters, args.repeats), 2))
+        rows.append(row)
+        print(" ".join(str(cell) for cell in row), flush=True)
+    public, direct = (round(sum(row[i] for row in rows), 1) for i in (2, 3))
+    table = results.markdown_table(["kernel", "arguments", "public launch us",
+                                    "direct launch us"], rows)
+    table += (f"\n\nPer layer call ({len(rows)} launches): {public} us through Triton's public "
+              f"launch, {direct} us as the ops launch (the compiled kernel directly).")
     print(table)
     import triton
 
     results.record(args, f"launch_overhead.py (cpu, triton {triton.__version__})", table, notes=(
         "Triton's launcher per launch of one single-replica in-place training call "
-        f"{SHAPE} fp16 NCHW, leaky_relu, planned for sm_90 with {H100_SMS} SMs, called as the "
-        "ops call it (kernel[grid](...), CPU tensors): JITFunction.run and the C launcher down "
-        "to the driver's cuLaunchKernelEx, stubbed (benchmarks/stub_driver.py: the driver's own "
-        "work inside a launch is not counted). Thread CPU time, the fastest of "
+        f"{SHAPE} fp16 NCHW, leaky_relu, planned for sm_90 with {H100_SMS} SMs, CPU tensors: "
+        "through Triton's public launch (kernel[grid](...): JITFunction.run), and as the ops "
+        "launch it (kernels/triton/launch.py: the compiled kernel directly), each down to the "
+        "driver's cuLaunchKernelEx, stubbed (benchmarks/stub_driver.py: the driver's own work "
+        "inside a launch is not counted). Thread CPU time, the fastest of "
         f"{args.repeats} means over {args.iters} launches. host_overhead.py's figures include "
-        "these launches."))
-    print(json.dumps({"launcher_us_per_call": total, "launches": len(rows)}))
+        "the launches as the ops launch them."))
+    print(json.dumps({"launcher_us_per_call": direct, "public_launcher_us_per_call": public,
+                      "launches": len(rows)}))
 
 
 if __name__ == "__main__":

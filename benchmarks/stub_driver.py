@@ -34,6 +34,8 @@ import tempfile
 from pathlib import Path
 
 H100_SMS = 132
+# The bytes of the last launch the stand-in keeps (``Stub.recorded``).
+RECORD_BYTES = 4096
 
 # Every driver function Triton's NVIDIA driver (driver.c, its launcher) calls or looks up by
 # name, answering as an H100 SXM; ``cuLaunchKernelEx`` counts and returns. Declared through the
@@ -48,9 +50,50 @@ static int context = 1, module = 1, function = 1;
 
 uint64_t stub_launches(void) { return launches; }
 
+/* What the last launch handed the driver, for tests: its configuration, function and the
+ * bytes of each kernel parameter, whose sizes (which only the kernel's signature knows) the
+ * caller gives with stub_record for the next launch. */
+static int record_count = 0, record_sizes[256];
+static unsigned char record[RECORD_BYTES];
+static size_t record_length = 0;
+
+void stub_record(int count, const int *sizes) {
+    record_count = count;
+    memcpy(record_sizes, sizes, count * sizeof(int));
+}
+
+size_t stub_recorded(unsigned char *out) {
+    memcpy(out, record, record_length < RECORD_BYTES ? record_length : RECORD_BYTES);
+    return record_length;
+}
+
+static void append(const void *data, size_t size) {
+    if (record_length + size <= RECORD_BYTES) memcpy(record + record_length, data, size);
+    record_length += size;
+}
+
 CUresult cuLaunchKernelEx(const CUlaunchConfig *config, CUfunction f, void **params,
                           void **extra) {
     ++launches;
+    record_length = 0;
+    /* Field by field: a struct's padding holds whatever the caller's stack held. */
+    append(&config->gridDimX, sizeof(config->gridDimX));
+    append(&config->gridDimY, sizeof(config->gridDimY));
+    append(&config->gridDimZ, sizeof(config->gridDimZ));
+    append(&config->blockDimX, sizeof(config->blockDimX));
+    append(&config->blockDimY, sizeof(config->blockDimY));
+    append(&config->blockDimZ, sizeof(config->blockDimZ));
+    append(&config->sharedMemBytes, sizeof(config->sharedMemBytes));
+    append(&config->hStream, sizeof(config->hStream));
+    append(&config->numAttrs, sizeof(config->numAttrs));
+    for (unsigned int i = 0; i < config->numAttrs; ++i) {
+        append(&config->attrs[i].id, sizeof(config->attrs[i].id));
+        /* The largest value Triton's launchers set: a cluster's three dimensions. */
+        append(&config->attrs[i].value, 3 * sizeof(unsigned int));
+    }
+    append(&f, sizeof(f));
+    for (int i = 0; i < record_count; ++i) append(params[i], record_sizes[i]);
+    record_count = 0;  /* the next launch may be of another kernel */
     return CUDA_SUCCESS;
 }
 
@@ -161,7 +204,8 @@ def build(sm_count: int = H100_SMS) -> Path:
     temporary directory named by its hash (the same path run after run, so that Triton's cache
     of its C launcher, keyed by that path, stays valid); returns the library's path."""
     include = _triton_dir() / "backends" / "nvidia" / "include"
-    digest = hashlib.sha256(f"{STUB_SOURCE}{sm_count}{include}".encode()).hexdigest()[:16]
+    digest = hashlib.sha256(f"{STUB_SOURCE}{sm_count}{RECORD_BYTES}{include}".encode()
+                            ).hexdigest()[:16]
     folder = Path(tempfile.gettempdir()) / f"encoding_syncbn-stub-libcuda-{digest}"
     library = folder / "libcuda.so.1"
     if library.exists():
@@ -176,8 +220,8 @@ def build(sm_count: int = H100_SMS) -> Path:
     built = building / "libcuda.so.1"
     try:
         subprocess.run([compiler, "-O2", "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1",
-                        f"-DSM_COUNT={sm_count}", f"-I{include}", str(source), "-o",
-                        str(built)], check=True)
+                        f"-DSM_COUNT={sm_count}", f"-DRECORD_BYTES={RECORD_BYTES}",
+                        f"-I{include}", str(source), "-o", str(built)], check=True)
         built.replace(library)  # atomic: a concurrent run sees the whole library or none
     finally:
         shutil.rmtree(building)
@@ -185,14 +229,31 @@ def build(sm_count: int = H100_SMS) -> Path:
 
 
 class Stub:
-    """The active stand-in: ``launches()`` counts ``cuLaunchKernelEx`` calls so far."""
+    """The active stand-in: ``launches()`` counts ``cuLaunchKernelEx`` calls so far;
+    ``record(sizes)`` before a launch, then ``recorded()``, give what it handed the driver."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
+        self._library = library
         self._launches = library.stub_launches
         self._launches.restype = ctypes.c_uint64
+        library.stub_recorded.restype = ctypes.c_size_t
 
     def launches(self) -> int:
         return self._launches()
+
+    def record(self, sizes: list[int]) -> None:
+        """Record the parameters of the next launch as ``sizes`` bytes each (its kernel's
+        parameters as its launcher passes them)."""
+        self._library.stub_record(len(sizes), (ctypes.c_int * len(sizes))(*sizes))
+
+    def recorded(self) -> bytes:
+        """The last launch's configuration (grid, block, shared memory, stream, attributes),
+        function and parameters."""
+        out = ctypes.create_string_buffer(RECORD_BYTES)
+        length = self._library.stub_recorded(out)
+        if length > len(out):
+            raise RuntimeError(f"a launch of {length} bytes overflows the stand-in's record")
+        return out.raw[:length]
 
 
 def activate(sm_count: int = H100_SMS) -> Stub:

@@ -254,6 +254,37 @@ def cuobjdump_path() -> str:
                         "cuobjdump")
 
 
+# Triton releases whose ``JITFunction.run`` launches the ``CompiledKernel`` it finds or compiles
+# as ``kernel.run(grid_0, grid_1, grid_2, stream, kernel.function, kernel.packed_metadata,
+# launch_metadata, launch_enter_hook, launch_exit_hook, *bound_args.values())``, the bound
+# arguments all of the kernel's parameters in order, constexprs included (read in each
+# release's runtime/jit.py and compiler/compiler.py).
+_COMPILED_LAUNCH_RELEASES = ((3, 6), (3, 7), (3, 8), (3, 9))
+
+
+def compiled_launch_release(version: str) -> bool:
+    """Whether Triton ``version`` launches its compiled kernels as the direct launch of
+    ``kernels/triton/launch.py`` repeats (a release it was read in); a later one takes Triton's
+    public launch until checked."""
+    try:
+        release = tuple(int(part) for part in version.split(".")[:2])
+    except ValueError:
+        return False
+    return release in _COMPILED_LAUNCH_RELEASES
+
+
+def triton_launch_knobs() -> Any | None:
+    """``triton.knobs.runtime`` (the launch hooks), where this Triton launches its compiled
+    kernels as :func:`compiled_launch_release` knows; None otherwise: then every launch takes
+    Triton's public path."""
+    import triton
+
+    knobs = getattr(triton, "knobs", None)
+    if knobs is None or not compiled_launch_release(triton.__version__):
+        return None
+    return knobs.runtime
+
+
 @functools.cache
 def _raw_stream_getter() -> Callable[[int], int] | None:
     return getattr(torch._C, "_cuda_getCurrentRawStream", None)

@@ -129,22 +129,24 @@ def _choices(spec: Spec) -> list[tuple[str, str, bool]]:
             for i, (name, kind) in enumerate(spec.signature.items())]
 
 
-def covering_pairs(specs: list[Spec]) -> list[Spec]:
-    """Per kernel, specialisations of ``specs`` in which every pair of choices (two arguments'
-    typings, :func:`_choices`) that some specialisation of that kernel makes occurs: each step
-    takes the first one that covers the most pairs not covered yet."""
+def covering(specs: list[Spec], size: int = 2) -> list[Spec]:
+    """Per kernel, specialisations of ``specs`` in which every combination of ``size`` choices
+    (argument typings, :func:`_choices`) that some specialisation of that kernel makes occurs
+    (``size`` 2: every pair, CI's ``--pairs``): each step takes the first one that covers the
+    most combinations not covered yet."""
     kernels: dict[str, list[Spec]] = {}
     for spec in specs:
         kernels.setdefault(spec.kernel.__name__, []).append(spec)
     chosen = []
     for group in kernels.values():
         ids: dict[tuple, int] = {}
-        pairs = [{ids.setdefault(pair, len(ids))
-                  for pair in itertools.combinations(_choices(spec), 2)} for spec in group]
+        combinations = [{ids.setdefault(combination, len(ids))
+                         for combination in itertools.combinations(_choices(spec), size)}
+                        for spec in group]
         uncovered = set(ids.values())
         while uncovered:
-            best = max(range(len(group)), key=lambda i: len(pairs[i] & uncovered))
-            uncovered -= pairs[best]
+            best = max(range(len(group)), key=lambda i: len(combinations[i] & uncovered))
+            uncovered -= combinations[best]
             chosen.append(group[best])
     return chosen
 
@@ -215,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     for arch in args.arch:
         per_kernel: dict[str, int] = {}
         specs = specialisations(arch)
-        for spec in covering_pairs(specs) if args.pairs else specs:
+        for spec in covering(specs) if args.pairs else specs:
             name = spec.kernel.__name__
             if args.kernel and not any(k in name for k in args.kernel):
                 continue

@@ -16,10 +16,11 @@ from ..torch_ops import stats_dtype
 from .backward_dx import _plan_backward_dx, _plan_batch_backward
 from .backward_reduce import _plan_backward_reduce
 from .channel_stats import _plan_batch_stats, _plan_channel_stats
+from .launch import launch
 from .normalize_act import _plan_normalize_act, _plan_normalize_running
 from .partials import reset_counters
-from .plan import COMPILE_OPTIONS, Launch, _empty_dx, _geometry, _target
 from .plan import INTERPRET as INTERPRET
+from .plan import Launch, _empty_dx, _geometry, _target
 
 # Triton's interpreter swaps the triton.language functions for its own while a kernel runs, so
 # two threads (DataParallel replicas) interpreting at once break each other; a GPU needs no lock.
@@ -38,9 +39,8 @@ def _run(launches: list[Launch], device: torch.device) -> None:
         guard = torch.cuda.device(device)
     with guard:
         try:
-            for launch in launches:
-                launch.kernel[launch.grid](*launch.args, **launch.constexprs,
-                                           num_warps=launch.num_warps, **COMPILE_OPTIONS)
+            for planned in launches:
+                launch(planned, device.index)
         except BaseException:
             if device.type != "cuda":  # interpreted: a kernel may have stopped half-way
                 reset_counters()

@@ -7,12 +7,12 @@ from collections.abc import Iterator
 
 import torch
 
-from ..backend import BatchSums, DxCoefs, NormParams
+from ..backend import BatchSums, DxCoefs, NormParams, RunningParams
 from ..torch_ops import stats_dtype
 from .backward_dx import _plan_backward_dx
 from .backward_reduce import _plan_backward_reduce
 from .channel_stats import _plan_batch_stats, _plan_channel_stats
-from .normalize_act import _plan_normalize_act
+from .normalize_act import _plan_normalize_act, _plan_normalize_running
 from .plan import (
     BACKWARD_VARIANTS,
     DTYPES,
@@ -97,9 +97,10 @@ def launch_specialisations(target: Target) -> Iterator[tuple[str, Launch]]:
 
     Walks the same choices the launchers make: dtypes, both layouts, every tile of
     :func:`tile_choices` whose offsets fit, every activation and saved input/output, the merge
-    kernels, and shapes that change how Triton types the integer arguments: sizes of 1
-    (constants), odd sizes (no divisibility hint), 2-D inputs, and sizes past 2**31 (int64);
-    and every finishing variant of batch_stats.
+    kernels, normalising from the batch's or the running statistics, and shapes that change
+    how Triton types the integer arguments: sizes of 1 (constants), odd sizes (no divisibility
+    hint), 2-D inputs, and sizes past 2**31 (int64); and every finishing variant of
+    batch_stats.
     """
     yield from _finish_specialisations(target)
     for dtype in DTYPES:
@@ -124,6 +125,10 @@ def launch_specialisations(target: Target) -> Iterator[tuple[str, Launch]]:
                     launches, _ = _plan_normalize_act(
                         x, NormParams(vec, vec, vec, vec, act, 0.01), x, target, tile)
                     yield f"{where} {act}", launches[0]
+                    # Evaluating: from running statistics in the statistics dtype.
+                    launches, *_ = _plan_normalize_running(
+                        x, RunningParams(vec, vec, 1e-5, vec, vec, act, 0.01), x, target, tile)
+                    yield f"{where} {act} running", launches[0]
                 for saved_is_output, act in BACKWARD_VARIANTS:
                     label = f"{where} {act} saved={'y' if saved_is_output else 'x'}"
                     params = NormParams(vec, vec, vec, vec, act, 0.01)

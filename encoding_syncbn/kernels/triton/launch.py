@@ -1,0 +1,147 @@
+"""Launching a planned kernel: through Triton's public launch the first time its specialisation
+is seen, then its compiled kernel directly.
+
+Triton's public launch (``kernel[grid](...)``, ``JITFunction.run``) binds and specialises every
+argument and builds the cache key on every call. The compiled kernel it finds, called with the
+bound arguments alone, does the launch itself: what Inductor's generated launchers do. So each
+specialisation's compiled kernel is kept here, keyed by what Triton specialises on (each
+tensor's dtype and 16-byte alignment, each integer's value, each other argument's type, the
+constexprs, warps and device), and later launches of it call it with the arguments in the order
+Triton binds them. Triton's public launch still takes every launch
+
+- the first of each specialisation (it compiles or finds the kernel, and loads it);
+- under the interpreter, and with a Triton whose launch this module was not read against
+  (``_compat.triton_launch_knobs``);
+- while a launch hook is set (``knobs.runtime.launch_enter_hook`` and ``launch_exit_hook``,
+  the stages-inspection hook, the kernel's pre-run hooks): they see every launch.
+
+The compilation knobs (debug, instrumentation) are those of each specialisation's first launch.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import torch
+
+from ... import _compat
+from .plan import COMPILE_OPTIONS, INTERPRET, Launch
+
+
+class _Compiled(NamedTuple):
+    """A specialisation's compiled kernel and what its launch passes besides the arguments."""
+
+    kernel: Any  # Triton's CompiledKernel (kept: it owns the loaded module)
+    run: Callable[..., None]  # its launcher
+    function: int
+    packed_metadata: Any
+    constexprs: tuple  # the values of the parameters after the planned arguments, in order
+    device: int  # as Triton's driver numbers it
+    stream: Callable[[int], int]  # Triton's driver's current-stream query
+
+
+# Specialisations seen, by :func:`_key`; forgotten all at once past the bound (plans change
+# with shapes: a long-running process must not grow it without end).
+_COMPILED: dict[tuple, _Compiled] = {}
+_MAX_COMPILED = 4096
+
+# Triton's launch hooks (``knobs.runtime``) where the direct launch is known for this Triton;
+# resolved at the first launch.
+_UNRESOLVED = object()
+_knobs: Any = _UNRESOLVED
+
+
+def launch(planned: Launch, device_index: int | None) -> None:
+    """Launch ``planned`` on the current device (``device_index``: the torch device's index,
+    part of the key: a compiled kernel is loaded on one device)."""
+    knobs = _knobs if _knobs is not _UNRESOLVED else _resolve_knobs()
+    if knobs is None:
+        public(planned)
+        return
+    key = _key(planned, device_index)
+    compiled = _COMPILED.get(key)
+    if compiled is None or not _hooks_idle(knobs, planned.kernel):
+        kernel = public(planned)
+        if compiled is None:
+            _remember(key, planned, kernel)
+        return
+    grid = planned.grid
+    compiled.run(grid[0], grid[1], 1, compiled.stream(compiled.device), compiled.function,
+                 compiled.packed_metadata, None, None, None, *planned.args, *compiled.constexprs)
+
+
+def public(planned: Launch) -> Any:
+    """Launch ``planned`` through Triton's public launch; its compiled kernel (None from the
+    interpreter)."""
+    return planned.kernel[planned.grid](*planned.args, **planned.constexprs,
+                                        num_warps=planned.num_warps, **COMPILE_OPTIONS)
+
+
+def compiled_for(planned: Launch, device_index: int | None) -> Any | None:
+    """The compiled kernel that launches of ``planned`` call directly, or None (not launched
+    yet, or launched through Triton's public path only)."""
+    compiled = _COMPILED.get(_key(planned, device_index))
+    return None if compiled is None else compiled.kernel
+
+
+def _resolve_knobs() -> Any:
+    global _knobs
+    _knobs = None if INTERPRET else _compat.triton_launch_knobs()
+    return _knobs
+
+
+# The classes of the tensor arguments seen (``torch.Tensor``, ``nn.Parameter``, ...): a set
+# lookup, where ``isinstance`` with torch.Tensor goes through its metaclass on every call.
+_TENSOR_CLASSES: set[type] = {torch.Tensor}
+
+
+def _key(planned: Launch, device_index: int | None) -> tuple:
+    """What Triton specialises a launch of ``planned`` on, or finer: a tensor by its dtype and
+    whether its address is a multiple of 16 (the two in a row: a dtype comes from no other
+    argument), an integer by its value (1, multiples of 16 and 64-bit values are typed apart), a
+    float or a bool by its type (never by value); the kernel by identity (its own hash is
+    Triton's cache key, computed on every call)."""
+    parts: list = [id(planned.kernel), device_index, planned.num_warps]
+    append = parts.append
+    for arg in planned.args:
+        cls = arg.__class__
+        if cls is int:
+            append(arg)
+        elif cls is float or cls is bool:
+            append(cls)
+        elif cls in _TENSOR_CLASSES or _is_tensor_class(cls):
+            append(arg.dtype)
+            append(arg.data_ptr() % 16 == 0)
+        else:
+            append(arg)
+    parts.extend(planned.constexprs.items())
+    return tuple(parts)
+
+
+def _is_tensor_class(cls: type) -> bool:
+    if issubclass(cls, torch.Tensor):
+        _TENSOR_CLASSES.add(cls)
+        return True
+    return False
+
+
+def _hooks_idle(knobs: Any, kernel: Any) -> bool:
+    """Whether no launch hook is set: the hooks Triton keeps as ``HookChain``s are idle when
+    empty, any other hook when None."""
+    enter, leave = knobs.launch_enter_hook, knobs.launch_exit_hook
+    return not (getattr(enter, "calls", enter) or getattr(leave, "calls", leave)
+                or knobs.add_stages_inspection_hook is not None or kernel.pre_run_hooks)
+
+
+def _remember(key: tuple, planned: Launch, kernel: Any) -> None:
+    """Keep the compiled ``kernel`` of ``planned``'s first launch for the launches after it."""
+    from triton.runtime import driver
+
+    if len(_COMPILED) >= _MAX_COMPILED:
+        _COMPILED.clear()
+    bound = planned.kernel.signature.bind(*planned.args, **planned.constexprs)
+    bound.apply_defaults()
+    rest = tuple(bound.arguments.values())[len(planned.args):]
+    active = driver.active
+    _COMPILED[key] = _Compiled(kernel, kernel.run, kernel.function, kernel.packed_metadata, rest,
+                               active.get_current_device(), active.get_current_stream)

@@ -1,0 +1,129 @@
+"""Run by ``test_launch.py`` in a process of its own (Triton's JIT on the stand-in driver of
+``benchmarks/stub_driver.py``, not the interpreter): launches each chosen specialisation
+through Triton's public launch and directly (``kernels/triton/launch.py``) and prints, as one
+JSON line, what the stand-in driver saw.
+
+The launches are those the AOT check compiles (planned for a 132-SM sm_90 over meta tensors),
+per kernel a set in which every choice any of them makes occurs (``check.covering(..., 1)``:
+each dtype, layout, tile, activation, split, integer typing), their tensors replaced by small
+CPU tensors of the same dtypes (16-byte aligned), and per kernel one more with its first tensor
+one element off alignment (Triton specialises on it).
+"""
+
+import json
+import sys
+from pathlib import Path
+
+# This checkout's package and benchmarks, whichever is installed.
+_ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(_ROOT), str(_ROOT / "benchmarks")]
+
+import stub_driver  # noqa: E402
+
+STUB = stub_driver.activate()
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+from encoding_syncbn.kernels import check  # noqa: E402
+from encoding_syncbn.kernels.triton import launch  # noqa: E402
+from encoding_syncbn.kernels.triton.plan import Launch, Target  # noqa: E402
+from encoding_syncbn.kernels.triton.specialisations import launch_specialisations  # noqa: E402
+
+# Bytes of a kernel parameter of each type as Triton's launchers pass it.
+_SIZES = {"i1": 1, "i8": 1, "u1": 1, "u8": 1, "i16": 2, "u16": 2, "fp16": 2, "bf16": 2,
+          "i32": 4, "u32": 4, "fp32": 4, "i64": 8, "u64": 8, "fp64": 8}
+# After the kernel's own parameters, the launchers pass two scratch pointers.
+_SCRATCH = [8, 8]
+
+
+def _chosen() -> list[Launch]:
+    planned = [launch for _, launch in launch_specialisations(Target(False, stub_driver.H100_SMS))]
+    specs = [check.launch_spec("", launch) for launch in planned]
+    by_spec = {id(spec): launch for spec, launch in zip(specs, planned)}
+    return [by_spec[id(spec)] for spec in check.covering(specs, 1)]
+
+
+def _on_cpu(planned: Launch, misaligned: bool) -> Launch:
+    """``planned`` with a small CPU tensor for each meta tensor (one per meta tensor: aliases
+    stay aliases); ``misaligned``: the first one element past a 16-byte boundary."""
+    real: dict[int, torch.Tensor] = {}
+    args = []
+    for arg in planned.args:
+        if isinstance(arg, torch.Tensor):
+            if id(arg) not in real:
+                first = not real
+                tensor = torch.zeros(17, dtype=arg.dtype)
+                real[id(arg)] = tensor[1:] if misaligned and first else tensor[:16]
+            arg = real[id(arg)]
+        args.append(arg)
+    return planned._replace(args=tuple(args))
+
+
+def _parameter_sizes(compiled) -> list[int]:
+    types = [t for t in compiled.src.signature.values() if t != "constexpr"]
+    return [8 if t.startswith("*") else _SIZES[t] for t in types] + _SCRATCH
+
+
+def main() -> None:
+    runs = [0]
+    public_run = JITFunction.run
+
+    def counted(self, *args, **kwargs):
+        runs[0] += 1
+        return public_run(self, *args, **kwargs)
+
+    JITFunction.run = counted
+    cases = []  # (label, launch, the aligned launch it is a misaligned twin of)
+    for planned in _chosen():
+        name = planned.kernel.fn.__name__
+        aligned = _on_cpu(planned, False)
+        cases.append((name, aligned, None))
+        if not any(label == f"{name} misaligned" for label, _, _ in cases):
+            cases.append((f"{name} misaligned", _on_cpu(planned, True), aligned))
+
+    found = {"triton": triton.__version__, "cases": len(cases),
+             "kernels": sorted({label.split()[0] for label, _, _ in cases}), "different": [],
+             "public_on_second_launch": [], "pointers_missing": [],
+             "misaligned_shares_kernel": []}
+    for label, planned, twin in cases:
+        launch.launch(planned, None)  # the first: public, its compiled kernel remembered
+        compiled = launch.compiled_for(planned, None)
+        if twin is not None and compiled is launch.compiled_for(twin, None):
+            found["misaligned_shares_kernel"].append(label)
+        sizes = _parameter_sizes(compiled)
+        STUB.record(sizes)
+        launch.public(planned)
+        public = STUB.recorded()
+        before = runs[0]
+        STUB.record(sizes)
+        launch.launch(planned, None)
+        direct = STUB.recorded()
+        if runs[0] != before:
+            found["public_on_second_launch"].append(label)
+        if direct != public:
+            found["different"].append(label)
+        pointer = planned.args[0].data_ptr().to_bytes(8, sys.byteorder)
+        if pointer not in public:
+            found["pointers_missing"].append(label)
+
+    # A launch hook sees every launch: with one set, launches take the public path again.
+    planned = cases[0][1]
+    hooked = []
+    hook = triton.knobs.runtime.launch_enter_hook
+    hook.add(hooked.append)
+    try:
+        before = runs[0]
+        launch.launch(planned, None)
+        found["hooked_launch_public"] = runs[0] == before + 1 and len(hooked) == 1
+    finally:
+        hook.remove(hooked.append)
+    before = runs[0]
+    launch.launch(planned, None)
+    found["unhooked_launch_direct"] = runs[0] == before
+    print(json.dumps(found))
+
+
+if __name__ == "__main__":
+    main()
