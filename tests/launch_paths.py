@@ -27,7 +27,7 @@ import triton  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
 from encoding_syncbn.kernels import check  # noqa: E402
-from encoding_syncbn.kernels.triton import launch  # noqa: E402
+from encoding_syncbn.kernels.triton import launch, plan  # noqa: E402
 from encoding_syncbn.kernels.triton.plan import Launch, Target  # noqa: E402
 from encoding_syncbn.kernels.triton.specialisations import launch_specialisations  # noqa: E402
 
@@ -122,6 +122,9 @@ def main() -> None:
     before = runs[0]
     launch.launch(planned, None)
     found["unhooked_launch_direct"] = runs[0] == before
+    # Changing a planning constant (the compile options) forgets the compiled kernels.
+    plan.clear_memos()
+    found["forgotten_with_plans"] = launch.compiled_for(planned, None) is None
     print(json.dumps(found))
 
 

@@ -26,7 +26,8 @@ def test_direct_and_public_launches_hand_the_driver_the_same_arguments():
     (``tests/launch_paths.py``), aligned and misaligned: the public launch and the direct one
     give the stand-in driver the same grid, block, shared memory, stream, attributes, function
     and parameter bytes; the second launch of a specialisation is direct, a misaligned tensor
-    gets a kernel of its own, and a launch hook turns the public path back on."""
+    gets a kernel of its own, a launch hook turns the public path back on, and changing the
+    planning constants (``plan.clear_memos``) forgets the compiled kernels."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, os.path.join(_ROOT, "tests", "launch_paths.py")],
                           capture_output=True, text=True, env=env, timeout=1200, cwd=_ROOT)
@@ -40,6 +41,7 @@ def test_direct_and_public_launches_hand_the_driver_the_same_arguments():
                     "misaligned_shares_kernel"):
         assert found[problem] == [], (problem, found)
     assert found["hooked_launch_public"] and found["unhooked_launch_direct"], found
+    assert found["forgotten_with_plans"], found
 
 
 @pytest.mark.parametrize("version,known", [

@@ -25,7 +25,7 @@ from typing import Any, Callable, NamedTuple
 import torch
 
 from ... import _compat
-from .plan import COMPILE_OPTIONS, INTERPRET, Launch
+from .plan import COMPILE_OPTIONS, INTERPRET, Launch, forget_with_plans
 
 
 class _Compiled(NamedTuple):
@@ -44,6 +44,8 @@ class _Compiled(NamedTuple):
 # with shapes: a long-running process must not grow it without end).
 _COMPILED: dict[tuple, _Compiled] = {}
 _MAX_COMPILED = 4096
+# The kernels were compiled with COMPILE_OPTIONS, which benchmarks/plan_sweep.py changes.
+forget_with_plans(_COMPILED.clear)
 
 # Triton's launch hooks (``knobs.runtime``) where the direct launch is known for this Triton;
 # resolved at the first launch.

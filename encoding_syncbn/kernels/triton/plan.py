@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 import triton.language as tl
@@ -352,7 +352,8 @@ def check_dtype(dtype: torch.dtype) -> None:
         raise TypeError(f"unsupported dtype {dtype}; expected one of {DTYPES}")
 
 
-_MEMOS: list[functools._lru_cache_wrapper] = []
+# How to forget each memo of answers that depend on this module's constants.
+_FORGETS: list[Callable[[], None]] = []
 
 
 def plan_memo(planner):
@@ -362,14 +363,20 @@ def plan_memo(planner):
     The planners run on real tensors' sizes only: traced calls (fake tensors, symbolic sizes)
     take the registered ops' fake implementations."""
     memo = functools.lru_cache(maxsize=1024)(planner)
-    _MEMOS.append(memo)
+    _FORGETS.append(memo.cache_clear)
     return memo
+
+
+def forget_with_plans(forget: Callable[[], None]) -> None:
+    """Have :func:`clear_memos` call ``forget`` too: for a memo kept elsewhere whose answers
+    depend on this module's constants (``launch.py``'s compiled kernels: COMPILE_OPTIONS)."""
+    _FORGETS.append(forget)
 
 
 def clear_memos() -> None:
     """Forget every memoised plan (after changing a planning constant)."""
-    for memo in _MEMOS:
-        memo.cache_clear()
+    for forget in _FORGETS:
+        forget()
 
 
 @plan_memo
