@@ -5,6 +5,7 @@ ops, the ops inside the layer's call."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -35,7 +36,38 @@ def test_host_overhead_counts_the_launcher_inside_the_ops():
 def test_launch_overhead_times_each_launch_of_a_call():
     figures = _last_json_line("launch_overhead.py", "--iters", "3", "--repeats", "1")
     assert figures["launches"] == 4
-    assert figures["launcher_us_per_call"] > 0
+    assert figures["launcher_us_per_call"] > 0 and figures["public_launcher_us_per_call"] > 0
+
+
+# What .ci/gpu's parts may take: its default budget (GPU_BUDGET_S) less the few seconds its
+# start (nvidia-smi, the version line) takes before the first step.
+GPU_PART_SECONDS = 470
+
+
+def _gpu_part_limits() -> dict[str, int]:
+    """The step limits of each part of .ci/gpu added up (``step`` and ``bench``'s first
+    argument, in the ``if [[ $part == ... ]]`` blocks that name the part)."""
+    script = (BENCHMARKS.parent / ".ci" / "gpu").read_text()
+    parts: list[str] = []
+    totals: dict[str, int] = {}
+    for line in script.splitlines():
+        words = line.split()
+        if line.startswith("if [[ $part == "):
+            parts = re.findall(r"\$part == (\w+)", line)
+        elif line == "fi":
+            parts = []
+        elif parts and words and words[0] in ("step", "bench"):
+            for part in parts:
+                totals[part] = totals.get(part, 0) + int(words[1])
+    return totals
+
+
+def test_gpu_run_parts_fit_their_budget():
+    """Each part of .ci/gpu runs all its steps within one lent GPU's budget: no step is cut
+    for want of time."""
+    totals = _gpu_part_limits()
+    assert set(totals) == {"goals", "sweep", "more", "tests", "profile"}
+    assert all(seconds <= GPU_PART_SECONDS for seconds in totals.values()), totals
 
 
 def test_kernel_loops_issue_few_instructions_and_load_vectors():
