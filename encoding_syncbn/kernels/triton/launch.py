@@ -64,7 +64,7 @@ def launch(planned: Launch, device_index: int | None) -> None:
     compiled = _COMPILED.get(key)
     if compiled is None or not _hooks_idle(knobs, planned.kernel):
         kernel = public(planned)
-        if compiled is None:
+        if compiled is None and kernel is not None:
             _remember(key, planned, kernel)
         return
     grid = planned.grid
