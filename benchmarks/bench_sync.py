@@ -114,7 +114,7 @@ def one_thread_work_us(replicas: int, calls: int, turns: int) -> PerCall:
     ``BatchNormAct`` once per replica (``"sync=False"``)."""
     import torch
 
-    from encoding_syncbn.functional import (
+    from encoding_syncbn.layer.functional import (
         ActConfig,
         NormAct,
         batch_norm_act,
@@ -154,7 +154,7 @@ def meeting_us(replicas: int, meetings: int = 2000) -> dict[str, float]:
 
     from timing import threads_seconds
 
-    from encoding_syncbn.sync import ReplicaGroup, ReplicaSession
+    from encoding_syncbn.sync.group import ReplicaGroup, ReplicaSession
 
     group = ReplicaGroup(ReplicaSession(), "rendezvous")
     for _ in range(replicas):

@@ -47,8 +47,8 @@ import torch.distributed as dist
 from torch import nn
 
 from . import activations
-from .convert import _SOURCE_ATTRIBUTE, _resolve, _share_state, register_conversion
-from .modules import SyncBatchNorm
+from .conversions.convert import _SOURCE_ATTRIBUTE, _resolve, _share_state, register_conversion
+from .layer.modules import SyncBatchNorm
 
 __all__ = [
     "ABN",

@@ -81,7 +81,7 @@ def test_bias_less_layers_on_a_torch_whose_batchnorms_take_no_bias(monkeypatch):
     from torch.nn.modules.batchnorm import _BatchNorm, _NormBase
 
     from encoding_syncbn import convert_inplace_abn, convert_sync_batchnorm, revert_sync_batchnorm
-    from encoding_syncbn.norm_act import BatchNormAct
+    from encoding_syncbn.layer.norm_act import BatchNormAct
 
     def init_without_bias(self, num_features, eps=1e-5, momentum=0.1, affine=True,
                           track_running_stats=True, device=None, dtype=None):

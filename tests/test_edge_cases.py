@@ -24,7 +24,7 @@ from replica_waits import assert_waited_only_on_this_step
 from torch import nn
 
 from encoding_syncbn import SyncBatchNorm, SyncError, activations
-from encoding_syncbn import sync as sbn_sync
+from encoding_syncbn.sync import group as sbn_sync
 from encoding_syncbn.testing import SimulatedDataParallel
 
 DT = torch.float64

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from . import _compat
+from .. import _compat
 
 # Whole process, every thread: DataParallel's replicas run the layers on threads of their own.
 _ENV = "ENCODING_SYNCBN_CHECK"

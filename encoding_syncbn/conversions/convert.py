@@ -18,9 +18,9 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.lazy import LazyModuleMixin
 from torch.nn.utils import parametrize
 
-from . import _compat, activations
-from .modules import SyncBatchNorm, record_paths
-from .norm_act import BatchNormAct, SyncBatchNormAct
+from .. import _compat, activations
+from ..layer.modules import SyncBatchNorm, record_paths
+from ..layer.norm_act import BatchNormAct, SyncBatchNormAct
 
 _BATCHNORM_BY_INPUT_DIM = {
     2: nn.BatchNorm1d, 3: nn.BatchNorm1d, 4: nn.BatchNorm2d, 5: nn.BatchNorm3d

@@ -13,9 +13,9 @@ from typing import Any, NamedTuple
 
 import torch
 
-from . import _compat
+from .. import _compat
+from ..kernels import ops_for
 from .functional import ActConfig, ReplicaStats, normalize_with
-from .kernels import ops_for
 from .small_gamma import SmallGammaChannels
 
 # How many recent synchronised calls a replica remembers for checkpoint recomputation.

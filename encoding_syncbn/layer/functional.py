@@ -46,8 +46,8 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from . import _compat, activations, stats
-from .kernels import (
+from .. import _compat, activations
+from ..kernels import (
     Backend,
     BatchSums,
     DxCoefs,
@@ -59,8 +59,9 @@ from .kernels import (
     reference_ops,
     torch_ops,
 )
+from ..sync import stats
+from ..sync.streams import stream_event, wait_for
 from .small_gamma import SmallGammaChannels
-from .streams import stream_event, wait_for
 
 DOUBLE_BACKWARD_IN_PLACE = (
     "SyncBatchNorm(inplace=True) does not support double backward (differentiating its "

@@ -10,16 +10,12 @@ import torch
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.utils import parametrize
 
-from . import (
-    _compat,
-    activations,
-    distributed,
-    inplace_check,
-    inplace_policy,
-    recompute,
-    replicas,
-    tracing,
-)
+from .. import _compat, activations
+from ..kernels import RunningStats, channel_vector, torch_ops
+from ..sync import distributed, replicas
+from ..sync.group import ReplicaGroup
+from ..sync.replicas import ReplicaSlot
+from . import inplace_check, inplace_policy, recompute, tracing
 from .exchange import Exchange
 from .functional import (
     ActConfig,
@@ -29,11 +25,8 @@ from .functional import (
     synced_batch_norm_act,
     track_batch,
 )
-from .kernels import RunningStats, channel_vector, torch_ops
 from .recompute import RecomputeCache
-from .replicas import ReplicaSlot
 from .small_gamma import SmallGammaChannels
-from .sync import ReplicaGroup
 
 # The options checked together, at construction and when assigned (``__setattr__``).
 _ACTIVATION_OPTIONS = ("activation", "slope", "inplace")

@@ -15,11 +15,11 @@ from typing import Any, NamedTuple
 
 import torch
 
-from . import distributed, stats
+from ..kernels import RunningStats
+from ..sync import distributed, stats
+from ..sync.replicas import ReplicaSlot
+from ..sync.streams import stream_event, wait_for
 from .functional import ReplicaStats, merge_replicas, on_device, track_batch
-from .kernels import RunningStats
-from .replicas import ReplicaSlot
-from .streams import stream_event, wait_for
 
 
 class Exchange:

@@ -10,8 +10,8 @@ import warnings
 
 import torch
 
-from . import _compat, activations
-from .kernels import torch_ops
+from .. import _compat, activations
+from ..kernels import torch_ops
 
 
 def resolve_inplace(layer: str, activation: str, slope: float, inplace: bool | None,

@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 from torch.autograd import forward_ad
 
-from . import _compat
+from .. import _compat
 
 _REVERT = (
     "encoding_syncbn.revert_sync_batchnorm(model) gives the same model with plain torch "

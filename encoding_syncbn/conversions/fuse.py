@@ -27,9 +27,10 @@ import torch.nn.functional as F
 from torch import fx, nn
 from torch.nn.modules.lazy import LazyModuleMixin
 
-from . import _compat, activations, convert
+from .. import _compat, activations
+from ..layer.modules import SyncBatchNorm
+from . import convert
 from .convert import convert_sync_batchnorm
-from .modules import SyncBatchNorm
 
 _log = logging.getLogger(__name__)
 # The functional forms of the activations the layer inverts: what may run in place after a
@@ -105,7 +106,8 @@ def convert_inplace_abn(module: nn.Module, process_group: Any = None) -> nn.Modu
     the batch before their extension fails on a proxy). Modules ``torch.fx`` cannot trace
     are looked into child by child, with a warning naming them (a child called from their
     untraced code in another way is not seen). Why each
-    BatchNorm stays out of place: ``logging.getLogger("encoding_syncbn.fuse")`` at DEBUG.
+    BatchNorm stays out of place:
+    ``logging.getLogger("encoding_syncbn.conversions.fuse")`` at DEBUG.
     """
     # Traced in both modes: tracing fixes `if self.training:` branches to the current one.
     flags = [(m, m.training) for m in module.modules()]
