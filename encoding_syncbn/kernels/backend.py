@@ -32,8 +32,7 @@ Every per-channel vector a backend is handed (in ``NormParams``, ``DxCoefs``, ``
 statistics dtype: the caller makes it so once (:func:`channel_vector`), not every op at every
 call. ``RunningStats`` (and ``RunningParams``' mean and variance) are the layer's own buffers,
 in whatever dtype and strides they have.
-A new backend, or a test double, is one class implementing :class:`Backend`, registered with
-``kernels.register_backend``.
+A new backend, or a test double, is one class implementing :class:`Backend`.
 """
 
 from __future__ import annotations

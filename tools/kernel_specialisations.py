@@ -1,4 +1,4 @@
-"""Every specialisation the launchers can produce (compiled ahead of time by check.py)."""
+"""Every specialisation the launchers can produce (compiled ahead of time by check_kernels.py)."""
 
 from __future__ import annotations
 
@@ -7,13 +7,13 @@ from collections.abc import Iterator
 
 import torch
 
-from ..backend import BatchSums, DxCoefs, NormParams
-from ..torch_ops import stats_dtype
-from .backward_dx import _plan_backward_dx
-from .backward_reduce import _plan_backward_reduce
-from .channel_stats import _plan_batch_stats, _plan_channel_stats
-from .normalize_act import _plan_normalize_act
-from .plan import (
+from encoding_syncbn.kernels.backend import BatchSums, DxCoefs, NormParams
+from encoding_syncbn.kernels.torch_ops import stats_dtype
+from encoding_syncbn.kernels.triton.backward_dx import _plan_backward_dx
+from encoding_syncbn.kernels.triton.backward_reduce import _plan_backward_reduce
+from encoding_syncbn.kernels.triton.channel_stats import _plan_batch_stats, _plan_channel_stats
+from encoding_syncbn.kernels.triton.normalize_act import _plan_normalize_act
+from encoding_syncbn.kernels.triton.plan import (
     BACKWARD_VARIANTS,
     DTYPES,
     KERNEL_ACTIVATIONS,
@@ -93,7 +93,7 @@ def _finish_specialisations(target: Target) -> Iterator[tuple[str, Launch]]:
 
 def launch_specialisations(target: Target) -> Iterator[tuple[str, Launch]]:
     """Every kernel specialisation the launchers can produce for ``target``, as planned launches
-    over meta tensors (never run): what ``check.py`` compiles ahead of time.
+    over meta tensors (never run): what ``check_kernels.py`` compiles ahead of time.
 
     Walks the same choices the launchers make: dtypes, both layouts, every tile of
     :func:`tile_choices` whose offsets fit, every activation and saved input/output, the merge
