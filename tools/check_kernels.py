@@ -5,7 +5,7 @@
 Needs no GPU. The specialisations come from
 :func:`kernel_specialisations.launch_specialisations`, which plans
 launches with the same helpers as the ops themselves (dtypes, layouts, every tile shape,
-activations, saved input/output, merge kernels). Arguments are typed the way Triton's JIT would
+activations, saved input/output, finishing variants). Arguments are typed the way Triton's JIT would
 type them (ints equal to 1 become constants, multiples of 16 carry a divisibility hint, tensors
 are assumed 16-byte aligned). Each cubin is read with the ``cuobjdump --dump-resource-usage``
 that Triton ships. Exit status 1 on any compile failure or any spill to local memory.

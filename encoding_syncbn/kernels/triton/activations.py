@@ -11,8 +11,8 @@ import triton.language as tl
 
 # The constants are literals inside jitted functions, each in the dtype of its operand, not
 # module-level ``tl.constexpr`` globals: Triton compares every global a kernel reads (its
-# callees' included) with its compile-time value at each launch, some 1-3 us a global a launch
-# on the host (test_triton_ops checks the literals against their definitions).
+# callees' included) with its compile-time value at each launch, a host cost per global per
+# launch (test_triton_ops checks the literals against their definitions).
 
 
 @triton.jit

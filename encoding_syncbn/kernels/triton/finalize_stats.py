@@ -94,8 +94,7 @@ def _finish_batch_stats(c, mean, m2, counter_ptr, mean_ptr, invstd_ptr, count: t
     n = tl.full([], count, ACC)
     epsilon = tl.full([], eps, ACC)
     # The divisions and the square root first, while little is live: in float64 they are
-    # subroutine calls, and ptxas 13 (under Triton 3.9's --regAllocOptLevel=2) spilled values
-    # that were live across them.
+    # subroutine calls, and values live across them spill.
     if COUNTER:
         batches = tl.load(batches_ptr) + 1
     if CUMULATIVE:

@@ -141,12 +141,12 @@ class TritonBackend(OpsBackend):
     """The Triton kernels as a :class:`~encoding_syncbn.kernels.backend.Backend`, launched
     from the calling thread (the eager route of every op).
 
-    Per channel, ``channel_stats`` gives ``(mean, M2, count)`` by Welford/Chan (zeros for an
-    empty batch: it drops out of any Chan merge); ``batch_stats`` the batch's ``(mean,
-    invstd)``, the running statistics folded in and the small-gamma flags (uint8) where asked,
-    in one launch; ``normalize_running`` derives ``invstd`` in its launch, which also writes
-    the ``(mean, invstd)`` it used; ``backward_dx`` from ``BatchSums`` derives the
-    coefficients in the kernel.
+    Per channel, ``channel_stats`` gives ``(mean, M2, count)`` from sums of deviations from a
+    shift taken from the data (zeros for an empty batch: it drops out of any Chan merge);
+    ``batch_stats`` the batch's ``(mean, invstd)``, the running statistics folded in and the
+    small-gamma flags (uint8) where asked, in one launch; ``normalize_running`` derives
+    ``invstd`` in its launch, which also writes the ``(mean, invstd)`` it used;
+    ``backward_dx`` from ``BatchSums`` derives the coefficients in the kernel.
     """
 
     def __init__(self) -> None:
@@ -232,7 +232,7 @@ def backend_for(x: torch.Tensor) -> OpsBackend:
     Seen while compiling (the graph must hold the opaque op), for tensor subclasses (a
     FakeTensor gets the fake implementation; so does a meta tensor) and under a dispatch mode
     (tracers must see the op). In plain eager calls the dispatcher would only add its overhead,
-    some 10-20 us per call held under the GIL, which DataParallel's replica threads share.
+    held under the GIL, which DataParallel's replica threads share.
     """
     if (torch.compiler.is_compiling() or type(x) is not torch.Tensor or x.is_meta
             or _compat.current_dispatch_mode() is not None):

@@ -29,8 +29,8 @@ def _merge_split(sum_a, sum_b, part_ptr, block_counter_ptr, c, C, SPLIT: tl.cons
     programs (grid axis 1), in the program that is ``finishing`` (without ``SPLIT``, every
     program has the whole sums). ``block_counter_ptr``: a counter of the channel block's own,
     at its block index (statistics) or its first channel (backward reduction: its c0 is live
-    across the loop anyway, where ptxas 13 under Triton 3.9's ``--regAllocOptLevel=2``
-    spilled the block index; the statistics kernels spilled the other way round).
+    across the loop anyway, and the block index kept live there too spills; the statistics
+    kernels the other way round).
 
     The protocol is the module's, on rows pid_1 of the [2, splits, C] buffer ``part``; the last
     program adds the rows up BLOCK_P at a time, reading past the L1 cache (``.cg``: other

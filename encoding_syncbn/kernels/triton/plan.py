@@ -35,9 +35,9 @@ BACKWARD_VARIANTS = tuple((False, a) for a in KERNEL_ACTIVATIONS) + tuple(
 _TL_DTYPES = {torch.float32: tl.float32, torch.float64: tl.float64}
 
 # Elements per tile, 8 (fp64: 1) per thread. fp64's divisions, exp and log are register-hungry
-# subroutines: at 2, 4 and 8 elements a thread the AOT check found fp64 specialisations of the
-# backward reduction and the statistics spilling (8-16 bytes, sm_80 and sm_90); at 1 none.
-# (fp64 on a GPU is for checking, not speed.) The interpreter pays per program and per operation,
+# subroutines: with more than one element a thread, fp64 specialisations of the backward
+# reduction and the statistics spill; with one, none does. (fp64 on a GPU is for checking, not
+# speed.) The interpreter pays per program and per operation,
 # not per element, so it gets bigger tiles (and fewer programs, below).
 _GPU_TILE_ELEMS = 2048
 _GPU_TILE_ELEMS_FP64 = 128
@@ -83,10 +83,8 @@ class Target(NamedTuple):
 
 
 # What every launch compiles with: fused multiply-adds, and an explicit register ceiling, the
-# hardware's 255. Without a ceiling ptxas chose a register target of its own (32 or 80 in the
-# cases found) below what the kernel needed and spilled a value: 4 of 2102 specialisations
-# under Triton 3.6 on sm_90; with it, none spills (``python -m encoding_syncbn.kernels.check``,
-# which compiles with these options too).
+# hardware's 255: without one, ptxas may choose a register target of its own below what a
+# kernel needs and spill (``tools/check_kernels.py`` compiles with these options too).
 COMPILE_OPTIONS = {"enable_fp_fusion": True, "maxnreg": 255}
 
 
@@ -100,7 +98,7 @@ _SM_WARPS = 64
 
 def programs_per_sm(registers: int, num_warps: int) -> int:
     """Programs of ``num_warps`` warps, ``registers`` a thread, that one SM holds at once
-    (``kernels.check`` reports it per specialisation; reductions are planned at
+    (``tools/check_kernels.py`` reports it per specialisation; reductions are planned at
     ``_REDUCE_PROGRAMS_PER_SM``)."""
     per_warp = -(-registers * 32 // _REGISTER_UNIT) * _REGISTER_UNIT
     return min(_SM_REGISTERS // (per_warp * num_warps), _SM_WARPS // num_warps)
@@ -124,7 +122,7 @@ class _Geometry(NamedTuple):
 
 
 def _cdiv(a: int, b: int) -> int:
-    """``ceil(a / b)`` in plain ints (``triton.cdiv`` is a jitted function: ~10 us a call)."""
+    """``ceil(a / b)`` in plain ints (``triton.cdiv`` is a jitted function: slow to call)."""
     return -(-a // b)
 
 
