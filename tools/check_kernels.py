@@ -34,7 +34,7 @@ from kernel_specialisations import launch_specialisations  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from encoding_syncbn import _compat  # noqa: E402
+from encoding_syncbn import compat  # noqa: E402
 from encoding_syncbn.kernels.triton.plan import (  # noqa: E402
     COMPILE_OPTIONS,
     Launch,
@@ -131,7 +131,7 @@ def cuobjdump(cubin: bytes, option: str) -> str:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        return subprocess.run([_compat.cuobjdump_path(), option, f.name],
+        return subprocess.run([compat.cuobjdump_path(), option, f.name],
                               capture_output=True, text=True, check=True).stdout
 
 

@@ -18,7 +18,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.lazy import LazyModuleMixin
 from torch.nn.utils import parametrize
 
-from .. import _compat, activations
+from .. import activations, compat
 from ..layer.modules import SyncBatchNorm, record_paths
 from ..layer.norm_act import BatchNormAct, SyncBatchNormAct
 
@@ -263,7 +263,7 @@ def _share_state(source: _BatchNorm, target: _BatchNorm,
     for name, child in source._modules.items():  # a subclass's own (its forward is BN's)
         if name not in target._modules and name not in consumed:
             target._modules[name] = child
-    _compat.share_hooks(source, target)
+    compat.share_hooks(source, target)
     target.train(source.training)
     return target
 

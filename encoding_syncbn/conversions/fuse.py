@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import fx, nn
 from torch.nn.modules.lazy import LazyModuleMixin
 
-from .. import _compat, activations
+from .. import activations, compat
 from ..layer.modules import SyncBatchNorm
 from . import convert
 from .convert import convert_sync_batchnorm
@@ -257,7 +257,7 @@ def _judge(node: fx.Node, kind: tuple[str, float], root: nn.Module) -> _Call:
     producer = node.args[0] if node.args else None
     if not isinstance(producer, fx.Node) or len(node.args) != 1 or node.kwargs:
         return _Call(None, 0.0, None, "called with other arguments")
-    if _compat.has_call_hooks(root.get_submodule(node.target)):
+    if compat.has_call_hooks(root.get_submodule(node.target)):
         # A pre-hook may keep the input, which would then be overwritten; a forward hook
         # would see the activation's output once fused.
         return _Call(None, 0.0, None, "it has forward or backward hooks")
@@ -289,7 +289,7 @@ def _judge(node: fx.Node, kind: tuple[str, float], root: nn.Module) -> _Call:
         return _Call(None, 0.0, None, f"{activation} with slope {slope} is not invertible")
     # Fused, the activation module becomes nn.Identity: not when hooks are registered on it.
     if act_module is not None and not _written_later(act_node, root) \
-            and not _compat.has_call_hooks(act_module):
+            and not compat.has_call_hooks(act_module):
         return _Call(activation, slope, act_module, "")
     if not inplace:
         # The activation stays; it only reads the BatchNorm's output.

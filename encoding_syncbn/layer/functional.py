@@ -46,7 +46,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from .. import _compat, activations
+from .. import activations, compat
 from ..kernels import (
     Backend,
     BatchSums,
@@ -383,7 +383,7 @@ class NormAct(torch.autograd.Function):
             if ctx.link is not None and ctx.needs_input_grad[0]:
                 ctx.link.saved, ctx.link.config = saved, config
                 ctx.link.ready = stream_event(saved.tensor)
-                _compat.queue_backward_callback(ctx.link.clear)
+                compat.queue_backward_callback(ctx.link.clear)
             return (*grads, None, None, None, None)
         backend, params = ops_for(saved.tensor), _params(saved, config)
         sum_dz, sum_dz_xhat = _reduce(saved, grad_output, config, params, backend)
@@ -397,7 +397,7 @@ class NormAct(torch.autograd.Function):
             link.ready = stream_event(grad_output)
             # The merge's backward empties the link; one that stops short of the merge
             # (``autograd.grad`` of the parameters alone) must not leave it filled.
-            _compat.queue_backward_callback(link.clear)
+            compat.queue_backward_callback(link.clear)
         elif ctx.needs_input_grad[0]:
             zeros = torch.zeros_like(scale)
             grad_input = _input_grad(saved, grad_output, config, DxCoefs(scale, zeros, zeros),

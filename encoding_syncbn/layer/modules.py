@@ -10,7 +10,7 @@ import torch
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.utils import parametrize
 
-from .. import _compat, activations
+from .. import activations, compat
 from ..kernels import RunningStats, channel_vector, torch_ops
 from ..sync import distributed, replicas
 from ..sync.group import ReplicaGroup
@@ -284,7 +284,7 @@ class SyncBatchNorm(_BatchNorm):
                     or input.dtype not in torch_ops.INPUT_DTYPES):
                 self._check_input(input)  # raises, saying what is wrong
             if not torch.compiler.is_compiling():  # Dynamo's tensors are never such wrappers
-                input = _compat.unwrap_if_dead(input)
+                input = compat.unwrap_if_dead(input)
             self._last_input_dim[0] = dim
             if self.inplace and inplace_check.checking():
                 inplace_check.before_write(input, self._label())

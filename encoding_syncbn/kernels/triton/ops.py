@@ -8,7 +8,7 @@ import threading
 
 import torch
 
-from ... import _compat
+from ... import compat
 from .. import torch_ops
 from ..backend import BatchSums, DxCoefs, GammaCheck, NormParams, RunningParams, RunningStats
 from ..custom_ops import OpsBackend, channel_vectors, custom_op
@@ -235,6 +235,6 @@ def backend_for(x: torch.Tensor) -> OpsBackend:
     held under the GIL, which DataParallel's replica threads share.
     """
     if (torch.compiler.is_compiling() or type(x) is not torch.Tensor or x.is_meta
-            or _compat.current_dispatch_mode() is not None):
+            or compat.current_dispatch_mode() is not None):
         return TRACED
     return EAGER

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ... import _compat
+from ... import compat
 
 
 @triton.jit
@@ -80,7 +80,7 @@ _lock = threading.Lock()
 def split_counters(device: torch.device, count: int) -> torch.Tensor:
     """At least ``count`` zeroed int32 counters for launches on ``device``'s current stream,
     reused from launch to launch (each launch leaves them at 0)."""
-    stream = _compat.current_stream_handle(device.index) if device.type == "cuda" else 0
+    stream = compat.current_stream_handle(device.index) if device.type == "cuda" else 0
     buffer = _counters.get((device, stream))
     if buffer is None or buffer.numel() < count:
         with _lock:

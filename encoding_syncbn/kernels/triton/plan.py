@@ -13,12 +13,12 @@ from typing import NamedTuple
 import torch
 import triton.language as tl
 
-from ... import _compat
+from ... import compat
 from ...activations import ACTIVATIONS
 from ..torch_ops import INPUT_DTYPES, stats_dtype
 
 #: Whether kernels run in Triton's CPU interpreter (fixed when ``triton.jit`` wrapped them).
-INTERPRET: bool = _compat.triton_interpreting()
+INTERPRET: bool = compat.triton_interpreting()
 
 #: Input dtypes the kernels are built for: the layer's.
 DTYPES = INPUT_DTYPES
