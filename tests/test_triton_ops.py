@@ -474,9 +474,9 @@ def _activation_probe(x_ptr, y_ptr, ACTIVATION: tl.constexpr, SAVED_IS_OUTPUT: t
     offsets = tl.arange(0, 16)
     x = tl.load(x_ptr + offsets)
     if SAVED_IS_OUTPUT:
-        y, dz = TA._xhat_dz(x, x, 0.0, 1.0, 1.0, 0.0, 0.5, ACTIVATION, True)
+        y, dz = TA.xhat_dz(x, x, 0.0, 1.0, 1.0, 0.0, 0.5, ACTIVATION, True)
     else:
-        y = TA._activate(x, 0.5, ACTIVATION)
+        y = TA.activate(x, 0.5, ACTIVATION)
     tl.store(y_ptr + offsets, y)
 
 
@@ -675,16 +675,16 @@ def test_gpu_tiles_keep_in_tile_offsets_within_int32(dtype):
 def _tile_offsets_kernel(off_ptr, mask_ptr, t, c0, N, C, S, R, CS, tiles_s,
                          CHANNELS_LAST: tl.constexpr, CHANNEL_ROWS: tl.constexpr,
                          BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr):
-    """Stores the element offsets and mask that ``_tile`` gives tile ``t`` (nothing else)."""
-    base, local, mask = TT._tile(t, c0, N, C, S, R, CS, tiles_s, CHANNELS_LAST, CHANNEL_ROWS,
-                                 BLOCK_A, BLOCK_B)
+    """Stores the element offsets and mask that ``nth_tile`` gives tile ``t`` (nothing else)."""
+    base, local, mask = TT.nth_tile(t, c0, N, C, S, R, CS, tiles_s, CHANNELS_LAST, CHANNEL_ROWS,
+                                    BLOCK_A, BLOCK_B)
     i = tl.arange(0, BLOCK_A)[:, None] * BLOCK_B + tl.arange(0, BLOCK_B)[None, :]
     tl.store(off_ptr + i, base + local)
     tl.store(mask_ptr + i, mask)
 
 
 def _tile_offsets(geo, tile, t, c0):
-    """``_tile``'s (offsets, mask) for a tensor of geometry ``geo``, which is never allocated:
+    """``nth_tile``'s (offsets, mask) for a tensor of geometry ``geo``, which is never allocated:
     the kernel only computes addresses. The arguments are typed as the launchers pass them
     (int32 below 2**31, int64 above), and the interpreter wraps int32 as a GPU does."""
     n, c, s = geo.n, geo.c, geo.s
@@ -732,7 +732,7 @@ def _expected_tile_offsets(geo, tile, t, c0):
         "batch-last",
         "many-channels"])
 def test_tile_addresses_past_2_31_elements(geo, tile, t, c0):
-    """Every element offset ``_tile`` computes for tensors past 2**31 elements, against exact
+    """Every element offset ``nth_tile`` computes for tensors past 2**31 elements, against exact
     integers, through the kernels' own index code (int32 wraps in the interpreter as on a
     GPU: with the plane's position offset in int32 the first case gives negative offsets)."""
     assert P._offsets_fit(geo, tile)
@@ -780,15 +780,15 @@ def test_launch_plans_are_memoised_per_geometry_and_choice():
     later calls are one memo lookup; a new stride or activation is a new plan."""
     x = make_input((4, 3, 5, 5), torch.float64)
     params = make_params(3, torch.float64)
-    P._plan_op_memo.cache_clear()
+    P.plan_op_memo.cache_clear()
     for _ in range(3):
         T.channel_stats(x)
         T.backward_reduce(x, x, *params, "leaky_relu", 0.1, True)
-    info = P._plan_op_memo.cache_info()
+    info = P.plan_op_memo.cache_info()
     assert (info.misses, info.hits) == (2, 4)
     T.backward_reduce(x, x, *params, "elu", 1.0, True)
     T.channel_stats(x.contiguous(memory_format=torch.channels_last))
-    assert P._plan_op_memo.cache_info().misses == 4
+    assert P.plan_op_memo.cache_info().misses == 4
 
 
 def test_empty_backward():

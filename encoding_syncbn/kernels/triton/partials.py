@@ -23,8 +23,8 @@ from ... import compat
 
 
 @triton.jit
-def _merge_split(sum_a, sum_b, part_ptr, block_counter_ptr, c, C, SPLIT: tl.constexpr,
-                 BLOCK_P: tl.constexpr):
+def merge_split(sum_a, sum_b, part_ptr, block_counter_ptr, c, C, SPLIT: tl.constexpr,
+                BLOCK_P: tl.constexpr):
     """``(sum_a, sum_b, finishing)``: a channel block's two per-channel sums over all of its
     programs (grid axis 1), in the program that is ``finishing`` (without ``SPLIT``, every
     program has the whole sums). ``block_counter_ptr``: a counter of the channel block's own,

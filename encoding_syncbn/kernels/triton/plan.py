@@ -32,7 +32,7 @@ BACKWARD_VARIANTS = tuple((False, a) for a in KERNEL_ACTIVATIONS) + tuple(
     (True, a) for a in dict.fromkeys(a.kernel for a in ACTIVATIONS.values() if a.inverse)
 )
 
-_TL_DTYPES = {torch.float32: tl.float32, torch.float64: tl.float64}
+TL_DTYPES = {torch.float32: tl.float32, torch.float64: tl.float64}
 
 # Elements per tile, 8 (fp64: 1) per thread. fp64's divisions, exp and log are register-hungry
 # subroutines: with more than one element a thread, fp64 specialisations of the backward
@@ -140,7 +140,7 @@ def tile_choices(channels_last: bool, dtype: torch.dtype, interpret: bool = INTE
 
 
 def _offsets_fit(geo: _Geometry, tile: Tile) -> bool:
-    """Whether every element a tile reads lies within int32 of the tile's start: ``_tile``
+    """Whether every element a tile reads lies within int32 of the tile's start: ``nth_tile``
     keeps the in-tile offsets (rows times the row stride: C, C*S or S) in 32 bits."""
     if geo.channels_last:
         row_stride, rows = geo.c, geo.n * geo.s
@@ -232,7 +232,7 @@ def _to_last(x: torch.Tensor) -> torch.Tensor:
     return x.permute(0, *range(2, x.dim()), 1)
 
 
-def _in_layout(t: torch.Tensor, strides: tuple[int, ...], channels_last: bool) -> torch.Tensor:
+def in_layout(t: torch.Tensor, strides: tuple[int, ...], channels_last: bool) -> torch.Tensor:
     """``t`` itself when it lies like the planned geometry (``strides``: those of the tensor of
     t's shape the plan launches on, NCHW or ``channels_last`` dense), else one copy that does."""
     if t.stride() == strides:  # the usual case, without a geometry lookup
@@ -246,7 +246,7 @@ def _in_layout(t: torch.Tensor, strides: tuple[int, ...], channels_last: bool) -
 
 
 def _program_channels(geo: _Geometry, tile: Tile) -> int:
-    """Channels a program owns (``tiles._channel_block``): BLOCK_B in channels_last, BLOCK_A
+    """Channels a program owns (``tiles.channel_block``): BLOCK_B in channels_last, BLOCK_A
     with rows of channels, else one."""
     if geo.channels_last:
         return tile.block_b
@@ -293,7 +293,7 @@ def row_align(geo: _Geometry, dtype: torch.dtype) -> int:
     the length of a tensor row (S positions in NCHW, C channels in channels_last). Triton only
     tells its kernels that a size is a multiple of 16; a 14x14 map (196 positions) is a
     multiple of 4, so float32 rows of it start on 16 bytes and load as vectors once the
-    kernel knows (``tiles._aligned_rows``)."""
+    kernel knows (``tiles.aligned_rows``)."""
     length = geo.c if geo.channels_last else geo.s
     return min(length & -length, _VECTOR_BYTES // dtype.itemsize)
 
@@ -305,7 +305,7 @@ def _tile_constexprs(geo: _Geometry, tile: Tile, dtype: torch.dtype) -> dict:
         "BLOCK_A": tile.block_a,
         "BLOCK_B": tile.block_b,
         "ALIGN": row_align(geo, dtype),
-        "ACC": _TL_DTYPES[stats_dtype(dtype)],
+        "ACC": TL_DTYPES[stats_dtype(dtype)],
     }
 
 
@@ -340,8 +340,8 @@ def plan_op(x: torch.Tensor, target: Target, reduction: bool, tile: Tile | None 
     dtype, target and the op's choices. ``activation`` None plans the statistics (no
     activation constexpr), ``saved_is_output`` None a forward.
     """
-    return _plan_op_memo(x.shape, x.stride(), x.dtype, target, reduction, tile, activation,
-                         slope, saved_is_output)
+    return plan_op_memo(x.shape, x.stride(), x.dtype, target, reduction, tile, activation,
+                        slope, saved_is_output)
 
 
 def check_dtype(dtype: torch.dtype) -> None:
@@ -371,9 +371,9 @@ def clear_memos() -> None:
 
 
 @plan_memo
-def _plan_op_memo(sizes: tuple[int, ...], strides: tuple[int, ...], dtype: torch.dtype,
-                  target: Target, reduction: bool, tile: Tile | None, activation: str | None,
-                  slope: float, saved_is_output: bool | None) -> OpPlan | None:
+def plan_op_memo(sizes: tuple[int, ...], strides: tuple[int, ...], dtype: torch.dtype,
+                 target: Target, reduction: bool, tile: Tile | None, activation: str | None,
+                 slope: float, saved_is_output: bool | None) -> OpPlan | None:
     check_dtype(dtype)  # an error is not memoised: asked again at every such call
     if len(sizes) < 2:
         raise ValueError(f"expected an (N, C, *) input, got shape {sizes}")
@@ -406,7 +406,7 @@ def _contiguous_strides(sizes: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-def _prepare(x: torch.Tensor, plan: OpPlan) -> torch.Tensor:
+def prepared_input(x: torch.Tensor, plan: OpPlan) -> torch.Tensor:
     """``x`` as the plan launches on it (a contiguous copy where ``plan.copy``)."""
     return x.contiguous() if plan.copy else x
 
