@@ -250,7 +250,7 @@ class StubLaunches:
         # the compiled kernels' launches.
         triton_ops.INTERPRET = True
         h100 = Target(False, H100_SMS)
-        triton_ops._target = lambda device: h100  # the real one is memoised per device
+        triton_ops.launch_target = lambda device: h100  # the real one is memoised per device
         self.run = triton_ops._run
         self._flags: dict[object, int | None] = {}  # kernel -> its flags argument's index
         triton_ops._run = self._launch

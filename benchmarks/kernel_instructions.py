@@ -100,10 +100,10 @@ def _launches(shape: tuple[int, ...], channels_last: bool):
     import torch
 
     from encoding_syncbn.kernels import BatchSums, NormParams
-    from encoding_syncbn.kernels.triton.backward_dx import _plan_backward_dx
-    from encoding_syncbn.kernels.triton.backward_reduce import _plan_backward_reduce
-    from encoding_syncbn.kernels.triton.channel_stats import _plan_batch_stats
-    from encoding_syncbn.kernels.triton.normalize_act import _plan_normalize_act
+    from encoding_syncbn.kernels.triton.backward_dx import plan_backward_dx
+    from encoding_syncbn.kernels.triton.backward_reduce import plan_backward_reduce
+    from encoding_syncbn.kernels.triton.channel_stats import plan_batch_stats
+    from encoding_syncbn.kernels.triton.normalize_act import plan_normalize_act
     from encoding_syncbn.kernels.triton.plan import Target
 
     fmt = torch.channels_last if channels_last else torch.contiguous_format
@@ -114,13 +114,13 @@ def _launches(shape: tuple[int, ...], channels_last: bool):
     count = x.numel() // shape[1]
     batches = torch.empty((), dtype=torch.int64, device="meta")
     # As an in-place layer trains: running statistics, its counter, the small-gamma check.
-    stats = _plan_batch_stats(x, 1e-5, v, v, batches, 0.1, v, v, 0.016, target)[0][0]
+    stats = plan_batch_stats(x, 1e-5, v, v, batches, 0.1, v, v, 0.016, target)[0][0]
     return [
         ("statistics", stats, 1),
-        ("normalize", _plan_normalize_act(x, params, x, target)[0][0], 2),
-        ("backward reduce", _plan_backward_reduce(x, x, *params, True, target)[0][0], 2),
+        ("normalize", plan_normalize_act(x, params, x, target)[0][0], 2),
+        ("backward reduce", plan_backward_reduce(x, x, *params, True, target)[0][0], 2),
         ("backward dx",
-         _plan_backward_dx(x, x, params, True, BatchSums(v, v, count), target)[0][0], 3),
+         plan_backward_dx(x, x, params, True, BatchSums(v, v, count), target)[0][0], 3),
     ]
 
 

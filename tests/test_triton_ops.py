@@ -151,7 +151,7 @@ def test_channel_stats_split_reduction(fmt):
     # partial (mean, M2, n) merged by the last of them to finish, in the same launch.
     shape = (64, 2, 33, 9) if fmt == "nchw" else (64, 3, 17, 11)
     x = make_input(shape, torch.float64, fmt)
-    launches, _ = TS._plan_channel_stats(x, P._target(x.device))
+    launches, _ = TS.plan_channel_stats(x, P.launch_target(x.device))
     assert [launch.kernel for launch in launches] == [TS._channel_stats_kernel]
     assert launches[0].grid[1] > 1 and launches[0].constexprs["SPLIT"]
     mean, m2, count = T.channel_stats(x)
@@ -184,7 +184,7 @@ def test_channel_stats_far_from_their_shift(fmt, dtype, offset, std, m2_rtol):
     x = torch.randn(48, 3, 9, 11, generator=g, dtype=torch.float64) * std + offset
     x[:6] += 20 * std
     x = layout(x.to(dtype), fmt).to(DEVICE)
-    launches, _ = TS._plan_channel_stats(x, P._target(x.device))
+    launches, _ = TS.plan_channel_stats(x, P.launch_target(x.device))
     assert launches[0].grid[1] > 1
     mean, m2, _ = T.channel_stats(x)
     # The truth in float64, two passes about the mean with the residual's correction (the
@@ -428,7 +428,7 @@ def test_backward_planned_for_any_target(c, fmt, dtype, variant, sms, seed):
     shape = (rows, c, 5, 9) if c < 16 else (2, c, 3, 5)
     with pytest.MonkeyPatch.context() as patch:
         if sms is not None:
-            patch.setattr(triton_ops, "_target", lambda device: P.Target(False, sms))
+            patch.setattr(triton_ops, "launch_target", lambda device: P.Target(False, sms))
         _check_backward(shape, fmt, dtype, *variant, seed=seed)
 
 
@@ -515,8 +515,8 @@ def test_activation_constants_are_their_definitions(dtype):
 def test_backward_split_reduction(fmt):
     shape = (64, 2, 33, 9) if fmt == "nchw" else (64, 3, 17, 11)
     x = make_input(shape, torch.float64, fmt)
-    launches, _ = TB._plan_backward_reduce(x, x, *make_params(shape[1], torch.float64),
-                                          "elu", 1.0, True, P._target(x.device))
+    launches, _ = TB.plan_backward_reduce(x, x, *make_params(shape[1], torch.float64),
+                                          "elu", 1.0, True, P.launch_target(x.device))
     assert [launch.kernel for launch in launches] == [TB._backward_reduce_kernel]
     assert launches[0].grid[1] > 1 and launches[0].constexprs["SPLIT"]
     _check_backward(shape, fmt, torch.float64, "elu", True)
@@ -536,7 +536,7 @@ def test_backward_gpu_tile_shapes(monkeypatch):
         for shape, fmt in [((40, 3, 5, 13), "nchw"), ((3, 2, 41, 50), "nchw"),
                            ((9, 70, 5, 7), "last"), ((30, 11, 9, 9), "last")]:
             x = make_input(shape, torch.float64, fmt)
-            planned = P.plan_op(x, P._target(x.device), True).constexprs  # not a stale plan
+            planned = P.plan_op(x, P.launch_target(x.device), True).constexprs  # not a stale plan
             assert planned["BLOCK_A"] * planned["BLOCK_B"] == P._GPU_TILE_ELEMS
             mean, m2, _ = T.channel_stats(x)
             ref_mean, ref_m2, _ = reference_stats(x)
@@ -579,11 +579,11 @@ def test_every_tile_computes_the_same(fmt, which, gpu_tiles, n, c, spatial, dtyp
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(P, "_pick_tile", lambda geo, dtype, interpret: tile)
         if sms is not None:
-            patch.setattr(triton_ops, "_target", lambda device: P.Target(False, sms))
+            patch.setattr(triton_ops, "launch_target", lambda device: P.Target(False, sms))
         P.clear_memos()
         try:
             x = make_input(shape, dtype, fmt, seed=seed)
-            assert P.plan_op(x, P._target(x.device), True).constexprs["CHANNEL_ROWS"] == (
+            assert P.plan_op(x, P.launch_target(x.device), True).constexprs["CHANNEL_ROWS"] == (
                 tile.channel_rows)
             mean, m2, _ = T.channel_stats(x)
             ref_mean, ref_m2, _ = torch_ops.channel_stats(upcast(x))
@@ -936,8 +936,8 @@ def test_batch_stats(c, fmt, dtype, running_dtype, counter, momentum, check, see
 def test_batch_stats_merges_split_partials(fmt):
     shape = (64, 2, 33, 9) if fmt == "nchw" else (64, 3, 17, 11)
     x = make_input(shape, torch.float32, fmt)
-    launches, (_, _, _) = TS._plan_batch_stats(x, 1e-5, None, None, None, None, None, None,
-                                                0.0, P._target(x.device))
+    launches, (_, _, _) = TS.plan_batch_stats(x, 1e-5, None, None, None, None, None, None,
+                                              0.0, P.launch_target(x.device))
     assert [launch.kernel for launch in launches] == [TS._batch_stats_kernel]
     assert launches[0].grid[1] > 1 and launches[0].constexprs["SPLIT"]
     running = (torch.zeros(shape[1]), torch.ones(shape[1]), torch.tensor(0), None)
@@ -956,12 +956,12 @@ def test_reductions_planned_for_a_gpu_merge_many_partials(shape, fmt, monkeypatc
     c, target = shape[1], P.Target(False, 132)
     weight, bias = make_params(c, torch.float32)[2:]
     try:
-        stats, (mean, m2) = TS._plan_channel_stats(x, target)
+        stats, (mean, m2) = TS.plan_channel_stats(x, target)
         running = (torch.zeros(c, device=x.device), torch.ones(c, device=x.device), None, 0.1)
-        fused, (fused_mean, invstd, small) = TS._plan_batch_stats(x, 1e-5, *running, weight,
-                                                                  bias, 0.016, target)
+        fused, (fused_mean, invstd, small) = TS.plan_batch_stats(x, 1e-5, *running, weight,
+                                                                 bias, 0.016, target)
         params = (mean, invstd, weight, bias)
-        reduce, sums = TB._plan_backward_reduce(x, x, *params, "leaky_relu", 0.1, False, target)
+        reduce, sums = TB.plan_backward_reduce(x, x, *params, "leaky_relu", 0.1, False, target)
         for launches in (stats, fused, reduce):
             assert len(launches) == 1
             assert launches[0].grid[1] > 2 * launches[0].constexprs["BLOCK_P"]
@@ -1128,7 +1128,7 @@ def test_launches_per_layer_call(shape, fmt, split, inplace):
     from encoding_syncbn.testing import SimulatedDataParallel
 
     x0 = make_input(shape, torch.float32, fmt)
-    launches, _ = TS._plan_channel_stats(x0, P._target(x0.device))
+    launches, _ = TS.plan_channel_stats(x0, P.launch_target(x0.device))
     assert (launches[0].grid[1] > 1) == split  # the cases split as named
     encoding_syncbn.set_backend("triton")
     try:

@@ -15,7 +15,7 @@ from .plan import (
     OpPlan,
     Target,
     Tile,
-    _empty_dx,
+    empty_dx,
     in_layout,
     plan_memo,
     plan_op,
@@ -76,16 +76,16 @@ def _backward_dx_kernel(saved_ptr, dy_ptr, dx_ptr, mean_ptr, invstd_ptr, weight_
         tl.store(dx_ptr + base + local, dx.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
-def _plan_backward_dx(saved: torch.Tensor, dy: torch.Tensor, params: NormParams,
-                      saved_is_output: bool, coefs: DxCoefs | BatchSums, target: Target,
-                      tile: Tile | None = None) -> tuple[list[Launch], torch.Tensor] | None:
+def plan_backward_dx(saved: torch.Tensor, dy: torch.Tensor, params: NormParams,
+                     saved_is_output: bool, coefs: DxCoefs | BatchSums, target: Target,
+                     tile: Tile | None = None) -> tuple[list[Launch], torch.Tensor] | None:
     """From ``BatchSums`` of a non-empty batch the kernel derives the coefficients
     (``FROM_SUMS``); None: an empty input."""
     plan = plan_op(saved, target, False, tile, params.activation, params.slope,
                    bool(saved_is_output))
     if plan is None:
         return None
-    dx = _empty_dx(saved, not plan.copy)
+    dx = empty_dx(saved, not plan.copy)
     saved = prepared_input(saved, plan)
     dy = in_layout(dy, saved.stride(), plan.geo.channels_last)
     if isinstance(coefs, BatchSums):
@@ -134,10 +134,10 @@ def _batch_backward_plans(sizes: tuple[int, ...], strides: tuple[int, ...], dtyp
     return _BackwardPlans(reduce, dx, _dx_constexprs(dx, True))
 
 
-def _plan_batch_backward(saved: torch.Tensor, dy: torch.Tensor, params: NormParams,
-                         saved_is_output: bool, count: int, target: Target,
-                         tile: Tile | None = None
-                         ) -> tuple[list[Launch], tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+def plan_batch_backward(saved: torch.Tensor, dy: torch.Tensor, params: NormParams,
+                        saved_is_output: bool, count: int, target: Target,
+                        tile: Tile | None = None
+                        ) -> tuple[list[Launch], tuple[torch.Tensor, torch.Tensor, torch.Tensor]
                                     ] | None:
     """``batch_backward``: the reduction, then dx from its sums (``FROM_SUMS``, ``count``
     elements a channel), planned by one lookup; ``(dx, sum_dz, sum_dz_xhat)`` (None: an empty
@@ -148,7 +148,7 @@ def _plan_batch_backward(saved: torch.Tensor, dy: torch.Tensor, params: NormPara
     if plans is None:
         return None
     reduce, dx_plan, dx_constexprs = plans
-    dx = _empty_dx(saved, not reduce.copy)
+    dx = empty_dx(saved, not reduce.copy)
     saved = prepared_input(saved, reduce)
     if reduce.copy:  # launched on a contiguous copy: its strides
         strides = saved.stride()

@@ -68,11 +68,11 @@ def _backward_reduce_kernel(saved_ptr, dy_ptr, mean_ptr, invstd_ptr, weight_ptr,
         tl.store(sum_dz_xhat_ptr + c, sum_dz_xhat, mask=c < C)
 
 
-def _plan_backward_reduce(saved: torch.Tensor, dy: torch.Tensor, mean: torch.Tensor,
-                          invstd: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
-                          activation: str, slope: float, saved_is_output: bool, target: Target,
-                          tile: Tile | None = None
-                          ) -> tuple[list[Launch], tuple[torch.Tensor, torch.Tensor]] | None:
+def plan_backward_reduce(saved: torch.Tensor, dy: torch.Tensor, mean: torch.Tensor,
+                         invstd: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                         activation: str, slope: float, saved_is_output: bool, target: Target,
+                         tile: Tile | None = None
+                         ) -> tuple[list[Launch], tuple[torch.Tensor, torch.Tensor]] | None:
     """The reduction's launches and their ``(sum_dz, sum_dz_xhat)`` (None: an empty input)."""
     plan = plan_op(saved, target, True, tile, activation, slope, bool(saved_is_output))
     if plan is None:

@@ -170,8 +170,8 @@ def _stats_buffers(plan: OpPlan, x: torch.Tensor, mean: torch.Tensor, extra_coun
     return part, split_counters(x.device, plan.geo.c + extra_counters)
 
 
-def _plan_channel_stats(x: torch.Tensor, target: Target, tile: Tile | None = None
-                        ) -> tuple[list[Launch], tuple[torch.Tensor, torch.Tensor]] | None:
+def plan_channel_stats(x: torch.Tensor, target: Target, tile: Tile | None = None
+                       ) -> tuple[list[Launch], tuple[torch.Tensor, torch.Tensor]] | None:
     """The statistics kernel's launch and its (mean, M2); None: an empty x."""
     plan = plan_op(x, target, True, tile)
     if plan is None:
@@ -201,12 +201,12 @@ def _batch_stats_plan(sizes: tuple[int, ...], strides: tuple[int, ...], dtype: t
     return stats, finish, {**stats.constexprs, **finish.constexprs}
 
 
-def _plan_batch_stats(x: torch.Tensor, eps: float, running_mean: torch.Tensor | None,
-                      running_var: torch.Tensor | None, batches: torch.Tensor | None,
-                      momentum: float | None, weight: torch.Tensor | None,
-                      bias: torch.Tensor | None, gamma_limit: float, target: Target,
-                      tile: Tile | None = None
-                      ) -> tuple[list[Launch], tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+def plan_batch_stats(x: torch.Tensor, eps: float, running_mean: torch.Tensor | None,
+                     running_var: torch.Tensor | None, batches: torch.Tensor | None,
+                     momentum: float | None, weight: torch.Tensor | None,
+                     bias: torch.Tensor | None, gamma_limit: float, target: Target,
+                     tile: Tile | None = None
+                     ) -> tuple[list[Launch], tuple[torch.Tensor, torch.Tensor, torch.Tensor]
                                  ] | None:
     """``batch_stats`` in one launch, whatever the split: ``(mean, invstd, small)`` (None: an
     empty x, nothing to launch)."""

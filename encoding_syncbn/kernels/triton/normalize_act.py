@@ -14,7 +14,7 @@ from .plan import (
     OpPlan,
     Target,
     Tile,
-    _geometry,
+    geometry_of,
     plan_op,
     prepared_input,
 )
@@ -96,13 +96,13 @@ def _normalize_running_kernel(x_ptr, out_ptr, running_mean_ptr, running_var_ptr,
 def _destination(x: torch.Tensor, out: torch.Tensor, plan: OpPlan) -> torch.Tensor:
     """``out`` when it lies like ``x`` (as the plan launches on it), else a temporary that the
     caller copies to ``out``."""
-    if out is x or (out.shape == x.shape and _geometry(out) == plan.geo):
+    if out is x or (out.shape == x.shape and geometry_of(out) == plan.geo):
         return out
     return torch.empty_like(x, dtype=out.dtype)
 
 
-def _plan_normalize_act(x: torch.Tensor, params: NormParams, out: torch.Tensor, target: Target,
-                        tile: Tile | None = None) -> tuple[list[Launch], torch.Tensor] | None:
+def plan_normalize_act(x: torch.Tensor, params: NormParams, out: torch.Tensor, target: Target,
+                       tile: Tile | None = None) -> tuple[list[Launch], torch.Tensor] | None:
     """Plan into ``out`` when it lies like (the possibly copied) x, else into a temporary that
     the caller copies to ``out`` (returned as the tensor the kernel writes); None: an empty x,
     nothing to launch."""
@@ -117,11 +117,11 @@ def _plan_normalize_act(x: torch.Tensor, params: NormParams, out: torch.Tensor, 
     return [launch], dst
 
 
-def _plan_normalize_running(x: torch.Tensor, running: RunningParams, out: torch.Tensor,
-                            target: Target, tile: Tile | None = None
-                            ) -> tuple[list[Launch], torch.Tensor,
+def plan_normalize_running(x: torch.Tensor, running: RunningParams, out: torch.Tensor,
+                           target: Target, tile: Tile | None = None
+                           ) -> tuple[list[Launch], torch.Tensor,
                                        tuple[torch.Tensor, torch.Tensor]] | None:
-    """As ``_plan_normalize_act``, from the running statistics (buffers of any strides, read
+    """As ``plan_normalize_act``, from the running statistics (buffers of any strides, read
     contiguous), with the ``(mean, invstd)`` the launch writes (None: an empty x, nothing to
     launch)."""
     running_mean, running_var, eps, weight, bias, activation, slope = running

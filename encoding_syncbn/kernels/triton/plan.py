@@ -182,14 +182,14 @@ def _sm_count(device_index: int) -> int:
 
 
 @functools.lru_cache(maxsize=64)
-def _target(device: torch.device) -> Target:
+def launch_target(device: torch.device) -> Target:
     """What launches on ``device`` are planned for (memoised: every op asks on every call)."""
     if INTERPRET or device.type != "cuda":
         return Target(INTERPRET, 0)
     return Target(False, _sm_count(device.index if device.index is not None else 0))
 
 
-def _geometry(x: torch.Tensor) -> _Geometry | None:
+def geometry_of(x: torch.Tensor) -> _Geometry | None:
     """How ``x`` lies in memory, or None when it is neither NCHW nor channels_last dense."""
     sizes, strides = tuple(x.shape), x.stride()
     try:
@@ -212,7 +212,7 @@ def _dense(sizes: tuple[int, ...], strides: tuple[int, ...]) -> bool:
 
 @functools.lru_cache(maxsize=1024)
 def _layout(sizes: tuple[int, ...], strides: tuple[int, ...]) -> _Geometry | None:
-    """``_geometry`` of a tensor with these sizes and strides (memoised: host ints only)."""
+    """``geometry_of`` of a tensor with these sizes and strides (memoised: host ints only)."""
     n, c = sizes[0], sizes[1]
     s = math.prod(sizes[2:])
     contiguous = _dense(sizes, strides)
@@ -237,7 +237,7 @@ def in_layout(t: torch.Tensor, strides: tuple[int, ...], channels_last: bool) ->
     t's shape the plan launches on, NCHW or ``channels_last`` dense), else one copy that does."""
     if t.stride() == strides:  # the usual case, without a geometry lookup
         return t
-    geo = _geometry(t)
+    geo = geometry_of(t)
     if geo is not None and (geo.channels_last == channels_last or geo.s == 1):
         return t
     if not channels_last:
@@ -423,7 +423,7 @@ def _kernel_activation(activation: str, slope: float, saved_is_output: bool = Fa
     return definition.kernel, float(slope)
 
 
-def _empty_dx(saved: torch.Tensor, dense: bool) -> torch.Tensor:
+def empty_dx(saved: torch.Tensor, dense: bool) -> torch.Tensor:
     """dx lies like saved when saved is ``dense`` (NCHW or channels_last), else contiguous."""
     if not dense:
         return torch.empty(saved.shape, dtype=saved.dtype, device=saved.device)
