@@ -446,16 +446,16 @@ def _inplace_layer(norm: nn.Module, path: str, process_group: Any, activation: s
     else:
         conversion = convert._conversion_for(norm, path)
         synced = conversion.to_sync(norm, process_group)
-        setattr(synced, convert._SOURCE_ATTRIBUTE, conversion.source)
+        setattr(synced, convert.SOURCE_ATTRIBUTE, conversion.source)
     layer = SyncBatchNorm(
         *convert._norm_args(synced), synced.process_group, device="meta", sync=synced.sync,
         activation=activation, slope=slope, inplace=True,
     )
     layer._last_input_dim[0] = synced._last_input_dim[0]
-    source = getattr(synced, convert._SOURCE_ATTRIBUTE, None)
+    source = getattr(synced, convert.SOURCE_ATTRIBUTE, None)
     if source is not None:
-        setattr(layer, convert._SOURCE_ATTRIBUTE, source)
-    return convert._share_state(synced, layer)
+        setattr(layer, convert.SOURCE_ATTRIBUTE, source)
+    return convert.share_state(synced, layer)
 
 
 __all__ = ["convert_inplace_abn"]
