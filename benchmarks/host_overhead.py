@@ -319,10 +319,10 @@ def _time_in_ops(triton_ops, launcher, layers, links, make_input, dy, iters, rep
     run = launcher.run
 
     def timed(name, op):
-        def call(*args):
+        def call(*args, **kwargs):
             start = time.thread_time()
             try:
-                return op(*args)
+                return op(*args, **kwargs)
             finally:
                 spent[name] += time.thread_time() - start
         return call

@@ -87,9 +87,9 @@ class _Counting:
         self.calls = collections.Counter()
 
     def __getattr__(self, op):
-        def call(*args):
+        def call(*args, **kwargs):
             self.calls[op] += 1
-            return getattr(kernels.TORCH, op)(*args)
+            return getattr(kernels.TORCH, op)(*args, **kwargs)
         return call
 
 
