@@ -34,7 +34,7 @@ def main() -> None:
     args = parse_args()
     # Imported after the flags are read, so that --help needs no torch.
     import torch
-    from timing import median_range
+    from helpers.timing import median_range
 
     torch.set_num_threads(1)
 

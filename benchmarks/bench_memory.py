@@ -3,7 +3,7 @@
     python benchmarks/bench_memory.py                  # CPU
     python benchmarks/bench_memory.py --device cuda    # a GPU, when there is one
 
-Measures the forward's peak memory growth of the two 8-layer stacks of benchmarks/stacks.py
+Measures the forward's peak memory growth of the two 8-layer stacks of benchmarks/helpers/stacks.py
 on an (8, 64, 64, 64) float32 input (``SyncBatchNorm(64, activation="leaky_relu")`` in place,
 and ``nn.BatchNorm2d(64)`` followed by ``F.leaky_relu(inplace=True)``): the activations kept
 for backward plus the forward's transients, in MiB and in units of the input's size.
@@ -50,7 +50,7 @@ def _status_kib(field: str) -> int:
 def child_measure(name: str) -> None:
     """In a fresh process: print the peak RSS growth (bytes) of one forward, as JSON."""
     import torch
-    from stacks import LAYERS, SHAPE, STACKS
+    from helpers.stacks import LAYERS, SHAPE, STACKS
 
     torch.set_num_threads(1)
     stack = STACKS[name](SHAPE[1], LAYERS)
@@ -80,8 +80,8 @@ def main() -> None:
         return
     # Imported after the flags are read, so that --help needs no torch.
     import torch
-    from stacks import LABELS, LAYERS, SHAPE, STACKS
-    from timing import median_range
+    from helpers.stacks import LABELS, LAYERS, SHAPE, STACKS
+    from helpers.timing import median_range
 
     device = torch.device(args.device)
     activation = torch.Size(SHAPE).numel() * 4

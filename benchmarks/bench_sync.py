@@ -64,7 +64,7 @@ PerCall = dict[str, tuple[float, float]]  # variant: (forward, backward) microse
 def _per_call_medians(losses: dict[str, Callable], calls: int, turns: int) -> PerCall:
     """Median microseconds per layer call, ``(forward, backward)``, of each variant's
     ``loss()`` (a forward through ``calls`` layer calls) and its backward, in turns."""
-    from timing import forward_backward, take_turns
+    from helpers.timing import forward_backward, take_turns
 
     measured = take_turns({name: lambda loss=loss: forward_backward(loss)
                            for name, loss in losses.items()}, turns)
@@ -114,7 +114,7 @@ def one_thread_work_us(replicas: int, calls: int, turns: int) -> PerCall:
     ``BatchNormAct`` once per replica (``"sync=False"``)."""
     import torch
 
-    from encoding_syncbn.functional import (
+    from encoding_syncbn.layer.functional import (
         ActConfig,
         NormAct,
         batch_norm_act,
@@ -152,9 +152,9 @@ def meeting_us(replicas: int, meetings: int = 2000) -> dict[str, float]:
     protocol (the master gathers and answers), and ``threading.Barrier``."""
     import threading
 
-    from timing import threads_seconds
+    from helpers.timing import threads_seconds
 
-    from encoding_syncbn.sync import ReplicaGroup, ReplicaSession
+    from encoding_syncbn.sync.group import ReplicaGroup, ReplicaSession
 
     group = ReplicaGroup(ReplicaSession(), "rendezvous")
     for _ in range(replicas):
@@ -182,7 +182,7 @@ def tiny_ops_us(replicas: int, ops: int = 30, repeats: int = 300) -> dict[int, f
     """Microseconds per ``ops`` tiny ATen calls in each of 1 and of ``replicas`` threads at
     once, no meeting: what sharing the GIL costs."""
     import torch
-    from timing import threads_seconds
+    from helpers.timing import threads_seconds
 
     def body(rank: int) -> None:
         t = torch.zeros(8)
@@ -196,7 +196,7 @@ def tiny_ops_us(replicas: int, ops: int = 30, repeats: int = 300) -> dict[int, f
 def main() -> None:
     args = parse_args()
     import torch
-    from timing import median_range
+    from helpers.timing import median_range
 
     def cells(per_round: list[tuple[float, float]]) -> list[str]:
         """Forward, backward and total: the median round [min, max over the rounds]."""

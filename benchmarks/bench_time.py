@@ -4,7 +4,7 @@
     python benchmarks/bench_time.py --device cuda      # a GPU, when there is one
     python benchmarks/bench_time.py --device cuda --shape 8 256 128 128 --dtype float16
 
-Times forward and backward of the two 8-layer stacks of benchmarks/stacks.py, by default on
+Times forward and backward of the two 8-layer stacks of benchmarks/helpers/stacks.py, by default on
 an (8, 64, 64, 64) float32 input (``--shape``, ``--dtype``: another; the parameters stay
 float32, as under autocast): ``SyncBatchNorm(64, activation="leaky_relu")`` in place, and
 ``nn.BatchNorm2d(64)`` followed by ``F.leaky_relu(inplace=True)``. One replica, no
@@ -28,7 +28,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--device", default="cpu",
                         help="cpu or cuda (default: %(default)s)")
     parser.add_argument("--shape", type=int, nargs="+", default=None,
-                        help="input shape N C ... (default: benchmarks/stacks.py's SHAPE)")
+                        help="input shape N C ... (default: benchmarks/helpers/stacks.py's SHAPE)")
     parser.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"),
                         help="input dtype (default: %(default)s)")
     parser.add_argument("--turns", type=int, default=20,
@@ -43,8 +43,8 @@ def main() -> None:
     args = parse_args()
     # Imported after the flags are read, so that --help needs no torch.
     import torch
-    from stacks import LABELS, LAYERS, SHAPE, STACKS
-    from timing import forward_backward, median_iqr, take_turns
+    from helpers.stacks import LABELS, LAYERS, SHAPE, STACKS
+    from helpers.timing import forward_backward, median_iqr, take_turns
 
     device = torch.device(args.device)
     shape = tuple(args.shape or SHAPE)

@@ -250,7 +250,7 @@ class StubLaunches:
         # the compiled kernels' launches.
         triton_ops.INTERPRET = True
         h100 = Target(False, H100_SMS)
-        triton_ops._target = lambda device: h100  # the real one is memoised per device
+        triton_ops.launch_target = lambda device: h100  # the real one is memoised per device
         self.run = triton_ops._run
         # id(kernel) -> its flags argument's index (a JITFunction's own hash is its cache
         # key, taken under a lock: a cost of the harness, not of the layer)
@@ -321,10 +321,10 @@ def _time_in_ops(triton_ops, launcher, layers, links, make_input, dy, iters, rep
     run = launcher.run
 
     def timed(name, op):
-        def call(*args):
+        def call(*args, **kwargs):
             start = time.thread_time()
             try:
-                return op(*args)
+                return op(*args, **kwargs)
             finally:
                 spent[name] += time.thread_time() - start
         return call

@@ -40,7 +40,7 @@ def main() -> None:
     args = parse_args()
     import torch
     import torch.nn.functional as F
-    from timing import synchronize
+    from helpers.timing import synchronize
 
     import encoding_syncbn
     from encoding_syncbn import SyncBatchNorm

@@ -6,8 +6,8 @@ compiled here, no GPU needed.
 For one training call's launches (planned for a 132-SM H100: (8, 256, 128, 128) fp16 NCHW,
 (32, 64, 56, 56) fp16 channels_last and (8, 1024, 14, 14) fp16 NCHW, whose 196-position rows
 are a multiple of 4 elements, not of 16; in place with leaky_relu), each kernel that walks the
-input tile by tile is compiled as the AOT check compiles it (``kernels/check.py``) and its SASS
-disassembled (cuobjdump). The tile loop is the backward branch around the global loads; printed
+input tile by tile is compiled as the AOT check compiles it (``tools/check_kernels.py``) and its
+SASS disassembled (cuobjdump). The tile loop is the backward branch around the global loads; printed
 per kernel: its instructions, the elements a thread takes from a tile (tile elements over
 threads), the tiles an iteration takes (more than one where the compiler unrolled the loop: the
 bytes its global loads and stores move say how many), instructions per element and per byte the
@@ -29,11 +29,15 @@ import argparse
 import json
 import os
 import re
+import sys
+from pathlib import Path
 
 import results
 
 # The kernels must be Triton's JIT functions, compiled, not the interpreter's stand-ins.
 os.environ.pop("TRITON_INTERPRET", None)
+# The AOT check's compile helpers.
+sys.path.append(str(Path(__file__).resolve().parent.parent / "tools"))
 
 # (shape, channels_last): the host harness's first two shapes, and a small map with many
 # channels (NCHW tiles of rows of channels), float16.
@@ -86,7 +90,7 @@ def _bytes_moved(loop: list[str]) -> int:
 
 
 def _sass(launch, arch: int) -> str:
-    from encoding_syncbn.kernels.check import compile_spec, cuobjdump, launch_spec
+    from check_kernels import compile_spec, cuobjdump, launch_spec
 
     return cuobjdump(compile_spec(launch_spec("", launch), arch).asm["cubin"], "-sass")
 
@@ -96,10 +100,10 @@ def _launches(shape: tuple[int, ...], channels_last: bool):
     import torch
 
     from encoding_syncbn.kernels import BatchSums, NormParams
-    from encoding_syncbn.kernels.triton.backward_dx import _plan_backward_dx
-    from encoding_syncbn.kernels.triton.backward_reduce import _plan_backward_reduce
-    from encoding_syncbn.kernels.triton.channel_stats import _plan_batch_stats
-    from encoding_syncbn.kernels.triton.normalize_act import _plan_normalize_act
+    from encoding_syncbn.kernels.triton.backward_dx import plan_backward_dx
+    from encoding_syncbn.kernels.triton.backward_reduce import plan_backward_reduce
+    from encoding_syncbn.kernels.triton.channel_stats import plan_batch_stats
+    from encoding_syncbn.kernels.triton.normalize_act import plan_normalize_act
     from encoding_syncbn.kernels.triton.plan import Target
 
     fmt = torch.channels_last if channels_last else torch.contiguous_format
@@ -110,13 +114,13 @@ def _launches(shape: tuple[int, ...], channels_last: bool):
     count = x.numel() // shape[1]
     batches = torch.empty((), dtype=torch.int64, device="meta")
     # As an in-place layer trains: running statistics, its counter, the small-gamma check.
-    stats = _plan_batch_stats(x, 1e-5, v, v, batches, 0.1, v, v, 0.016, target)[0][0]
+    stats = plan_batch_stats(x, 1e-5, v, v, batches, 0.1, v, v, 0.016, target)[0][0]
     return [
         ("statistics", stats, 1),
-        ("normalize", _plan_normalize_act(x, params, x, target)[0][0], 2),
-        ("backward reduce", _plan_backward_reduce(x, x, *params, True, target)[0][0], 2),
+        ("normalize", plan_normalize_act(x, params, x, target)[0][0], 2),
+        ("backward reduce", plan_backward_reduce(x, x, *params, True, target)[0][0], 2),
         ("backward dx",
-         _plan_backward_dx(x, x, params, True, BatchSums(v, v, count), target)[0][0], 3),
+         plan_backward_dx(x, x, params, True, BatchSums(v, v, count), target)[0][0], 3),
     ]
 
 

@@ -2,12 +2,12 @@
 
 # The drop-in for mapillary's inplace_abn registers the conversions of their classes.
 from . import inplace_abn  # noqa: F401
-from .convert import convert_sync_batchnorm, register_conversion, revert_sync_batchnorm
-from .fuse import convert_inplace_abn
-from .inplace_check import check_inplace
+from .conversions.convert import convert_sync_batchnorm, register_conversion, revert_sync_batchnorm
+from .conversions.fuse import convert_inplace_abn
 from .kernels import get_backend, set_backend
-from .modules import SyncBatchNorm
-from .sync import SyncError
+from .layer.inplace_check import check_inplace
+from .layer.modules import SyncBatchNorm
+from .sync.group import SyncError
 from .version import __version__
 
 __all__ = [

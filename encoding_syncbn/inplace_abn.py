@@ -47,8 +47,8 @@ import torch.distributed as dist
 from torch import nn
 
 from . import activations
-from .convert import _SOURCE_ATTRIBUTE, _resolve, _share_state, register_conversion
-from .modules import SyncBatchNorm
+from .conversions.convert import SOURCE_ATTRIBUTE, register_conversion, resolve_class, share_state
+from .layer.modules import SyncBatchNorm
 
 __all__ = [
     "ABN",
@@ -109,7 +109,7 @@ class ABN(SyncBatchNorm):
             activation=activation, slope=activation_param,
             inplace=self._runs_in_place(activation, float(activation_param)),
         )
-        setattr(self, _SOURCE_ATTRIBUTE, _MAPILLARY + self._stands_for)
+        setattr(self, SOURCE_ATTRIBUTE, _MAPILLARY + self._stands_for)
 
     @staticmethod
     def _runs_in_place(activation: str, param: float) -> bool:
@@ -142,7 +142,7 @@ class ABN(SyncBatchNorm):
                 slope=param, sync=True, process_group=state.pop("group", None),
                 inplace=self._runs_in_place(state["activation"], param), _last_input_dim=[None],
             )
-            state[_SOURCE_ATTRIBUTE] = _MAPILLARY + self._stands_for
+            state[SOURCE_ATTRIBUTE] = _MAPILLARY + self._stands_for
         super().__setstate__(state)
 
     def _label(self) -> str:
@@ -381,7 +381,7 @@ def _abn_to_sync(module: nn.Module, process_group: Any) -> SyncBatchNorm:
     args = _mapillary_args(module)
     converted = SyncBatchNorm(*args[:5], process_group, device="meta", activation=args[5],
                               slope=args[6], inplace=False)
-    return _share_state(module, converted)
+    return share_state(module, converted)
 
 
 def _inplace_abn_to_sync(module: nn.Module, process_group: Any) -> InPlaceABNSync:
@@ -391,7 +391,7 @@ def _inplace_abn_to_sync(module: nn.Module, process_group: Any) -> InPlaceABNSyn
     group = getattr(module, "group", None)
     converted = InPlaceABNSync(*_mapillary_args(module), process_group if group is None
                                else group, device="meta")
-    return _share_state(module, converted)
+    return share_state(module, converted)
 
 
 def _to_mapillary(name: str):
@@ -400,11 +400,11 @@ def _to_mapillary(name: str):
 
     def to_original(layer: SyncBatchNorm) -> nn.Module:
         try:
-            cls = _resolve(_MAPILLARY + name)
+            cls = resolve_class(_MAPILLARY + name)
         except (ImportError, AttributeError):
             cls = globals()[name]
         group = {"group": layer.process_group} if name == "InPlaceABNSync" else {}
-        original = _share_state(layer, cls(*_mapillary_args(layer), **group))
+        original = share_state(layer, cls(*_mapillary_args(layer), **group))
         if isinstance(original, SyncBatchNorm):
             original.sync = False
         return original
@@ -419,13 +419,13 @@ def _timm_to_sync(module: nn.Module, process_group: Any) -> InPlaceABNSync:
         module.num_features, module.eps, module.momentum, module.affine, True,
         module.act_name, module.act_param, process_group, device="meta",
     )
-    return _share_state(module, converted)
+    return share_state(module, converted)
 
 
 def _timm_to_original(layer: SyncBatchNorm) -> nn.Module:
-    original = _resolve(_TIMM)(layer.num_features, layer.eps, layer.momentum, layer.affine,
-                               act_layer=layer.activation, act_param=layer.slope)
-    return _share_state(layer, original)
+    original = resolve_class(_TIMM)(layer.num_features, layer.eps, layer.momentum, layer.affine,
+                                    act_layer=layer.activation, act_param=layer.slope)
+    return share_state(layer, original)
 
 
 _TIMM = "timm.layers.inplace_abn.InplaceAbn"

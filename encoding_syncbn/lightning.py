@@ -17,8 +17,8 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
-from .convert import convert_sync_batchnorm
-from .fuse import convert_inplace_abn
+from .conversions.convert import convert_sync_batchnorm
+from .conversions.fuse import convert_inplace_abn
 
 # The Lightning packages whose Trainer may be given the plugin, each with its own LayerSync.
 _PACKAGES = ("lightning.pytorch", "pytorch_lightning")

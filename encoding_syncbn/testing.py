@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .sync import SyncError
+from .sync.group import SyncError
 
 
 def _scatter(obj: Any, chunks: int) -> list[Any]:

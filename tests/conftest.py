@@ -13,10 +13,10 @@ sys.path.insert(0, os.path.dirname(__file__))
 from replica_waits import record_waits  # noqa: E402
 
 import encoding_syncbn  # noqa: E402
-from encoding_syncbn import _compat  # noqa: E402
+from encoding_syncbn import compat  # noqa: E402
 from encoding_syncbn.kernels import torch_ops, triton_available  # noqa: E402
 
-if triton_available() and _compat.triton_interpreting():
+if triton_available() and compat.triton_interpreting():
     import triton_interpreter
 
     triton_interpreter.install()

@@ -9,7 +9,7 @@ from reference import assert_close
 from torch import nn
 
 from encoding_syncbn import convert_sync_batchnorm, revert_sync_batchnorm
-from encoding_syncbn.convert import _conversion_for
+from encoding_syncbn.conversions.convert import _conversion_for
 from encoding_syncbn.testing import SimulatedDataParallel
 
 

@@ -16,20 +16,20 @@ from pathlib import Path
 
 # This checkout's package and benchmarks, whichever is installed.
 _ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(_ROOT), str(_ROOT / "benchmarks")]
+sys.path[:0] = [str(_ROOT), str(_ROOT / "benchmarks"), str(_ROOT / "tools")]
 
 import stub_driver  # noqa: E402
 
 STUB = stub_driver.activate()
 
+import check_kernels as check  # noqa: E402
 import torch  # noqa: E402
 import triton  # noqa: E402
+from kernel_specialisations import launch_specialisations  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
-from encoding_syncbn.kernels import check  # noqa: E402
 from encoding_syncbn.kernels.triton import launch, plan  # noqa: E402
 from encoding_syncbn.kernels.triton.plan import Launch, Target  # noqa: E402
-from encoding_syncbn.kernels.triton.specialisations import launch_specialisations  # noqa: E402
 
 # Bytes of a kernel parameter of each type as Triton's launchers pass it.
 _SIZES = {"i1": 1, "i8": 1, "u1": 1, "u8": 1, "i16": 2, "u16": 2, "fp16": 2, "bf16": 2,

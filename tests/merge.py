@@ -1,4 +1,4 @@
-"""The package's Chan merge (``encoding_syncbn.stats``) as one differentiable function of k
+"""The package's Chan merge (``encoding_syncbn.sync.stats``) as one differentiable function of k
 groups' statistics, for the tests of the merge and its gradients on their own (the layer
 builds its merges from the same pieces: ``chan_merge``, ``total_grad_m2``, ``counts_of``)."""
 
@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 import torch
 
-from encoding_syncbn.stats import _Counts, chan_merge, counts_of, total_grad_m2
+from encoding_syncbn.sync.stats import _Counts, chan_merge, counts_of, total_grad_m2
 
 
 class MergeStats(torch.autograd.Function):

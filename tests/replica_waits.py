@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from encoding_syncbn import sync
+from encoding_syncbn.sync import group as sync
 
 
 class Wait(NamedTuple):

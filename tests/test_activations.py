@@ -17,7 +17,7 @@ from encoding_syncbn import (
     convert_sync_batchnorm,
     revert_sync_batchnorm,
 )
-from encoding_syncbn.norm_act import BatchNormAct
+from encoding_syncbn.layer.norm_act import BatchNormAct
 from encoding_syncbn.testing import SimulatedDataParallel
 
 DT = torch.float64

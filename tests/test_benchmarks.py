@@ -5,6 +5,7 @@ ops, the ops inside the layer's call."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -18,8 +19,11 @@ pytest.importorskip("triton")
 
 
 def _last_json_line(script: str, *args: str) -> dict:
+    # The checkout's package, not whichever one is installed.
+    path = os.pathsep.join(filter(None, [str(BENCHMARKS.parent), os.environ.get("PYTHONPATH")]))
     result = subprocess.run([sys.executable, str(BENCHMARKS / script), *args],
-                            capture_output=True, text=True, cwd=BENCHMARKS)
+                            capture_output=True, text=True, cwd=BENCHMARKS,
+                            env={**os.environ, "PYTHONPATH": path})
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
 

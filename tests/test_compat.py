@@ -1,4 +1,4 @@
-"""``_compat``: the private torch APIs the package uses, and what happens where they moved."""
+"""``compat``: the private torch APIs the package uses, and what happens where they moved."""
 
 import subprocess
 import sys
@@ -7,14 +7,14 @@ import warnings
 import pytest
 import torch
 
-from encoding_syncbn import SyncBatchNorm, _compat
+from encoding_syncbn import SyncBatchNorm, compat
 
 
 @pytest.fixture
 def fresh_lookups():
     """Forget the cached look-ups before and after a test that hides an API."""
-    lookups = (_compat._graph_task_id, _compat._creation_meta, _compat._execution_engine,
-               _compat._top_saved_tensor_hooks)
+    lookups = (compat._graph_task_id, compat._creation_meta, compat._execution_engine,
+               compat._top_saved_tensor_hooks)
     for lookup in lookups:
         lookup.cache_clear()
     yield
@@ -67,10 +67,10 @@ def test_without_view_provenance_views_go_out_of_place(monkeypatch):
 def test_overlap_fallback_matches_torch(monkeypatch):
     x = torch.randn(1, 3, 1, 4)
     cases = [x, x.expand(5, 3, 2, 4), x.transpose(1, 3), torch.randn(3, 1).expand(3, 1)]
-    expected = [_compat.has_internal_overlap(case) for case in cases]
+    expected = [compat.has_internal_overlap(case) for case in cases]
     assert expected == [False, True, False, False]
     monkeypatch.delattr(torch, "_debug_has_internal_overlap")
-    assert [_compat.has_internal_overlap(case) for case in cases] == expected
+    assert [compat.has_internal_overlap(case) for case in cases] == expected
 
 
 def test_bias_less_layers_on_a_torch_whose_batchnorms_take_no_bias(monkeypatch):
@@ -81,7 +81,7 @@ def test_bias_less_layers_on_a_torch_whose_batchnorms_take_no_bias(monkeypatch):
     from torch.nn.modules.batchnorm import _BatchNorm, _NormBase
 
     from encoding_syncbn import convert_inplace_abn, convert_sync_batchnorm, revert_sync_batchnorm
-    from encoding_syncbn.norm_act import BatchNormAct
+    from encoding_syncbn.layer.norm_act import BatchNormAct
 
     def init_without_bias(self, num_features, eps=1e-5, momentum=0.1, affine=True,
                           track_running_stats=True, device=None, dtype=None):

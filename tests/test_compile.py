@@ -20,7 +20,7 @@ from torch import nn  # noqa: E402
 from torch._dynamo.backends.common import aot_autograd  # noqa: E402
 
 import encoding_syncbn  # noqa: E402
-from encoding_syncbn import SyncBatchNorm, _compat  # noqa: E402
+from encoding_syncbn import SyncBatchNorm, compat  # noqa: E402
 from encoding_syncbn.kernels import torch_ops  # noqa: E402
 
 C = 4
@@ -148,7 +148,7 @@ def test_compiled_in_place_overwrites_its_input(each_backend):
 def test_compiled_out_of_place_where_torch_cannot_compile_in_place(each_backend, monkeypatch):
     """Where torch cannot compile the in-place layer (before 2.13), it is compiled out of
     place: the same outputs, gradients and running statistics, the input left as it was."""
-    monkeypatch.setattr(_compat, "COMPILES_IN_PLACE", False)
+    monkeypatch.setattr(compat, "COMPILES_IN_PLACE", False)
     layer = make_layer("leaky_relu", True)
     compiled = torch.compile(copy.deepcopy(layer), fullgraph=True, backend="aot_eager")
     torch.manual_seed(4)

@@ -20,7 +20,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 import encoding_syncbn
 from encoding_syncbn import SyncBatchNorm, convert_sync_batchnorm, revert_sync_batchnorm
-from encoding_syncbn.norm_act import BatchNormAct, SyncBatchNormAct
+from encoding_syncbn.layer.norm_act import BatchNormAct, SyncBatchNormAct
 from encoding_syncbn.testing import SimulatedDataParallel
 
 pytestmark = each_backend
@@ -161,7 +161,7 @@ class ScaledAgain(Scaled):
 
 @pytest.fixture
 def scaled_registered(monkeypatch):
-    from encoding_syncbn import convert
+    from encoding_syncbn.conversions import convert
     monkeypatch.setattr(convert, "_CONVERSIONS", dict(convert._CONVERSIONS))
     calls = []
 
@@ -284,8 +284,8 @@ def test_imports_run_one_way():
                 reached.add(name)
                 todo.extend(graph[name])
         assert start not in reached, f"{start} imports a module that imports it back"
-    assert not graph["encoding_syncbn.modules"] & {"encoding_syncbn.convert",
-                                                   "encoding_syncbn.norm_act"}
+    assert not graph["encoding_syncbn.layer.modules"] & {"encoding_syncbn.conversions.convert",
+                                                         "encoding_syncbn.layer.norm_act"}
 
 
 # ---- shared modules (issue 15 item 2) ---------------------------------------------------------

@@ -22,7 +22,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from encoding_syncbn import SyncBatchNorm, convert_sync_batchnorm, revert_sync_batchnorm
-from encoding_syncbn.norm_act import BatchNormAct, SyncBatchNormAct
+from encoding_syncbn.layer.norm_act import BatchNormAct, SyncBatchNormAct
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -37,7 +37,7 @@ from reference import activate
 from torch import nn
 
 import encoding_syncbn
-from encoding_syncbn import SyncBatchNorm, _compat, convert_sync_batchnorm
+from encoding_syncbn import SyncBatchNorm, compat, convert_sync_batchnorm
 from encoding_syncbn.testing import SimulatedDataParallel
 
 C = 4
@@ -437,7 +437,7 @@ def _worker(rank, world, port, outdir, backend):
     path = Path(outdir) / f"rank{rank}.json"
     try:
         encoding_syncbn.set_backend(backend)
-        if backend == "triton" and _compat.triton_interpreting():
+        if backend == "triton" and compat.triton_interpreting():
             # As conftest does in the parent (a rank does not run it): Triton 3.6's
             # interpreter needs it to run the kernels' loops under NumPy 2.4.
             import triton_interpreter

@@ -339,7 +339,7 @@ def _every_norm_layer(timm_abn: nn.Module) -> nn.Module:
     from timm.layers import BatchNormAct2d, convert_sync_batchnorm
 
     from encoding_syncbn import inplace_abn as ours
-    from encoding_syncbn.norm_act import BatchNormAct
+    from encoding_syncbn.layer.norm_act import BatchNormAct
 
     c, abn = 4, {"activation": "elu", "activation_param": 0.5}
     norms = [

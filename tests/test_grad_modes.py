@@ -16,7 +16,9 @@ from merge import merge_stats
 from reference import SLOPES, activate
 from torch import nn
 
-from encoding_syncbn import SyncBatchNorm, small_gamma, stats
+from encoding_syncbn import SyncBatchNorm
+from encoding_syncbn.layer import small_gamma
+from encoding_syncbn.sync import stats
 from encoding_syncbn.testing import SimulatedDataParallel
 
 pytestmark = each_backend

@@ -8,7 +8,7 @@ from backends import each_backend
 from merge import merge_stats
 
 from encoding_syncbn import SyncBatchNorm
-from encoding_syncbn.functional import (
+from encoding_syncbn.layer.functional import (
     ActConfig,
     NormAct,
     batch_norm_act,
@@ -16,7 +16,7 @@ from encoding_syncbn.functional import (
     normalize_with,
     replica_stats,
 )
-from encoding_syncbn.small_gamma import SmallGammaChannels
+from encoding_syncbn.layer.small_gamma import SmallGammaChannels
 from encoding_syncbn.testing import SimulatedDataParallel
 
 pytestmark = each_backend

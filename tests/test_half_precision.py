@@ -198,7 +198,7 @@ def test_a_layer_switching_dtype_checks_its_channels_again(dtype):
     a float32 call (where |beta| = 10 |gamma| is rebuilt), a half-precision one (autocast
     between convolutions) keeps that channel aside, and the float32 call after it rebuilds it
     again."""
-    from encoding_syncbn.small_gamma import gamma_limit
+    from encoding_syncbn.layer.small_gamma import gamma_limit
 
     layer = SyncBatchNorm(C, activation="leaky_relu", inplace=True)
     _load(layer, torch.ones(C), torch.tensor([0.0, 10.0, 0.5, -10.0]),

@@ -29,12 +29,7 @@ from backends import each_backend, one_backend
 from reference import activate, assert_close
 from torch import nn
 
-from encoding_syncbn import (
-    SyncBatchNorm,
-    convert_sync_batchnorm,
-    distributed,
-    revert_sync_batchnorm,
-)
+from encoding_syncbn import SyncBatchNorm, convert_sync_batchnorm, revert_sync_batchnorm
 from encoding_syncbn.inplace_abn import (
     ABN,
     InPlaceABN,
@@ -43,6 +38,7 @@ from encoding_syncbn.inplace_abn import (
     inplace_abn_sync,
     set_active_group,
 )
+from encoding_syncbn.sync import distributed
 from encoding_syncbn.testing import SimulatedDataParallel
 
 TESTS = os.path.dirname(os.path.abspath(__file__))

@@ -11,7 +11,7 @@ from torch import nn
 
 import encoding_syncbn
 from encoding_syncbn import SyncBatchNorm, check_inplace
-from encoding_syncbn.modules import record_paths
+from encoding_syncbn.layer.modules import record_paths
 from encoding_syncbn.testing import SimulatedDataParallel
 
 pytestmark = each_backend
@@ -155,7 +155,7 @@ def test_check_mode_keeps_correct_code_exact():
 
 
 def test_check_mode_from_the_environment(monkeypatch):
-    from encoding_syncbn import inplace_check
+    from encoding_syncbn.layer import inplace_check
 
     monkeypatch.setattr(inplace_check, "_FROM_ENV", True)
     assert inplace_check.checking()

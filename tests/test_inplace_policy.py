@@ -8,7 +8,8 @@ import warnings
 import pytest
 import torch
 
-from encoding_syncbn import SyncBatchNorm, inplace_policy
+from encoding_syncbn import SyncBatchNorm
+from encoding_syncbn.layer import inplace_policy
 
 
 class _Overlapping(torch.autograd.Function):

@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("triton")
 
-from encoding_syncbn import _compat  # noqa: E402
+from encoding_syncbn import compat  # noqa: E402
 from encoding_syncbn.kernels.triton import launch  # noqa: E402
 from encoding_syncbn.kernels.triton.plan import INTERPRET  # noqa: E402
 
@@ -49,7 +49,7 @@ def test_direct_and_public_launches_hand_the_driver_the_same_arguments():
     ("3.9.0+git1234abcd", True), ("3.5.1", False), ("3.10.0", False), ("4.0.0", False),
     ("unknown", False)])
 def test_direct_launch_only_for_triton_releases_it_was_read_against(version, known):
-    assert _compat.compiled_launch_release(version) is known
+    assert compat.compiled_launch_release(version) is known
 
 
 @pytest.mark.skipif(not INTERPRET, reason="the interpreter's launches")

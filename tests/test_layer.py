@@ -300,7 +300,7 @@ def test_gamma_changed_between_steps_under_replicas(activation, monkeypatch):
     """In place, the channels kept aside are read from the parameters once per replicate()
     (not by every replica at every call) and so follow the parameters from step to step:
     a gamma set to zero, and one set back, between steps still get exact gradients."""
-    from encoding_syncbn import small_gamma
+    from encoding_syncbn.layer import small_gamma
 
     lookups = []
     small_gamma_index = small_gamma.small_gamma_index

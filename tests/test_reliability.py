@@ -36,7 +36,7 @@ from torch.optim.swa_utils import AveragedModel, update_bn
 from torch.utils.checkpoint import checkpoint
 
 from encoding_syncbn import SyncBatchNorm, SyncError
-from encoding_syncbn import sync as sbn_sync
+from encoding_syncbn.sync import group as sbn_sync
 from encoding_syncbn.testing import SimulatedDataParallel, replicate
 
 DT = torch.float64

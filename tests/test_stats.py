@@ -6,8 +6,8 @@ import pytest
 import torch
 from merge import merge_stats
 
-from encoding_syncbn import stats
 from encoding_syncbn.kernels import torch_ops
+from encoding_syncbn.sync import stats
 
 # Group sizes along dim 0, zeros included (an empty replica or rank).
 SPLITS = [(3,), (1, 4), (2, 0, 5, 1), (0, 0, 6)]

@@ -30,7 +30,7 @@ from encoding_syncbn import (
 )
 from encoding_syncbn.activations import ACTIVATIONS
 from encoding_syncbn.inplace_abn import InPlaceABN
-from encoding_syncbn.norm_act import BatchNormAct, SyncBatchNormAct
+from encoding_syncbn.layer.norm_act import BatchNormAct, SyncBatchNormAct
 from encoding_syncbn.testing import SimulatedDataParallel
 
 pytestmark = each_backend

@@ -152,7 +152,7 @@ def test_channel_stats_split_reduction(fmt):
     # partial (mean, M2, n) merged by the last of them to finish, in the same launch.
     shape = (64, 2, 33, 9) if fmt == "nchw" else (64, 3, 17, 11)
     x = make_input(shape, torch.float64, fmt)
-    launches, _ = TS._plan_channel_stats(x, P._target(x.device))
+    launches, _ = TS.plan_channel_stats(x, P.launch_target(x.device))
     assert [launch.kernel for launch in launches] == [TS._channel_stats_kernel]
     assert launches[0].grid[1] > 1 and launches[0].constexprs["SPLIT"]
     mean, m2, count = T.channel_stats(x)
@@ -185,7 +185,7 @@ def test_channel_stats_far_from_their_shift(fmt, dtype, offset, std, m2_rtol):
     x = torch.randn(48, 3, 9, 11, generator=g, dtype=torch.float64) * std + offset
     x[:6] += 20 * std
     x = layout(x.to(dtype), fmt).to(DEVICE)
-    launches, _ = TS._plan_channel_stats(x, P._target(x.device))
+    launches, _ = TS.plan_channel_stats(x, P.launch_target(x.device))
     assert launches[0].grid[1] > 1
     mean, m2, _ = T.channel_stats(x)
     # The truth in float64, two passes about the mean with the residual's correction (the
@@ -429,7 +429,7 @@ def test_backward_planned_for_any_target(c, fmt, dtype, variant, sms, seed):
     shape = (rows, c, 5, 9) if c < 16 else (2, c, 3, 5)
     with pytest.MonkeyPatch.context() as patch:
         if sms is not None:
-            patch.setattr(triton_ops, "_target", lambda device: P.Target(False, sms))
+            patch.setattr(triton_ops, "launch_target", lambda device: P.Target(False, sms))
         _check_backward(shape, fmt, dtype, *variant, seed=seed)
 
 
@@ -475,9 +475,9 @@ def _activation_probe(x_ptr, y_ptr, ACTIVATION: tl.constexpr, SAVED_IS_OUTPUT: t
     offsets = tl.arange(0, 16)
     x = tl.load(x_ptr + offsets)
     if SAVED_IS_OUTPUT:
-        y, dz = TA._xhat_dz(x, x, 0.0, 1.0, 1.0, 0.0, 0.5, ACTIVATION, True)
+        y, dz = TA.xhat_dz(x, x, 0.0, 1.0, 1.0, 0.0, 0.5, ACTIVATION, True)
     else:
-        y = TA._activate(x, 0.5, ACTIVATION)
+        y = TA.activate(x, 0.5, ACTIVATION)
     tl.store(y_ptr + offsets, y)
 
 
@@ -516,8 +516,8 @@ def test_activation_constants_are_their_definitions(dtype):
 def test_backward_split_reduction(fmt):
     shape = (64, 2, 33, 9) if fmt == "nchw" else (64, 3, 17, 11)
     x = make_input(shape, torch.float64, fmt)
-    launches, _ = TB._plan_backward_reduce(x, x, *make_params(shape[1], torch.float64),
-                                          "elu", 1.0, True, P._target(x.device))
+    launches, _ = TB.plan_backward_reduce(x, x, *make_params(shape[1], torch.float64),
+                                          "elu", 1.0, True, P.launch_target(x.device))
     assert [launch.kernel for launch in launches] == [TB._backward_reduce_kernel]
     assert launches[0].grid[1] > 1 and launches[0].constexprs["SPLIT"]
     _check_backward(shape, fmt, torch.float64, "elu", True)
@@ -537,7 +537,7 @@ def test_backward_gpu_tile_shapes(monkeypatch):
         for shape, fmt in [((40, 3, 5, 13), "nchw"), ((3, 2, 41, 50), "nchw"),
                            ((9, 70, 5, 7), "last"), ((30, 11, 9, 9), "last")]:
             x = make_input(shape, torch.float64, fmt)
-            planned = P.plan_op(x, P._target(x.device), True).constexprs  # not a stale plan
+            planned = P.plan_op(x, P.launch_target(x.device), True).constexprs  # not a stale plan
             assert planned["BLOCK_A"] * planned["BLOCK_B"] == P._GPU_TILE_ELEMS
             mean, m2, _ = T.channel_stats(x)
             ref_mean, ref_m2, _ = reference_stats(x)
@@ -580,11 +580,11 @@ def test_every_tile_computes_the_same(fmt, which, gpu_tiles, n, c, spatial, dtyp
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(P, "_pick_tile", lambda geo, dtype, interpret: tile)
         if sms is not None:
-            patch.setattr(triton_ops, "_target", lambda device: P.Target(False, sms))
+            patch.setattr(triton_ops, "launch_target", lambda device: P.Target(False, sms))
         P.clear_memos()
         try:
             x = make_input(shape, dtype, fmt, seed=seed)
-            assert P.plan_op(x, P._target(x.device), True).constexprs["CHANNEL_ROWS"] == (
+            assert P.plan_op(x, P.launch_target(x.device), True).constexprs["CHANNEL_ROWS"] == (
                 tile.channel_rows)
             mean, m2, _ = T.channel_stats(x)
             ref_mean, ref_m2, _ = torch_ops.channel_stats(upcast(x))
@@ -676,16 +676,16 @@ def test_gpu_tiles_keep_in_tile_offsets_within_int32(dtype):
 def _tile_offsets_kernel(off_ptr, mask_ptr, t, c0, N, C, S, R, CS, tiles_s,
                          CHANNELS_LAST: tl.constexpr, CHANNEL_ROWS: tl.constexpr,
                          BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr):
-    """Stores the element offsets and mask that ``_tile`` gives tile ``t`` (nothing else)."""
-    base, local, mask = TT._tile(t, c0, N, C, S, R, CS, tiles_s, CHANNELS_LAST, CHANNEL_ROWS,
-                                 BLOCK_A, BLOCK_B)
+    """Stores the element offsets and mask that ``nth_tile`` gives tile ``t`` (nothing else)."""
+    base, local, mask = TT.nth_tile(t, c0, N, C, S, R, CS, tiles_s, CHANNELS_LAST, CHANNEL_ROWS,
+                                    BLOCK_A, BLOCK_B)
     i = tl.arange(0, BLOCK_A)[:, None] * BLOCK_B + tl.arange(0, BLOCK_B)[None, :]
     tl.store(off_ptr + i, base + local)
     tl.store(mask_ptr + i, mask)
 
 
 def _tile_offsets(geo, tile, t, c0):
-    """``_tile``'s (offsets, mask) for a tensor of geometry ``geo``, which is never allocated:
+    """``nth_tile``'s (offsets, mask) for a tensor of geometry ``geo``, which is never allocated:
     the kernel only computes addresses. The arguments are typed as the launchers pass them
     (int32 below 2**31, int64 above), and the interpreter wraps int32 as a GPU does."""
     n, c, s = geo.n, geo.c, geo.s
@@ -733,7 +733,7 @@ def _expected_tile_offsets(geo, tile, t, c0):
         "batch-last",
         "many-channels"])
 def test_tile_addresses_past_2_31_elements(geo, tile, t, c0):
-    """Every element offset ``_tile`` computes for tensors past 2**31 elements, against exact
+    """Every element offset ``nth_tile`` computes for tensors past 2**31 elements, against exact
     integers, through the kernels' own index code (int32 wraps in the interpreter as on a
     GPU: with the plane's position offset in int32 the first case gives negative offsets)."""
     assert P._offsets_fit(geo, tile)
@@ -781,15 +781,15 @@ def test_launch_plans_are_memoised_per_geometry_and_choice():
     later calls are one memo lookup; a new stride or activation is a new plan."""
     x = make_input((4, 3, 5, 5), torch.float64)
     params = make_params(3, torch.float64)
-    P._plan_op_memo.cache_clear()
+    P.plan_op_memo.cache_clear()
     for _ in range(3):
         T.channel_stats(x)
         T.backward_reduce(x, x, *params, "leaky_relu", 0.1, True)
-    info = P._plan_op_memo.cache_info()
+    info = P.plan_op_memo.cache_info()
     assert (info.misses, info.hits) == (2, 4)
     T.backward_reduce(x, x, *params, "elu", 1.0, True)
     T.channel_stats(x.contiguous(memory_format=torch.channels_last))
-    assert P._plan_op_memo.cache_info().misses == 4
+    assert P.plan_op_memo.cache_info().misses == 4
 
 
 def test_empty_backward():
@@ -937,8 +937,8 @@ def test_batch_stats(c, fmt, dtype, running_dtype, counter, momentum, check, see
 def test_batch_stats_merges_split_partials(fmt):
     shape = (64, 2, 33, 9) if fmt == "nchw" else (64, 3, 17, 11)
     x = make_input(shape, torch.float32, fmt)
-    launches, (_, _, _) = TS._plan_batch_stats(x, 1e-5, None, None, None, None, None, None,
-                                                0.0, P._target(x.device))
+    launches, (_, _, _) = TS.plan_batch_stats(x, 1e-5, None, None, None, None, None, None,
+                                              0.0, P.launch_target(x.device))
     assert [launch.kernel for launch in launches] == [TS._batch_stats_kernel]
     assert launches[0].grid[1] > 1 and launches[0].constexprs["SPLIT"]
     running = (torch.zeros(shape[1]), torch.ones(shape[1]), torch.tensor(0), None)
@@ -957,12 +957,12 @@ def test_reductions_planned_for_a_gpu_merge_many_partials(shape, fmt, monkeypatc
     c, target = shape[1], P.Target(False, 132)
     weight, bias = make_params(c, torch.float32)[2:]
     try:
-        stats, (mean, m2) = TS._plan_channel_stats(x, target)
+        stats, (mean, m2) = TS.plan_channel_stats(x, target)
         running = (torch.zeros(c, device=x.device), torch.ones(c, device=x.device), None, 0.1)
-        fused, (fused_mean, invstd, small) = TS._plan_batch_stats(x, 1e-5, *running, weight,
-                                                                  bias, 0.016, target)
+        fused, (fused_mean, invstd, small) = TS.plan_batch_stats(x, 1e-5, *running, weight,
+                                                                 bias, 0.016, target)
         params = (mean, invstd, weight, bias)
-        reduce, sums = TB._plan_backward_reduce(x, x, *params, "leaky_relu", 0.1, False, target)
+        reduce, sums = TB.plan_backward_reduce(x, x, *params, "leaky_relu", 0.1, False, target)
         for launches in (stats, fused, reduce):
             assert len(launches) == 1
             assert launches[0].grid[1] > 2 * launches[0].constexprs["BLOCK_P"]
@@ -1124,7 +1124,7 @@ def test_launches_per_layer_call(shape, fmt, split, inplace):
     from encoding_syncbn.testing import SimulatedDataParallel
 
     x0 = make_input(shape, torch.float32, fmt)
-    launches, _ = TS._plan_channel_stats(x0, P._target(x0.device))
+    launches, _ = TS.plan_channel_stats(x0, P.launch_target(x0.device))
     assert (launches[0].grid[1] > 1) == split  # the cases split as named
     encoding_syncbn.set_backend("triton")
     try:
@@ -1168,11 +1168,12 @@ def test_programs_an_sm_holds(registers, num_warps, programs):
 
 
 def test_check_compiles_every_kernel():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
     proc = subprocess.run(
-        [sys.executable, "-m", "encoding_syncbn.kernels.check", "--arch", "90", "--limit", "1"],
-        capture_output=True, text=True, env=env, timeout=300,
-        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        [sys.executable, "tools/check_kernels.py", "--arch", "90", "--limit", "1"],
+        capture_output=True, text=True, env=env, timeout=300, cwd=root,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for name in ("_channel_stats_kernel", "_batch_stats_kernel", "_normalize_act_kernel",
@@ -1183,8 +1184,9 @@ def test_check_compiles_every_kernel():
 
 # Run in a process of its own, as CI runs the check: compiled kernels, not interpreted ones.
 _COVERAGE_SCRIPT = """
-import itertools, json
-from encoding_syncbn.kernels import check
+import itertools, json, sys
+sys.path.insert(0, "tools")
+import check_kernels as check
 specs = check.specialisations(90)
 chosen = check.covering(specs)
 def pairs(group):

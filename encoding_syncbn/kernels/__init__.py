@@ -5,9 +5,7 @@ for the protocol a backend implements).
 tensors under Triton's interpreter (``TRITON_INTERPRET=1`` set before triton is imported).
 ``"auto"`` (the default): Triton for CUDA tensors when triton imports, ATen otherwise.
 The initial choice comes from ``ENCODING_SYNCBN_BACKEND``. Asking for ``"triton"`` never
-falls back silently: where it cannot run, the call raises and says why. Other backends (a test
-double, say) are registered under a name by :func:`register_backend` and then selected like
-these.
+falls back silently: where it cannot run, the call raises and says why.
 """
 
 from __future__ import annotations
@@ -34,7 +32,7 @@ from .backend import (
 
 __all__ = ["Backend", "BatchSums", "DxCoefs", "GammaCheck", "NormParams", "RunningParams",
            "RunningStats", "channel_vector", "dx_coefs", "get_backend", "ops_for", "reference_ops",
-           "register_backend", "set_backend"]
+           "set_backend"]
 
 BACKENDS = ("auto", "torch", "triton")
 BACKEND_ENV = "ENCODING_SYNCBN_BACKEND"
@@ -43,30 +41,11 @@ TORCH = FunctionsBackend("torch", torch_ops)
 #: What ``torch.compile`` traces in place of ``TORCH`` (the same functions as opaque ops).
 COMPILED = compile_ops.BACKEND
 
-# Backends registered by name beside BACKENDS (tests' doubles, out-of-tree backends).
-_registered: dict[str, Backend] = {}
-
 
 def _validated(name: str) -> str:
-    if name not in BACKENDS and name not in _registered:
-        raise ValueError(f"backend must be one of {(*BACKENDS, *_registered)}, got {name!r}")
+    if name not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {name!r}")
     return name
-
-
-def register_backend(name: str, backend: Backend) -> None:
-    """Make ``backend`` selectable as ``set_backend(name)``: every layer then calls its
-    ops, on any device (while ``torch.compile`` traces too: it must be traceable)."""
-    if name in BACKENDS:
-        raise ValueError(f"{name!r} is a built-in backend name; choose another")
-    _registered[name] = backend
-
-
-def unregister_backend(name: str) -> None:
-    """Forget a registered backend; selecting it falls back to ``"auto"`` if it was current."""
-    global _backend
-    del _registered[name]
-    if _backend == name:
-        _backend = "auto"
 
 
 _backend = _validated(os.environ.get(BACKEND_ENV, "auto") or "auto")
@@ -75,8 +54,7 @@ _triton_import_error: str | None = None
 
 
 def set_backend(name: str) -> None:
-    """Select ``"auto"``, ``"torch"``, ``"triton"`` or a registered backend for every layer of
-    this process.
+    """Select ``"auto"``, ``"torch"`` or ``"triton"`` for every layer of this process.
 
     ``"triton"`` raises, and keeps the current backend, when the kernels cannot be imported.
     """
@@ -137,8 +115,6 @@ def ops_for(x: torch.Tensor) -> Backend:
         if x.is_cuda and (triton_ops := triton_ops or _load_triton()) is not None:
             return triton_ops.backend_for(x)
         return reference_ops()
-    if name != "triton":
-        return _registered[name]
     if triton_ops is None:
         triton_ops = _load_triton()
     # Where the kernels imported, they know whether they are interpreted (no environment read).

@@ -9,10 +9,10 @@ A backend computes, per channel, what ``torch_ops`` (the reference) documents::
     normalize_running(x, running, out)
                     -> (mean, invstd): normalize_act from the running statistics,
                        invstd = 1 / sqrt(running.var + running.eps) (evaluation, in one pass)
-    backward_reduce(saved, dy, params, from_output) -> (sum(dz), sum(dz * xhat))
-    backward_dx(saved, dy, params, from_output, coefs)
+    backward_reduce(saved, dy, params, saved_is_output) -> (sum(dz), sum(dz * xhat))
+    backward_dx(saved, dy, params, saved_is_output, coefs)
                                     dx = coefs.dz * dz + coefs.xhat * xhat + coefs.const
-    batch_backward(saved, dy, params, from_output, count)
+    batch_backward(saved, dy, params, saved_is_output, count)
                     -> (dx, sum(dz), sum(dz * xhat)): backward_reduce, then backward_dx
                        from BatchSums(sum(dz), sum(dz * xhat), count), in one call
 
@@ -32,8 +32,7 @@ Every per-channel vector a backend is handed (in ``NormParams``, ``DxCoefs``, ``
 statistics dtype: the caller makes it so once (:func:`channel_vector`), not every op at every
 call. ``RunningStats`` (and ``RunningParams``' mean and variance) are the layer's own buffers,
 in whatever dtype and strides they have.
-A new backend, or a test double, is one class implementing :class:`Backend`, registered with
-``kernels.register_backend``.
+A new backend, or a test double, is one class implementing :class:`Backend`.
 """
 
 from __future__ import annotations
@@ -188,16 +187,18 @@ class FunctionsBackend:
 
     def backward_reduce(self, saved: torch.Tensor, dy: torch.Tensor, params: NormParams,
                         saved_is_output: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._f.backward_reduce(saved, dy, params, saved_is_output)
+        return self._f.backward_reduce(saved, dy, params, saved_is_output=saved_is_output)
 
     def backward_dx(self, saved: torch.Tensor, dy: torch.Tensor, params: NormParams,
                     saved_is_output: bool, coefs: DxCoefs | BatchSums) -> torch.Tensor:
-        return self._f.backward_dx(saved, dy, params, saved_is_output, coefs)
+        return self._f.backward_dx(saved, dy, params, saved_is_output=saved_is_output,
+                                   coefs=coefs)
 
     def batch_backward(self, saved: torch.Tensor, dy: torch.Tensor, params: NormParams,
                        saved_is_output: bool, count: int
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return reduce_then_dx(self, saved, dy, params, saved_is_output, count)
+        return reduce_then_dx(self, saved, dy, params, saved_is_output=saved_is_output,
+                              count=count)
 
 
 def reduce_then_dx(backend: Backend, saved: torch.Tensor, dy: torch.Tensor, params: NormParams,
@@ -205,6 +206,7 @@ def reduce_then_dx(backend: Backend, saved: torch.Tensor, dy: torch.Tensor, para
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``backend.batch_backward`` as its two ops: ``backward_reduce``, then ``backward_dx``
     from those sums; for a backend with no single call for both."""
-    sums = backend.backward_reduce(saved, dy, params, saved_is_output)
-    return (backend.backward_dx(saved, dy, params, saved_is_output, BatchSums(*sums, count)),
+    sums = backend.backward_reduce(saved, dy, params, saved_is_output=saved_is_output)
+    return (backend.backward_dx(saved, dy, params, saved_is_output=saved_is_output,
+                                coefs=BatchSums(*sums, count)),
             *sums)

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import _compat, activations
+from .. import activations, compat
 from .backend import (
     BatchSums,
     DxCoefs,
@@ -344,7 +344,7 @@ def backward_reduce(saved: torch.Tensor, dy: torch.Tensor, params: NormParams,
         if sums is None:
             sums = piece_sums
         else:
-            _compat.foreach_add_(sums, piece_sums)
+            compat.foreach_add_(sums, piece_sums)
     return sums
 
 

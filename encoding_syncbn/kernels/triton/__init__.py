@@ -5,9 +5,8 @@ docstring for the notation (``z``, ``y``, ``dz``, ``xhat``). One job a file: ``p
 tiles, memoised launch planning), ``tiles`` (device functions addressing a tile),
 ``activations`` (the activation device functions), ``partials`` (a split reduction's merge by
 its last program), one file per op with its kernels and launch planner (``finalize_stats``: what
-follows the batch statistics per channel), ``specialisations`` (every launch the planners can
-produce, for ``check.py``) and ``ops`` (launch, torch.library registration, the public
-functions).
+follows the batch statistics per channel) and ``ops`` (launch, torch.library registration,
+the public functions).
 
 Memory traffic per element of an activation of B bytes, the least each pass can move
 (``benchmarks/traffic.py`` counts what the kernels move):

@@ -11,8 +11,8 @@ import triton.language as tl
 
 # The constants are literals inside jitted functions, each in the dtype of its operand, not
 # module-level ``tl.constexpr`` globals: Triton compares every global a kernel reads (its
-# callees' included) with its compile-time value at each launch, some 1-3 us a global a launch
-# on the host (test_triton_ops checks the literals against their definitions).
+# callees' included) with its compile-time value at each launch, a host cost per global per
+# launch (test_triton_ops checks the literals against their definitions).
 
 
 @triton.jit
@@ -93,7 +93,7 @@ def _gelu_tanh_u(z):
 
 
 @triton.jit
-def _activate(z, slope, ACTIVATION: tl.constexpr):
+def activate(z, slope, ACTIVATION: tl.constexpr):
     """``act(z)`` for one of KERNEL_ACTIVATIONS, positive branch for ``z > 0`` exactly as torch
     (``slope`` is ELU's alpha)."""
     if ACTIVATION == "leaky_relu":
@@ -116,8 +116,8 @@ def _activate(z, slope, ACTIVATION: tl.constexpr):
 
 
 @triton.jit
-def _xhat_dz(s, dy, mean, invstd, weight, bias, slope, ACTIVATION: tl.constexpr,
-             SAVED_IS_OUTPUT: tl.constexpr):
+def xhat_dz(s, dy, mean, invstd, weight, bias, slope, ACTIVATION: tl.constexpr,
+            SAVED_IS_OUTPUT: tl.constexpr):
     """``(xhat, dz)`` from the saved input ``x`` or output ``y``.
 
     from y:  leaky_relu  z = y if y > 0 else y / slope        dz = dy  or dy * slope

@@ -9,27 +9,27 @@ import triton
 import triton.language as tl
 
 from ..backend import BatchSums, DxCoefs, NormParams
-from .backward_reduce import _reduce_launches
+from .backward_reduce import reduce_launches
 from .plan import (
     Launch,
     OpPlan,
     Target,
     Tile,
-    _empty_dx,
-    _in_layout,
-    _plan_op_memo,
-    _prepare,
+    empty_dx,
+    in_layout,
     plan_memo,
     plan_op,
+    plan_op_memo,
+    prepared_input,
 )
 from .tiles import (
-    _aligned_rows,
-    _channel_block,
-    _load_channel,
-    _load_norm_params,
-    _tile,
-    _tile_range,
-    _tile_xhat_dz,
+    aligned_rows,
+    channel_block,
+    load_channel,
+    load_norm_params,
+    nth_tile,
+    tile_range,
+    tile_xhat_dz,
 )
 
 
@@ -49,45 +49,45 @@ def _backward_dx_kernel(saved_ptr, dy_ptr, dx_ptr, mean_ptr, invstd_ptr, weight_
     in ``dx_coefs``' order: scale = w * invstd, p = scale * (-1/n), (scale, p * sum(dz *
     xhat), p * sum(dz)).
     """
-    C, S, CS = _aligned_rows(C, S, CS, CHANNELS_LAST, ALIGN)
-    c0 = _channel_block(CHANNELS_LAST, CHANNEL_ROWS, BLOCK_A, BLOCK_B)
-    mean, invstd, weight, bias = _load_norm_params(mean_ptr, invstd_ptr, weight_ptr, bias_ptr,
-                                                   c0, C, CHANNELS_LAST, CHANNEL_ROWS,
-                                                   BLOCK_A, BLOCK_B)
-    coef_xhat = _load_channel(coef_xhat_ptr, c0, C, CHANNELS_LAST, CHANNEL_ROWS, BLOCK_A, BLOCK_B)
-    coef_const = _load_channel(coef_const_ptr, c0, C, CHANNELS_LAST, CHANNEL_ROWS, BLOCK_A, BLOCK_B)
+    C, S, CS = aligned_rows(C, S, CS, CHANNELS_LAST, ALIGN)
+    c0 = channel_block(CHANNELS_LAST, CHANNEL_ROWS, BLOCK_A, BLOCK_B)
+    mean, invstd, weight, bias = load_norm_params(mean_ptr, invstd_ptr, weight_ptr, bias_ptr,
+                                                  c0, C, CHANNELS_LAST, CHANNEL_ROWS,
+                                                  BLOCK_A, BLOCK_B)
+    coef_xhat = load_channel(coef_xhat_ptr, c0, C, CHANNELS_LAST, CHANNEL_ROWS, BLOCK_A, BLOCK_B)
+    coef_const = load_channel(coef_const_ptr, c0, C, CHANNELS_LAST, CHANNEL_ROWS, BLOCK_A, BLOCK_B)
     if FROM_SUMS:
         coef_dz = weight * invstd
         per_element = coef_dz * tl.full([], neg_inv_count, ACC)
         coef_xhat = per_element * coef_xhat
         coef_const = per_element * coef_const
     else:
-        coef_dz = _load_channel(coef_dz_ptr, c0, C, CHANNELS_LAST, CHANNEL_ROWS, BLOCK_A, BLOCK_B)
+        coef_dz = load_channel(coef_dz_ptr, c0, C, CHANNELS_LAST, CHANNEL_ROWS, BLOCK_A, BLOCK_B)
     no_xhat_term = coef_xhat == 0.0
     alpha = tl.full([], slope, ACC)
-    start, stop = _tile_range(tiles, tiles_per_prog)
+    start, stop = tile_range(tiles, tiles_per_prog)
     for t in range(start, stop):
-        base, local, mask = _tile(t, c0, N, C, S, R, CS, tiles_s, CHANNELS_LAST, CHANNEL_ROWS,
-                                  BLOCK_A, BLOCK_B)
-        xhat, dz = _tile_xhat_dz(saved_ptr, dy_ptr, base + local, mask, mean, invstd, weight,
-                                 bias, alpha, ACTIVATION, SAVED_IS_OUTPUT, ACC)
+        base, local, mask = nth_tile(t, c0, N, C, S, R, CS, tiles_s, CHANNELS_LAST, CHANNEL_ROWS,
+                                     BLOCK_A, BLOCK_B)
+        xhat, dz = tile_xhat_dz(saved_ptr, dy_ptr, base + local, mask, mean, invstd, weight,
+                                bias, alpha, ACTIVATION, SAVED_IS_OUTPUT, ACC)
         # A zero coef_xhat (constant statistics) drops the xhat term: NaN * 0 is no NaN of dx.
         dx = (dz * coef_dz + tl.where(no_xhat_term, 0.0, xhat * coef_xhat)) + coef_const
         tl.store(dx_ptr + base + local, dx.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
-def _plan_backward_dx(saved: torch.Tensor, dy: torch.Tensor, params: NormParams,
-                      saved_is_output: bool, coefs: DxCoefs | BatchSums, target: Target,
-                      tile: Tile | None = None) -> tuple[list[Launch], torch.Tensor] | None:
+def plan_backward_dx(saved: torch.Tensor, dy: torch.Tensor, params: NormParams,
+                     saved_is_output: bool, coefs: DxCoefs | BatchSums, target: Target,
+                     tile: Tile | None = None) -> tuple[list[Launch], torch.Tensor] | None:
     """From ``BatchSums`` of a non-empty batch the kernel derives the coefficients
     (``FROM_SUMS``); None: an empty input."""
     plan = plan_op(saved, target, False, tile, params.activation, params.slope,
                    bool(saved_is_output))
     if plan is None:
         return None
-    dx = _empty_dx(saved, not plan.copy)
-    saved = _prepare(saved, plan)
-    dy = _in_layout(dy, saved.stride(), plan.geo.channels_last)
+    dx = empty_dx(saved, not plan.copy)
+    saved = prepared_input(saved, plan)
+    dy = in_layout(dy, saved.stride(), plan.geo.channels_last)
     if isinstance(coefs, BatchSums):
         count = coefs.count
         coefs = (params.weight, coefs.sum_dz_xhat, coefs.sum_dz)  # the dz slot unread
@@ -127,17 +127,17 @@ def _batch_backward_plans(sizes: tuple[int, ...], strides: tuple[int, ...], dtyp
                           saved_is_output: bool) -> _BackwardPlans | None:
     """The reduction's and dx's plans, memoised together: one lookup a backward (None: an
     empty input)."""
-    reduce, dx = (_plan_op_memo(sizes, strides, dtype, target, reduction, tile, activation,
-                                slope, saved_is_output) for reduction in (True, False))
+    reduce, dx = (plan_op_memo(sizes, strides, dtype, target, reduction, tile, activation,
+                               slope, saved_is_output) for reduction in (True, False))
     if reduce is None:
         return None
     return _BackwardPlans(reduce, dx, _dx_constexprs(dx, True))
 
 
-def _plan_batch_backward(saved: torch.Tensor, dy: torch.Tensor, params: NormParams,
-                         saved_is_output: bool, count: int, target: Target,
-                         tile: Tile | None = None
-                         ) -> tuple[list[Launch], tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+def plan_batch_backward(saved: torch.Tensor, dy: torch.Tensor, params: NormParams,
+                        saved_is_output: bool, count: int, target: Target,
+                        tile: Tile | None = None
+                        ) -> tuple[list[Launch], tuple[torch.Tensor, torch.Tensor, torch.Tensor]
                                     ] | None:
     """``batch_backward``: the reduction, then dx from its sums (``FROM_SUMS``, ``count``
     elements a channel), planned by one lookup; ``(dx, sum_dz, sum_dz_xhat)`` (None: an empty
@@ -148,13 +148,13 @@ def _plan_batch_backward(saved: torch.Tensor, dy: torch.Tensor, params: NormPara
     if plans is None:
         return None
     reduce, dx_plan, dx_constexprs = plans
-    dx = _empty_dx(saved, not reduce.copy)
-    saved = _prepare(saved, reduce)
+    dx = empty_dx(saved, not reduce.copy)
+    saved = prepared_input(saved, reduce)
     if reduce.copy:  # launched on a contiguous copy: its strides
         strides = saved.stride()
-    dy = _in_layout(dy, strides, reduce.geo.channels_last)
+    dy = in_layout(dy, strides, reduce.geo.channels_last)
     vectors = params[:4]
-    launches, (sum_dz, sum_dz_xhat) = _reduce_launches(reduce, saved, dy, *vectors)
+    launches, (sum_dz, sum_dz_xhat) = reduce_launches(reduce, saved, dy, *vectors)
     launches.append(_dx_launch(dx_plan, dx_constexprs, saved, dy, dx, vectors,
                                (params.weight, sum_dz_xhat, sum_dz), -1.0 / count))
     return launches, (dx, sum_dz, sum_dz_xhat)

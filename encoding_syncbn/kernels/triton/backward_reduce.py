@@ -7,25 +7,25 @@ import torch
 import triton
 import triton.language as tl
 
-from .partials import _merge_split, split_counters
+from .partials import merge_split, split_counters
 from .plan import (
     Launch,
     OpPlan,
     Target,
     Tile,
-    _in_layout,
-    _prepare,
+    in_layout,
     plan_op,
+    prepared_input,
 )
 from .tiles import (
-    _aligned_rows,
-    _block_channels,
-    _channel_block,
-    _channel_sums,
-    _load_norm_params,
-    _tile,
-    _tile_range,
-    _tile_xhat_dz,
+    aligned_rows,
+    block_channels,
+    channel_block,
+    channel_sums,
+    load_norm_params,
+    nth_tile,
+    tile_range,
+    tile_xhat_dz,
 )
 
 
@@ -41,50 +41,50 @@ def _backward_reduce_kernel(saved_ptr, dy_ptr, mean_ptr, invstd_ptr, weight_ptr,
     ``sum_dz_xhat``. ``SPLIT``: each program stores its sums in row pid_1 of the [2, splits,
     C] buffer ``part``, and the last of a channel block to finish sums the rows in index order
     (``partials``)."""
-    C, S, CS = _aligned_rows(C, S, CS, CHANNELS_LAST, ALIGN)
-    c0 = _channel_block(CHANNELS_LAST, CHANNEL_ROWS, BLOCK_A, BLOCK_B)
-    mean, invstd, weight, bias = _load_norm_params(mean_ptr, invstd_ptr, weight_ptr, bias_ptr,
-                                                   c0, C, CHANNELS_LAST, CHANNEL_ROWS,
-                                                   BLOCK_A, BLOCK_B)
+    C, S, CS = aligned_rows(C, S, CS, CHANNELS_LAST, ALIGN)
+    c0 = channel_block(CHANNELS_LAST, CHANNEL_ROWS, BLOCK_A, BLOCK_B)
+    mean, invstd, weight, bias = load_norm_params(mean_ptr, invstd_ptr, weight_ptr, bias_ptr,
+                                                  c0, C, CHANNELS_LAST, CHANNEL_ROWS,
+                                                  BLOCK_A, BLOCK_B)
     alpha = tl.full([], slope, ACC)
     acc_dz = tl.zeros([BLOCK_A, BLOCK_B], ACC)
     acc_dz_xhat = tl.zeros([BLOCK_A, BLOCK_B], ACC)
-    start, stop = _tile_range(tiles, tiles_per_prog)
+    start, stop = tile_range(tiles, tiles_per_prog)
     for t in range(start, stop):
-        base, local, mask = _tile(t, c0, N, C, S, R, CS, tiles_s, CHANNELS_LAST, CHANNEL_ROWS,
-                                  BLOCK_A, BLOCK_B)
-        xhat, dz = _tile_xhat_dz(saved_ptr, dy_ptr, base + local, mask, mean, invstd, weight,
-                                 bias, alpha, ACTIVATION, SAVED_IS_OUTPUT, ACC)
+        base, local, mask = nth_tile(t, c0, N, C, S, R, CS, tiles_s, CHANNELS_LAST, CHANNEL_ROWS,
+                                     BLOCK_A, BLOCK_B)
+        xhat, dz = tile_xhat_dz(saved_ptr, dy_ptr, base + local, mask, mean, invstd, weight,
+                                bias, alpha, ACTIVATION, SAVED_IS_OUTPUT, ACC)
         # Padding lanes may hold inf/nan (0 / weight); keep them out of the sums.
         acc_dz += tl.where(mask, dz, 0.0)
         acc_dz_xhat += tl.where(mask, dz * xhat, 0.0)
-    c = _block_channels(c0, CHANNELS_LAST, CHANNEL_ROWS, BLOCK_A, BLOCK_B)
-    sum_dz = _channel_sums(acc_dz, CHANNELS_LAST, CHANNEL_ROWS)
-    sum_dz_xhat = _channel_sums(acc_dz_xhat, CHANNELS_LAST, CHANNEL_ROWS)
-    sum_dz, sum_dz_xhat, finishing = _merge_split(sum_dz, sum_dz_xhat, part_ptr,
-                                                  counter_ptr + c0, c, C, SPLIT, BLOCK_P)
+    c = block_channels(c0, CHANNELS_LAST, CHANNEL_ROWS, BLOCK_A, BLOCK_B)
+    sum_dz = channel_sums(acc_dz, CHANNELS_LAST, CHANNEL_ROWS)
+    sum_dz_xhat = channel_sums(acc_dz_xhat, CHANNELS_LAST, CHANNEL_ROWS)
+    sum_dz, sum_dz_xhat, finishing = merge_split(sum_dz, sum_dz_xhat, part_ptr,
+                                                 counter_ptr + c0, c, C, SPLIT, BLOCK_P)
     if finishing:
         tl.store(sum_dz_ptr + c, sum_dz, mask=c < C)
         tl.store(sum_dz_xhat_ptr + c, sum_dz_xhat, mask=c < C)
 
 
-def _plan_backward_reduce(saved: torch.Tensor, dy: torch.Tensor, mean: torch.Tensor,
-                          invstd: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
-                          activation: str, slope: float, saved_is_output: bool, target: Target,
-                          tile: Tile | None = None
-                          ) -> tuple[list[Launch], tuple[torch.Tensor, torch.Tensor]] | None:
+def plan_backward_reduce(saved: torch.Tensor, dy: torch.Tensor, mean: torch.Tensor,
+                         invstd: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                         activation: str, slope: float, saved_is_output: bool, target: Target,
+                         tile: Tile | None = None
+                         ) -> tuple[list[Launch], tuple[torch.Tensor, torch.Tensor]] | None:
     """The reduction's launches and their ``(sum_dz, sum_dz_xhat)`` (None: an empty input)."""
     plan = plan_op(saved, target, True, tile, activation, slope, bool(saved_is_output))
     if plan is None:
         return None
-    saved = _prepare(saved, plan)
-    dy = _in_layout(dy, saved.stride(), plan.geo.channels_last)
-    return _reduce_launches(plan, saved, dy, mean, invstd, weight, bias)
+    saved = prepared_input(saved, plan)
+    dy = in_layout(dy, saved.stride(), plan.geo.channels_last)
+    return reduce_launches(plan, saved, dy, mean, invstd, weight, bias)
 
 
-def _reduce_launches(plan: OpPlan, saved: torch.Tensor, dy: torch.Tensor, mean: torch.Tensor,
-                     invstd: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
-                     ) -> tuple[list[Launch], tuple[torch.Tensor, torch.Tensor]]:
+def reduce_launches(plan: OpPlan, saved: torch.Tensor, dy: torch.Tensor, mean: torch.Tensor,
+                    invstd: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
+                    ) -> tuple[list[Launch], tuple[torch.Tensor, torch.Tensor]]:
     """The reduction's launch as ``plan`` plans it, on ``saved`` and ``dy`` as it launches on
     them (prepared, in the planned layout), and its ``(sum_dz, sum_dz_xhat)``."""
     acc, splits, c = plan.acc, plan.grid[1], plan.geo.c

@@ -7,28 +7,28 @@ import torch
 import triton
 import triton.language as tl
 
-from .finalize_stats import FinishPlan, _finish_batch_stats, finish_args, finish_plan
-from .partials import _merge_split, split_counters
+from .finalize_stats import FinishPlan, finish_args, finish_batch_stats, finish_plan
+from .partials import merge_split, split_counters
 from .plan import (
     Launch,
     OpPlan,
     Target,
     Tile,
-    _plan_op_memo,
-    _prepare,
     plan_memo,
     plan_op,
+    plan_op_memo,
+    prepared_input,
 )
 from .tiles import (
-    _aligned_rows,
-    _block_channels,
-    _channel_block,
-    _channel_sums,
-    _channel_vector,
-    _next_tile,
-    _tile_at,
-    _tile_coordinates,
-    _tile_range,
+    aligned_rows,
+    as_block_vector,
+    block_channels,
+    channel_block,
+    channel_sums,
+    next_tile,
+    tile_at,
+    tile_coordinates,
+    tile_range,
 )
 
 
@@ -45,7 +45,7 @@ def _block_stats(x_ptr, part_ptr, counter_ptr, N, C, S, R, CS, tiles, tiles_s, t
                  CHANNELS_LAST: tl.constexpr, CHANNEL_ROWS: tl.constexpr, BLOCK_A: tl.constexpr,
                  BLOCK_B: tl.constexpr, ALIGN: tl.constexpr, ACC: tl.constexpr,
                  SPLIT: tl.constexpr, BLOCK_P: tl.constexpr):
-    """``(c, mean, M2, finishing)``: this program's channels ``c`` (a block: ``_block_channels``)
+    """``(c, mean, M2, finishing)``: this program's channels ``c`` (a block: ``block_channels``)
     and, where ``finishing``, their (mean, M2) over the batch.
 
     Each channel's values are taken as deviations d = x - K from a shift K: the mean of the
@@ -64,8 +64,8 @@ def _block_stats(x_ptr, part_ptr, counter_ptr, N, C, S, R, CS, tiles, tiles_s, t
     stores its two sums in row pid_1 of the [2, splits, C] buffer ``part`` and the last to
     finish adds the rows up in index order (``partials``): only it is ``finishing``.
     """
-    C, S, CS = _aligned_rows(C, S, CS, CHANNELS_LAST, ALIGN)
-    c0 = _channel_block(CHANNELS_LAST, CHANNEL_ROWS, BLOCK_A, BLOCK_B)
+    C, S, CS = aligned_rows(C, S, CS, CHANNELS_LAST, ALIGN)
+    c0 = channel_block(CHANNELS_LAST, CHANNEL_ROWS, BLOCK_A, BLOCK_B)
     # The shift, from tile 0: its first row's value plus the tile's mean deviation from it (a
     # constant channel's shift is its value exactly; no sum near the dtype's largest values
     # overflows). Split, every program of the block reads it: then only its first 8 rows
@@ -73,8 +73,8 @@ def _block_stats(x_ptr, part_ptr, counter_ptr, N, C, S, R, CS, tiles, tiles_s, t
     HEAD_ONLY: tl.constexpr = SPLIT and (BLOCK_B if CHANNEL_ROWS else BLOCK_A) > 8
     HEAD_A: tl.constexpr = 8 if HEAD_ONLY and not CHANNEL_ROWS else BLOCK_A
     HEAD_B: tl.constexpr = 8 if HEAD_ONLY and CHANNEL_ROWS else BLOCK_B
-    head, head_local, head_mask = _tile_at(0, 0, c0, N, C, S, R, CS, CHANNELS_LAST,
-                                           CHANNEL_ROWS, HEAD_A, HEAD_B)
+    head, head_local, head_mask = tile_at(0, 0, c0, N, C, S, R, CS, CHANNELS_LAST,
+                                          CHANNEL_ROWS, HEAD_A, HEAD_B)
     first = tl.load(x_ptr + head + head_local, mask=head_mask, other=0.0).to(ACC)
     # (A block's channels past C have no values: their shift is 0.)
     if CHANNELS_LAST:
@@ -91,7 +91,7 @@ def _block_stats(x_ptr, part_ptr, counter_ptr, N, C, S, R, CS, tiles, tiles_s, t
         shift = origin + tl.sum(tl.where(head_mask, first - origin, 0.0)) / count
     shift = tl.where(shift - shift == 0.0, shift, 0.0).to(x_ptr.dtype.element_ty)
     k = shift.to(ACC)
-    start, stop = _tile_range(tiles, tiles_per_prog)
+    start, stop = tile_range(tiles, tiles_per_prog)
     if HEAD_ONLY:
         s1 = tl.zeros([BLOCK_A, BLOCK_B], ACC)
         s2 = tl.zeros([BLOCK_A, BLOCK_B], ACC)
@@ -101,21 +101,21 @@ def _block_stats(x_ptr, part_ptr, counter_ptr, N, C, S, R, CS, tiles, tiles_s, t
         s1 = tl.where(head_mask & (start == 0), first - k, 0.0)
         s2 = s1 * s1
         start = tl.where(start == 0, 1, start)
-    tn, ts = _tile_coordinates(start, tiles_s, CHANNELS_LAST)
+    tn, ts = tile_coordinates(start, tiles_s, CHANNELS_LAST)
     for _ in range(start, stop):
-        base, local, mask = _tile_at(tn, ts, c0, N, C, S, R, CS, CHANNELS_LAST, CHANNEL_ROWS,
-                                     BLOCK_A, BLOCK_B)
+        base, local, mask = tile_at(tn, ts, c0, N, C, S, R, CS, CHANNELS_LAST, CHANNEL_ROWS,
+                                    BLOCK_A, BLOCK_B)
         d = tl.load(x_ptr + base + local, mask=mask, other=shift).to(ACC) - k
         s1 += d
         s2 += d * d
-        tn, ts = _next_tile(tn, ts, tiles_s, CHANNELS_LAST)
-    c = _block_channels(c0, CHANNELS_LAST, CHANNEL_ROWS, BLOCK_A, BLOCK_B)
-    sum_d = _channel_sums(s1, CHANNELS_LAST, CHANNEL_ROWS)
-    sum_d2 = _channel_sums(s2, CHANNELS_LAST, CHANNEL_ROWS)
-    sum_d, sum_d2, finishing = _merge_split(sum_d, sum_d2, part_ptr,
-                                            counter_ptr + tl.program_id(0), c, C, SPLIT, BLOCK_P)
+        tn, ts = next_tile(tn, ts, tiles_s, CHANNELS_LAST)
+    c = block_channels(c0, CHANNELS_LAST, CHANNEL_ROWS, BLOCK_A, BLOCK_B)
+    sum_d = channel_sums(s1, CHANNELS_LAST, CHANNEL_ROWS)
+    sum_d2 = channel_sums(s2, CHANNELS_LAST, CHANNEL_ROWS)
+    sum_d, sum_d2, finishing = merge_split(sum_d, sum_d2, part_ptr,
+                                           counter_ptr + tl.program_id(0), c, C, SPLIT, BLOCK_P)
     n = R.to(ACC)
-    mean = _channel_vector(k, CHANNELS_LAST, CHANNEL_ROWS) + sum_d / n
+    mean = as_block_vector(k, CHANNELS_LAST, CHANNEL_ROWS) + sum_d / n
     # Rounding may leave a constant channel's M2 a hair below 0 (NaN stays NaN).
     m2 = tl.maximum(sum_d2 - sum_d * (sum_d / n), 0.0, propagate_nan=tl.PropagateNan.ALL)
     return c, mean, m2, finishing
@@ -149,15 +149,15 @@ def _batch_stats_kernel(x_ptr, part_ptr, counter_ptr, mean_ptr, invstd_ptr, coun
                         COUNTER: tl.constexpr, CUMULATIVE: tl.constexpr, CHECK: tl.constexpr,
                         RUN_ACC: tl.constexpr):
     """A batch's (mean, invstd), running statistics and small-gamma flags
-    (:func:`_block_stats`, then ``finalize_stats._finish_batch_stats``)."""
+    (:func:`_block_stats`, then ``finalize_stats.finish_batch_stats``)."""
     c, mean, m2, finishing = _block_stats(x_ptr, part_ptr, counter_ptr, N, C, S, R, CS, tiles,
                                           tiles_s, tiles_per_prog, CHANNELS_LAST, CHANNEL_ROWS,
                                           BLOCK_A, BLOCK_B, ALIGN, ACC, SPLIT, BLOCK_P)
     if finishing:
-        _finish_batch_stats(c, mean, m2, counter_ptr, mean_ptr, invstd_ptr, count, eps,
-                            running_mean_ptr, running_var_ptr, batches_ptr, keep, momentum,
-                            var_alpha, weight_ptr, bias_ptr, small_ptr, gamma_limit, C,
-                            RUNNING, COUNTER, CUMULATIVE, CHECK, ACC, RUN_ACC)
+        finish_batch_stats(c, mean, m2, counter_ptr, mean_ptr, invstd_ptr, count, eps,
+                           running_mean_ptr, running_var_ptr, batches_ptr, keep, momentum,
+                           var_alpha, weight_ptr, bias_ptr, small_ptr, gamma_limit, C,
+                           RUNNING, COUNTER, CUMULATIVE, CHECK, ACC, RUN_ACC)
 
 
 def _stats_buffers(plan: OpPlan, x: torch.Tensor, mean: torch.Tensor, extra_counters: int = 0
@@ -170,13 +170,13 @@ def _stats_buffers(plan: OpPlan, x: torch.Tensor, mean: torch.Tensor, extra_coun
     return part, split_counters(x.device, plan.geo.c + extra_counters)
 
 
-def _plan_channel_stats(x: torch.Tensor, target: Target, tile: Tile | None = None
-                        ) -> tuple[list[Launch], tuple[torch.Tensor, torch.Tensor]] | None:
+def plan_channel_stats(x: torch.Tensor, target: Target, tile: Tile | None = None
+                       ) -> tuple[list[Launch], tuple[torch.Tensor, torch.Tensor]] | None:
     """The statistics kernel's launch and its (mean, M2); None: an empty x."""
     plan = plan_op(x, target, True, tile)
     if plan is None:
         return None
-    x = _prepare(x, plan)
+    x = prepared_input(x, plan)
     mean = x.new_empty(plan.geo.c, dtype=plan.acc)
     m2 = torch.empty_like(mean)
     part, counters = _stats_buffers(plan, x, mean)
@@ -192,7 +192,7 @@ def _batch_stats_plan(sizes: tuple[int, ...], strides: tuple[int, ...], dtype: t
                       ) -> tuple[OpPlan, FinishPlan, dict] | None:
     """The launch's plan: the statistics' (:func:`plan_op`), the finishing step's scalars,
     both constexprs together and the flags it writes; one lookup a call (None: an empty x)."""
-    stats = _plan_op_memo(sizes, strides, dtype, target, True, tile, None, 0.0, None)
+    stats = plan_op_memo(sizes, strides, dtype, target, True, tile, None, 0.0, None)
     if stats is None:
         return None
     geo = stats.geo
@@ -201,12 +201,12 @@ def _batch_stats_plan(sizes: tuple[int, ...], strides: tuple[int, ...], dtype: t
     return stats, finish, {**stats.constexprs, **finish.constexprs}
 
 
-def _plan_batch_stats(x: torch.Tensor, eps: float, running_mean: torch.Tensor | None,
-                      running_var: torch.Tensor | None, batches: torch.Tensor | None,
-                      momentum: float | None, weight: torch.Tensor | None,
-                      bias: torch.Tensor | None, gamma_limit: float, target: Target,
-                      tile: Tile | None = None
-                      ) -> tuple[list[Launch], tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+def plan_batch_stats(x: torch.Tensor, eps: float, running_mean: torch.Tensor | None,
+                     running_var: torch.Tensor | None, batches: torch.Tensor | None,
+                     momentum: float | None, weight: torch.Tensor | None,
+                     bias: torch.Tensor | None, gamma_limit: float, target: Target,
+                     tile: Tile | None = None
+                     ) -> tuple[list[Launch], tuple[torch.Tensor, torch.Tensor, torch.Tensor]
                                  ] | None:
     """``batch_stats`` in one launch, whatever the split: ``(mean, invstd, small)`` (None: an
     empty x, nothing to launch)."""
@@ -217,7 +217,7 @@ def _plan_batch_stats(x: torch.Tensor, eps: float, running_mean: torch.Tensor | 
     if plans is None:
         return None
     stats, finish, constexprs = plans
-    x = _prepare(x, stats)
+    x = prepared_input(x, stats)
     mean = x.new_empty(stats.geo.c, dtype=stats.acc)
     # One counter after the channels': the cumulative average's finished blocks.
     part, counters = _stats_buffers(stats, x, mean, 1)

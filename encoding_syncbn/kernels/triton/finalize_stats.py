@@ -16,14 +16,14 @@ import triton
 import triton.language as tl
 
 from ..torch_ops import SMALL_GAMMA_FLOOR
-from .plan import _TL_DTYPES, plan_memo
+from .plan import TL_DTYPES, plan_memo
 
 _INF = tl.constexpr(float("inf"))
 _SMALL_GAMMA_FLOOR = tl.constexpr(SMALL_GAMMA_FLOOR)
 
 
 @triton.jit
-def _div(a, b):
+def div_rn(a, b):
     """``a / b`` correctly rounded (float64's division is; float32's must be asked for)."""
     if a.dtype == tl.float32:
         return tl.div_rn(a, b)
@@ -31,7 +31,7 @@ def _div(a, b):
 
 
 @triton.jit
-def _sqrt(a):
+def sqrt_rn(a):
     """``sqrt(a)`` correctly rounded."""
     if a.dtype == tl.float32:
         return tl.sqrt_rn(a)
@@ -68,13 +68,13 @@ def _small_gamma(w, b, limit):
 
 
 @triton.jit
-def _finish_batch_stats(c, mean, m2, counter_ptr, mean_ptr, invstd_ptr, count: tl.float64,
-                        eps: tl.float64, running_mean_ptr, running_var_ptr, batches_ptr,
-                        keep: tl.float64, momentum: tl.float64, var_alpha: tl.float64,
-                        weight_ptr, bias_ptr, small_ptr, gamma_limit: tl.float64, C,
-                        RUNNING: tl.constexpr, COUNTER: tl.constexpr,
-                        CUMULATIVE: tl.constexpr, CHECK: tl.constexpr, ACC: tl.constexpr,
-                        RUN_ACC: tl.constexpr):
+def finish_batch_stats(c, mean, m2, counter_ptr, mean_ptr, invstd_ptr, count: tl.float64,
+                       eps: tl.float64, running_mean_ptr, running_var_ptr, batches_ptr,
+                       keep: tl.float64, momentum: tl.float64, var_alpha: tl.float64,
+                       weight_ptr, bias_ptr, small_ptr, gamma_limit: tl.float64, C,
+                       RUNNING: tl.constexpr, COUNTER: tl.constexpr,
+                       CUMULATIVE: tl.constexpr, CHECK: tl.constexpr, ACC: tl.constexpr,
+                       RUN_ACC: tl.constexpr):
     """A channel block's batch statistics finished, by the program that has its (mean, M2):
     stored mean, invstd, running statistics and small-gamma flags of the channels ``c`` (a
     block; those past C masked).
@@ -94,13 +94,12 @@ def _finish_batch_stats(c, mean, m2, counter_ptr, mean_ptr, invstd_ptr, count: t
     n = tl.full([], count, ACC)
     epsilon = tl.full([], eps, ACC)
     # The divisions and the square root first, while little is live: in float64 they are
-    # subroutine calls, and ptxas 13 (under Triton 3.9's --regAllocOptLevel=2) spilled values
-    # that were live across them.
+    # subroutine calls, and values live across them spill.
     if COUNTER:
         batches = tl.load(batches_ptr) + 1
     if CUMULATIVE:
-        factor = _div(tl.full([], 1.0, RUN_ACC), batches.to(RUN_ACC))
-    invstd = _div(tl.full([], 1.0, ACC), _sqrt(_div(m2, n) + epsilon))
+        factor = div_rn(tl.full([], 1.0, RUN_ACC), batches.to(RUN_ACC))
+    invstd = div_rn(tl.full([], 1.0, ACC), sqrt_rn(div_rn(m2, n) + epsilon))
     tl.store(invstd_ptr + c, invstd, mask=valid)
     tl.store(mean_ptr + c, mean, mask=valid)
     if RUNNING:
@@ -160,7 +159,7 @@ def finish_plan(acc: torch.dtype, c: int, count: int, eps: float,
     scalars = (float(count), float(eps), 1.0 - momentum, momentum,
                (1.0 if cumulative else momentum) / max(count - 1, 1), float(gamma_limit))
     constexprs = {"RUNNING": running, "COUNTER": counter, "CUMULATIVE": cumulative,
-                  "CHECK": check, "RUN_ACC": _TL_DTYPES[run_acc]}
+                  "CHECK": check, "RUN_ACC": TL_DTYPES[run_acc]}
     return FinishPlan(scalars, constexprs, c if check else 0)
 
 

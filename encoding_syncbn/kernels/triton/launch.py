@@ -11,7 +11,7 @@ Triton binds them. Triton's public launch still takes every launch
 
 - the first of each specialisation (it compiles or finds the kernel, and loads it);
 - under the interpreter, and with a Triton whose launch this module was not read against
-  (``_compat.triton_launch_knobs``);
+  (``compat.triton_launch_knobs``);
 - while a launch hook is set (``knobs.runtime.launch_enter_hook`` and ``launch_exit_hook``,
   the stages-inspection hook, the kernel's pre-run hooks): they see every launch.
 
@@ -24,7 +24,7 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
-from ... import _compat
+from ... import compat
 from .plan import COMPILE_OPTIONS, INTERPRET, Launch, forget_with_plans
 
 
@@ -88,7 +88,7 @@ def compiled_for(planned: Launch, device_index: int | None) -> Any | None:
 
 def _resolve_knobs() -> Any:
     global _knobs
-    _knobs = None if INTERPRET else _compat.triton_launch_knobs()
+    _knobs = None if INTERPRET else compat.triton_launch_knobs()
     return _knobs
 
 

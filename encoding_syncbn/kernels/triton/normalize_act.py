@@ -7,24 +7,24 @@ import triton
 import triton.language as tl
 
 from ..backend import NormParams, RunningParams
-from .activations import _activate
-from .finalize_stats import _div, _sqrt
+from .activations import activate
+from .finalize_stats import div_rn, sqrt_rn
 from .plan import (
     Launch,
     OpPlan,
     Target,
     Tile,
-    _geometry,
-    _prepare,
+    geometry_of,
     plan_op,
+    prepared_input,
 )
 from .tiles import (
-    _aligned_rows,
-    _channel_block,
-    _load_channel,
-    _store_channel,
-    _tile,
-    _tile_range,
+    aligned_rows,
+    channel_block,
+    load_channel,
+    nth_tile,
+    store_channel,
+    tile_range,
 )
 
 
@@ -39,14 +39,14 @@ def _normalize_tiles(x_ptr, out_ptr, mean, scale, bias, slope, c0, N, C, S, R, C
     The mean is subtracted before scaling (no x * scale + shift: it cancels when |mean| >> std).
     ``out`` may be ``x``: each element is read and written by the same program.
     """
-    C, S, CS = _aligned_rows(C, S, CS, CHANNELS_LAST, ALIGN)
+    C, S, CS = aligned_rows(C, S, CS, CHANNELS_LAST, ALIGN)
     alpha = tl.full([], slope, ACC)
-    start, stop = _tile_range(tiles, tiles_per_prog)
+    start, stop = tile_range(tiles, tiles_per_prog)
     for t in range(start, stop):
-        base, local, mask = _tile(t, c0, N, C, S, R, CS, tiles_s, CHANNELS_LAST, CHANNEL_ROWS,
-                                  BLOCK_A, BLOCK_B)
+        base, local, mask = nth_tile(t, c0, N, C, S, R, CS, tiles_s, CHANNELS_LAST, CHANNEL_ROWS,
+                                     BLOCK_A, BLOCK_B)
         x = tl.load(x_ptr + base + local, mask=mask, other=0.0).to(ACC)
-        y = _activate((x - mean) * scale + bias, alpha, ACTIVATION)
+        y = activate((x - mean) * scale + bias, alpha, ACTIVATION)
         tl.store(out_ptr + base + local, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -57,11 +57,11 @@ def _normalize_act_kernel(x_ptr, out_ptr, mean_ptr, invstd_ptr, weight_ptr, bias
                           CHANNEL_ROWS: tl.constexpr, BLOCK_A: tl.constexpr,
                           BLOCK_B: tl.constexpr, ALIGN: tl.constexpr, ACC: tl.constexpr):
     """out = act((x - mean) * (invstd * weight) + bias) (:func:`_normalize_tiles`)."""
-    c0 = _channel_block(CHANNELS_LAST, CHANNEL_ROWS, BLOCK_A, BLOCK_B)
-    mean = _load_channel(mean_ptr, c0, C, CHANNELS_LAST, CHANNEL_ROWS, BLOCK_A, BLOCK_B)
-    scale = (_load_channel(invstd_ptr, c0, C, CHANNELS_LAST, CHANNEL_ROWS, BLOCK_A, BLOCK_B)
-             * _load_channel(weight_ptr, c0, C, CHANNELS_LAST, CHANNEL_ROWS, BLOCK_A, BLOCK_B))
-    bias = _load_channel(bias_ptr, c0, C, CHANNELS_LAST, CHANNEL_ROWS, BLOCK_A, BLOCK_B)
+    c0 = channel_block(CHANNELS_LAST, CHANNEL_ROWS, BLOCK_A, BLOCK_B)
+    mean = load_channel(mean_ptr, c0, C, CHANNELS_LAST, CHANNEL_ROWS, BLOCK_A, BLOCK_B)
+    scale = (load_channel(invstd_ptr, c0, C, CHANNELS_LAST, CHANNEL_ROWS, BLOCK_A, BLOCK_B)
+             * load_channel(weight_ptr, c0, C, CHANNELS_LAST, CHANNEL_ROWS, BLOCK_A, BLOCK_B))
+    bias = load_channel(bias_ptr, c0, C, CHANNELS_LAST, CHANNEL_ROWS, BLOCK_A, BLOCK_B)
     _normalize_tiles(x_ptr, out_ptr, mean, scale, bias, slope, c0, N, C, S, R, CS, tiles,
                      tiles_s, tiles_per_prog, ACTIVATION, CHANNELS_LAST, CHANNEL_ROWS, BLOCK_A,
                      BLOCK_B, ALIGN, ACC)
@@ -78,16 +78,16 @@ def _normalize_running_kernel(x_ptr, out_ptr, running_mean_ptr, running_var_ptr,
     dtype), ``invstd = 1 / sqrt(running_var + eps)`` per channel (correctly rounded steps, as
     ``batch_stats``' and ATen's CPU rsqrt); the first program of each channel block also
     stores the mean and invstd it used (in ACC) for the backward."""
-    c0 = _channel_block(CHANNELS_LAST, CHANNEL_ROWS, BLOCK_A, BLOCK_B)
-    mean = _load_channel(running_mean_ptr, c0, C, CHANNELS_LAST, CHANNEL_ROWS, BLOCK_A, BLOCK_B)
-    var = _load_channel(running_var_ptr, c0, C, CHANNELS_LAST, CHANNEL_ROWS, BLOCK_A, BLOCK_B)
+    c0 = channel_block(CHANNELS_LAST, CHANNEL_ROWS, BLOCK_A, BLOCK_B)
+    mean = load_channel(running_mean_ptr, c0, C, CHANNELS_LAST, CHANNEL_ROWS, BLOCK_A, BLOCK_B)
+    var = load_channel(running_var_ptr, c0, C, CHANNELS_LAST, CHANNEL_ROWS, BLOCK_A, BLOCK_B)
     mean, var = mean.to(ACC), var.to(ACC)
-    invstd = _div(tl.full([], 1.0, ACC), _sqrt(var + tl.full([], eps, ACC)))
+    invstd = div_rn(tl.full([], 1.0, ACC), sqrt_rn(var + tl.full([], eps, ACC)))
     if tl.program_id(1) == 0:
-        _store_channel(mean_ptr, mean, c0, C, CHANNELS_LAST, CHANNEL_ROWS, BLOCK_A, BLOCK_B)
-        _store_channel(invstd_ptr, invstd, c0, C, CHANNELS_LAST, CHANNEL_ROWS, BLOCK_A, BLOCK_B)
-    scale = invstd * _load_channel(weight_ptr, c0, C, CHANNELS_LAST, CHANNEL_ROWS, BLOCK_A, BLOCK_B)
-    bias = _load_channel(bias_ptr, c0, C, CHANNELS_LAST, CHANNEL_ROWS, BLOCK_A, BLOCK_B)
+        store_channel(mean_ptr, mean, c0, C, CHANNELS_LAST, CHANNEL_ROWS, BLOCK_A, BLOCK_B)
+        store_channel(invstd_ptr, invstd, c0, C, CHANNELS_LAST, CHANNEL_ROWS, BLOCK_A, BLOCK_B)
+    scale = invstd * load_channel(weight_ptr, c0, C, CHANNELS_LAST, CHANNEL_ROWS, BLOCK_A, BLOCK_B)
+    bias = load_channel(bias_ptr, c0, C, CHANNELS_LAST, CHANNEL_ROWS, BLOCK_A, BLOCK_B)
     _normalize_tiles(x_ptr, out_ptr, mean, scale, bias, slope, c0, N, C, S, R, CS, tiles,
                      tiles_s, tiles_per_prog, ACTIVATION, CHANNELS_LAST, CHANNEL_ROWS, BLOCK_A,
                      BLOCK_B, ALIGN, ACC)
@@ -96,20 +96,20 @@ def _normalize_running_kernel(x_ptr, out_ptr, running_mean_ptr, running_var_ptr,
 def _destination(x: torch.Tensor, out: torch.Tensor, plan: OpPlan) -> torch.Tensor:
     """``out`` when it lies like ``x`` (as the plan launches on it), else a temporary that the
     caller copies to ``out``."""
-    if out is x or (out.shape == x.shape and _geometry(out) == plan.geo):
+    if out is x or (out.shape == x.shape and geometry_of(out) == plan.geo):
         return out
     return torch.empty_like(x, dtype=out.dtype)
 
 
-def _plan_normalize_act(x: torch.Tensor, params: NormParams, out: torch.Tensor, target: Target,
-                        tile: Tile | None = None) -> tuple[list[Launch], torch.Tensor] | None:
+def plan_normalize_act(x: torch.Tensor, params: NormParams, out: torch.Tensor, target: Target,
+                       tile: Tile | None = None) -> tuple[list[Launch], torch.Tensor] | None:
     """Plan into ``out`` when it lies like (the possibly copied) x, else into a temporary that
     the caller copies to ``out`` (returned as the tensor the kernel writes); None: an empty x,
     nothing to launch."""
     plan = plan_op(x, target, False, tile, params.activation, params.slope)
     if plan is None:
         return None
-    x = _prepare(x, plan)
+    x = prepared_input(x, plan)
     dst = _destination(x, out, plan)
     launch = Launch(_normalize_act_kernel, plan.grid,
                     (x, dst, *params[:4], plan.slope, *plan.args),
@@ -117,11 +117,11 @@ def _plan_normalize_act(x: torch.Tensor, params: NormParams, out: torch.Tensor, 
     return [launch], dst
 
 
-def _plan_normalize_running(x: torch.Tensor, running: RunningParams, out: torch.Tensor,
-                            target: Target, tile: Tile | None = None
-                            ) -> tuple[list[Launch], torch.Tensor,
+def plan_normalize_running(x: torch.Tensor, running: RunningParams, out: torch.Tensor,
+                           target: Target, tile: Tile | None = None
+                           ) -> tuple[list[Launch], torch.Tensor,
                                        tuple[torch.Tensor, torch.Tensor]] | None:
-    """As ``_plan_normalize_act``, from the running statistics (buffers of any strides, read
+    """As ``plan_normalize_act``, from the running statistics (buffers of any strides, read
     contiguous), with the ``(mean, invstd)`` the launch writes (None: an empty x, nothing to
     launch)."""
     running_mean, running_var, eps, weight, bias, activation, slope = running
@@ -129,7 +129,7 @@ def _plan_normalize_running(x: torch.Tensor, running: RunningParams, out: torch.
     if plan is None:
         return None
     running_mean, running_var = running_mean.contiguous(), running_var.contiguous()
-    x = _prepare(x, plan)
+    x = prepared_input(x, plan)
     dst = _destination(x, out, plan)
     mean = x.new_empty(plan.geo.c, dtype=plan.acc)
     invstd = torch.empty_like(mean)

@@ -8,19 +8,19 @@ import threading
 
 import torch
 
-from ... import _compat
+from ... import compat
 from .. import torch_ops
 from ..backend import BatchSums, DxCoefs, GammaCheck, NormParams, RunningParams, RunningStats
 from ..custom_ops import OpsBackend, channel_vectors, custom_op
 from ..torch_ops import stats_dtype
-from .backward_dx import _plan_backward_dx, _plan_batch_backward
-from .backward_reduce import _plan_backward_reduce
-from .channel_stats import _plan_batch_stats, _plan_channel_stats
+from .backward_dx import plan_backward_dx, plan_batch_backward
+from .backward_reduce import plan_backward_reduce
+from .channel_stats import plan_batch_stats, plan_channel_stats
 from .launch import launch
-from .normalize_act import _plan_normalize_act, _plan_normalize_running
+from .normalize_act import plan_normalize_act, plan_normalize_running
 from .partials import reset_counters
 from .plan import INTERPRET as INTERPRET
-from .plan import Launch, _empty_dx, _geometry, _target
+from .plan import Launch, empty_dx, geometry_of, launch_target
 
 # Triton's interpreter swaps the triton.language functions for its own while a kernel runs, so
 # two threads (DataParallel replicas) interpreting at once break each other; a GPU needs no lock.
@@ -60,7 +60,7 @@ def _zero_vectors(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _channel_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     device = x.device
-    planned = _plan_channel_stats(x, _target(device))
+    planned = plan_channel_stats(x, launch_target(device))
     if planned is None:  # empty: no launch
         return _zero_vectors(x)
     launches, result = planned
@@ -77,8 +77,8 @@ def _batch_stats(x: torch.Tensor, eps: float, running: RunningStats | None,
     if strided:  # the kernel writes contiguous vectors: strided buffers updated through copies
         running_mean, running_var = running_mean.contiguous(), running_var.contiguous()
     device = x.device
-    planned = _plan_batch_stats(x, eps, running_mean, running_var, batches, momentum, weight,
-                                bias, gamma_limit, _target(device))
+    planned = plan_batch_stats(x, eps, running_mean, running_var, batches, momentum, weight,
+                               bias, gamma_limit, launch_target(device))
     if planned is None:  # empty: no launch, the reference's answer (per-channel vectors only)
         mean, invstd, small = torch_ops.batch_stats(x, eps, running, check)
         return mean, invstd, (small.to(torch.uint8) if small is not None
@@ -93,7 +93,7 @@ def _batch_stats(x: torch.Tensor, eps: float, running: RunningStats | None,
 
 def _normalize_act(x: torch.Tensor, params: NormParams, out: torch.Tensor) -> None:
     device = x.device
-    planned = _plan_normalize_act(x, params, out, _target(device))
+    planned = plan_normalize_act(x, params, out, launch_target(device))
     if planned is None:  # empty: no launch
         return
     launches, dst = planned
@@ -105,7 +105,7 @@ def _normalize_act(x: torch.Tensor, params: NormParams, out: torch.Tensor) -> No
 def _normalize_running(x: torch.Tensor, running: RunningParams,
                        out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     device = x.device
-    planned = _plan_normalize_running(x, running, out, _target(device))
+    planned = plan_normalize_running(x, running, out, launch_target(device))
     if planned is None:  # empty: no launch, the reference's answer (per-channel vectors only)
         return torch_ops.normalize_running(x, running, out)
     launches, dst, stats = planned
@@ -118,7 +118,7 @@ def _normalize_running(x: torch.Tensor, running: RunningParams,
 def _backward_reduce(saved: torch.Tensor, dy: torch.Tensor, params: NormParams,
                      saved_is_output: bool) -> tuple[torch.Tensor, torch.Tensor]:
     device = saved.device
-    planned = _plan_backward_reduce(saved, dy, *params, saved_is_output, _target(device))
+    planned = plan_backward_reduce(saved, dy, *params, saved_is_output, launch_target(device))
     if planned is None:  # empty: no launch
         return _zero_vectors(saved)
     launches, result = planned
@@ -129,9 +129,9 @@ def _backward_reduce(saved: torch.Tensor, dy: torch.Tensor, params: NormParams,
 def _backward_dx(saved: torch.Tensor, dy: torch.Tensor, params: NormParams,
                  saved_is_output: bool, coefs: DxCoefs | BatchSums) -> torch.Tensor:
     device = saved.device
-    planned = _plan_backward_dx(saved, dy, params, saved_is_output, coefs, _target(device))
+    planned = plan_backward_dx(saved, dy, params, saved_is_output, coefs, launch_target(device))
     if planned is None:  # empty: no launch
-        return _empty_dx(saved, _geometry(saved) is not None)
+        return empty_dx(saved, geometry_of(saved) is not None)
     launches, dx = planned
     _run(launches, device)
     return dx
@@ -141,12 +141,12 @@ class TritonBackend(OpsBackend):
     """The Triton kernels as a :class:`~encoding_syncbn.kernels.backend.Backend`, launched
     from the calling thread (the eager route of every op).
 
-    Per channel, ``channel_stats`` gives ``(mean, M2, count)`` by Welford/Chan (zeros for an
-    empty batch: it drops out of any Chan merge); ``batch_stats`` the batch's ``(mean,
-    invstd)``, the running statistics folded in and the small-gamma flags (uint8) where asked,
-    in one launch; ``normalize_running`` derives ``invstd`` in its launch, which also writes
-    the ``(mean, invstd)`` it used; ``backward_dx`` from ``BatchSums`` derives the
-    coefficients in the kernel.
+    Per channel, ``channel_stats`` gives ``(mean, M2, count)`` from sums of deviations from a
+    shift taken from the data (zeros for an empty batch: it drops out of any Chan merge);
+    ``batch_stats`` the batch's ``(mean, invstd)``, the running statistics folded in and the
+    small-gamma flags (uint8) where asked, in one launch; ``normalize_running`` derives
+    ``invstd`` in its launch, which also writes the ``(mean, invstd)`` it used;
+    ``backward_dx`` from ``BatchSums`` derives the coefficients in the kernel.
     """
 
     def __init__(self) -> None:
@@ -170,10 +170,10 @@ class TritonBackend(OpsBackend):
         """``backward_reduce``, then ``backward_dx`` from its ``BatchSums``: ``(dx, sum_dz,
         sum_dz_xhat)``, in two launches planned by one lookup."""
         device = saved.device
-        planned = _plan_batch_backward(saved, dy, params, bool(saved_is_output), int(count),
-                                       _target(device))
+        planned = plan_batch_backward(saved, dy, params, bool(saved_is_output), int(count),
+                                      launch_target(device))
         if planned is None:  # empty: no launch
-            return _empty_dx(saved, _geometry(saved) is not None), *_zero_vectors(saved)
+            return empty_dx(saved, geometry_of(saved) is not None), *_zero_vectors(saved)
         launches, result = planned
         _run(launches, device)
         return result
@@ -217,7 +217,7 @@ _backward_dx_op = custom_op("backward_dx")(_backward_dx)
 
 @_backward_dx_op.register_fake
 def _(saved: torch.Tensor, *_) -> torch.Tensor:
-    return _empty_dx(saved, _geometry(saved) is not None)
+    return empty_dx(saved, geometry_of(saved) is not None)
 
 
 #: The registered ops: what tracers see (see :func:`backend_for`).
@@ -232,9 +232,9 @@ def backend_for(x: torch.Tensor) -> OpsBackend:
     Seen while compiling (the graph must hold the opaque op), for tensor subclasses (a
     FakeTensor gets the fake implementation; so does a meta tensor) and under a dispatch mode
     (tracers must see the op). In plain eager calls the dispatcher would only add its overhead,
-    some 10-20 us per call held under the GIL, which DataParallel's replica threads share.
+    held under the GIL, which DataParallel's replica threads share.
     """
     if (torch.compiler.is_compiling() or type(x) is not torch.Tensor or x.is_meta
-            or _compat.current_dispatch_mode() is not None):
+            or compat.current_dispatch_mode() is not None):
         return TRACED
     return EAGER

@@ -19,18 +19,18 @@ import torch
 import triton
 import triton.language as tl
 
-from ... import _compat
+from ... import compat
 
 
 @triton.jit
-def _merge_split(sum_a, sum_b, part_ptr, block_counter_ptr, c, C, SPLIT: tl.constexpr,
-                 BLOCK_P: tl.constexpr):
+def merge_split(sum_a, sum_b, part_ptr, block_counter_ptr, c, C, SPLIT: tl.constexpr,
+                BLOCK_P: tl.constexpr):
     """``(sum_a, sum_b, finishing)``: a channel block's two per-channel sums over all of its
     programs (grid axis 1), in the program that is ``finishing`` (without ``SPLIT``, every
     program has the whole sums). ``block_counter_ptr``: a counter of the channel block's own,
     at its block index (statistics) or its first channel (backward reduction: its c0 is live
-    across the loop anyway, where ptxas 13 under Triton 3.9's ``--regAllocOptLevel=2``
-    spilled the block index; the statistics kernels spilled the other way round).
+    across the loop anyway, and the block index kept live there too spills; the statistics
+    kernels the other way round).
 
     The protocol is the module's, on rows pid_1 of the [2, splits, C] buffer ``part``; the last
     program adds the rows up BLOCK_P at a time, reading past the L1 cache (``.cg``: other
@@ -80,7 +80,7 @@ _lock = threading.Lock()
 def split_counters(device: torch.device, count: int) -> torch.Tensor:
     """At least ``count`` zeroed int32 counters for launches on ``device``'s current stream,
     reused from launch to launch (each launch leaves them at 0)."""
-    stream = _compat.current_stream_handle(device.index) if device.type == "cuda" else 0
+    stream = compat.current_stream_handle(device.index) if device.type == "cuda" else 0
     buffer = _counters.get((device, stream))
     if buffer is None or buffer.numel() < count:
         with _lock:

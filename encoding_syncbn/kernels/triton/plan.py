@@ -13,12 +13,12 @@ from typing import Callable, NamedTuple
 import torch
 import triton.language as tl
 
-from ... import _compat
+from ... import compat
 from ...activations import ACTIVATIONS
 from ..torch_ops import INPUT_DTYPES, stats_dtype
 
 #: Whether kernels run in Triton's CPU interpreter (fixed when ``triton.jit`` wrapped them).
-INTERPRET: bool = _compat.triton_interpreting()
+INTERPRET: bool = compat.triton_interpreting()
 
 #: Input dtypes the kernels are built for: the layer's.
 DTYPES = INPUT_DTYPES
@@ -32,12 +32,12 @@ BACKWARD_VARIANTS = tuple((False, a) for a in KERNEL_ACTIVATIONS) + tuple(
     (True, a) for a in dict.fromkeys(a.kernel for a in ACTIVATIONS.values() if a.inverse)
 )
 
-_TL_DTYPES = {torch.float32: tl.float32, torch.float64: tl.float64}
+TL_DTYPES = {torch.float32: tl.float32, torch.float64: tl.float64}
 
 # Elements per tile, 8 (fp64: 1) per thread. fp64's divisions, exp and log are register-hungry
-# subroutines: at 2, 4 and 8 elements a thread the AOT check found fp64 specialisations of the
-# backward reduction and the statistics spilling (8-16 bytes, sm_80 and sm_90); at 1 none.
-# (fp64 on a GPU is for checking, not speed.) The interpreter pays per program and per operation,
+# subroutines: with more than one element a thread, fp64 specialisations of the backward
+# reduction and the statistics spill; with one, none does. (fp64 on a GPU is for checking, not
+# speed.) The interpreter pays per program and per operation,
 # not per element, so it gets bigger tiles (and fewer programs, below).
 _GPU_TILE_ELEMS = 2048
 _GPU_TILE_ELEMS_FP64 = 128
@@ -83,10 +83,8 @@ class Target(NamedTuple):
 
 
 # What every launch compiles with: fused multiply-adds, and an explicit register ceiling, the
-# hardware's 255. Without a ceiling ptxas chose a register target of its own (32 or 80 in the
-# cases found) below what the kernel needed and spilled a value: 4 of 2102 specialisations
-# under Triton 3.6 on sm_90; with it, none spills (``python -m encoding_syncbn.kernels.check``,
-# which compiles with these options too).
+# hardware's 255: without one, ptxas may choose a register target of its own below what a
+# kernel needs and spill (``tools/check_kernels.py`` compiles with these options too).
 COMPILE_OPTIONS = {"enable_fp_fusion": True, "maxnreg": 255}
 
 
@@ -100,7 +98,7 @@ _SM_WARPS = 64
 
 def programs_per_sm(registers: int, num_warps: int) -> int:
     """Programs of ``num_warps`` warps, ``registers`` a thread, that one SM holds at once
-    (``kernels.check`` reports it per specialisation; reductions are planned at
+    (``tools/check_kernels.py`` reports it per specialisation; reductions are planned at
     ``_REDUCE_PROGRAMS_PER_SM``)."""
     per_warp = -(-registers * 32 // _REGISTER_UNIT) * _REGISTER_UNIT
     return min(_SM_REGISTERS // (per_warp * num_warps), _SM_WARPS // num_warps)
@@ -124,7 +122,7 @@ class _Geometry(NamedTuple):
 
 
 def _cdiv(a: int, b: int) -> int:
-    """``ceil(a / b)`` in plain ints (``triton.cdiv`` is a jitted function: ~10 us a call)."""
+    """``ceil(a / b)`` in plain ints (``triton.cdiv`` is a jitted function: slow to call)."""
     return -(-a // b)
 
 
@@ -142,7 +140,7 @@ def tile_choices(channels_last: bool, dtype: torch.dtype, interpret: bool = INTE
 
 
 def _offsets_fit(geo: _Geometry, tile: Tile) -> bool:
-    """Whether every element a tile reads lies within int32 of the tile's start: ``_tile``
+    """Whether every element a tile reads lies within int32 of the tile's start: ``nth_tile``
     keeps the in-tile offsets (rows times the row stride: C, C*S or S) in 32 bits."""
     if geo.channels_last:
         row_stride, rows = geo.c, geo.n * geo.s
@@ -184,14 +182,14 @@ def _sm_count(device_index: int) -> int:
 
 
 @functools.lru_cache(maxsize=64)
-def _target(device: torch.device) -> Target:
+def launch_target(device: torch.device) -> Target:
     """What launches on ``device`` are planned for (memoised: every op asks on every call)."""
     if INTERPRET or device.type != "cuda":
         return Target(INTERPRET, 0)
     return Target(False, _sm_count(device.index if device.index is not None else 0))
 
 
-def _geometry(x: torch.Tensor) -> _Geometry | None:
+def geometry_of(x: torch.Tensor) -> _Geometry | None:
     """How ``x`` lies in memory, or None when it is neither NCHW nor channels_last dense."""
     sizes, strides = tuple(x.shape), x.stride()
     try:
@@ -214,7 +212,7 @@ def _dense(sizes: tuple[int, ...], strides: tuple[int, ...]) -> bool:
 
 @functools.lru_cache(maxsize=1024)
 def _layout(sizes: tuple[int, ...], strides: tuple[int, ...]) -> _Geometry | None:
-    """``_geometry`` of a tensor with these sizes and strides (memoised: host ints only)."""
+    """``geometry_of`` of a tensor with these sizes and strides (memoised: host ints only)."""
     n, c = sizes[0], sizes[1]
     s = math.prod(sizes[2:])
     contiguous = _dense(sizes, strides)
@@ -234,12 +232,12 @@ def _to_last(x: torch.Tensor) -> torch.Tensor:
     return x.permute(0, *range(2, x.dim()), 1)
 
 
-def _in_layout(t: torch.Tensor, strides: tuple[int, ...], channels_last: bool) -> torch.Tensor:
+def in_layout(t: torch.Tensor, strides: tuple[int, ...], channels_last: bool) -> torch.Tensor:
     """``t`` itself when it lies like the planned geometry (``strides``: those of the tensor of
     t's shape the plan launches on, NCHW or ``channels_last`` dense), else one copy that does."""
     if t.stride() == strides:  # the usual case, without a geometry lookup
         return t
-    geo = _geometry(t)
+    geo = geometry_of(t)
     if geo is not None and (geo.channels_last == channels_last or geo.s == 1):
         return t
     if not channels_last:
@@ -248,7 +246,7 @@ def _in_layout(t: torch.Tensor, strides: tuple[int, ...], channels_last: bool) -
 
 
 def _program_channels(geo: _Geometry, tile: Tile) -> int:
-    """Channels a program owns (``tiles._channel_block``): BLOCK_B in channels_last, BLOCK_A
+    """Channels a program owns (``tiles.channel_block``): BLOCK_B in channels_last, BLOCK_A
     with rows of channels, else one."""
     if geo.channels_last:
         return tile.block_b
@@ -295,7 +293,7 @@ def row_align(geo: _Geometry, dtype: torch.dtype) -> int:
     the length of a tensor row (S positions in NCHW, C channels in channels_last). Triton only
     tells its kernels that a size is a multiple of 16; a 14x14 map (196 positions) is a
     multiple of 4, so float32 rows of it start on 16 bytes and load as vectors once the
-    kernel knows (``tiles._aligned_rows``)."""
+    kernel knows (``tiles.aligned_rows``)."""
     length = geo.c if geo.channels_last else geo.s
     return min(length & -length, _VECTOR_BYTES // dtype.itemsize)
 
@@ -307,7 +305,7 @@ def _tile_constexprs(geo: _Geometry, tile: Tile, dtype: torch.dtype) -> dict:
         "BLOCK_A": tile.block_a,
         "BLOCK_B": tile.block_b,
         "ALIGN": row_align(geo, dtype),
-        "ACC": _TL_DTYPES[stats_dtype(dtype)],
+        "ACC": TL_DTYPES[stats_dtype(dtype)],
     }
 
 
@@ -342,8 +340,8 @@ def plan_op(x: torch.Tensor, target: Target, reduction: bool, tile: Tile | None 
     dtype, target and the op's choices. ``activation`` None plans the statistics (no
     activation constexpr), ``saved_is_output`` None a forward.
     """
-    return _plan_op_memo(x.shape, x.stride(), x.dtype, target, reduction, tile, activation,
-                         slope, saved_is_output)
+    return plan_op_memo(x.shape, x.stride(), x.dtype, target, reduction, tile, activation,
+                        slope, saved_is_output)
 
 
 def check_dtype(dtype: torch.dtype) -> None:
@@ -380,9 +378,9 @@ def clear_memos() -> None:
 
 
 @plan_memo
-def _plan_op_memo(sizes: tuple[int, ...], strides: tuple[int, ...], dtype: torch.dtype,
-                  target: Target, reduction: bool, tile: Tile | None, activation: str | None,
-                  slope: float, saved_is_output: bool | None) -> OpPlan | None:
+def plan_op_memo(sizes: tuple[int, ...], strides: tuple[int, ...], dtype: torch.dtype,
+                 target: Target, reduction: bool, tile: Tile | None, activation: str | None,
+                 slope: float, saved_is_output: bool | None) -> OpPlan | None:
     check_dtype(dtype)  # an error is not memoised: asked again at every such call
     if len(sizes) < 2:
         raise ValueError(f"expected an (N, C, *) input, got shape {sizes}")
@@ -415,7 +413,7 @@ def _contiguous_strides(sizes: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-def _prepare(x: torch.Tensor, plan: OpPlan) -> torch.Tensor:
+def prepared_input(x: torch.Tensor, plan: OpPlan) -> torch.Tensor:
     """``x`` as the plan launches on it (a contiguous copy where ``plan.copy``)."""
     return x.contiguous() if plan.copy else x
 
@@ -432,7 +430,7 @@ def _kernel_activation(activation: str, slope: float, saved_is_output: bool = Fa
     return definition.kernel, float(slope)
 
 
-def _empty_dx(saved: torch.Tensor, dense: bool) -> torch.Tensor:
+def empty_dx(saved: torch.Tensor, dense: bool) -> torch.Tensor:
     """dx lies like saved when saved is ``dense`` (NCHW or channels_last), else contiguous."""
     if not dense:
         return torch.empty(saved.shape, dtype=saved.dtype, device=saved.device)

@@ -19,11 +19,11 @@ Per-channel values are shaped to broadcast over a tile: a scalar (one channel), 
 import triton
 import triton.language as tl
 
-from .activations import _xhat_dz
+from .activations import xhat_dz
 
 
 @triton.jit
-def _aligned_rows(C, S, CS, CHANNELS_LAST: tl.constexpr, ALIGN: tl.constexpr):
+def aligned_rows(C, S, CS, CHANNELS_LAST: tl.constexpr, ALIGN: tl.constexpr):
     """``(C, S, CS)``, the row length (S and CS = C * S in NCHW, C in channels_last) written
     as a multiple of ``ALIGN`` (``plan.row_align``), which the compiler reads: every row then
     starts ALIGN-aligned and every mask changes ALIGN elements at a time, so tiles load and
@@ -39,16 +39,16 @@ def _aligned_rows(C, S, CS, CHANNELS_LAST: tl.constexpr, ALIGN: tl.constexpr):
 
 
 @triton.jit
-def _tile(t, c0, N, C, S, R, CS, tiles_s, CHANNELS_LAST: tl.constexpr,
-          CHANNEL_ROWS: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr):
+def nth_tile(t, c0, N, C, S, R, CS, tiles_s, CHANNELS_LAST: tl.constexpr,
+             CHANNEL_ROWS: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr):
     """``(base, local, mask)`` of tile ``t`` of the channel block starting at ``c0``
-    (:func:`_tile_at` of its coordinates)."""
-    tn, ts = _tile_coordinates(t, tiles_s, CHANNELS_LAST)
-    return _tile_at(tn, ts, c0, N, C, S, R, CS, CHANNELS_LAST, CHANNEL_ROWS, BLOCK_A, BLOCK_B)
+    (:func:`tile_at` of its coordinates)."""
+    tn, ts = tile_coordinates(t, tiles_s, CHANNELS_LAST)
+    return tile_at(tn, ts, c0, N, C, S, R, CS, CHANNELS_LAST, CHANNEL_ROWS, BLOCK_A, BLOCK_B)
 
 
 @triton.jit
-def _tile_coordinates(t, tiles_s, CHANNELS_LAST: tl.constexpr):
+def tile_coordinates(t, tiles_s, CHANNELS_LAST: tl.constexpr):
     """``(tn, ts)``: tile ``t``'s row of images (or image, ``CHANNEL_ROWS``) and run of
     positions (NCHW); channels_last: ``(t, 0)``, its block of rows."""
     if CHANNELS_LAST:
@@ -60,7 +60,7 @@ def _tile_coordinates(t, tiles_s, CHANNELS_LAST: tl.constexpr):
 
 
 @triton.jit
-def _next_tile(tn, ts, tiles_s, CHANNELS_LAST: tl.constexpr):
+def next_tile(tn, ts, tiles_s, CHANNELS_LAST: tl.constexpr):
     """The coordinates of the tile after ``(tn, ts)``, without a division."""
     if CHANNELS_LAST:
         tn += 1
@@ -73,9 +73,9 @@ def _next_tile(tn, ts, tiles_s, CHANNELS_LAST: tl.constexpr):
 
 
 @triton.jit
-def _tile_at(tn, ts, c0, N, C, S, R, CS, CHANNELS_LAST: tl.constexpr,
-             CHANNEL_ROWS: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr):
-    """``(base, local, mask)`` of the tile at ``(tn, ts)`` (:func:`_tile_coordinates`) of the
+def tile_at(tn, ts, c0, N, C, S, R, CS, CHANNELS_LAST: tl.constexpr,
+            CHANNEL_ROWS: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr):
+    """``(base, local, mask)`` of the tile at ``(tn, ts)`` (:func:`tile_coordinates`) of the
     channel block starting at ``c0``.
 
     ``base`` is a scalar int64 element offset, ``local`` the int32 offsets inside the tile:
@@ -106,8 +106,8 @@ def _tile_at(tn, ts, c0, N, C, S, R, CS, CHANNELS_LAST: tl.constexpr,
 
 
 @triton.jit
-def _channel_block(CHANNELS_LAST: tl.constexpr, CHANNEL_ROWS: tl.constexpr,
-                   BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr):
+def channel_block(CHANNELS_LAST: tl.constexpr, CHANNEL_ROWS: tl.constexpr,
+                  BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr):
     """First channel of this program: it owns BLOCK_B channels (channels_last), BLOCK_A
     (``CHANNEL_ROWS``) or one."""
     if CHANNELS_LAST:
@@ -120,8 +120,8 @@ def _channel_block(CHANNELS_LAST: tl.constexpr, CHANNEL_ROWS: tl.constexpr,
 
 
 @triton.jit
-def _load_channel(ptr, c0, C, CHANNELS_LAST: tl.constexpr, CHANNEL_ROWS: tl.constexpr,
-                  BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr):
+def load_channel(ptr, c0, C, CHANNELS_LAST: tl.constexpr, CHANNEL_ROWS: tl.constexpr,
+                 BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr):
     """A per-channel vector, shaped to broadcast over a tile: [1, BLOCK_B], [BLOCK_A, 1] or a
     scalar (channels past C load 1)."""
     if CHANNELS_LAST:
@@ -136,9 +136,9 @@ def _load_channel(ptr, c0, C, CHANNELS_LAST: tl.constexpr, CHANNEL_ROWS: tl.cons
 
 
 @triton.jit
-def _store_channel(ptr, v, c0, C, CHANNELS_LAST: tl.constexpr, CHANNEL_ROWS: tl.constexpr,
-                   BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr):
-    """Store a per-channel vector shaped as ``_load_channel`` gives it."""
+def store_channel(ptr, v, c0, C, CHANNELS_LAST: tl.constexpr, CHANNEL_ROWS: tl.constexpr,
+                  BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr):
+    """Store a per-channel vector shaped as ``load_channel`` gives it."""
     if CHANNELS_LAST:
         c = c0 + tl.arange(0, BLOCK_B)[None, :]
         tl.store(ptr + c, v, mask=c < C)
@@ -150,8 +150,8 @@ def _store_channel(ptr, v, c0, C, CHANNELS_LAST: tl.constexpr, CHANNEL_ROWS: tl.
 
 
 @triton.jit
-def _block_channels(c0, CHANNELS_LAST: tl.constexpr, CHANNEL_ROWS: tl.constexpr,
-                    BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr):
+def block_channels(c0, CHANNELS_LAST: tl.constexpr, CHANNEL_ROWS: tl.constexpr,
+                   BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr):
     """This program's channels as a vector: [BLOCK_B] in channels_last, [BLOCK_A] with
     ``CHANNEL_ROWS``, else [1] (those past C are the caller's to mask)."""
     if CHANNELS_LAST:
@@ -164,9 +164,9 @@ def _block_channels(c0, CHANNELS_LAST: tl.constexpr, CHANNEL_ROWS: tl.constexpr,
 
 
 @triton.jit
-def _channel_sums(acc, CHANNELS_LAST: tl.constexpr, CHANNEL_ROWS: tl.constexpr):
+def channel_sums(acc, CHANNELS_LAST: tl.constexpr, CHANNEL_ROWS: tl.constexpr):
     """Per channel of the program, the sum of a tile of lane accumulators: a vector shaped as
-    ``_block_channels``."""
+    ``block_channels``."""
     if CHANNELS_LAST:
         total = tl.sum(acc, 0)
     elif CHANNEL_ROWS:
@@ -177,9 +177,9 @@ def _channel_sums(acc, CHANNELS_LAST: tl.constexpr, CHANNEL_ROWS: tl.constexpr):
 
 
 @triton.jit
-def _channel_vector(v, CHANNELS_LAST: tl.constexpr, CHANNEL_ROWS: tl.constexpr):
-    """A per-channel value as ``_load_channel`` shapes it, as a vector shaped as
-    ``_block_channels``."""
+def as_block_vector(v, CHANNELS_LAST: tl.constexpr, CHANNEL_ROWS: tl.constexpr):
+    """A per-channel value as ``load_channel`` shapes it, as a vector shaped as
+    ``block_channels``."""
     if CHANNELS_LAST:
         vector = tl.sum(v, 0)  # over its one row
     elif CHANNEL_ROWS:
@@ -190,27 +190,27 @@ def _channel_vector(v, CHANNELS_LAST: tl.constexpr, CHANNEL_ROWS: tl.constexpr):
 
 
 @triton.jit
-def _tile_range(tiles, tiles_per_prog):
+def tile_range(tiles, tiles_per_prog):
     """This program's contiguous range of tiles in its channel block."""
     start = tl.program_id(1) * tiles_per_prog
     return start, tl.minimum(start + tiles_per_prog, tiles)
 
 
 @triton.jit
-def _load_norm_params(mean_ptr, invstd_ptr, weight_ptr, bias_ptr, c0, C,
-                      CHANNELS_LAST: tl.constexpr, CHANNEL_ROWS: tl.constexpr,
-                      BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr):
-    """``(mean, invstd, weight, bias)`` of this program's channels, as ``_load_channel``."""
-    return (_load_channel(mean_ptr, c0, C, CHANNELS_LAST, CHANNEL_ROWS, BLOCK_A, BLOCK_B),
-            _load_channel(invstd_ptr, c0, C, CHANNELS_LAST, CHANNEL_ROWS, BLOCK_A, BLOCK_B),
-            _load_channel(weight_ptr, c0, C, CHANNELS_LAST, CHANNEL_ROWS, BLOCK_A, BLOCK_B),
-            _load_channel(bias_ptr, c0, C, CHANNELS_LAST, CHANNEL_ROWS, BLOCK_A, BLOCK_B))
+def load_norm_params(mean_ptr, invstd_ptr, weight_ptr, bias_ptr, c0, C,
+                     CHANNELS_LAST: tl.constexpr, CHANNEL_ROWS: tl.constexpr,
+                     BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr):
+    """``(mean, invstd, weight, bias)`` of this program's channels, as ``load_channel``."""
+    return (load_channel(mean_ptr, c0, C, CHANNELS_LAST, CHANNEL_ROWS, BLOCK_A, BLOCK_B),
+            load_channel(invstd_ptr, c0, C, CHANNELS_LAST, CHANNEL_ROWS, BLOCK_A, BLOCK_B),
+            load_channel(weight_ptr, c0, C, CHANNELS_LAST, CHANNEL_ROWS, BLOCK_A, BLOCK_B),
+            load_channel(bias_ptr, c0, C, CHANNELS_LAST, CHANNEL_ROWS, BLOCK_A, BLOCK_B))
 
 
 @triton.jit
-def _tile_xhat_dz(saved_ptr, dy_ptr, offsets, mask, mean, invstd, weight, bias, alpha,
-                  ACTIVATION: tl.constexpr, SAVED_IS_OUTPUT: tl.constexpr, ACC: tl.constexpr):
+def tile_xhat_dz(saved_ptr, dy_ptr, offsets, mask, mean, invstd, weight, bias, alpha,
+                 ACTIVATION: tl.constexpr, SAVED_IS_OUTPUT: tl.constexpr, ACC: tl.constexpr):
     """``(xhat, dz)`` of one tile: saved and dy read once, widened to ``ACC``."""
     s = tl.load(saved_ptr + offsets, mask=mask, other=0.0).to(ACC)
     dy = tl.load(dy_ptr + offsets, mask=mask, other=0.0).to(ACC)
-    return _xhat_dz(s, dy, mean, invstd, weight, bias, alpha, ACTIVATION, SAVED_IS_OUTPUT)
+    return xhat_dz(s, dy, mean, invstd, weight, bias, alpha, ACTIVATION, SAVED_IS_OUTPUT)

@@ -1,4 +1,4 @@
-"""Every specialisation the launchers can produce (compiled ahead of time by check.py)."""
+"""Every specialisation the launchers can produce (compiled ahead of time by check_kernels.py)."""
 
 from __future__ import annotations
 
@@ -7,20 +7,20 @@ from collections.abc import Iterator
 
 import torch
 
-from ..backend import BatchSums, DxCoefs, NormParams, RunningParams
-from ..torch_ops import stats_dtype
-from .backward_dx import _plan_backward_dx
-from .backward_reduce import _plan_backward_reduce
-from .channel_stats import _plan_batch_stats, _plan_channel_stats
-from .normalize_act import _plan_normalize_act, _plan_normalize_running
-from .plan import (
+from encoding_syncbn.kernels.backend import BatchSums, DxCoefs, NormParams, RunningParams
+from encoding_syncbn.kernels.torch_ops import stats_dtype
+from encoding_syncbn.kernels.triton.backward_dx import plan_backward_dx
+from encoding_syncbn.kernels.triton.backward_reduce import plan_backward_reduce
+from encoding_syncbn.kernels.triton.channel_stats import plan_batch_stats, plan_channel_stats
+from encoding_syncbn.kernels.triton.normalize_act import plan_normalize_act, plan_normalize_running
+from encoding_syncbn.kernels.triton.plan import (
     BACKWARD_VARIANTS,
     DTYPES,
     KERNEL_ACTIVATIONS,
     Launch,
     Target,
-    _geometry,
     _offsets_fit,
+    geometry_of,
     tile_choices,
 )
 
@@ -72,8 +72,8 @@ def _batch_stats_launch(x: torch.Tensor, target: Target, tile, buffers: tuple,
                         check: bool) -> Launch:
     vec = torch.empty(x.shape[1], dtype=stats_dtype(x.dtype), device="meta")
     gamma = (vec, vec) if check else (None, None)
-    launches, _ = _plan_batch_stats(x, 1e-5, *buffers, batches, momentum, *gamma, 0.016, target,
-                                    tile)
+    launches, _ = plan_batch_stats(x, 1e-5, *buffers, batches, momentum, *gamma, 0.016, target,
+                                   tile)
     return launches[0]
 
 
@@ -93,7 +93,7 @@ def _finish_specialisations(target: Target) -> Iterator[tuple[str, Launch]]:
 
 def launch_specialisations(target: Target) -> Iterator[tuple[str, Launch]]:
     """Every kernel specialisation the launchers can produce for ``target``, as planned launches
-    over meta tensors (never run): what ``check.py`` compiles ahead of time.
+    over meta tensors (never run): what ``check_kernels.py`` compiles ahead of time.
 
     Walks the same choices the launchers make: dtypes, both layouts, every tile of
     :func:`tile_choices` whose offsets fit, every activation and saved input/output, the merge
@@ -108,13 +108,13 @@ def launch_specialisations(target: Target) -> Iterator[tuple[str, Launch]]:
         for shape, fmt in _SPECIALISATION_SHAPES:
             x = torch.empty(shape, dtype=dtype, device="meta", memory_format=fmt)
             vec = torch.empty(shape[1], dtype=acc, device="meta")
-            geo = _geometry(x)
+            geo = geometry_of(x)
             layout = "channels_last" if geo.channels_last else "nchw"
             for tile in tile_choices(geo.channels_last, dtype, target.interpret):
                 if not _offsets_fit(geo, tile):
                     continue
                 where = f"{dtype} {layout} {tuple(shape)} tile={tile.block_a}x{tile.block_b}"
-                launches, _ = _plan_channel_stats(x, target, tile)
+                launches, _ = plan_channel_stats(x, target, tile)
                 yield where, launches[0]
                 # As an in-place layer in training runs it: running statistics, the check.
                 running = tuple(torch.empty(shape[1], dtype=acc, device="meta")
@@ -122,22 +122,22 @@ def launch_specialisations(target: Target) -> Iterator[tuple[str, Launch]]:
                 counter = torch.empty((), dtype=torch.int64, device="meta")
                 yield where, _batch_stats_launch(x, target, tile, running, counter, 0.1, True)
                 for act in KERNEL_ACTIVATIONS:
-                    launches, _ = _plan_normalize_act(
+                    launches, _ = plan_normalize_act(
                         x, NormParams(vec, vec, vec, vec, act, 0.01), x, target, tile)
                     yield f"{where} {act}", launches[0]
                     # Evaluating: from running statistics in the statistics dtype.
-                    launches, *_ = _plan_normalize_running(
+                    launches, *_ = plan_normalize_running(
                         x, RunningParams(vec, vec, 1e-5, vec, vec, act, 0.01), x, target, tile)
                     yield f"{where} {act} running", launches[0]
                 for saved_is_output, act in BACKWARD_VARIANTS:
                     label = f"{where} {act} saved={'y' if saved_is_output else 'x'}"
                     params = NormParams(vec, vec, vec, vec, act, 0.01)
-                    launches, _ = _plan_backward_reduce(x, x, *params, saved_is_output, target,
-                                                        tile)
+                    launches, _ = plan_backward_reduce(x, x, *params, saved_is_output, target,
+                                                       tile)
                     yield label, launches[0]
                     # Coefficients given, or derived from sums.
                     for coefs in (DxCoefs(vec, vec, vec), BatchSums(vec, vec, 8)):
-                        launches, _ = _plan_backward_dx(x, x, params, saved_is_output, coefs,
-                                                        target, tile)
+                        launches, _ = plan_backward_dx(x, x, params, saved_is_output, coefs,
+                                                       target, tile)
                         from_sums = isinstance(coefs, BatchSums)
                         yield f"{label} from_sums={from_sums}", launches[0]

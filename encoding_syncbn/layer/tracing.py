@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 from torch.autograd import forward_ad
 
-from . import _compat
+from .. import compat
 
 _REVERT = (
     "encoding_syncbn.revert_sync_batchnorm(model) gives the same model with plain torch "
@@ -74,8 +74,8 @@ def in_aten_ops() -> bool:
     run without this package (``torch.jit.trace``, ``torch.export``: both refuse a training
     layer, see ``capture_of_training``), or differentiated by a ``torch.func`` transform or in
     forward mode."""
-    return (_compat.functorch_transform_active() or in_forward_ad() or _compat.jit_tracing()
-            or _compat.exporting())
+    return (compat.functorch_transform_active() or in_forward_ad() or compat.jit_tracing()
+            or compat.exporting())
 
 
 def capture_of_training(training: bool) -> str | None:
@@ -85,7 +85,7 @@ def capture_of_training(training: bool) -> str | None:
         return None
     if torch.jit.is_tracing():
         return "torch.jit.trace"
-    if _compat.exporting():
+    if compat.exporting():
         return "torch.export"
     return None
 

@@ -15,11 +15,11 @@ from typing import Any, NamedTuple
 
 import torch
 
-from . import distributed, stats
+from ..kernels import RunningStats
+from ..sync import distributed, stats
+from ..sync.replicas import ReplicaSlot
+from ..sync.streams import stream_event, wait_for
 from .functional import ReplicaStats, merge_replicas, on_device, track_batch
-from .kernels import RunningStats
-from .replicas import ReplicaSlot
-from .streams import stream_event, wait_for
 
 
 class Exchange:
@@ -28,8 +28,8 @@ class Exchange:
 
     The master folds the global ``(mean, M2, count)`` into ``running`` (the layer's running
     statistics; None: not tracked) before it answers: once the replicas run again, every ATen
-    call of the master waits for the GIL in turn with theirs (measured on 2 cores, 4 simulated
-    replicas: the synchronised forward is slower when the update comes after the answers).
+    call of the master waits for the GIL in turn with theirs, so an update after the answers
+    would hold up the synchronised forward.
     What the layer needs afterwards is left on the object: ``own`` / ``mean`` / ``invstd``
     (for the recompute cache).
     """

@@ -27,9 +27,10 @@ import torch.nn.functional as F
 from torch import fx, nn
 from torch.nn.modules.lazy import LazyModuleMixin
 
-from . import _compat, activations, convert
+from .. import activations, compat
+from ..layer.modules import SyncBatchNorm
+from . import convert
 from .convert import convert_sync_batchnorm
-from .modules import SyncBatchNorm
 
 _log = logging.getLogger(__name__)
 # The functional forms of the activations the layer inverts: what may run in place after a
@@ -105,7 +106,8 @@ def convert_inplace_abn(module: nn.Module, process_group: Any = None) -> nn.Modu
     the batch before their extension fails on a proxy). Modules ``torch.fx`` cannot trace
     are looked into child by child, with a warning naming them (a child called from their
     untraced code in another way is not seen). Why each
-    BatchNorm stays out of place: ``logging.getLogger("encoding_syncbn.fuse")`` at DEBUG.
+    BatchNorm stays out of place:
+    ``logging.getLogger("encoding_syncbn.conversions.fuse")`` at DEBUG.
     """
     # Traced in both modes: tracing fixes `if self.training:` branches to the current one.
     flags = [(m, m.training) for m in module.modules()]
@@ -255,7 +257,7 @@ def _judge(node: fx.Node, kind: tuple[str, float], root: nn.Module) -> _Call:
     producer = node.args[0] if node.args else None
     if not isinstance(producer, fx.Node) or len(node.args) != 1 or node.kwargs:
         return _Call(None, 0.0, None, "called with other arguments")
-    if _compat.has_call_hooks(root.get_submodule(node.target)):
+    if compat.has_call_hooks(root.get_submodule(node.target)):
         # A pre-hook may keep the input, which would then be overwritten; a forward hook
         # would see the activation's output once fused.
         return _Call(None, 0.0, None, "it has forward or backward hooks")
@@ -287,7 +289,7 @@ def _judge(node: fx.Node, kind: tuple[str, float], root: nn.Module) -> _Call:
         return _Call(None, 0.0, None, f"{activation} with slope {slope} is not invertible")
     # Fused, the activation module becomes nn.Identity: not when hooks are registered on it.
     if act_module is not None and not _written_later(act_node, root) \
-            and not _compat.has_call_hooks(act_module):
+            and not compat.has_call_hooks(act_module):
         return _Call(activation, slope, act_module, "")
     if not inplace:
         # The activation stays; it only reads the BatchNorm's output.
@@ -444,16 +446,16 @@ def _inplace_layer(norm: nn.Module, path: str, process_group: Any, activation: s
     else:
         conversion = convert._conversion_for(norm, path)
         synced = conversion.to_sync(norm, process_group)
-        setattr(synced, convert._SOURCE_ATTRIBUTE, conversion.source)
+        setattr(synced, convert.SOURCE_ATTRIBUTE, conversion.source)
     layer = SyncBatchNorm(
         *convert._norm_args(synced), synced.process_group, device="meta", sync=synced.sync,
         activation=activation, slope=slope, inplace=True,
     )
     layer._last_input_dim[0] = synced._last_input_dim[0]
-    source = getattr(synced, convert._SOURCE_ATTRIBUTE, None)
+    source = getattr(synced, convert.SOURCE_ATTRIBUTE, None)
     if source is not None:
-        setattr(layer, convert._SOURCE_ATTRIBUTE, source)
-    return convert._share_state(synced, layer)
+        setattr(layer, convert.SOURCE_ATTRIBUTE, source)
+    return convert.share_state(synced, layer)
 
 
 __all__ = ["convert_inplace_abn"]

@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 import torch
 
-from .tensor_cache import tensor_cache
+from ..tensor_cache import tensor_cache
 
 
 class _Counts(NamedTuple):

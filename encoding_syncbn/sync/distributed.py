@@ -7,7 +7,7 @@ gradients of the merged statistics and applies its own rank's Jacobian: one coll
 forward (W rows of 2C+1), one backward (2C values, whatever the world size), per layer call.
 A rank with an empty batch takes part with count 0 and gets zero gradients.
 
-(It lives apart from the thread protocol in ``sync.py`` so that ``sync.py`` stays free of
+(It lives apart from the thread protocol in ``group.py`` so that ``group.py`` stays free of
 torch.)
 """
 

@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .sync import ReplicaGroup, ReplicaSession, replication_session
+from .group import ReplicaGroup, ReplicaSession, replication_session
 
 
 class ReplicaSlot(NamedTuple):

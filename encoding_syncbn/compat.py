@@ -84,8 +84,8 @@ def exporting() -> bool:
     """Whether ``torch.export`` traces the call: torch.compiler's flag, read as it lies.
 
     Not ``torch.compiler.is_exporting()``: before torch 2.13 Dynamo answers that call with
-    True inside any ``torch.compile`` (on torch 2.11 every compiled training layer was refused
-    as an export, found on an H100); the flag itself is set by ``torch.export`` alone."""
+    True inside any ``torch.compile``, which would refuse every compiled training layer as an
+    export; the flag itself is set by ``torch.export`` alone."""
     flag = getattr(torch.compiler, "_is_exporting_flag", None)
     return torch.compiler.is_exporting() if flag is None else flag
 
@@ -94,10 +94,9 @@ def functorch_transform_active() -> bool:
     """Whether a ``torch.func`` transform (grad, vjp, jvp, vmap, ...) is running.
 
     Eagerly by the dispatch-key query: ``maybe_current_level`` creates this thread's functorch
-    state on first use, which every later ``backward()`` then copies with the thread's state
-    (some 8,700 instructions a layer call in the host harness, counted under cachegrind, and a
-    cost to every other backward of the program). While compiling by the level, which Dynamo
-    traces."""
+    state on first use, which every later ``backward()`` then copies with the thread's state:
+    a cost to every layer call and to every other backward of the program. While compiling by
+    the level, which Dynamo traces."""
     if torch.compiler.is_compiling():
         return _functorch_level() is not None
     return _transforms_active()
@@ -115,9 +114,9 @@ def unwrap_if_dead(x: torch.Tensor) -> torch.Tensor:
     return _unwrap_dead()(x)
 
 
-# torch.compile of an in-place layer (its result copied over its input inside the graph):
-# right with torch 2.13; with 2.11, inductor's compiled backward raises a version-counter error
-# (aot_eager does not; 2.12 untested). Older torch compiles the layer out of place.
+# torch.compile of an in-place layer (its result copied over its input inside the graph) needs
+# torch 2.13: an older inductor's compiled backward raises a version-counter error (aot_eager's
+# does not). Older torch compiles the layer out of place.
 COMPILES_IN_PLACE: bool = torch.__version__ >= (2, 13)
 
 

@@ -46,8 +46,8 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from . import _compat, activations, stats
-from .kernels import (
+from .. import activations, compat
+from ..kernels import (
     Backend,
     BatchSums,
     DxCoefs,
@@ -59,8 +59,9 @@ from .kernels import (
     reference_ops,
     torch_ops,
 )
+from ..sync import stats
+from ..sync.streams import stream_event, wait_for
 from .small_gamma import SmallGammaChannels
-from .streams import stream_event, wait_for
 
 DOUBLE_BACKWARD_IN_PLACE = (
     "SyncBatchNorm(inplace=True) does not support double backward (differentiating its "
@@ -169,8 +170,7 @@ def _normalize(ctx, x, mean, invstd, weight, bias, config: ActConfig, kept_chann
         ctx.mark_dirty(x)
     ctx.save_for_backward(out if config.inplace else x, weight, bias, *kept)
     # Per-channel vectors nothing writes to: kept as they are, without a saved tensor's pack
-    # and unpack (~1-2 us a layer call in the host harness, with BatchNormAct taking them as
-    # no input of its own).
+    # and unpack at every call (BatchNormAct takes them as no input of its own).
     ctx.config, ctx.stats = config, (mean, invstd)
     return out
 
@@ -212,11 +212,12 @@ def _modified_message(config: ActConfig, torch_message: str) -> str:
 
 
 def _kept_args(saved: _Saved, grad_output: torch.Tensor, config: ActConfig):
-    """The ``reference_ops`` arguments that recompute the channels kept aside from their input."""
+    """The ``reference_ops`` arguments that recompute the channels kept aside from their input
+    (which is saved: ``saved_is_output=False``)."""
     idx = saved.kept_channels
     params = NormParams(saved.mean[idx], saved.invstd[idx], saved.weight[idx], saved.bias[idx],
                         config.activation, config.slope)
-    return saved.kept_input, grad_output.index_select(1, idx), params, False
+    return saved.kept_input, grad_output.index_select(1, idx), params
 
 
 def _params(saved: _Saved, config: ActConfig) -> NormParams:
@@ -228,7 +229,8 @@ def _reduce(saved: _Saved, grad_output: torch.Tensor, config: ActConfig, params:
             backend: Backend):
     """Per-channel ``(sum(dz), sum(dz * xhat))``; ``params``: ``_params(saved, config)``,
     ``backend``: the one looked up for ``saved.tensor`` (both made once per backward)."""
-    sums = backend.backward_reduce(saved.tensor, grad_output, params, config.inplace)
+    sums = backend.backward_reduce(saved.tensor, grad_output, params,
+                                   saved_is_output=config.inplace)
     return _exact_kept_sums(saved, grad_output, config, *sums)
 
 
@@ -237,7 +239,7 @@ def _exact_kept_sums(saved: _Saved, grad_output: torch.Tensor, config: ActConfig
     """The sums with those of the channels kept aside recomputed from their input."""
     if saved.kept_channels is not None:
         exact_dz, exact_dz_xhat = reference_ops().backward_reduce(
-            *_kept_args(saved, grad_output, config)
+            *_kept_args(saved, grad_output, config), saved_is_output=False
         )
         sum_dz = sum_dz.index_copy(0, saved.kept_channels, exact_dz)
         sum_dz_xhat = sum_dz_xhat.index_copy(0, saved.kept_channels, exact_dz_xhat)
@@ -248,7 +250,8 @@ def _input_grad(saved: _Saved, grad_output, config: ActConfig, coefs: DxCoefs | 
                 params: NormParams, backend: Backend):
     """``dx = coefs.dz * dz + coefs.xhat * xhat + coefs.const`` in one pass (``BatchSums``:
     the backend derives the coefficients); ``params`` and ``backend`` as ``_reduce``."""
-    dx = backend.backward_dx(saved.tensor, grad_output, params, config.inplace, coefs)
+    dx = backend.backward_dx(saved.tensor, grad_output, params,
+                             saved_is_output=config.inplace, coefs=coefs)
     _exact_kept_dx(dx, saved, grad_output, config, params, coefs)
     return dx
 
@@ -259,8 +262,8 @@ def _exact_kept_dx(dx: torch.Tensor, saved: _Saved, grad_output: torch.Tensor,
     idx = saved.kept_channels
     if idx is not None:
         exact = reference_ops().backward_dx(
-            *_kept_args(saved, grad_output, config),
-            DxCoefs(*(c[idx] for c in dx_coefs(params, coefs))),
+            *_kept_args(saved, grad_output, config), saved_is_output=False,
+            coefs=DxCoefs(*(c[idx] for c in dx_coefs(params, coefs))),
         )
         dx.index_copy_(1, idx, exact)
 
@@ -345,7 +348,7 @@ class BatchNormAct(torch.autograd.Function):
         # One backend call, then the channels kept aside, whose dx takes their exact sums (dx
         # of every other channel reads only its own sums).
         grad_input, sum_dz, sum_dz_xhat = backend.batch_backward(
-            saved.tensor, grad_output, params, config.inplace, ctx.count)
+            saved.tensor, grad_output, params, saved_is_output=config.inplace, count=ctx.count)
         if saved.kept_channels is not None:
             sum_dz, sum_dz_xhat = _exact_kept_sums(saved, grad_output, config, sum_dz,
                                                     sum_dz_xhat)
@@ -383,7 +386,7 @@ class NormAct(torch.autograd.Function):
             if ctx.link is not None and ctx.needs_input_grad[0]:
                 ctx.link.saved, ctx.link.config = saved, config
                 ctx.link.ready = stream_event(saved.tensor)
-                _compat.queue_backward_callback(ctx.link.clear)
+                compat.queue_backward_callback(ctx.link.clear)
             return (*grads, None, None, None, None)
         backend, params = ops_for(saved.tensor), _params(saved, config)
         sum_dz, sum_dz_xhat = _reduce(saved, grad_output, config, params, backend)
@@ -397,7 +400,7 @@ class NormAct(torch.autograd.Function):
             link.ready = stream_event(grad_output)
             # The merge's backward empties the link; one that stops short of the merge
             # (``autograd.grad`` of the parameters alone) must not leave it filled.
-            _compat.queue_backward_callback(link.clear)
+            compat.queue_backward_callback(link.clear)
         elif ctx.needs_input_grad[0]:
             zeros = torch.zeros_like(scale)
             grad_input = _input_grad(saved, grad_output, config, DxCoefs(scale, zeros, zeros),

@@ -1,12 +1,12 @@
 """Ahead-of-time compile every Triton kernel specialisation the package launches; report resources.
 
-    python -m encoding_syncbn.kernels.check --arch 80 90             # all: before a kernel change
-    python -m encoding_syncbn.kernels.check --arch 80 90 --pairs     # CI's representative set
+    python tools/check_kernels.py --arch 80 90             # all: before a kernel change
+    python tools/check_kernels.py --arch 80 90 --pairs     # CI's representative set
 
 Needs no GPU. The specialisations come from
-:func:`encoding_syncbn.kernels.triton.specialisations.launch_specialisations`, which plans
+:func:`kernel_specialisations.launch_specialisations`, which plans
 launches with the same helpers as the ops themselves (dtypes, layouts, every tile shape,
-activations, saved input/output, merge kernels). Arguments are typed the way Triton's JIT would
+activations, saved input/output, finishing variants). Arguments are typed the way Triton's JIT would
 type them (ints equal to 1 become constants, multiples of 16 carry a divisibility hint, tensors
 are assumed 16-byte aligned). Each cubin is read with the ``cuobjdump --dump-resource-usage``
 that Triton ships. Exit status 1 on any compile failure or any spill to local memory.
@@ -41,12 +41,17 @@ from typing import NamedTuple  # noqa: E402
 
 import torch  # noqa: E402
 import triton  # noqa: E402
+from kernel_specialisations import launch_specialisations  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from .. import _compat  # noqa: E402
-from .triton.plan import COMPILE_OPTIONS, Launch, Target, programs_per_sm  # noqa: E402
-from .triton.specialisations import launch_specialisations  # noqa: E402
+from encoding_syncbn import compat  # noqa: E402
+from encoding_syncbn.kernels.triton.plan import (  # noqa: E402
+    COMPILE_OPTIONS,
+    Launch,
+    Target,
+    programs_per_sm,
+)
 
 # SM counts of the reference parts (A100, H100 SXM): only the grid planning depends on them.
 _SM_COUNT = {80: 108, 86: 84, 89: 128, 90: 132}
@@ -165,7 +170,7 @@ def cuobjdump(cubin: bytes, option: str) -> str:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        return subprocess.run([_compat.cuobjdump_path(), option, f.name],
+        return subprocess.run([compat.cuobjdump_path(), option, f.name],
                               capture_output=True, text=True, check=True).stdout
 
 

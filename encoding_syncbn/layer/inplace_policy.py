@@ -10,8 +10,8 @@ import warnings
 
 import torch
 
-from . import _compat, activations
-from .kernels import torch_ops
+from .. import activations, compat
+from ..kernels import torch_ops
 
 
 def resolve_inplace(layer: str, activation: str, slope: float, inplace: bool | None,
@@ -95,16 +95,16 @@ def can_overwrite(x: torch.Tensor, warned: list[bool]) -> bool:
         # Dynamo cannot inspect view provenance; the traced graph is functionalised. Out of
         # place without a warning where torch cannot compile it in place (a warning inside
         # the traced code would break the graph): the results are the same.
-        return _compat.COMPILES_IN_PLACE
+        return compat.COMPILES_IN_PLACE
     elif x.is_inference() and not torch.is_inference_mode_enabled():
         # Made under torch.inference_mode, used outside it (DataParallel's replica threads do
         # not inherit the mode): torch refuses in-place updates there.
         reason = "an inference tensor outside inference mode"
-    elif _compat.has_internal_overlap(x):
+    elif compat.has_internal_overlap(x):
         reason = "a tensor whose elements share memory (torch.expand, ...)"
-    elif (base := _compat.view_base(x)) is not None and base.requires_grad and base.is_leaf:
+    elif (base := compat.view_base(x)) is not None and base.requires_grad and base.is_leaf:
         reason = "a view of a leaf tensor that requires grad"
-    elif base is not None and (kind := _compat.view_kind(x)) is not None:
+    elif base is not None and (kind := compat.view_kind(x)) is not None:
         # Autograd refuses in-place writes to views made by a multi-output op (chunk, split,
         # unbind, DataParallel's scatter), inside a custom Function, or in no-grad mode.
         reason = _RESTRICTED_VIEWS.get(kind, f"a view autograd marks {kind}")

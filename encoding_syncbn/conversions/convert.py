@@ -18,9 +18,9 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.lazy import LazyModuleMixin
 from torch.nn.utils import parametrize
 
-from . import _compat, activations
-from .modules import SyncBatchNorm, record_paths
-from .norm_act import BatchNormAct, SyncBatchNormAct
+from .. import activations, compat
+from ..layer.modules import SyncBatchNorm, record_paths
+from ..layer.norm_act import BatchNormAct, SyncBatchNormAct
 
 _BATCHNORM_BY_INPUT_DIM = {
     2: nn.BatchNorm1d, 3: nn.BatchNorm1d, 4: nn.BatchNorm2d, 5: nn.BatchNorm3d
@@ -29,7 +29,7 @@ _BATCHNORM_BY_INPUT_DIM = {
 _INPUT_DIM_BY_BATCHNORM = {cls: dim for dim, cls in _BATCHNORM_BY_INPUT_DIM.items()}
 # The attribute of a converted module naming the registered source it came from: a string, so
 # that deepcopy, pickle and DataParallel's replicas keep it (load_state_dict leaves it alone).
-_SOURCE_ATTRIBUTE = "_converted_from"
+SOURCE_ATTRIBUTE = "_converted_from"
 
 
 class _Conversion(NamedTuple):
@@ -116,7 +116,7 @@ def convert_sync_batchnorm(module: nn.Module, process_group: Any = None) -> nn.M
                 f"convert_sync_batchnorm: the to_sync registered for {conversion.source} "
                 f"returned {type(converted).__name__}, expected an nn.Module"
             )
-        setattr(converted, _SOURCE_ATTRIBUTE, conversion.source)
+        setattr(converted, SOURCE_ATTRIBUTE, conversion.source)
         return converted
 
     module = _replace_all(module, to_sync)
@@ -143,7 +143,7 @@ def revert_sync_batchnorm(module: nn.Module) -> nn.Module:
 
     def to_original(child: nn.Module, path: str) -> nn.Module | None:
         # Its own attribute: a wrapper may forward attribute reads to the module it wraps.
-        source = vars(child).get(_SOURCE_ATTRIBUTE)
+        source = vars(child).get(SOURCE_ATTRIBUTE)
         if source is None and not isinstance(child, SyncBatchNorm):
             return None
         if source is not None:
@@ -236,8 +236,8 @@ def _check_plain_forward(layer: SyncBatchNorm, path: str) -> None:
             )
 
 
-def _share_state(source: _BatchNorm, target: _BatchNorm,
-                 consumed: tuple[str, ...] = ()) -> _BatchNorm:
+def share_state(source: _BatchNorm, target: _BatchNorm,
+                consumed: tuple[str, ...] = ()) -> _BatchNorm:
     """Make ``target`` use ``source``'s Parameter objects (a bias of None too: so are bias-less
     layers made on a torch whose BatchNorms take no ``bias`` argument), buffers (the user's
     own too, persistent or not), child modules it lacks (but those the conversion
@@ -263,7 +263,7 @@ def _share_state(source: _BatchNorm, target: _BatchNorm,
     for name, child in source._modules.items():  # a subclass's own (its forward is BN's)
         if name not in target._modules and name not in consumed:
             target._modules[name] = child
-    _compat.share_hooks(source, target)
+    compat.share_hooks(source, target)
     target.train(source.training)
     return target
 
@@ -292,7 +292,7 @@ def _batchnorm_to_sync(module: _BatchNorm, process_group: Any) -> SyncBatchNorm:
     """torch's BatchNorms (and their subclasses that keep ``forward``)."""
     converted = SyncBatchNorm(*_norm_args(module), process_group, device="meta")
     converted._last_input_dim[0] = _input_dim_of(module)
-    return _share_state(module, converted)
+    return share_state(module, converted)
 
 
 def _norm_act_to_sync(module: _BatchNorm, process_group: Any) -> SyncBatchNorm:
@@ -314,7 +314,7 @@ def _norm_act_to_sync(module: _BatchNorm, process_group: Any) -> SyncBatchNorm:
             *_norm_args(module), process_group, device="meta", drop=drop, act=act
         )
     converted._last_input_dim[0] = _input_dim_of(module)
-    return _share_state(module, converted, consumed=("drop", "act"))
+    return share_state(module, converted, consumed=("drop", "act"))
 
 
 def _drop_and_act(layer: SyncBatchNorm) -> tuple[nn.Module, nn.Module]:
@@ -334,10 +334,10 @@ def _to_plain(layer: SyncBatchNorm) -> _BatchNorm:
         plain = cls(*_norm_args(layer), device="meta")
     else:
         plain = BatchNormAct(*_norm_args(layer), device="meta", drop=drop, act=act)
-    return _share_state(layer, plain, consumed=("drop", "act"))
+    return share_state(layer, plain, consumed=("drop", "act"))
 
 
-def _resolve(name: str) -> type:
+def resolve_class(name: str) -> type:
     """The class called ``"module.QualName"``, importing its module."""
     parts = name.split(".")
     for split in range(len(parts) - 1, 0, -1):
@@ -356,9 +356,9 @@ def _norm_act_to_original(source: str) -> Callable[[nn.Module], nn.Module]:
     track_running_stats, device=...)`` with ``drop`` and ``act`` modules (timm's layout)."""
 
     def to_original(layer: SyncBatchNorm) -> nn.Module:
-        plain = _resolve(source)(*_norm_args(layer), device="meta")
+        plain = resolve_class(source)(*_norm_args(layer), device="meta")
         plain.drop, plain.act = _drop_and_act(layer)
-        return _share_state(layer, plain)
+        return share_state(layer, plain)
 
     return to_original
 

@@ -10,16 +10,12 @@ import torch
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.utils import parametrize
 
-from . import (
-    _compat,
-    activations,
-    distributed,
-    inplace_check,
-    inplace_policy,
-    recompute,
-    replicas,
-    tracing,
-)
+from .. import activations, compat
+from ..kernels import RunningStats, channel_vector, torch_ops
+from ..sync import distributed, replicas
+from ..sync.group import ReplicaGroup
+from ..sync.replicas import ReplicaSlot
+from . import inplace_check, inplace_policy, recompute, tracing
 from .exchange import Exchange
 from .functional import (
     ActConfig,
@@ -29,11 +25,8 @@ from .functional import (
     synced_batch_norm_act,
     track_batch,
 )
-from .kernels import RunningStats, channel_vector, torch_ops
 from .recompute import RecomputeCache
-from .replicas import ReplicaSlot
 from .small_gamma import SmallGammaChannels
-from .sync import ReplicaGroup
 
 # The options checked together, at construction and when assigned (``__setattr__``).
 _ACTIVATION_OPTIONS = ("activation", "slope", "inplace")
@@ -291,7 +284,7 @@ class SyncBatchNorm(_BatchNorm):
                     or input.dtype not in torch_ops.INPUT_DTYPES):
                 self._check_input(input)  # raises, saying what is wrong
             if not torch.compiler.is_compiling():  # Dynamo's tensors are never such wrappers
-                input = _compat.unwrap_if_dead(input)
+                input = compat.unwrap_if_dead(input)
             self._last_input_dim[0] = dim
             if self.inplace and inplace_check.checking():
                 inplace_check.before_write(input, self._label())
@@ -322,16 +315,12 @@ class SyncBatchNorm(_BatchNorm):
                 self._check_input(x)
         else:  # torch.export (whose strict tracer cannot trace the warnings' filters)
             self._check_input(x)
-        state = self.running_mean if self.running_mean is not None else self.weight
-        if state is not None and x.device != state.device:
-            self._refuse_device(x, state)
+        self._check_device(x, self.running_mean, self.weight)
         acc = torch_ops.stats_dtype(x.dtype)
         weight, bias = self._affine_params(self.weight, self.bias, x)
         if self.training or self.running_mean is None:  # the batch's own statistics
             count = self._training_count(x) if self.training else 0
-            slot = self._replica_slot
-            if self.training and self.sync and (
-                    (slot is not None and slot.synced) or self._syncs_processes()):
+            if self.training and self._synced(self._replica_slot):
                 tracing.refuse_synced_transform(self._label())
             var, mean = torch.var_mean(x.to(acc), [0, *range(2, x.dim())], correction=0)
             if self.training:
@@ -408,9 +397,7 @@ class SyncBatchNorm(_BatchNorm):
         ``functional``, which runs the mode's autograd Function (docs/internals.md)."""
         params = self.weight, self.bias  # read once: a parametrized weight is computed at each read
         running_mean = self.running_mean
-        state = running_mean if running_mean is not None else params[0]
-        if state is not None and x.device != state.device:
-            self._refuse_device(x, state)
+        self._check_device(x, running_mean, params[0])
         weight, bias = self._affine_params(*params, x)
         config = self._act_config(x)
         small_gamma = self._small_gamma
@@ -424,7 +411,7 @@ class SyncBatchNorm(_BatchNorm):
         # evaluation with running statistics never asks autograd (its private API untouched).
         recomputing = recompute.inside_backward()
         running = self._running() if self.training and not recomputing else None
-        if self.sync and ((slot is not None and slot.synced) or self._syncs_processes()):
+        if self._synced(slot):
             if recomputing:
                 return self._recompute_cache.replay(x, weight, bias, config, small_gamma)
             # The master folds the merged statistics into the running ones; each replica
@@ -445,9 +432,17 @@ class SyncBatchNorm(_BatchNorm):
         return batch_norm_act(x, weight, bias, self.eps, config, running, small_gamma,
                               recomputing, count)
 
-    def _refuse_device(self, x: torch.Tensor, state: torch.Tensor) -> None:
-        """An input on another device than the layer's state (``state``: a running statistic,
-        else the weight), refused before anything is read or written."""
+    def _synced(self, slot: ReplicaSlot | None) -> bool:
+        """Whether this call takes its batch statistics over several replicas or processes."""
+        return self.sync and ((slot is not None and slot.synced) or self._syncs_processes())
+
+    def _check_device(self, x: torch.Tensor, running_mean: torch.Tensor | None,
+                      weight: torch.Tensor | None) -> None:
+        """An input on another device than the layer's state (a running statistic, else the
+        weight), refused before anything is read or written."""
+        state = running_mean if running_mean is not None else weight
+        if state is None or x.device == state.device:
+            return
         raise RuntimeError(
             f"{self._label()}: expected input on device {state.device} like the layer's "
             f"parameters and running statistics, got input on device {x.device}; move the "

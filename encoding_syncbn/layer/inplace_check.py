@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from . import _compat
+from .. import compat
 
 # Whole process, every thread: DataParallel's replicas run the layers on threads of their own.
 _ENV = "ENCODING_SYNCBN_CHECK"
@@ -111,7 +111,7 @@ class _Checked(torch.Tensor):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        with _compat.disable_torch_function_subclass():
+        with compat.disable_torch_function_subclass():
             for arg in (*args, *kwargs.values()):
                 if isinstance(arg, OverwrittenTensor):
                     _check_overwritten_use(arg, func)
@@ -168,14 +168,14 @@ def _output_written_message(layer: str, how: str) -> str:
 def before_write(x: torch.Tensor, layer: str) -> None:
     """Raise if ``x``, which ``layer`` is about to overwrite, is an in-place layer's output
     that its backward still needs."""
-    with _compat.disable_torch_function_subclass():
+    with compat.disable_torch_function_subclass():
         if isinstance(x, InPlaceOutput) and x.requires_grad:
             raise RuntimeError(_output_written_message(x._written_by, f"by {layer}"))
 
 
 def after_write(x: torch.Tensor, out: torch.Tensor, layer: str) -> torch.Tensor:
     """Mark ``x`` (overwritten by ``layer``) stale; return ``out`` as a checked alias."""
-    with _compat.disable_torch_function_subclass():
+    with compat.disable_torch_function_subclass():
         result = out.as_subclass(InPlaceOutput)
         result._written_by, result._expected_version = layer, out._version
     # Only plain tensors change class: a user's own subclass keeps its behaviour.

@@ -13,9 +13,9 @@ from typing import Any, NamedTuple
 
 import torch
 
-from . import _compat
+from .. import compat
+from ..kernels import ops_for
 from .functional import ActConfig, ReplicaStats, normalize_with
-from .kernels import ops_for
 from .small_gamma import SmallGammaChannels
 
 # How many recent synchronised calls a replica remembers for checkpoint recomputation.
@@ -85,7 +85,7 @@ def may_be_recomputed() -> bool:
     """Whether this forward may run again inside backward: under ``torch.utils.checkpoint``,
     whose non-reentrant mode packs saved tensors with hooks and whose reentrant mode runs the
     forward without grad (where the recompute must fail with a clear message)."""
-    return not torch.is_grad_enabled() or _compat.saved_tensor_hooks_may_be_active()
+    return not torch.is_grad_enabled() or compat.saved_tensor_hooks_may_be_active()
 
 
 def inside_backward() -> bool:
@@ -93,4 +93,4 @@ def inside_backward() -> bool:
 
     A compiled graph is traced once, not re-run eagerly by a recomputation.
     """
-    return not torch.compiler.is_compiling() and _compat.inside_backward()
+    return not torch.compiler.is_compiling() and compat.inside_backward()

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from .kernels import GammaCheck, compile_ops, torch_ops
-from .streams import stream_event
-from .tensor_cache import tensor_cache
+from ..kernels import GammaCheck, compile_ops, torch_ops
+from ..sync.streams import stream_event
+from ..tensor_cache import tensor_cache
 
 # Rebuilding a channel's input from its output y divides by gamma: xhat = (z - b) / w, with z
 # the activation's inverse of y. That multiplies y's rounding by |z| / |w| <= |xhat| + |b| / |w|;
