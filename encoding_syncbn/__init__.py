@@ -1,7 +1,10 @@
 """Synchronized BatchNorm for ``nn.DataParallel`` and ``torch.distributed``, with In-Place ABN."""
 
+import logging
+
 # The drop-in for mapillary's inplace_abn registers the conversions of their classes.
 from . import inplace_abn  # noqa: F401
+from .conversion_report import ConversionReport, MemoryEstimate, NormLayerReport
 from .convert import convert_sync_batchnorm, register_conversion, revert_sync_batchnorm
 from .fuse import convert_inplace_abn
 from .inplace_check import check_inplace
@@ -10,7 +13,14 @@ from .modules import SyncBatchNorm
 from .sync import SyncError
 from .version import __version__
 
+# A library logs; the application decides what is shown (nothing, unless it configures
+# logging: the converters' summaries are at INFO).
+logging.getLogger(__name__).addHandler(logging.NullHandler())
+
 __all__ = [
+    "ConversionReport",
+    "MemoryEstimate",
+    "NormLayerReport",
     "SyncBatchNorm",
     "SyncError",
     "__version__",
