@@ -31,8 +31,15 @@ from torch import fx, nn
 from torch.nn.modules.lazy import LazyModuleMixin
 
 from . import _compat, activations, convert
-from .conversion_report import ConversionReport, Judgement, Step, activation_step
+from .conversion_report import (
+    ConversionReport,
+    Judgement,
+    Step,
+    activation_step,
+    activation_text,
+)
 from .modules import SyncBatchNorm
+from .norm_act import SyncBatchNormAct
 
 _log = logging.getLogger(__name__)
 # The functional forms of the activations the layer inverts: what may run in place after a
@@ -341,21 +348,23 @@ def _norm_kind(module: nn.Module) -> tuple[str, float] | str:
     synced = _synced_form(module)
     if synced is None:
         return "it is not converted (convert_sync_batchnorm says why)"
-    if type(synced) is not SyncBatchNorm:
-        if synced.inplace:
-            return f"in place already, as {type(synced).__name__}"
+    if isinstance(synced, SyncBatchNormAct):
         return (f"its activation module {type(synced.act).__name__} has no fused form, so "
                 "it stays after the layer")
     if synced.inplace:
-        return "in place already"
+        return "in place already" + ("" if type(synced) is SyncBatchNorm
+                                     else f", as {type(synced).__name__}")
+    if synced.activation not in ("none", "identity") and not activations.runs_in_place(
+            synced.activation, synced.slope):
+        return (f"its own activation {activation_text(synced)} is not invertible (only "
+                "leaky_relu and elu of slope > 0 are)")
+    if type(synced) is not SyncBatchNorm:
+        return f"it converts to {type(synced).__name__}, which stays as it is"
     # Of the invertible ones, identity is left out of place: its conversion chose that.
     if synced.activation == "none" or (synced.activation != "identity" and activations
                                        .runs_in_place(synced.activation, synced.slope)):
         return synced.activation, synced.slope
-    if synced.activation == "identity":
-        return "its own activation is an identity, converted out of place as it was"
-    return (f"its own activation {synced.activation} is not invertible (only leaky_relu and "
-            "elu of slope > 0 are)")
+    return "its own activation is an identity, converted out of place as it was"
 
 
 def _judge(node: fx.Node, kind: tuple[str, float], root: nn.Module) -> _Call:
@@ -389,8 +398,6 @@ def _judge(node: fx.Node, kind: tuple[str, float], root: nn.Module) -> _Call:
             return _refused(f"its output is read twice, by {_describe(first, root)} and "
                             f"{_describe(second, root)}", second)
         act_node = next(iter(value.users))
-        if act_node.op == "output" or _writes(act_node, value, root):
-            return _refused(_written_reason(act_node, root), act_node)
         if act_node.args[:1] != (value,) or _count_uses(act_node, value) != 1:
             return _refused(_no_activation(act_node, root), act_node)
         if act_node.op != "call_module" or type(root.get_submodule(act_node.target)) \
@@ -399,6 +406,8 @@ def _judge(node: fx.Node, kind: tuple[str, float], root: nn.Module) -> _Call:
         value = act_node
     found = _activation_of(act_node, root)
     if found is None:
+        if act_node.op == "output" or _writes(act_node, value, root):
+            return _refused(_written_reason(act_node, root), act_node)
         return _refused(_no_activation(act_node, root), act_node)
     activation, slope, act_module, inplace = found
     follower = activation_step(act_module, inplace)
