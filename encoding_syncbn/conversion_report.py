@@ -35,10 +35,11 @@ _log = logging.getLogger(__name__)
 
 
 class Step(NamedTuple):
-    """One step of a chain: what it keeps for backward, and whether it writes its output
-    over its input."""
+    """One step of a chain: what it keeps for backward (its input, its output, a copy of
+    its input that autograd makes before the step overwrites it, or nothing), and whether it
+    writes its output over its input."""
 
-    keeps: Literal["input", "output", "nothing"]
+    keeps: Literal["input", "output", "copy", "nothing"]
     in_place: bool
 
 
@@ -48,27 +49,33 @@ def kept_tensors(chain: Sequence[Step]) -> int:
     for step in chain:
         if step.keeps == "input":
             kept.add(tensor)
+        elif step.keeps == "copy":
+            kept.add(("copy", tensor))
         tensor += not step.in_place
         if step.keeps == "output":
             kept.add(tensor)
     return len(kept | {tensor})
 
 
-# Activations whose backward reads their output (ReLU: threshold_backward of the result),
-# when run out of place; in place, every activation autograd allows keeps its output.
-_KEEP_OUTPUT = frozenset({nn.ReLU, nn.ReLU6, nn.Sigmoid, nn.Tanh})
+# Activations whose backward reads their output: they keep it, in place or not.
+_KEEP_OUTPUT = frozenset({nn.ReLU, nn.ReLU6, nn.Hardtanh, nn.Sigmoid, nn.Tanh})
+# ... and those that read their input, except in place, where they read their output.
+_KEEP_OUTPUT_IN_PLACE = frozenset({nn.LeakyReLU, nn.ELU})
 
 
 def activation_step(module: nn.Module | None, in_place: bool = False) -> Step | None:
-    """The step of an activation (``module``, or a function call where None) run in place
-    or not; None for ``nn.Identity``, which keeps nothing and makes no tensor."""
-    if module is not None:
-        if type(module) is nn.Identity:
-            return None
-        in_place = bool(getattr(module, "inplace", False))
-        if type(module) in _KEEP_OUTPUT:
-            return Step("output", in_place)
-    return Step("output", True) if in_place else Step("input", False)
+    """The step of an activation module, or where ``module`` is None of a LeakyReLU or ELU
+    function call run ``in_place`` or not; None for ``nn.Identity``, which keeps nothing and
+    makes no tensor. Other activations keep their input, and in place (SiLU, Hardswish) a
+    copy of it."""
+    if module is None:
+        return Step("output", True) if in_place else Step("input", False)
+    if type(module) is nn.Identity:
+        return None
+    in_place = bool(getattr(module, "inplace", False))
+    if type(module) in _KEEP_OUTPUT or (in_place and type(module) in _KEEP_OUTPUT_IN_PLACE):
+        return Step("output", in_place)
+    return Step("copy", True) if in_place else Step("input", False)
 
 
 def norm_chain(layer: nn.Module) -> list[Step]:

@@ -316,8 +316,8 @@ class _Planner:
                                      "(the module also runs after other layers)", None)
             else:
                 outcomes[norm_id] = (f"its activation {call.act_label} also runs after other "
-                                     "layers, and writes in place (inplace=True): it cannot "
-                                     "be fused away, nor read the output", None)
+                                     "layers, in place: it can be neither fused nor left to "
+                                     "read the output", None)
         return decisions, outcomes
 
 
