@@ -223,7 +223,8 @@ def build(converter: str, originals: dict[str, nn.Module], converted: nn.Module,
             kept_before=kept_tensors(norm_chain(original) + follower),
             kept_after=kept_tensors(norm_chain(final)
                                     + ([] if judgement.absorbed else follower)),
-            input_bytes=None if input_bytes is None else input_bytes.get(path),
+            # A layer the forward does not call keeps nothing.
+            input_bytes=None if input_bytes is None else input_bytes.get(path, 0),
         ))
     report = ConversionReport(converter, tuple(rows), memory)
     _log.info("%s", report.summary())

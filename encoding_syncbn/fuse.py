@@ -181,8 +181,10 @@ def _convert(module: nn.Module, process_group: Any, stacklevel: int
             reason, source = eval_why[norm_id]
             outcomes[norm_id] = (f"{reason} (in eval mode)", source)
         else:
-            outcomes[norm_id] = ("the train and eval graphs would make it in place "
-                                 "differently", None)
+            (train_reason, train_source), (eval_reason, eval_source) = (
+                train_why[norm_id], eval_why[norm_id])
+            outcomes[norm_id] = (f"the modes disagree: {train_reason} in train mode, "
+                                 f"{eval_reason} in eval mode", eval_source or train_source)
     for norm_id, (reason, _) in outcomes.items():
         if norm_id not in decisions:
             _log.debug("convert_inplace_abn: %s stays out of place: %s",
@@ -398,6 +400,8 @@ def _judge(node: fx.Node, kind: tuple[str, float], root: nn.Module) -> _Call:
             return _refused(f"its output is read twice, by {_describe(first, root)} and "
                             f"{_describe(second, root)}", second)
         act_node = next(iter(value.users))
+        if act_node.op == "output":
+            return _refused(_written_reason(act_node, root), act_node)
         if act_node.args[:1] != (value,) or _count_uses(act_node, value) != 1:
             return _refused(_no_activation(act_node, root), act_node)
         if act_node.op != "call_module" or type(root.get_submodule(act_node.target)) \
@@ -406,7 +410,11 @@ def _judge(node: fx.Node, kind: tuple[str, float], root: nn.Module) -> _Call:
         value = act_node
     found = _activation_of(act_node, root)
     if found is None:
-        if act_node.op == "output" or _writes(act_node, value, root):
+        if act_node.op == "call_module" and activations.from_module(
+                root.get_submodule(act_node.target)) is not None:
+            return _refused(f"its activation {_describe(act_node, root)} is not invertible "
+                            "(only LeakyReLU and ELU of slope > 0 are)", act_node)
+        if _writes(act_node, value, root):
             return _refused(_written_reason(act_node, root), act_node)
         return _refused(_no_activation(act_node, root), act_node)
     activation, slope, act_module, inplace = found
@@ -418,7 +426,7 @@ def _judge(node: fx.Node, kind: tuple[str, float], root: nn.Module) -> _Call:
     # Fused, the activation module becomes nn.Identity: not when hooks are registered on it.
     writer = _writer_after(act_node, root) if act_module is not None else None
     if act_module is None:
-        why, where = "a function call, which stays", act_node
+        why, where = "a function call, not a module to absorb", act_node
     elif writer is not None:
         why, where = _written_reason(writer, root), writer
     elif _compat.has_call_hooks(act_module):
