@@ -577,7 +577,8 @@ def _describe(node: fx.Node, root: nn.Module) -> str:
 
 # Frames of the tracer and of this module, which no user wrote.
 _OWN_FILES = (os.path.dirname(fx.__file__), __file__)
-_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in \S+\n +(?P<code>.*)')
+# A frame of a formatted stack: its code line (indented deeper) only where the file is known.
+_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in \S+(?:\n {4}(?P<code>\S.*))?')
 
 
 def _source(node: fx.Node | None) -> str | None:
@@ -590,7 +591,8 @@ def _source(node: fx.Node | None) -> str | None:
     if not frames:
         return None
     frame = frames[-1]
-    return f"{os.path.basename(frame['file'])}:{frame['line']}: {frame['code'].strip()}"
+    where = f"{os.path.basename(frame['file'])}:{frame['line']}"
+    return f"{where}: {frame['code'].strip()}" if frame["code"] else where
 
 
 def _where(path: str) -> str:
