@@ -446,6 +446,12 @@ def test_a_shape_the_model_cannot_take_is_refused_before_converting():
     with pytest.raises(ValueError, match="convert_sync_batchnorm: input_shape must be"):
         convert_sync_batchnorm(model, report=True, input_shape=(2, "3"))
     assert type(model.bn1) is nn.BatchNorm2d and type(model.relu) is nn.LeakyReLU
+    # A forward that reads its data's values has no estimate from shapes.
+    untraceable = Untraceable()
+    with pytest.raises(ValueError, match="leave input_shape out"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        convert_inplace_abn(untraceable, report=True, input_shape=(2, 4, 5, 5))
+    assert type(untraceable.bn) is nn.BatchNorm2d
 
 
 # ---- the table, the rows as data, the log line ---------------------------------------------
