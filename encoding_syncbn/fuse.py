@@ -208,8 +208,7 @@ def _convert(module: nn.Module, process_group: Any, stacklevel: int
                              is not None)
         if id(original) in plan.unjudged:
             return Judgement(plan.unjudged[id(original)])
-        return convert._sync_judgement(original, converted)._replace(
-            reason=_unseen(original, plan))
+        return Judgement(_unseen(original, plan))
 
     module = convert._replace_all(module, to_inplace)
     return convert.synchronise(module, process_group), judge
@@ -256,6 +255,9 @@ class _Planner:
         self.unjudged: dict[int, str] = {}  # norm layer id -> why it is not judged
 
     def visit(self, module: nn.Module, path: str) -> None:
+        if isinstance(module, nn.DataParallel):  # a leaf of torch.nn: the model inside it
+            self.visit(module.module, f"{path}.module" if path else "module")
+            return
         if _is_leaf(module):
             return
         try:

@@ -5,6 +5,8 @@ model's own) runs one training forward on a meta input of the given shape, and a
 saved-tensors hook collects every distinct storage autograd packs, the parameters' excluded:
 what ``benchmarks/bench_inplace_memory.py`` measures on real tensors, with nothing computed
 and the model's own state untouched. The norm layers' input shapes come from the same run.
+Synchronised layers run as one replica's (``sync=False``): they keep the same tensors, and
+start no collective with processes that are not measuring.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from collections.abc import Sequence
 
 import torch
 from torch import nn
+
+from .modules import SyncBatchNorm
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +44,13 @@ def measure(model: nn.Module, input_shape: Sequence[int], dtype: torch.dtype,
                             if isinstance(tensor, nn.Parameter) else meta)
     shadow = copy.deepcopy(model, memo)
     shadow.train()
+    for module in shadow.modules():
+        if isinstance(module, SyncBatchNorm):
+            # One replica's batch alone: the same tensors kept, and no collective with
+            # processes that are not measuring.
+            module.sync = False
+    # DataParallel would scatter to its devices, where the meta copy is not.
+    run = shadow.module if isinstance(shadow, nn.DataParallel) else shadow
     parameters = {_storage_key(p) for p in shadow.parameters()}
     sizes: dict[str, int] = {}
     def record(path: str):
@@ -62,7 +73,7 @@ def measure(model: nn.Module, input_shape: Sequence[int], dtype: torch.dtype,
     x = torch.empty(tuple(input_shape), device="meta", dtype=dtype)
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-            shadow(x * 1)  # a fresh tensor, as a layer's output: in-place layers may write it
+            run(x * 1)  # a fresh tensor, as a layer's output: in-place layers may write it
     finally:
         for handle in handles:
             handle.remove()
@@ -86,10 +97,10 @@ def measure_for(converter: str, model: nn.Module, input_shape: Sequence[int],
     except Exception as error:
         raise ValueError(
             f"{converter}: cannot estimate the memory kept for backward on input_shape="
-            f"{tuple(input_shape)}: the model's training forward on meta tensors of that shape "
-            f"failed ({type(error).__name__}: {str(error)[:200]}); give the shape of an input "
-            "it takes, or leave input_shape out (a model that reads its data's values to "
-            "choose its path has no estimate)"
+            f"{tuple(input_shape)}: a training forward of the model's copy on meta tensors of "
+            f"that shape failed ({type(error).__name__}: {str(error)[:200]}); give the shape "
+            "of an input it takes, or leave input_shape out (a model that reads its data's "
+            "values to choose its path has no estimate)"
         ) from error
 
 

@@ -438,6 +438,24 @@ def test_memory_estimate_is_what_autograd_keeps(name):
         - kept_by_autograd(converted, shape, activations=True)) > 0
 
 
+def test_a_model_in_data_parallel():
+    """The model inside DataParallel is traced, its paths through the wrapper; the estimate
+    runs the wrapped model (no devices to scatter a meta copy to)."""
+    model = nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4), nn.LeakyReLU(),
+                          nn.Conv2d(4, 2, 1))
+    shape = (2, 3, 8, 8)
+    reference = copy.deepcopy(model)
+    expected = kept_by_autograd(copy.deepcopy(model), shape)
+    converted, report = convert_inplace_abn(nn.DataParallel(model), report=True,
+                                            input_shape=shape)
+    x = torch.randn(shape)
+    torch.testing.assert_close(converted(x * 1), reference(x))
+    assert [(row.path, row.in_place, row.input_bytes) for row in report.rows] == [
+        ("module.1", True, 2 * 4 * 8 * 8 * 4)]
+    assert report.memory.before_bytes == expected
+    assert report.memory.after_bytes == kept_by_autograd(converted.module, shape)
+
+
 def test_a_shape_the_model_cannot_take_is_refused_before_converting():
     model = leaky(tv_resnet())
     with pytest.raises(ValueError, match=r"convert_inplace_abn: cannot estimate .* "
