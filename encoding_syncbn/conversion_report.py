@@ -27,8 +27,10 @@ import re
 from collections.abc import Sequence
 from typing import Literal, NamedTuple
 
+import torch
 from torch import nn
 
+from . import inplace_policy, small_gamma
 from .modules import SyncBatchNorm
 
 _log = logging.getLogger(__name__)
@@ -110,6 +112,10 @@ class NormLayerReport:
     kept_before: int  #: tensors of its input's size kept for backward before (see module)
     kept_after: int  #: ... and after
     input_bytes: int | None = None  #: one such tensor's size, when the report has shapes
+    #: In place after: the channels it keeps aside (their input saved, see ``small_gamma``)
+    #: on float32 and on float16 / bfloat16 inputs, by its parameters now (ELU runs out of
+    #: place in half precision: all); None for a layer out of place.
+    channels_aside: tuple[int, int] | None = None
 
     @property
     def saved_bytes(self) -> int | None:
@@ -160,12 +166,13 @@ class ConversionReport:
 
     def __str__(self) -> str:
         sized = any(row.input_bytes is not None for row in self.rows)
-        header = ["layer", "before", "after", "sync", "in place", "activation", "kept",
-                  *(["saves"] if sized else []), "why"]
+        header = ["layer", "before", "after", "sync", "in place", "aside fp32/half",
+                  "activation", "kept", *(["saves"] if sized else []), "why"]
         lines = [
             [row.path or "(model)", row.before, row.after, "yes" if row.synchronised else "no",
-             "yes" if row.in_place else "no", row.activation,
-             f"{row.kept_before} -> {row.kept_after}",
+             "yes" if row.in_place else "no",
+             "" if row.channels_aside is None else "/".join(map(str, row.channels_aside)),
+             row.activation, f"{row.kept_before} -> {row.kept_after}",
              *([_mib(row.saved_bytes) if row.saved_bytes is not None else ""] if sized else []),
              row.reason + (f"  [{row.source}]" if row.source else "")]
             for row in self.rows
@@ -225,6 +232,7 @@ def build(converter: str, originals: dict[str, nn.Module], converted: nn.Module,
                                     + ([] if judgement.absorbed else follower)),
             # A layer the forward does not call keeps nothing.
             input_bytes=None if input_bytes is None else input_bytes.get(path, 0),
+            channels_aside=channels_aside(final),
         ))
     report = ConversionReport(converter, tuple(rows), memory)
     _log.info("%s", report.summary())
@@ -247,6 +255,29 @@ def left_reason(module: nn.Module) -> str | None:
         return "a frozen BatchNorm: fixed statistics, nothing to synchronise"
     return ("an unknown norm class: no conversion is registered for it "
             "(encoding_syncbn.register_conversion teaches one)")
+
+
+def channels_aside(layer: nn.Module) -> tuple[int, int] | None:
+    """The channels the in-place ``layer`` keeps aside on float32 and on half-precision
+    inputs, as a single replica's layer chooses them (the limits with their margin), from
+    its parameters now; None for a layer out of place or whose parameters have no values."""
+    if not isinstance(layer, SyncBatchNorm) or not layer.inplace:
+        return None
+    weight, bias = layer.weight, layer.bias
+    if any(p is not None and p.is_meta for p in (weight, bias)):
+        return None
+    state = weight if weight is not None else layer.running_mean
+    device = state.device if state is not None else None
+    with torch.no_grad():
+        # As the layer computes with them (mapillary's InPlaceABN: |w| + eps).
+        weight, bias = layer._affine_params(
+            weight, bias, torch.empty(0, dtype=torch.float32, device=device))
+        counts = [int(small_gamma.small_gamma_mask(
+            weight, bias, small_gamma.gamma_limit(dtype, with_margin=True)).sum())
+            for dtype in (torch.float32, torch.float16)]
+    if not inplace_policy.stays_in_place(layer.activation, torch.float16):
+        counts[1] = layer.num_features
+    return counts[0], counts[1]
 
 
 def activation_text(layer: nn.Module) -> str:

@@ -383,6 +383,31 @@ def test_sync_report_says_what_it_left_and_why():
     assert "adds ~33% of BN activations" in report.summary()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_channels_kept_aside_are_the_layers_own(dtype):
+    """The report counts the channels each in-place layer keeps aside as the layer chooses
+    them in a training call (mapillary's InPlaceABN: from |w| + eps), and ELU's all in half
+    precision, where it runs out of place."""
+    layers = [SyncBatchNorm(4, activation="leaky_relu"), ours.InPlaceABNSync(4),
+              SyncBatchNorm(4, activation="elu", slope=1.0)]
+    with torch.no_grad():
+        for layer in layers:
+            layer.weight.copy_(torch.tensor([1e-5, 0.5, 1.0, 0.0]))
+            layer.bias.copy_(torch.tensor([0.0, 1.0, 0.1, 0.0]))
+    model = nn.Sequential(nn.Conv2d(3, 4, 1), *layers)
+    _, report = convert_sync_batchnorm(model, report=True)
+    half = dtype is torch.bfloat16
+    for layer, row in zip(layers, report.rows):
+        layer(torch.randn(8, 4, 3, 3, dtype=dtype))
+        if half and layer.activation == "elu":
+            assert row.channels_aside[1] == 4
+            continue
+        assert layer._small_gamma.known is not None
+        assert row.channels_aside[half] == len(layer._small_gamma.known), row.path
+    assert [row.channels_aside for row in report.rows] == [(2, 3), (2, 3), (2, 4)]
+    assert "aside fp32/half" in str(report) and "  2/3  " in str(report)
+
+
 # ---- the memory estimate and the counts, against what autograd keeps ----------------------
 
 
@@ -483,11 +508,11 @@ def test_table_rows_and_log_line(caplog):
     assert report.summary().startswith(
         "convert_inplace_abn: 20 of 20 norm layers synchronised, 1 in place, saves ~")
     table = str(report).splitlines()
-    assert table[0].split() == ["layer", "before", "after", "sync", "in", "place",
-                                "activation", "kept", "saves", "why"]
+    assert table[0].split() == ["layer", "before", "after", "sync", "in", "place", "aside",
+                                "fp32/half", "activation", "kept", "saves", "why"]
     assert len(table) == 2 + len(report.rows) + 1 and table[-1] == report.summary()
-    assert table[2].split()[:8] == ["bn1", "BatchNorm2d", "SyncBatchNorm", "yes", "yes",
-                                    "leaky_relu(0.01)", "2", "->"]
+    assert table[2].split()[:9] == ["bn1", "BatchNorm2d", "SyncBatchNorm", "yes", "yes",
+                                    "0/0", "leaky_relu(0.01)", "2", "->"]
     assert dataclasses.asdict(report.rows[0])["reason"] == "fused with relu (LeakyReLU)"
 
 
