@@ -11,9 +11,10 @@ unless the application configures logging).
 
 How many tensors a layer keeps for backward is counted over the chain it belongs to: the
 norm layer, the activation module it holds (timm's ``act``), and the activation it feeds
-(where the conversion judged one). Each step keeps its input, its output, or nothing, and
-writes over its input or makes a new tensor; the count is of distinct tensors kept, the
-chain's last output included (the next layer, a convolution, keeps it for its own backward).
+(where the conversion judged one). Each step keeps its input, its output, a copy of its
+input, or nothing, and writes over its input or makes a new tensor; the count is of distinct
+tensors kept, the chain's last output included (the next layer, a convolution, keeps it for
+its own backward).
 A BatchNorm then LeakyReLU keeps 3 (BatchNorm's input, its output that LeakyReLU keeps, the
 LeakyReLU's output); fused in place, 1; in place without activation before an out-of-place
 LeakyReLU, 2.

@@ -317,11 +317,11 @@ class _Planner:
             elif not getattr(act, "inplace", False):
                 decisions[norm_id] = ("identity", 0.0)
                 outcomes[norm_id] = (f"in place without activation: {call.act_label} stays "
-                                     "(the module also runs after other layers)", None)
+                                     "(the module also runs elsewhere)", None)
             else:
-                outcomes[norm_id] = (f"its activation {call.act_label} also runs after other "
-                                     "layers, in place: it can be neither fused nor left to "
-                                     "read the output", None)
+                outcomes[norm_id] = (f"its activation {call.act_label} also runs elsewhere, "
+                                     "in place: it can be neither fused nor left to read the "
+                                     "output", None)
         return decisions, outcomes
 
 
@@ -556,8 +556,8 @@ _OPERATOR_TEXT = {
     operator.matmul: "`@`", operator.neg: "unary `-`",
 }
 # Module prefixes users write: torch.nn.functional.leaky_relu as F.leaky_relu.
-_MODULE_TEXT = {"torch.nn.functional": "F", "torch._C._nn": "F", "torch._C._VariableFunctions":
-                "torch", "torch.functional": "torch", "torch.nn.modules.module": "torch"}
+_MODULE_TEXT = {"torch.nn.functional": "F", "torch._C._nn": "F",
+                "torch._C._VariableFunctions": "torch", "torch.functional": "torch"}
 
 
 def _describe(node: fx.Node, root: nn.Module) -> str:

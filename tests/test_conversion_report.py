@@ -75,8 +75,8 @@ def test_torchvision_resnet_says_which_operation_keeps_each_layer_out():
     assert (stem.kept_before, stem.kept_after) == (2, 1)
     # Every block applies one in-place activation module twice.
     assert found["layer1.0.bn1"].reason == (
-        "its activation layer1.0.relu (LeakyReLU) also runs after other layers, in place: "
-        "it can be neither fused nor left to read the output")
+        "its activation layer1.0.relu (LeakyReLU) also runs elsewhere, in place: it can be "
+        "neither fused nor left to read the output")
     bn2 = found["layer1.0.bn2"]
     assert not bn2.in_place and bn2.reason == "its output is modified in place by `+=`"
     assert bn2.source.startswith("resnet.py:") and bn2.source.endswith(": out += identity")
@@ -94,7 +94,7 @@ def test_torchvision_resnet_with_out_of_place_activations_and_relu():
     bn1 = rows(report)["layer1.0.bn1"]
     assert (bn1.in_place, bn1.activation) == (True, "identity")
     assert bn1.reason == ("in place without activation: layer1.0.relu (LeakyReLU) stays (the "
-                          "module also runs after other layers)")
+                          "module also runs elsewhere)")
     assert (bn1.kept_before, bn1.kept_after) == (3, 2)
     _, report = convert_inplace_abn(tv_resnet(), report=True)
     assert rows(report)["bn1"].reason == (
