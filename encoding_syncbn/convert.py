@@ -124,7 +124,7 @@ def convert_sync_batchnorm(module: nn.Module, process_group: Any = None, *,
         ValueError: a lazy BatchNorm that has not seen an input yet.
     """
     return run_reported("convert_sync_batchnorm", module, report, input_shape,
-                        lambda root: (synchronise(root, process_group), _sync_judgement))
+                        lambda root, _: (synchronise(root, process_group), _sync_judgement))
 
 
 def synchronise(module: nn.Module, process_group: Any = None) -> nn.Module:
@@ -188,7 +188,7 @@ def revert_sync_batchnorm(module: nn.Module, *, report: bool = False,
     return run_reported("revert_sync_batchnorm", module, report, input_shape, _revert)
 
 
-def _revert(module: nn.Module) -> tuple[nn.Module, Judge]:
+def _revert(module: nn.Module, reporting: bool) -> tuple[nn.Module, Judge]:
 
     def to_original(child: nn.Module, path: str) -> nn.Module | None:
         # Its own attribute: a wrapper may forward attribute reads to the module it wraps.
@@ -216,17 +216,17 @@ Judge = Callable[[nn.Module, nn.Module], Judgement]
 
 def run_reported(converter: str, module: nn.Module, asked: bool,
                  input_shape: Sequence[int] | None,
-                 convert: Callable[[nn.Module], tuple[nn.Module, Judge]]
+                 convert: Callable[[nn.Module, bool], tuple[nn.Module, Judge]]
                  ) -> nn.Module | tuple[nn.Module, ConversionReport]:
-    """``convert(module)`` (the converted model, and what to say of each norm layer: from
-    the layer before and after), with the report of ``converter`` when it is asked for
-    (``asked``: returned with the model) or logged."""
+    """``convert(module, reporting)`` (the converted model, and what to say of each norm
+    layer: from the layer before and after), with the report of ``converter`` when it is
+    asked for (``asked``: returned with the model) or logged (``reporting``: either)."""
     if not conversion_report.wanted(asked):
-        return convert(module)[0]
+        return convert(module, False)[0]
     originals = norm_layers(module)
     before = (None if input_shape is None else
               saved_memory.measure_for(converter, module, input_shape, list(originals)))
-    converted, judge = convert(module)
+    converted, judge = convert(module, True)
     memory = None
     if before is not None:
         after = saved_memory.measure_for(converter, converted, input_shape, [])

@@ -140,19 +140,20 @@ def convert_inplace_abn(module: nn.Module, process_group: Any = None, *,
     """
     return convert.run_reported(
         "convert_inplace_abn", module, report, input_shape,
-        lambda root: _convert(root, process_group, stacklevel=5))
+        lambda root, reporting: _convert(root, process_group, reporting, stacklevel=5))
 
 
-def _convert(module: nn.Module, process_group: Any, stacklevel: int
+def _convert(module: nn.Module, process_group: Any, reporting: bool, stacklevel: int
              ) -> tuple[nn.Module, convert.Judge]:
     """``convert_inplace_abn`` without its report: the converted model, and what to say of
-    each norm layer (from the layer before and after)."""
+    each norm layer (from the layer before and after); ``reporting``: with the source line
+    of each operation a reason names (recording them costs the trace most of its time)."""
     # Traced in both modes: tracing fixes `if self.training:` branches to the current one.
     flags = [(m, m.training) for m in module.modules()]
     plans = []
     for training in (True, False):
         module.train(training)
-        plans.append(_Planner())
+        plans.append(_Planner(sources=reporting))
         plans[-1].visit(module, "")
     for child, training in flags:
         child.training = training
@@ -247,7 +248,8 @@ def _refused(reason: str, node: fx.Node | None, follower: Step | None = None) ->
 class _Planner:
     """Traces a module tree and collects every BatchNorm call and activation call in it."""
 
-    def __init__(self) -> None:
+    def __init__(self, sources: bool) -> None:
+        self.sources = sources  # whether the trace records each operation's source line
         self.untraced: list[tuple[str, str]] = []
         self.calls: dict[int, list[_Call]] = {}  # BatchNorm id -> its calls
         self.paths: dict[int, str] = {}  # BatchNorm id -> its path, for the debug log
@@ -261,7 +263,7 @@ class _Planner:
         if _is_leaf(module):
             return
         try:
-            graph = _Tracer().trace(module)
+            graph = _Tracer(self.sources).trace(module)
         except Exception as error:  # any failure of the tracer: the module's own code
             self.untraced.append((path, f"{type(error).__name__}: {str(error)[:120]}"))
             for name, child in module.named_children():
@@ -632,9 +634,9 @@ for _name, _function in _INPLACE_OPERATORS.items():
 
 
 class _Tracer(fx.Tracer):
-    def __init__(self) -> None:
+    def __init__(self, sources: bool) -> None:
         super().__init__()
-        self.record_stack_traces = True  # the reasons name each operation's source line
+        self.record_stack_traces = sources  # for the reasons to name source lines
 
     def is_leaf_module(self, module: nn.Module, qualified_name: str) -> bool:
         return _is_leaf(module)

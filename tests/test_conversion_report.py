@@ -34,6 +34,16 @@ from encoding_syncbn import (
 from encoding_syncbn import inplace_abn as ours
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """The models' forwards are small; with several threads on a busy CPU their workers'
+    spinning costs 10-100x the arithmetic (tests/test_convert_models.py)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def leaky(model: nn.Module, inplace: bool | None = None) -> nn.Module:
     """``model`` with each ReLU replaced by its own LeakyReLU(0.01) (its inplace flag, unless
     ``inplace`` says otherwise)."""
