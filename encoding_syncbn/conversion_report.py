@@ -161,12 +161,12 @@ class ConversionReport:
                 f"{in_place} in place, {verb} ~{abs(change):.0%} of BN activations")
         if self.memory is not None:
             text += (f"; kept for backward on {self.memory.input_shape} "
-                     f"{self.memory.dtype}: {_mib(self.memory.before_bytes)} -> "
-                     f"{_mib(self.memory.after_bytes)}")
+                     f"{self.memory.dtype}: {_size(self.memory.before_bytes)} -> "
+                     f"{_size(self.memory.after_bytes)}")
         return text
 
     def __str__(self) -> str:
-        sized = any(row.input_bytes is not None for row in self.rows)
+        sized = all(row.input_bytes is not None for row in self.rows)
         header = ["layer", "before", "after", "sync", "in place", "aside fp32/half",
                   "activation", "kept", *(["saves"] if sized else []), "why"]
         lines = [
@@ -174,7 +174,7 @@ class ConversionReport:
              "yes" if row.in_place else "no",
              "" if row.channels_aside is None else "/".join(map(str, row.channels_aside)),
              row.activation, f"{row.kept_before} -> {row.kept_after}",
-             *([_mib(row.saved_bytes) if row.saved_bytes is not None else ""] if sized else []),
+             *([_size(row.saved_bytes) if row.saved_bytes is not None else ""] if sized else []),
              row.reason + (f"  [{row.source}]" if row.source else "")]
             for row in self.rows
         ]
@@ -188,7 +188,7 @@ def _line(cells: Sequence[str], widths: Sequence[int]) -> str:
     return "  ".join(cell.ljust(width) for cell, width in zip(cells, widths)).rstrip()
 
 
-def _mib(size: int) -> str:
+def _size(size: int) -> str:
     """``size`` bytes in the largest binary unit that leaves a whole part."""
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if abs(size) >= scale:
