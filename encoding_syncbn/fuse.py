@@ -365,7 +365,8 @@ def _norm_kind(module: nn.Module) -> tuple[str, float] | str:
         return (f"its own activation {activation_text(synced)} is not invertible (only "
                 "leaky_relu and elu of slope > 0 are)")
     if type(synced) is not SyncBatchNorm:
-        return f"it converts to {type(synced).__name__}, which stays as it is"
+        return (f"its synchronised form {type(synced).__name__} stays as it is (only a "
+                "SyncBatchNorm is made in place)")
     # Of the invertible ones, identity is left out of place: its conversion chose that.
     if synced.activation == "none" or (synced.activation != "identity" and activations
                                        .runs_in_place(synced.activation, synced.slope)):

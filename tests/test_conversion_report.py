@@ -307,6 +307,53 @@ class EvalWrite(nn.Module):
         return out * 1
 
 
+class TrainWrite(nn.Module):
+    """Its activation's output modified in place in training only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.bn = conv_bn()
+        self.act = nn.LeakyReLU(inplace=True)
+
+    def forward(self, x):
+        out = self.act(self.bn(self.conv(x)))
+        if self.training:
+            out.add_(1)
+        return out * 1
+
+
+class SecondCallWritten(nn.Module):
+    """One BatchNorm called twice, fused the first time, its output modified in place the
+    second."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.bn = conv_bn()
+        self.act = nn.LeakyReLU()
+
+    def forward(self, x):
+        y = self.bn(self.conv(self.act(self.bn(self.conv(x)))))
+        y += 1
+        return y * 1
+
+
+class Subclassed(SyncBatchNorm):
+    """A synchronised layer's subclass: kept as the user made it."""
+
+
+class Wrapped(nn.Module):
+    """``bn`` between a convolution and a LeakyReLU; ``called=False``: never called."""
+
+    def __init__(self, bn: nn.Module, called: bool = True) -> None:
+        super().__init__()
+        self.conv, self.bn, self.act = nn.Conv2d(4, 4, 1), bn, nn.LeakyReLU()
+        self.head, self.called = nn.Conv2d(4, 4, 1), called
+
+    def forward(self, x):
+        h = self.conv(x)
+        return self.head(self.act(self.bn(h) if self.called else h))
+
+
 class Untraceable(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -334,6 +381,13 @@ class Untraceable(nn.Module):
      "place by `.mul_()`) in eval mode"),
     (Untraceable(), "no traced graph calls it: out of place (torch.fx could not trace the "
      "model)"),
+    (TrainWrite(), "its activation act (LeakyReLU) writes over its output (inplace=True) "
+     "and cannot be fused: its output is modified in place by `.add_()` (in train mode)"),
+    (SecondCallWritten(), "its output is modified in place by `+=` (in one of its 2 calls)"),
+    (Wrapped(Subclassed(4)), "its synchronised form Subclassed stays as it is (only a "
+     "SyncBatchNorm is made in place)"),
+    (Wrapped(SyncBatchNorm(4, activation="leaky_relu")), "in place already"),
+    (Wrapped(nn.BatchNorm2d(4), called=False), "no traced graph calls it: out of place"),
 ])
 def test_hand_written_cases(model, reason):
     with warnings.catch_warnings():
