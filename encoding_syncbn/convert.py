@@ -189,6 +189,8 @@ def revert_sync_batchnorm(module: nn.Module, *, report: bool = False,
 
 
 def _revert(module: nn.Module, reporting: bool) -> tuple[nn.Module, Judge]:
+    """``revert_sync_batchnorm`` without its report, and what to say of each norm layer
+    (``reporting`` changes nothing here: the reasons need no trace)."""
 
     def to_original(child: nn.Module, path: str) -> nn.Module | None:
         # Its own attribute: a wrapper may forward attribute reads to the module it wraps.
@@ -257,7 +259,8 @@ def _sync_judgement(original: nn.Module, converted: nn.Module) -> Judgement:
     if left is not None:
         return Judgement(left)
     if converted is original:
-        return Judgement("synchronised already: left as it is")
+        return Judgement("synchronised already: left as it is" if converted.sync else
+                         "left as it is: sync=False makes it per replica")
     if isinstance(converted, SyncBatchNormAct):
         return Judgement(f"synchronised; its {type(converted.act).__name__} module has no "
                          "fused form and runs after it")

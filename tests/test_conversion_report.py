@@ -428,13 +428,14 @@ def test_sync_report_says_what_it_left_and_why():
     assert report.summary() == ("convert_sync_batchnorm: 0 of 20 norm layers synchronised, "
                                 "0 in place, saves ~0% of BN activations")
     mixed = nn.Sequential(nn.Conv2d(3, 4, 1), MyBatchNorm2d(4), SyncBatchNorm(4),
-                          nn.BatchNorm2d(4))
+                          nn.BatchNorm2d(4), SyncBatchNorm(4, sync=False))
     _, report = convert_sync_batchnorm(mixed, report=True)
     assert [(row.path, row.synchronised, row.reason) for row in report.rows] == [
         ("1", False, "an unknown norm class: no conversion is registered for it "
                      "(encoding_syncbn.register_conversion teaches one)"),
         ("2", True, "synchronised already: left as it is"),
         ("3", True, "synchronised"),
+        ("4", False, "left as it is: sync=False makes it per replica"),
     ]
     reverted, report = revert_sync_batchnorm(
         nn.Sequential(nn.Conv2d(3, 4, 1), SyncBatchNorm(4, activation="leaky_relu"),
