@@ -14,7 +14,10 @@ for backward, counted by a saved-tensors hook at the end of the forward: every d
 storage packed for backward, the model's parameters excluded. That is the activation memory a
 training step holds at its peak (just before backward starts), exactly and independent of
 allocator caching and of other processes; it is what In-Place ABN reduces. Peak RSS is not
-used: on a shared CPU machine it moves by more than the effect.
+used: on a shared CPU machine it moves by more than the effect. Beside it, what
+``convert_inplace_abn(..., report=True, input_shape=...)`` estimates from shapes alone
+before and after (float32: it does not model autocast), and the estimate's largest
+relative error against the measurements.
 """
 
 from __future__ import annotations
@@ -127,26 +130,34 @@ def main() -> None:
     rows = []
     for name, model in models().items():
         spread_betas(model, args.beta_over_gamma, torch.Generator().manual_seed(0))
-        in_place = convert_inplace_abn(copy.deepcopy(model))
+        in_place, report = convert_inplace_abn(copy.deepcopy(model), report=True,
+                                               input_shape=tuple(x.shape))
         sizes = [saved_bytes(converted, x, autocast) / 2**20 for converted in
                  (model, convert_sync_batchnorm(copy.deepcopy(model)), in_place)]
+        estimate = [report.memory.before_bytes / 2**20, report.memory.after_bytes / 2**20]
+        error = max(abs(e / m - 1) for e, m in zip(estimate, (sizes[0], sizes[2])))
         layers = [m for m in in_place.modules() if isinstance(m, SyncBatchNorm) and m.inplace]
         # As a single replica's layer chooses them (the limit with its margin).
         limit = gamma_limit(autocast or x.dtype, with_margin=True)
         aside = sum(int(small_gamma_mask(m.weight, m.bias, limit).sum()) for m in layers)
         channels = sum(m.num_features for m in layers)
         rows.append([name, *(f"{size:.1f}" for size in sizes), f"{sizes[2] / sizes[0]:.2f}",
-                     f"{aside} / {channels}"])
+                     f"{aside} / {channels}",
+                     *([f"{estimate[0]:.1f} / {estimate[1]:.1f}", f"{error:.1%}"]
+                       if autocast is None else ["(float32 only)", ""])])
     table = results.markdown_table(
         ["model", "original MiB", "convert_sync_batchnorm MiB", "convert_inplace_abn MiB",
-         "in place / original", "channels kept aside / in place"], rows)
+         "in place / original", "channels kept aside / in place",
+         "estimated original / in place MiB", "estimate's error"], rows)
     dtype = f"under autocast {args.autocast}" if autocast else "float32"
     params = (f"each norm's beta = {args.beta_over_gamma:g} * |gamma| * N(0, 1)"
               if args.beta_over_gamma else "parameters as initialised")
     notes = (f"One training step, input {tuple(x.shape)} {dtype}, random weights, {params}: "
              "the bytes autograd keeps for backward (distinct storages packed by a "
              "saved-tensors hook, parameters excluded); the channels the in-place layers keep "
-             "aside (their input saved: see the README's Limits).")
+             "aside (their input saved: see the README's Limits); the report's estimate from "
+             "shapes alone (convert_inplace_abn(report=True, input_shape=...)), and its "
+             "largest relative error against the two measurements.")
     print(notes + "\n\n" + table)
     options = ([f"autocast {args.autocast}"] if autocast else []) + (
         [f"beta-over-gamma {args.beta_over_gamma:g}"] if args.beta_over_gamma else [])

@@ -11,7 +11,8 @@ string, so that timm (or any other library) is never imported by the converter.
 from __future__ import annotations
 
 import importlib
-from typing import Any, Callable, NamedTuple
+from collections.abc import Sequence
+from typing import Any, Callable, Literal, NamedTuple, overload
 
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
@@ -21,6 +22,8 @@ from torch.nn.utils import parametrize
 from .. import activations, compat
 from ..layer.modules import SyncBatchNorm, record_paths
 from ..layer.norm_act import BatchNormAct, SyncBatchNormAct
+from . import reporting, saved_memory
+from .reporting import ConversionReport, Judgement, MemoryEstimate
 
 _BATCHNORM_BY_INPUT_DIM = {
     2: nn.BatchNorm1d, 3: nn.BatchNorm1d, 4: nn.BatchNorm2d, 5: nn.BatchNorm3d
@@ -81,7 +84,22 @@ def register_conversion(
     _CONVERSIONS[source] = _Conversion(source, to_sync, to_original)
 
 
-def convert_sync_batchnorm(module: nn.Module, process_group: Any = None) -> nn.Module:
+@overload
+def convert_sync_batchnorm(module: nn.Module, process_group: Any = None, *,
+                           report: Literal[False] = False,
+                           input_shape: Sequence[int] | None = None) -> nn.Module: ...
+
+
+@overload
+def convert_sync_batchnorm(module: nn.Module, process_group: Any = None, *,
+                           report: Literal[True],
+                           input_shape: Sequence[int] | None = None
+                           ) -> tuple[nn.Module, ConversionReport]: ...
+
+
+def convert_sync_batchnorm(module: nn.Module, process_group: Any = None, *,
+                           report: bool = False, input_shape: Sequence[int] | None = None
+                           ) -> nn.Module | tuple[nn.Module, ConversionReport]:
     """Return ``module`` with every norm layer the registry knows replaced by a synchronised
     one computing the same thing.
 
@@ -94,12 +112,25 @@ def convert_sync_batchnorm(module: nn.Module, process_group: Any = None) -> nn.M
     from several places stays one module. Works on a model already wrapped in
     ``nn.DataParallel``. Also ``SyncBatchNorm.convert_sync_batchnorm``.
 
+    ``report=True``: returns ``(module, report)``, a ``ConversionReport`` with a row per norm
+    layer (converted, or left and why: a frozen BatchNorm, an unknown norm class);
+    ``input_shape``: it also estimates the activations a training step keeps for backward on
+    an input of that shape, before and after (see ``saved_memory``). The summary is logged at
+    INFO on the ``encoding_syncbn`` logger.
+
     Raises:
         TypeError: a subclass of a registered class (``_BatchNorm`` included) that overrides
             ``forward`` and is not registered itself: converting it could change what it
             computes (teach it with ``register_conversion``).
         ValueError: a lazy BatchNorm that has not seen an input yet.
     """
+    return run_reported("convert_sync_batchnorm", module, report, input_shape,
+                        lambda root, _: (synchronise(root, process_group), _sync_judgement))
+
+
+def synchronise(module: nn.Module, process_group: Any = None) -> nn.Module:
+    """``convert_sync_batchnorm`` without its report: for converters that report
+    themselves."""
 
     def to_sync(child: nn.Module, path: str) -> nn.Module | None:
         conversion = _conversion_for(child, path)
@@ -129,7 +160,20 @@ def convert_sync_batchnorm(module: nn.Module, process_group: Any = None) -> nn.M
 SyncBatchNorm.convert_sync_batchnorm = staticmethod(convert_sync_batchnorm)
 
 
-def revert_sync_batchnorm(module: nn.Module) -> nn.Module:
+@overload
+def revert_sync_batchnorm(module: nn.Module, *, report: Literal[False] = False,
+                          input_shape: Sequence[int] | None = None) -> nn.Module: ...
+
+
+@overload
+def revert_sync_batchnorm(module: nn.Module, *, report: Literal[True],
+                          input_shape: Sequence[int] | None = None
+                          ) -> tuple[nn.Module, ConversionReport]: ...
+
+
+def revert_sync_batchnorm(module: nn.Module, *, report: bool = False,
+                          input_shape: Sequence[int] | None = None
+                          ) -> nn.Module | tuple[nn.Module, ConversionReport]:
     """Return ``module`` with every synchronised layer replaced by a per-replica one.
 
     A converted layer becomes its source class again (the registered ``to_original``): timm's
@@ -139,7 +183,15 @@ def revert_sync_batchnorm(module: nn.Module) -> nn.Module:
     ``BatchNormAct`` (any rank, ``drop`` and ``act`` modules after the normalisation) for a
     layer with an activation or an input of more than 5 dimensions: the ``state_dict`` keys
     stay the same. Parameters and buffers are shared, not copied; shared modules stay shared.
+
+    ``report`` and ``input_shape``: as ``convert_sync_batchnorm``'s.
     """
+    return run_reported("revert_sync_batchnorm", module, report, input_shape, _revert)
+
+
+def _revert(module: nn.Module, reporting: bool) -> tuple[nn.Module, Judge]:
+    """``revert_sync_batchnorm`` without its report, and what to say of each norm layer
+    (``reporting`` changes nothing here: the reasons need no trace)."""
 
     def to_original(child: nn.Module, path: str) -> nn.Module | None:
         # Its own attribute: a wrapper may forward attribute reads to the module it wraps.
@@ -159,7 +211,74 @@ def revert_sync_batchnorm(module: nn.Module) -> nn.Module:
         _check_plain_forward(child, path)
         return _to_plain(child)
 
-    return _replace_all(module, to_original)
+    return _replace_all(module, to_original), _revert_judgement
+
+
+Judge = Callable[[nn.Module, nn.Module], Judgement]
+
+
+def run_reported(converter: str, module: nn.Module, asked: bool,
+                 input_shape: Sequence[int] | None,
+                 convert: Callable[[nn.Module, bool], tuple[nn.Module, Judge]]
+                 ) -> nn.Module | tuple[nn.Module, ConversionReport]:
+    """``convert(module, reporting)`` (the converted model, and what to say of each norm
+    layer: from the layer before and after), with the report of ``converter`` when it is
+    asked for (``asked``: returned with the model) or logged (``reporting``: either)."""
+    if not reporting.wanted(asked):
+        return convert(module, False)[0]
+    originals = norm_layers(module)
+    before = (None if input_shape is None else
+              saved_memory.measure_for(converter, module, input_shape, list(originals)))
+    converted, judge = convert(module, True)
+    memory = None
+    if before is not None:
+        after = saved_memory.measure_for(converter, converted, input_shape, [])
+        memory = MemoryEstimate(tuple(input_shape), str(before.dtype).removeprefix("torch."),
+                                before.bytes, after.bytes)
+    judgements = {path: judge(original, converted.get_submodule(path))
+                  for path, original in originals.items()}
+    report = reporting.build(converter, originals, converted, judgements,
+                                     None if before is None else before.norm_inputs, memory)
+    return (converted, report) if asked else converted
+
+
+def norm_layers(module: nn.Module) -> dict[str, nn.Module]:
+    """Path -> module of every norm layer in ``module`` (each once, at its first path):
+    those the registry knows, and those it leaves (``reporting.left_reason``)."""
+    return {path: child for path, child in module.named_modules()
+            if is_norm_layer(child) or left_reason(child) is not None}
+
+
+def left_reason(module: nn.Module) -> str | None:
+    """Why ``module``, which normalises by batch statistics but is no class the registry
+    knows, is left as it is (``reporting.left_reason``); None for any other module."""
+    return None if is_norm_layer(module) else reporting.left_reason(module)
+
+
+def _sync_judgement(original: nn.Module, converted: nn.Module) -> Judgement:
+    left = left_reason(original)
+    if left is not None:
+        return Judgement(left)
+    if converted is original:
+        return Judgement("synchronised already: left as it is" if converted.sync else
+                         "left as it is: sync=False makes it per replica")
+    if isinstance(converted, SyncBatchNormAct):
+        return Judgement(f"synchronised; its {type(converted.act).__name__} module has no "
+                         "fused form and runs after it")
+    if converted.inplace:
+        return Judgement("synchronised, in place as it was")
+    if converted.activation not in ("none", "identity"):
+        return Judgement(f"synchronised, its {converted.activation} fused out of place")
+    return Judgement("synchronised")
+
+
+def _revert_judgement(original: nn.Module, reverted: nn.Module) -> Judgement:
+    left = left_reason(original)
+    if left is not None:
+        return Judgement(left)
+    if reverted is original:
+        return Judgement("not synchronised: left as it is")
+    return Judgement("per replica again")
 
 
 def _replace_all(

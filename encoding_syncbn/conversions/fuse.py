@@ -18,9 +18,12 @@ from __future__ import annotations
 
 import logging
 import operator
+import os
+import re
 import warnings
 from collections import Counter
-from typing import Any, NamedTuple
+from collections.abc import Sequence
+from typing import Any, Literal, NamedTuple, overload
 
 import torch
 import torch.nn.functional as F
@@ -29,8 +32,15 @@ from torch.nn.modules.lazy import LazyModuleMixin
 
 from .. import activations, compat
 from ..layer.modules import SyncBatchNorm
+from ..layer.norm_act import SyncBatchNormAct
 from . import convert
-from .convert import convert_sync_batchnorm
+from .reporting import (
+    ConversionReport,
+    Judgement,
+    Step,
+    activation_step,
+    activation_text,
+)
 
 _log = logging.getLogger(__name__)
 # The functional forms of the activations the layer inverts: what may run in place after a
@@ -76,7 +86,22 @@ _INPLACE_OPERATORS = {
 }
 
 
-def convert_inplace_abn(module: nn.Module, process_group: Any = None) -> nn.Module:
+@overload
+def convert_inplace_abn(module: nn.Module, process_group: Any = None, *,
+                        report: Literal[False] = False,
+                        input_shape: Sequence[int] | None = None) -> nn.Module: ...
+
+
+@overload
+def convert_inplace_abn(module: nn.Module, process_group: Any = None, *,
+                        report: Literal[True],
+                        input_shape: Sequence[int] | None = None
+                        ) -> tuple[nn.Module, ConversionReport]: ...
+
+
+def convert_inplace_abn(module: nn.Module, process_group: Any = None, *,
+                        report: bool = False, input_shape: Sequence[int] | None = None
+                        ) -> nn.Module | tuple[nn.Module, ConversionReport]:
     """Return ``module`` synchronised as ``convert_sync_batchnorm`` does, with every BatchNorm
     that may safely run in place turned into an In-Place Activated BatchNorm.
 
@@ -105,16 +130,31 @@ def convert_inplace_abn(module: nn.Module, process_group: Any = None) -> nn.Modu
     on the tracer's proxies, so the conversion changes no state (mapillary's layers count
     the batch before their extension fails on a proxy). Modules ``torch.fx`` cannot trace
     are looked into child by child, with a warning naming them (a child called from their
-    untraced code in another way is not seen). Why each
-    BatchNorm stays out of place:
-    ``logging.getLogger("encoding_syncbn.conversions.fuse")`` at DEBUG.
+    untraced code in another way is not seen).
+
+    ``report=True``: returns ``(module, report)``, a ``ConversionReport`` with a row per norm
+    layer saying why it is in place or not, naming the operation (``out += identity``, a
+    second reader of its input or output, an activation it cannot invert, a hook) and its
+    source line; ``input_shape``: it also estimates the activations a training step keeps
+    for backward on an input of that shape, before and after (see ``saved_memory``). The
+    summary is logged at INFO on the ``encoding_syncbn`` logger.
     """
+    return convert.run_reported(
+        "convert_inplace_abn", module, report, input_shape,
+        lambda root, reporting: _convert(root, process_group, reporting, stacklevel=5))
+
+
+def _convert(module: nn.Module, process_group: Any, reporting: bool, stacklevel: int
+             ) -> tuple[nn.Module, convert.Judge]:
+    """``convert_inplace_abn`` without its report: the converted model, and what to say of
+    each norm layer (from the layer before and after); ``reporting``: with the source line
+    of each operation a reason names (recording them costs the trace most of its time)."""
     # Traced in both modes: tracing fixes `if self.training:` branches to the current one.
     flags = [(m, m.training) for m in module.modules()]
     plans = []
     for training in (True, False):
         module.train(training)
-        plans.append(_Planner())
+        plans.append(_Planner(sources=reporting))
         plans[-1].visit(module, "")
     for child, training in flags:
         child.training = training
@@ -126,18 +166,31 @@ def convert_inplace_abn(module: nn.Module, process_group: Any = None) -> nn.Modu
             + ". Their children were traced one by one, so only BatchNorm + activation pairs "
             "inside one child can run in place; the BatchNorms their own forward calls "
             "directly stay out of place",
-            stacklevel=2,
+            stacklevel=stacklevel,
         )
-    train_decisions, eval_decisions = (p.decide() for p in plans)
+    (train_decisions, train_why), (eval_decisions, eval_why) = (p.decide() for p in plans)
     decisions = {key: value for key, value in train_decisions.items()
                  if eval_decisions.get(key) == value}
-    for training, p in zip((True, False), plans):
-        for norm_id, calls in p.calls.items():
-            if norm_id not in decisions:
-                reasons = sorted({c.reason or "its activation module also runs elsewhere"
-                                  for c in calls})
-                _log.debug("convert_inplace_abn: %s stays out of place (%s mode): %s",
-                           p.paths[norm_id], "train" if training else "eval", "; ".join(reasons))
+    outcomes: dict[int, tuple[str, str | None]] = {}
+    for norm_id in train_why.keys() | eval_why.keys():
+        if norm_id in decisions:
+            outcomes[norm_id] = train_why[norm_id]
+        elif norm_id not in train_decisions and norm_id in train_why:
+            reason, source = train_why[norm_id]
+            outcomes[norm_id] = (reason + (" (in train mode)" if norm_id in eval_decisions
+                                           else ""), source)
+        elif norm_id not in eval_decisions and norm_id in eval_why:
+            reason, source = eval_why[norm_id]
+            outcomes[norm_id] = (f"{reason} (in eval mode)", source)
+        else:
+            (train_reason, train_source), (eval_reason, eval_source) = (
+                train_why[norm_id], eval_why[norm_id])
+            outcomes[norm_id] = (f"the modes disagree: {train_reason} in train mode, "
+                                 f"{eval_reason} in eval mode", eval_source or train_source)
+    for norm_id, (reason, _) in outcomes.items():
+        if norm_id not in decisions:
+            _log.debug("convert_inplace_abn: %s stays out of place: %s",
+                       plan.paths.get(norm_id) or plans[1].paths[norm_id], reason)
 
     def to_inplace(child: nn.Module, path: str) -> nn.Module | None:
         decision = decisions.get(id(child))
@@ -147,8 +200,31 @@ def convert_inplace_abn(module: nn.Module, process_group: Any = None) -> nn.Modu
             return nn.Identity()
         return _inplace_layer(child, path, process_group, *decision)
 
+    def judge(original: nn.Module, converted: nn.Module) -> Judgement:
+        calls = plan.calls.get(id(original))
+        if id(original) in outcomes:
+            reason, source = outcomes[id(original)]
+            follower = calls[0].follower if calls else None
+            fused = decisions.get(id(original), (None,))[0] not in (None, "identity")
+            return Judgement(reason, source, follower, absorbed=fused and calls[0].act
+                             is not None)
+        if id(original) in plan.unjudged:
+            return Judgement(plan.unjudged[id(original)])
+        return Judgement(_unseen(original, plan))
+
     module = convert._replace_all(module, to_inplace)
-    return convert_sync_batchnorm(module, process_group)
+    return convert.synchronise(module, process_group), judge
+
+
+def _unseen(norm: nn.Module, plan: _Planner) -> str:
+    """Why the trace saw no call of the norm layer ``norm``."""
+    left = convert.left_reason(norm)
+    if left is not None:
+        return left
+    if plan.untraced:
+        return ("no traced graph calls it: out of place (torch.fx could not trace "
+                + ", ".join(_where(path) for path, _ in plan.untraced) + ")")
+    return "no traced graph calls it: out of place"
 
 
 # ---- what a BatchNorm call is followed by ------------------------------------------------------
@@ -160,23 +236,35 @@ class _Call(NamedTuple):
     activation: str | None  # None: stays out of place; "identity": in place, no activation
     slope: float
     act: nn.Module | None  # the activation module absorbed (fused), if any
-    reason: str  # why it stays out of place ("" otherwise)
+    reason: str  # why, in a user's words (what it is fused with, or what keeps it out)
+    source: str | None  # "file.py:line: code" of the operation the reason names
+    follower: Step | None = None  # the separate activation it feeds, as it runs before
+    act_label: str = ""  # how reasons name that activation
+
+
+def _refused(reason: str, node: fx.Node | None, follower: Step | None = None) -> _Call:
+    return _Call(None, 0.0, None, reason, _source(node), follower)
 
 
 class _Planner:
     """Traces a module tree and collects every BatchNorm call and activation call in it."""
 
-    def __init__(self) -> None:
+    def __init__(self, sources: bool) -> None:
+        self.sources = sources  # whether the trace records each operation's source line
         self.untraced: list[tuple[str, str]] = []
         self.calls: dict[int, list[_Call]] = {}  # BatchNorm id -> its calls
         self.paths: dict[int, str] = {}  # BatchNorm id -> its path, for the debug log
         self.module_calls: Counter[int] = Counter()  # module id -> its calls, all graphs
+        self.unjudged: dict[int, str] = {}  # norm layer id -> why it is not judged
 
     def visit(self, module: nn.Module, path: str) -> None:
+        if isinstance(module, nn.DataParallel):  # a leaf of torch.nn: the model inside it
+            self.visit(module.module, f"{path}.module" if path else "module")
+            return
         if _is_leaf(module):
             return
         try:
-            graph = _Tracer().trace(module)
+            graph = _Tracer(self.sources).trace(module)
         except Exception as error:  # any failure of the tracer: the module's own code
             self.untraced.append((path, f"{type(error).__name__}: {str(error)[:120]}"))
             for name, child in module.named_children():
@@ -187,25 +275,36 @@ class _Planner:
                 continue
             target = module.get_submodule(node.target)
             self.module_calls[id(target)] += 1
+            if not convert.is_norm_layer(target):
+                continue
             kind = _norm_kind(target)
-            if kind is not None:
-                self.calls.setdefault(id(target), []).append(_judge(node, kind, module))
-                self.paths.setdefault(id(target), f"{path}.{node.target}" if path
-                                      else node.target)
+            if isinstance(kind, str):
+                self.unjudged[id(target)] = kind
+                continue
+            self.calls.setdefault(id(target), []).append(_judge(node, kind, module))
+            self.paths.setdefault(id(target), f"{path}.{node.target}" if path
+                                  else node.target)
 
-    def decide(self) -> dict[int, Any]:
+    def decide(self) -> tuple[dict[int, Any], dict[int, tuple[str, str | None]]]:
         """id -> ``(activation, slope)`` for each BatchNorm to make in place, ``_ABSORBED``
-        for each activation module they absorb.
+        for each activation module they absorb; and for each BatchNorm judged, why
+        (``(reason, source)``).
 
         A BatchNorm called several times is in place only if every call agrees; an activation
         module is absorbed only if every one of its calls follows a BatchNorm absorbing it
         (else it stays, and those BatchNorms run in place without activation before it,
         when it is out of place)."""
-        chosen = {}
+        chosen, outcomes = {}, {}
         for norm_id, calls in self.calls.items():
             first = calls[0]
-            if first.activation is not None and all(c[:3] == first[:3] for c in calls):
+            refused = next((call for call in calls if call.activation is None), None)
+            if refused is not None:
+                outcomes[norm_id] = (refused.reason + _of_calls(calls), refused.source)
+            elif all(c[:3] == first[:3] for c in calls):
                 chosen[norm_id] = first
+            else:
+                outcomes[norm_id] = (f"its {len(calls)} calls would fuse it differently: "
+                                     + "; ".join(sorted({c.reason for c in calls})), None)
         absorbing = Counter(
             id(call.act) for norm_id in chosen for call in self.calls[norm_id]
             if call.act is not None
@@ -215,11 +314,22 @@ class _Planner:
             act = call.act
             if act is None or absorbing[id(act)] == self.module_calls[id(act)]:
                 decisions[norm_id] = (call.activation, call.slope)
+                outcomes[norm_id] = (call.reason, call.source)
                 if act is not None:
                     decisions[id(act)] = _ABSORBED
             elif not getattr(act, "inplace", False):
                 decisions[norm_id] = ("identity", 0.0)
-        return decisions
+                outcomes[norm_id] = (f"in place without activation: {call.act_label} stays "
+                                     "(the module also runs elsewhere)", None)
+            else:
+                outcomes[norm_id] = (f"its activation {call.act_label} also runs elsewhere, "
+                                     "in place: it can be neither fused nor left to read the "
+                                     "output", None)
+        return decisions, outcomes
+
+
+def _of_calls(calls: list[_Call]) -> str:
+    return f" (in one of its {len(calls)} calls)" if len(calls) > 1 else ""
 
 
 def _synced_form(module: nn.Module) -> nn.Module | None:
@@ -238,17 +348,31 @@ def _synced_form(module: nn.Module) -> nn.Module | None:
     return module if isinstance(module, SyncBatchNorm) else None
 
 
-def _norm_kind(module: nn.Module) -> tuple[str, float] | None:
+def _norm_kind(module: nn.Module) -> tuple[str, float] | str:
     """``(activation, slope)`` of the out-of-place layer ``module`` converts to, when that is
-    a plain ``SyncBatchNorm`` whose activation is none or may run in place; else None."""
+    a plain ``SyncBatchNorm`` whose activation is none or may run in place; else why it is
+    not judged."""
     synced = _synced_form(module)
-    if type(synced) is not SyncBatchNorm or synced.inplace:
-        return None
+    if synced is None:
+        return "it is not converted (convert_sync_batchnorm says why)"
+    if isinstance(synced, SyncBatchNormAct):
+        return (f"its activation module {type(synced.act).__name__} has no fused form, so "
+                "it stays after the layer")
+    if synced.inplace:
+        return "in place already" + ("" if type(synced) is SyncBatchNorm
+                                     else f", as {type(synced).__name__}")
+    if synced.activation not in ("none", "identity") and not activations.runs_in_place(
+            synced.activation, synced.slope):
+        return (f"its own activation {activation_text(synced)} is not invertible (only "
+                "leaky_relu and elu of slope > 0 are)")
+    if type(synced) is not SyncBatchNorm:
+        return (f"its synchronised form {type(synced).__name__} stays as it is (only a "
+                "SyncBatchNorm is made in place)")
     # Of the invertible ones, identity is left out of place: its conversion chose that.
     if synced.activation == "none" or (synced.activation != "identity" and activations
                                        .runs_in_place(synced.activation, synced.slope)):
         return synced.activation, synced.slope
-    return None
+    return "its own activation is an identity, converted out of place as it was"
 
 
 def _judge(node: fx.Node, kind: tuple[str, float], root: nn.Module) -> _Call:
@@ -256,45 +380,84 @@ def _judge(node: fx.Node, kind: tuple[str, float], root: nn.Module) -> _Call:
     place, and with which activation."""
     producer = node.args[0] if node.args else None
     if not isinstance(producer, fx.Node) or len(node.args) != 1 or node.kwargs:
-        return _Call(None, 0.0, None, "called with other arguments")
+        return _refused("it is called with other arguments than one tensor", node)
     if compat.has_call_hooks(root.get_submodule(node.target)):
         # A pre-hook may keep the input, which would then be overwritten; a forward hook
         # would see the activation's output once fused.
-        return _Call(None, 0.0, None, "it has forward or backward hooks")
+        return _refused("a hook is registered on it (a hook may keep its input, which "
+                        "would be overwritten)", node)
     if not _is_fresh(producer, root):
-        return _Call(None, 0.0, None, f"its input comes from {_describe(producer)}")
+        return _refused(f"its input may be shared: it comes from {_describe(producer, root)}"
+                        ", not from a convolution, linear layer or arithmetic", producer)
     if len(producer.users) != 1:
-        return _Call(None, 0.0, None, "its input is also read elsewhere")
+        other = next(user for user in producer.users if user is not node)
+        return _refused(f"its input is read again, by {_describe(other, root)}: it would "
+                        "read the output", other)
     if kind[0] != "none":  # the norm layer's own activation (timm's BatchNormAct2d)
-        if _written_later(node, root):
-            return _Call(None, 0.0, None, "its output is modified in place or returned")
-        return _Call(*kind, None, "")
+        writer = _writer_after(node, root)
+        if writer is not None:
+            return _refused(_written_reason(writer, root), writer)
+        return _Call(*kind, None, f"fused with its own {kind[0]}", None)
     # Through nn.Identity modules (timm's disabled drop_block), to the activation.
     value = node
     while True:
         if len(value.users) != 1:
-            return _Call(None, 0.0, None, "its output is read by several operations")
+            first, second = list(value.users)[:2]
+            return _refused(f"its output is read twice, by {_describe(first, root)} and "
+                            f"{_describe(second, root)}", second)
         act_node = next(iter(value.users))
+        if act_node.op == "output":
+            return _refused(_written_reason(act_node, root), act_node)
         if act_node.args[:1] != (value,) or _count_uses(act_node, value) != 1:
-            return _Call(None, 0.0, None, "its output does not feed a LeakyReLU or ELU")
+            return _refused(_no_activation(act_node, root), act_node)
         if act_node.op != "call_module" or type(root.get_submodule(act_node.target)) \
                 is not nn.Identity:
             break
         value = act_node
     found = _activation_of(act_node, root)
     if found is None:
-        return _Call(None, 0.0, None, "its output does not feed a LeakyReLU or ELU")
+        if act_node.op == "call_module" and activations.from_module(
+                root.get_submodule(act_node.target)) is not None:
+            return _refused(f"its activation {_describe(act_node, root)} is not invertible "
+                            "(only LeakyReLU and ELU of slope > 0 are)", act_node)
+        if _writes(act_node, value, root):
+            return _refused(_written_reason(act_node, root), act_node)
+        return _refused(_no_activation(act_node, root), act_node)
     activation, slope, act_module, inplace = found
+    follower = activation_step(act_module, inplace)
+    label = _describe(act_node, root)
     if slope <= 0:
-        return _Call(None, 0.0, None, f"{activation} with slope {slope} is not invertible")
+        return _refused(f"its activation {label} is not invertible (slope {slope:g})",
+                        act_node, follower)
     # Fused, the activation module becomes nn.Identity: not when hooks are registered on it.
-    if act_module is not None and not _written_later(act_node, root) \
-            and not compat.has_call_hooks(act_module):
-        return _Call(activation, slope, act_module, "")
+    writer = _writer_after(act_node, root) if act_module is not None else None
+    if act_module is None:
+        why, where = "a function call, not a module to absorb", act_node
+    elif writer is not None:
+        why, where = _written_reason(writer, root), writer
+    elif compat.has_call_hooks(act_module):
+        why, where = "a hook is registered on it", act_node
+    else:
+        return _Call(activation, slope, act_module, f"fused with {label}", None, follower,
+                     label)
     if not inplace:
         # The activation stays; it only reads the BatchNorm's output.
-        return _Call("identity", 0.0, None, "")
-    return _Call(None, 0.0, None, "its activation runs in place after it")
+        return _Call("identity", 0.0, None,
+                     f"in place without activation: {label} stays ({why})", _source(where),
+                     follower, label)
+    return _refused(f"its activation {label} writes over its output (inplace=True) and "
+                    f"cannot be fused: {why}", where, follower)
+
+
+def _no_activation(node: fx.Node, root: nn.Module) -> str:
+    return (f"no LeakyReLU or ELU follows it to fuse: its output goes to "
+            f"{_describe(node, root)}")
+
+
+def _written_reason(writer: fx.Node, root: nn.Module) -> str:
+    if writer.op == "output":
+        return "its output is returned by the traced module, whose caller may modify it"
+    return f"its output is modified in place by {_describe(writer, root)}"
 
 
 def _activation_of(node: fx.Node, root: nn.Module):
@@ -324,19 +487,19 @@ def _is_fresh(node: fx.Node, root: nn.Module) -> bool:
     return False
 
 
-def _written_later(node: fx.Node, root: nn.Module) -> bool:
-    """Whether ``node``'s result, or a possible alias of it, is modified in place or leaves
-    the graph (its caller may modify it)."""
+def _writer_after(node: fx.Node, root: nn.Module) -> fx.Node | None:
+    """The node that modifies ``node``'s result, or a possible alias of it, in place, or
+    that returns it from the graph (its caller may modify it); None if none does."""
     pending, seen = [node], {node}
     while pending:
         current = pending.pop()
         for user in current.users:
             if user.op == "output" or _writes(user, current, root):
-                return True
+                return user
             if user not in seen and not _returns_fresh(user, root):
                 seen.add(user)
                 pending.append(user)
-    return False
+    return None
 
 
 def _writes(user: fx.Node, value: fx.Node, root: nn.Module) -> bool:
@@ -389,10 +552,53 @@ def _count_uses(user: fx.Node, value: fx.Node) -> int:
     return count
 
 
-def _describe(node: fx.Node) -> str:
+# How reasons write the operators fx records.
+_OPERATOR_TEXT = {
+    operator.iadd: "`+=`", operator.isub: "`-=`", operator.imul: "`*=`",
+    operator.itruediv: "`/=`", operator.setitem: "`[...] =`", operator.getitem: "`[...]`",
+    operator.add: "`+`", operator.sub: "`-`", operator.mul: "`*`", operator.truediv: "`/`",
+    operator.matmul: "`@`", operator.neg: "unary `-`",
+}
+# Module prefixes users write: torch.nn.functional.leaky_relu as F.leaky_relu.
+_MODULE_TEXT = {"torch.nn.functional": "F", "torch._C._nn": "F",
+                "torch._C._VariableFunctions": "torch", "torch.functional": "torch"}
+
+
+def _describe(node: fx.Node, root: nn.Module) -> str:
+    """``node``'s operation in the words of the model's code."""
     if node.op == "placeholder":
         return "the traced module's own input"
-    return f"{node.op} {getattr(node.target, '__name__', node.target)}"
+    if node.op == "output":
+        return "the traced module's output"
+    if node.op == "call_module":
+        return f"{node.target} ({type(root.get_submodule(node.target)).__name__})"
+    if node.op == "call_method":
+        return f"`.{node.target}()`"
+    if node.target in _OPERATOR_TEXT:
+        return _OPERATOR_TEXT[node.target]
+    name = getattr(node.target, "__name__", str(node.target))
+    module = getattr(node.target, "__module__", None) or "torch"
+    return f"{_MODULE_TEXT.get(module, module)}.{name}"
+
+
+# Frames of the tracer and of this module, which no user wrote.
+_OWN_FILES = (os.path.dirname(fx.__file__), __file__)
+# A frame of a formatted stack: its code line (indented deeper) only where the file is known.
+_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in \S+(?:\n {4}(?P<code>\S.*))?')
+
+
+def _source(node: fx.Node | None) -> str | None:
+    """Where ``node``'s operation is written (``"file.py:line: code"``): the innermost frame
+    of the trace's stack outside torch.fx and this module, where the trace recorded one."""
+    stack = getattr(node, "stack_trace", None)
+    frames = [frame for frame in _FRAME.finditer(stack or "")
+              if not frame["file"].startswith(_OWN_FILES)
+              and os.sep + os.path.join("torch", "nn", "modules") not in frame["file"]]
+    if not frames:
+        return None
+    frame = frames[-1]
+    where = f"{os.path.basename(frame['file'])}:{frame['line']}"
+    return f"{where}: {frame['code'].strip()}" if frame["code"] else where
 
 
 def _where(path: str) -> str:
@@ -430,6 +636,10 @@ for _name, _function in _INPLACE_OPERATORS.items():
 
 
 class _Tracer(fx.Tracer):
+    def __init__(self, sources: bool) -> None:
+        super().__init__()
+        self.record_stack_traces = sources  # for the reasons to name source lines
+
     def is_leaf_module(self, module: nn.Module, qualified_name: str) -> bool:
         return _is_leaf(module)
 
