@@ -61,6 +61,62 @@ def resolve_inplace(layer: str, activation: str, slope: float, inplace: bool | N
 _OUT_OF_PLACE_IN_HALF_PRECISION = frozenset({"elu"})
 
 
+# The fewest values a channel (over the whole synchronised batch: every replica and rank) over
+# which an in-place layer trains in place on half-precision inputs; see
+# ``rebuilds_from_count``.
+MIN_REBUILT_COUNT = 23
+
+# What ``MIN_REBUILT_COUNT`` is derived from, besides the largest |beta| / |gamma| of a channel
+# rebuilt in half precision (``small_gamma.HALF_PRECISION_LIMIT``): the bound on the
+# gradients' error (a multiple of nn.BatchNorm2d's), and the chance per channel and call of
+# exceeding it that is accepted.
+GRADIENT_ERROR_BOUND = 3.0
+ACCEPTED_FAILURE_CHANCE = 1e-6
+
+
+def rebuilds_from_count(count: int, dtype: torch.dtype) -> bool:
+    """Whether an in-place layer whose batch statistics are taken over ``count`` values a
+    channel (all replicas and ranks) may rebuild an input of ``dtype`` for the input
+    gradient; if not, it trains out of place (such layers are tiny: an (N, C, 1, 1) pooling
+    branch).
+
+    Why the count matters. Per channel, with xhat the normalised input, dz the gradient
+    reaching the activation's input, m = mean(dz * xhat) and n = ``count``::
+
+        dx = w * invstd * r,   r = dz - mean(dz) - xhat * m
+
+    r is dz less its components along 1 and xhat: n - 2 degrees of freedom. In place, xhat
+    is rebuilt from the output, whose rounding u (half an ulp) gives each value an error
+    d_i with |d_i| <= u (|xhat_i| + rho), rho = |beta| / |gamma| (at most
+    ``HALF_PRECISION_LIMIT`` in a channel rebuilt). That changes dx by::
+
+        w * invstd * (d_i * m + xhat_i * mean(dz * d))
+
+    neither of which shrinks with dx. Write dz - mean(dz) = |dz_c| (cos t e + sin t f), e
+    along xhat, f orthogonal to it and to 1: m = |dz_c| cos t / sqrt(n) and
+    rms(r) = |dz_c| sin t / sqrt(n). Compared in root mean square over the channel's values
+    (rms(xhat) <= 1; the second term averages n independent roundings), the error is at most
+    ``u |dz_c| (1 + rho) sqrt(cos^2 t + 1 / (3 n)) / sqrt(n)``, and the bound allows
+    ``B u rms(r)`` (B = ``GRADIENT_ERROR_BOUND`` times half an ulp of dx: nn.BatchNorm2d's own
+    rounding). So the bound holds where::
+
+        cos^2 t <= c* = (B^2 - (1 + rho)^2 / (3 n)) / (B^2 + (1 + rho)^2)
+
+    dz does not depend on how the output rounds: as a direction random against xhat in the
+    n - 1 dimensions of centred values, sin^2 t follows Beta((n - 2) / 2, 1 / 2), and the bound
+    fails with chance ``I(1 - c*; (n - 2) / 2, 1 / 2)`` (the regularised incomplete beta
+    function), which falls with n and is first below ``ACCEPTED_FAILURE_CHANCE`` at
+    ``MIN_REBUILT_COUNT`` (tests/test_half_precision.py derives it again). At n = 2 dx is 0
+    whatever the rebuild.
+
+    Float16 and bfloat16 only, where the gradients are bound by nn.BatchNorm2d's error in the
+    same dtype. In float32 and float64 the rebuild's error is the output's far finer rounding
+    amplified by up to ``MIN_INVERTIBLE_GAMMA``'s inverse and by the same cancellation, which
+    this rule leaves alone.
+    """
+    return count >= MIN_REBUILT_COUNT or dtype not in torch_ops.HALF_DTYPES
+
+
 def stays_in_place(activation: str, dtype: torch.dtype) -> bool:
     """Whether an in-place layer of ``activation`` computes in place on inputs of ``dtype``:
     in float16 and bfloat16 ELU runs out of place (saving its input, as ``inplace=False``),
@@ -118,3 +174,4 @@ def can_overwrite(x: torch.Tensor, warned: list[bool]) -> bool:
             stacklevel=4,
         )
     return False
+

@@ -78,8 +78,10 @@ class SyncBatchNorm(_BatchNorm):
             error).
             In place, 1/slope must be finite in the compute dtype (float32 unless ``dtype``
             is float64). On float16 and bfloat16 inputs (autocast) channels with
-            |beta| >= |gamma| keep their input aside, and ELU runs out of place: a rebuild from
-            a half-precision output would lose precision (see ``small_gamma``).
+            |beta| >= |gamma| keep their input aside, and ELU runs out of place, as does a
+            training call over fewer than ``inplace_policy.MIN_REBUILT_COUNT`` values a
+            channel in the whole batch: a rebuild from a half-precision output would lose
+            precision (see ``small_gamma``, ``inplace_policy``).
 
     In place, the tensor passed in is overwritten and returned. A tensor autograd will not let
     us overwrite (a leaf that requires grad, an output of ``torch.chunk``/``split``) is
@@ -432,7 +434,8 @@ class SyncBatchNorm(_BatchNorm):
             exchange = Exchange(slot, self.eps, self.process_group, self._syncs_processes(),
                                 running, self._label())
             out = synced_batch_norm_act(x, weight, bias, config, exchange, small_gamma)
-            self._recompute_cache.remember(exchange.own, exchange.mean, exchange.invstd)
+            self._recompute_cache.remember(exchange.own, exchange.mean, exchange.invstd,
+                                         exchange.total)
             return out
         # This replica's batch alone.
         count = self._training_count(x)
