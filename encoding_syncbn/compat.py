@@ -161,18 +161,16 @@ def queue_backward_callback(callback: Callable[[], None]) -> None:
 
 # ---- tensors and views ------------------------------------------------------------------
 
-# torch._debug_has_internal_overlap's answer for "some elements share memory" (0: none,
-# 2: too hard to tell, which strided views are; they are written correctly).
-_OVERLAPS = 1
+# torch._debug_has_internal_overlap's answers: 0, no two elements share memory; 1, some do;
+# 2, too hard for it to tell (as_strided and unfold views, say).
+_OVERLAP_ANSWERS = {0: False, 1: True}
 
 
-def has_internal_overlap(x: torch.Tensor) -> bool:
-    """Whether some elements of ``x`` share memory (``torch.expand``); without torch's check,
-    any zero stride over a dimension longer than 1 counts (a superset of the real cases)."""
+def internal_overlap(x: torch.Tensor) -> bool | None:
+    """Whether some elements of ``x`` share memory, as torch's own quick check tells from
+    ``x``'s sizes and strides; None where it cannot tell, or where this torch lacks it."""
     check = getattr(torch, "_debug_has_internal_overlap", None)
-    if check is None:
-        return any(stride == 0 and size > 1 for size, stride in zip(x.shape, x.stride()))
-    return check(x) == _OVERLAPS
+    return None if check is None else _OVERLAP_ANSWERS.get(int(check(x)))
 
 
 def view_base(x: torch.Tensor) -> torch.Tensor | None:

@@ -48,7 +48,7 @@ from torch import nn
 
 from . import activations
 from .conversions.convert import SOURCE_ATTRIBUTE, register_conversion, resolve_class, share_state
-from .layer.modules import SyncBatchNorm
+from .layer.modules import SyncBatchNorm, checked_slope
 
 __all__ = [
     "ABN",
@@ -107,7 +107,8 @@ class ABN(SyncBatchNorm):
         super().__init__(
             num_features, eps, momentum, affine, track_running_stats, None, device, dtype,
             activation=activation, slope=activation_param,
-            inplace=self._runs_in_place(activation, float(activation_param)),
+            inplace=self._runs_in_place(activation, checked_slope(
+                f"{type(self).__name__}({num_features})", activation_param)),
         )
         setattr(self, SOURCE_ATTRIBUTE, _MAPILLARY + self._stands_for)
 
@@ -122,7 +123,7 @@ class ABN(SyncBatchNorm):
 
     @activation_param.setter
     def activation_param(self, value: float) -> None:
-        value = float(value)
+        value = checked_slope(self._label(), value)
         # In place exactly where this class runs in place at that value (InPlaceABN: where
         # it is invertible), each assignment leaving a valid layer.
         if self._runs_in_place(self.activation, value):
@@ -146,7 +147,8 @@ class ABN(SyncBatchNorm):
         super().__setstate__(state)
 
     def _label(self) -> str:
-        return f"{type(self).__name__}({self.num_features}) at {id(self):#x}"
+        where = f"at model path {self._path!r}" if self._path else f"at {id(self):#x}"
+        return f"{type(self).__name__}({self.num_features}) {where}"
 
     def extra_repr(self) -> str:
         text = (

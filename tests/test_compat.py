@@ -64,13 +64,31 @@ def test_without_view_provenance_views_go_out_of_place(monkeypatch):
     torch.testing.assert_close(out, expected)
 
 
-def test_overlap_fallback_matches_torch(monkeypatch):
+def test_overlap_check_is_exact_with_and_without_torchs(monkeypatch):
+    """``inplace_policy.shares_memory_within`` answers as listing the offsets does, for the
+    layouts torch's quick check answers (expand) and those it calls too hard (unfold,
+    as_strided, interleaved strides that do not overlap), with torch's check or without it."""
+    from encoding_syncbn.layer.inplace_policy import shares_memory_within
+
     x = torch.randn(1, 3, 1, 4)
-    cases = [x, x.expand(5, 3, 2, 4), x.transpose(1, 3), torch.randn(3, 1).expand(3, 1)]
-    expected = [compat.has_internal_overlap(case) for case in cases]
-    assert expected == [False, True, False, False]
+    flat = torch.randn(64)
+    cases = [x, x.expand(5, 3, 2, 4), x.transpose(1, 3), torch.randn(3, 1).expand(3, 1),
+             torch.randn(4, 3, 8).unfold(2, 3, 1), torch.randn(4, 3, 8).unfold(2, 2, 2),
+             flat.as_strided((4, 3, 5), (6, 2, 1)), flat.as_strided((2, 3, 3), (18, 3, 2)),
+             flat.as_strided((2, 3, 1), (3, 2, 1)), flat.as_strided((3, 2, 2), (0, 4, 1))]
+
+    def listed(t):
+        offsets = torch.zeros(1, dtype=torch.long)
+        for size, stride in zip(t.shape, t.stride()):
+            offsets = (offsets.unsqueeze(1) + torch.arange(size) * stride).view(-1)
+        return offsets.unique().numel() < t.numel()
+
+    expected = [listed(case) for case in cases]
+    assert expected == [False, True, False, False, True, False, True, False, False, True]
+    assert [shares_memory_within(case) for case in cases] == expected
     monkeypatch.delattr(torch, "_debug_has_internal_overlap")
-    assert [compat.has_internal_overlap(case) for case in cases] == expected
+    assert compat.internal_overlap(x) is None
+    assert [shares_memory_within(case) for case in cases] == expected
 
 
 def test_bias_less_layers_on_a_torch_whose_batchnorms_take_no_bias(monkeypatch):

@@ -19,7 +19,9 @@ parameters, float32 sums), where a value that cancels to ~0 would otherwise allo
 
 from __future__ import annotations
 
+import math
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -60,7 +62,7 @@ def _parameters(channels):
 def _reference(x, dy, gamma, beta, running, activation, slope, training):
     """float64 nn.BatchNorm2d + the activation: the gradients and, per channel, the sizes the
     floor takes (see the module docstring)."""
-    norm = nn.BatchNorm2d(C, dtype=torch.float64).train(training)
+    norm = nn.BatchNorm2d(len(gamma), dtype=torch.float64).train(training)
     _load(norm, gamma, beta, running)
     leaf = x.double().requires_grad_()
     z = norm(leaf)
@@ -244,3 +246,129 @@ def test_evaluation_whose_float16_output_overflows(activation):
                          (reference[0], reference[1][kept], reference[2]),
                          (sizes[0], sizes[1][kept], sizes[2]), torch.float16,
                          f"{activation} evaluation overflowing float16")
+
+
+def _failure_chance(count: int) -> float:
+    """``inplace_policy.rebuilds_from_count``'s chance that a rebuilt channel of ``count``
+    values exceeds the bound: I(1 - c*; (n - 2) / 2, 1 / 2), integrated here (Simpson's
+    rule in the variable v = sqrt(1 - s), which removes the density's pole at s = 1)."""
+    from encoding_syncbn.layer.inplace_policy import GRADIENT_ERROR_BOUND as B
+    from encoding_syncbn.layer.small_gamma import HALF_PRECISION_LIMIT as rho
+
+    n, a = count, (count - 2) / 2
+    c_star = (B**2 - (1 + rho) ** 2 / (3 * n)) / (B**2 + (1 + rho) ** 2)
+    # With s = 1 - v^2: integral of s^(a-1) (1-s)^(-1/2) ds from 0 to 1 - c* is
+    # integral of 2 (1 - v^2)^(a-1) dv from sqrt(c*) to 1.
+    lo, steps = math.sqrt(c_star), 20000
+    h = (1 - lo) / steps
+    f = [2 * (1 - (lo + i * h) ** 2) ** (a - 1) for i in range(steps + 1)]
+    integral = h / 3 * (f[0] + f[-1] + 4 * sum(f[1:-1:2]) + 2 * sum(f[2:-1:2]))
+    log_beta = math.lgamma(a) + math.lgamma(0.5) - math.lgamma(a + 0.5)
+    return integral / math.exp(log_beta)
+
+
+@one_backend
+def test_fewest_values_rebuilt_follows_from_the_error_analysis():
+    """``MIN_REBUILT_COUNT`` is the smallest count whose chance of exceeding the bound (the
+    analysis of ``inplace_policy.rebuilds_from_count``) is below the accepted one, and that
+    chance falls with the count."""
+    from encoding_syncbn.layer.inplace_policy import ACCEPTED_FAILURE_CHANCE, MIN_REBUILT_COUNT
+
+    chances = [_failure_chance(n) for n in range(4, MIN_REBUILT_COUNT + 1)]
+    assert all(a > b for a, b in zip(chances, chances[1:]))
+    assert chances[-2] > ACCEPTED_FAILURE_CHANCE >= chances[-1]
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    assert f"fewer than {MIN_REBUILT_COUNT} values a channel" in readme
+
+
+# Channels of the few-values test: the rebuild's failures are a chance per channel.
+FEW_VALUES_CHANNELS = 16
+
+
+@settings(max_examples=24, deadline=None, derandomize=True)
+@given(
+    dtype=st.sampled_from(HALF),
+    mode=st.sampled_from(MODES),
+    activation=st.sampled_from(["identity", "leaky_relu"]),
+    replicas=st.integers(1, 4),
+    spatial=st.sampled_from([(1, 1), (1, 2), (3, 1)]),
+    data=st.data(),
+)
+def test_few_values_a_channel_within_three_times_batchnorms_error(dtype, mode, activation,
+                                                                  replicas, spatial, data):
+    """With 3 to 64 values a channel over the whole (simulated DataParallel) batch, as an
+    (N, C, 1, 1) pooling branch has, in-place gradients stay within 3x nn.BatchNorm2d's
+    error: a channel whose rebuilt input loses too much to the output's rounding when few
+    values average it out trains out of place (``inplace_policy.rebuilds_from_count``); from
+    ``MIN_REBUILT_COUNT`` values on the layer stays in place. Gammas and betas in the range
+    rebuilt in place (|beta| < |gamma|)."""
+    from encoding_syncbn.layer.inplace_policy import MIN_REBUILT_COUNT
+
+    per_sample = spatial[0] * spatial[1]
+    fewest = max(replicas, -(-3 // per_sample))
+    # Few values a channel (where the rebuild fails) as often as the rest of the range.
+    batch = data.draw(st.one_of(st.integers(fewest, max(fewest, 8 // per_sample)),
+                                st.integers(fewest, 64 // per_sample)), label="batch")
+    channels = FEW_VALUES_CHANNELS
+    magnitudes_ = data.draw(st.lists(st.floats(1e-2, 10.0), min_size=channels,
+                                     max_size=channels))
+    ratios_ = data.draw(st.lists(st.floats(-0.99, 0.99), min_size=channels, max_size=channels))
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16), label="seed"))
+    shape = (batch, channels, *spatial)
+    count = batch * per_sample
+    slope = SLOPES.get(activation, 0.01)
+    params = dtype if mode == "half model" else torch.float32
+    gamma = (torch.tensor(magnitudes_) * torch.randn(channels, generator=gen).sign()).to(params)
+    beta = (gamma.abs().float() * torch.tensor(ratios_)).to(params)
+    x = (torch.randn(shape, generator=gen) * 2 + 0.5).to(dtype)
+    dy = torch.randn(shape, generator=gen).to(dtype)
+    no_running = (torch.zeros(channels), torch.ones(channels))
+    # The reference holds the parameters as the layers do (rounded in a half model).
+    reference, sizes = _reference(x, dy, gamma.float(), beta.float(), no_running, activation,
+                                  slope, True)
+    twin = nn.BatchNorm2d(channels).to(params)
+    layer = SyncBatchNorm(channels, activation=activation, slope=slope, inplace=True).to(params)
+    for norm in (twin, layer):
+        _load(norm, gamma, beta, no_running)
+    torch_same = _gradients(twin, x, dy, mode, 1, activation, slope)
+    ours = _gradients(layer, x, dy, mode, replicas, activation, slope)
+    _assert_within_bound(ours, torch_same, reference, sizes, dtype,
+                         f"{dtype} {mode} {activation} x{replicas} {shape}, gamma "
+                         f"{gamma.tolist()}, beta {beta.tolist()}",
+                         replicas if mode == "half model" else 1)
+    h = x.clone() * 1
+    with torch.autocast("cpu", dtype=dtype, enabled=mode == "autocast"):
+        out = layer(h)
+    assert (out.data_ptr() == h.data_ptr()) == (count >= MIN_REBUILT_COUNT)
+
+
+@pytest.mark.parametrize("count", [8, 32])
+def test_checkpoint_recomputes_a_few_values_call_as_it_ran(count):
+    """Under checkpoint, a synchronised half-precision call is recomputed in place exactly
+    where it ran in place: with too few values a channel over the whole batch (here 8, over
+    2 replicas of 4) it ran out of place, and so does its recomputation, which hands backward
+    the input, not the output. Gradients as without checkpoint."""
+    from torch.utils.checkpoint import checkpoint
+
+    class Block(nn.Module):
+        def __init__(self, checkpointed):
+            super().__init__()
+            torch.manual_seed(4)
+            self.fc = nn.Linear(6, C)
+            self.bn = SyncBatchNorm(C, activation="leaky_relu", inplace=True)
+            self.checkpointed = checkpointed
+
+        def forward(self, x):
+            block = lambda h: self.bn(self.fc(h))  # noqa: E731
+            return checkpoint(block, x, use_reentrant=False) if self.checkpointed else block(x)
+
+    x = torch.randn(count, 6, generator=torch.Generator().manual_seed(5))
+    grads = []
+    for checkpointed in (True, False):
+        model = Block(checkpointed)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = SimulatedDataParallel(model, 2)(x)
+        out.float().square().sum().backward()
+        grads.append([p.grad for p in model.parameters()])
+    for got, want in zip(*grads):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)

@@ -22,10 +22,13 @@ import textwrap
 import types
 
 import mapillary
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 from backends import each_backend, one_backend
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from reference import activate, assert_close
 from torch import nn
 
@@ -258,6 +261,31 @@ def test_activation_param_assigned_after_construction(param):
         layer.activation_param = value
         assert (layer.slope, layer.inplace) == (value, value > 0)
         check_step(layer, ref, layer, x, step, 0.1)
+
+
+@one_backend  # checked at assignment, before any op
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(cls=st.sampled_from(CLASSES), named=st.booleans(), assignments=st.lists(st.tuples(
+    st.sampled_from(["activation_param", "slope", "activation", "inplace", "eps", "momentum"]),
+    st.one_of(st.none(), st.booleans(), st.floats(allow_nan=True), st.integers(-1, 2),
+              st.sampled_from(["abc", "0.3", "elu", "relu", np.float32(0.2), np.int64(0),
+                               object(), [0.1]]))), min_size=1, max_size=4))
+def test_every_refused_assignment_names_the_layer(cls, named, assignments):
+    """Any value assigned to mapillary's ``activation_param`` or an option the layer checks:
+    taken, or refused with a ValueError naming the layer (its model path once converted),
+    the layer left as it was."""
+    layer = make(cls, "leaky_relu")
+    if named:
+        layer = convert_sync_batchnorm(nn.Sequential(nn.Identity(), layer))[1]
+    names = ("activation", "slope", "inplace", "eps", "momentum")
+    for name, value in assignments:
+        before = {key: getattr(layer, key) for key in names}, layer._config
+        try:
+            setattr(layer, name, value)
+        except ValueError as error:
+            assert layer._label() in str(error)
+            assert ("model path '1'" in layer._label()) is named
+            assert ({key: getattr(layer, key) for key in names}, layer._config) == before
 
 
 @pytest.mark.parametrize("function", [inplace_abn, inplace_abn_sync])

@@ -7,6 +7,9 @@ import warnings
 
 import pytest
 import torch
+from backends import each_backend
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from encoding_syncbn import SyncBatchNorm
 from encoding_syncbn.layer import inplace_policy
@@ -81,3 +84,54 @@ def test_can_overwrite(make, expected):
         out = layer(x)
     assert (out.data_ptr() == x.data_ptr() and out.stride() == x.stride()) is expected
     torch.testing.assert_close(out.detach(), want.detach(), rtol=1e-12, atol=1e-12)
+
+
+def _overlapping_view(kind: str, base: torch.Tensor, n: int, c: int, length: int,
+                      window: int) -> torch.Tensor:
+    """A view of ``base`` (n * c * length elements) some of whose elements share memory."""
+    grid = base.view(n, c, length)
+    if kind == "unfold":  # windows that overlap: a step below the window
+        return grid.unfold(2, window, window - 1)
+    if kind == "as_strided":  # rows of `window` starting every `window - 1` elements
+        rows = (length - window) // (window - 1) + 1
+        return base.as_strided((n, c, rows, window), (c * length, length, window - 1, 1))
+    return grid[:, :, :1].expand(n, c, window)  # expand: stride 0
+
+
+@each_backend
+@settings(max_examples=12, deadline=None, derandomize=True)
+@given(kind=st.sampled_from(["unfold", "as_strided", "expand"]), n=st.integers(2, 4),
+       c=st.integers(1, 3), length=st.integers(4, 9), window=st.integers(2, 4),
+       activation=st.sampled_from(["identity", "leaky_relu", "elu"]))
+def test_input_whose_elements_share_memory_runs_out_of_place(kind, n, c, length, window,
+                                                             activation):
+    """An in-place layer on a view whose elements share memory (overlapping unfold windows,
+    as_strided rows, expand) computes out of place with the documented warning, leaves the
+    tensor the view came from untouched, and gives the output and gradients an out-of-place
+    layer gives on a copy of the view."""
+    window = min(window, (length + 1) // 2)  # at least two windows or rows: overlapping
+    gen = torch.Generator().manual_seed(n * 100 + c * 10 + length)
+    leaf = torch.randn(n * c * length, dtype=torch.float64, generator=gen, requires_grad=True)
+    dy = None
+    results = []
+    for inplace in (True, False):
+        base = leaf * 1
+        view = _overlapping_view(kind, base, n, c, length, window)
+        source = view if inplace else view.clone()
+        layer = SyncBatchNorm(c, activation=activation, dtype=torch.float64, inplace=inplace)
+        before = base.detach().clone()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = layer(source)
+        if inplace:
+            assert [str(w.message) for w in caught if "share memory" in str(w.message)], \
+                [str(w.message) for w in caught]
+            assert out.data_ptr() != view.data_ptr()
+            assert torch.equal(base.detach(), before)
+        if dy is None:
+            dy = torch.randn(out.shape, dtype=torch.float64, generator=gen)
+        out.backward(dy)
+        results.append((out.detach(), leaf.grad.clone()))
+        leaf.grad = None
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from backends import each_backend, one_backend
@@ -11,6 +12,7 @@ from reference import ACTIVATIONS, SLOPES, activate, assert_close, plain_twin, r
 from torch import nn
 
 from encoding_syncbn import SyncBatchNorm
+from encoding_syncbn.layer import modules
 from encoding_syncbn.testing import SimulatedDataParallel
 
 C = 4
@@ -743,7 +745,7 @@ def test_options_assigned_later_are_checked_by_name(activation, name, value, wor
     relu failed there), naming the layer; the layer is left as it was."""
     layer = make_layer(activation, inplace=None)
     before = (layer.activation, layer.slope, layer.inplace)
-    with pytest.raises((ValueError, TypeError)) as info:
+    with pytest.raises(ValueError) as info:
         setattr(layer, name, value)
     for word in [*words, layer._label()]:
         assert word in str(info.value)
@@ -795,6 +797,110 @@ def test_statistics_options_assigned_later_are_used(name, value):
     assert_close(out, expected, what=f"output at {name}={value}")
     assert_close(leaf.grad, expected_dx, what=f"input grad at {name}={value}")
     assert_close(layer.running_var, twin.running_var, what=f"running_var at {name}={value}")
+
+
+# Values of every kind, valid or not for some option.
+_ANY_VALUE = st.one_of(
+    st.none(), st.booleans(), st.integers(-2, 2), st.floats(allow_nan=True),
+    st.text(max_size=3), st.sampled_from(["0.3", "leaky_relu", "elu", "relu", "identity",
+                                          "none", "silu"]),
+    st.sampled_from([np.float32(0.2), np.float64(-1.0), np.int64(1), np.bool_(True),
+                     np.float32("nan"), (0.1,), [1], {"a": 1}, object(), torch.tensor(0.1)]),
+)
+
+
+@one_backend  # checked at assignment, before any op
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(activation=st.sampled_from(["leaky_relu", "elu", "identity", "relu"]),
+       named=st.booleans(), assignments=st.lists(
+           st.tuples(st.sampled_from(sorted(modules._ACTIVATION_OPTIONS
+                                            + modules._STATISTICS_OPTIONS)), _ANY_VALUE),
+           min_size=1, max_size=4))
+def test_every_checked_option_refused_by_name_or_taken(activation, named, assignments):
+    """Every option the layer checks at assignment (``modules._ACTIVATION_OPTIONS``,
+    ``_STATISTICS_OPTIONS``), assigned any value: either refused with a ValueError naming the
+    layer (its model path once converted), the layer left as it was, or taken, the layer then
+    configured as one constructed with those options."""
+    from encoding_syncbn import convert_sync_batchnorm
+
+    layer = SyncBatchNorm(C, activation=activation, slope=SLOPES.get(activation, 0.01))
+    if named:
+        layer = convert_sync_batchnorm(nn.Sequential(nn.Conv2d(C, C, 1), layer))[1]
+    names = modules._ACTIVATION_OPTIONS + modules._STATISTICS_OPTIONS
+    for name, value in assignments:
+        before = ({key: getattr(layer, key) for key in names}, layer._config)
+        try:
+            setattr(layer, name, value)
+        except ValueError as error:
+            assert layer._label() in str(error)
+            assert ("model path '1'" in layer._label()) is named
+            assert ({key: getattr(layer, key) for key in names}, layer._config) == before
+            continue
+        options = {key: getattr(layer, key) for key in names}
+        built = SyncBatchNorm(C, **options)
+        assert built._config[:3] == layer._config[:3]
+        assert (built.eps, built.momentum) == (layer.eps, layer.momentum)
+
+
+# Real numbers of every type nn.BatchNorm2d computes with: Python's and numpy's scalars.
+_NUMBER_TYPES = [float, int, np.float16, np.float32, np.float64, np.int32, np.int64]
+
+
+@one_backend  # checked at construction and assignment, before any op
+@settings(max_examples=20, deadline=None, derandomize=True)
+@given(eps_type=st.sampled_from(_NUMBER_TYPES[:1] + _NUMBER_TYPES[2:5]),
+       eps=st.sampled_from([1e-5, 1e-3, 0.5]),
+       momentum_type=st.sampled_from(_NUMBER_TYPES),
+       momentum=st.sampled_from([0, 1, 0.1, 0.5, None]),
+       assigned=st.booleans())
+def test_statistics_options_of_any_real_number_type(eps_type, eps, momentum_type, momentum,
+                                                    assigned):
+    """``eps`` and ``momentum`` of any real number type (numpy's scalars, as configs loaded
+    with numpy hold) are taken, at construction or by assignment, as nn.BatchNorm2d takes
+    them, and computed with as the Python floats; ``convert_sync_batchnorm`` converts an
+    nn.BatchNorm2d that holds them."""
+    import copy
+
+    from encoding_syncbn import convert_sync_batchnorm
+
+    if momentum is not None and not isinstance(momentum, int):
+        momentum_type = float if momentum_type in (int, np.int32, np.int64) else momentum_type
+    eps_value = eps_type(eps)
+    momentum_value = None if momentum is None else momentum_type(momentum)
+    plain = nn.BatchNorm2d(C, eps=eps_value, momentum=momentum_value).double()
+    if assigned:
+        layer = SyncBatchNorm(C).double()
+        layer.eps, layer.momentum = eps_value, momentum_value
+    else:
+        layer = SyncBatchNorm(C, eps=eps_value, momentum=momentum_value).double()
+    # torch runs the BatchNorm holding numpy scalars: the references are copies of it.
+    references = [copy.deepcopy(plain), copy.deepcopy(plain)]
+    converted = convert_sync_batchnorm(nn.Sequential(plain))[0]
+    x = torch.randn(6, C, 3, 2, dtype=torch.float64)
+    x[:, 0] = 0.5  # a constant channel: eps alone keeps it finite
+    for synced, reference in zip((layer, converted), references):
+        assert type(synced.eps) is float and synced.eps == float(eps_value)
+        assert synced.momentum == (None if momentum is None else float(momentum_value))
+        for _ in range(2):
+            assert_close(synced(x.clone()), reference(x.clone()), what="output")
+        assert_close(synced.running_var, reference.running_var, what="running_var")
+
+
+@one_backend
+@pytest.mark.parametrize("name,value", [
+    ("eps", np.float32(0)), ("eps", np.float64(-1e-5)), ("eps", np.float32("nan")),
+    ("eps", np.bool_(True)), ("momentum", np.int64(2)), ("momentum", np.float32(-0.1)),
+    ("momentum", np.float64("nan")), ("momentum", np.bool_(False)),
+])
+def test_invalid_numpy_statistics_options_are_refused(name, value):
+    """numpy scalars that are no valid ``eps`` or ``momentum`` are refused as the Python
+    numbers are, at construction and by assignment, naming the layer."""
+    with pytest.raises(ValueError, match=f"{name} must be"):
+        SyncBatchNorm(C, **{name: value})
+    layer = make_layer("leaky_relu")
+    with pytest.raises(ValueError, match=layer._label().replace("(", r"\(").replace(")", r"\)")):
+        setattr(layer, name, value)
+    assert (layer.eps, layer.momentum) == (1e-5, 0.1)
 
 
 def test_options_assigned_later_are_used():

@@ -24,18 +24,18 @@ from .functional import ReplicaStats, merge_replicas, on_device, track_batch
 
 class Exchange:
     """``exchange`` for ``functional.synced_batch_norm_act``: ``(ReplicaStats) -> (mean,
-    invstd)``, the global statistics on the replica's device.
+    invstd, count)``, the global statistics on the replica's device and the global count.
 
     The master folds the global ``(mean, M2, count)`` into ``running`` (the layer's running
     statistics; None: not tracked) before it answers: once the replicas run again, every ATen
     call of the master waits for the GIL in turn with theirs, so an update after the answers
     would hold up the synchronised forward.
-    What the layer needs afterwards is left on the object: ``own`` / ``mean`` / ``invstd``
-    (for the recompute cache).
+    What the layer needs afterwards is left on the object: ``own`` / ``mean`` / ``invstd`` /
+    ``total`` (for the recompute cache).
     """
 
     __slots__ = ("slot", "eps", "process_group", "across_processes", "running", "label",
-                 "own", "mean", "invstd")
+                 "own", "mean", "invstd", "total")
 
     def __init__(self, slot: ReplicaSlot | None, eps: float, process_group: Any,
                  across_processes: bool, running: RunningStats | None, label: str) -> None:
@@ -46,21 +46,22 @@ class Exchange:
         self.across_processes = across_processes
         self.running = running
 
-    def __call__(self, own: ReplicaStats) -> tuple[torch.Tensor, torch.Tensor]:
-        """Send local statistics to the master, get the global ``(mean, invstd)`` back."""
-        mean, invstd = self._share(self.slot, own)
-        self.own, self.mean, self.invstd = own, mean, invstd
-        return mean, invstd
+    def __call__(self, own: ReplicaStats) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Send local statistics to the master, get the global ``(mean, invstd, count)``
+        back."""
+        mean, invstd, total = self._share(self.slot, own)
+        self.own, self.mean, self.invstd, self.total = own, mean, invstd, total
+        return mean, invstd, total
 
     def _share(self, slot: ReplicaSlot | None, contribution: ReplicaStats | SubBatch
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The global ``(mean, invstd)``, ``contribution`` (this replica's statistics, or
-        those of the replicas of a call nested in this one) met with the others of ``slot``'s
-        group."""
+               ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """The global ``(mean, invstd, count)``, ``contribution`` (this replica's statistics,
+        or those of the replicas of a call nested in this one) met with the others of
+        ``slot``'s group."""
         if slot is None or not slot.synced:
             mean, m2, invstd, total = self._merge([contribution])
             track_batch(self.running, mean, m2, total)
-            return mean, invstd
+            return mean, invstd, total
         group, rank = slot.group, slot.rank
         call = group.begin_call(rank)
         handed = _handed(contribution, contribution.mean)
@@ -73,16 +74,16 @@ class Exchange:
         else:  # a nested call: its replicas' statistics go on as its replica's in the outer one
             try:
                 mean, m2, _, total = _merged(contributions, self.eps)
-                mean, invstd = self._share(slot.parent, SubBatch(mean, m2, total))
+                mean, invstd, total = self._share(slot.parent, SubBatch(mean, m2, total))
             except BaseException as error:  # the outer call's replicas stop waiting for it
                 slot.parent.group.fail(slot.parent.rank, error)
                 raise
         answers = []
         for c in contributions:
-            answer = (on_device(mean, c.mean.device), on_device(invstd, c.mean.device))
+            answer = (on_device(mean, c.mean.device), on_device(invstd, c.mean.device), total)
             answers.append(_handed(answer, answer[0]))
         group.scatter(call, answers)
-        return mean, invstd
+        return mean, invstd, total
 
     def _merge(self, contributions: list[ReplicaStats | SubBatch]):
         """Master: merge every replica's (and process's) statistics.

@@ -61,6 +61,7 @@ from ..kernels import (
 )
 from ..sync import stats
 from ..sync.streams import stream_event, wait_for
+from . import inplace_policy
 from .small_gamma import SmallGammaChannels
 
 DOUBLE_BACKWARD_IN_PLACE = (
@@ -634,6 +635,15 @@ def _kept_channels(small_gamma: SmallGammaChannels | None, config: ActConfig,
     return small_gamma.index(weight, bias, dtype, recomputing, flags)
 
 
+def for_count(config: ActConfig, count: int, dtype: torch.dtype) -> ActConfig:
+    """``config`` for a training call on an input of ``dtype`` whose statistics are taken over
+    ``count`` values a channel: out of place where that is too few to rebuild the input from
+    the output (``inplace_policy.rebuilds_from_count``)."""
+    if config.inplace and not inplace_policy.rebuilds_from_count(count, dtype):
+        return config._replace(inplace=False)
+    return config
+
+
 def batch_norm_act(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float, config: ActConfig,
     running: RunningStats | None = None, small_gamma: SmallGammaChannels | None = None,
@@ -645,10 +655,12 @@ def batch_norm_act(
     In place, the channels kept aside come from ``small_gamma`` (see ``_kept_channels``),
     whose check of the parameters rides on the launch that finishes the statistics;
     ``recomputing``: a checkpoint's recomputation, which keeps the original call's channels.
+    Too few values a channel to rebuild the input: out of place (``for_count``).
     """
     backend = ops_for(x)
     if count is None:
         count = x.numel() // x.shape[1]
+    config = for_count(config, count, x.dtype)
     check = (small_gamma.check(weight, bias, x.dtype, recomputing)
              if config.inplace and small_gamma is not None else None)
     mean, invstd, flags = backend.batch_stats(x, eps, running, check)
@@ -663,18 +675,20 @@ def synced_batch_norm_act(
     weight: torch.Tensor,
     bias: torch.Tensor,
     config: ActConfig,
-    exchange: Callable[[ReplicaStats], tuple[torch.Tensor, torch.Tensor]],
+    exchange: Callable[[ReplicaStats], tuple[torch.Tensor, torch.Tensor, int]],
     small_gamma: SmallGammaChannels | None = None,
 ) -> torch.Tensor:
     """Normalise ``x`` with statistics merged across replicas by ``exchange``.
 
     ``exchange(replica_stats(x))`` returns the global ``(mean, invstd)`` on x's device, still
-    attached to the autograd graph of the merge (``merge_replicas``). ``small_gamma``: as
-    ``batch_norm_act``.
+    attached to the autograd graph of the merge (``merge_replicas``), and the global count
+    (values a channel), which ``for_count`` judges. ``small_gamma``: as ``batch_norm_act``.
     """
     kept = _kept_channels(small_gamma, config, weight, bias, x.dtype)
     own = replica_stats(x)
-    mean, invstd = exchange(own)
+    mean, invstd, total = exchange(own)
+    if config.inplace and not (config := for_count(config, total, x.dtype)).inplace:
+        kept = None
     out = NormAct.apply(x, mean, invstd, weight, bias, config, own.link, kept)
     return _written_back(x, out, config)
 

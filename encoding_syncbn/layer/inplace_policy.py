@@ -61,6 +61,62 @@ def resolve_inplace(layer: str, activation: str, slope: float, inplace: bool | N
 _OUT_OF_PLACE_IN_HALF_PRECISION = frozenset({"elu"})
 
 
+# The fewest values a channel (over the whole synchronised batch: every replica and rank) over
+# which an in-place layer trains in place on half-precision inputs; see
+# ``rebuilds_from_count``.
+MIN_REBUILT_COUNT = 23
+
+# What ``MIN_REBUILT_COUNT`` is derived from, besides the largest |beta| / |gamma| of a channel
+# rebuilt in half precision (``small_gamma.HALF_PRECISION_LIMIT``): the bound on the
+# gradients' error (a multiple of nn.BatchNorm2d's), and the chance per channel and call of
+# exceeding it that is accepted.
+GRADIENT_ERROR_BOUND = 3.0
+ACCEPTED_FAILURE_CHANCE = 1e-6
+
+
+def rebuilds_from_count(count: int, dtype: torch.dtype) -> bool:
+    """Whether an in-place layer whose batch statistics are taken over ``count`` values a
+    channel (all replicas and ranks) may rebuild an input of ``dtype`` for the input
+    gradient; if not, it trains out of place (such layers are tiny: an (N, C, 1, 1) pooling
+    branch).
+
+    Why the count matters. Per channel, with xhat the normalised input, dz the gradient
+    reaching the activation's input, m = mean(dz * xhat) and n = ``count``::
+
+        dx = w * invstd * r,   r = dz - mean(dz) - xhat * m
+
+    r is dz less its components along 1 and xhat: n - 2 degrees of freedom. In place, xhat
+    is rebuilt from the output, whose rounding u (half an ulp) gives each value an error
+    d_i with |d_i| <= u (|xhat_i| + rho), rho = |beta| / |gamma| (at most
+    ``HALF_PRECISION_LIMIT`` in a channel rebuilt). That changes dx by::
+
+        w * invstd * (d_i * m + xhat_i * mean(dz * d))
+
+    neither of which shrinks with dx. Write dz - mean(dz) = |dz_c| (cos t e + sin t f), e
+    along xhat, f orthogonal to it and to 1: m = |dz_c| cos t / sqrt(n) and
+    rms(r) = |dz_c| sin t / sqrt(n). Compared in root mean square over the channel's values
+    (rms(xhat) <= 1; the second term averages n independent roundings), the error is at most
+    ``u |dz_c| (1 + rho) sqrt(cos^2 t + 1 / (3 n)) / sqrt(n)``, and the bound allows
+    ``B u rms(r)`` (B = ``GRADIENT_ERROR_BOUND`` times half an ulp of dx: nn.BatchNorm2d's own
+    rounding). So the bound holds where::
+
+        cos^2 t <= c* = (B^2 - (1 + rho)^2 / (3 n)) / (B^2 + (1 + rho)^2)
+
+    dz does not depend on how the output rounds: as a direction random against xhat in the
+    n - 1 dimensions of centred values, sin^2 t follows Beta((n - 2) / 2, 1 / 2), and the bound
+    fails with chance ``I(1 - c*; (n - 2) / 2, 1 / 2)`` (the regularised incomplete beta
+    function), which falls with n and is first below ``ACCEPTED_FAILURE_CHANCE`` at
+    ``MIN_REBUILT_COUNT`` (tests/test_half_precision.py derives it again). At n = 2 dx is 0
+    whatever the rebuild.
+
+    Float16 and bfloat16 only, where the gradients are bound by nn.BatchNorm2d's error in the
+    same dtype. In float32 and float64 the rebuild's error is the output's far finer rounding
+    amplified by up to ``MIN_INVERTIBLE_GAMMA``'s inverse and by the same cancellation, which
+    this rule leaves alone.
+    """
+    return count >= MIN_REBUILT_COUNT or dtype not in torch_ops.HALF_DTYPES
+
+
 def stays_in_place(activation: str, dtype: torch.dtype) -> bool:
     """Whether an in-place layer of ``activation`` computes in place on inputs of ``dtype``:
     in float16 and bfloat16 ELU runs out of place (saving its input, as ``inplace=False``),
@@ -100,8 +156,8 @@ def can_overwrite(x: torch.Tensor, warned: list[bool]) -> bool:
         # Made under torch.inference_mode, used outside it (DataParallel's replica threads do
         # not inherit the mode): torch refuses in-place updates there.
         reason = "an inference tensor outside inference mode"
-    elif compat.has_internal_overlap(x):
-        reason = "a tensor whose elements share memory (torch.expand, ...)"
+    elif shares_memory_within(x):
+        reason = "a tensor whose elements share memory (expand, unfold, as_strided, ...)"
     elif (base := compat.view_base(x)) is not None and base.requires_grad and base.is_leaf:
         reason = "a view of a leaf tensor that requires grad"
     elif base is not None and (kind := compat.view_kind(x)) is not None:
@@ -118,3 +174,34 @@ def can_overwrite(x: torch.Tensor, warned: list[bool]) -> bool:
             stacklevel=4,
         )
     return False
+
+
+def shares_memory_within(x: torch.Tensor) -> bool:
+    """Whether two elements of ``x`` lie at one address (``expand``, an ``unfold`` whose
+    windows overlap, ``as_strided`` with overlapping rows): writing the output over such an
+    input writes several elements' values to one address, leaving the output, the input it
+    came from, and the input backward rebuilds, wrong.
+
+    Exact. torch's quick check answers most layouts; the rest are decided from the sizes and
+    strides: taken by increasing stride, dimensions each of whose stride exceeds the farthest
+    offset the smaller ones reach cannot overlap; other layouts (those that interleave, as
+    strides (3, 2) over sizes (2, 3) do without overlapping) are told by listing the offsets,
+    host work the size of the input, paid only by such layouts, never by a dense input.
+    """
+    known = compat.internal_overlap(x)
+    if known is not None:
+        return known
+    if x.numel() == 0:
+        return False
+    dims = sorted((stride, size) for size, stride in zip(x.shape, x.stride()) if size > 1)
+    farthest = 0
+    for stride, size in dims:
+        if stride <= farthest:
+            break
+        farthest += stride * (size - 1)
+    else:
+        return False
+    offsets = torch.zeros(1, dtype=torch.long)
+    for stride, size in dims:
+        offsets = (offsets.unsqueeze(1) + torch.arange(size) * stride).view(-1)
+    return bool(offsets.unique().numel() < offsets.numel())

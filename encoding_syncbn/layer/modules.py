@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 import warnings
 import weakref
 from typing import Any
@@ -71,8 +72,10 @@ class SyncBatchNorm(_BatchNorm):
             error).
             In place, 1/slope must be finite in the compute dtype (float32 unless ``dtype``
             is float64). On float16 and bfloat16 inputs (autocast) channels with
-            |beta| >= |gamma| keep their input aside, and ELU runs out of place: a rebuild from
-            a half-precision output would lose precision (see ``small_gamma``).
+            |beta| >= |gamma| keep their input aside, and ELU runs out of place, as does a
+            training call over fewer than ``inplace_policy.MIN_REBUILT_COUNT`` values a
+            channel in the whole batch: a rebuild from a half-precision output would lose
+            precision (see ``small_gamma``, ``inplace_policy``).
 
     In place, the tensor passed in is overwritten and returned. A tensor autograd will not let
     us overwrite (a leaf that requires grad, an output of ``torch.chunk``/``split``) is
@@ -108,10 +111,10 @@ class SyncBatchNorm(_BatchNorm):
         if not isinstance(num_features, int) or num_features < 1:
             raise ValueError(f"num_features must be a positive int, got {num_features!r}")
         label = f"SyncBatchNorm({num_features})"
-        _check_statistics_option(label, "eps", eps)
-        _check_statistics_option(label, "momentum", momentum)
+        eps = _statistics_option(label, "eps", eps)
+        momentum = _statistics_option(label, "momentum", momentum)
         _check_process_group(process_group)
-        slope = float(slope)
+        slope = checked_slope(label, slope)
         inplace = inplace_policy.resolve_inplace(label, activation, slope, inplace, dtype)
         super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype)
         if not bias:  # not by torch's `bias` argument, which torch 2.11 lacks
@@ -150,14 +153,16 @@ class SyncBatchNorm(_BatchNorm):
         """Assigning ``activation``, ``slope``, ``inplace``, ``eps`` or ``momentum`` after
         construction is checked as the constructor checks them (an in-place slope of 0 would
         divide by zero in backward, an in-place relu could not be inverted, eps = 0 divides by
-        zero on a constant channel): an error naming the layer, nothing changed."""
+        zero on a constant channel): a ValueError naming the layer, nothing changed."""
         if name in _STATISTICS_OPTIONS and "inplace" in self.__dict__:
-            _check_statistics_option(self._label(), name, value)
+            value = _statistics_option(self._label(), name, value)
         if name in _ACTIVATION_OPTIONS and "inplace" in self.__dict__:
             options = {key: self.__dict__[key] for key in _ACTIVATION_OPTIONS}
-            options[name] = value = float(value) if name == "slope" else value
+            if name == "slope":
+                value = checked_slope(self._label(), value)
+            options[name] = value
             if name == "inplace" and not isinstance(value, bool):
-                raise TypeError(f"{self._label()}: inplace must be a bool, got {value!r}")
+                raise ValueError(f"{self._label()}: inplace must be a bool, got {value!r}")
             inplace_policy.resolve_inplace(self._label(), options["activation"], options["slope"],
                                            options["inplace"], self._compute_dtype())
         super().__setattr__(name, value)
@@ -419,7 +424,8 @@ class SyncBatchNorm(_BatchNorm):
             exchange = Exchange(slot, self.eps, self.process_group, self._syncs_processes(),
                                 running, self._label())
             out = synced_batch_norm_act(x, weight, bias, config, exchange, small_gamma)
-            self._recompute_cache.remember(exchange.own, exchange.mean, exchange.invstd)
+            self._recompute_cache.remember(exchange.own, exchange.mean, exchange.invstd,
+                                         exchange.total)
             return out
         # This replica's batch alone.
         count = self._training_count(x)
@@ -510,11 +516,19 @@ def record_paths(root: torch.nn.Module) -> None:
             module._set_path(path)
 
 
-def _check_statistics_option(layer: str, name: str, value: Any) -> None:
-    """Refuse an ``eps`` that is not a positive number (eps = 0 divides by zero on a constant
-    channel: NaN outputs and gradients), or a ``momentum`` that is neither None (cumulative
-    average) nor a number in [0, 1] (the running statistics' update factor), naming ``layer``."""
-    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+def _real_number(value: Any) -> bool:
+    """Whether ``value`` is a real number of any type (Python's, numpy's scalars: what
+    nn.BatchNorm2d computes with), not a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _statistics_option(layer: str, name: str, value: Any) -> float | None:
+    """``eps`` or ``momentum`` as the layer keeps it: a Python float (None: a cumulative
+    average's momentum). Refuses, naming ``layer``, an ``eps`` that is not a positive number
+    (eps = 0 divides by zero on a constant channel: NaN outputs and gradients), or a
+    ``momentum`` that is neither None nor a number in [0, 1] (the running statistics' update
+    factor)."""
+    number = _real_number(value)
     if name == "eps" and not (number and value > 0):
         raise ValueError(f"{layer}: eps must be a positive number, got {value!r}")
     if name == "momentum" and value is not None and not (number and 0 <= value <= 1):
@@ -522,6 +536,18 @@ def _check_statistics_option(layer: str, name: str, value: Any) -> None:
             f"{layer}: momentum must be None (cumulative average) or a number in [0, 1] (the "
             f"running statistics' update factor), got {value!r}"
         )
+    return None if value is None else float(value)
+
+
+def checked_slope(layer: str, value: Any) -> float:
+    """``slope`` (or mapillary's ``activation_param``) as a Python float; anything but a real
+    number refused, naming ``layer``."""
+    if not _real_number(value):
+        raise ValueError(
+            f"{layer}: slope must be a real number (leaky_relu's negative slope, elu's "
+            f"alpha), got {value!r}"
+        )
+    return float(value)
 
 
 def _check_process_group(process_group: Any) -> None:

@@ -15,7 +15,7 @@ import torch
 
 from .. import compat
 from ..kernels import ops_for
-from .functional import ActConfig, ReplicaStats, normalize_with
+from .functional import ActConfig, ReplicaStats, for_count, normalize_with
 from .small_gamma import SmallGammaChannels
 
 # How many recent synchronised calls a replica remembers for checkpoint recomputation.
@@ -23,14 +23,16 @@ CACHE_SIZE = 64
 
 
 class SyncedCall(NamedTuple):
-    """A synchronised call's local and global statistics, for recomputation, and the ops that
-    computed the local ones (a recompute must compare statistics of the same backend)."""
+    """A synchronised call's local and global statistics and global count, for recomputation,
+    and the ops that computed the local ones (a recompute must compare statistics of the same
+    backend)."""
 
     ops: Any
     local_mean: torch.Tensor
     local_m2: torch.Tensor
     mean: torch.Tensor
     invstd: torch.Tensor
+    total: int
     grad_enabled: bool
 
 
@@ -42,12 +44,13 @@ class RecomputeCache:
     def __init__(self) -> None:
         self._calls: deque[SyncedCall] = deque(maxlen=CACHE_SIZE)
 
-    def remember(self, own: ReplicaStats, mean: torch.Tensor, invstd: torch.Tensor) -> None:
+    def remember(self, own: ReplicaStats, mean: torch.Tensor, invstd: torch.Tensor,
+                 total: int) -> None:
         """Keep a synchronised call that may be recomputed (``may_be_recomputed``)."""
         if may_be_recomputed():
             self._calls.append(
                 SyncedCall(
-                    ops_for(own.x), own.mean, own.m2, mean.detach(), invstd.detach(),
+                    ops_for(own.x), own.mean, own.m2, mean.detach(), invstd.detach(), total,
                     torch.is_grad_enabled(),
                 )
             )
@@ -55,7 +58,8 @@ class RecomputeCache:
     def replay(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
                config: ActConfig, small_gamma: SmallGammaChannels) -> torch.Tensor:
         """Checkpoint recomputation: normalise ``x`` with the global statistics of the
-        original call (in place, keeping aside the channels it kept: ``small_gamma``'s).
+        original call (in place where it was, keeping aside the channels it kept:
+        ``small_gamma``'s).
 
         The call is found by its input's statistics, recomputed by the backend that computed
         them then (another backend's differ in the last bits: Triton's against ATen's).
@@ -73,8 +77,10 @@ class RecomputeCache:
                         "reentrant mode rebuilds each replica's graph apart, so gradients "
                         "cannot flow between replicas; use use_reentrant=False"
                     )
-                return normalize_with(x, call.mean, call.invstd, weight, bias, config,
-                                      small_gamma, recomputing=True)
+                return normalize_with(x, call.mean, call.invstd, weight, bias,
+                                      for_count(config, call.total, x.dtype),
+                                      small_gamma,
+                                      recomputing=True)
         raise RuntimeError(
             "SyncBatchNorm: a recomputation (checkpoint) found no synchronised call with the "
             "same input statistics; the checkpointed function must be deterministic"
