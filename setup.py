@@ -19,7 +19,9 @@ setup(
         "In-Place ABN paper": "https://arxiv.org/abs/1712.02616",
         "Context Encoding paper (synchronised BatchNorm)": "https://arxiv.org/abs/1803.08904",
     },
-    license="MIT",
+    # The SPDX expression (core metadata's License-Expression) in place of a license
+    # classifier, which setuptools deprecates.
+    license_expression="MIT",
     license_files=["LICENSE"],
     packages=find_packages(include=["encoding_syncbn", "encoding_syncbn.*"]),
     # PEP 561: the package's type hints are visible to its users' type checkers.
@@ -51,6 +53,11 @@ setup(
         "Operating System :: OS Independent",
         "Programming Language :: Python :: 3",
         "Programming Language :: Python :: 3 :: Only",
+        "Programming Language :: Python :: 3.9",
+        "Programming Language :: Python :: 3.10",
+        "Programming Language :: Python :: 3.11",
+        "Programming Language :: Python :: 3.12",
+        "Programming Language :: Python :: 3.13",
         "Topic :: Scientific/Engineering :: Artificial Intelligence",
         "Typing :: Typed",
     ],

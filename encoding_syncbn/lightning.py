@@ -6,7 +6,7 @@ ends; ``Trainer(sync_batchnorm=True)`` is that with ``torch.nn.SyncBatchNorm``. 
 converts with this package instead. It subclasses the ``LayerSync`` of each Lightning package
 installed (``lightning`` and ``pytorch_lightning`` define one each), so that the Trainer of
 either accepts it. Neither is a dependency of the package: only this module imports them
-(``pip install encoding_syncbn[lightning]``).
+(``pip install lightning``).
 """
 
 from __future__ import annotations
@@ -38,8 +38,7 @@ def _layer_sync_classes() -> tuple[type, ...]:
     if not classes:
         raise ImportError(
             "encoding_syncbn.lightning needs PyTorch Lightning, which is not installed: "
-            "pip install 'encoding_syncbn[lightning]' (the `lightning` package; "
-            "`pytorch_lightning` works too)",
+            "pip install lightning (`pytorch_lightning` works too)",
             name="lightning",
         )
     return tuple(classes)

@@ -2,9 +2,9 @@
 """Per-replica BatchNorm against SyncBatchNorm against In-Place ABN: one training, measured.
 
 Runs ``train_segmentation.py`` once per (setting, norm) with the same network, seed, data
-order and activation; only the normalisation differs (``--norm bn | syncbn | inplace_abn``, the
-plain network converted as a user would). Two settings split the batch over the (simulated,
-on the CPU) DataParallel replicas differently:
+order and activation; only the normalisation differs (``--norm bn``, ``--norm syncbn`` or
+``--norm inplace_abn``, the plain network converted as a user would). Two settings split the
+batch over the (simulated, on the CPU) DataParallel replicas differently:
 
 * ``noisy``: 4 replicas x 1 image: per-replica statistics come from one image, as with a few
   large crops per GPU in real segmentation;

@@ -422,18 +422,20 @@ def load_checkpoint(path: Path, config: dict) -> dict:
 def save_figures(
     model: nn.Module, val_set: Dataset, history: list[dict], num_classes: int,
     args: argparse.Namespace, rt: Runtime,
-) -> None:
-    """curves.png and predictions.png in the output folder (main process only)."""
+) -> list[Path]:
+    """curves.png and predictions.png in the output folder (main process only); the paths
+    written."""
     save_curves(history, args.output / "curves.png")
     count = min(args.num_vis, len(val_set))
     if count == 0:
-        return
+        return [args.output / "curves.png"]
     images, targets = zip(*(val_set[i] for i in range(count)))
     images, targets = torch.stack(images), torch.stack(targets)
     model.eval()
     with torch.no_grad():
         preds = model(images.to(rt.device)).argmax(1).cpu()
     save_predictions(images, targets, preds, num_classes, args.output / "predictions.png")
+    return [args.output / "curves.png", args.output / "predictions.png"]
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
@@ -528,9 +530,11 @@ def _run(args: argparse.Namespace, rt: Runtime) -> dict:
         history.append({"epoch": 0, "loss": math.nan,
                         **evaluate(eval_net, val_loader, num_classes, rt)})
     if rt.is_main:
-        save_figures(model, val_set, history, num_classes, args, rt)
+        written = save_figures(model, val_set, history, num_classes, args, rt)
         if args.export:
             export_model(model, val_set, args.output / EXPORT_NAME)
+            written.append(args.output / EXPORT_NAME)
+        print(f"wrote {', '.join(map(str, written))}", flush=True)
         print(f"final mIoU: {history[-1]['miou']:.4f}", flush=True)
     return history[-1]
 

@@ -264,6 +264,9 @@ def test_training_run_writes_outputs_and_resumes(
     stdout = capsys.readouterr().out
     assert re.fullmatch(r"final mIoU: [01]\.\d{4}", _last_line(stdout))
     assert float(_last_line(stdout).split()[-1]) == pytest.approx(result["miou"], abs=1e-4)
+    # It says where it wrote its outputs, before the score.
+    assert stdout.strip().splitlines()[-2] == (
+        f"wrote {out / 'curves.png'}, {out / 'predictions.png'}, {out / 'model.pt2'}")
     for name in ("checkpoint.pt", "curves.png", "predictions.png", "model.pt2"):
         assert (out / name).stat().st_size > 0, name
     state = torch.load(out / "checkpoint.pt", weights_only=True)

@@ -73,6 +73,9 @@ def _fresh(layer: SyncBatchNorm) -> SyncBatchNorm:
     return made
 
 
+# An input made under inference_mode and given to an in-place layer outside it is computed out
+# of place, with a warning (once per layer); these sequences make such inputs.
+@pytest.mark.filterwarnings("ignore:.*cannot be overwritten; computing out of place:UserWarning")
 @settings(max_examples=10, deadline=None, derandomize=True)
 @given(
     mode=st.sampled_from(_MODES),

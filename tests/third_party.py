@@ -19,7 +19,7 @@ import torch
 
 
 @contextlib.contextmanager
-def _quiet_torchvision_fakes():
+def quiet_torchvision_fakes():
     register_fake = torch.library.register_fake
 
     @functools.wraps(register_fake)
@@ -44,5 +44,5 @@ def _quiet_torchvision_fakes():
 
 def import_or_skip(name: str):
     """``pytest.importorskip(name)``, with torchvision's op registrations let fail quietly."""
-    with _quiet_torchvision_fakes():
+    with quiet_torchvision_fakes():
         return pytest.importorskip(name)
