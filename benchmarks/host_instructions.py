@@ -27,7 +27,7 @@ import shutil
 import subprocess
 import sys
 
-import results
+from helpers import results
 
 SHAPE = (8, 256, 128, 128)
 WARM_STEPS = 40
@@ -39,8 +39,8 @@ def _child(layer: str, steps: int) -> None:
     import gc
 
     import host_overhead as harness
-    import stub_driver
     import torch
+    from helpers import stub_driver
 
     import encoding_syncbn
 

@@ -74,9 +74,8 @@ import ctypes.util
 import json
 import time
 
-import results
-import stub_driver
 import torch
+from helpers import results, stub_driver
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import encoding_syncbn

@@ -32,7 +32,7 @@ import re
 import sys
 from pathlib import Path
 
-import results
+from helpers import results
 
 # The kernels must be Triton's JIT functions, compiled, not the interpreter's stand-ins.
 os.environ.pop("TRITON_INTERPRET", None)

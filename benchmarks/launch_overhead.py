@@ -24,9 +24,8 @@ import json
 import time
 
 import host_overhead
-import results
-import stub_driver
 import torch
+from helpers import results, stub_driver
 
 # host_overhead.py's headline case: (8, 256, 128, 128) float16 NCHW.
 SHAPE, DTYPE, _ = host_overhead.SHAPES[0]

@@ -17,9 +17,9 @@ import argparse
 import copy
 import sys
 
-import results
 import torch
 from bandwidth import SHAPES, _inputs, _ops, _time
+from helpers import results
 
 # Name -> the planner constants it changes (the rest as shipped).
 CONFIGS = {

@@ -1,5 +1,5 @@
 """Run by ``test_launch.py`` in a process of its own (Triton's JIT on the stand-in driver of
-``benchmarks/stub_driver.py``, not the interpreter): launches each chosen specialisation
+``benchmarks/helpers/stub_driver.py``, not the interpreter): launches each chosen specialisation
 through Triton's public launch and directly (``kernels/triton/launch.py``) and prints, as one
 JSON line, what the stand-in driver saw.
 
@@ -18,7 +18,7 @@ from pathlib import Path
 _ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(_ROOT), str(_ROOT / "benchmarks"), str(_ROOT / "tools")]
 
-import stub_driver  # noqa: E402
+from helpers import stub_driver  # noqa: E402
 
 STUB = stub_driver.activate()
 
