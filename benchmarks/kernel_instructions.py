@@ -1,5 +1,6 @@
-"""Machine instructions in each Triton kernel's tile loop, per element: read from sm_90 SASS
-compiled here, no GPU needed.
+"""Machine instructions per element in each Triton kernel's tile loop, from SASS (no GPU).
+
+Read from sm_90 SASS compiled here, no GPU needed.
 
     python benchmarks/kernel_instructions.py [--arch 90]
 
