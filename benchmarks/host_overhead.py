@@ -262,7 +262,7 @@ def per_call(args: argparse.Namespace) -> None:
         "Host time per layer forward+backward on the Triton path, planned for a 132-SM GPU, "
         f"every launch through Triton's own launcher (triton {triton.__version__}, kernels "
         "compiled for sm_90) down to the driver's cuLaunchKernelEx, the one call stubbed "
-        "(benchmarks/stub_driver.py): thread CPU time, the fastest of "
+        "(benchmarks/helpers/stub_driver.py): thread CPU time, the fastest of "
         f"{args.repeats} means over {args.iters} calls. 'floor': the same harness around an "
         "empty in-place autograd Function, measured in turns with ours; 'bare ops': one that "
         "calls the backend's three ops and nothing else (the same launches); 'own': ours "

@@ -166,7 +166,7 @@ CUresult cuOccupancyMaxActiveClusters(int *clusters, CUfunction f, const CUlaunc
     return CUDA_SUCCESS;
 }
 CUresult cuGetErrorString(CUresult error, const char **text) {
-    *text = "error from the stand-in libcuda of benchmarks/stub_driver.py";
+    *text = "error from the stand-in libcuda of benchmarks/helpers/stub_driver.py";
     return CUDA_SUCCESS;
 }
 /* Tensor descriptors (TMA): the package's kernels take none. */
