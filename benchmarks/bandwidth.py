@@ -19,8 +19,8 @@ import json
 import statistics
 import sys
 
-import results
 import torch
+from helpers import results
 
 SHAPES = [
     ((8, 256, 128, 128), torch.float16, False),

@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import timeit
 
-import results
+from helpers import results
 
 
 def parse_args() -> argparse.Namespace:

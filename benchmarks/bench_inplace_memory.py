@@ -27,8 +27,8 @@ import copy
 import os
 import sys
 
-import results
 import torch
+from helpers import results
 from torch import nn
 
 # The model zoos, pytest (tests/third_party.py) and the package load after the flags, so

@@ -25,7 +25,7 @@ import statistics
 import subprocess
 import sys
 
-import results
+from helpers import results
 
 
 def parse_args() -> argparse.Namespace:

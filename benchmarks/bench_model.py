@@ -29,9 +29,9 @@ import sys
 import time
 from pathlib import Path
 
-import results
 import torch
 import torch.nn.functional as F
+from helpers import results
 from torch import nn
 
 _ROOT = Path(__file__).resolve().parent.parent

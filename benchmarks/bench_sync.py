@@ -35,7 +35,7 @@ import argparse
 import statistics
 from collections.abc import Callable
 
-import results
+from helpers import results
 
 # torch, encoding_syncbn and the timing helpers are imported inside the functions, after the
 # flags are read, so that --help needs no torch.

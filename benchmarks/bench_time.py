@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import argparse
 
-import results
+from helpers import results
 
 
 def parse_args() -> argparse.Namespace:

@@ -15,8 +15,8 @@ import argparse
 import os
 import time
 
-import results
 import torch
+from helpers import results
 from torch import nn
 
 from encoding_syncbn import SyncBatchNorm

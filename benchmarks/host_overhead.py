@@ -1,14 +1,18 @@
-"""Host time per layer call of the Triton path: planning, ATen calls, autograd and Triton's
-launcher, down to the driver's launch call.
+"""Host cost of a layer call on the Triton path, timed or counted down to the driver's launch.
+
+Planning, ATen calls, autograd and Triton's launcher: timed per call (the default), per launch
+(``--per-launch``) or counted in instructions under valgrind (``--instructions``).
 
     python benchmarks/host_overhead.py [--iters 200] [--repeats 5] [--stack 8] [--shapes N]
+    python benchmarks/host_overhead.py --per-launch [--iters 5000] [--repeats 5]
+    python benchmarks/host_overhead.py --instructions [--steps 1000] [--harnesses ours bare floor]
 
 Runs ``SyncBatchNorm(C, activation="leaky_relu")`` (in place, one replica, training) with the
 Triton backend on CPU tensors, the launch planner told it plans for a 132-SM GPU (an H100
 SXM), and every launch going through Triton's own launcher for real: ``JITFunction.run`` binds
 and specialises the arguments and finds the compiled kernel (compiled for sm_90 on the CPU),
 its C launcher extracts and checks each argument and calls the driver's ``cuLaunchKernelEx``,
-which is the one thing stubbed: ``stub_driver.py`` builds a stand-in ``libcuda.so.1`` that
+which is the one thing stubbed: ``helpers/stub_driver.py`` builds a stand-in ``libcuda.so.1`` that
 answers as an H100 and whose launch returns at once (what it leaves out: the driver's own
 work inside the launch, a few us a launch on a real one). So what is timed is everything the
 host does for a layer call but the driver's inside of each launch. No kernel runs: the
@@ -18,22 +22,22 @@ keep random channels aside). The input is a fresh uninitialised non-leaf tensor 
 outside the timed region; nothing reads its values).
 
 The package's Triton backend takes CPU tensors only under Triton's interpreter. This script
-patches that check on its side (``launch_through_stub``: the backend's ``INTERPRET`` flag,
-which only that check reads, is set, so CPU tensors reach the compiled kernels' launches;
-Triton itself runs with ``TRITON_INTERPRET=0``), and the ops' ``_run`` is wrapped to clear the
-flags; the package is unchanged for its users.
+patches that check on its side (``StubLaunches`` of ``helpers/host_harness.py``: the backend's
+``INTERPRET`` flag, which only that check reads, is set, so CPU tensors reach the compiled
+kernels' launches; Triton itself runs with ``TRITON_INTERPRET=0``), and the ops' ``_run`` is
+wrapped to clear the flags; the package is unchanged for its users.
 
 Times are this thread's CPU time (``time.thread_time``; CPU backward runs on the calling
 thread): on a shared machine the time spent waiting for a core is not counted, but contention
 for caches still inflates it, so the fastest of ``--repeats`` is reported. This machine's speed
 drifts between runs (the same code measured 0.5 and 1.2 ms per call on different runs), so
 each figure comes with a floor measured in the same run, taking turns with it: the same
-harness around an empty in-place layer (``_FloorLayer``: one autograd Function that marks its
+harness around an empty in-place layer (``FloorLayer``: one autograd Function that marks its
 input dirty, saves it with weight and bias, and in backward returns the incoming gradient and
 two per-channel gradients made in advance, which autograd accumulates as it does ours). What
 is above the floor ("own") is the layer's own host time; the floor is what PyTorch's autograd
 costs any in-place layer here. A third harness, also in turns, splits "own" in two: the bare
-ops (``_BareLayer``: an in-place autograd Function that calls the backend's three ops, the same
+ops (``BareLayer``: an in-place autograd Function that calls the backend's three ops, the same
 launches with the same arguments as the layer's, through the same launcher, and nothing else),
 above which is what the layer's own Python adds ("above bare": module call, input checks,
 configuration, the channels kept aside, the wrappers around the ops).
@@ -64,24 +68,46 @@ launches), ``launches``, ``launcher_included: true``,
 ``floor_us_fwd_bwd``, ``bare_us_fwd_bwd``, ``own_us_fwd_bwd`` and the stacked per-layer figures
 for (8, 256, 128, 128) float16 NCHW. The first run compiles the kernels for sm_90 (some seconds
 each; Triton's cache keeps them).
+
+``--per-launch`` times the launches of one call one by one instead: each launch of one
+single-replica training call of the first shape, two ways: through Triton's public launch
+(``kernel[grid](...)``: ``JITFunction.run`` binding and specialising the arguments, the cache
+key, the check of the constexpr globals the kernel reads, launch metadata), and as the ops
+launch it (``kernels/triton/launch.py``: the compiled kernel called directly once seen). Both
+end in Triton's C launcher and the stand-in driver's ``cuLaunchKernelEx``. Thread CPU time, the
+fastest of ``--repeats`` means over ``--iters`` launches; the last line is one JSON object with
+``launcher_us_per_call`` (as the ops launch), ``public_launcher_us_per_call`` and
+``launches``.
+
+``--instructions`` counts instead of timing: the harness of one layer (the first shape; 'ours',
+'bare' or 'floor', ``--harnesses``) runs under ``valgrind --tool=cachegrind --cache-sim=no``
+twice, for 40 steps and for 40 + ``--steps``, and the difference per step is printed: the
+instructions of one forward+backward, all the host does but the driver's inside of each
+launch, a measure that does not drift from run to run as time does. Each harness first runs
+once without valgrind (the kernels compiled, or found in Triton's cache). Both counted runs fix
+``PYTHONHASHSEED`` and run OpenBLAS single-threaded (its idle threads spin a varying number of
+instructions) with the garbage collector off: the same code then counts the same to within a
+few thousand instructions a step, where timed runs scatter by 1-2 us. An import or an
+environment variable more moves the count by up to ~4k (memory layout); compare counts made
+alike. Needs valgrind on PATH.
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
-import ctypes.util
 import json
+import os
+import re
+import shutil
+import subprocess
+import sys
 import time
 
-import results
-import stub_driver
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from helpers import host_harness, results, stub_driver
 
 import encoding_syncbn
 from encoding_syncbn import SyncBatchNorm
-from encoding_syncbn.kernels import GammaCheck, NormParams, RunningStats
 
 SHAPES = [
     ((8, 256, 128, 128), torch.float16, False),
@@ -95,181 +121,9 @@ H100_SMS = stub_driver.H100_SMS
 BACKEND_OPS = ("batch_stats", "normalize_act", "batch_backward")
 # The part of the ops' time inside their launches (Triton's launcher, the driver's call).
 LAUNCHES = "launches"
-
-
-# glibc's mallopt parameters (malloc.h), and the largest value its C int takes: ctypes
-# passes a Python int as a C int, truncating (2**62 arrived as 0: a trim on every free).
-_M_TRIM_THRESHOLD = -1
-_M_MMAP_MAX = -4
-_C_INT_MAX = 2**31 - 1
-
-
-def _cache_freed_memory() -> None:
-    """Make glibc's malloc behave like a caching allocator for this process: every block from
-    its heap (no mmap), nothing given back to the system (no trim), so a block freed by one call
-    serves the next as CUDA's caching allocator does."""
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-    if not (libc.mallopt(_M_MMAP_MAX, 0) and libc.mallopt(_M_TRIM_THRESHOLD, _C_INT_MAX)):
-        raise SystemExit("--allocator cached: glibc's mallopt refused; use --allocator system")
-
-
-class _Fresh(torch.autograd.Function):
-    """A new uninitialised tensor shaped like ``like``, attached to it (a non-leaf input that
-    the in-place layer may overwrite, without the cost of computing one)."""
-
-    @staticmethod
-    def forward(ctx, like, channels_last):
-        fmt = torch.channels_last if channels_last else torch.contiguous_format
-        return torch.empty(like.shape, dtype=like.dtype, memory_format=fmt)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return None, None  # accumulating into ``like`` would be a full pass
-
-
-class _Link(torch.autograd.Function):
-    """Between stacked layers: ``buffer`` (preallocated) as a fresh non-leaf input, attached to
-    ``x``; the gradient passes through unchanged."""
-
-    @staticmethod
-    def forward(ctx, x, buffer):
-        return buffer.detach()
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
-class _EmptyInPlace(torch.autograd.Function):
-    """The floor: what the autograd of any in-place layer does, and nothing else."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, param_grads):
-        ctx.mark_dirty(x)
-        ctx.save_for_backward(x, weight, bias)
-        ctx.param_grads = param_grads
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        _ = ctx.saved_tensors  # unpacked, with its version checks, as every layer's backward
-        return grad, *ctx.param_grads, None
-
-
-class _BareOps(torch.autograd.Function):
-    """The backend's ops and nothing else: an in-place autograd Function whose forward
-    calls ``batch_stats`` (running statistics and the small-gamma check included, as the
-    layer's) and ``normalize_act``, and whose backward calls ``batch_backward``: the same six
-    launches with the same arguments as the layer's, none of its checks, configuration or
-    bookkeeping. Above the floor, what the ops cost; below the layer, what the layer's own
-    Python adds."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, layer):
-        ops = layer.ops
-        mean, invstd, _ = ops.batch_stats(x, layer.eps, layer.running, layer.check)
-        params = NormParams(mean, invstd, weight, bias, "leaky_relu", layer.slope)
-        ops.normalize_act(x, params, x)
-        ctx.mark_dirty(x)
-        ctx.save_for_backward(x, mean, invstd, weight, bias)
-        ctx.layer, ctx.count = layer, x.numel() // x.shape[1]
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        y, mean, invstd, weight, bias = ctx.saved_tensors
-        ops = ctx.layer.ops
-        params = NormParams(mean, invstd, weight, bias, "leaky_relu", ctx.layer.slope)
-        dx, sum_dz, sum_dz_xhat = ops.batch_backward(y, grad, params, True, ctx.count)
-        return dx, sum_dz_xhat, sum_dz, None
-
-
-class _BareLayer(torch.nn.Module):
-    def __init__(self, channels: int, ops) -> None:
-        super().__init__()
-        self.weight = torch.nn.Parameter(torch.ones(channels))
-        self.bias = torch.nn.Parameter(torch.zeros(channels))
-        self.ops, self.eps, self.slope = ops, 1e-5, 0.01
-        self.running = RunningStats(torch.zeros(channels), torch.ones(channels),
-                                    torch.zeros((), dtype=torch.long), 0.1)
-        self.check = GammaCheck(self.weight.detach(), self.bias.detach(), 0.016)
-
-    def forward(self, x):
-        return _BareOps.apply(x, self.weight, self.bias, self)
-
-
-class _FloorLayer(torch.nn.Module):
-    def __init__(self, channels: int) -> None:
-        super().__init__()
-        self.weight = torch.nn.Parameter(torch.ones(channels))
-        self.bias = torch.nn.Parameter(torch.zeros(channels))
-        self.param_grads = (torch.zeros(channels), torch.zeros(channels))
-
-    def forward(self, x):
-        return _EmptyInPlace.apply(x, self.weight, self.bias, self.param_grads)
-
-
-class _CountAten(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.ops = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace != "encoding_syncbn":
-            self.ops += 1
-        return func(*args, **(kwargs or {}))
-
-
-def _steps(layers, links, make_input, dy, iters):
-    """Mean (forward, backward) thread CPU seconds per step of ``layers`` chained (``links``
-    between them), one ``backward()`` a step."""
-    fwd = bwd = 0.0
-    for _ in range(iters):
-        x = make_input()
-        start = time.thread_time()
-        for i, layer in enumerate(layers):
-            x = layer(x if i == 0 else _Link.apply(x, links[i]))
-        middle = time.thread_time()
-        x.backward(dy)
-        end = time.thread_time()
-        fwd += middle - start
-        bwd += end - middle
-    return fwd / iters, bwd / iters
-
-
-class StubLaunches:
-    """The Triton backend on CPU tensors, planned for an H100 and launched through Triton's
-    launcher onto the stand-in driver (``stub_driver.activate()`` first). ``run`` is the
-    backend's own launch function, which ``_time_in_ops`` may wrap."""
-
-    def __init__(self, triton_ops) -> None:
-        from encoding_syncbn.kernels.triton.plan import Target
-
-        # kernels.ops_for hands a CPU tensor to the Triton backend only where its kernels are
-        # interpreted (this flag, which nothing else reads): told so, it routes CPU tensors to
-        # the compiled kernels' launches.
-        triton_ops.INTERPRET = True
-        h100 = Target(False, H100_SMS)
-        triton_ops.launch_target = lambda device: h100  # the real one is memoised per device
-        self.run = triton_ops._run
-        # id(kernel) -> its flags argument's index (a JITFunction's own hash is its cache
-        # key, taken under a lock: a cost of the harness, not of the layer)
-        self._flags: dict[int, int | None] = {}
-        triton_ops._run = self._launch
-
-    def _launch(self, planned, device) -> None:
-        """The launches, then what no kernel wrote and the layer reads: the small-gamma flags
-        (an argument ``small_ptr``), cleared as a check that found no small gamma leaves them."""
-        self.run(planned, device)
-        for launch in planned:
-            kernel = launch.kernel
-            index = self._flags.get(id(kernel), -1)
-            if index == -1:
-                names = kernel.arg_names
-                index = self._flags[id(kernel)] = (names.index("small_ptr")
-                                                   if "small_ptr" in names else None)
-            if index is not None:
-                launch.args[index].zero_()
+# --instructions: the steps run before the counted ones, and the harnesses it may count.
+WARM_STEPS = 40
+HARNESSES = ("ours", "bare", "floor")
 
 
 def measure(triton_ops, launcher, stub, shape, dtype, channels_last, iters, repeats, stack):
@@ -282,12 +136,12 @@ def measure(triton_ops, launcher, stub, shape, dtype, channels_last, iters, repe
     links = [torch.empty(shape, dtype=dtype, memory_format=fmt) for _ in range(stack)]
 
     def make_input():
-        return _Fresh.apply(like, channels_last)
+        return host_harness.Fresh.apply(like, channels_last)
 
     # float32 parameters, as under AMP.
     ours = [SyncBatchNorm(channels, activation="leaky_relu") for _ in range(stack)]
-    floor = [_FloorLayer(channels) for _ in range(stack)]
-    bare = [_BareLayer(channels, triton_ops.EAGER) for _ in range(stack)]
+    floor = [host_harness.FloorLayer(channels) for _ in range(stack)]
+    bare = [host_harness.BareLayer(channels, triton_ops.EAGER) for _ in range(stack)]
     variants = {
         "ours": (ours[:1], iters), "floor": (floor[:1], iters), "bare": (bare[:1], iters),
         "ours stacked": (ours, max(1, iters // stack)),
@@ -295,16 +149,16 @@ def measure(triton_ops, launcher, stub, shape, dtype, channels_last, iters, repe
         "bare stacked": (bare, max(1, iters // stack)),
     }
     for layers, _ in variants.values():  # warm-up: plans, caches, autograd's first calls
-        _steps(layers, links, make_input, dy, 20)
+        host_harness.steps(layers, links, make_input, dy, 20)
     before = stub.launches()
-    _steps(ours[:1], links, make_input, dy, 1)
+    host_harness.steps(ours[:1], links, make_input, dy, 1)
     per_call_launches = stub.launches() - before
-    with _CountAten() as counter:
-        _steps(ours[:1], links, make_input, dy, 1)
+    with host_harness.CountAten() as counter:
+        host_harness.steps(ours[:1], links, make_input, dy, 1)
     best = {name: (float("inf"), float("inf")) for name in variants}
     for _ in range(repeats):  # in turns: each variant sees the machine as the others do
         for name, (layers, n) in variants.items():
-            fwd, bwd = _steps(layers, links, make_input, dy, n)
+            fwd, bwd = host_harness.steps(layers, links, make_input, dy, n)
             per_layer = (fwd * 1e6 / len(layers), bwd * 1e6 / len(layers))
             if sum(per_layer) < sum(best[name]):
                 best[name] = per_layer
@@ -336,7 +190,7 @@ def _time_in_ops(triton_ops, launcher, layers, links, make_input, dy, iters, rep
         best = None
         for _ in range(repeats):
             spent.update(dict.fromkeys(spent, 0.0))
-            _steps(layers, links, make_input, dy, iters)
+            host_harness.steps(layers, links, make_input, dy, iters)
             per_op = {name: seconds / iters * 1e6 for name, seconds in spent.items()}
             if best is None or sum(per_op[name] for name in BACKEND_OPS) < sum(
                     best[name] for name in BACKEND_OPS):
@@ -348,30 +202,16 @@ def _time_in_ops(triton_ops, launcher, layers, links, make_input, dy, iters, rep
     return sum(best[name] for name in BACKEND_OPS), best
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--iters", type=int, default=200, help="calls per repeat (default 200)")
-    parser.add_argument("--repeats", type=int, default=5,
-                        help="repeats; the fastest is reported (default 5)")
-    parser.add_argument("--stack", type=int, default=8,
-                        help="layers chained for the per-layer figures (default 8)")
-    parser.add_argument("--shapes", type=int, default=len(SHAPES),
-                        choices=range(1, len(SHAPES) + 1),
-                        help=f"measure the first N shapes only (default all {len(SHAPES)}; the "
-                             "JSON line is the first's)")
-    parser.add_argument("--allocator", choices=("cached", "system"), default="cached",
-                        help="cached (default): glibc keeps freed blocks, as a GPU's caching "
-                             "allocator does; system: glibc as it is (an mmap per large block)")
-    results.add_arguments(parser)
-    args = parser.parse_args()
+def per_call(args: argparse.Namespace) -> None:
+    """The default: host time per layer call, ours against the floor and the bare ops."""
     if args.allocator == "cached":
-        _cache_freed_memory()
+        host_harness.cache_freed_memory()
     stub = stub_driver.activate()  # imports triton: after --help
     from encoding_syncbn.kernels.triton import ops as triton_ops
 
     torch.set_num_threads(1)
     encoding_syncbn.set_backend("triton")
-    launcher = StubLaunches(triton_ops)
+    launcher = host_harness.StubLaunches(triton_ops)
     header = ["shape", "dtype", "layout", "fwd us", "bwd us", "total us", "floor us",
               "bare ops us", "own us", "above bare us", "in the ops us", "launching us",
               "launches", "ATen ops"]
@@ -422,7 +262,7 @@ def main():
         "Host time per layer forward+backward on the Triton path, planned for a 132-SM GPU, "
         f"every launch through Triton's own launcher (triton {triton.__version__}, kernels "
         "compiled for sm_90) down to the driver's cuLaunchKernelEx, the one call stubbed "
-        "(benchmarks/stub_driver.py): thread CPU time, the fastest of "
+        "(benchmarks/helpers/stub_driver.py): thread CPU time, the fastest of "
         f"{args.repeats} means over {args.iters} calls. 'floor': the same harness around an "
         "empty in-place autograd Function, measured in turns with ours; 'bare ops': one that "
         "calls the backend's three ops and nothing else (the same launches); 'own': ours "
@@ -436,6 +276,201 @@ def main():
            "cached" else "glibc as it is: an mmap and an munmap per large block") + ")."))
     print(json.dumps({**first, "shape": list(SHAPES[0][0]), "dtype": "float16",
                       "layout": "nchw", "allocator": args.allocator}))
+
+
+def planned_launches():
+    """The launches of one single-replica in-place training call of the layer (the first
+    shape), in order: recorded from a real forward+backward on CPU tensors."""
+    from encoding_syncbn.kernels.triton import ops as triton_ops
+
+    shape, dtype, _ = SHAPES[0]
+    encoding_syncbn.set_backend("triton")
+    launcher = host_harness.StubLaunches(triton_ops)
+    recorded, run = [], launcher.run
+
+    def record(planned, device):
+        recorded.extend(planned)
+        run(planned, device)
+
+    launcher.run = record
+    layer = SyncBatchNorm(shape[1], activation="leaky_relu")
+    like = torch.empty(shape, dtype=dtype, requires_grad=True)
+    layer(host_harness.Fresh.apply(like, False)).backward(torch.empty(shape, dtype=dtype))
+    launcher.run = run
+    return recorded
+
+
+def launch_steps(planned):
+    """``planned`` launched through Triton's public launch (``kernel[grid](...)``), and as the
+    ops launch it (``launch.launch``: its compiled kernel directly once seen), ready to time."""
+    from encoding_syncbn.kernels.triton import launch
+
+    def public():
+        launch.public(planned)
+
+    def ops():
+        launch.launch(planned, None)
+
+    ops()  # compiled (or found in Triton's cache), loaded and remembered here, not timed
+    if launch.compiled_for(planned, None) is None:
+        raise SystemExit(f"{planned.kernel.fn.__name__}: no direct launch with this Triton")
+    return public, ops
+
+
+def time_us(step, iters: int, repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.thread_time()
+        for _ in range(iters):
+            step()
+        best = min(best, (time.thread_time() - start) / iters * 1e6)
+    return best
+
+
+def per_launch(args: argparse.Namespace) -> None:
+    """--per-launch: each launch of one call, through Triton's public launch and directly."""
+    stub = stub_driver.activate(H100_SMS)  # imports triton: after --help
+    shape = SHAPES[0][0]
+    rows = []
+    for planned in planned_launches():
+        name = planned.kernel.fn.__name__
+        row = [name, len(planned.args)]
+        for step in launch_steps(planned):
+            before = stub.launches()
+            step()
+            if stub.launches() != before + 1:
+                raise SystemExit(f"{name}: the launch did not reach the driver's "
+                                 "cuLaunchKernelEx")
+            row.append(round(time_us(step, args.iters, args.repeats), 2))
+        rows.append(row)
+        print(" ".join(str(cell) for cell in row), flush=True)
+    public, direct = (round(sum(row[i] for row in rows), 1) for i in (2, 3))
+    table = results.markdown_table(["kernel", "arguments", "public launch us",
+                                    "direct launch us"], rows)
+    table += (f"\n\nPer layer call ({len(rows)} launches): {public} us through Triton's public "
+              f"launch, {direct} us as the ops launch (the compiled kernel directly).")
+    print(table)
+    import triton
+
+    results.record(args, f"host_overhead.py --per-launch (cpu, triton {triton.__version__})",
+                   table, notes=(
+        "Triton's launcher per launch of one single-replica in-place training call "
+        f"{shape} fp16 NCHW, leaky_relu, planned for sm_90 with {H100_SMS} SMs, CPU tensors: "
+        "through Triton's public launch (kernel[grid](...): JITFunction.run), and as the ops "
+        "launch it (kernels/triton/launch.py: the compiled kernel directly), each down to the "
+        "driver's cuLaunchKernelEx, stubbed (benchmarks/helpers/stub_driver.py: the driver's "
+        "own work inside a launch is not counted). Thread CPU time, the fastest of "
+        f"{args.repeats} means over {args.iters} launches. The per-call figures include "
+        "the launches as the ops launch them."))
+    print(json.dumps({"launcher_us_per_call": direct, "public_launcher_us_per_call": public,
+                      "launches": len(rows)}))
+
+
+def counted_steps(harness: str, steps: int) -> None:
+    """Under valgrind (--instructions): ``WARM_STEPS`` steps, then ``steps`` more, of one
+    harness."""
+    import gc
+
+    host_harness.cache_freed_memory()
+    stub_driver.activate()
+    from encoding_syncbn.kernels.triton import ops as triton_ops
+
+    torch.set_num_threads(1)
+    encoding_syncbn.set_backend("triton")
+    host_harness.StubLaunches(triton_ops)
+    shape, dtype, _ = SHAPES[0]
+    channels = shape[1]
+    module = {"ours": lambda: SyncBatchNorm(channels, activation="leaky_relu"),
+              "bare": lambda: host_harness.BareLayer(channels, triton_ops.EAGER),
+              "floor": lambda: host_harness.FloorLayer(channels)}[harness]()
+    like = torch.empty(shape, dtype=dtype, requires_grad=True)
+    dy = torch.empty(shape, dtype=dtype)
+    gc.disable()
+    host_harness.steps([module], None, lambda: host_harness.Fresh.apply(like, False), dy,
+                       WARM_STEPS + steps)
+
+
+def _counted_command(harness: str, steps: int) -> list[str]:
+    return [sys.executable, os.path.abspath(__file__), "--counted", harness, str(steps)]
+
+
+def _process_instructions(harness: str, steps: int) -> int:
+    """Instructions of the whole process running ``steps`` steps after the warm ones."""
+    env = {**os.environ, "PYTHONHASHSEED": "0", "OPENBLAS_NUM_THREADS": "1",
+           "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        ["valgrind", "--tool=cachegrind", "--cache-sim=no", "--cachegrind-out-file=/dev/null",
+         *_counted_command(harness, steps)], env=env, capture_output=True, text=True,
+        check=False)
+    found = re.search(r"I\s+refs:\s+([\d,]+)", done.stderr)
+    if done.returncode != 0 or found is None:
+        raise SystemExit(f"valgrind run of {harness!r} failed:\n{done.stderr[-2000:]}")
+    return int(found.group(1).replace(",", ""))
+
+
+def instructions(args: argparse.Namespace) -> None:
+    """--instructions: each harness's instructions a step, counted under valgrind."""
+    if shutil.which("valgrind") is None:
+        raise SystemExit("valgrind is not on PATH: --instructions needs it")
+    rows = []
+    for harness in args.harnesses:
+        # Natively first: the kernels compiled (or found in Triton's cache) outside valgrind.
+        subprocess.run(_counted_command(harness, 0), check=True)
+        per_step = (_process_instructions(harness, args.steps)
+                    - _process_instructions(harness, 0)) / args.steps
+        rows.append([harness, round(per_step / 1000, 1)])
+        print(f"{harness}: {per_step / 1000:.1f}k instructions a step", flush=True)
+    table = results.markdown_table(["harness", "k instructions a step"], rows)
+    print(table)
+    results.record(args, "host_overhead.py --instructions (cpu)", table, notes=(
+        f"Instructions per forward+backward of one layer, {SHAPES[0][0]} float16 NCHW, on the "
+        "Triton path, every launch through Triton's launcher to a stubbed cuLaunchKernelEx "
+        "(benchmarks/helpers/host_harness.py), counted by valgrind's "
+        f"cachegrind: a run of {WARM_STEPS} + {args.steps} steps minus one of {WARM_STEPS}, "
+        "divided by the steps. PYTHONHASHSEED=0, OpenBLAS single-threaded, no garbage "
+        "collection during the steps."))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--per-launch", action="store_true",
+                      help="time each launch of one call, through Triton's public launch and "
+                           "directly, instead of whole calls")
+    mode.add_argument("--instructions", action="store_true",
+                      help="count each harness's instructions a step under valgrind instead of "
+                           "timing")
+    parser.add_argument("--iters", type=int,
+                        help="calls per repeat (default 200; --per-launch: 5000 launches)")
+    parser.add_argument("--repeats", type=int, default=5,
+                        help="repeats; the fastest is reported (default 5)")
+    parser.add_argument("--stack", type=int, default=8,
+                        help="layers chained for the per-layer figures (default 8)")
+    parser.add_argument("--shapes", type=int, default=len(SHAPES),
+                        choices=range(1, len(SHAPES) + 1),
+                        help=f"measure the first N shapes only (default all {len(SHAPES)}; the "
+                             "JSON line is the first's)")
+    parser.add_argument("--allocator", choices=("cached", "system"), default="cached",
+                        help="cached (default): glibc keeps freed blocks, as a GPU's caching "
+                             "allocator does; system: glibc as it is (an mmap per large block)")
+    parser.add_argument("--steps", type=int, default=1000,
+                        help="--instructions: steps counted beyond the warm ones (default 1000)")
+    parser.add_argument("--harnesses", nargs="+", choices=HARNESSES, default=list(HARNESSES),
+                        help="--instructions: which harnesses to count (default all)")
+    parser.add_argument("--counted", nargs=2, metavar=("HARNESS", "STEPS"),
+                        help=argparse.SUPPRESS)
+    results.add_arguments(parser)
+    args = parser.parse_args()
+    if args.counted:
+        counted_steps(args.counted[0], int(args.counted[1]))
+    elif args.instructions:
+        instructions(args)
+    elif args.per_launch:
+        args.iters = args.iters or 5000
+        per_launch(args)
+    else:
+        args.iters = args.iters or 200
+        per_call(args)
 
 
 if __name__ == "__main__":

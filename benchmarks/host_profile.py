@@ -20,7 +20,7 @@ import cProfile
 import pstats
 import time
 
-import results
+from helpers import results
 
 
 def parse_args() -> argparse.Namespace:

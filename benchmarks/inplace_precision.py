@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import argparse
 
-import results
 import torch
 import torch.nn.functional as F
+from helpers import results
 from torch import nn
 
 RATIOS = (0.0, 0.75, 3.0, 10.0, 50.0, 900.0)

@@ -1,5 +1,6 @@
-"""Machine instructions in each Triton kernel's tile loop, per element: read from sm_90 SASS
-compiled here, no GPU needed.
+"""Machine instructions per element in each Triton kernel's tile loop, from SASS (no GPU).
+
+Read from sm_90 SASS compiled here, no GPU needed.
 
     python benchmarks/kernel_instructions.py [--arch 90]
 
@@ -32,7 +33,7 @@ import re
 import sys
 from pathlib import Path
 
-import results
+from helpers import results
 
 # The kernels must be Triton's JIT functions, compiled, not the interpreter's stand-ins.
 os.environ.pop("TRITON_INTERPRET", None)

@@ -17,9 +17,10 @@ import argparse
 import copy
 import sys
 
-import results
 import torch
 from bandwidth import SHAPES, _inputs, _ops, _time
+from helpers import results
+from helpers.plans import forget_plans
 
 # Name -> the planner constants it changes (the rest as shipped).
 CONFIGS = {
@@ -67,7 +68,7 @@ def main() -> int:
         for label, config in CONFIGS.items():
             for name, value in {**shipped, **config}.items():
                 _set(plan, name, value)
-            plan.clear_memos()
+            forget_plans()
             us = [round(_time(fn, args.repeats) * 1e6, 1) for fn in ops.values()]
             rows.append([f"{shape} {str(dtype)[6:]} {layout}", label, *us, round(sum(us), 1)])
             print(" | ".join(map(str, rows[-1])), flush=True)

@@ -9,6 +9,9 @@ import torch
 os.environ.setdefault("TRITON_INTERPRET", "1")
 # The shared references (tests/reference.py) import as a plain module.
 sys.path.insert(0, os.path.dirname(__file__))
+# The benchmarks' helpers (forgetting the planners' memos) import as ``helpers.*``, as the
+# scripts import them.
+sys.path.insert(1, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
 
 from replica_waits import record_waits  # noqa: E402
 

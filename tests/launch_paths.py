@@ -1,5 +1,5 @@
 """Run by ``test_launch.py`` in a process of its own (Triton's JIT on the stand-in driver of
-``benchmarks/stub_driver.py``, not the interpreter): launches each chosen specialisation
+``benchmarks/helpers/stub_driver.py``, not the interpreter): launches each chosen specialisation
 through Triton's public launch and directly (``kernels/triton/launch.py``) and prints, as one
 JSON line, what the stand-in driver saw.
 
@@ -18,7 +18,8 @@ from pathlib import Path
 _ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(_ROOT), str(_ROOT / "benchmarks"), str(_ROOT / "tools")]
 
-import stub_driver  # noqa: E402
+from helpers import stub_driver  # noqa: E402
+from helpers.plans import forget_plans  # noqa: E402
 
 STUB = stub_driver.activate()
 
@@ -28,7 +29,7 @@ import triton  # noqa: E402
 from kernel_specialisations import launch_specialisations  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
-from encoding_syncbn.kernels.triton import launch, plan  # noqa: E402
+from encoding_syncbn.kernels.triton import launch  # noqa: E402
 from encoding_syncbn.kernels.triton.plan import Launch, Target  # noqa: E402
 
 # Bytes of a kernel parameter of each type as Triton's launchers pass it.
@@ -122,8 +123,9 @@ def main() -> None:
     before = runs[0]
     launch.launch(planned, None)
     found["unhooked_launch_direct"] = runs[0] == before
-    # Changing a planning constant (the compile options) forgets the compiled kernels.
-    plan.clear_memos()
+    # After a planning constant changes (the compile options), the compiled kernels are
+    # forgotten with the plans.
+    forget_plans()
     found["forgotten_with_plans"] = launch.compiled_for(planned, None) is None
     print(json.dumps(found))
 

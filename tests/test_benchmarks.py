@@ -37,8 +37,9 @@ def test_host_overhead_counts_the_launcher_inside_the_ops():
     assert figures["in_ops_us_fwd_bwd"] < figures["host_us_fwd_bwd"]
 
 
-def test_launch_overhead_times_each_launch_of_a_call():
-    figures = _last_json_line("launch_overhead.py", "--iters", "3", "--repeats", "1")
+def test_host_overhead_times_each_launch_of_a_call():
+    figures = _last_json_line("host_overhead.py", "--per-launch", "--iters", "3", "--repeats",
+                              "1")
     assert figures["launches"] == 4
     assert figures["launcher_us_per_call"] > 0 and figures["public_launcher_us_per_call"] > 0
 

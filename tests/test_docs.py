@@ -107,6 +107,16 @@ def test_scripts_found():
     assert {"benchmarks/bench_time.py", "examples/quickstart.py"} <= set(SCRIPTS)
 
 
+def test_benchmark_helpers_live_in_helpers():
+    """Every module directly under benchmarks/ is a script (its helpers are in
+    benchmarks/helpers/, none of them a script)."""
+    top = {path.relative_to(ROOT).as_posix() for path in (ROOT / "benchmarks").glob("*.py")}
+    assert top <= set(SCRIPTS), top - set(SCRIPTS)
+    helpers = list((ROOT / "benchmarks" / "helpers").glob("*.py"))
+    assert helpers
+    assert not [path.name for path in helpers if "__main__" in path.read_text()]
+
+
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_script_help(helps, script):
     code, out, err = helps[script]
@@ -120,8 +130,9 @@ def test_script_help(helps, script):
 
 @pytest.fixture(scope="module")
 def results():
-    """benchmarks/results.py, the benchmarks' shared recording helper."""
-    spec = importlib.util.spec_from_file_location("bench_results", ROOT / "benchmarks/results.py")
+    """benchmarks/helpers/results.py, the benchmarks' shared recording helper."""
+    spec = importlib.util.spec_from_file_location("bench_results",
+                                                  ROOT / "benchmarks/helpers/results.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

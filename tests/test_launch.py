@@ -26,8 +26,9 @@ def test_direct_and_public_launches_hand_the_driver_the_same_arguments():
     (``tests/launch_paths.py``), aligned and misaligned: the public launch and the direct one
     give the stand-in driver the same grid, block, shared memory, stream, attributes, function
     and parameter bytes; the second launch of a specialisation is direct, a misaligned tensor
-    gets a kernel of its own, a launch hook turns the public path back on, and changing the
-    planning constants (``plan.clear_memos``) forgets the compiled kernels."""
+    gets a kernel of its own, a launch hook turns the public path back on, and forgetting the
+    plans after a planning constant changed (``forget_plans`` of
+    benchmarks/helpers/plans.py, which plan_sweep.py calls) forgets the compiled kernels."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, os.path.join(_ROOT, "tests", "launch_paths.py")],
                           capture_output=True, text=True, env=env, timeout=1200, cwd=_ROOT)

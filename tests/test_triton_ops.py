@@ -25,6 +25,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from flat_ops import REFERENCE as R  # noqa: E402
 from flat_ops import triton_ops as flat_triton_ops  # noqa: E402
+from helpers.plans import forget_plans  # noqa: E402
 
 from encoding_syncbn.activations import elu_inverse_floor  # noqa: E402
 from encoding_syncbn.kernels import (  # noqa: E402
@@ -532,7 +533,7 @@ def test_backward_gpu_tile_shapes(monkeypatch):
     # The interpreter normally gets bigger tiles; run the GPU tile shapes too: several tiles and
     # several channel blocks per launch, partial blocks on both axes.
     monkeypatch.setattr(P, "_INTERPRET_TILE_ELEMS", P._GPU_TILE_ELEMS)
-    P.clear_memos()
+    forget_plans()
     try:
         for shape, fmt in [((40, 3, 5, 13), "nchw"), ((3, 2, 41, 50), "nchw"),
                            ((9, 70, 5, 7), "last"), ((30, 11, 9, 9), "last")]:
@@ -546,7 +547,7 @@ def test_backward_gpu_tile_shapes(monkeypatch):
             _check_backward(shape, fmt, torch.float64, "elu", True)
     finally:
         monkeypatch.undo()
-        P.clear_memos()  # no plan for the GPU tiles left for the tests after this one
+        forget_plans()  # no plan for the GPU tiles left for the tests after this one
 
 
 @settings(max_examples=10, deadline=None, derandomize=True)
@@ -581,7 +582,7 @@ def test_every_tile_computes_the_same(fmt, which, gpu_tiles, n, c, spatial, dtyp
         patch.setattr(P, "_pick_tile", lambda geo, dtype, interpret: tile)
         if sms is not None:
             patch.setattr(triton_ops, "launch_target", lambda device: P.Target(False, sms))
-        P.clear_memos()
+        forget_plans()
         try:
             x = make_input(shape, dtype, fmt, seed=seed)
             assert P.plan_op(x, P.launch_target(x.device), True).constexprs["CHANNEL_ROWS"] == (
@@ -598,7 +599,7 @@ def test_every_tile_computes_the_same(fmt, which, gpu_tiles, n, c, spatial, dtyp
             _check_normalize(x, "leaky_relu", dtype, inplace=False)
             _check_backward(shape, fmt, dtype, "elu", True, seed=seed)
         finally:
-            P.clear_memos()
+            forget_plans()
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
@@ -641,12 +642,12 @@ def test_a_wrong_row_alignment_changes_the_statistics(monkeypatch):
     interpreted tests see (a hint the compiler trusted would fail only on a GPU)."""
     x = make_input((2, 3, 2, 3), torch.float16)
     monkeypatch.setattr(P, "row_align", lambda geo, dtype: 4)  # 6 positions: 2 is the truth
-    P.clear_memos()
+    forget_plans()
     try:
         mean, _, _ = T.channel_stats(x)
     finally:
         monkeypatch.undo()
-        P.clear_memos()
+        forget_plans()
     assert not torch.allclose(mean, torch_ops.channel_stats(upcast(x))[0])
 
 
@@ -952,7 +953,7 @@ def test_reductions_planned_for_a_gpu_merge_many_partials(shape, fmt, monkeypatc
     last program (statistics, batch statistics, the backward sums) loops over several steps.
     Run here by the interpreter (or the GPU)."""
     monkeypatch.setattr(P, "_MAX_MERGE_ROWS", 8)
-    P.clear_memos()
+    forget_plans()
     x = make_input(shape, torch.float32, fmt)
     c, target = shape[1], P.Target(False, 132)
     weight, bias = make_params(c, torch.float32)[2:]
@@ -969,7 +970,7 @@ def test_reductions_planned_for_a_gpu_merge_many_partials(shape, fmt, monkeypatc
             triton_ops._run(launches, x.device)
     finally:
         monkeypatch.undo()
-        P.clear_memos()
+        forget_plans()
     ref_mean, ref_m2, count = reference_stats(x)
     assert_close(mean, ref_mean.float(), torch.float32)
     assert_close(m2, ref_m2.float(), torch.float32)

@@ -25,7 +25,7 @@ from typing import Any, Callable, NamedTuple
 import torch
 
 from ... import compat
-from .plan import COMPILE_OPTIONS, INTERPRET, Launch, forget_with_plans
+from .plan import COMPILE_OPTIONS, INTERPRET, Launch
 
 
 class _Compiled(NamedTuple):
@@ -44,8 +44,6 @@ class _Compiled(NamedTuple):
 # with shapes: a long-running process must not grow it without end).
 _COMPILED: dict[tuple, _Compiled] = {}
 _MAX_COMPILED = 4096
-# The kernels were compiled with COMPILE_OPTIONS, which benchmarks/plan_sweep.py changes.
-forget_with_plans(_COMPILED.clear)
 
 # Triton's launch hooks (``knobs.runtime``) where the direct launch is known for this Triton;
 # resolved at the first launch.
@@ -77,6 +75,12 @@ def public(planned: Launch) -> Any:
     interpreter)."""
     return planned.kernel[planned.grid](*planned.args, **planned.constexprs,
                                         num_warps=planned.num_warps, **COMPILE_OPTIONS)
+
+
+def forget_compiled() -> None:
+    """Forget every compiled kernel kept: later launches take Triton's public launch first
+    again, which compiles (or finds) each kernel with the compile options then set."""
+    _COMPILED.clear()
 
 
 def compiled_for(planned: Launch, device_index: int | None) -> Any | None:
@@ -140,7 +144,7 @@ def _remember(key: tuple, planned: Launch, kernel: Any) -> None:
     from triton.runtime import driver
 
     if len(_COMPILED) >= _MAX_COMPILED:
-        _COMPILED.clear()
+        forget_compiled()
     bound = planned.kernel.signature.bind(*planned.args, **planned.constexprs)
     bound.apply_defaults()
     rest = tuple(bound.arguments.values())[len(planned.args):]

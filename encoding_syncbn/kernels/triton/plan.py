@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import torch
 import triton.language as tl
@@ -350,31 +350,12 @@ def check_dtype(dtype: torch.dtype) -> None:
         raise TypeError(f"unsupported dtype {dtype}; expected one of {DTYPES}")
 
 
-# How to forget each memo of answers that depend on this module's constants.
-_FORGETS: list[Callable[[], None]] = []
-
-
-def plan_memo(planner):
-    """``functools.lru_cache`` for a planner of host ints: its answers depend on the planning
-    constants of this module too (tile sizes, warps, programs an SM), which tests and
-    ``benchmarks/plan_sweep.py`` change; :func:`clear_memos` forgets every such answer.
-    The planners run on real tensors' sizes only: traced calls (fake tensors, symbolic sizes)
-    take the registered ops' fake implementations."""
-    memo = functools.lru_cache(maxsize=1024)(planner)
-    _FORGETS.append(memo.cache_clear)
-    return memo
-
-
-def forget_with_plans(forget: Callable[[], None]) -> None:
-    """Have :func:`clear_memos` call ``forget`` too: for a memo kept elsewhere whose answers
-    depend on this module's constants (``launch.py``'s compiled kernels: COMPILE_OPTIONS)."""
-    _FORGETS.append(forget)
-
-
-def clear_memos() -> None:
-    """Forget every memoised plan (after changing a planning constant)."""
-    for forget in _FORGETS:
-        forget()
+#: The planners' memo of host ints, by sizes, strides, dtype, target and the op's choices: the
+#: planning constants of this module are fixed for a process, so an answer holds for its life
+#: (a test or a sweep that changes a constant clears the memos with ``cache_clear``). The
+#: planners run on real tensors' sizes only: traced calls (fake tensors, symbolic sizes) take
+#: the registered ops' fake implementations.
+plan_memo = functools.lru_cache(maxsize=1024)
 
 
 @plan_memo

@@ -1,7 +1,7 @@
 """Triton's NVIDIA launcher on a machine without a GPU: everything down to the driver's launch.
 
-The host-time benchmarks (``host_overhead.py``, ``launch_overhead.py``, ``host_instructions.py``)
-count what a GPU host pays for a launch: Triton's ``JITFunction.run`` (binding and specialising
+The host-time benchmark (``host_overhead.py``: per call, per launch, instructions) counts
+what a GPU host pays for a launch: Triton's ``JITFunction.run`` (binding and specialising
 the arguments, the cache key), its compiled C launcher (each argument extracted, each pointer
 checked with ``cuPointerGetAttribute``) and the call of ``cuLaunchKernelEx``. Here none of that
 needs a GPU: :func:`activate` builds (with the C compiler Triton itself uses) a stand-in
@@ -166,7 +166,7 @@ CUresult cuOccupancyMaxActiveClusters(int *clusters, CUfunction f, const CUlaunc
     return CUDA_SUCCESS;
 }
 CUresult cuGetErrorString(CUresult error, const char **text) {
-    *text = "error from the stand-in libcuda of benchmarks/stub_driver.py";
+    *text = "error from the stand-in libcuda of benchmarks/helpers/stub_driver.py";
     return CUDA_SUCCESS;
 }
 /* Tensor descriptors (TMA): the package's kernels take none. */

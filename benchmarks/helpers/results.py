@@ -35,14 +35,14 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "RESULTS.md"
 TITLE = (
     "# Benchmark results\n\n"
-    "Written by the scripts in this folder when run with `--record` (benchmarks/results.py): "
-    "each section is the last recorded run of its command, on the machine it names. Rerun "
-    "the command to reproduce it, with `--record` to update it; a recorded run replaces its "
-    "own section only.\n"
+    "Written by the scripts in this folder when run with `--record` "
+    "(benchmarks/helpers/results.py): each section is the last recorded run of its command, "
+    "on the machine it names. Rerun the command to reproduce it, with `--record` to update "
+    "it; a recorded run replaces its own section only.\n"
 )
 
 

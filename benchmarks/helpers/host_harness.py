@@ -1,0 +1,199 @@
+"""The host harness of ``host_overhead.py``: the Triton backend on CPU tensors, planned for an
+H100 and launched through Triton's own launcher onto the stand-in driver
+(``helpers/stub_driver.py``), and the layers it is compared with.
+
+``StubLaunches`` routes the backend's launches there and clears the small-gamma flags no kernel
+writes; ``FloorLayer`` is what any in-place layer's autograd costs (an empty in-place
+Function), ``BareLayer`` the backend's three ops and nothing else; ``steps`` times layers
+chained with ``Link`` between them, each step's input a ``Fresh`` non-leaf tensor;
+``CountAten`` counts the ATen ops outside the backend's; ``cache_freed_memory`` makes glibc
+keep freed blocks, as a GPU's caching allocator does.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import time
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from encoding_syncbn.kernels import GammaCheck, NormParams, RunningStats
+
+from .stub_driver import H100_SMS
+
+# glibc's mallopt parameters (malloc.h), and the largest value its C int takes: ctypes
+# passes a Python int as a C int, truncating (2**62 arrived as 0: a trim on every free).
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_MAX = -4
+_C_INT_MAX = 2**31 - 1
+
+
+def cache_freed_memory() -> None:
+    """Make glibc's malloc behave like a caching allocator for this process: every block from
+    its heap (no mmap), nothing given back to the system (no trim), so a block freed by one call
+    serves the next as CUDA's caching allocator does."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    if not (libc.mallopt(_M_MMAP_MAX, 0) and libc.mallopt(_M_TRIM_THRESHOLD, _C_INT_MAX)):
+        raise SystemExit("glibc's mallopt refused to keep freed blocks (host_overhead.py "
+                         "--allocator system leaves glibc as it is)")
+
+
+class Fresh(torch.autograd.Function):
+    """A new uninitialised tensor shaped like ``like``, attached to it (a non-leaf input that
+    the in-place layer may overwrite, without the cost of computing one)."""
+
+    @staticmethod
+    def forward(ctx, like, channels_last):
+        fmt = torch.channels_last if channels_last else torch.contiguous_format
+        return torch.empty(like.shape, dtype=like.dtype, memory_format=fmt)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None, None  # accumulating into ``like`` would be a full pass
+
+
+class Link(torch.autograd.Function):
+    """Between stacked layers: ``buffer`` (preallocated) as a fresh non-leaf input, attached to
+    ``x``; the gradient passes through unchanged."""
+
+    @staticmethod
+    def forward(ctx, x, buffer):
+        return buffer.detach()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class EmptyInPlace(torch.autograd.Function):
+    """The floor: what the autograd of any in-place layer does, and nothing else."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, param_grads):
+        ctx.mark_dirty(x)
+        ctx.save_for_backward(x, weight, bias)
+        ctx.param_grads = param_grads
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        _ = ctx.saved_tensors  # unpacked, with its version checks, as every layer's backward
+        return grad, *ctx.param_grads, None
+
+
+class BareOps(torch.autograd.Function):
+    """The backend's ops and nothing else: an in-place autograd Function whose forward
+    calls ``batch_stats`` (running statistics and the small-gamma check included, as the
+    layer's) and ``normalize_act``, and whose backward calls ``batch_backward``: the same six
+    launches with the same arguments as the layer's, none of its checks, configuration or
+    bookkeeping. Above the floor, what the ops cost; below the layer, what the layer's own
+    Python adds."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, layer):
+        ops = layer.ops
+        mean, invstd, _ = ops.batch_stats(x, layer.eps, layer.running, layer.check)
+        params = NormParams(mean, invstd, weight, bias, "leaky_relu", layer.slope)
+        ops.normalize_act(x, params, x)
+        ctx.mark_dirty(x)
+        ctx.save_for_backward(x, mean, invstd, weight, bias)
+        ctx.layer, ctx.count = layer, x.numel() // x.shape[1]
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        y, mean, invstd, weight, bias = ctx.saved_tensors
+        ops = ctx.layer.ops
+        params = NormParams(mean, invstd, weight, bias, "leaky_relu", ctx.layer.slope)
+        dx, sum_dz, sum_dz_xhat = ops.batch_backward(y, grad, params, True, ctx.count)
+        return dx, sum_dz_xhat, sum_dz, None
+
+
+class BareLayer(torch.nn.Module):
+    def __init__(self, channels: int, ops) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(channels))
+        self.bias = torch.nn.Parameter(torch.zeros(channels))
+        self.ops, self.eps, self.slope = ops, 1e-5, 0.01
+        self.running = RunningStats(torch.zeros(channels), torch.ones(channels),
+                                    torch.zeros((), dtype=torch.long), 0.1)
+        self.check = GammaCheck(self.weight.detach(), self.bias.detach(), 0.016)
+
+    def forward(self, x):
+        return BareOps.apply(x, self.weight, self.bias, self)
+
+
+class FloorLayer(torch.nn.Module):
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(channels))
+        self.bias = torch.nn.Parameter(torch.zeros(channels))
+        self.param_grads = (torch.zeros(channels), torch.zeros(channels))
+
+    def forward(self, x):
+        return EmptyInPlace.apply(x, self.weight, self.bias, self.param_grads)
+
+
+class CountAten(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace != "encoding_syncbn":
+            self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def steps(layers, links, make_input, dy, iters):
+    """Mean (forward, backward) thread CPU seconds per step of ``layers`` chained (``links``
+    between them), one ``backward()`` a step."""
+    fwd = bwd = 0.0
+    for _ in range(iters):
+        x = make_input()
+        start = time.thread_time()
+        for i, layer in enumerate(layers):
+            x = layer(x if i == 0 else Link.apply(x, links[i]))
+        middle = time.thread_time()
+        x.backward(dy)
+        end = time.thread_time()
+        fwd += middle - start
+        bwd += end - middle
+    return fwd / iters, bwd / iters
+
+
+class StubLaunches:
+    """The Triton backend on CPU tensors, planned for an H100 and launched through Triton's
+    launcher onto the stand-in driver (``stub_driver.activate()`` first). ``run`` is the
+    backend's own launch function, which a timer may wrap."""
+
+    def __init__(self, triton_ops) -> None:
+        from encoding_syncbn.kernels.triton.plan import Target
+
+        # kernels.ops_for hands a CPU tensor to the Triton backend only where its kernels are
+        # interpreted (this flag, which nothing else reads): told so, it routes CPU tensors to
+        # the compiled kernels' launches.
+        triton_ops.INTERPRET = True
+        h100 = Target(False, H100_SMS)
+        triton_ops.launch_target = lambda device: h100  # the real one is memoised per device
+        self.run = triton_ops._run
+        # id(kernel) -> its flags argument's index (a JITFunction's own hash is its cache
+        # key, taken under a lock: a cost of the harness, not of the layer)
+        self._flags: dict[int, int | None] = {}
+        triton_ops._run = self._launch
+
+    def _launch(self, planned, device) -> None:
+        """The launches, then what no kernel wrote and the layer reads: the small-gamma flags
+        (an argument ``small_ptr``), cleared as a check that found no small gamma leaves them."""
+        self.run(planned, device)
+        for launch in planned:
+            kernel = launch.kernel
+            index = self._flags.get(id(kernel), -1)
+            if index == -1:
+                names = kernel.arg_names
+                index = self._flags[id(kernel)] = (names.index("small_ptr")
+                                                   if "small_ptr" in names else None)
+            if index is not None:
+                launch.args[index].zero_()
