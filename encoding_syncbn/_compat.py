@@ -115,12 +115,6 @@ def unwrap_if_dead(x: torch.Tensor) -> torch.Tensor:
     return _unwrap_dead()(x)
 
 
-# torch.compile of an in-place layer (its result copied over its input inside the graph):
-# right with torch 2.13; with 2.11, inductor's compiled backward raises a version-counter error
-# (aot_eager does not; 2.12 untested). Older torch compiles the layer out of place.
-COMPILES_IN_PLACE: bool = torch.__version__ >= (2, 13)
-
-
 @functools.cache
 def _graph_task_id() -> Callable[[], int]:
     try:

@@ -92,10 +92,10 @@ def can_overwrite(x: torch.Tensor, warned: list[bool]) -> bool:
     if x.requires_grad and x.is_leaf:
         reason = "a leaf tensor that requires grad"
     elif compiling:
-        # Dynamo cannot inspect view provenance; the traced graph is functionalised. Out of
-        # place without a warning where torch cannot compile it in place (a warning inside
-        # the traced code would break the graph): the results are the same.
-        return _compat.COMPILES_IN_PLACE
+        # Dynamo cannot inspect view provenance, and a compiled call runs out of place
+        # whatever this answers (``functional._as_computed``): no warning (one inside the
+        # traced code would break the graph).
+        return True
     elif x.is_inference() and not torch.is_inference_mode_enabled():
         # Made under torch.inference_mode, used outside it (DataParallel's replica threads do
         # not inherit the mode): torch refuses in-place updates there.

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import warnings
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -43,6 +45,14 @@ _STATISTICS_OPTIONS = ("eps", "momentum")
 
 # The attributes the layer's ``ActConfig`` is made of: assigning one remakes it.
 _CONFIG_SOURCES = (*_ACTIVATION_OPTIONS, "_label_text")
+
+#: Under ``torch.compile``, an unsynchronised call (one process, or evaluation) is traced as
+#: its formula in differentiable ATen ops, which Inductor fuses with the ops around it and
+#: differentiates itself (which tensors to keep for backward is then its choice, as for
+#: ``nn.BatchNorm2d``), rather than as the backend's opaque custom ops; a synchronised call
+#: keeps the custom ops and the exchange. Either way a compiled call runs out of place
+#: (``functional._as_computed``). ``benchmarks/bench_compile.py`` measures both.
+COMPILE_AS_FORMULA = True
 
 # Attributes that only make sense for the live object: dropped by pickle and deepcopy.
 _TRANSIENT = ("_open_group", "_replica_slot", "_recompute_cache", "_replicas_small_gamma",
@@ -325,17 +335,26 @@ class SyncBatchNorm(_BatchNorm):
         state = self.running_mean if self.running_mean is not None else self.weight
         if state is not None and x.device != state.device:
             self._refuse_device(x, state)
-        acc = torch_ops.stats_dtype(x.dtype)
         weight, bias = self._affine_params(self.weight, self.bias, x)
+        if self.training and self.sync:
+            slot = self._replica_slot
+            if (slot is not None and slot.synced) or self._syncs_processes():
+                tracing.refuse_synced_transform(self._label())
+        return self._formula(x, weight, bias, self._track_batch_staged)
+
+    def _formula(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                 track: Callable[[torch.Tensor, torch.Tensor, int], None] | None
+                 ) -> torch.Tensor:
+        """The layer's output in differentiable ATen ops (``functional.norm_act_composite``),
+        out of place: with the batch's statistics where training or without running ones
+        (``track(mean, M2, count)`` folds them into the running statistics while training),
+        else with the running ones (``track`` None)."""
+        acc = torch_ops.stats_dtype(x.dtype)
         if self.training or self.running_mean is None:  # the batch's own statistics
             count = self._training_count(x) if self.training else 0
-            slot = self._replica_slot
-            if self.training and self.sync and (
-                    (slot is not None and slot.synced) or self._syncs_processes()):
-                tracing.refuse_synced_transform(self._label())
             var, mean = torch.var_mean(x.to(acc), [0, *range(2, x.dim())], correction=0)
             if self.training:
-                self._track_batch_staged(mean.detach(), var.detach() * count, count)
+                track(mean.detach(), var.detach() * count, count)
         else:
             mean, var = self.running_mean.to(acc), self.running_var.to(acc)
         config = ActConfig(self.activation, self.slope, False, self._label())
@@ -414,7 +433,10 @@ class SyncBatchNorm(_BatchNorm):
         weight, bias = self._affine_params(*params, x)
         config = self._act_config(x)
         small_gamma = self._small_gamma
+        formula = COMPILE_AS_FORMULA and torch.compiler.is_compiling()
         if not self.training and running_mean is not None:
+            if formula:
+                return self._formula(x, weight, bias, None)
             # The backend derives invstd in the same pass, and keeps copies of the statistics
             # for the backward: a training forward, load_state_dict or a buffer broadcast may
             # change the buffers before it.
@@ -442,6 +464,8 @@ class SyncBatchNorm(_BatchNorm):
             track_batch(running, None, None, 0)
             # Empty, and attached to the parameters (zero gradients) as nn.BatchNorm's result.
             return torch.nn.functional.batch_norm(x, None, None, weight, bias, True, 0.0, self.eps)
+        if formula:
+            return self._formula(x, weight, bias, functools.partial(track_batch, running))
         return batch_norm_act(x, weight, bias, self.eps, config, running, small_gamma,
                               recomputing, count)
 
