@@ -17,8 +17,10 @@ eager. Per variant:
   taken turn by turn against the compiled plain net and against the same net eager;
 - peak memory of one training step (forward and backward), after warm-up: the growth of the
   process's peak resident memory (Linux VmHWM, reset through /proc/self/clear_refs) in a
-  fresh process per variant (CPU), or of ``torch.cuda.max_memory_allocated`` (GPU), in units
-  of the net's activations (blocks x one conv output).
+  fresh process per variant whose allocator maps and unmaps every large block
+  (``MALLOC_MMAP_THRESHOLD_``), so that the resident size follows the live tensors (CPU), or
+  of ``torch.cuda.max_memory_allocated`` (GPU), in units of the net's activations (blocks x
+  one conv output).
 
 Prints the table (``--record``: into benchmarks/RESULTS.md too).
 """
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 
@@ -153,7 +156,10 @@ def memory(name: str, args: argparse.Namespace, device) -> int:
         command = [sys.executable, __file__, "--memory-of", name, "--threads",
                    str(args.threads), "--blocks", str(args.blocks), "--shape",
                    *map(str, args.shape)]
-        result = subprocess.run(command, capture_output=True, text=True, check=True)
+        # Large blocks mapped and unmapped one by one (glibc's threshold fixed): the resident
+        # size follows the live tensors, not what the allocator kept from the warm-up.
+        env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
+        result = subprocess.run(command, capture_output=True, text=True, check=True, env=env)
         return json.loads(result.stdout.strip().splitlines()[-1])["growth"]
     import torch
 

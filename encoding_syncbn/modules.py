@@ -46,11 +46,12 @@ _STATISTICS_OPTIONS = ("eps", "momentum")
 # The attributes the layer's ``ActConfig`` is made of: assigning one remakes it.
 _CONFIG_SOURCES = (*_ACTIVATION_OPTIONS, "_label_text")
 
-#: Under ``torch.compile``, an unsynchronised call (one process, or evaluation) is traced as
-#: its formula in differentiable ATen ops, which Inductor fuses with the ops around it and
-#: differentiates itself (which tensors to keep for backward is then its choice, as for
-#: ``nn.BatchNorm2d``), rather than as the backend's opaque custom ops; a synchronised call
-#: keeps the custom ops and the exchange. Either way a compiled call runs out of place
+#: Under ``torch.compile`` a call is traced as its formula in differentiable ATen ops, which
+#: Inductor fuses with the ops around it and differentiates itself (which tensors to keep for
+#: backward is then its choice, as for ``nn.BatchNorm2d``); synchronised across processes,
+#: with the merge in functional collectives (``distributed.merge_traced``). False: as the
+#: backend's opaque custom ops, where a call synchronised across processes breaks the graph
+#: at the exchange's host read of the counts. Either way a compiled call runs out of place
 #: (``functional._as_computed``). ``benchmarks/bench_compile.py`` measures both.
 COMPILE_AS_FORMULA = True
 
@@ -343,16 +344,29 @@ class SyncBatchNorm(_BatchNorm):
         return self._formula(x, weight, bias, self._track_batch_staged)
 
     def _formula(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
-                 track: Callable[[torch.Tensor, torch.Tensor, int], None] | None
-                 ) -> torch.Tensor:
+                 track: Callable[[torch.Tensor, torch.Tensor, int | torch.Tensor], None] | None,
+                 merged: bool = False) -> torch.Tensor:
         """The layer's output in differentiable ATen ops (``functional.norm_act_composite``),
         out of place: with the batch's statistics where training or without running ones
-        (``track(mean, M2, count)`` folds them into the running statistics while training),
+        (``track(mean, M2, count)`` folds them into the running statistics while training;
+        ``merged``: the statistics of the whole process group, ``distributed.merge_traced``),
         else with the running ones (``track`` None)."""
         acc = torch_ops.stats_dtype(x.dtype)
+        dims = [0, *range(2, x.dim())]
+        if merged:
+            count = x.numel() // self.num_features
+            if count:  # in float64, as the merge: a float32 mean would round the merge's M2
+                var, mean = torch.var_mean(x.to(torch.float64), dims, correction=0)
+            else:  # an empty batch takes part with count 0
+                var = mean = x.new_zeros(self.num_features, dtype=torch.float64)
+            mean, m2, invstd, count = distributed.merge_traced(
+                mean, var * count, count, self.eps, self.process_group)
+            track(mean.detach(), m2.detach(), count)
+            return norm_act_composite(ActConfig(self.activation, self.slope, False))(
+                x, mean.to(acc), invstd.to(acc), weight, bias)
         if self.training or self.running_mean is None:  # the batch's own statistics
             count = self._training_count(x) if self.training else 0
-            var, mean = torch.var_mean(x.to(acc), [0, *range(2, x.dim())], correction=0)
+            var, mean = torch.var_mean(x.to(acc), dims, correction=0)
             if self.training:
                 track(mean.detach(), var.detach() * count, count)
         else:
@@ -449,6 +463,9 @@ class SyncBatchNorm(_BatchNorm):
         if self.sync and ((slot is not None and slot.synced) or self._syncs_processes()):
             if recomputing:
                 return self._recompute_cache.replay(x, weight, bias, config, small_gamma)
+            if formula and slot is None:  # one replica a process: merged across processes
+                return self._formula(x, weight, bias, functools.partial(track_batch, running),
+                                     merged=True)
             # The master folds the merged statistics into the running ones; each replica
             # remembers the call for a checkpoint's recomputation.
             exchange = Exchange(slot, self.eps, self.process_group, self._syncs_processes(),

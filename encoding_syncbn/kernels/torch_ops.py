@@ -197,7 +197,8 @@ def batch_stats(x: torch.Tensor, eps: float, running: RunningStats | None,
 @torch.no_grad()
 def track_batch(running_mean: torch.Tensor, running_var: torch.Tensor,
                 batches: torch.Tensor | None, momentum: float | None,
-                mean: torch.Tensor | None, m2: torch.Tensor | None, count: int) -> None:
+                mean: torch.Tensor | None, m2: torch.Tensor | None,
+                count: int | torch.Tensor) -> None:
     """Count the batch and, unless it is empty, fold it into the running statistics, in place
     (buffers are never rebound): ``r = (1 - f) r + f * stat``, the variance unbiased
     (``M2 / (count - 1)``), ``f = momentum`` or the cumulative average's ``1 / batches``
@@ -206,9 +207,20 @@ def track_batch(running_mean: torch.Tensor, running_var: torch.Tensor,
     Computed in the wider of the buffers' and the statistics' dtypes and rounded to the
     buffers' once, as ``nn.BatchNorm`` does: a half-precision model's buffers updated in
     place would be rounded at each step of the update (1-2 ulp off nn.BatchNorm's a call).
+
+    ``count`` a 0-dim tensor (a compiled synchronised call: the group's count, never read
+    back to the host): the same update, selected where the count is not 0.
     """
     if batches is not None:
         batches.add_(1)
+    if isinstance(count, torch.Tensor):
+        dtype = torch.promote_types(running_mean.dtype, mean.dtype)
+        factor = batches.to(dtype).reciprocal() if momentum is None else momentum
+        empty = count == 0
+        for buffer, stat in ((running_mean, mean), (running_var, m2 / (count - 1))):
+            updated = torch.lerp(buffer.to(dtype), stat.to(dtype), factor)
+            buffer.copy_(torch.where(empty, buffer.to(dtype), updated))
+        return
     if count == 0:
         return
     dtype = torch.promote_types(running_mean.dtype, mean.dtype)
