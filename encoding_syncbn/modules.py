@@ -366,6 +366,20 @@ class SyncBatchNorm(_BatchNorm):
                 x, mean.to(acc), invstd.to(acc), weight, bias)
         if self.training or self.running_mean is None:  # the batch's own statistics
             count = self._training_count(x) if self.training else 0
+            if torch.compiler.is_compiling():
+                # nn.BatchNorm's own op, which Inductor decomposes as (x - mean) * invstd and
+                # differentiates as it does for nn.BatchNorm2d, in no more time than the
+                # compiled plain net (the statistics' own formula below costs more there).
+                # Eagerly (torch.func, export) ATen's CPU kernel would compute
+                # x * scale + shift, which a large mean cancels.
+                if self.training:
+                    with torch.no_grad():
+                        var, mean = torch.var_mean(x.to(acc), dims, correction=0)
+                    track(mean, var * count, count)
+                z = torch.nn.functional.batch_norm(x.to(acc), None, None, weight, bias, True,
+                                                   0.0, self.eps)
+                act = activations.ACTIVATIONS[self.activation]
+                return act.forward(z, self.slope).to(x.dtype)
             var, mean = torch.var_mean(x.to(acc), dims, correction=0)
             if self.training:
                 track(mean.detach(), var.detach() * count, count)
