@@ -181,6 +181,16 @@ def test_converted_model_compiles_to_one_graph(traced_as, converter, training):
     assert_same(step(eager, x, dy), step(compiled, x, dy))
 
 
+def test_compiled_layer_on_a_leaf_input_is_one_graph():
+    """An in-place layer fed a leaf that requires grad (eagerly: out of place, with a warning)
+    compiles to one graph: no check and no warning inside the traced code."""
+    layer = make_layer("leaky_relu", True)
+    x = torch.randn(2, C, 5, dtype=torch.float64, requires_grad=True)
+    explained = torch._dynamo.explain(layer)(x)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), \
+        explained.break_reasons
+
+
 def test_compiled_model_all_gammas_zero(each_backend):
     """Inside a model (the layer's input is a graph intermediate), zero-initialised gamma."""
     torch.manual_seed(1)
