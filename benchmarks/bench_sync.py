@@ -114,6 +114,7 @@ def one_thread_work_us(replicas: int, calls: int, turns: int) -> PerCall:
     ``BatchNormAct`` once per replica (``"sync=False"``). Each replica holds the small-gamma
     channels ``replicate()`` reads once a step and hands it, as the layer's replicas do."""
     import torch
+    from encoding_syncbn.small_gamma import SmallGammaChannels
 
     from encoding_syncbn.layer.functional import (
         ActConfig,
@@ -122,7 +123,6 @@ def one_thread_work_us(replicas: int, calls: int, turns: int) -> PerCall:
         merge_replicas,
         replica_stats,
     )
-    from encoding_syncbn.small_gamma import SmallGammaChannels
 
     weight = torch.ones(8, requires_grad=True)
     bias = torch.zeros(8, requires_grad=True)

@@ -114,12 +114,6 @@ def unwrap_if_dead(x: torch.Tensor) -> torch.Tensor:
     return _unwrap_dead()(x)
 
 
-# torch.compile of an in-place layer (its result copied over its input inside the graph) needs
-# torch 2.13: an older inductor's compiled backward raises a version-counter error (aot_eager's
-# does not). Older torch compiles the layer out of place.
-COMPILES_IN_PLACE: bool = torch.__version__ >= (2, 13)
-
-
 @functools.cache
 def _graph_task_id() -> Callable[[], int]:
     try:

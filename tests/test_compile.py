@@ -1,9 +1,12 @@
-"""torch.compile(fullgraph=True) of the single-replica layer against eager.
+"""torch.compile of the single-replica layer against eager, and of converted models.
 
 Forward and backward, training and evaluation, in place (leaky_relu) and not ("none"), on both
-backends: the layer's ops must reach the traced graphs as the ``encoding_syncbn::`` custom ops
-(Triton kernels; on the "torch" backend the ATen path wrapped as ``aten_*`` ops), the channels
-kept aside (|gamma| too small to invert) through ``aside_channels``, with no graph break.
+backends, each way a compiled call is traced (``modules.COMPILE_AS_FORMULA``): as the layer's
+formula in ATen ops (the default, with no ``encoding_syncbn::`` op in the graphs), or as the
+backend's custom ops (Triton kernels; on the "torch" backend the ATen path wrapped as
+``aten_*`` ops). A compiled call runs out of place, so that no channel is kept aside (a
+data-dependent size) and a converted model compiles to one graph, with no break, under plain
+``torch.compile`` (counted by ``torch._dynamo.explain``).
 """
 
 from __future__ import annotations
@@ -20,8 +23,9 @@ from torch import nn  # noqa: E402
 from torch._dynamo.backends.common import aot_autograd  # noqa: E402
 
 import encoding_syncbn  # noqa: E402
-from encoding_syncbn import SyncBatchNorm, compat  # noqa: E402
+from encoding_syncbn import SyncBatchNorm, convert_inplace_abn, convert_sync_batchnorm  # noqa: E402
 from encoding_syncbn.kernels import torch_ops  # noqa: E402
+from encoding_syncbn.layer import modules  # noqa: E402
 
 C = 4
 
@@ -35,6 +39,13 @@ KERNELS = {
               "aten_backward_reduce", "aten_backward_dx"),
 }
 KERNELS["torch-slabs"] = KERNELS["torch"]
+
+
+@pytest.fixture(params=["formula", "custom_ops"])
+def traced_as(request, monkeypatch):
+    """How a compiled unsynchronised call is traced (``modules.COMPILE_AS_FORMULA``)."""
+    monkeypatch.setattr(modules, "COMPILE_AS_FORMULA", request.param == "formula")
+    return request.param
 
 
 @pytest.fixture(autouse=True)
@@ -109,7 +120,7 @@ def assert_same(eager, compiled):
 
 @pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
 @pytest.mark.parametrize("activation", ["leaky_relu", "none"])
-def test_compiled_layer_matches_eager(each_backend, activation, training):
+def test_compiled_layer_matches_eager(each_backend, traced_as, activation, training):
     layer = make_layer(activation, training)
     twin = copy.deepcopy(layer)
     recorder = GraphRecorder()
@@ -117,9 +128,15 @@ def test_compiled_layer_matches_eager(each_backend, activation, training):
     torch.manual_seed(0)
     for _ in range(2):  # running statistics accumulate over steps
         x, dy = torch.randn(3, C, 5, 6, dtype=torch.float64), torch.randn(3, C, 5, 6).double()
-        assert_same(step(layer, x, dy), step(compiled, x, dy))
+        (y, _, *rest), (y_c, given, *rest_c) = step(layer, x, dy), step(compiled, x, dy)
+        assert_same([y, *rest], [y_c, *rest_c])
+        # Compiled, the layer runs out of place: its input is left as it was.
+        assert torch.equal(given, x)
 
     forward, backward = recorder.custom_ops()  # one graph each: no break, no recompile
+    if traced_as == "formula":
+        assert forward == backward == []
+        return
     stats, normalize, normalize_running, reduce, input_grad = KERNELS[each_backend]
     assert (normalize if training else normalize_running) in forward
     assert (stats in forward) == training
@@ -127,35 +144,51 @@ def test_compiled_layer_matches_eager(each_backend, activation, training):
     # op; the torch backend's statistics are an opaque op, the rest ATen calls traced as they
     # are.
     assert reduce in backward and input_grad in backward
-    # In place, the channels kept aside are chosen by a custom op of data-dependent size and
-    # recomputed from their input by the ATen ops.
-    inplace = activation != "none"
-    assert ("aside_channels" in forward) == inplace
-    aside_passes = backward.count("aten_backward_dx") - each_backend.startswith("torch")
-    assert aside_passes == inplace
+    # No channel is kept aside (no pass recomputing them from their input): the Function
+    # keeps its whole input.
+    assert backward.count("aten_backward_dx") == each_backend.startswith("torch")
 
 
-def test_compiled_in_place_overwrites_its_input(each_backend):
+def _block_net(blocks: int = 2) -> nn.Sequential:
+    layers, channels = [], 3
+    for _ in range(blocks):
+        layers += [nn.Conv2d(channels, C, 3, padding=1, bias=False), nn.BatchNorm2d(C),
+                   nn.LeakyReLU(0.1)]
+        channels = C
+    return nn.Sequential(*layers).double()
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("converter", [convert_inplace_abn, convert_sync_batchnorm],
+                         ids=["inplace_abn", "sync_batchnorm"])
+def test_converted_model_compiles_to_one_graph(traced_as, converter, training):
+    """Plain ``torch.compile(model)`` (no ``fullgraph``): one graph, no break, in training
+    and evaluation, whatever the gammas (a zero and a tiny one, which an eager in-place layer
+    keeps aside); the compiled model computes what the eager one does."""
+    torch.manual_seed(5)
+    base = _block_net()
+    with torch.no_grad():
+        base[1].weight.copy_(torch.tensor([1.5, 0.0, -0.7, 1e-5]))
+    model = converter(copy.deepcopy(base)).train(training)
+    if converter is convert_inplace_abn:
+        assert all(m.inplace for m in model.modules() if isinstance(m, SyncBatchNorm))
+    x, dy = torch.randn(2, 3, 6, 6, dtype=torch.float64), torch.randn(2, C, 6, 6).double()
+    explained = torch._dynamo.explain(copy.deepcopy(model))(x)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), \
+        explained.break_reasons
+    eager = converter(copy.deepcopy(base)).train(training)
+    compiled = torch.compile(model, backend="aot_eager")
+    assert_same(step(eager, x, dy), step(compiled, x, dy))
+
+
+def test_compiled_layer_on_a_leaf_input_is_one_graph():
+    """An in-place layer fed a leaf that requires grad (eagerly: out of place, with a warning)
+    compiles to one graph: no check and no warning inside the traced code."""
     layer = make_layer("leaky_relu", True)
-    compiled = torch.compile(copy.deepcopy(layer), fullgraph=True, backend="aot_eager")
-    x = torch.randn(2, C, 7, dtype=torch.float64)
-    expected, given = layer(x.clone()), x.clone()
-    out = compiled(given)
-    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(given, expected, rtol=1e-12, atol=1e-12)
-
-
-def test_compiled_out_of_place_where_torch_cannot_compile_in_place(each_backend, monkeypatch):
-    """Where torch cannot compile the in-place layer (before 2.13), it is compiled out of
-    place: the same outputs, gradients and running statistics, the input left as it was."""
-    monkeypatch.setattr(compat, "COMPILES_IN_PLACE", False)
-    layer = make_layer("leaky_relu", True)
-    compiled = torch.compile(copy.deepcopy(layer), fullgraph=True, backend="aot_eager")
-    torch.manual_seed(4)
-    x, dy = torch.randn(2, C, 7, dtype=torch.float64), torch.randn(2, C, 7).double()
-    (y, overwritten, *rest), (y_c, given, *rest_c) = step(layer, x, dy), step(compiled, x, dy)
-    assert torch.equal(overwritten, y) and torch.equal(given, x)
-    assert_same([y, *rest], [y_c, *rest_c])
+    x = torch.randn(2, C, 5, dtype=torch.float64, requires_grad=True)
+    explained = torch._dynamo.explain(layer)(x)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), \
+        explained.break_reasons
 
 
 def test_compiled_model_all_gammas_zero(each_backend):
@@ -182,17 +215,17 @@ def torch_backend():
 
 
 @pytest.mark.usefixtures("torch_backend")
-def test_inductor():
-    """Inductor on the CPU runs the custom ops as extern calls and matches eager (one case:
-    inductor compiles slowly; aot_eager covers both backends above)."""
+def test_inductor(traced_as):
+    """Inductor on the CPU (fusing the formula, or running the custom ops as extern calls)
+    matches eager (one case each: inductor compiles slowly; aot_eager covers both backends
+    above)."""
     layer = make_layer("leaky_relu", True)
     compiled = torch.compile(copy.deepcopy(layer), fullgraph=True, backend="inductor")
     torch.manual_seed(2)
     x, dy = torch.randn(3, C, 5, 6, dtype=torch.float64), torch.randn(3, C, 5, 6).double()
-    eager, result = step(layer, x, dy), step(compiled, x, dy)
-    for a, b in zip(eager[:3], result[:3]):
-        torch.testing.assert_close(b, a)
-    for a, b in zip(eager[3] + eager[4], result[3] + result[4]):
+    (y, _, *rest), (y_c, given, *rest_c) = step(layer, x, dy), step(compiled, x, dy)
+    assert torch.equal(given, x)
+    for a, b in zip([y, rest[0], *rest[1], *rest[2]], [y_c, rest_c[0], *rest_c[1], *rest_c[2]]):
         torch.testing.assert_close(b, a)
 
 
@@ -222,5 +255,3 @@ def test_opcheck_compile_ops(slab, monkeypatch):
                               (y, x, *params, "leaky_relu", 0.1, True, *coefs, -1))
         torch.library.opcheck(ops.aten_backward_dx.default,
                               (y, x, *params, "leaky_relu", 0.1, True, *coefs, 90))
-    for weight in (torch.tensor([1.0, 0.0, 1e-5, -2.0]), torch.zeros(C), torch.ones(C)):
-        torch.library.opcheck(ops.aside_channels.default, (weight, torch.full((C,), 0.5), 1e-3))

@@ -37,7 +37,7 @@ from reference import activate
 from torch import nn
 
 import encoding_syncbn
-from encoding_syncbn import SyncBatchNorm, compat, convert_sync_batchnorm
+from encoding_syncbn import SyncBatchNorm, compat, convert_inplace_abn, convert_sync_batchnorm
 from encoding_syncbn.testing import SimulatedDataParallel
 
 C = 4
@@ -339,6 +339,53 @@ def scenario_ddp(ctx):
     assert "all_gather" not in counter.calls
 
 
+def scenario_compiled_ddp(ctx):
+    """torch.compile across processes: a model converted by either converter compiles to one
+    graph with no break under plain ``torch.compile`` (the merge traced as functional
+    collectives), in training and evaluation, and ``DDP(torch.compile(model))`` trains as
+    the single-process model does on the whole batch."""
+    rank = dist.get_rank()
+    batches = [5, 3]
+    slices, total = _offsets(batches), sum(batches)
+    torch.manual_seed(7)
+    base = nn.Sequential(
+        nn.Conv2d(3, C, 3, padding=1, bias=False), nn.BatchNorm2d(C), nn.LeakyReLU(0.1),
+        nn.Conv2d(C, C, 1), nn.BatchNorm2d(C), nn.LeakyReLU(0.1), nn.Conv2d(C, 2, 1),
+    ).double()
+    x = torch.randn(total, 3, 4, 4, dtype=torch.float64)
+    for converter in (convert_inplace_abn, convert_sync_batchnorm):
+        what = converter.__name__
+        for training in (True, False):
+            torch._dynamo.reset()
+            model = converter(copy.deepcopy(base)).train(training)
+            explained = torch._dynamo.explain(model)(x[slices[rank]])
+            assert (explained.graph_count, explained.graph_break_count) == (1, 0), \
+                (what, training, explained.break_reasons)
+        torch._dynamo.reset()
+        reference = copy.deepcopy(base)
+        ddp = nn.parallel.DistributedDataParallel(
+            torch.compile(converter(copy.deepcopy(base)), backend="aot_eager"))
+        ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        for step in range(2):
+            target = torch.randn(total, 2, 4, 4, dtype=torch.float64,
+                                 generator=torch.Generator().manual_seed(step))
+            ref_out = reference(x)
+            ref_opt.zero_grad()
+            ((ref_out - target).square().sum() / total).backward()
+            ref_opt.step()
+            out = ddp(x[slices[rank]])
+            opt.zero_grad()
+            ((out - target[slices[rank]]).square().sum() * 2 / total).backward()
+            opt.step()
+            _check(out, ref_out[slices[rank]], f"{what} compiled DDP step {step} output")
+            for p, q in zip(ddp.module.parameters(), reference.parameters()):
+                _check(p, q, f"{what} compiled DDP step {step} parameter")
+            for b, ref_b in zip(ddp.module.buffers(), reference.buffers()):
+                _check(b, ref_b, f"{what} compiled DDP step {step} buffer")
+    torch._dynamo.reset()
+
+
 def scenario_ddp_subgroup(ctx):
     """DDP over a 2-rank subgroup; the third rank trains alone with plain local BN."""
     group, members = ctx["pair"], ctx["pair_ranks"]
@@ -420,7 +467,7 @@ def scenario_double_backward(ctx):
 
 SCENARIOS = {
     2: ["uneven", "empty_rank", "replicas", "collective_count", "solo_group", "ddp",
-        "double_backward"],
+        "double_backward", "compiled_ddp"],
     3: ["uneven", "empty_rank", "replicas", "collective_count", "subgroup", "ddp_subgroup",
         "inplace_abn"],
 }

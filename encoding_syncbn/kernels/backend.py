@@ -197,8 +197,8 @@ class FunctionsBackend:
     def batch_backward(self, saved: torch.Tensor, dy: torch.Tensor, params: NormParams,
                        saved_is_output: bool, count: int
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return reduce_then_dx(self, saved, dy, params, saved_is_output=saved_is_output,
-                              count=count)
+        return self._f.batch_backward(saved, dy, params, saved_is_output=saved_is_output,
+                                      count=count)
 
 
 def reduce_then_dx(backend: Backend, saved: torch.Tensor, dy: torch.Tensor, params: NormParams,

@@ -6,11 +6,6 @@ eagerly, but not traceable. While compiling, the layer calls these custom ops in
 and eager results agree bitwise) and is opaque to the tracer, which sees only its fake (shape)
 implementation.
 
-``aside_channels`` picks the channels whose gamma is too small to rebuild ``xhat`` from the
-output. Their number depends on the data; its fake implementation returns a tensor of an
-unbacked (data-dependent) size, so the graph needs no ``nonzero`` (which Dynamo would refuse
-without ``capture_dynamic_output_shape_ops``) and no branch on the count.
-
 Eagerly the layer never dispatches through these ops (see ``kernels.reference_ops``).
 """
 
@@ -21,20 +16,6 @@ import torch
 from . import torch_ops
 from .backend import BatchSums, DxCoefs, GammaCheck, NormParams, RunningParams, RunningStats
 from .custom_ops import OpsBackend, channel_count, channel_vectors, custom_op
-
-
-@custom_op("aside_channels")
-def aside_channels(check: GammaCheck) -> torch.Tensor:
-    """Indices of the channels ``torch_ops.small_gamma`` flags."""
-    return torch_ops.small_gamma(*check).nonzero().flatten()
-
-
-@aside_channels.register_fake
-def _(check: GammaCheck) -> torch.Tensor:
-    channels = check.weight.shape[0]  # a bound only if it is a plain int (not a symbolic size)
-    count = torch.library.get_ctx().new_dynamic_size(
-        max=channels if isinstance(channels, int) else None)
-    return check.weight.new_empty(count, dtype=torch.long)
 
 
 @custom_op("aten_channel_stats")

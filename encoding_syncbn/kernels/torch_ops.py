@@ -82,14 +82,30 @@ def _channel_last(t: torch.Tensor) -> torch.Tensor:
 
 def _pieces(*tensors: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
     """Matching channel-last pieces of same-shaped tensors: the whole tensors when they are
-    one slab, else slabs of their ``(A, C, B)`` views (which must have the same strides)."""
+    one slab, else slabs of their ``(A, C, B)`` views (which must have the same strides):
+    runs of whole rows, or runs of columns of one row where a row alone is larger than a
+    slab (an NCHW sample's map), so that a piece and its scratch stay in cache between the
+    ops applied to them."""
     views: dict[int, torch.Tensor] = {}  # one view per distinct tensor (out may be x)
     if tensors[0].numel() <= _SLAB_ELEMENTS:
         return [tuple(_view_once(views, t, _channel_last) for t in tensors)]
     rows = [_view_once(views, t, lambda t: _as_rows(t).transpose(1, 2)) for t in tensors]
-    per_row = max(1, rows[0].shape[1] * rows[0].shape[2])
-    step = max(1, _SLAB_ELEMENTS // per_row)
-    return [tuple(r[a:a + step] for r in rows) for a in range(0, rows[0].shape[0], step)]
+    count, columns, channels = rows[0].shape
+    per_row = max(1, columns * channels)
+    if per_row > _SLAB_ELEMENTS:
+        step = max(1, _SLAB_ELEMENTS // max(1, channels))
+        return [tuple(r[a:a + 1, b:b + step] for r in rows)
+                for a in range(count) for b in range(0, columns, step)]
+    step = _SLAB_ELEMENTS // per_row
+    return [tuple(r[a:a + step] for r in rows) for a in range(0, count, step)]
+
+
+def _fitted(buffer: torch.Tensor, piece: torch.Tensor) -> torch.Tensor:
+    """``buffer``, a scratch buffer shaped like the first piece, cut to ``piece``'s shape (the
+    last piece of a walk may be smaller)."""
+    if buffer.shape == piece.shape:
+        return buffer
+    return buffer[tuple(slice(0, size) for size in piece.shape)]
 
 
 def _view_once(views: dict[int, torch.Tensor], t: torch.Tensor, make) -> torch.Tensor:
@@ -146,7 +162,7 @@ def channel_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
     slabs = _pieces(rows)
     scratch = torch.empty_like(slabs[0][0], dtype=acc)
     for (slab,) in slabs:
-        centred = torch.sub(slab, mean, out=scratch[: slab.shape[0]])
+        centred = torch.sub(slab, mean, out=_fitted(scratch, slab))
         centred_sum += centred.sum(dim=(0, 1))
         m2 += centred.mul_(centred).sum(dim=(0, 1))
     # The mean's error (an fp32 sum's, or its rounding) would add n * error^2 to M2.
@@ -181,7 +197,8 @@ def batch_stats(x: torch.Tensor, eps: float, running: RunningStats | None,
 @torch.no_grad()
 def track_batch(running_mean: torch.Tensor, running_var: torch.Tensor,
                 batches: torch.Tensor | None, momentum: float | None,
-                mean: torch.Tensor | None, m2: torch.Tensor | None, count: int) -> None:
+                mean: torch.Tensor | None, m2: torch.Tensor | None,
+                count: int | torch.Tensor) -> None:
     """Count the batch and, unless it is empty, fold it into the running statistics, in place
     (buffers are never rebound): ``r = (1 - f) r + f * stat``, the variance unbiased
     (``M2 / (count - 1)``), ``f = momentum`` or the cumulative average's ``1 / batches``
@@ -190,9 +207,20 @@ def track_batch(running_mean: torch.Tensor, running_var: torch.Tensor,
     Computed in the wider of the buffers' and the statistics' dtypes and rounded to the
     buffers' once, as ``nn.BatchNorm`` does: a half-precision model's buffers updated in
     place would be rounded at each step of the update (1-2 ulp off nn.BatchNorm's a call).
+
+    ``count`` a 0-dim tensor (a compiled synchronised call: the group's count, never read
+    back to the host): the same update, selected where the count is not 0.
     """
     if batches is not None:
         batches.add_(1)
+    if isinstance(count, torch.Tensor):
+        dtype = torch.promote_types(running_mean.dtype, mean.dtype)
+        factor = batches.to(dtype).reciprocal() if momentum is None else momentum
+        empty = count == 0
+        for buffer, stat in ((running_mean, mean), (running_var, m2 / (count - 1))):
+            updated = torch.lerp(buffer.to(dtype), stat.to(dtype), factor)
+            buffer.copy_(torch.where(empty, buffer.to(dtype), updated))
+        return
     if count == 0:
         return
     dtype = torch.promote_types(running_mean.dtype, mean.dtype)
@@ -278,38 +306,48 @@ def normalize_running(x: torch.Tensor, running: RunningParams,
     return mean, invstd
 
 
-def _xhat_dz(saved, dy, mean, invstd, weight, inverse_weight, bias, activation: str,
-             slope: float, saved_is_output: bool, scratch) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(xhat, dz)`` of one channel-last piece, written into ``scratch = (xhat, dz, aux)``,
-    buffers of the piece's shape in the statistics dtype.
+def _centred_dz(saved, dy, mean, scale, bias, activation: str, slope: float,
+                saved_is_output: bool, scratch) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(centred, dz)`` of one channel-last piece, written into ``scratch = (centred, dz,
+    aux)``, buffers of the piece's shape in the statistics dtype, with ``centred = xhat /
+    unit`` for the per-channel ``unit`` of ``_xhat_unit``: ``z - bias`` rebuilt from the
+    output, or ``x - mean``. The unit is applied to the per-channel sums and coefficients
+    instead, not to every element (``scale``: ``weight * invstd``).
 
     ``dz`` and the inverse are the activation's definition (``activations.py``). Half-precision
     pieces are widened first (ATen's activation backwards compute in their inputs' dtype).
     """
-    xhat, dz, aux = scratch
+    centred, dz, aux = scratch
     definition = activations.ACTIVATIONS[activation]
     widen = saved.dtype != mean.dtype or dy.dtype != mean.dtype
     if widen:
         dy = aux.copy_(dy)
     if saved_is_output:
         # Without widening, y is the layer's output itself: read it, never write it.
-        y = xhat.copy_(saved) if widen else saved
-        definition.inverse(y, dy, slope, xhat, dz, aux)
-        xhat.sub_(bias).mul_(inverse_weight)
-        return xhat, dz
-    torch.sub(saved, mean, out=xhat).mul_(invstd)
+        y = centred.copy_(saved) if widen else saved
+        definition.inverse(y, dy, slope, centred, dz, aux)
+        return centred.sub_(bias), dz
+    torch.sub(saved, mean, out=centred)
     if definition.derivative is None:
         dz.copy_(dy)
     else:
-        definition.derivative(dy, torch.addcmul(bias, xhat, weight, out=dz), slope, dz)
-    return xhat, dz
+        # z as the forward computed it: (x - mean) * scale + bias.
+        definition.derivative(dy, torch.mul(centred, scale, out=dz).add_(bias), slope, dz)
+    return centred, dz
+
+
+def _xhat_unit(params: NormParams, saved_is_output: bool) -> torch.Tensor:
+    """Per channel, ``xhat / centred`` (see ``_centred_dz``): ``1 / weight`` where xhat is
+    rebuilt from the output, ``invstd`` where it comes from the input."""
+    return params.weight.reciprocal() if saved_is_output else params.invstd
 
 
 def _backward_pieces(saved, dy, params: NormParams, saved_is_output: bool, *outs):
-    """Yield ``(xhat, dz, *out_pieces)`` for each piece of ``saved``, ``dy`` and ``outs``.
+    """Yield ``(centred, dz, *out_pieces)`` for each piece of ``saved``, ``dy`` and ``outs``
+    (``centred``: see ``_centred_dz``).
 
     ``saved`` must be one slab or have an ``(A, C, B)`` view, and ``outs`` its layout. The
-    ``(xhat, dz)`` of a piece are valid until the next one is yielded.
+    ``(centred, dz)`` of a piece are valid until the next one is yielded.
     """
     mean, invstd, weight, bias, activation, slope = params
     if saved_is_output and activations.ACTIVATIONS[activation].inverse is None:
@@ -323,11 +361,11 @@ def _backward_pieces(saved, dy, params: NormParams, saved_is_output: bool, *outs
     # In the pieces' own layout (a transposed view for slabs): mixed layouts would stop
     # TensorIterator from walking the memory in order.
     scratch = [torch.empty_like(pieces[0][0], dtype=mean.dtype) for _ in range(3)]
-    vectors = (mean, invstd, weight, weight.reciprocal() if saved_is_output else weight, bias)
+    scale = None if saved_is_output else weight * invstd
     for s, d, *out_pieces in pieces:
-        rows = s.shape[0]
-        buffers = [b[:rows] for b in scratch] if rows < scratch[0].shape[0] else scratch
-        yield (*_xhat_dz(s, d, *vectors, activation, slope, saved_is_output, buffers),
+        buffers = [_fitted(b, s) for b in scratch]
+        yield (*_centred_dz(s, d, mean, scale, bias, activation, slope, saved_is_output,
+                            buffers),
                *out_pieces)
 
 
@@ -338,14 +376,47 @@ def backward_reduce(saved: torch.Tensor, dy: torch.Tensor, params: NormParams,
         return torch.zeros_like(params.mean), torch.zeros_like(params.mean)
     saved = _in_rows_layout(saved)
     sums = None
-    for xhat, dz in _backward_pieces(saved, dy, params, saved_is_output):
+    for centred, dz in _backward_pieces(saved, dy, params, saved_is_output):
         dims = _reduced_dims(dz)
-        piece_sums = dz.sum(dim=dims), xhat.mul_(dz).sum(dim=dims)
+        piece_sums = dz.sum(dim=dims), centred.mul_(dz).sum(dim=dims)
         if sums is None:
             sums = piece_sums
         else:
             compat.foreach_add_(sums, piece_sums)
-    return sums
+    sum_dz, sum_dz_centred = sums
+    return sum_dz, sum_dz_centred.mul_(_xhat_unit(params, saved_is_output))
+
+
+def _channels_without_xhat_term(coef_xhat: torch.Tensor) -> torch.Tensor | bool:
+    """The channels whose ``coef_xhat`` is 0: False where none, True where all, else their
+    indices, read from the (C,) vector where it lies in host memory (through numpy: no ATen
+    op, so a step's no-sync check sees no host read); on other devices, whose read would wait
+    for the device, and for tensors without values (a tracer's fakes), a (C,) mask.
+
+    Evaluation has no xhat term in any channel; training has one in every channel but where
+    gamma is 0 or a sum cancels exactly (a BatchNorm feeding another one: its sum(dz * xhat)
+    is about 0), so the mask of the NaN pattern costs the channels it applies to, not a pass.
+    """
+    zero = coef_xhat == 0
+    if type(zero) is not torch.Tensor or not zero.is_cpu:
+        return zero
+    flags = zero.numpy()
+    if flags.all() or not flags.any():
+        return bool(flags.all())
+    return torch.from_numpy(flags.nonzero()[0])
+
+
+def _drop_xhat_term(term: torch.Tensor, channels: torch.Tensor | bool,
+                    coef_const: torch.Tensor) -> None:
+    """``term = coef_const`` in ``channels`` (``_channels_without_xhat_term``) of a
+    channel-last piece."""
+    if channels is False:
+        return
+    if channels.dtype == torch.bool:
+        torch.where(channels, coef_const, term, out=term)
+        return
+    values = coef_const[channels]
+    term.index_copy_(term.dim() - 1, channels, values.expand(*term.shape[:-1], len(values)))
 
 
 def backward_dx(saved: torch.Tensor, dy: torch.Tensor, params: NormParams,
@@ -358,6 +429,11 @@ def backward_dx(saved: torch.Tensor, dy: torch.Tensor, params: NormParams,
     coefficients of the local and the synchronised case). With constant statistics
     (evaluation) ``coef_xhat`` is 0: dx is ``w * invstd * dz``, as ATen's, which reads no x,
     so that a NaN input element or running mean makes no NaN input gradient by itself.
+
+    Per element, ``coef_xhat * xhat + coef_const`` is ``centred * (coef_xhat * unit) +
+    coef_const`` (``_centred_dz``), each op taking at most one per-channel vector (ATen's
+    loops vectorise only those). The NaN pattern costs no element pass on the CPU
+    (``_channels_without_xhat_term``).
     """
     coef_dz, coef_xhat, coef_const = dx_coefs(params, coefs)
     # In saved's own layout, as the compiled path's fake implementation promises.
@@ -366,12 +442,54 @@ def backward_dx(saved: torch.Tensor, dy: torch.Tensor, params: NormParams,
         return dx
     walked = _in_rows_layout(saved)
     target = _target_for(dx, walked)
-    no_xhat_term = coef_xhat == 0
-    for xhat, dz, piece_dx in _backward_pieces(walked, dy, params, saved_is_output, target):
-        # As many passes as xhat * coef_xhat + coef_const in two ops.
-        term = torch.addcmul(coef_const, xhat, coef_xhat, out=xhat)
-        torch.where(no_xhat_term, coef_const, term, out=term)
+    without = _channels_without_xhat_term(coef_xhat)
+    coef_centred = coef_xhat * _xhat_unit(params, saved_is_output)
+    for centred, dz, piece_dx in _backward_pieces(walked, dy, params, saved_is_output, target):
+        if without is True:
+            torch.add(dz.mul_(coef_dz), coef_const, out=piece_dx)
+            continue
+        term = centred.mul_(coef_centred).add_(coef_const)
+        _drop_xhat_term(term, without, coef_const)
         torch.addcmul(term, dz, coef_dz, out=piece_dx)
     if target is not dx:
         dx.copy_(target)
     return dx
+
+
+def batch_backward(saved: torch.Tensor, dy: torch.Tensor, params: NormParams,
+                   saved_is_output: bool, count: int
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dx, sum(dz), sum(dz * xhat))`` of a layer normalised with its own batch's
+    statistics: ``backward_reduce``, then ``backward_dx`` from ``BatchSums(..., count)``.
+
+    Where ``saved`` and ``dy`` are in the statistics dtype, in one call of ATen's fused
+    BatchNorm backward (two passes in C++, where the walk over pieces makes a dozen ATen
+    calls a piece), on the pre-activation rebuilt whole: ``native_batch_norm_backward(dz,
+    z, ...)`` with ``z - bias`` and ``1 / weight`` as its centre and inverse deviation (from
+    the output), or on x itself with the batch's mean and invstd: nn.BatchNorm's own backward.
+    Its weight is chosen so that its dx is ``w * invstd * (dz - sum(dz) / n - xhat * sum(dz *
+    xhat) / n)``, and its weight gradient is ``sum(dz * xhat)``. The rebuilt z and dz are
+    full-size temporaries of this call (where act' is 1, none: z is y and dz is dy).
+    """
+    mean, invstd, weight, bias, activation, slope = params
+    if saved.numel() == 0 or saved.dtype != mean.dtype or dy.dtype != mean.dtype:
+        sums = backward_reduce(saved, dy, params, saved_is_output)
+        return backward_dx(saved, dy, params, saved_is_output, BatchSums(*sums, count)), *sums
+    definition = activations.ACTIVATIONS[activation]
+    if saved_is_output and definition.inverse is None:
+        raise ValueError(f"activation {activation!r} cannot be inverted from its output")
+    z, dz = saved, dy
+    if definition.derivative is not None:  # else act(z) = z: z is y, dz is dy
+        if saved_is_output:
+            z, dz = torch.empty_like(saved), torch.empty_like(saved)
+            definition.inverse(saved, dy, slope, z, dz, torch.empty_like(saved))
+        else:
+            dz = torch.empty_like(saved)
+            normalize_act(saved, NormParams(mean, invstd, weight, bias, "none", slope), dz)
+            definition.derivative(dy, dz, slope, dz)
+    # As xhat = (z - centre) * unit, and unit * bn_weight = weight * invstd.
+    centre, unit, bn_weight = ((bias, weight.reciprocal(), weight * invstd * weight)
+                               if saved_is_output else (mean, invstd, weight))
+    dx, sum_dz_xhat, sum_dz = torch.ops.aten.native_batch_norm_backward(
+        dz, z, bn_weight, None, None, centre, unit, True, 0.0, [True, True, True])
+    return dx, sum_dz, sum_dz_xhat

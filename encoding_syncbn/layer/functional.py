@@ -113,38 +113,28 @@ class _Link:
         self.saved = self.grad_output = self.scale = self.ready = None
 
 
-def _keeps_input(config: ActConfig, kept_channels: torch.Tensor | None) -> bool:
-    """Whether the layer keeps channels aside: saves their input, recomputes their backward.
+def _keeps_input(kept_channels: torch.Tensor | None) -> bool:
+    """Whether the layer keeps channels aside: saves their input, recomputes their backward
+    (None or empty: none, see ``SmallGammaChannels.index``). Backward reads the answer from
+    what forward saved (``_Saved.kept_channels`` None: no channel kept aside)."""
+    return kept_channels is not None and kept_channels.numel() > 0
 
-    Eagerly: whether there are any (None: none, see ``SmallGammaChannels.index``). While
-    compiling their number is data-dependent, so that path (which handles none) is traced
-    whenever the layer is in place. Backward reads the answer from what forward saved
-    (``_Saved.kept_channels`` None: no channel kept aside).
+
+def _as_computed(config: ActConfig) -> ActConfig:
+    """The configuration the layer's autograd Function computes with: ``config``, out of
+    place while compiling (its input left as it was).
+
+    Under ``torch.compile`` an in-place Function could neither overwrite its input
+    (AOTAutograd mis-routes the gradient of an autograd.Function that overwrites a graph
+    input with ``mark_dirty``), nor keep aside the channels its output cannot rebuild the
+    input of (their number depends on the values: a size Dynamo breaks the graph at), nor
+    copy its output over an input it saved. Out of place, the Function keeps its input, its
+    gradients are exact for every gamma, its graph has static shapes throughout, and which
+    buffers hold what is Inductor's to plan.
     """
-    if kept_channels is None:
-        return False
-    if torch.compiler.is_compiling():
-        return config.inplace
-    return kept_channels.numel() > 0
-
-
-def _overwrites_input(config: ActConfig) -> bool:
-    """Whether the autograd Function itself writes its output over its input.
-
-    Not while compiling: AOTAutograd mis-routes the gradient of an autograd.Function that
-    overwrites (``mark_dirty``) a graph input (torch 2.13: the input's gradient bypasses the
-    Function). There the Function writes a fresh tensor, still keeping only the output for
-    backward, and ``_written_back`` copies it over the input, which functionalization turns
-    back into a plain reuse when the input is an intermediate of the compiled graph.
-    """
-    return config.inplace and not torch.compiler.is_compiling()
-
-
-def _written_back(x: torch.Tensor, out: torch.Tensor, config: ActConfig) -> torch.Tensor:
-    """The layer's result: ``out``, copied over ``x`` where the Function could not do so."""
     if config.inplace and torch.compiler.is_compiling():
-        return x.copy_(out)
-    return out
+        return config._replace(inplace=False)
+    return config
 
 
 def _normalize(ctx, x, mean, invstd, weight, bias, config: ActConfig, kept_channels,
@@ -157,8 +147,8 @@ def _normalize(ctx, x, mean, invstd, weight, bias, config: ActConfig, kept_chann
     # Saved only where channels are kept aside (usually none): each saved tensor costs a pack
     # in forward and an unpack with its version check in backward.
     kept = ((kept_channels, x.index_select(1, kept_channels))
-            if _keeps_input(config, kept_channels) else ())
-    overwrites = _overwrites_input(config)
+            if _keeps_input(kept_channels) else ())
+    overwrites = config.inplace
     out = x if overwrites else torch.empty_like(x)
     if running_eps is None:
         (backend or ops_for(x)).normalize_act(
@@ -660,14 +650,13 @@ def batch_norm_act(
     backend = ops_for(x)
     if count is None:
         count = x.numel() // x.shape[1]
-    config = for_count(config, count, x.dtype)
+    computed = _as_computed(for_count(config, count, x.dtype))
     check = (small_gamma.check(weight, bias, x.dtype, recomputing)
-             if config.inplace and small_gamma is not None else None)
+             if computed.inplace and small_gamma is not None else None)
     mean, invstd, flags = backend.batch_stats(x, eps, running, check)
-    kept = _kept_channels(small_gamma, config, weight, bias, x.dtype, recomputing, flags)
-    out = BatchNormAct.apply(x, weight, bias, (mean, invstd, count), config, kept, eps,
-                             backend)
-    return _written_back(x, out, config)
+    kept = _kept_channels(small_gamma, computed, weight, bias, x.dtype, recomputing, flags)
+    return BatchNormAct.apply(x, weight, bias, (mean, invstd, count), computed, kept, eps,
+                              backend)
 
 
 def synced_batch_norm_act(
@@ -684,13 +673,13 @@ def synced_batch_norm_act(
     attached to the autograd graph of the merge (``merge_replicas``), and the global count
     (values a channel), which ``for_count`` judges. ``small_gamma``: as ``batch_norm_act``.
     """
-    kept = _kept_channels(small_gamma, config, weight, bias, x.dtype)
+    computed = _as_computed(config)
+    kept = _kept_channels(small_gamma, computed, weight, bias, x.dtype)
     own = replica_stats(x)
     mean, invstd, total = exchange(own)
-    if config.inplace and not (config := for_count(config, total, x.dtype)).inplace:
+    if computed.inplace and not (computed := for_count(computed, total, x.dtype)).inplace:
         kept = None
-    out = NormAct.apply(x, mean, invstd, weight, bias, config, own.link, kept)
-    return _written_back(x, out, config)
+    return NormAct.apply(x, mean, invstd, weight, bias, computed, own.link, kept)
 
 
 def normalize_running(
@@ -706,9 +695,9 @@ def normalize_running(
     """Normalise with the running statistics (evaluation): ``invstd`` is derived in the same
     pass as the output (``Backend.normalize_running``). ``small_gamma``: as
     ``batch_norm_act``."""
-    kept = _kept_channels(small_gamma, config, weight, bias, x.dtype)
-    out = NormAct.apply(x, running_mean, running_var, weight, bias, config, None, kept, eps)
-    return _written_back(x, out, config)
+    computed = _as_computed(config)
+    kept = _kept_channels(small_gamma, computed, weight, bias, x.dtype)
+    return NormAct.apply(x, running_mean, running_var, weight, bias, computed, None, kept, eps)
 
 
 def normalize_with(
@@ -723,6 +712,6 @@ def normalize_with(
 ) -> torch.Tensor:
     """Normalise with fixed statistics (evaluation, or a recompute reusing global ones);
     ``small_gamma`` and ``recomputing``: as ``batch_norm_act``."""
-    kept = _kept_channels(small_gamma, config, weight, bias, x.dtype, recomputing)
-    out = NormAct.apply(x, mean, invstd, weight, bias, config, None, kept)
-    return _written_back(x, out, config)
+    computed = _as_computed(config)
+    kept = _kept_channels(small_gamma, computed, weight, bias, x.dtype, recomputing)
+    return NormAct.apply(x, mean, invstd, weight, bias, computed, None, kept)

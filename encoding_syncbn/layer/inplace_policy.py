@@ -135,11 +135,15 @@ _RESTRICTED_VIEWS = {
 
 def can_overwrite(x: torch.Tensor, warned: list[bool]) -> bool:
     """Whether ``x`` may be overwritten by a custom Function; if not, warn unless ``warned[0]``
-    (the layer's flag: once per layer) or while compiling."""
-    compiling = torch.compiler.is_compiling()
-    # The usual input first, in the fewest checks: eagerly (Dynamo cannot trace _is_view), a
-    # fresh non-leaf tensor, dense (no two elements share memory), outside inference mode.
-    if (not compiling and not x._is_view()
+    (the layer's flag: once per layer). While compiling: yes, unchecked."""
+    if torch.compiler.is_compiling():
+        # A compiled call runs out of place whatever this answers
+        # (``functional._as_computed``), and Dynamo cannot inspect view provenance: no check,
+        # and no warning (one inside the traced code would break the graph).
+        return True
+    # The usual input first, in the fewest checks: a fresh non-leaf tensor, dense (no two
+    # elements share memory), outside inference mode.
+    if (not x._is_view()
             and not (x.requires_grad and x.is_leaf)
             and (x.is_contiguous() or x.is_contiguous(memory_format=torch.channels_last))
             and not x.is_inference()):
@@ -147,11 +151,6 @@ def can_overwrite(x: torch.Tensor, warned: list[bool]) -> bool:
     reason = None
     if x.requires_grad and x.is_leaf:
         reason = "a leaf tensor that requires grad"
-    elif compiling:
-        # Dynamo cannot inspect view provenance; the traced graph is functionalised. Out of
-        # place without a warning where torch cannot compile it in place (a warning inside
-        # the traced code would break the graph): the results are the same.
-        return compat.COMPILES_IN_PLACE
     elif x.is_inference() and not torch.is_inference_mode_enabled():
         # Made under torch.inference_mode, used outside it (DataParallel's replica threads do
         # not inherit the mode): torch refuses in-place updates there.

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import numbers
 import warnings
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -37,6 +39,15 @@ _STATISTICS_OPTIONS = ("eps", "momentum")
 
 # The attributes the layer's ``ActConfig`` is made of: assigning one remakes it.
 _CONFIG_SOURCES = (*_ACTIVATION_OPTIONS, "_label_text")
+
+#: Under ``torch.compile`` a call is traced as its formula in differentiable ATen ops, which
+#: Inductor fuses with the ops around it and differentiates itself (which tensors to keep for
+#: backward is then its choice, as for ``nn.BatchNorm2d``); synchronised across processes,
+#: with the merge in functional collectives (``distributed.merge_traced``). False: as the
+#: backend's opaque custom ops, where a call synchronised across processes breaks the graph
+#: at the exchange's host read of the counts. Either way a compiled call runs out of place
+#: (``functional._as_computed``). ``benchmarks/bench_compile.py`` measures both.
+COMPILE_AS_FORMULA = True
 
 # Attributes that only make sense for the live object: dropped by pickle and deepcopy.
 _TRANSIENT = ("_open_group", "_replica_slot", "_recompute_cache", "_replicas_small_gamma",
@@ -321,15 +332,51 @@ class SyncBatchNorm(_BatchNorm):
         else:  # torch.export (whose strict tracer cannot trace the warnings' filters)
             self._check_input(x)
         self._check_device(x, self.running_mean, self.weight)
-        acc = torch_ops.stats_dtype(x.dtype)
         weight, bias = self._affine_params(self.weight, self.bias, x)
+        if self.training and self._synced(self._replica_slot):
+            tracing.refuse_synced_transform(self._label())
+        return self._formula(x, weight, bias, self._track_batch_staged)
+
+    def _formula(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                 track: Callable[[torch.Tensor, torch.Tensor, int | torch.Tensor], None] | None,
+                 merged: bool = False) -> torch.Tensor:
+        """The layer's output in differentiable ATen ops (``functional.norm_act_composite``),
+        out of place: with the batch's statistics where training or without running ones
+        (``track(mean, M2, count)`` folds them into the running statistics while training;
+        ``merged``: the statistics of the whole process group, ``distributed.merge_traced``),
+        else with the running ones (``track`` None)."""
+        acc = torch_ops.stats_dtype(x.dtype)
+        dims = [0, *range(2, x.dim())]
+        if merged:
+            count = x.numel() // self.num_features
+            if count:  # in float64, as the merge: a float32 mean would round the merge's M2
+                var, mean = torch.var_mean(x.to(torch.float64), dims, correction=0)
+            else:  # an empty batch takes part with count 0
+                var = mean = x.new_zeros(self.num_features, dtype=torch.float64)
+            mean, m2, invstd, count = distributed.merge_traced(
+                mean, var * count, count, self.eps, self.process_group)
+            track(mean.detach(), m2.detach(), count)
+            return norm_act_composite(ActConfig(self.activation, self.slope, False))(
+                x, mean.to(acc), invstd.to(acc), weight, bias)
         if self.training or self.running_mean is None:  # the batch's own statistics
             count = self._training_count(x) if self.training else 0
-            if self.training and self._synced(self._replica_slot):
-                tracing.refuse_synced_transform(self._label())
-            var, mean = torch.var_mean(x.to(acc), [0, *range(2, x.dim())], correction=0)
+            if torch.compiler.is_compiling():
+                # nn.BatchNorm's own op, which Inductor decomposes as (x - mean) * invstd and
+                # differentiates as it does for nn.BatchNorm2d, in no more time than the
+                # compiled plain net (the statistics' own formula below costs more there).
+                # Eagerly (torch.func, export) ATen's CPU kernel would compute
+                # x * scale + shift, which a large mean cancels.
+                if self.training:
+                    with torch.no_grad():
+                        var, mean = torch.var_mean(x.to(acc), dims, correction=0)
+                    track(mean, var * count, count)
+                z = torch.nn.functional.batch_norm(x.to(acc), None, None, weight, bias, True,
+                                                   0.0, self.eps)
+                act = activations.ACTIVATIONS[self.activation]
+                return act.forward(z, self.slope).to(x.dtype)
+            var, mean = torch.var_mean(x.to(acc), dims, correction=0)
             if self.training:
-                self._track_batch_staged(mean.detach(), var.detach() * count, count)
+                track(mean.detach(), var.detach() * count, count)
         else:
             mean, var = self.running_mean.to(acc), self.running_var.to(acc)
         config = ActConfig(self.activation, self.slope, False, self._label())
@@ -406,7 +453,10 @@ class SyncBatchNorm(_BatchNorm):
         weight, bias = self._affine_params(*params, x)
         config = self._act_config(x)
         small_gamma = self._small_gamma
+        formula = COMPILE_AS_FORMULA and torch.compiler.is_compiling()
         if not self.training and running_mean is not None:
+            if formula:
+                return self._formula(x, weight, bias, None)
             # The backend derives invstd in the same pass, and keeps copies of the statistics
             # for the backward: a training forward, load_state_dict or a buffer broadcast may
             # change the buffers before it.
@@ -419,6 +469,9 @@ class SyncBatchNorm(_BatchNorm):
         if self._synced(slot):
             if recomputing:
                 return self._recompute_cache.replay(x, weight, bias, config, small_gamma)
+            if formula and slot is None:  # one replica a process: merged across processes
+                return self._formula(x, weight, bias, functools.partial(track_batch, running),
+                                     merged=True)
             # The master folds the merged statistics into the running ones; each replica
             # remembers the call for a checkpoint's recomputation.
             exchange = Exchange(slot, self.eps, self.process_group, self._syncs_processes(),
@@ -435,6 +488,8 @@ class SyncBatchNorm(_BatchNorm):
             track_batch(running, None, None, 0)
             # Empty, and attached to the parameters (zero gradients) as nn.BatchNorm's result.
             return torch.nn.functional.batch_norm(x, None, None, weight, bias, True, 0.0, self.eps)
+        if formula:
+            return self._formula(x, weight, bias, functools.partial(track_batch, running))
         return batch_norm_act(x, weight, bias, self.eps, config, running, small_gamma,
                               recomputing, count)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels import GammaCheck, compile_ops, torch_ops
+from ..kernels import GammaCheck, torch_ops
 from ..sync.streams import stream_event
 from ..tensor_cache import tensor_cache
 
@@ -122,8 +122,8 @@ class SmallGammaChannels:
         """The check for the backend to run in this call on an input of ``dtype`` (in the
         launch that finishes the batch statistics; its flags then go to ``index``), or None
         where no new answer is wanted: the channels are found in advance, one is on its way,
-        the call keeps its answer, or the call is being compiled (see ``index``)."""
-        if self._found_for(dtype) or torch.compiler.is_compiling():
+        or the call keeps its answer (never asked while compiling, as ``index``)."""
+        if self._found_for(dtype):
             return None
         limit = self._limit_for(dtype, weight, recomputing)
         if self._host is not None or self._frozen(weight, recomputing):
@@ -137,13 +137,9 @@ class SmallGammaChannels:
         None where there are none (the usual answer, which costs the layer's Function no
         index); ``flags``: the result of this call's ``check``.
 
-        Chosen before the layer's autograd Function runs, and passed to it: while compiling,
-        their number is a data-dependent (unbacked) size, which must be bound outside the
-        Function's forward (a custom op: Dynamo would refuse ``nonzero`` itself).
+        Never asked while compiling: a compiled layer keeps its input instead (see
+        ``functional._as_computed``).
         """
-        if torch.compiler.is_compiling():
-            return compile_ops.aside_channels(GammaCheck(weight.detach(), bias.detach(),
-                                                         gamma_limit(dtype)))
         channels = (self.found if self._found_for(dtype)
                     else self._channels(weight, bias, dtype, recomputing, flags))
         return channel_index(channels, weight.device) if channels else None

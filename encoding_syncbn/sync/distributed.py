@@ -112,3 +112,25 @@ def merge_across_processes(
     """The whole group's ``(mean, M2, invstd, count)`` from this rank's, differentiable."""
     mean, m2, invstd, counts = _MergeAcrossProcesses.apply(mean, m2, count, eps, process_group)
     return mean, m2, invstd, int(counts.sum())
+
+
+def merge_traced(mean: torch.Tensor, m2: torch.Tensor, count: int, eps: float,
+                 process_group: Any = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``merge_across_processes`` as a compiled graph traces it: the group's ``(mean, M2,
+    invstd, count)``, the count a 0-dim tensor (no host read). One all_gather of functional
+    collectives (float64 rows of ``(mean, M2, count)``), differentiable: autograd's backward
+    of the gather is one reduce_scatter of the rows' gradients, and of the merge, Chan's
+    Jacobian (``stats.chan_merge`` in differentiable ops)."""
+    from torch.distributed import _functional_collectives as functional
+
+    channels = mean.numel()
+    packed = torch.cat([mean.double(), m2.double(),
+                        mean.new_full((1,), count, dtype=torch.float64)])
+    group = dist.group.WORLD if process_group is None else process_group
+    rows = functional.all_gather_tensor_autograd(packed, gather_dim=0, group=group)
+    rows = rows.view(dist.get_world_size(group), -1)
+    counts = stats.counts_of_column(rows[:, -1:])
+    merged = stats.chan_merge(rows[:, :channels].unbind(0), rows[:, channels:-1].unbind(0),
+                              counts, eps)
+    return merged.mean, merged.m2, merged.invstd, counts.total

@@ -29,11 +29,11 @@ from ..tensor_cache import tensor_cache
 
 class _Counts(NamedTuple):
     """The counts as the merge uses them: ``(k, 1)`` columns of the n_i and of the n_i / n,
-    and n on the host."""
+    and n on the host (a 0-dim tensor in a traced merge: ``counts_of_column``)."""
 
     column: torch.Tensor
     shares: torch.Tensor
-    total: float
+    total: float | torch.Tensor
 
 
 def _counts_from_tensor(counts: torch.Tensor, dtype: torch.dtype, total: float | None = None
@@ -80,9 +80,12 @@ def chan_merge(means: Sequence[torch.Tensor], m2s: Sequence[torch.Tensor], count
     mean = (means * counts.shares).sum(0)
     deviation = means - mean
     m2 = torch.addcmul(m2s, deviation * counts.column, deviation).sum(0)
-    invstd = torch.add(
-        _constant(eps, m2.device, m2.dtype), m2, alpha=1 / max(counts.total, 1.0)
-    ).rsqrt_()
+    if isinstance(counts.total, torch.Tensor):  # traced: n stays on the device
+        invstd = (m2 / counts.total.clamp_min(1.0) + eps).rsqrt()
+    else:
+        invstd = torch.add(
+            _constant(eps, m2.device, m2.dtype), m2, alpha=1 / max(counts.total, 1.0)
+        ).rsqrt_()
     return Merged(mean, m2, invstd, deviation)
 
 
@@ -103,3 +106,10 @@ def counts_of(counts: torch.Tensor | Sequence[int], device: torch.device, dtype:
     if isinstance(counts, torch.Tensor):
         return _counts_from_tensor(counts, dtype)
     return _counts_from_ints(tuple(counts), device, dtype)
+
+
+def counts_of_column(column: torch.Tensor) -> _Counts:
+    """The counts as the merge uses them from a ``(k, 1)`` column, their total kept on the
+    device: a merge traced into a compiled graph reads nothing back to the host."""
+    total = column.sum()
+    return _Counts(column, column / total.clamp_min(1.0), total)
