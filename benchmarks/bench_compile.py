@@ -33,7 +33,7 @@ import os
 import subprocess
 import sys
 
-import results
+from helpers import results
 
 CHANNELS = 32
 # name -> (converter, compiled, traced as the formula)
@@ -181,7 +181,7 @@ def main() -> None:
         return
     # Imported after the flags are read, so that --help needs no torch.
     import torch
-    from timing import forward_backward, median_iqr, take_turns
+    from helpers.timing import forward_backward, median_iqr, take_turns
 
     device = torch.device(args.device)
     if device.type == "cpu":
