@@ -33,7 +33,7 @@ import os
 import subprocess
 import sys
 
-import results
+from helpers import results
 
 CHANNELS = 32
 # name -> (converter, compiled, traced as the formula)
