@@ -61,7 +61,9 @@ class Activation(NamedTuple):
     derivative: Callable[..., torch.Tensor] | None
     #: ``(y, dy, slope, z_out, dz_out, aux) -> None``: writes ``z = act^-1(y)`` into ``z_out``
     #: and ``dy * act'(z)`` into ``dz_out``, from the output alone (``z_out`` may be ``y``;
-    #: ``aux`` is scratch, and may hold ``dy``). None: not invertible, never in place.
+    #: ``aux`` is scratch, and may hold ``dy``; None: the inverse allocates any scratch it
+    #: needs, as a caller's untouched full-size buffer still costs an allocation). None: not
+    #: invertible, never in place.
     inverse: Callable[..., None] | None
     #: Torch modules computing it: the first is what revert builds, all convert to it.
     modules: tuple[TorchModule, ...]
@@ -112,6 +114,8 @@ def _elu_derivative(dy, z, slope, out, is_result: bool = False) -> torch.Tensor:
 def _invert_elu(y, dy, slope, z_out, dz_out, aux) -> None:
     # z = y where y > 0, log1p(y / alpha) (clamped) elsewhere; aux (maybe dy) used after dz.
     _elu_derivative(dy, y, slope, dz_out, is_result=True)
+    if aux is None:
+        aux = torch.empty_like(z_out)
     torch.clamp(y, max=0, out=aux).div_(slope)
     aux.clamp_(min=elu_inverse_floor(aux.dtype)).log1p_()
     torch.clamp(y, min=0, out=z_out).add_(aux)

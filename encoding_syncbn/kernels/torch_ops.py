@@ -482,7 +482,7 @@ def batch_backward(saved: torch.Tensor, dy: torch.Tensor, params: NormParams,
     if definition.derivative is not None:  # else act(z) = z: z is y, dz is dy
         if saved_is_output:
             z, dz = torch.empty_like(saved), torch.empty_like(saved)
-            definition.inverse(saved, dy, slope, z, dz, torch.empty_like(saved))
+            definition.inverse(saved, dy, slope, z, dz, None)
         else:
             dz = torch.empty_like(saved)
             normalize_act(saved, NormParams(mean, invstd, weight, bias, "none", slope), dz)
