@@ -138,32 +138,47 @@ def _as_computed(config: ActConfig) -> ActConfig:
 
 
 def _normalize(ctx, x, mean, invstd, weight, bias, config: ActConfig, kept_channels,
-               backend: Backend | None = None, running_eps: float | None = None
-               ) -> torch.Tensor:
-    """Run the forward pass, in place or not, and save what backward needs; ``backend``: the
-    one the caller looked up for ``x`` (None: look it up). ``running_eps`` not None: ``mean``
-    and ``invstd`` are the running mean and variance, from which the backend's
-    ``normalize_running`` derives the statistics in the same pass."""
-    # Saved only where channels are kept aside (usually none): each saved tensor costs a pack
-    # in forward and an unpack with its version check in backward.
-    kept = ((kept_channels, x.index_select(1, kept_channels))
+               backend: Backend | None = None) -> torch.Tensor:
+    """Run the forward pass with the statistics ``(mean, invstd)``, in place or not, and save
+    what backward needs; ``backend``: the one the caller looked up for ``x`` (None: look it
+    up)."""
+    kept, out = _keep_aside(x, kept_channels), _output(x, config)
+    (backend or ops_for(x)).normalize_act(
+        x, NormParams(mean, invstd, weight, bias, config.activation, config.slope), out
+    )
+    _save(ctx, x, out, weight, bias, config, kept, mean, invstd)
+    return out
+
+
+def _normalize_running(ctx, x, running_mean, running_var, eps: float, weight, bias,
+                       config: ActConfig, kept_channels) -> torch.Tensor:
+    """``_normalize`` with the running statistics: the backend's ``normalize_running``
+    derives ``(mean, invstd)`` from them in the same pass, and backward reads those."""
+    kept, out = _keep_aside(x, kept_channels), _output(x, config)
+    mean, invstd = ops_for(x).normalize_running(x, RunningParams(
+        running_mean, running_var, eps, weight, bias, config.activation, config.slope), out)
+    _save(ctx, x, out, weight, bias, config, kept, mean, invstd)
+    return out
+
+
+def _keep_aside(x, kept_channels) -> tuple:
+    """The channels kept aside and their input, to save (usually none: each saved tensor
+    costs a pack in forward and an unpack with its version check in backward)."""
+    return ((kept_channels, x.index_select(1, kept_channels))
             if _keeps_input(kept_channels) else ())
-    overwrites = config.inplace
-    out = x if overwrites else torch.empty_like(x)
-    if running_eps is None:
-        (backend or ops_for(x)).normalize_act(
-            x, NormParams(mean, invstd, weight, bias, config.activation, config.slope), out
-        )
-    else:
-        mean, invstd = (backend or ops_for(x)).normalize_running(x, RunningParams(
-            mean, invstd, running_eps, weight, bias, config.activation, config.slope), out)
-    if overwrites:
+
+
+def _output(x: torch.Tensor, config: ActConfig) -> torch.Tensor:
+    return x if config.inplace else torch.empty_like(x)
+
+
+def _save(ctx, x, out, weight, bias, config: ActConfig, kept: tuple, mean, invstd) -> None:
+    if config.inplace:
         ctx.mark_dirty(x)
     ctx.save_for_backward(out if config.inplace else x, weight, bias, *kept)
     # Per-channel vectors nothing writes to: kept as they are, without a saved tensor's pack
     # and unpack at every call (BatchNormAct takes them as no input of its own).
     ctx.config, ctx.stats = config, (mean, invstd)
-    return out
 
 
 def _unpack(ctx) -> _Saved:
@@ -353,58 +368,77 @@ class NormAct(torch.autograd.Function):
     """``y = act((x - mean) * invstd * w + b)`` with given statistics.
 
     With a ``link`` (synchronised training), the input gradient is left to ``MergeReplicas``;
-    without one (evaluation: constant statistics) it is ``w * invstd * dz``. ``running_eps``
-    not None (evaluation): ``mean`` and ``invstd`` are the running mean and variance, buffers
-    with no gradient (``normalize_running``).
+    without one (evaluation: constant statistics) it is ``w * invstd * dz``.
     """
 
     @staticmethod
     def forward(ctx, x, mean, invstd, weight, bias, config: ActConfig, link: _Link | None,
-                kept_channels, running_eps: float | None = None):
+                kept_channels):
         ctx.link = link
-        return _normalize(ctx, x, mean, invstd, weight, bias, config, kept_channels,
-                          running_eps=running_eps)
+        return _normalize(ctx, x, mean, invstd, weight, bias, config, kept_channels)
 
     @staticmethod
     def backward(ctx, grad_output):
-        saved = _unpack(ctx)
-        config = ctx.config
-        if torch.is_grad_enabled():
-            # create_graph: the gradient through x directly here, the one through the merged
-            # statistics (whose history leads to the merge) in MergeReplicas, from x.
-            grads = _differentiable_grads(ctx, grad_output, saved[:5],
-                                          norm_act_composite(config))
-            if ctx.link is not None and ctx.needs_input_grad[0]:
-                ctx.link.saved, ctx.link.config = saved, config
-                ctx.link.ready = stream_event(saved.tensor)
-                compat.queue_backward_callback(ctx.link.clear)
-            return (*grads, None, None, None, None)
-        backend, params = ops_for(saved.tensor), _params(saved, config)
-        sum_dz, sum_dz_xhat = _reduce(saved, grad_output, config, params, backend)
-        scale = saved.weight * saved.invstd
-        grad_input = grad_mean = grad_invstd = None
+        return (*_norm_act_grads(ctx, grad_output), None, None, None)
+
+
+def _norm_act_grads(ctx, grad_output) -> tuple:
+    """``NormAct``'s gradients of ``(x, mean, invstd, w, b)``; ``ctx.link`` None: x's is
+    ``w * invstd * dz``."""
+    saved = _unpack(ctx)
+    config = ctx.config
+    if torch.is_grad_enabled():
+        # create_graph: the gradient through x directly here, the one through the merged
+        # statistics (whose history leads to the merge) in MergeReplicas, from x.
+        grads = _differentiable_grads(ctx, grad_output, saved[:5],
+                                      norm_act_composite(config))
         if ctx.link is not None and ctx.needs_input_grad[0]:
-            link = ctx.link
-            link.saved, link.grad_output, link.config, link.scale = (
-                saved, grad_output, config, scale
-            )
-            link.ready = stream_event(grad_output)
-            # The merge's backward empties the link; one that stops short of the merge
-            # (``autograd.grad`` of the parameters alone) must not leave it filled.
-            compat.queue_backward_callback(link.clear)
-        elif ctx.needs_input_grad[0]:
-            zeros = torch.zeros_like(scale)
-            grad_input = _input_grad(saved, grad_output, config, DxCoefs(scale, zeros, zeros),
-                                     params, backend)
-        if ctx.needs_input_grad[1]:
-            grad_mean = -scale * sum_dz
-        if ctx.needs_input_grad[2]:
-            grad_invstd = saved.weight * sum_dz_xhat / saved.invstd
-        return (
-            grad_input, grad_mean, grad_invstd,
-            *_param_grads(*ctx.needs_input_grad[3:5], sum_dz, sum_dz_xhat), None, None, None,
-            None,
+            ctx.link.saved, ctx.link.config = saved, config
+            ctx.link.ready = stream_event(saved.tensor)
+            compat.queue_backward_callback(ctx.link.clear)
+        return tuple(grads)
+    backend, params = ops_for(saved.tensor), _params(saved, config)
+    sum_dz, sum_dz_xhat = _reduce(saved, grad_output, config, params, backend)
+    scale = saved.weight * saved.invstd
+    grad_input = grad_mean = grad_invstd = None
+    if ctx.link is not None and ctx.needs_input_grad[0]:
+        link = ctx.link
+        link.saved, link.grad_output, link.config, link.scale = (
+            saved, grad_output, config, scale
         )
+        link.ready = stream_event(grad_output)
+        # The merge's backward empties the link; one that stops short of the merge
+        # (``autograd.grad`` of the parameters alone) must not leave it filled.
+        compat.queue_backward_callback(link.clear)
+    elif ctx.needs_input_grad[0]:
+        zeros = torch.zeros_like(scale)
+        grad_input = _input_grad(saved, grad_output, config, DxCoefs(scale, zeros, zeros),
+                                 params, backend)
+    if ctx.needs_input_grad[1]:
+        grad_mean = -scale * sum_dz
+    if ctx.needs_input_grad[2]:
+        grad_invstd = saved.weight * sum_dz_xhat / saved.invstd
+    return (grad_input, grad_mean, grad_invstd,
+            *_param_grads(*ctx.needs_input_grad[3:5], sum_dz, sum_dz_xhat))
+
+
+class RunningNormAct(torch.autograd.Function):
+    """Evaluation: ``y = act((x - running_mean) / sqrt(running_var + eps) * w + b)``, the
+    statistics derived in the normalising pass (``normalize_running``). The running buffers
+    have no gradient; x's is ``w * invstd * dz``, as ``NormAct``'s without a link.
+    """
+
+    @staticmethod
+    def forward(ctx, x, running_mean, running_var, weight, bias, config: ActConfig,
+                kept_channels, eps: float):
+        ctx.link = None
+        return _normalize_running(ctx, x, running_mean, running_var, eps, weight, bias, config,
+                                  kept_channels)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        grad_input, _, _, grad_weight, grad_bias = _norm_act_grads(ctx, grad_output)
+        return grad_input, None, None, grad_weight, grad_bias, None, None, None
 
 
 class ReplicaStats(NamedTuple):
@@ -697,7 +731,7 @@ def normalize_running(
     ``batch_norm_act``."""
     computed = _as_computed(config)
     kept = _kept_channels(small_gamma, computed, weight, bias, x.dtype)
-    return NormAct.apply(x, running_mean, running_var, weight, bias, computed, None, kept, eps)
+    return RunningNormAct.apply(x, running_mean, running_var, weight, bias, computed, kept, eps)
 
 
 def normalize_with(
