@@ -8,6 +8,7 @@ from backends import each_backend
 from merge import merge_stats
 
 from encoding_syncbn import SyncBatchNorm
+from encoding_syncbn.layer.channels_aside import ChannelsAside
 from encoding_syncbn.layer.functional import (
     ActConfig,
     NormAct,
@@ -16,7 +17,6 @@ from encoding_syncbn.layer.functional import (
     normalize_with,
     replica_stats,
 )
-from encoding_syncbn.layer.small_gamma import SmallGammaChannels
 from encoding_syncbn.testing import SimulatedDataParallel
 
 pytestmark = each_backend
@@ -86,7 +86,7 @@ def synced_in_one_thread(x, w, b, config, split, other_ranks=None):
         means, m2s, counts = other_ranks
         own_count = sum(c.count for c in contributions)
         mean, _, invstd = merge_stats([mean, *means], [m2, *m2s], [own_count, *counts], 1e-3)
-    kept = SmallGammaChannels().index(w, b, x.dtype) if config.inplace else None
+    kept = ChannelsAside().index(w, b, x.dtype) if config.inplace else None
     return [NormAct.apply(c.x, mean, invstd, w, b, config, c.link, kept)
             for c in contributions]
 

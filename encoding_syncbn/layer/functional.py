@@ -28,7 +28,7 @@ device, not once per replica.
 In place, only y is kept: x, z and xhat are rebuilt from it. Channels whose |w| is too small
 to divide by (zero-initialised residual BNs) keep their input aside instead, so every sign and
 value of gamma gets exact gradients (which channels, and how the host learns them:
-``small_gamma``).
+``channels_aside``).
 
 Double backward (a gradient penalty: ``torch.autograd.grad(..., create_graph=True)``, then a
 backward through that gradient): under ``create_graph`` each backward is autograd's gradient of
@@ -62,7 +62,7 @@ from ..kernels import (
 from ..sync import stats
 from ..sync.streams import stream_event, wait_for
 from . import inplace_policy
-from .small_gamma import SmallGammaChannels
+from .channels_aside import ChannelsAside
 
 DOUBLE_BACKWARD_IN_PLACE = (
     "SyncBatchNorm(inplace=True) does not support double backward (differentiating its "
@@ -115,7 +115,7 @@ class _Link:
 
 def _keeps_input(kept_channels: torch.Tensor | None) -> bool:
     """Whether the layer keeps channels aside: saves their input, recomputes their backward
-    (None or empty: none, see ``SmallGammaChannels.index``). Backward reads the answer from
+    (None or empty: none, see ``ChannelsAside.index``). Backward reads the answer from
     what forward saved (``_Saved.kept_channels`` None: no channel kept aside)."""
     return kept_channels is not None and kept_channels.numel() > 0
 
@@ -646,17 +646,17 @@ def track_batch(running: RunningStats | None, mean: torch.Tensor | None,
         torch_ops.track_batch(*running, mean, m2, count)
 
 
-def _kept_channels(small_gamma: SmallGammaChannels | None, config: ActConfig,
+def _kept_channels(channels_aside: ChannelsAside | None, config: ActConfig,
                    weight: torch.Tensor, bias: torch.Tensor, dtype: torch.dtype,
                    recomputing: bool = False, flags: torch.Tensor | None = None
                    ) -> torch.Tensor | None:
     """The channels an in-place call keeps aside, as the Function takes them (None: out of
-    place, or none); ``small_gamma``: the layer's (None: read now, with a device sync)."""
+    place, or none); ``channels_aside``: the layer's (None: read now, with a device sync)."""
     if not config.inplace:
         return None
-    if small_gamma is None:
-        small_gamma = SmallGammaChannels()
-    return small_gamma.index(weight, bias, dtype, recomputing, flags)
+    if channels_aside is None:
+        channels_aside = ChannelsAside()
+    return channels_aside.index(weight, bias, dtype, recomputing, flags)
 
 
 def for_count(config: ActConfig, count: int, dtype: torch.dtype) -> ActConfig:
@@ -670,13 +670,13 @@ def for_count(config: ActConfig, count: int, dtype: torch.dtype) -> ActConfig:
 
 def batch_norm_act(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float, config: ActConfig,
-    running: RunningStats | None = None, small_gamma: SmallGammaChannels | None = None,
+    running: RunningStats | None = None, channels_aside: ChannelsAside | None = None,
     recomputing: bool = False, count: int | None = None,
 ) -> torch.Tensor:
     """Normalise ``x`` with its own batch statistics, folded into ``running`` on the way;
     ``count``: its values per channel, where the caller knows them.
 
-    In place, the channels kept aside come from ``small_gamma`` (see ``_kept_channels``),
+    In place, the channels kept aside come from ``channels_aside`` (see ``_kept_channels``),
     whose check of the parameters rides on the launch that finishes the statistics;
     ``recomputing``: a checkpoint's recomputation, which keeps the original call's channels.
     Too few values a channel to rebuild the input: out of place (``for_count``).
@@ -685,10 +685,10 @@ def batch_norm_act(
     if count is None:
         count = x.numel() // x.shape[1]
     computed = _as_computed(for_count(config, count, x.dtype))
-    check = (small_gamma.check(weight, bias, x.dtype, recomputing)
-             if computed.inplace and small_gamma is not None else None)
+    check = (channels_aside.check(weight, bias, x.dtype, recomputing)
+             if computed.inplace and channels_aside is not None else None)
     mean, invstd, flags = backend.batch_stats(x, eps, running, check)
-    kept = _kept_channels(small_gamma, computed, weight, bias, x.dtype, recomputing, flags)
+    kept = _kept_channels(channels_aside, computed, weight, bias, x.dtype, recomputing, flags)
     return BatchNormAct.apply(x, weight, bias, (mean, invstd, count), computed, kept, eps,
                               backend)
 
@@ -699,16 +699,16 @@ def synced_batch_norm_act(
     bias: torch.Tensor,
     config: ActConfig,
     exchange: Callable[[ReplicaStats], tuple[torch.Tensor, torch.Tensor, int]],
-    small_gamma: SmallGammaChannels | None = None,
+    channels_aside: ChannelsAside | None = None,
 ) -> torch.Tensor:
     """Normalise ``x`` with statistics merged across replicas by ``exchange``.
 
     ``exchange(replica_stats(x))`` returns the global ``(mean, invstd)`` on x's device, still
     attached to the autograd graph of the merge (``merge_replicas``), and the global count
-    (values a channel), which ``for_count`` judges. ``small_gamma``: as ``batch_norm_act``.
+    (values a channel), which ``for_count`` judges. ``channels_aside``: as ``batch_norm_act``.
     """
     computed = _as_computed(config)
-    kept = _kept_channels(small_gamma, computed, weight, bias, x.dtype)
+    kept = _kept_channels(channels_aside, computed, weight, bias, x.dtype)
     own = replica_stats(x)
     mean, invstd, total = exchange(own)
     if computed.inplace and not (computed := for_count(computed, total, x.dtype)).inplace:
@@ -724,13 +724,13 @@ def normalize_running(
     weight: torch.Tensor,
     bias: torch.Tensor,
     config: ActConfig,
-    small_gamma: SmallGammaChannels | None = None,
+    channels_aside: ChannelsAside | None = None,
 ) -> torch.Tensor:
     """Normalise with the running statistics (evaluation): ``invstd`` is derived in the same
-    pass as the output (``Backend.normalize_running``). ``small_gamma``: as
+    pass as the output (``Backend.normalize_running``). ``channels_aside``: as
     ``batch_norm_act``."""
     computed = _as_computed(config)
-    kept = _kept_channels(small_gamma, computed, weight, bias, x.dtype)
+    kept = _kept_channels(channels_aside, computed, weight, bias, x.dtype)
     return RunningNormAct.apply(x, running_mean, running_var, weight, bias, computed, kept, eps)
 
 
@@ -741,11 +741,11 @@ def normalize_with(
     weight: torch.Tensor,
     bias: torch.Tensor,
     config: ActConfig,
-    small_gamma: SmallGammaChannels | None = None,
+    channels_aside: ChannelsAside | None = None,
     recomputing: bool = False,
 ) -> torch.Tensor:
     """Normalise with fixed statistics (evaluation, or a recompute reusing global ones);
-    ``small_gamma`` and ``recomputing``: as ``batch_norm_act``."""
+    ``channels_aside`` and ``recomputing``: as ``batch_norm_act``."""
     computed = _as_computed(config)
-    kept = _kept_channels(small_gamma, computed, weight, bias, x.dtype, recomputing)
+    kept = _kept_channels(channels_aside, computed, weight, bias, x.dtype, recomputing)
     return NormAct.apply(x, mean, invstd, weight, bias, computed, None, kept)
