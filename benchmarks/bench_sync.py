@@ -126,7 +126,7 @@ def one_thread_work_us(replicas: int, calls: int, turns: int) -> PerCall:
 
     weight = torch.ones(8, requires_grad=True)
     bias = torch.zeros(8, requires_grad=True)
-    config = ActConfig("leaky_relu", 0.01, True)
+    config = ActConfig("leaky_relu", 0.01, inplace=True)
 
     def synced(xs: list[torch.Tensor], gammas: list[ChannelsAside]) -> list[torch.Tensor]:
         kept = [gamma.index(weight, bias, x.dtype) for x, gamma in zip(xs, gammas)]

@@ -50,15 +50,16 @@ def channel_vector(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 class NormParams(NamedTuple):
-    """Per-channel vectors in the statistics dtype, and the activation ``y = act(z)``
-    (``slope``: leaky_relu's negative slope, ELU's alpha)."""
+    """Per-channel vectors in the statistics dtype, and the activation ``y = act(z)`` with its
+    parameter (``activation_param``: leaky_relu's negative slope, ELU's alpha; the layer's
+    public argument ``slope``)."""
 
     mean: torch.Tensor
     invstd: torch.Tensor
     weight: torch.Tensor
     bias: torch.Tensor
     activation: str
-    slope: float
+    activation_param: float
 
 
 class DxCoefs(NamedTuple):
@@ -117,7 +118,7 @@ class RunningParams(NamedTuple):
     weight: torch.Tensor
     bias: torch.Tensor
     activation: str
-    slope: float
+    activation_param: float
 
 
 class GammaCheck(NamedTuple):

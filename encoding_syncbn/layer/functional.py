@@ -74,11 +74,12 @@ DOUBLE_BACKWARD_IN_PLACE = (
 class ActConfig(NamedTuple):
     """The activation fused after the normalisation, and whether it overwrites its input.
 
+    ``activation_param``: leaky_relu's negative slope, ELU's alpha (the layer's ``slope``).
     ``layer``: how errors name the layer (``SyncBatchNorm._label``).
     """
 
     activation: str
-    slope: float
+    activation_param: float
     inplace: bool
     layer: str = "SyncBatchNorm"
 
@@ -144,7 +145,7 @@ def _normalize(ctx, x, mean, invstd, weight, bias, config: ActConfig, kept_chann
     up)."""
     kept, out = _keep_aside(x, kept_channels), _output(x, config)
     (backend or ops_for(x)).normalize_act(
-        x, NormParams(mean, invstd, weight, bias, config.activation, config.slope), out
+        x, NormParams(mean, invstd, weight, bias, config.activation, config.activation_param), out
     )
     _save(ctx, x, out, weight, bias, config, kept, mean, invstd)
     return out
@@ -156,7 +157,8 @@ def _normalize_running(ctx, x, running_mean, running_var, eps: float, weight, bi
     derives ``(mean, invstd)`` from them in the same pass, and backward reads those."""
     kept, out = _keep_aside(x, kept_channels), _output(x, config)
     mean, invstd = ops_for(x).normalize_running(x, RunningParams(
-        running_mean, running_var, eps, weight, bias, config.activation, config.slope), out)
+        running_mean, running_var, eps, weight, bias, config.activation,
+        config.activation_param), out)
     _save(ctx, x, out, weight, bias, config, kept, mean, invstd)
     return out
 
@@ -222,13 +224,13 @@ def _kept_args(saved: _Saved, grad_output: torch.Tensor, config: ActConfig):
     (which is saved: ``saved_is_output=False``)."""
     idx = saved.kept_channels
     params = NormParams(saved.mean[idx], saved.invstd[idx], saved.weight[idx], saved.bias[idx],
-                        config.activation, config.slope)
+                        config.activation, config.activation_param)
     return saved.kept_input, grad_output.index_select(1, idx), params
 
 
 def _params(saved: _Saved, config: ActConfig) -> NormParams:
     return NormParams(saved.mean, saved.invstd, saved.weight, saved.bias, config.activation,
-                      config.slope)
+                      config.activation_param)
 
 
 def _reduce(saved: _Saved, grad_output: torch.Tensor, config: ActConfig, params: NormParams,
@@ -306,7 +308,8 @@ def norm_act_composite(config: ActConfig):
     def composite(x, mean, invstd, weight, bias):
         v = functools.partial(_channel_view, x=x)
         z = (x.to(mean.dtype) - v(mean)) * v(invstd) * v(weight) + v(bias)
-        return activations.ACTIVATIONS[config.activation].forward(z, config.slope).to(x.dtype)
+        act = activations.ACTIVATIONS[config.activation].forward
+        return act(z, config.activation_param).to(x.dtype)
 
     return composite
 
@@ -340,7 +343,7 @@ class BatchNormAct(torch.autograd.Function):
                 z = torch.nn.functional.batch_norm(x.to(weight.dtype), None, None, weight,
                                                    bias, True, 0.0, ctx.eps)
                 act = activations.ACTIVATIONS[config.activation].forward
-                return act(z, config.slope).to(x.dtype)
+                return act(z, config.activation_param).to(x.dtype)
 
             grads = _differentiable_grads(ctx, grad_output,
                                           (saved.tensor, saved.weight, saved.bias), composite)
