@@ -114,8 +114,8 @@ def one_thread_work_us(replicas: int, calls: int, turns: int) -> PerCall:
     ``BatchNormAct`` once per replica (``"sync=False"``). Each replica holds the small-gamma
     channels ``replicate()`` reads once a step and hands it, as the layer's replicas do."""
     import torch
-    from encoding_syncbn.small_gamma import SmallGammaChannels
 
+    from encoding_syncbn.layer.channels_aside import ChannelsAside
     from encoding_syncbn.layer.functional import (
         ActConfig,
         NormAct,
@@ -126,24 +126,24 @@ def one_thread_work_us(replicas: int, calls: int, turns: int) -> PerCall:
 
     weight = torch.ones(8, requires_grad=True)
     bias = torch.zeros(8, requires_grad=True)
-    config = ActConfig("leaky_relu", 0.01, True)
+    config = ActConfig("leaky_relu", 0.01, inplace=True)
 
-    def synced(xs: list[torch.Tensor], gammas: list[SmallGammaChannels]) -> list[torch.Tensor]:
+    def synced(xs: list[torch.Tensor], gammas: list[ChannelsAside]) -> list[torch.Tensor]:
         kept = [gamma.index(weight, bias, x.dtype) for x, gamma in zip(xs, gammas)]
         contributions = [replica_stats(x) for x in xs]
         mean, _, invstd = merge_replicas(contributions, 1e-5)
         return [NormAct.apply(c.x, mean, invstd, weight, bias, config, c.link, k)
                 for c, k in zip(contributions, kept)]
 
-    def alone(xs: list[torch.Tensor], gammas: list[SmallGammaChannels]) -> list[torch.Tensor]:
-        return [batch_norm_act(x, weight, bias, 1e-5, config, small_gamma=gamma)
+    def alone(xs: list[torch.Tensor], gammas: list[ChannelsAside]) -> list[torch.Tensor]:
+        return [batch_norm_act(x, weight, bias, 1e-5, config, channels_aside=gamma)
                 for x, gamma in zip(xs, gammas)]
 
-    def loss(layer: Callable[[list[torch.Tensor], list[SmallGammaChannels]], list[torch.Tensor]]
+    def loss(layer: Callable[[list[torch.Tensor], list[ChannelsAside]], list[torch.Tensor]]
              ) -> Callable[[], torch.Tensor]:
         def run() -> torch.Tensor:
             xs = list(torch.randn(2 * replicas, 8, 2, 2, requires_grad=True).split(2))
-            found = SmallGammaChannels.read_now(weight, bias, torch.float32)
+            found = ChannelsAside.read_now(weight, bias, torch.float32)
             gammas = [found.copy() for _ in xs]
             for _ in range(calls):
                 xs = layer([x * 1 for x in xs], gammas)

@@ -116,7 +116,7 @@ SHAPES = [
     ((256, 512), torch.float32, False),
 ]
 H100_SMS = stub_driver.H100_SMS
-# The Triton backend's ops the layer calls (``TritonBackend``'s methods), timed for the "in
+# The Triton backend's ops the layer calls (``triton_ops.EAGER``'s methods), timed for the "in
 # the ops" column.
 BACKEND_OPS = ("batch_stats", "normalize_act", "batch_backward")
 # The part of the ops' time inside their launches (Triton's launcher, the driver's call).

@@ -46,7 +46,7 @@ def main() -> None:
     results.add_arguments(parser)
     args = parser.parse_args()
     from encoding_syncbn import SyncBatchNorm
-    from encoding_syncbn.layer.small_gamma import gamma_limit, small_gamma_mask
+    from encoding_syncbn.layer.channels_aside import gamma_limit, small_gamma_mask
 
     gen = torch.Generator().manual_seed(0)
     x64 = torch.randn(SHAPE, generator=gen, dtype=torch.float64) * 2 + 1

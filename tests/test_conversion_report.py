@@ -467,8 +467,8 @@ def test_channels_kept_aside_are_the_layers_own(dtype):
         if half and layer.activation == "elu":
             assert row.channels_aside[1] == 4
             continue
-        assert layer._small_gamma.known is not None
-        assert row.channels_aside[half] == len(layer._small_gamma.known), row.path
+        assert layer._channels_aside.known is not None
+        assert row.channels_aside[half] == len(layer._channels_aside.known), row.path
     assert [row.channels_aside for row in report.rows] == [(2, 3), (2, 3), (2, 4)]
     assert "aside fp32/half" in str(report) and "  2/3  " in str(report)
 

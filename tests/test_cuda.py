@@ -427,7 +427,7 @@ def test_in_place_layer_without_values_on_gpu():
         layer(fake * 1).sum().backward()
     meta = SyncBatchNorm(8, activation="leaky_relu").to("meta")
     meta(torch.empty(4, 8, 5, 5, device="meta", requires_grad=True) * 1).sum().backward()
-    assert layer._small_gamma.known is None
+    assert layer._channels_aside.known is None
     layer.weight.grad = None
     x = torch.randn(4, 8, 5, 5, device="cuda")
     leaf, ref_leaf = x.clone().requires_grad_(), x.clone().requires_grad_()
@@ -437,7 +437,7 @@ def test_in_place_layer_without_values_on_gpu():
     b = layer.bias.detach().clone().requires_grad_()
     F.leaky_relu(F.batch_norm(ref_leaf, None, None, w, b, True), 0.1).backward(dy)
     torch.testing.assert_close(leaf.grad, ref_leaf.grad, rtol=1e-4, atol=1e-4)
-    assert layer._small_gamma.known == (3,)
+    assert layer._channels_aside.known == (3,)
 
 
 def test_autocast_under_data_parallel_matches_the_whole_batch(device="cuda"):

@@ -386,7 +386,7 @@ def test_fake_tensor_pass_in_place_leaves_no_answer_behind():
         fake = torch.randn(2, 4, 3, 3, dtype=DT, requires_grad=True)
         out = layer(fake * 1)
         out.sum().backward()
-    assert out.shape == fake.shape and layer._small_gamma.known is None
+    assert out.shape == fake.shape and layer._channels_aside.known is None
     twin = nn.BatchNorm2d(4).double()
     twin.load_state_dict(layer.state_dict())
     layer.weight.grad = None
@@ -397,7 +397,7 @@ def test_fake_tensor_pass_in_place_leaves_no_answer_behind():
     activate(twin(expected_leaf), "leaky_relu", 0.1).backward(grad)
     torch.testing.assert_close(leaf.grad, expected_leaf.grad, **TOL)
     torch.testing.assert_close(layer.weight.grad, twin.weight.grad, **TOL)
-    assert layer._small_gamma.known == (2,)
+    assert layer._channels_aside.known == (2,)
 
 
 # ---- inputs that do not match the layer: another device, another dtype ---------------------

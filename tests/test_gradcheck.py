@@ -8,6 +8,7 @@ from backends import each_backend
 from merge import merge_stats
 
 from encoding_syncbn import SyncBatchNorm
+from encoding_syncbn.layer.channels_aside import ChannelsAside
 from encoding_syncbn.layer.functional import (
     ActConfig,
     NormAct,
@@ -16,7 +17,6 @@ from encoding_syncbn.layer.functional import (
     normalize_with,
     replica_stats,
 )
-from encoding_syncbn.layer.small_gamma import SmallGammaChannels
 from encoding_syncbn.testing import SimulatedDataParallel
 
 pytestmark = each_backend
@@ -46,7 +46,7 @@ def inputs(shape=(4, 3, 5)):
 
 @pytest.mark.parametrize("activation,inplace", MODES)
 def test_batch_norm_act(activation, inplace):
-    config = ActConfig(activation, 0.3, inplace)
+    config = ActConfig(activation, 0.3, inplace=inplace)
     x, w, b = inputs()
     # clone: gradcheck's inputs are leaves, which an in-place Function may not overwrite.
     assert torch.autograd.gradcheck(
@@ -56,7 +56,7 @@ def test_batch_norm_act(activation, inplace):
 
 @pytest.mark.parametrize("activation,inplace", MODES)
 def test_norm_act_with_given_statistics(activation, inplace):
-    config = ActConfig(activation, 0.3, inplace)
+    config = ActConfig(activation, 0.3, inplace=inplace)
     x, w, b = inputs()
     mean = torch.tensor([0.1, -0.2, 0.3], dtype=torch.float64, requires_grad=True)
     invstd = torch.tensor([1.1, 0.7, 2.0], dtype=torch.float64, requires_grad=True)
@@ -86,7 +86,7 @@ def synced_in_one_thread(x, w, b, config, split, other_ranks=None):
         means, m2s, counts = other_ranks
         own_count = sum(c.count for c in contributions)
         mean, _, invstd = merge_stats([mean, *means], [m2, *m2s], [own_count, *counts], 1e-3)
-    kept = SmallGammaChannels().index(w, b, x.dtype) if config.inplace else None
+    kept = ChannelsAside().index(w, b, x.dtype) if config.inplace else None
     return [NormAct.apply(c.x, mean, invstd, w, b, config, c.link, kept)
             for c in contributions]
 
@@ -96,7 +96,7 @@ def synced_in_one_thread(x, w, b, config, split, other_ranks=None):
 def test_merge_replicas_and_norm_act_composed(activation, inplace, split):
     """Each replica's input gradient, written by the merge's backward (one coefficient pair
     for all replicas)."""
-    config = ActConfig(activation, 0.3, inplace)
+    config = ActConfig(activation, 0.3, inplace=inplace)
     x, w, b = inputs()
     assert torch.autograd.gradcheck(
         lambda x, w, b: torch.cat(synced_in_one_thread(x, w, b, config, split)), (x, w, b)
@@ -107,7 +107,7 @@ def test_merge_replicas_and_norm_act_composed(activation, inplace, split):
 def test_merge_replicas_followed_by_a_cross_process_merge(activation, inplace):
     """The replicas normalise with statistics other than their merge's own: the
     ``saved.mean - mean`` term of the coefficients."""
-    config = ActConfig(activation, 0.3, inplace)
+    config = ActConfig(activation, 0.3, inplace=inplace)
     x, w, b = inputs()
     gen = torch.Generator().manual_seed(3)
     other_ranks = (
@@ -123,7 +123,7 @@ def test_merge_replicas_followed_by_a_cross_process_merge(activation, inplace):
 
 def test_differentiating_one_replica_output_alone_is_a_clear_error():
     x, w, b = inputs()
-    config = ActConfig("leaky_relu", 0.3, True)
+    config = ActConfig("leaky_relu", 0.3, inplace=True)
     first, _ = synced_in_one_thread(x, w, b, config, (2, 2))
     with pytest.raises(RuntimeError, match="through every replica's output"):
         first.sum().backward()

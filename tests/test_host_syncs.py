@@ -116,7 +116,7 @@ def test_a_gamma_that_becomes_zero_is_kept_aside_at_the_next_call():
 
 
 # Gammas around the in-place limits, in units of max(1, |b|): zero, below, on and above 1e-3
-# (rebuilt from the output only above it) and SmallGammaChannels' 16x margin; paired with
+# (rebuilt from the output only above it) and ChannelsAside' 16x margin; paired with
 # biases of 0, 1 and 100. Plain gammas (0.3, 2) besides: scaled by 100 they would saturate ELU,
 # whose inverse then loses the input (a documented limit of ELU in place).
 LIMIT_FACTORS = [0.0, 0.5e-3, 1e-3, 1.5e-3, 16e-3, 17e-3, -1e-3, -20e-3]
@@ -179,13 +179,13 @@ def test_single_replica_steps_match_batchnorm(activation, channels, momentum, st
     step=st.integers(1, 3),
 )
 def test_flags_of_any_dtype_and_layout_are_read(flags, dtype, step):
-    """``SmallGammaChannels`` reads offered flags as bytes where they lie: flags a backend
+    """``ChannelsAside`` reads offered flags as bytes where they lie: flags a backend
     hands it in another dtype (a wider int, float) or strided are read as what they say, not as
     their raw bytes (the channels kept aside are the nonzero flags, and only those); from one call
     to the next, flags of another length too (its reader is kept per length)."""
-    from encoding_syncbn.layer.small_gamma import SmallGammaChannels
+    from encoding_syncbn.layer.channels_aside import ChannelsAside
 
-    channels = SmallGammaChannels()
+    channels = ChannelsAside()
     for offered_flags in (flags, flags[::-1], flags[1:] or flags):
         padded = torch.zeros(len(offered_flags) * step, dtype=torch.int64)
         padded[::step] = torch.tensor(offered_flags)

@@ -31,7 +31,8 @@ from typing import Literal, NamedTuple
 import torch
 from torch import nn
 
-from ..layer import inplace_policy, small_gamma
+from ..layer import inplace_policy
+from ..layer.channels_aside import gamma_limit, small_gamma_mask
 from ..layer.modules import SyncBatchNorm
 
 _log = logging.getLogger(__name__)
@@ -113,7 +114,7 @@ class NormLayerReport:
     kept_before: int  #: tensors of its input's size kept for backward before (see module)
     kept_after: int  #: ... and after
     input_bytes: int | None = None  #: one such tensor's size, when the report has shapes
-    #: In place after: the channels it keeps aside (their input saved, see ``small_gamma``)
+    #: In place after: the channels it keeps aside (their input saved, see ``channels_aside``)
     #: on float32 and on float16 / bfloat16 inputs, by its parameters now (ELU runs out of
     #: place in half precision: all); None for a layer out of place.
     channels_aside: tuple[int, int] | None = None
@@ -273,8 +274,8 @@ def channels_aside(layer: nn.Module) -> tuple[int, int] | None:
         # As the layer computes with them (mapillary's InPlaceABN: |w| + eps).
         weight, bias = layer._affine_params(
             weight, bias, torch.empty(0, dtype=torch.float32, device=device))
-        counts = [int(small_gamma.small_gamma_mask(
-            weight, bias, small_gamma.gamma_limit(dtype, with_margin=True)).sum())
+        counts = [int(small_gamma_mask(
+            weight, bias, gamma_limit(dtype, with_margin=True)).sum())
             for dtype in (torch.float32, torch.float16)]
     if not inplace_policy.stays_in_place(layer.activation, torch.float16):
         counts[1] = layer.num_features

@@ -16,12 +16,10 @@ from types import ModuleType
 
 import torch
 
-from . import compile_ops, torch_ops
 from .backend import (
     Backend,
     BatchSums,
     DxCoefs,
-    FunctionsBackend,
     GammaCheck,
     NormParams,
     RunningParams,
@@ -29,6 +27,7 @@ from .backend import (
     channel_vector,
     dx_coefs,
 )
+from .torch_backend import COMPILED, TORCH
 
 __all__ = ["Backend", "BatchSums", "DxCoefs", "GammaCheck", "NormParams", "RunningParams",
            "RunningStats", "channel_vector", "dx_coefs", "get_backend", "ops_for", "reference_ops",
@@ -36,10 +35,6 @@ __all__ = ["Backend", "BatchSums", "DxCoefs", "GammaCheck", "NormParams", "Runni
 
 BACKENDS = ("auto", "torch", "triton")
 BACKEND_ENV = "ENCODING_SYNCBN_BACKEND"
-
-TORCH = FunctionsBackend("torch", torch_ops)
-#: What ``torch.compile`` traces in place of ``TORCH`` (the same functions as opaque ops).
-COMPILED = compile_ops.BACKEND
 
 
 def _validated(name: str) -> str:

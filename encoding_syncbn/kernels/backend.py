@@ -32,12 +32,12 @@ Every per-channel vector a backend is handed (in ``NormParams``, ``DxCoefs``, ``
 statistics dtype: the caller makes it so once (:func:`channel_vector`), not every op at every
 call. ``RunningStats`` (and ``RunningParams``' mean and variance) are the layer's own buffers,
 in whatever dtype and strides they have.
-A new backend, or a test double, is one class implementing :class:`Backend`.
+A backend is a table of ops given to ``custom_ops.OpsBackend``; a test double is one class
+implementing :class:`Backend`.
 """
 
 from __future__ import annotations
 
-from types import ModuleType
 from typing import NamedTuple, Protocol
 
 import torch
@@ -50,15 +50,16 @@ def channel_vector(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 class NormParams(NamedTuple):
-    """Per-channel vectors in the statistics dtype, and the activation ``y = act(z)``
-    (``slope``: leaky_relu's negative slope, ELU's alpha)."""
+    """Per-channel vectors in the statistics dtype, and the activation ``y = act(z)`` with its
+    parameter (``activation_param``: leaky_relu's negative slope, ELU's alpha; the layer's
+    public argument ``slope``)."""
 
     mean: torch.Tensor
     invstd: torch.Tensor
     weight: torch.Tensor
     bias: torch.Tensor
     activation: str
-    slope: float
+    activation_param: float
 
 
 class DxCoefs(NamedTuple):
@@ -117,7 +118,7 @@ class RunningParams(NamedTuple):
     weight: torch.Tensor
     bias: torch.Tensor
     activation: str
-    slope: float
+    activation_param: float
 
 
 class GammaCheck(NamedTuple):
@@ -156,49 +157,6 @@ class Backend(Protocol):
     def batch_backward(self, saved: torch.Tensor, dy: torch.Tensor, params: NormParams,
                        saved_is_output: bool, count: int
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
-
-
-class FunctionsBackend:
-    """A backend over a module of functions with the ops' signatures (``torch_ops``)."""
-
-    def __init__(self, name: str, functions: ModuleType) -> None:
-        self.name = name
-        self._f = functions
-
-    def __repr__(self) -> str:
-        return f"<backend {self.name!r}>"
-
-    def channel_stats(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
-        return self._f.channel_stats(x)
-
-    def batch_stats(self, x: torch.Tensor, eps: float, running: RunningStats | None,
-                    check: GammaCheck | None
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        with torch.no_grad():
-            return self._f.batch_stats(x, eps, running, check)
-
-    def normalize_act(self, x: torch.Tensor, params: NormParams,
-                      out: torch.Tensor) -> torch.Tensor:
-        return self._f.normalize_act(x, params, out)
-
-    def normalize_running(self, x: torch.Tensor, running: RunningParams,
-                          out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._f.normalize_running(x, running, out)
-
-    def backward_reduce(self, saved: torch.Tensor, dy: torch.Tensor, params: NormParams,
-                        saved_is_output: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._f.backward_reduce(saved, dy, params, saved_is_output=saved_is_output)
-
-    def backward_dx(self, saved: torch.Tensor, dy: torch.Tensor, params: NormParams,
-                    saved_is_output: bool, coefs: DxCoefs | BatchSums) -> torch.Tensor:
-        return self._f.backward_dx(saved, dy, params, saved_is_output=saved_is_output,
-                                   coefs=coefs)
-
-    def batch_backward(self, saved: torch.Tensor, dy: torch.Tensor, params: NormParams,
-                       saved_is_output: bool, count: int
-                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return self._f.batch_backward(saved, dy, params, saved_is_output=saved_is_output,
-                                      count=count)
 
 
 def reduce_then_dx(backend: Backend, saved: torch.Tensor, dy: torch.Tensor, params: NormParams,

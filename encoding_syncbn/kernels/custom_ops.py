@@ -9,8 +9,9 @@ bundles at the dispatcher: a new field of a bundle is one line in ``backend.py``
 ``DxCoefs | BatchSums`` (``backward_dx``'s coefficients) travels as three tensors and the
 count of ``BatchSums`` (``DX_COEFS_COUNT`` for ``DxCoefs``).
 
-:class:`OpsBackend` is a backend over such ops: what a backend's eager ops are replaced by
-where the dispatcher must see them.
+The one registry of both backends: each writes its ops once, as a table of :class:`Op`
+(implementation and fake); :func:`register` registers a table, :func:`implementations` gives
+it for eager calls, and :class:`OpsBackend` is the backend over either.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from __future__ import annotations
 import inspect
 import types
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import NamedTuple
 
 import torch
 
@@ -31,7 +33,7 @@ from .backend import (
     RunningStats,
     reduce_then_dx,
 )
-from .torch_ops import stats_dtype
+from .torch_ops import finalize_stats, stats_dtype
 
 #: ``coefs_count`` of a ``DxCoefs`` in the flat schema (a ``BatchSums``' count is >= 0).
 DX_COEFS_COUNT = -1
@@ -170,11 +172,6 @@ class CustomOp:
         return fake
 
 
-def custom_op(name: str, mutates_args: tuple[str, ...] = ()) -> Callable[[Callable], CustomOp]:
-    """Decorator: :class:`CustomOp` of the decorated function."""
-    return lambda fn: CustomOp(name, fn, mutates_args)
-
-
 def channel_count(x: torch.Tensor) -> int:
     """Elements a channel of an ``(N, C, *)`` tensor."""
     channels = x.shape[1]
@@ -188,30 +185,67 @@ def channel_vectors(x: torch.Tensor, *_) -> tuple[torch.Tensor, torch.Tensor]:
     return x.new_empty(channels, dtype=acc), x.new_empty(channels, dtype=acc)
 
 
-class OpsBackend:
-    """A :class:`~encoding_syncbn.kernels.backend.Backend` over op functions in the shapes of
-    custom ops (registered ops, or the functions they register): what a registered op cannot
-    be (an ``int`` output, an output aliasing an input, a call with no autograd formula) is
-    done around them here.
+class Op(NamedTuple):
+    """One op of a backend's table: ``impl`` in the shape of a custom op (bundles as arguments;
+    ``channel_stats`` returns ``(mean, M2)``, ``normalize_act`` writes ``out`` and returns
+    nothing) and ``fake``, its outputs' shapes from the same arguments (None for an op that
+    only writes ``out``: torch derives that one). ``mutates_args``: the flat names it writes."""
 
-    Their ``channel_stats`` returns ``(mean, M2)``, ``normalize_act`` nothing (it writes
-    ``out``), ``batch_stats`` flags whether asked for or not; the others return what the
-    backend's ops do.
+    impl: Callable
+    fake: Callable | None = None
+    mutates_args: tuple[str, ...] = ()
+
+
+def register(table: Mapping[str, Op], prefix: str = "") -> dict[str, CustomOp]:
+    """Every op of ``table`` registered as ``encoding_syncbn::<prefix><name>`` (a trailing
+    underscore where it writes ``out``) with its fake: what tracers see of the table."""
+    ops = {}
+    for name, op in table.items():
+        suffix = "_" if "out" in op.mutates_args else ""
+        ops[name] = CustomOp(f"{prefix}{name}{suffix}", op.impl, op.mutates_args)
+        if op.fake is not None:
+            ops[name].register_fake(op.fake)
+    return ops
+
+
+def implementations(table: Mapping[str, Op]) -> dict[str, Callable]:
+    """The ops of ``table`` as plain functions: the eager route, with no dispatcher."""
+    return {name: op.impl for name, op in table.items()}
+
+
+class OpsBackend:
+    """A :class:`~encoding_syncbn.kernels.backend.Backend` over a table's ops, called directly
+    (:func:`implementations`) or registered (:func:`register`): what a registered op cannot
+    be (an ``int`` output, an output aliasing an input, a call with no autograd formula) is
+    done around them here, for both alike.
+
+    A table without ``batch_stats`` gets ``channel_stats``, then ``torch_ops.finalize_stats``
+    (plain ATen on per-channel vectors: traceable as it is). ``batch_backward``: one call for
+    ``backward_reduce`` then ``backward_dx`` (None: the two ops). ``records_history``: whether
+    the ops record autograd history, which ``batch_stats`` then suspends.
     """
 
-    def __init__(self, name: str, *, channel_stats: Callable, batch_stats: Callable,
-                 normalize_act: Callable, normalize_running: Callable,
-                 backward_reduce: Callable, backward_dx: Callable) -> None:
+    def __init__(self, name: str, ops: Mapping[str, Callable], *,
+                 batch_backward: Callable | None = None, records_history: bool = True) -> None:
         self.name = name
-        self._channel_stats = channel_stats
-        self._batch_stats = batch_stats
-        self._normalize_act = normalize_act
-        self._normalize_running = normalize_running
-        self._backward_reduce = backward_reduce
-        self._backward_dx = backward_dx
+        self._channel_stats = ops["channel_stats"]
+        self._batch_stats = ops.get("batch_stats", self._finalized_channel_stats)
+        self._normalize_act = ops["normalize_act"]
+        self._normalize_running = ops["normalize_running"]
+        self._backward_reduce = ops["backward_reduce"]
+        self._backward_dx = ops["backward_dx"]
+        self._batch_backward = batch_backward
+        self._records_history = records_history
 
     def __repr__(self) -> str:
-        return f"<backend {self.name!r} (custom ops)>"
+        return f"<backend {self.name!r}>"
+
+    def _finalized_channel_stats(self, x: torch.Tensor, eps: float,
+                                 running: RunningStats | None, check: GammaCheck | None
+                                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        mean, m2 = self._channel_stats(x)
+        invstd, small = finalize_stats(mean, m2, channel_count(x), eps, running, check)
+        return mean, invstd, small
 
     def channel_stats(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
         mean, m2 = self._channel_stats(x)
@@ -221,9 +255,11 @@ class OpsBackend:
     def batch_stats(self, x: torch.Tensor, eps: float, running: RunningStats | None,
                     check: GammaCheck | None
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        # Custom ops have no autograd formula: the statistics are taken without grad.
-        with torch.no_grad():
-            mean, invstd, small = self._batch_stats(x, eps, running, check)
+        if self._records_history:  # the statistics are taken without grad
+            with torch.no_grad():
+                mean, invstd, small = self._batch_stats(x, float(eps), running, check)
+        else:
+            mean, invstd, small = self._batch_stats(x, float(eps), running, check)
         return mean, invstd, (small if check is not None else None)
 
     def normalize_act(self, x: torch.Tensor, params: NormParams,
@@ -246,4 +282,6 @@ class OpsBackend:
     def batch_backward(self, saved: torch.Tensor, dy: torch.Tensor, params: NormParams,
                        saved_is_output: bool, count: int
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self._batch_backward is not None:
+            return self._batch_backward(saved, dy, params, saved_is_output, count)
         return reduce_then_dx(self, saved, dy, params, saved_is_output, count)

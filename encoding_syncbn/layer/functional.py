@@ -28,7 +28,7 @@ device, not once per replica.
 In place, only y is kept: x, z and xhat are rebuilt from it. Channels whose |w| is too small
 to divide by (zero-initialised residual BNs) keep their input aside instead, so every sign and
 value of gamma gets exact gradients (which channels, and how the host learns them:
-``small_gamma``).
+``channels_aside``).
 
 Double backward (a gradient penalty: ``torch.autograd.grad(..., create_graph=True)``, then a
 backward through that gradient): under ``create_graph`` each backward is autograd's gradient of
@@ -62,7 +62,7 @@ from ..kernels import (
 from ..sync import stats
 from ..sync.streams import stream_event, wait_for
 from . import inplace_policy
-from .small_gamma import SmallGammaChannels
+from .channels_aside import ChannelsAside
 
 DOUBLE_BACKWARD_IN_PLACE = (
     "SyncBatchNorm(inplace=True) does not support double backward (differentiating its "
@@ -74,11 +74,12 @@ DOUBLE_BACKWARD_IN_PLACE = (
 class ActConfig(NamedTuple):
     """The activation fused after the normalisation, and whether it overwrites its input.
 
+    ``activation_param``: leaky_relu's negative slope, ELU's alpha (the layer's ``slope``).
     ``layer``: how errors name the layer (``SyncBatchNorm._label``).
     """
 
     activation: str
-    slope: float
+    activation_param: float
     inplace: bool
     layer: str = "SyncBatchNorm"
 
@@ -115,7 +116,7 @@ class _Link:
 
 def _keeps_input(kept_channels: torch.Tensor | None) -> bool:
     """Whether the layer keeps channels aside: saves their input, recomputes their backward
-    (None or empty: none, see ``SmallGammaChannels.index``). Backward reads the answer from
+    (None or empty: none, see ``ChannelsAside.index``). Backward reads the answer from
     what forward saved (``_Saved.kept_channels`` None: no channel kept aside)."""
     return kept_channels is not None and kept_channels.numel() > 0
 
@@ -138,32 +139,48 @@ def _as_computed(config: ActConfig) -> ActConfig:
 
 
 def _normalize(ctx, x, mean, invstd, weight, bias, config: ActConfig, kept_channels,
-               backend: Backend | None = None, running_eps: float | None = None
-               ) -> torch.Tensor:
-    """Run the forward pass, in place or not, and save what backward needs; ``backend``: the
-    one the caller looked up for ``x`` (None: look it up). ``running_eps`` not None: ``mean``
-    and ``invstd`` are the running mean and variance, from which the backend's
-    ``normalize_running`` derives the statistics in the same pass."""
-    # Saved only where channels are kept aside (usually none): each saved tensor costs a pack
-    # in forward and an unpack with its version check in backward.
-    kept = ((kept_channels, x.index_select(1, kept_channels))
+               backend: Backend | None = None) -> torch.Tensor:
+    """Run the forward pass with the statistics ``(mean, invstd)``, in place or not, and save
+    what backward needs; ``backend``: the one the caller looked up for ``x`` (None: look it
+    up)."""
+    kept, out = _keep_aside(x, kept_channels), _output(x, config)
+    (backend or ops_for(x)).normalize_act(
+        x, NormParams(mean, invstd, weight, bias, config.activation, config.activation_param), out
+    )
+    _save(ctx, x, out, weight, bias, config, kept, mean, invstd)
+    return out
+
+
+def _normalize_running(ctx, x, running_mean, running_var, eps: float, weight, bias,
+                       config: ActConfig, kept_channels) -> torch.Tensor:
+    """``_normalize`` with the running statistics: the backend's ``normalize_running``
+    derives ``(mean, invstd)`` from them in the same pass, and backward reads those."""
+    kept, out = _keep_aside(x, kept_channels), _output(x, config)
+    mean, invstd = ops_for(x).normalize_running(x, RunningParams(
+        running_mean, running_var, eps, weight, bias, config.activation,
+        config.activation_param), out)
+    _save(ctx, x, out, weight, bias, config, kept, mean, invstd)
+    return out
+
+
+def _keep_aside(x, kept_channels) -> tuple:
+    """The channels kept aside and their input, to save (usually none: each saved tensor
+    costs a pack in forward and an unpack with its version check in backward)."""
+    return ((kept_channels, x.index_select(1, kept_channels))
             if _keeps_input(kept_channels) else ())
-    overwrites = config.inplace
-    out = x if overwrites else torch.empty_like(x)
-    if running_eps is None:
-        (backend or ops_for(x)).normalize_act(
-            x, NormParams(mean, invstd, weight, bias, config.activation, config.slope), out
-        )
-    else:
-        mean, invstd = (backend or ops_for(x)).normalize_running(x, RunningParams(
-            mean, invstd, running_eps, weight, bias, config.activation, config.slope), out)
-    if overwrites:
+
+
+def _output(x: torch.Tensor, config: ActConfig) -> torch.Tensor:
+    return x if config.inplace else torch.empty_like(x)
+
+
+def _save(ctx, x, out, weight, bias, config: ActConfig, kept: tuple, mean, invstd) -> None:
+    if config.inplace:
         ctx.mark_dirty(x)
     ctx.save_for_backward(out if config.inplace else x, weight, bias, *kept)
     # Per-channel vectors nothing writes to: kept as they are, without a saved tensor's pack
     # and unpack at every call (BatchNormAct takes them as no input of its own).
     ctx.config, ctx.stats = config, (mean, invstd)
-    return out
 
 
 def _unpack(ctx) -> _Saved:
@@ -207,13 +224,13 @@ def _kept_args(saved: _Saved, grad_output: torch.Tensor, config: ActConfig):
     (which is saved: ``saved_is_output=False``)."""
     idx = saved.kept_channels
     params = NormParams(saved.mean[idx], saved.invstd[idx], saved.weight[idx], saved.bias[idx],
-                        config.activation, config.slope)
+                        config.activation, config.activation_param)
     return saved.kept_input, grad_output.index_select(1, idx), params
 
 
 def _params(saved: _Saved, config: ActConfig) -> NormParams:
     return NormParams(saved.mean, saved.invstd, saved.weight, saved.bias, config.activation,
-                      config.slope)
+                      config.activation_param)
 
 
 def _reduce(saved: _Saved, grad_output: torch.Tensor, config: ActConfig, params: NormParams,
@@ -291,7 +308,8 @@ def norm_act_composite(config: ActConfig):
     def composite(x, mean, invstd, weight, bias):
         v = functools.partial(_channel_view, x=x)
         z = (x.to(mean.dtype) - v(mean)) * v(invstd) * v(weight) + v(bias)
-        return activations.ACTIVATIONS[config.activation].forward(z, config.slope).to(x.dtype)
+        act = activations.ACTIVATIONS[config.activation].forward
+        return act(z, config.activation_param).to(x.dtype)
 
     return composite
 
@@ -325,7 +343,7 @@ class BatchNormAct(torch.autograd.Function):
                 z = torch.nn.functional.batch_norm(x.to(weight.dtype), None, None, weight,
                                                    bias, True, 0.0, ctx.eps)
                 act = activations.ACTIVATIONS[config.activation].forward
-                return act(z, config.slope).to(x.dtype)
+                return act(z, config.activation_param).to(x.dtype)
 
             grads = _differentiable_grads(ctx, grad_output,
                                           (saved.tensor, saved.weight, saved.bias), composite)
@@ -353,58 +371,77 @@ class NormAct(torch.autograd.Function):
     """``y = act((x - mean) * invstd * w + b)`` with given statistics.
 
     With a ``link`` (synchronised training), the input gradient is left to ``MergeReplicas``;
-    without one (evaluation: constant statistics) it is ``w * invstd * dz``. ``running_eps``
-    not None (evaluation): ``mean`` and ``invstd`` are the running mean and variance, buffers
-    with no gradient (``normalize_running``).
+    without one (evaluation: constant statistics) it is ``w * invstd * dz``.
     """
 
     @staticmethod
     def forward(ctx, x, mean, invstd, weight, bias, config: ActConfig, link: _Link | None,
-                kept_channels, running_eps: float | None = None):
+                kept_channels):
         ctx.link = link
-        return _normalize(ctx, x, mean, invstd, weight, bias, config, kept_channels,
-                          running_eps=running_eps)
+        return _normalize(ctx, x, mean, invstd, weight, bias, config, kept_channels)
 
     @staticmethod
     def backward(ctx, grad_output):
-        saved = _unpack(ctx)
-        config = ctx.config
-        if torch.is_grad_enabled():
-            # create_graph: the gradient through x directly here, the one through the merged
-            # statistics (whose history leads to the merge) in MergeReplicas, from x.
-            grads = _differentiable_grads(ctx, grad_output, saved[:5],
-                                          norm_act_composite(config))
-            if ctx.link is not None and ctx.needs_input_grad[0]:
-                ctx.link.saved, ctx.link.config = saved, config
-                ctx.link.ready = stream_event(saved.tensor)
-                compat.queue_backward_callback(ctx.link.clear)
-            return (*grads, None, None, None, None)
-        backend, params = ops_for(saved.tensor), _params(saved, config)
-        sum_dz, sum_dz_xhat = _reduce(saved, grad_output, config, params, backend)
-        scale = saved.weight * saved.invstd
-        grad_input = grad_mean = grad_invstd = None
+        return (*_norm_act_grads(ctx, grad_output), None, None, None)
+
+
+def _norm_act_grads(ctx, grad_output) -> tuple:
+    """``NormAct``'s gradients of ``(x, mean, invstd, w, b)``; ``ctx.link`` None: x's is
+    ``w * invstd * dz``."""
+    saved = _unpack(ctx)
+    config = ctx.config
+    if torch.is_grad_enabled():
+        # create_graph: the gradient through x directly here, the one through the merged
+        # statistics (whose history leads to the merge) in MergeReplicas, from x.
+        grads = _differentiable_grads(ctx, grad_output, saved[:5],
+                                      norm_act_composite(config))
         if ctx.link is not None and ctx.needs_input_grad[0]:
-            link = ctx.link
-            link.saved, link.grad_output, link.config, link.scale = (
-                saved, grad_output, config, scale
-            )
-            link.ready = stream_event(grad_output)
-            # The merge's backward empties the link; one that stops short of the merge
-            # (``autograd.grad`` of the parameters alone) must not leave it filled.
-            compat.queue_backward_callback(link.clear)
-        elif ctx.needs_input_grad[0]:
-            zeros = torch.zeros_like(scale)
-            grad_input = _input_grad(saved, grad_output, config, DxCoefs(scale, zeros, zeros),
-                                     params, backend)
-        if ctx.needs_input_grad[1]:
-            grad_mean = -scale * sum_dz
-        if ctx.needs_input_grad[2]:
-            grad_invstd = saved.weight * sum_dz_xhat / saved.invstd
-        return (
-            grad_input, grad_mean, grad_invstd,
-            *_param_grads(*ctx.needs_input_grad[3:5], sum_dz, sum_dz_xhat), None, None, None,
-            None,
+            ctx.link.saved, ctx.link.config = saved, config
+            ctx.link.ready = stream_event(saved.tensor)
+            compat.queue_backward_callback(ctx.link.clear)
+        return tuple(grads)
+    backend, params = ops_for(saved.tensor), _params(saved, config)
+    sum_dz, sum_dz_xhat = _reduce(saved, grad_output, config, params, backend)
+    scale = saved.weight * saved.invstd
+    grad_input = grad_mean = grad_invstd = None
+    if ctx.link is not None and ctx.needs_input_grad[0]:
+        link = ctx.link
+        link.saved, link.grad_output, link.config, link.scale = (
+            saved, grad_output, config, scale
         )
+        link.ready = stream_event(grad_output)
+        # The merge's backward empties the link; one that stops short of the merge
+        # (``autograd.grad`` of the parameters alone) must not leave it filled.
+        compat.queue_backward_callback(link.clear)
+    elif ctx.needs_input_grad[0]:
+        zeros = torch.zeros_like(scale)
+        grad_input = _input_grad(saved, grad_output, config, DxCoefs(scale, zeros, zeros),
+                                 params, backend)
+    if ctx.needs_input_grad[1]:
+        grad_mean = -scale * sum_dz
+    if ctx.needs_input_grad[2]:
+        grad_invstd = saved.weight * sum_dz_xhat / saved.invstd
+    return (grad_input, grad_mean, grad_invstd,
+            *_param_grads(*ctx.needs_input_grad[3:5], sum_dz, sum_dz_xhat))
+
+
+class RunningNormAct(torch.autograd.Function):
+    """Evaluation: ``y = act((x - running_mean) / sqrt(running_var + eps) * w + b)``, the
+    statistics derived in the normalising pass (``normalize_running``). The running buffers
+    have no gradient; x's is ``w * invstd * dz``, as ``NormAct``'s without a link.
+    """
+
+    @staticmethod
+    def forward(ctx, x, running_mean, running_var, weight, bias, config: ActConfig,
+                kept_channels, eps: float):
+        ctx.link = None
+        return _normalize_running(ctx, x, running_mean, running_var, eps, weight, bias, config,
+                                  kept_channels)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        grad_input, _, _, grad_weight, grad_bias = _norm_act_grads(ctx, grad_output)
+        return grad_input, None, None, grad_weight, grad_bias, None, None, None
 
 
 class ReplicaStats(NamedTuple):
@@ -612,17 +649,17 @@ def track_batch(running: RunningStats | None, mean: torch.Tensor | None,
         torch_ops.track_batch(*running, mean, m2, count)
 
 
-def _kept_channels(small_gamma: SmallGammaChannels | None, config: ActConfig,
+def _kept_channels(channels_aside: ChannelsAside | None, config: ActConfig,
                    weight: torch.Tensor, bias: torch.Tensor, dtype: torch.dtype,
                    recomputing: bool = False, flags: torch.Tensor | None = None
                    ) -> torch.Tensor | None:
     """The channels an in-place call keeps aside, as the Function takes them (None: out of
-    place, or none); ``small_gamma``: the layer's (None: read now, with a device sync)."""
+    place, or none); ``channels_aside``: the layer's (None: read now, with a device sync)."""
     if not config.inplace:
         return None
-    if small_gamma is None:
-        small_gamma = SmallGammaChannels()
-    return small_gamma.index(weight, bias, dtype, recomputing, flags)
+    if channels_aside is None:
+        channels_aside = ChannelsAside()
+    return channels_aside.index(weight, bias, dtype, recomputing, flags)
 
 
 def for_count(config: ActConfig, count: int, dtype: torch.dtype) -> ActConfig:
@@ -636,13 +673,13 @@ def for_count(config: ActConfig, count: int, dtype: torch.dtype) -> ActConfig:
 
 def batch_norm_act(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float, config: ActConfig,
-    running: RunningStats | None = None, small_gamma: SmallGammaChannels | None = None,
+    running: RunningStats | None = None, channels_aside: ChannelsAside | None = None,
     recomputing: bool = False, count: int | None = None,
 ) -> torch.Tensor:
     """Normalise ``x`` with its own batch statistics, folded into ``running`` on the way;
     ``count``: its values per channel, where the caller knows them.
 
-    In place, the channels kept aside come from ``small_gamma`` (see ``_kept_channels``),
+    In place, the channels kept aside come from ``channels_aside`` (see ``_kept_channels``),
     whose check of the parameters rides on the launch that finishes the statistics;
     ``recomputing``: a checkpoint's recomputation, which keeps the original call's channels.
     Too few values a channel to rebuild the input: out of place (``for_count``).
@@ -651,10 +688,10 @@ def batch_norm_act(
     if count is None:
         count = x.numel() // x.shape[1]
     computed = _as_computed(for_count(config, count, x.dtype))
-    check = (small_gamma.check(weight, bias, x.dtype, recomputing)
-             if computed.inplace and small_gamma is not None else None)
+    check = (channels_aside.check(weight, bias, x.dtype, recomputing)
+             if computed.inplace and channels_aside is not None else None)
     mean, invstd, flags = backend.batch_stats(x, eps, running, check)
-    kept = _kept_channels(small_gamma, computed, weight, bias, x.dtype, recomputing, flags)
+    kept = _kept_channels(channels_aside, computed, weight, bias, x.dtype, recomputing, flags)
     return BatchNormAct.apply(x, weight, bias, (mean, invstd, count), computed, kept, eps,
                               backend)
 
@@ -665,16 +702,16 @@ def synced_batch_norm_act(
     bias: torch.Tensor,
     config: ActConfig,
     exchange: Callable[[ReplicaStats], tuple[torch.Tensor, torch.Tensor, int]],
-    small_gamma: SmallGammaChannels | None = None,
+    channels_aside: ChannelsAside | None = None,
 ) -> torch.Tensor:
     """Normalise ``x`` with statistics merged across replicas by ``exchange``.
 
     ``exchange(replica_stats(x))`` returns the global ``(mean, invstd)`` on x's device, still
     attached to the autograd graph of the merge (``merge_replicas``), and the global count
-    (values a channel), which ``for_count`` judges. ``small_gamma``: as ``batch_norm_act``.
+    (values a channel), which ``for_count`` judges. ``channels_aside``: as ``batch_norm_act``.
     """
     computed = _as_computed(config)
-    kept = _kept_channels(small_gamma, computed, weight, bias, x.dtype)
+    kept = _kept_channels(channels_aside, computed, weight, bias, x.dtype)
     own = replica_stats(x)
     mean, invstd, total = exchange(own)
     if computed.inplace and not (computed := for_count(computed, total, x.dtype)).inplace:
@@ -690,14 +727,14 @@ def normalize_running(
     weight: torch.Tensor,
     bias: torch.Tensor,
     config: ActConfig,
-    small_gamma: SmallGammaChannels | None = None,
+    channels_aside: ChannelsAside | None = None,
 ) -> torch.Tensor:
     """Normalise with the running statistics (evaluation): ``invstd`` is derived in the same
-    pass as the output (``Backend.normalize_running``). ``small_gamma``: as
+    pass as the output (``Backend.normalize_running``). ``channels_aside``: as
     ``batch_norm_act``."""
     computed = _as_computed(config)
-    kept = _kept_channels(small_gamma, computed, weight, bias, x.dtype)
-    return NormAct.apply(x, running_mean, running_var, weight, bias, computed, None, kept, eps)
+    kept = _kept_channels(channels_aside, computed, weight, bias, x.dtype)
+    return RunningNormAct.apply(x, running_mean, running_var, weight, bias, computed, kept, eps)
 
 
 def normalize_with(
@@ -707,11 +744,11 @@ def normalize_with(
     weight: torch.Tensor,
     bias: torch.Tensor,
     config: ActConfig,
-    small_gamma: SmallGammaChannels | None = None,
+    channels_aside: ChannelsAside | None = None,
     recomputing: bool = False,
 ) -> torch.Tensor:
     """Normalise with fixed statistics (evaluation, or a recompute reusing global ones);
-    ``small_gamma`` and ``recomputing``: as ``batch_norm_act``."""
+    ``channels_aside`` and ``recomputing``: as ``batch_norm_act``."""
     computed = _as_computed(config)
-    kept = _kept_channels(small_gamma, computed, weight, bias, x.dtype, recomputing)
+    kept = _kept_channels(channels_aside, computed, weight, bias, x.dtype, recomputing)
     return NormAct.apply(x, mean, invstd, weight, bias, computed, None, kept)

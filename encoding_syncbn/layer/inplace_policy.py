@@ -67,7 +67,7 @@ _OUT_OF_PLACE_IN_HALF_PRECISION = frozenset({"elu"})
 MIN_REBUILT_COUNT = 23
 
 # What ``MIN_REBUILT_COUNT`` is derived from, besides the largest |beta| / |gamma| of a channel
-# rebuilt in half precision (``small_gamma.HALF_PRECISION_LIMIT``): the bound on the
+# rebuilt in half precision (``channels_aside.HALF_PRECISION_LIMIT``): the bound on the
 # gradients' error (a multiple of nn.BatchNorm2d's), and the chance per channel and call of
 # exceeding it that is accepted.
 GRADIENT_ERROR_BOUND = 3.0

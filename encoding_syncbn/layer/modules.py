@@ -19,6 +19,7 @@ from ..sync import distributed, replicas
 from ..sync.group import ReplicaGroup
 from ..sync.replicas import ReplicaSlot
 from . import inplace_check, inplace_policy, recompute, tracing
+from .channels_aside import ChannelsAside
 from .exchange import Exchange
 from .functional import (
     ActConfig,
@@ -29,7 +30,6 @@ from .functional import (
     track_batch,
 )
 from .recompute import RecomputeCache
-from .small_gamma import SmallGammaChannels
 
 # The options checked together, at construction and when assigned (``__setattr__``).
 _ACTIVATION_OPTIONS = ("activation", "slope", "inplace")
@@ -50,8 +50,8 @@ _CONFIG_SOURCES = (*_ACTIVATION_OPTIONS, "_label_text")
 COMPILE_AS_FORMULA = True
 
 # Attributes that only make sense for the live object: dropped by pickle and deepcopy.
-_TRANSIENT = ("_open_group", "_replica_slot", "_recompute_cache", "_replicas_small_gamma",
-              "_small_gamma", "_warned_out_of_place", "_config")
+_TRANSIENT = ("_open_group", "_replica_slot", "_recompute_cache", "_replicas_channels_aside",
+              "_channels_aside", "_warned_out_of_place", "_config")
 
 
 class SyncBatchNorm(_BatchNorm):
@@ -86,7 +86,7 @@ class SyncBatchNorm(_BatchNorm):
             |beta| >= |gamma| keep their input aside, and ELU runs out of place, as does a
             training call over fewer than ``inplace_policy.MIN_REBUILT_COUNT`` values a
             channel in the whole batch: a rebuild from a half-precision output would lose
-            precision (see ``small_gamma``, ``inplace_policy``).
+            precision (see ``channels_aside``, ``inplace_policy``).
 
     In place, the tensor passed in is overwritten and returned. A tensor autograd will not let
     us overwrite (a leaf that requires grad, an output of ``torch.chunk``/``split``) is
@@ -151,10 +151,10 @@ class SyncBatchNorm(_BatchNorm):
         self._recompute_cache = RecomputeCache()
         # In place: the channels kept aside (gamma too small to rebuild their input). The
         # original layer reads them once per replicate() for all its replicas
-        # (``_replicas_small_gamma``; None: not read); each replica, and a layer called
+        # (``_replicas_channels_aside``; None: not read); each replica, and a layer called
         # without replicate(), has its own.
-        self._replicas_small_gamma: SmallGammaChannels | None = None
-        self._small_gamma = SmallGammaChannels()
+        self._replicas_channels_aside: ChannelsAside | None = None
+        self._channels_aside = ChannelsAside()
         # Whether this layer has warned that it ran out of place: once per layer, shared with
         # its replicas (which copy __dict__ shallowly), so that each layer's fallback is told.
         self._warned_out_of_place: list[bool] = [False]
@@ -201,24 +201,24 @@ class SyncBatchNorm(_BatchNorm):
             # Not for a weight a hook recomputes in each forward: its value is the last one;
             # nor for one on the meta device, which has no values to read.
             with replicas.reading_parameters(group):
-                self._replicas_small_gamma = None
+                self._replicas_channels_aside = None
                 if self.inplace and not self._computed_by_hooks():
                     weight, bias = self.weight, self.bias  # read once: parametrizations compute
                     if not _on_meta(weight, bias):
-                        self._replicas_small_gamma = SmallGammaChannels.read_now(
+                        self._replicas_channels_aside = ChannelsAside.read_now(
                             weight, bias, self._expected_input_dtype(weight))
         replica = super()._replicate_for_data_parallel()
         replica._replica_slot = ReplicaSlot(group, group.add_member(replica), self._replica_slot)
         replica._open_group = None
         replica._recompute_cache = RecomputeCache()
-        found = self._replicas_small_gamma
-        replica._small_gamma = found.copy() if found is not None else SmallGammaChannels()
+        found = self._replicas_channels_aside
+        replica._channels_aside = found.copy() if found is not None else ChannelsAside()
         return replica
 
     def _expected_input_dtype(self, weight: torch.Tensor | None) -> torch.dtype:
         """The dtype the replicas' inputs are expected in: autocast's where it is on for the
         parameters' device, else theirs (``weight``'s: the layer's, as read once; a call on
-        a dtype with a stricter limit checks again: ``SmallGammaChannels.index``)."""
+        a dtype with a stricter limit checks again: ``ChannelsAside.index``)."""
         state = self.running_mean if weight is None else weight
         if state is None:
             return torch.get_default_dtype()
@@ -452,7 +452,7 @@ class SyncBatchNorm(_BatchNorm):
         self._check_device(x, running_mean, params[0])
         weight, bias = self._affine_params(*params, x)
         config = self._act_config(x)
-        small_gamma = self._small_gamma
+        channels_aside = self._channels_aside
         formula = COMPILE_AS_FORMULA and torch.compiler.is_compiling()
         if not self.training and running_mean is not None:
             if formula:
@@ -461,14 +461,14 @@ class SyncBatchNorm(_BatchNorm):
             # for the backward: a training forward, load_state_dict or a buffer broadcast may
             # change the buffers before it.
             return normalize_running(x, running_mean, self.running_var, self.eps, weight, bias,
-                                     config, small_gamma)
+                                     config, channels_aside)
         # Batch statistics: training, or evaluation without running ones. Asked only here:
         # evaluation with running statistics never asks autograd (its private API untouched).
         recomputing = recompute.inside_backward()
         running = self._running() if self.training and not recomputing else None
         if self._synced(slot):
             if recomputing:
-                return self._recompute_cache.replay(x, weight, bias, config, small_gamma)
+                return self._recompute_cache.replay(x, weight, bias, config, channels_aside)
             if formula and slot is None:  # one replica a process: merged across processes
                 return self._formula(x, weight, bias, functools.partial(track_batch, running),
                                      merged=True)
@@ -476,7 +476,7 @@ class SyncBatchNorm(_BatchNorm):
             # remembers the call for a checkpoint's recomputation.
             exchange = Exchange(slot, self.eps, self.process_group, self._syncs_processes(),
                                 running, self._label())
-            out = synced_batch_norm_act(x, weight, bias, config, exchange, small_gamma)
+            out = synced_batch_norm_act(x, weight, bias, config, exchange, channels_aside)
             self._recompute_cache.remember(exchange.own, exchange.mean, exchange.invstd,
                                          exchange.total)
             return out
@@ -490,7 +490,7 @@ class SyncBatchNorm(_BatchNorm):
             return torch.nn.functional.batch_norm(x, None, None, weight, bias, True, 0.0, self.eps)
         if formula:
             return self._formula(x, weight, bias, functools.partial(track_batch, running))
-        return batch_norm_act(x, weight, bias, self.eps, config, running, small_gamma,
+        return batch_norm_act(x, weight, bias, self.eps, config, running, channels_aside,
                               recomputing, count)
 
     def _synced(self, slot: ReplicaSlot | None) -> bool:

@@ -15,8 +15,8 @@ import torch
 
 from .. import compat
 from ..kernels import ops_for
+from .channels_aside import ChannelsAside
 from .functional import ActConfig, ReplicaStats, for_count, normalize_with
-from .small_gamma import SmallGammaChannels
 
 # How many recent synchronised calls a replica remembers for checkpoint recomputation.
 CACHE_SIZE = 64
@@ -56,10 +56,10 @@ class RecomputeCache:
             )
 
     def replay(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
-               config: ActConfig, small_gamma: SmallGammaChannels) -> torch.Tensor:
+               config: ActConfig, channels_aside: ChannelsAside) -> torch.Tensor:
         """Checkpoint recomputation: normalise ``x`` with the global statistics of the
         original call (in place where it was, keeping aside the channels it kept:
-        ``small_gamma``'s).
+        ``channels_aside``'s).
 
         The call is found by its input's statistics, recomputed by the backend that computed
         them then (another backend's differ in the last bits: Triton's against ATen's).
@@ -79,7 +79,7 @@ class RecomputeCache:
                     )
                 return normalize_with(x, call.mean, call.invstd, weight, bias,
                                       for_count(config, call.total, x.dtype),
-                                      small_gamma,
+                                      channels_aside,
                                       recomputing=True)
         raise RuntimeError(
             "SyncBatchNorm: a recomputation (checkpoint) found no synchronised call with the "

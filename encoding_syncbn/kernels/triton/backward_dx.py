@@ -81,7 +81,7 @@ def plan_backward_dx(saved: torch.Tensor, dy: torch.Tensor, params: NormParams,
                      tile: Tile | None = None) -> tuple[list[Launch], torch.Tensor] | None:
     """From ``BatchSums`` of a non-empty batch the kernel derives the coefficients
     (``FROM_SUMS``); None: an empty input."""
-    plan = plan_op(saved, target, False, tile, params.activation, params.slope,
+    plan = plan_op(saved, target, False, tile, params.activation, params.activation_param,
                    bool(saved_is_output))
     if plan is None:
         return None
@@ -131,7 +131,7 @@ def _batch_backward_plans(sizes: tuple[int, ...], strides: tuple[int, ...], dtyp
                                slope, saved_is_output) for reduction in (True, False))
     if reduce is None:
         return None
-    return _BackwardPlans(reduce, dx, _dx_constexprs(dx, True))
+    return _BackwardPlans(reduce, dx, _dx_constexprs(dx, from_sums=True))
 
 
 def plan_batch_backward(saved: torch.Tensor, dy: torch.Tensor, params: NormParams,
@@ -144,7 +144,7 @@ def plan_batch_backward(saved: torch.Tensor, dy: torch.Tensor, params: NormParam
     input, nothing to launch)."""
     strides = saved.stride()
     plans = _batch_backward_plans(saved.shape, strides, saved.dtype, target, tile,
-                                  params.activation, params.slope, bool(saved_is_output))
+                                  params.activation, params.activation_param, bool(saved_is_output))
     if plans is None:
         return None
     reduce, dx_plan, dx_constexprs = plans

@@ -106,7 +106,7 @@ def plan_normalize_act(x: torch.Tensor, params: NormParams, out: torch.Tensor, t
     """Plan into ``out`` when it lies like (the possibly copied) x, else into a temporary that
     the caller copies to ``out`` (returned as the tensor the kernel writes); None: an empty x,
     nothing to launch."""
-    plan = plan_op(x, target, False, tile, params.activation, params.slope)
+    plan = plan_op(x, target, False, tile, params.activation, params.activation_param)
     if plan is None:
         return None
     x = prepared_input(x, plan)

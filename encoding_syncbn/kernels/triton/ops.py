@@ -11,7 +11,7 @@ import torch
 from ... import compat
 from .. import torch_ops
 from ..backend import BatchSums, DxCoefs, GammaCheck, NormParams, RunningParams, RunningStats
-from ..custom_ops import OpsBackend, channel_vectors, custom_op
+from ..custom_ops import Op, OpsBackend, channel_vectors, implementations, register
 from ..torch_ops import stats_dtype
 from .backward_dx import plan_backward_dx, plan_batch_backward
 from .backward_reduce import plan_backward_reduce
@@ -47,6 +47,11 @@ def _run(launches: list[Launch], device: torch.device) -> None:
             raise
 
 
+def _empty_dx(saved: torch.Tensor, *_) -> torch.Tensor:
+    """The dx of an empty ``saved``, and ``backward_dx``'s fake: where the kernels write it."""
+    return empty_dx(saved, geometry_of(saved) is not None)
+
+
 def _zero_vectors(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Two per-channel vectors of zeros in the statistics dtype: the sums of an empty ``x``
     (its statistics drop out of any Chan merge with them)."""
@@ -54,8 +59,8 @@ def _zero_vectors(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return zeros, zeros.clone()  # outputs of a registered op may not share memory
 
 
-# The ops in the shapes of custom ops (``custom_ops.OpsBackend``): called directly eagerly,
-# registered below for the tracers.
+# The ops in the shapes of custom ops (``custom_ops.Op``): called directly eagerly, registered
+# for the tracers.
 
 
 def _channel_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -131,99 +136,57 @@ def _backward_dx(saved: torch.Tensor, dy: torch.Tensor, params: NormParams,
     device = saved.device
     planned = plan_backward_dx(saved, dy, params, saved_is_output, coefs, launch_target(device))
     if planned is None:  # empty: no launch
-        return empty_dx(saved, geometry_of(saved) is not None)
+        return _empty_dx(saved)
     launches, dx = planned
     _run(launches, device)
     return dx
 
 
-class TritonBackend(OpsBackend):
-    """The Triton kernels as a :class:`~encoding_syncbn.kernels.backend.Backend`, launched
-    from the calling thread (the eager route of every op).
-
-    Per channel, ``channel_stats`` gives ``(mean, M2, count)`` from sums of deviations from a
-    shift taken from the data (zeros for an empty batch: it drops out of any Chan merge);
-    ``batch_stats`` the batch's ``(mean, invstd)``, the running statistics folded in and the
-    small-gamma flags (uint8) where asked, in one launch; ``normalize_running`` derives
-    ``invstd`` in its launch, which also writes the ``(mean, invstd)`` it used;
-    ``backward_dx`` from ``BatchSums`` derives the coefficients in the kernel.
-    """
-
-    def __init__(self) -> None:
-        super().__init__("triton", channel_stats=_channel_stats, batch_stats=_batch_stats,
-                         normalize_act=_normalize_act, normalize_running=_normalize_running,
-                         backward_reduce=_backward_reduce, backward_dx=_backward_dx)
-
-    def __repr__(self) -> str:
-        return "<backend 'triton'>"
-
-    def batch_stats(self, x: torch.Tensor, eps: float, running: RunningStats | None,
-                    check: GammaCheck | None
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        # The kernels record no autograd history: no grad mode to switch.
-        mean, invstd, small = _batch_stats(x, float(eps), running, check)
-        return mean, invstd, (small if check is not None else None)
-
-    def batch_backward(self, saved: torch.Tensor, dy: torch.Tensor, params: NormParams,
-                       saved_is_output: bool, count: int
-                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``backward_reduce``, then ``backward_dx`` from its ``BatchSums``: ``(dx, sum_dz,
-        sum_dz_xhat)``, in two launches planned by one lookup."""
-        device = saved.device
-        planned = plan_batch_backward(saved, dy, params, bool(saved_is_output), int(count),
-                                      launch_target(device))
-        if planned is None:  # empty: no launch
-            return empty_dx(saved, geometry_of(saved) is not None), *_zero_vectors(saved)
-        launches, result = planned
-        _run(launches, device)
-        return result
+def _batch_backward(saved: torch.Tensor, dy: torch.Tensor, params: NormParams,
+                    saved_is_output: bool, count: int
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``backward_reduce``, then ``backward_dx`` from its ``BatchSums``: ``(dx, sum_dz,
+    sum_dz_xhat)``, in two launches planned by one lookup."""
+    device = saved.device
+    planned = plan_batch_backward(saved, dy, params, bool(saved_is_output), int(count),
+                                  launch_target(device))
+    if planned is None:  # empty: no launch
+        return _empty_dx(saved), *_zero_vectors(saved)
+    launches, result = planned
+    _run(launches, device)
+    return result
 
 
-#: The eager route of every op.
-EAGER = TritonBackend()
-
-
-# --------------------------------------------------------------------------------------------
-# torch.library registration: opaque to torch.compile, with fake (meta) implementations.
-# --------------------------------------------------------------------------------------------
-
-_channel_stats_op = custom_op("channel_stats")(_channel_stats)
-_channel_stats_op.register_fake(channel_vectors)
-
-_batch_stats_op = custom_op(
-    "batch_stats", mutates_args=("running_mean", "running_var", "running_batches"),
-)(_batch_stats)
-
-
-@_batch_stats_op.register_fake
-def _(x: torch.Tensor, eps: float, running: RunningStats | None, check: GammaCheck | None
-      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _batch_stats_fake(x: torch.Tensor, eps: float, running: RunningStats | None,
+                      check: GammaCheck | None
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     mean, invstd = channel_vectors(x)
     return mean, invstd, x.new_empty(x.shape[1] if check is not None else 0, dtype=torch.uint8)
 
 
-# Mutates ``out`` and returns nothing: torch derives its fake implementation.
-_normalize_act_op = custom_op("normalize_act_", mutates_args=("out",))(_normalize_act)
+OPS = {
+    "channel_stats": Op(_channel_stats, channel_vectors),
+    "batch_stats": Op(_batch_stats, _batch_stats_fake,
+                      mutates_args=("running_mean", "running_var", "running_batches")),
+    "normalize_act": Op(_normalize_act, mutates_args=("out",)),
+    "normalize_running": Op(_normalize_running, channel_vectors, mutates_args=("out",)),
+    "backward_reduce": Op(_backward_reduce, channel_vectors),
+    "backward_dx": Op(_backward_dx, _empty_dx),
+}
 
-_normalize_running_op = custom_op("normalize_running_", mutates_args=("out",))(
-    _normalize_running)
-_normalize_running_op.register_fake(channel_vectors)
-
-_backward_reduce_op = custom_op("backward_reduce")(_backward_reduce)
-_backward_reduce_op.register_fake(channel_vectors)
-
-_backward_dx_op = custom_op("backward_dx")(_backward_dx)
-
-
-@_backward_dx_op.register_fake
-def _(saved: torch.Tensor, *_) -> torch.Tensor:
-    return empty_dx(saved, geometry_of(saved) is not None)
-
-
+#: The Triton kernels launched from the calling thread: the eager route of every op.
+#:
+#: Per channel, ``channel_stats`` gives ``(mean, M2, count)`` from sums of deviations from a
+#: shift taken from the data (zeros for an empty batch: it drops out of any Chan merge);
+#: ``batch_stats`` the batch's ``(mean, invstd)``, the running statistics folded in and the
+#: small-gamma flags (uint8) where asked, in one launch; ``normalize_running`` derives
+#: ``invstd`` in its launch, which also writes the ``(mean, invstd)`` it used;
+#: ``backward_dx`` from ``BatchSums`` derives the coefficients in the kernel. The kernels
+#: record no autograd history: no grad mode to switch.
+EAGER = OpsBackend("triton", implementations(OPS), batch_backward=_batch_backward,
+                   records_history=False)
 #: The registered ops: what tracers see (see :func:`backend_for`).
-TRACED = OpsBackend("triton", channel_stats=_channel_stats_op, batch_stats=_batch_stats_op,
-                    normalize_act=_normalize_act_op, normalize_running=_normalize_running_op,
-                    backward_reduce=_backward_reduce_op, backward_dx=_backward_dx_op)
+TRACED = OpsBackend("triton", register(OPS))
 
 
 def backend_for(x: torch.Tensor) -> OpsBackend:

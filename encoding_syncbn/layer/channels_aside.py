@@ -3,7 +3,7 @@ output: which channels, and how the host learns them without waiting for the dev
 
 In place, backward rebuilds the input from the output, dividing by gamma; the channels whose
 gamma is too small for that keep their input (it is saved for backward, "kept aside") and get
-their gradients from it. ``SmallGammaChannels`` is the layer's one handle on them.
+their gradients from it. ``ChannelsAside`` is the layer's one handle on them.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ MIN_INVERTIBLE_GAMMA = 1e-3
 # dtype (tests/test_half_precision.py).
 HALF_PRECISION_LIMIT = 1.0
 
-# SmallGammaChannels keeps aside channels up to this many times the limits where its answer may
+# ChannelsAside keeps aside channels up to this many times the limits where its answer may
 # be a few calls old. Gamma rarely shrinks 16-fold in a few optimiser steps; |b| / |w| rarely
 # grows by a quarter.
 MARGIN = 16.0
@@ -63,12 +63,12 @@ def small_gamma_index(weight: torch.Tensor, bias: torch.Tensor | None, limit: fl
     return small_gamma_mask(weight, bias, limit).nonzero().view(-1)
 
 
-# What SmallGammaChannels holds for flags without values (the meta device, fake tensors): a
+# What ChannelsAside holds for flags without values (the meta device, fake tensors): a
 # pass that computes no values keeps nothing aside, and leaves no answer for the calls after it.
 _NO_VALUES = object()
 
 
-class SmallGammaChannels:
+class ChannelsAside:
     """The channels an in-place layer keeps aside (its small-gamma channels), known on the
     host: one per layer and replica.
 
@@ -107,15 +107,15 @@ class SmallGammaChannels:
 
     @classmethod
     def read_now(cls, weight: torch.Tensor | None, bias: torch.Tensor | None,
-                 dtype: torch.dtype) -> SmallGammaChannels:
+                 dtype: torch.dtype) -> ChannelsAside:
         """Channels found now, for outputs of ``dtype``: ``replicate()`` reads them once (on a
         GPU one device-to-host copy) for all the replicas of a step; each replica is handed
         its own ``copy()``."""
         return cls(small_gamma_channels(weight, bias, dtype), gamma_limit(dtype))
 
-    def copy(self) -> SmallGammaChannels:
+    def copy(self) -> ChannelsAside:
         """The channels found in advance, without the answers learnt since."""
-        return SmallGammaChannels(self.found, self.found_limit)
+        return ChannelsAside(self.found, self.found_limit)
 
     def check(self, weight: torch.Tensor, bias: torch.Tensor, dtype: torch.dtype,
               recomputing: bool = False) -> GammaCheck | None:
