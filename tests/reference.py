@@ -162,3 +162,19 @@ def check_nonfinite_gradients(activation: str, inplace: bool, training: bool,
     for what, got, want in zip(("dx", "dw", "db"), (leaf.grad, layer.weight.grad,
                                                     layer.bias.grad), expected):
         assert_same_nonfinite(got, want, what)
+
+
+def assign_or_refused(layer: SyncBatchNorm, options: tuple[str, ...], name: str, value,
+                      named: bool) -> bool:
+    """``setattr(layer, name, value)``: True where taken; where refused, the ValueError names
+    the layer (with its model path exactly when ``named``) and ``options`` and the layer's
+    configuration are as before."""
+    before = ({key: getattr(layer, key) for key in options}, layer._config)
+    try:
+        setattr(layer, name, value)
+    except ValueError as error:
+        assert layer._label() in str(error)
+        assert ("model path '1'" in layer._label()) is named
+        assert ({key: getattr(layer, key) for key in options}, layer._config) == before
+        return False
+    return True

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from backends import each_backend, one_backend
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from reference import activate, assert_close
+from reference import activate, assert_close, assign_or_refused
 from torch import nn
 
 from encoding_syncbn import SyncBatchNorm, convert_sync_batchnorm, revert_sync_batchnorm
@@ -279,13 +279,7 @@ def test_every_refused_assignment_names_the_layer(cls, named, assignments):
         layer = convert_sync_batchnorm(nn.Sequential(nn.Identity(), layer))[1]
     names = ("activation", "slope", "inplace", "eps", "momentum")
     for name, value in assignments:
-        before = {key: getattr(layer, key) for key in names}, layer._config
-        try:
-            setattr(layer, name, value)
-        except ValueError as error:
-            assert layer._label() in str(error)
-            assert ("model path '1'" in layer._label()) is named
-            assert ({key: getattr(layer, key) for key in names}, layer._config) == before
+        assign_or_refused(layer, names, name, value, named)
 
 
 @pytest.mark.parametrize("function", [inplace_abn, inplace_abn_sync])

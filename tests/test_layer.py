@@ -8,7 +8,15 @@ import torch
 from backends import each_backend, one_backend
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from reference import ACTIVATIONS, SLOPES, activate, assert_close, plain_twin, reference_step
+from reference import (
+    ACTIVATIONS,
+    SLOPES,
+    activate,
+    assert_close,
+    assign_or_refused,
+    plain_twin,
+    reference_step,
+)
 from torch import nn
 
 from encoding_syncbn import SyncBatchNorm
@@ -828,13 +836,7 @@ def test_every_checked_option_refused_by_name_or_taken(activation, named, assign
         layer = convert_sync_batchnorm(nn.Sequential(nn.Conv2d(C, C, 1), layer))[1]
     names = modules._ACTIVATION_OPTIONS + modules._STATISTICS_OPTIONS
     for name, value in assignments:
-        before = ({key: getattr(layer, key) for key in names}, layer._config)
-        try:
-            setattr(layer, name, value)
-        except ValueError as error:
-            assert layer._label() in str(error)
-            assert ("model path '1'" in layer._label()) is named
-            assert ({key: getattr(layer, key) for key in names}, layer._config) == before
+        if not assign_or_refused(layer, names, name, value, named):
             continue
         options = {key: getattr(layer, key) for key in names}
         built = SyncBatchNorm(C, **options)
