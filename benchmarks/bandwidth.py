@@ -1,14 +1,16 @@
 """Effective memory bandwidth of each Triton op on a GPU, against the device's peak.
 
-    python benchmarks/bandwidth.py [--peak-gbps 3350] [--repeats 50]
+    python benchmarks/bandwidth.py [--peak-gbps GBPS] [--repeats 50]
 
 For each shape and op: the Triton launches of one call, and the bytes the op must move
 (batch_stats reads x; normalize_act and normalize_running read x and write y; backward_reduce
 reads y and dy; backward_dx reads y and dy and writes dx; batch_backward both; then torch's own
 batch_norm and leaky_relu, forward and backward, for comparison) over its median time (CUDA
 events around the call, queued behind a spin kernel so that the host's planning and launching
-do not count; after a warm-up), in GB/s and as a share of ``--peak-gbps`` (default: the H100
-SXM's 3350 GB/s). Needs a CUDA GPU: without one it says so and exits (0, nothing recorded).
+do not count; after a warm-up), in GB/s and as a share of ``--peak-gbps`` (default: this device's
+own copy rate, measured first in the same run: a 1 GiB device-to-device copy, bytes read and
+written over its median time, the ceiling an op that reads and writes memory can reach here).
+Needs a CUDA GPU: without one it says so and exits (0, nothing recorded).
 Prints its table (``--record``: into benchmarks/RESULTS.md too).
 """
 
@@ -140,10 +142,19 @@ def _time(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
+def _copy_rate(repeats: int) -> float:
+    """GB/s of a 1 GiB device-to-device copy (bytes read and written), median of ``repeats``."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    seconds = _time(lambda: dst.copy_(src), repeats)
+    return 2 * (1 << 30) / seconds / 1e9
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--peak-gbps", type=float, default=3350.0,
-                        help="the device's peak memory bandwidth (default 3350, an H100 SXM)")
+    parser.add_argument("--peak-gbps", type=float, default=None,
+                        help="the device's peak memory bandwidth (default: its measured "
+                             "device-to-device copy rate)")
     parser.add_argument("--repeats", type=int, default=50,
                         help="timed calls per op and shape; the median is reported (default 50)")
     results.add_arguments(parser)
@@ -159,7 +170,11 @@ def main() -> int:
         print("TRITON_INTERPRET is set: unset it to time the compiled kernels", file=sys.stderr)
         return 2
     name = torch.cuda.get_device_name()
-    print(f"device: {name}; peak {args.peak_gbps:.0f} GB/s")
+    measured = args.peak_gbps is None
+    if measured:
+        args.peak_gbps = _copy_rate(args.repeats)
+    peak = f"{args.peak_gbps:.0f} GB/s" + (" (this device's copy rate)" if measured else "")
+    print(f"device: {name}; peak {peak}")
     rows = []
     for shape, dtype, channels_last in SHAPES:
         x, dy, vec = _inputs(shape, dtype, channels_last)
@@ -186,7 +201,7 @@ def main() -> int:
                    notes=f"Bytes each op must move over its median time (CUDA events "
                          f"behind a spin kernel, "
                          f"{args.repeats} calls after a warm-up), against a peak of "
-                         f"{args.peak_gbps:.0f} GB/s.", gpu=name)
+                         f"{peak}.", gpu=name)
     print(json.dumps(rows))
     return 0
 

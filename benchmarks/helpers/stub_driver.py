@@ -256,11 +256,24 @@ class Stub:
         return out.raw[:length]
 
 
+def real_driver_present() -> bool:
+    """Whether this machine has a CUDA driver (its device node, or a libcuda the loader finds)."""
+    import ctypes.util
+
+    return Path("/dev/nvidiactl").exists() or ctypes.util.find_library("cuda") is not None
+
+
 def activate(sm_count: int = H100_SMS) -> Stub:
     """Make Triton launch through the stand-in driver in this process (before ``triton`` is
     imported)."""
     if "triton" in sys.modules:
         raise RuntimeError("stub_driver.activate() must run before triton is imported")
+    if real_driver_present():
+        raise SystemExit(
+            "the stand-in driver is for machines without a GPU: this one has a CUDA driver, "
+            "whose libcuda.so.1 the process would load beside the stand-in (same soname), so "
+            "launches would reach the real driver with stand-in handles. Time the real launcher "
+            "with host_profile.py --device cuda instead")
     os.environ["TRITON_INTERPRET"] = "0"
     library_path = build(sm_count)
     os.environ["TRITON_LIBCUDA_PATH"] = str(library_path.parent)
