@@ -298,7 +298,11 @@ def _graphed_step(capture, net):
         return compiled(x)
 
     for _ in range(3):  # compiled, then recorded: replayed from the next call on
+        # Gradients dropped, as an optimiser's zero_grad does: accumulating into the last
+        # step's, which the replay that follows overwrites, is refused (plain BatchNorm too).
+        net.zero_grad(set_to_none=True)
         step(torch.randn(4, 3, 12, 12, device="cuda")).square().mean().backward()
+    net.zero_grad(set_to_none=True)
     return step
 
 
