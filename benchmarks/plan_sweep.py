@@ -4,8 +4,9 @@
 
 For the shapes of ``bandwidth.py``'s first rows, the four passes over one activation (as there)
 timed with the planner's constants as shipped and with one or two of them changed: elements a
-tile (``_GPU_TILE_ELEMS``), warps a program (``_NUM_WARPS``), programs an SM for reductions
-and elementwise passes, the register ceiling the kernels compile with (``COMPILE_OPTIONS``:
+tile (``_GPU_TILE_ELEMS``), warps a program (``_NUM_WARPS``, NCHW, and
+``_NUM_WARPS_CHANNELS_LAST``), programs an SM for reductions and elementwise passes, the
+register ceiling the kernels compile with (``COMPILE_OPTIONS``:
 ptxas under 255 registers uses more than it picks alone, so fewer programs fit an SM).
 Median of ``--repeats`` calls timed as there, in us, and each configuration's four passes
 summed. Needs a CUDA GPU. Prints its table (``--record``: into benchmarks/RESULTS.md too).
@@ -25,13 +26,17 @@ from helpers.plans import forget_plans
 # Name -> the planner constants it changes (the rest as shipped).
 CONFIGS = {
     "as shipped": {},
-    "4 warps": {"_NUM_WARPS": 4},
-    "tile 1024, 4 warps": {"_GPU_TILE_ELEMS": 1024, "_NUM_WARPS": 4},
+    "4 warps": {"_NUM_WARPS": 4, "_NUM_WARPS_CHANNELS_LAST": 4},
+    "8 warps": {"_NUM_WARPS": 8, "_NUM_WARPS_CHANNELS_LAST": 8},
+    "tile 1024, 4 warps": {"_GPU_TILE_ELEMS": 1024, "_NUM_WARPS": 4,
+                           "_NUM_WARPS_CHANNELS_LAST": 4},
     "tile 4096": {"_GPU_TILE_ELEMS": 4096},
-    "tile 4096, 4 warps": {"_GPU_TILE_ELEMS": 4096, "_NUM_WARPS": 4},
+    "tile 4096, 4 warps": {"_GPU_TILE_ELEMS": 4096, "_NUM_WARPS": 4,
+                           "_NUM_WARPS_CHANNELS_LAST": 4},
     "reductions 8 a SM": {"_REDUCE_PROGRAMS_PER_SM": 8},
     "reductions 16 a SM": {"_REDUCE_PROGRAMS_PER_SM": 16},
-    "4 warps, reductions 16 a SM": {"_NUM_WARPS": 4, "_REDUCE_PROGRAMS_PER_SM": 16},
+    "4 warps, reductions 16 a SM": {"_NUM_WARPS": 4, "_NUM_WARPS_CHANNELS_LAST": 4,
+                                    "_REDUCE_PROGRAMS_PER_SM": 16},
     "elementwise 64 a SM": {"_ELEMENTWISE_PROGRAMS_PER_SM": 64},
     "no register ceiling": {"COMPILE_OPTIONS": {"enable_fp_fusion": True}},
     "registers <= 128": {"COMPILE_OPTIONS": {"enable_fp_fusion": True, "maxnreg": 128}},
@@ -81,7 +86,8 @@ def main() -> int:
         f"us per call, median of {args.repeats} (CUDA events behind a spin kernel), "
         f"leaky_relu, in place; the planner as shipped: tile "
         f"{shipped.get('_GPU_TILE_ELEMS')} elements, "
-        f"{shipped.get('_NUM_WARPS')} warps, {shipped.get('_REDUCE_PROGRAMS_PER_SM')} "
+        f"{shipped.get('_NUM_WARPS')} warps (channels_last "
+        f"{shipped.get('_NUM_WARPS_CHANNELS_LAST')}), {shipped.get('_REDUCE_PROGRAMS_PER_SM')} "
         f"reduction / {shipped.get('_ELEMENTWISE_PROGRAMS_PER_SM')} elementwise programs "
         f"an SM, compile options {shipped.get('COMPILE_OPTIONS')}."))
     return 0

@@ -42,12 +42,18 @@ TL_DTYPES = {torch.float32: tl.float32, torch.float64: tl.float64}
 _GPU_TILE_ELEMS = 2048
 _GPU_TILE_ELEMS_FP64 = 128
 _INTERPRET_TILE_ELEMS = 8192
+# Warps a program: 8 over an NCHW tile (long rows of one channel); 4 over a channels_last one
+# (rows of 16 or 64 channels, each row a few loads a thread: 8 warps leave each thread too
+# little to keep in flight, benchmarks/plan_sweep.py); 4 in float64 (twice the registers).
 _NUM_WARPS = 8
+_NUM_WARPS_CHANNELS_LAST = 4
 _NUM_WARPS_FP64 = 4
 
 
-def _num_warps(dtype: torch.dtype) -> int:
-    return _NUM_WARPS_FP64 if dtype == torch.float64 else _NUM_WARPS
+def _num_warps(dtype: torch.dtype, channels_last: bool) -> int:
+    if dtype == torch.float64:
+        return _NUM_WARPS_FP64
+    return _NUM_WARPS_CHANNELS_LAST if channels_last else _NUM_WARPS
 
 
 # Tile widths. NCHW: rows of 64 positions, each row an image (many images) or a channel of one
@@ -382,8 +388,8 @@ def plan_op_memo(sizes: tuple[int, ...], strides: tuple[int, ...], dtype: torch.
     constexprs.update(_tile_constexprs(geo, tile, dtype))
     if reduction:
         constexprs.update(_split_constexprs(geo, tile, grid[1]))
-    return OpPlan(copy, geo, stats_dtype(dtype), grid, args, constexprs, _num_warps(dtype),
-                  float(slope))
+    return OpPlan(copy, geo, stats_dtype(dtype), grid, args, constexprs,
+                  _num_warps(dtype, geo.channels_last), float(slope))
 
 
 def _contiguous_strides(sizes: tuple[int, ...]) -> tuple[int, ...]:
