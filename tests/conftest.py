@@ -26,7 +26,7 @@ if triton_available() and compat.triton_interpreting():
 
 # Elements per slab for "torch-slabs": small enough that the test shapes are cut in several
 # slabs, not a divisor of their sizes, so that the ATen path's slab walk runs (it is otherwise
-# reached only by inputs of over 65536 elements).
+# reached only by inputs of over 131072 elements).
 TINY_SLAB = 20
 
 

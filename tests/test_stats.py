@@ -1,9 +1,12 @@
-"""The Chan merge (``merge.merge_stats``) against the statistics of the whole batch."""
+"""The statistics of the whole batch: ``torch_ops.channel_stats`` against float64, and the
+Chan merge (``merge.merge_stats``) against them."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from merge import merge_stats
 
 from encoding_syncbn.kernels import torch_ops
@@ -83,3 +86,91 @@ def test_groups_m2_gradients_stay_apart_when_accumulated():
     assert len({m2.grad.data_ptr() for m2 in m2s}) == len(m2s)
     for m2 in m2s[1:]:
         torch.testing.assert_close(m2.grad, grads[1], rtol=0, atol=0)
+
+
+# Elements per slab in the tests of the slab walk: the shapes below are cut in several slabs.
+_SLAB = 24
+_STATS_RTOL = {torch.float64: 1e-12, torch.float32: 2e-6, torch.float16: 2e-6,
+               torch.bfloat16: 2e-6}
+
+
+def _layouts(x: torch.Tensor, layout: str) -> torch.Tensor:
+    if layout == "channels_last":
+        return x.contiguous(memory_format=torch.channels_last)
+    if layout == "strided":
+        return torch.cat([x, x], dim=-1)[..., ::2]
+    return x
+
+
+def _walked_stats(x: torch.Tensor, monkeypatch) -> tuple[tuple, int]:
+    """``channel_stats(x)`` walked in slabs, and how many times it took the centred passes."""
+    monkeypatch.setattr(torch_ops, "_SLAB_ELEMENTS", _SLAB)
+    centred = torch_ops._centred_stats
+    calls = []
+    monkeypatch.setattr(torch_ops, "_centred_stats", lambda *a: calls.append(1) or centred(*a))
+    return torch_ops.channel_stats(x), len(calls)
+
+
+@settings(max_examples=30, deadline=None, derandomize=True)
+@given(shape=st.tuples(st.integers(1, 5), st.integers(1, 6), st.integers(1, 5),
+                       st.integers(2, 6)),
+       layout=st.sampled_from(["contiguous", "channels_last", "strided"]),
+       dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16, torch.float64]),
+       offset=st.sampled_from([0.0, 3.0, 1e3]), sample_offset=st.sampled_from([0.0, 0.5, 50.0]),
+       seed=st.integers(0, 2**16))
+def test_channel_stats_in_slabs_match_float64(shape, layout, dtype, offset, sample_offset,
+                                              seed):
+    """Per channel, (mean, M2) of an input walked in slabs, whether its first slab's mean lies
+    near the channel's mean (one pass) or not (samples offset from one another by up to 50
+    standard deviations: the centred passes), against float64 on the same values."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=gen, dtype=torch.float64) + offset
+    x += torch.randn(shape[0], 1, 1, 1, generator=gen, dtype=torch.float64) * sample_offset
+    x = _layouts(x.to(dtype), layout)
+    with pytest.MonkeyPatch.context() as patch:
+        (mean, m2, count), _ = _walked_stats(x, patch)
+    exact = x.double().transpose(0, 1).reshape(shape[1], -1)
+    assert count == exact.shape[1]
+    spread = exact.std(1, correction=0)
+    rtol = _STATS_RTOL[dtype]
+    torch.testing.assert_close(mean.double(), exact.mean(1), rtol=0,
+                               atol=rtol * float(exact.abs().max()) + 1e-300)
+    expected_m2 = exact.var(1, correction=0) * count
+    assert ((m2.double() - expected_m2).abs() <= 8 * rtol * expected_m2
+            + rtol * (spread * 1e-3) ** 2 * count).all(), (m2, expected_m2)
+
+
+@pytest.mark.parametrize("sample_offset, centred_passes", [(0.0, 0), (20.0, 1)])
+def test_channel_stats_take_one_pass_where_the_shift_is_near(sample_offset, centred_passes,
+                                                               monkeypatch):
+    """One pass where the first slab's mean lies within a standard deviation of the
+    channel's mean; the centred passes where it does not (the first samples' offset)."""
+    x = torch.randn(6, 3, 4, 5, dtype=torch.float64) + 1e3
+    x[:2] += sample_offset
+    (mean, m2, _), calls = _walked_stats(x, monkeypatch)
+    assert calls == centred_passes
+    exact = x.transpose(0, 1).reshape(3, -1)
+    torch.testing.assert_close(mean, exact.mean(1), rtol=1e-14, atol=0)
+    torch.testing.assert_close(m2, exact.var(1, correction=0) * exact.shape[1], rtol=1e-11,
+                               atol=0)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("where", ["first slab", "last slab", "inf and -inf"])
+def test_channel_stats_of_non_finite_inputs_are_the_centred_passes(value, where, monkeypatch):
+    """A NaN or infinite input element gives the (mean, M2) of the centred passes (those the
+    layer's NaN and inf patterns were set against), wherever it lies."""
+    x = torch.randn(4, 3, 3, 4)
+    if where == "first slab":
+        x[0, 1, 0, 0] = value
+    elif where == "last slab":
+        x[-1, 2, -1, -1] = value
+    else:
+        x[0, 1, 0, 0], x[-1, 1, -1, -1] = value, -value
+    (mean, m2, count), calls = _walked_stats(x, monkeypatch)
+    assert calls == 1
+    rows = torch_ops._as_rows(x)
+    slabs = torch_ops._pieces(rows)
+    expected = torch_ops._centred_stats(rows, slabs, torch.empty_like(slabs[0][0]), count)
+    for got, want in zip((mean, m2), expected):
+        torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)

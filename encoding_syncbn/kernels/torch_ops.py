@@ -31,6 +31,7 @@ vectors broadcast against them as they are.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from .. import activations, compat
@@ -57,7 +58,7 @@ def stats_dtype(dtype: torch.dtype) -> torch.dtype:
 
 # Elements per slab: large enough to amortise the per-call overhead, small enough to stay in
 # cache between the few ops applied to it.
-_SLAB_ELEMENTS = 1 << 16
+_SLAB_ELEMENTS = 1 << 17
 
 
 def _as_rows(t: torch.Tensor) -> torch.Tensor | None:
@@ -141,9 +142,11 @@ def channel_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Per-channel ``(mean, M2, count)`` with ``M2 = sum((x - mean)^2)``.
 
     One slab: the mean, and ATen's Welford variance (accumulating in double on the CPU).
-    Larger: two passes in the statistics dtype (the sum, then the centred squares, corrected
-    by the centred sum: ``sum(c^2) - sum(c)^2 / n``, exact for a rounded mean). Never
-    ``E[x^2] - E[x]^2``. An empty batch gives zeros, so that it drops out of any Chan merge.
+    Larger, on the CPU: one pass in the statistics dtype over the deviations ``d = x - K``
+    from a shift ``K``, the first slab's mean (``_shifted_stats``), unless that pass finds ``K``
+    further than a standard deviation from the mean or a sum not finite; then, as on other
+    devices, two passes (``_centred_stats``). Never ``E[x^2] - E[x]^2``. An empty batch gives
+    zeros, so that it drops out of any Chan merge.
     """
     channels = x.shape[1]
     count = x.numel() // channels if channels else 0
@@ -157,16 +160,61 @@ def channel_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
         # the Welford mean of var_mean is NaN).
         return wide.mean(dim=dims), wide.var(dim=dims, correction=0).mul_(count), count
     rows = _as_rows(_in_rows_layout(x))
-    mean = rows.sum(dim=(0, 2), dtype=acc).div_(count)
-    m2, centred_sum = torch.zeros_like(mean), torch.zeros_like(mean)
     slabs = _pieces(rows)
     scratch = torch.empty_like(slabs[0][0], dtype=acc)
+    if x.is_cpu:
+        shifted = _shifted_stats(slabs, scratch, count)
+        if shifted is not None:
+            return (*shifted, count)
+    return (*_centred_stats(rows, slabs, scratch, count), count)
+
+
+def _sums_around(slabs, scratch: torch.Tensor, shift: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per channel, ``(sum(d), sum(d^2))`` of the deviations ``d = x - shift`` over the slabs,
+    in the statistics dtype."""
+    total, squares = torch.zeros_like(shift), torch.zeros_like(shift)
     for (slab,) in slabs:
-        centred = torch.sub(slab, mean, out=_fitted(scratch, slab))
-        centred_sum += centred.sum(dim=(0, 1))
-        m2 += centred.mul_(centred).sum(dim=(0, 1))
+        deviation = torch.sub(slab, shift, out=_fitted(scratch, slab))
+        total += deviation.sum(dim=(0, 1))
+        squares += deviation.mul_(deviation).sum(dim=(0, 1))
+    return total, squares
+
+
+def _shifted_stats(slabs, scratch: torch.Tensor, count: int
+                   ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(mean, M2)`` in one pass over the slabs, ``mean = K + sum(d) / n`` and ``M2 = sum(d^2)
+    - sum(d)^2 / n`` for ``d = x - K``, with ``K`` the first slab's mean (0 where it is not
+    finite); None where a channel's ``K`` lies further than a standard deviation from its mean
+    (``sum(d)^2 / n > M2``: the subtraction would cost more digits than the centred passes
+    lose) or a sum is not finite (NaN and inf inputs take the centred passes' conventions).
+
+    Near the mean, ``sum(d^2)`` is at most twice M2 and the subtraction exact to a few
+    roundings, so that the result is as precise as the centred passes', for one read of x
+    instead of two. The check reads the (C,) sums on the host through numpy (no ATen op)."""
+    first = slabs[0][0]
+    shift = first.sum(dim=(0, 1), dtype=scratch.dtype).div_(first.numel() // first.shape[-1])
+    shift.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+    total, squares = _sums_around(slabs, scratch, shift)
+    if type(total) is not torch.Tensor:  # a tracer's fakes: no values to check
+        return None
+    t, s = (sums.detach().numpy().astype(np.float64) for sums in (total, squares))
+    if not (np.isfinite(s).all() and np.isfinite(t).all() and (2 * t * t <= s * count).all()):
+        return None
+    mean_deviation = total / count
+    m2 = squares.addcmul_(total, mean_deviation, value=-1.0)
+    return mean_deviation.add_(shift), m2
+
+
+def _centred_stats(rows: torch.Tensor, slabs, scratch: torch.Tensor, count: int
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(mean, M2)`` in two passes over x (``rows``: its ``(A, C, B)`` view, cut in
+    ``slabs``) in the statistics dtype: the sum, then the centred squares, corrected by the
+    centred sum (``sum(c^2) - sum(c)^2 / n``, exact for a rounded mean)."""
+    mean = rows.sum(dim=(0, 2), dtype=scratch.dtype).div_(count)
+    centred_sum, m2 = _sums_around(slabs, scratch, mean)
     # The mean's error (an fp32 sum's, or its rounding) would add n * error^2 to M2.
-    return mean, m2.addcmul_(centred_sum, centred_sum, value=-1.0 / count), count
+    return mean, m2.addcmul_(centred_sum, centred_sum, value=-1.0 / count)
 
 
 @torch.no_grad()
