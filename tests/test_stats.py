@@ -174,3 +174,18 @@ def test_channel_stats_of_non_finite_inputs_are_the_centred_passes(value, where,
     expected = torch_ops._centred_stats(rows, slabs, torch.empty_like(slabs[0][0]), count)
     for got, want in zip((mean, m2), expected):
         torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_slab_walks_off_the_cpu_take_a_few_large_slabs(channels_last):
+    """On the CPU a large activation is walked in cache-sized slabs; on another device (a GPU
+    without Triton) each slab's ATen calls are kernel launches, so the walk takes few large
+    slabs there. Meta tensors stand in for a GPU's: the walk only cuts views."""
+    shape, format = (8, 256, 128, 128), torch.channels_last if channels_last else None
+    kwargs = {"memory_format": format} if format else {}
+    on_cpu = torch_ops._pieces(torch.empty(shape, **kwargs))
+    on_device = torch_ops._pieces(torch.empty(shape, device="meta", **kwargs))
+    elements = torch.Size(shape).numel()
+    assert len(on_cpu) >= elements // torch_ops._SLAB_ELEMENTS
+    assert len(on_device) <= -(-elements // torch_ops._DEVICE_SLAB_ELEMENTS)
+    assert sum(piece.numel() for (piece,) in on_device) == elements

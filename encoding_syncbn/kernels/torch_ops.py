@@ -19,10 +19,10 @@ Notation, per channel c and element e of that channel::
 the output ``y`` (``saved_is_output=True``, the in-place case), from which ``z`` and ``xhat``
 are rebuilt by inverting the activation.
 
-A tensor of at most ``_SLAB_ELEMENTS`` elements is processed whole, in as few ATen calls as
-the math allows: on small inputs the per-call overhead is the cost (and, with replicas in
-threads, every call is a chance to lose the GIL). A larger one is walked in slabs of about
-``_SLAB_ELEMENTS`` elements along an ``(A, C, B)`` view, through small scratch buffers reused
+A tensor of at most a slab's elements (``_slab_elements``) is processed whole, in as few ATen
+calls as the math allows: on small inputs the per-call overhead is the cost (and, with replicas
+in threads, every call is a chance to lose the GIL). A larger one is walked in slabs of about
+that many elements along an ``(A, C, B)`` view, through small scratch buffers reused
 from slab to slab, with ``out=`` and in-place ATen calls: full-size temporaries would cost
 memory (the layer's point is to keep one activation, not three) and, on the CPU, more time
 in page faults than the arithmetic itself. Pieces are viewed channel-last, so that the (C,)
@@ -56,9 +56,17 @@ def stats_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-# Elements per slab: large enough to amortise the per-call overhead, small enough to stay in
-# cache between the few ops applied to it.
+# Elements per slab on the CPU: large enough to amortise the per-call overhead, small enough to
+# stay in cache between the few ops applied to it. On other devices (a GPU without Triton)
+# every ATen call of a slab is a kernel launch and there is no cache to stay in: slabs there
+# are as large as a bounded scratch buffer allows.
 _SLAB_ELEMENTS = 1 << 17
+_DEVICE_SLAB_ELEMENTS = 1 << 24
+
+
+def _slab_elements(t: torch.Tensor) -> int:
+    """Elements per slab for a walk over ``t``, by its device."""
+    return _SLAB_ELEMENTS if t.is_cpu else _DEVICE_SLAB_ELEMENTS
 
 
 def _as_rows(t: torch.Tensor) -> torch.Tensor | None:
@@ -88,16 +96,17 @@ def _pieces(*tensors: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
     slab (an NCHW sample's map), so that a piece and its scratch stay in cache between the
     ops applied to them."""
     views: dict[int, torch.Tensor] = {}  # one view per distinct tensor (out may be x)
-    if tensors[0].numel() <= _SLAB_ELEMENTS:
+    slab = _slab_elements(tensors[0])
+    if tensors[0].numel() <= slab:
         return [tuple(_view_once(views, t, _channel_last) for t in tensors)]
     rows = [_view_once(views, t, lambda t: _as_rows(t).transpose(1, 2)) for t in tensors]
     count, columns, channels = rows[0].shape
     per_row = max(1, columns * channels)
-    if per_row > _SLAB_ELEMENTS:
-        step = max(1, _SLAB_ELEMENTS // max(1, channels))
+    if per_row > slab:
+        step = max(1, slab // max(1, channels))
         return [tuple(r[a:a + 1, b:b + step] for r in rows)
                 for a in range(count) for b in range(0, columns, step)]
-    step = _SLAB_ELEMENTS // per_row
+    step = slab // per_row
     return [tuple(r[a:a + step] for r in rows) for a in range(0, count, step)]
 
 
@@ -117,7 +126,7 @@ def _view_once(views: dict[int, torch.Tensor], t: torch.Tensor, make) -> torch.T
 
 def _in_rows_layout(t: torch.Tensor) -> torch.Tensor:
     """``t`` itself if it is one slab or has an ``(A, C, B)`` view, else a contiguous copy."""
-    if t.numel() <= _SLAB_ELEMENTS or _as_rows(t) is not None:
+    if t.numel() <= _slab_elements(t) or _as_rows(t) is not None:
         return t
     return t.contiguous()
 
@@ -125,7 +134,7 @@ def _in_rows_layout(t: torch.Tensor) -> torch.Tensor:
 def _target_for(out: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
     """``out`` if a walk over ``source`` can write into it piece by piece, else a temporary in
     ``source``'s layout, for the caller to copy into ``out`` afterwards."""
-    if source.numel() <= _SLAB_ELEMENTS:
+    if source.numel() <= _slab_elements(source):
         return out
     rows = _as_rows(out)
     if rows is not None and rows.stride() == _as_rows(source).stride():
@@ -154,7 +163,7 @@ def channel_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
     if count == 0:
         mean = torch.zeros(channels, dtype=acc, device=x.device)
         return mean, torch.zeros_like(mean), 0
-    if x.numel() <= _SLAB_ELEMENTS:
+    if x.numel() <= _slab_elements(x):
         wide, dims = as_dtype(x, acc), [0, *range(2, x.dim())]
         # The mean on its own, as BatchNorm takes it (an inf input gives an inf mean, where
         # the Welford mean of var_mean is NaN).
@@ -400,7 +409,7 @@ def _backward_pieces(saved, dy, params: NormParams, saved_is_output: bool, *outs
     mean, invstd, weight, bias, activation, slope = params
     if saved_is_output and activations.ACTIVATIONS[activation].inverse is None:
         raise ValueError(f"activation {activation!r} cannot be inverted from its output")
-    if saved.numel() > _SLAB_ELEMENTS and (
+    if saved.numel() > _slab_elements(saved) and (
         _as_rows(dy) is None or _as_rows(dy).stride() != _as_rows(saved).stride()
     ):
         # One copy of dy into saved's layout, so that both walk in step.
