@@ -32,6 +32,8 @@ from encoding_syncbn import (
     revert_sync_batchnorm,
 )
 from encoding_syncbn import inplace_abn as ours
+from encoding_syncbn.conversions.reporting import FEW_VALUES
+from encoding_syncbn.layer.inplace_policy import MIN_REBUILT_COUNT
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -513,7 +515,9 @@ def test_memory_estimate_is_what_autograd_keeps(name):
     """The estimate, from meta tensors, is the bytes a real training forward keeps, before
     and after; the rows' savings are the change of its activation-sized tensors."""
     original = built(_models()[name])
-    shape = (2, 3, 32, 32)
+    # Enough values a channel at every layer (the efficientnet's last, at 1x1: the batch) to
+    # train in place: their output goes to the pooling, which keeps nothing.
+    shape = (24, 3, 32, 32)
     state = copy.deepcopy(original.state_dict())
     converted, report = convert_inplace_abn(copy.deepcopy(original), report=True,
                                             input_shape=shape)
@@ -526,6 +530,26 @@ def test_memory_estimate_is_what_autograd_keeps(name):
     assert sum(row.saved_bytes for row in report.rows) == (
         kept_by_autograd(original, shape, activations=True)
         - kept_by_autograd(converted, shape, activations=True)) > 0
+    assert not any(FEW_VALUES in row.reason for row in report.rows)
+
+
+@pytest.mark.parametrize("batch", [4, MIN_REBUILT_COUNT])
+def test_a_layer_over_too_few_values_trains_out_of_place_in_the_estimate(batch):
+    """An image-pooling branch, (N, C, 1, 1): over fewer than MIN_REBUILT_COUNT values a
+    channel its in-place layer trains out of place (keeping its input); the row says so and
+    counts it so, as autograd keeps it. Over enough values, in place."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Conv2d(3, 8, 1), nn.BatchNorm2d(8),
+                          nn.LeakyReLU(), nn.Conv2d(8, 4, 1))
+    shape = (batch, 3, 8, 8)
+    converted, report = convert_inplace_abn(copy.deepcopy(model), report=True,
+                                            input_shape=shape)
+    row = rows(report)["2"]
+    few = batch < MIN_REBUILT_COUNT
+    assert row.in_place and (FEW_VALUES in row.reason) == few
+    assert row.kept_after == (2 if few else 1)
+    assert row.saved_bytes == (kept_by_autograd(model, shape, activations=True)
+                               - kept_by_autograd(converted, shape, activations=True))
 
 
 def test_a_model_in_data_parallel():

@@ -47,7 +47,8 @@ def inputs(shape=(4, 3, 5)):
 @pytest.mark.parametrize("activation,inplace", MODES)
 def test_batch_norm_act(activation, inplace):
     config = ActConfig(activation, 0.3, inplace=inplace)
-    x, w, b = inputs()
+    # Enough values a channel to train in place (inplace_policy.MIN_REBUILT_COUNT).
+    x, w, b = inputs((5, 3, 5))
     # clone: gradcheck's inputs are leaves, which an in-place Function may not overwrite.
     assert torch.autograd.gradcheck(
         lambda x, w, b: batch_norm_act(x.clone(), w, b, 1e-3, config), (x, w, b)
@@ -136,5 +137,6 @@ def test_layer_across_simulated_replicas(activation):
     with torch.no_grad():
         layer.weight.copy_(torch.tensor([1.3, -0.6, 0.0]))
     model = SimulatedDataParallel(layer, 3)
-    x = torch.randn(7, 3, 2, dtype=torch.float64, requires_grad=True)
+    # Enough values a channel over the whole batch to train in place (MIN_REBUILT_COUNT).
+    x = torch.randn(11, 3, 3, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(lambda x: model(x * 1), (x,))

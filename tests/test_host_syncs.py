@@ -99,7 +99,7 @@ def test_a_gamma_that_becomes_zero_is_kept_aside_at_the_next_call():
     """The in-place layer's choice of channels follows the parameters (on the CPU the check's
     answer is there at once): a gamma zeroed between calls gets exact gradients."""
     layer = SyncBatchNorm(3, activation="leaky_relu", slope=0.2, dtype=DT)
-    x = torch.randn(5, 3, 4, dtype=DT)
+    x = torch.randn(6, 3, 4, dtype=DT)  # enough values a channel to train in place
     layer(x * 1).sum().backward()
     with torch.no_grad():
         layer.weight[1] = 0.0

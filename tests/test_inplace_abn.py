@@ -137,7 +137,7 @@ def test_the_formula_alone(cls, activation, training):
     assert layer.inplace == (cls is not ABN)
     ref = Formula.of(layer)
     for step in range(2):
-        x = torch.randn(3, C, 2, 3, dtype=torch.float64) * 2 + 1
+        x = torch.randn(4, C, 2, 3, dtype=torch.float64) * 2 + 1  # values to train in place
         check_step(layer, ref, layer, x, step, 0.1)
     assert layer.num_batches_tracked.item() == (2 if training else 0)
 
@@ -152,7 +152,7 @@ def test_data_parallel_normalises_the_whole_batch(cls, replicas):
     ref = Formula.of(layer)
     model = SimulatedDataParallel(layer, replicas)
     for step in range(2):
-        x = torch.randn(7, C, 3, dtype=torch.float64) * 3 - 1
+        x = torch.randn(9, C, 3, dtype=torch.float64) * 3 - 1  # values to train in place
         check_step(layer, ref, model, x, step, 1.0 / (step + 1))
     assert layer.num_batches_tracked.item() == 2
 
@@ -256,7 +256,7 @@ def test_activation_param_assigned_after_construction(param):
     torch.manual_seed(4)
     layer = make(InPlaceABN, "leaky_relu")
     ref = Formula.of(layer)
-    x = torch.randn(4, C, 3, dtype=torch.float64)
+    x = torch.randn(8, C, 3, dtype=torch.float64)  # enough values to train in place
     for step, value in enumerate([param, 0.1, param]):
         layer.activation_param = value
         assert (layer.slope, layer.inplace) == (value, value > 0)
@@ -292,7 +292,8 @@ def test_the_functions(function):
     running_var = torch.ones(C, dtype=torch.float64)
     ref = Formula(weight, bias, running_mean, running_var, 1e-3, magnitude=True)
     for training in (True, False):
-        x = torch.randn(3, C, 5, dtype=torch.float64)
+        # Enough values a channel to train in place (inplace_policy.MIN_REBUILT_COUNT).
+        x = torch.randn(3, C, 8, dtype=torch.float64)
         grad = torch.randn_like(x)
         expected, expected_dx = ref.step(x, grad, training, 0.3, "elu", 0.7)
         leaf = x.clone().requires_grad_()
@@ -350,8 +351,8 @@ def test_mapillarys_layers_convert_and_revert_exactly(name):
     converted.load_state_dict(state, strict=True)
     ref = Formula(weight, layer.bias, layer.running_mean, layer.running_var, 1e-4,
                   magnitude=name != "ABN")
-    check_step(layer, ref, SimulatedDataParallel(layer, 2),
-               torch.randn(5, C, 3, dtype=torch.float64), 0, 0.2)
+    check_step(layer, ref, SimulatedDataParallel(layer, 2),  # enough values to train in place
+               torch.randn(8, C, 3, dtype=torch.float64), 0, 0.2)
 
     reverted = revert_sync_batchnorm(converted)
     assert type(reverted[0]) is globals()[name] and not reverted[0].sync
@@ -392,8 +393,8 @@ def test_a_model_pickled_by_mapillarys_package_loads_after_install(monkeypatch):
     assert (layer.activation, layer.activation_param, layer.group) == ("elu", 0.7, None)
     ref = Formula(original.weight, original.bias, original.running_mean, original.running_var,
                   1e-4, magnitude=True)
-    check_step(layer, ref, SimulatedDataParallel(layer, 2),
-               torch.randn(5, C, 3, dtype=torch.float64), 0, 0.2)
+    check_step(layer, ref, SimulatedDataParallel(layer, 2),  # enough values to train in place
+               torch.randn(8, C, 3, dtype=torch.float64), 0, 0.2)
     assert type(revert_sync_batchnorm(nn.Sequential(layer))[0]) is InPlaceABNSync
 
 

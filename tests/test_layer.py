@@ -84,7 +84,9 @@ _BIASES = [0.0, 0.5, -1.0, 100.0]
 @given(
     mode=st.sampled_from(list(activation_modes())),
     replicas=st.integers(1, 4),
-    batch=st.integers(2, 9),
+    # Values a channel on both sides of inplace_policy.MIN_REBUILT_COUNT, below which an
+    # in-place layer trains out of place.
+    batch=st.integers(2, 30),
     rank=st.sampled_from(sorted(_SPATIAL)),
     channels_last=st.booleans(),
     channels=st.integers(1, 5),
@@ -286,16 +288,17 @@ def test_half_model_running_stats_are_batchnorms(momentum, replicas):
 @pytest.mark.parametrize("activation,inplace", list(activation_modes()))
 @pytest.mark.parametrize("replicas,batch", [(1, 5), (2, 6), (3, 7), (4, 8), (4, 6), (4, 3)])
 def test_training_matches_full_batch(activation, inplace, replicas, batch):
-    """Even and uneven splits, and fewer chunks than replicas (6 over 4 gives 3)."""
+    """Even and uneven splits, and fewer chunks than replicas (6 over 4 gives 3); values a
+    channel enough to train in place (inplace_policy.MIN_REBUILT_COUNT)."""
     layer = make_layer(activation, inplace)
     twin = plain_twin(layer, 4)
     gen = torch.Generator().manual_seed(batch * 10 + replicas)
-    shape = (batch, C, 3, 2)
+    shape = (batch, C, 3, 3)
     run_steps(layer, twin, lambda s: torch.randn(shape, generator=gen, dtype=torch.float64),
               replicas, activation)
 
 
-@pytest.mark.parametrize("shape", [(9, C), (9, C, 5), (5, C, 3, 2), (5, C, 2, 3, 2)])
+@pytest.mark.parametrize("shape", [(24, C), (9, C, 5), (5, C, 3, 2), (5, C, 2, 3, 2)])
 @pytest.mark.parametrize("activation,inplace", [("leaky_relu", True), ("none", False)])
 @pytest.mark.parametrize("replicas", [1, 3])
 def test_any_number_of_trailing_dims(shape, activation, inplace, replicas):
@@ -387,7 +390,7 @@ def test_layer_called_twice_in_one_forward():
         def forward(self, x):
             return self.norm(self.norm(x) * 2 + 1)
 
-    x = torch.randn(11, C, dtype=torch.float64)
+    x = torch.randn(25, C, dtype=torch.float64)  # enough values to train in place
     grad = torch.randn_like(x)
     leaf = x.clone().requires_grad_()
     out = SimulatedDataParallel(Twice(layer), 4)(leaf * 1)
@@ -554,7 +557,8 @@ def test_sync_false_is_per_replica_batchnorm():
 def test_constructor_options_of_batchnorm(options, replicas):
     layer = make_layer("identity", **options)
     twin = plain_twin(layer, 3)
-    run_steps(layer, twin, lambda s: torch.randn(6, C, 3, dtype=torch.float64) + s, replicas,
+    # Enough values a channel to train in place (inplace_policy.MIN_REBUILT_COUNT).
+    run_steps(layer, twin, lambda s: torch.randn(8, C, 3, dtype=torch.float64) + s, replicas,
               "identity", steps=4)
     if not layer.track_running_stats:  # in eval too, the whole batch's statistics are used
         layer.eval()
@@ -948,7 +952,7 @@ def test_any_assignments_compute_as_a_layer_built_with_them(assignments, pickled
     built = SyncBatchNorm(C, activation=layer.activation, slope=layer.slope,
                           inplace=layer.inplace).double()
     built.load_state_dict(layer.state_dict())
-    x = torch.randn(6, C, 3, dtype=torch.float64)
+    x = torch.randn(8, C, 3, dtype=torch.float64)  # enough values to train in place
     grad = torch.randn_like(x)
     outputs = []
     for module in (layer, built):

@@ -731,8 +731,9 @@ def test_checkpoint_non_reentrant_matches_reference(replica_waits):
     ref.load_state_dict(ckpt.state_dict())
     opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (ckpt, ref)]
     for s in range(2):
-        x, _ = batch(10, seed=70 + s)
-        y = torch.randn(10, 2, dtype=DT, generator=torch.Generator().manual_seed(s))
+        # Enough values a channel to train, and recompute, in place (MIN_REBUILT_COUNT).
+        x, _ = batch(24, seed=70 + s)
+        y = torch.randn(24, 2, dtype=DT, generator=torch.Generator().manual_seed(s))
         replica_waits.clear()
         out_c, grads_c = step(ckpt, opts[0], x, y, 4)
         # One wait a replica and sync layer, in the forward: the recomputation waits on no peer.
@@ -788,7 +789,8 @@ def test_checkpoint_around_an_inplace_layer_on_its_own_input_raises(replicas):
 
     model = Model()
     runner = SimulatedDataParallel(model, replicas) if replicas else model
-    out = runner(batch(8, seed=90)[0])
+    # Enough values a channel to train in place (inplace_policy.MIN_REBUILT_COUNT).
+    out = runner(batch(24, seed=90)[0])
     with pytest.raises(RuntimeError):
         out.sum().backward()
 
@@ -1191,7 +1193,7 @@ def test_nested_wrappers_around_checkpointed_blocks_match_the_whole_batch():
     ref = CheckpointNet(sync=False)
     ref.load_state_dict(ckpt.state_dict())
     opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (ckpt, ref)]
-    x, y = batch(9, seed=91)
+    x, y = batch(25, seed=91)  # enough values a channel to train in place
     out, grads = train_step(nested(ckpt, [2, 2]), ckpt, opts[0], x, y[:, :2])
     ref_out, ref_grads = train_step(ref, ref, opts[1], x, y[:, :2])
     torch.testing.assert_close(out, ref_out, **TOL)

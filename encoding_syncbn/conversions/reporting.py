@@ -82,12 +82,15 @@ def activation_step(module: nn.Module | None, in_place: bool = False) -> Step | 
     return Step("copy", True) if in_place else Step("input", False)
 
 
-def norm_chain(layer: nn.Module) -> list[Step]:
+def norm_chain(layer: nn.Module, trains_in_place: bool = True) -> list[Step]:
     """The steps of a norm layer with the activation modules it holds (``act``, timm's and
-    ``SyncBatchNormAct``'s; a fused activation is part of the layer's own step)."""
+    ``SyncBatchNormAct``'s; a fused activation is part of the layer's own step);
+    ``trains_in_place`` False: an in-place ``SyncBatchNorm`` that trains out of place on the
+    input (too few values a channel, see ``few_values``)."""
     name = type(layer).__name__.lower()
     if isinstance(layer, SyncBatchNorm):
-        step = Step("output", True) if layer.inplace else Step("input", False)
+        in_place = layer.inplace and trains_in_place
+        step = Step("output", True) if in_place else Step("input", False)
     elif "inplace" in name:  # mapillary's and timm's InPlaceABN
         step = Step("output", True)
     elif "frozen" in name:  # a product with fixed factors keeps nothing
@@ -219,18 +222,24 @@ def build(converter: str, originals: dict[str, nn.Module], converted: nn.Module,
     """The report of ``converter``, which made ``converted`` of a model whose norm layers
     were ``originals`` (by path), and log its summary."""
     rows = []
+    dtype = None if memory is None else getattr(torch, memory.dtype)
     for path, original in originals.items():
         final = converted.get_submodule(path)
         judgement = judgements[path]
         follower = [judgement.follower] if judgement.follower is not None else []
         synced = isinstance(final, SyncBatchNorm) and final.sync
+        in_place = bool(getattr(final, "inplace", False))
+        few = in_place and few_values(final, None if input_bytes is None
+                                      else input_bytes.get(path), dtype)
+        reason = judgement.reason + (f"; trains out of place on this input: {FEW_VALUES}"
+                                     if few else "")
         rows.append(NormLayerReport(
             path=path, before=type(original).__name__, after=type(final).__name__,
-            synchronised=synced, in_place=bool(getattr(final, "inplace", False)),
-            activation=activation_text(final), reason=judgement.reason,
+            synchronised=synced, in_place=in_place,
+            activation=activation_text(final), reason=reason,
             source=judgement.source,
             kept_before=kept_tensors(norm_chain(original) + follower),
-            kept_after=kept_tensors(norm_chain(final)
+            kept_after=kept_tensors(norm_chain(final, not few)
                                     + ([] if judgement.absorbed else follower)),
             # A layer the forward does not call keeps nothing.
             input_bytes=None if input_bytes is None else input_bytes.get(path, 0),
@@ -239,6 +248,20 @@ def build(converter: str, originals: dict[str, nn.Module], converted: nn.Module,
     report = ConversionReport(converter, tuple(rows), memory)
     _log.info("%s", report.summary())
     return report
+
+
+FEW_VALUES = (f"fewer than {inplace_policy.MIN_REBUILT_COUNT} values a channel to rebuild "
+              "its input from")
+
+
+def few_values(layer: nn.Module, input_bytes: int | None, dtype: torch.dtype | None) -> bool:
+    """Whether the in-place ``layer``, on an input of ``input_bytes`` bytes of ``dtype`` (one
+    replica and process: the whole batch), trains out of place: too few values a channel
+    (``inplace_policy.rebuilds_from_count``); False where the input is not known."""
+    if not input_bytes or dtype is None or not getattr(layer, "num_features", 0):
+        return False
+    count = input_bytes // (dtype.itemsize * layer.num_features)
+    return not inplace_policy.rebuilds_from_count(count, dtype)
 
 
 # A class named as a BatchNorm is: BatchNorm2d, FrozenBatchNorm2d, BatchNormAct2d, MyBatchNorm.

@@ -62,8 +62,7 @@ _OUT_OF_PLACE_IN_HALF_PRECISION = frozenset({"elu"})
 
 
 # The fewest values a channel (over the whole synchronised batch: every replica and rank) over
-# which an in-place layer trains in place on half-precision inputs; see
-# ``rebuilds_from_count``.
+# which an in-place layer trains in place, in every dtype; see ``rebuilds_from_count``.
 MIN_REBUILT_COUNT = 23
 
 # What ``MIN_REBUILT_COUNT`` is derived from, besides the largest |beta| / |gamma| of a channel
@@ -76,9 +75,9 @@ ACCEPTED_FAILURE_CHANCE = 1e-6
 
 def rebuilds_from_count(count: int, dtype: torch.dtype) -> bool:
     """Whether an in-place layer whose batch statistics are taken over ``count`` values a
-    channel (all replicas and ranks) may rebuild an input of ``dtype`` for the input
-    gradient; if not, it trains out of place (such layers are tiny: an (N, C, 1, 1) pooling
-    branch).
+    channel (all replicas and ranks) may rebuild its input for the input gradient; if not, it
+    trains out of place (such layers are tiny: an (N, C, 1, 1) pooling branch). The count
+    alone decides, in every ``dtype``.
 
     Why the count matters. Per channel, with xhat the normalised input, dz the gradient
     reaching the activation's input, m = mean(dz * xhat) and n = ``count``::
@@ -87,8 +86,7 @@ def rebuilds_from_count(count: int, dtype: torch.dtype) -> bool:
 
     r is dz less its components along 1 and xhat: n - 2 degrees of freedom. In place, xhat
     is rebuilt from the output, whose rounding u (half an ulp) gives each value an error
-    d_i with |d_i| <= u (|xhat_i| + rho), rho = |beta| / |gamma| (at most
-    ``HALF_PRECISION_LIMIT`` in a channel rebuilt). That changes dx by::
+    d_i with |d_i| <= u (|xhat_i| + rho), rho = |beta| / |gamma|. That changes dx by::
 
         w * invstd * (d_i * m + xhat_i * mean(dz * d))
 
@@ -105,16 +103,22 @@ def rebuilds_from_count(count: int, dtype: torch.dtype) -> bool:
     dz does not depend on how the output rounds: as a direction random against xhat in the
     n - 1 dimensions of centred values, sin^2 t follows Beta((n - 2) / 2, 1 / 2), and the bound
     fails with chance ``I(1 - c*; (n - 2) / 2, 1 / 2)`` (the regularised incomplete beta
-    function), which falls with n and is first below ``ACCEPTED_FAILURE_CHANCE`` at
-    ``MIN_REBUILT_COUNT`` (tests/test_half_precision.py derives it again). At n = 2 dx is 0
+    function), which falls with n and, at rho = 1, is first below ``ACCEPTED_FAILURE_CHANCE``
+    at ``MIN_REBUILT_COUNT`` (tests/test_half_precision.py derives it again). At n = 2 dx is 0
     whatever the rebuild.
 
-    Float16 and bfloat16 only, where the gradients are bound by nn.BatchNorm2d's error in the
-    same dtype. In float32 and float64 the rebuild's error is the output's far finer rounding
-    amplified by up to ``MIN_INVERTIBLE_GAMMA``'s inverse and by the same cancellation, which
-    this rule leaves alone.
+    The same in every dtype, since the analysis is in units of the output's own rounding:
+    a call over fewer values computes as ``inplace=False`` does, leaving the gradients the
+    error of the layer's arithmetic alone. From ``MIN_REBUILT_COUNT`` values on, the bound
+    holds with that chance for a channel of rho <= 1 whose rebuild computes in a dtype finer
+    than its output's: every channel rebuilt in float16 and bfloat16 (float32 arithmetic,
+    rho <= ``HALF_PRECISION_LIMIT``). In float32 and float64 the rebuild's arithmetic rounds
+    as finely as the output, and channels of rho up to ``1 / MIN_INVERTIBLE_GAMMA`` are
+    rebuilt: by c* the error there grows as (1 + rho) / sqrt(n), which no count a layer trains
+    on bounds for rho in the hundreds; keeping those channels aside is the memory this dtype
+    trades for it (README, Limits).
     """
-    return count >= MIN_REBUILT_COUNT or dtype not in torch_ops.HALF_DTYPES
+    return count >= MIN_REBUILT_COUNT
 
 
 def stays_in_place(activation: str, dtype: torch.dtype) -> bool:

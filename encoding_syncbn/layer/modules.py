@@ -83,10 +83,11 @@ class SyncBatchNorm(_BatchNorm):
             error).
             In place, 1/slope must be finite in the compute dtype (float32 unless ``dtype``
             is float64). On float16 and bfloat16 inputs (autocast) channels with
-            |beta| >= |gamma| keep their input aside, and ELU runs out of place, as does a
-            training call over fewer than ``inplace_policy.MIN_REBUILT_COUNT`` values a
-            channel in the whole batch: a rebuild from a half-precision output would lose
-            precision (see ``channels_aside``, ``inplace_policy``).
+            |beta| >= |gamma| keep their input aside, and ELU runs out of place: a rebuild
+            from a half-precision output would lose precision. In any dtype, a training
+            call over fewer than ``inplace_policy.MIN_REBUILT_COUNT`` values a channel in
+            the whole batch runs out of place: so few values leave the rebuilt input's
+            rounding unaveraged (see ``channels_aside``, ``inplace_policy``).
 
     In place, the tensor passed in is overwritten and returned. A tensor autograd will not let
     us overwrite (a leaf that requires grad, an output of ``torch.chunk``/``split``) is

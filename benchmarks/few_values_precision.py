@@ -1,0 +1,134 @@
+"""How far an in-place layer's input gradient is from the README's bound, by the count of values
+a channel and |beta| / |gamma|, in float32 and float64.
+
+    python benchmarks/few_values_precision.py [--rule off | --inplace off] [--backend triton]
+        [--record]
+
+The bound (README, Limits): per channel, dx's error <= 3 max(nn.BatchNorm2d + the activation's
+error in the same dtype, half an ulp of the channel's largest |dx|), errors against an exact
+(long double) reference (helpers/rebuild_error.py). In place, backward rebuilds the input from
+the rounded output, an error of up to half an ulp times |xhat| + |beta| / |gamma|, which few
+values a channel do not average out.
+
+Each cell: ``--trials`` generated layers of ``--channels`` channels, each layer with its own
+activation (identity, leaky_relu, elu), replica count (1 to 4 simulated DataParallel replicas,
+at most the batch), gammas (|gamma| log-uniform in [0.1, 10], either sign) and data; beta is
+|beta| / |gamma| times |gamma|, either sign (ELU: |gamma| up to 1 and beta >= 0, keeping z
+above about -4; its deep saturation is a limit of its own, README). A cell gives the largest
+ratio of error to bound over its channels, and in brackets the share of channels over 1.
+``--rule off`` rebuilds every channel at every count (the layer's policy switched off: no
+count rule, every channel with |gamma| > 1e-3 max(1, |beta|) rebuilt); ``on``: the layer as
+shipped. ``--inplace off``: the layer with ``inplace=False``, for the error of its arithmetic
+alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # the Triton backend on a CPU: its interpreter
+
+import torch  # noqa: E402
+from helpers import results  # noqa: E402
+
+COUNTS = (3, 4, 6, 8, 12, 16, 23, 32, 64, 256, 1024, 4096)
+RATIOS = (0.0, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 62.0, 250.0, 900.0)
+ACTIVATIONS = ("identity", "leaky_relu", "elu")
+SLOPES = {"leaky_relu": 0.1, "elu": 0.7}
+
+
+def shape_for(count: int, channels: int) -> tuple[int, ...]:
+    """An input of ``count`` values a channel: (N, C, 1, 1) up to 64, then 4x4 images."""
+    return (count, channels, 1, 1) if count <= 64 else (count // 16, channels, 4, 4)
+
+
+def switch_rule_off() -> None:
+    """Rebuild every channel whatever the count, and every channel the float32 / float64
+    limit without its margin allows (|gamma| > 1e-3 max(1, |beta|))."""
+    from encoding_syncbn.layer import channels_aside, inplace_policy
+
+    inplace_policy.rebuilds_from_count = lambda count, dtype: True
+    for dtype in (torch.float32, torch.float64):
+        channels_aside._LIMITS[dtype] = (1e-3, 1e-3)
+
+
+def cell(dtype: torch.dtype, count: int, ratio: float, args: argparse.Namespace,
+         gen: torch.Generator) -> tuple[float, float]:
+    """The largest ratio to the bound over the cell's channels, and the share over 1."""
+    from helpers.rebuild_error import ratios_to_bound
+
+    worst, over, total = 0.0, 0, 0
+    shape = shape_for(count, args.channels)
+    for _ in range(args.trials):
+        pick = torch.randint(0, 1 << 30, (2,), generator=gen).tolist()
+        activation = ACTIVATIONS[pick[0] % len(ACTIVATIONS)]
+        replicas = 1 + pick[1] % min(4, shape[0])
+        # ELU's inverse amplifies the output's rounding by exp(-z): kept to z >= -1 - 3|gamma|
+        # (its deep saturation is a limit of its own, README).
+        largest, beta_sign = (1.0, 1.0) if activation == "elu" else (10.0, None)
+        size = torch.empty(args.channels).uniform_(math.log(0.1), math.log(largest),
+                                                   generator=gen).exp()
+        gamma = size * torch.randn(args.channels, generator=gen).sign()
+        signs = torch.randn(args.channels, generator=gen).sign()
+        beta = ratio * size * (signs.abs() if beta_sign else signs)
+        x = (torch.randn(shape, generator=gen, dtype=torch.float64) * 2 + 0.5).to(dtype)
+        dy = torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype)
+        ratios, _ = ratios_to_bound(x, dy, gamma, beta, activation,
+                                    SLOPES.get(activation, 0.01), replicas,
+                                    args.inplace == "on")
+        worst = max(worst, float(ratios.max()))
+        over += int((ratios > 1).sum())
+        total += ratios.numel()
+    return worst, over / total
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rule", choices=("on", "off"), default="on")
+    parser.add_argument("--inplace", choices=("on", "off"), default="on")
+    parser.add_argument("--backend", choices=("torch", "triton"), default="torch")
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "float64"])
+    parser.add_argument("--counts", nargs="+", type=int, default=list(COUNTS))
+    parser.add_argument("--ratios", nargs="+", type=float, default=list(RATIOS))
+    parser.add_argument("--trials", type=int, default=4)
+    parser.add_argument("--channels", type=int, default=32)
+    results.add_arguments(parser)
+    args = parser.parse_args()
+    import encoding_syncbn
+
+    encoding_syncbn.set_backend(args.backend)
+    if args.rule == "off":
+        switch_rule_off()
+    gen = torch.Generator().manual_seed(0)
+    tables = []
+    for name in args.dtypes:
+        dtype = getattr(torch, name)
+        rows = []
+        for count in args.counts:
+            row = [str(count)]
+            for ratio in args.ratios:
+                worst, share = cell(dtype, count, ratio, args, gen)
+                row.append(f"{worst:.2g}" + (f" ({share:.0%})" if share else ""))
+            rows.append(row)
+            print(name, row, flush=True)
+        tables.append(f"{name}, {args.backend} backend:\n\n" +
+                      results.markdown_table(
+                          ["values a channel"] + [f"b/g {r:g}" for r in args.ratios], rows))
+    table = "\n\n".join(tables)
+    notes = (f"In-place dx error over the README's bound (3 max(nn.BatchNorm2d's error, half an "
+             f"ulp of the channel's largest |dx|)), against a long-double reference; per cell "
+             f"the largest over {args.trials} generated layers of {args.channels} channels "
+             f"(activation, 1-4 replicas, |gamma| in [0.1, 10] (ELU: [0.1, 1], beta >= 0), "
+             f"data drawn), in brackets the "
+             f"share of channels over 1; columns |beta| / |gamma|. "
+             + (f"In place, rule {args.rule}." if args.inplace == "on" else "inplace=False."))
+    print(notes + "\n\n" + table)
+    variant = f"rule {args.rule}" if args.inplace == "on" else "inplace=False"
+    results.record(args, f"few_values_precision.py ({args.backend}, {variant})", table, notes)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,96 @@
+"""How far an in-place layer's input gradient is from the bound the README's Limits promise: per
+channel, its error against an exact reference over 3x the larger of nn.BatchNorm2d's own error
+(+ the activation, in the same dtype) and half an ulp of the channel's largest |dx|.
+
+The reference is BatchNorm + the activation's backward in numpy's long double (a 64-bit
+significand on x86): 40 bits beyond float32, 11 beyond float64, which a channel's cancellation
+(|dz| over |dx|) eats into: a float64 channel is measured to 2^-11 of an ulp times it.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from encoding_syncbn import SyncBatchNorm
+from encoding_syncbn.testing import SimulatedDataParallel
+
+BOUND = 3.0
+EPS = 1e-5
+
+
+def exact_input_gradient(x: torch.Tensor, dy: torch.Tensor, gamma: torch.Tensor,
+                         beta: torch.Tensor, activation: str, slope: float) -> np.ndarray:
+    """dx of training-mode BatchNorm (biased variance, ``EPS``) + the activation on the whole
+    (N, C, H, W) batch, in long double."""
+    wide = np.longdouble
+    x, dy = x.double().numpy().astype(wide), dy.double().numpy().astype(wide)
+    w = gamma.double().numpy().astype(wide).reshape(1, -1, 1, 1)
+    b = beta.double().numpy().astype(wide).reshape(1, -1, 1, 1)
+    dims = (0, 2, 3)
+    centred = x - x.mean(axis=dims, keepdims=True)
+    invstd = 1 / np.sqrt((centred * centred).mean(axis=dims, keepdims=True) + wide(EPS))
+    xhat = centred * invstd
+    z = w * xhat + b
+    if activation == "leaky_relu":
+        slope_of_z = np.where(z > 0, wide(1), wide(slope))
+    elif activation == "elu":
+        slope_of_z = np.where(z > 0, wide(1), wide(slope) * np.exp(np.minimum(z, 0)))
+    else:
+        slope_of_z = np.ones_like(z)
+    dz = dy * slope_of_z
+    m = (dz * xhat).mean(axis=dims, keepdims=True)
+    return w * invstd * (dz - dz.mean(axis=dims, keepdims=True) - xhat * m)
+
+
+def input_gradient(norm: nn.Module, x: torch.Tensor, dy: torch.Tensor, replicas: int,
+                   activation: str, slope: float) -> tuple[torch.Tensor, bool]:
+    """dx of ``norm`` (+ the activation, unless it fuses one) over ``replicas`` simulated
+    DataParallel replicas, and whether its output was written over its input (in place)."""
+    model = SimulatedDataParallel(norm, replicas) if replicas > 1 else norm
+    leaf = x.clone().requires_grad_()
+    h = leaf * 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the out-of-place fallback's warning, where it runs
+        out = model(h)
+    if activation == "leaky_relu" and not isinstance(norm, SyncBatchNorm):
+        out = F.leaky_relu(out, slope)
+    elif activation == "elu" and not isinstance(norm, SyncBatchNorm):
+        out = F.elu(out, slope)
+    # Over replicas the output is gathered (a new tensor): in place is judged on the layer.
+    in_place = replicas == 1 and out.data_ptr() == h.data_ptr()
+    out.backward(dy)
+    return leaf.grad, in_place
+
+
+def ratios_to_bound(x: torch.Tensor, dy: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor,
+                    activation: str, slope: float, replicas: int, inplace: bool = True
+                    ) -> tuple[torch.Tensor, bool]:
+    """Per channel, the layer's dx error over the bound (above 1: the bound fails), and
+    whether its output was written over its input (single replica; else False)."""
+    dtype, channels = x.dtype, x.shape[1]
+    twin = nn.BatchNorm2d(channels, eps=EPS, dtype=dtype)
+    layer = SyncBatchNorm(channels, eps=EPS, activation=activation, slope=slope, inplace=inplace,
+                          dtype=dtype)
+    for norm in (twin, layer):
+        with torch.no_grad():
+            norm.weight.copy_(gamma)
+            norm.bias.copy_(beta)
+    exact = exact_input_gradient(x, dy, gamma.to(dtype), beta.to(dtype), activation, slope)
+    dims = (0, 2, 3)
+    size = np.abs(exact).max(axis=dims)
+
+    def error(got: torch.Tensor) -> np.ndarray:
+        return np.abs(got.double().numpy().astype(np.longdouble) - exact).max(axis=dims)
+
+    ours, in_place = input_gradient(layer, x, dy, replicas, activation, slope)
+    theirs, _ = input_gradient(twin, x, dy, 1, activation, slope)
+    half_ulp = torch.finfo(dtype).eps / 2
+    allowed = BOUND * np.maximum(error(theirs), half_ulp * size)
+    # A gradient ~0 in every channel (a layer whose dz is 0): an absolute floor.
+    allowed = np.maximum(allowed, 1e-3 * half_ulp * size.max() + 1e-300)
+    return torch.from_numpy((error(ours) / allowed).astype(np.float64)), in_place

@@ -1,0 +1,143 @@
+"""In place with few values a channel, in float32 and float64: a training call whose statistics
+cover fewer than ``MIN_REBUILT_COUNT`` values a channel (the whole synchronised batch) runs out
+of place, in every dtype (``inplace_policy.rebuilds_from_count``), where the rebuilt input's
+rounding, multiplied by up to 1 + |beta| / |gamma|, is not averaged out (benchmarks/
+few_values_precision.py measures what it would cost). Half precision: tests/
+test_half_precision.py.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from backends import each_backend
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from reference import SLOPES, assert_close
+from torch import nn
+
+from encoding_syncbn import SyncBatchNorm
+from encoding_syncbn.layer.inplace_policy import MIN_REBUILT_COUNT
+from encoding_syncbn.testing import SimulatedDataParallel
+
+pytestmark = each_backend
+
+CHANNELS = 8
+WIDE = [torch.float32, torch.float64]
+
+
+def _twins(activation: str, gamma: torch.Tensor, beta: torch.Tensor, dtype: torch.dtype
+           ) -> tuple[SyncBatchNorm, SyncBatchNorm]:
+    """An in-place layer and its inplace=False twin, with these parameters."""
+    slope = SLOPES.get(activation, 0.01)
+    layers = tuple(SyncBatchNorm(len(gamma), activation=activation, slope=slope,
+                                 inplace=inplace, dtype=dtype) for inplace in (True, False))
+    for layer in layers:
+        with torch.no_grad():
+            layer.weight.copy_(gamma)
+            layer.bias.copy_(beta)
+    return layers
+
+
+def _step(model: nn.Module, layer: SyncBatchNorm, x: torch.Tensor, dy: torch.Tensor
+          ) -> tuple[torch.Tensor, ...]:
+    """Output, input gradient and parameter gradients of one training step, and the running
+    statistics it left; whether the output was written over the input (single replica)."""
+    leaf = x.clone().requires_grad_()
+    h = leaf * 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the out-of-place fallback's warning, where it runs
+        out = model(h)
+    written_over = out.data_ptr() == h.data_ptr()
+    out.backward(dy)
+    return (out.detach(), leaf.grad, layer.weight.grad, layer.bias.grad, layer.running_mean,
+            layer.running_var), written_over
+
+
+@settings(max_examples=10, deadline=None, derandomize=True)
+@given(
+    dtype=st.sampled_from(WIDE),
+    activation=st.sampled_from(["identity", "leaky_relu", "elu"]),
+    replicas=st.integers(1, 4),
+    spatial=st.sampled_from([(1, 1), (1, 2), (3, 1)]),
+    data=st.data(),
+)
+def test_few_values_a_channel_train_out_of_place(dtype, activation, replicas, spatial, data):
+    """With 3 to 64 values a channel over the whole (simulated DataParallel) batch, an in-place
+    layer in float32 or float64 computes below ``MIN_REBUILT_COUNT`` values exactly as its
+    inplace=False twin (outputs, gradients, running statistics), leaving its input as it was,
+    and in place from there on. Gammas and betas across the range rebuilt in place (|beta| up
+    to 50 |gamma|)."""
+    per_sample = spatial[0] * spatial[1]
+    fewest = max(replicas, -(-3 // per_sample))
+    # Counts on both sides of the threshold, the few values as often as the rest.
+    batch = data.draw(st.one_of(st.integers(fewest, max(fewest, 22 // per_sample)),
+                                st.integers(fewest, 64 // per_sample)), label="batch")
+    magnitudes = data.draw(st.lists(st.floats(0.1, 10.0), min_size=CHANNELS,
+                                    max_size=CHANNELS))
+    ratios = data.draw(st.lists(st.floats(-50.0, 50.0), min_size=CHANNELS, max_size=CHANNELS))
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16), label="seed"))
+    gamma = torch.tensor(magnitudes) * torch.randn(CHANNELS, generator=gen).sign()
+    beta = gamma.abs() * torch.tensor(ratios)
+    shape = (batch, CHANNELS, *spatial)
+    count = batch * per_sample
+    x = (torch.randn(shape, generator=gen, dtype=torch.float64) * 2 + 0.5).to(dtype)
+    dy = torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype)
+    layer, twin = _twins(activation, gamma, beta, dtype)
+    results = []
+    for norm in (layer, twin):
+        model = SimulatedDataParallel(norm, replicas) if replicas > 1 else norm
+        results.append(_step(model, norm, x, dy))
+    (ours, written_over), (theirs, _) = results
+    rebuilt = count >= MIN_REBUILT_COUNT
+    what = f"{dtype} {activation} x{replicas} {shape}"
+    if not rebuilt:
+        for got, want in zip(ours, theirs):
+            torch.testing.assert_close(got, want, rtol=0, atol=0, msg=lambda m: f"{what}: {m}")
+    if replicas == 1:
+        assert written_over == rebuilt, what
+    else:  # judged on the layer: a replica's input is written over only in place
+        h = x.clone() * 1
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            assert (layer(h).data_ptr() == h.data_ptr()) == rebuilt, what
+
+
+@pytest.mark.parametrize("dtype", WIDE)
+@pytest.mark.parametrize("count", [8, MIN_REBUILT_COUNT + 1])
+def test_checkpoint_recomputes_a_few_values_call_out_of_place(dtype, count):
+    """Under checkpoint, a synchronised float32 / float64 call over too few values a channel
+    (here over 2 replicas) runs, and is recomputed, out of place: its gradients are those of
+    the inplace=False model exactly; over enough values it runs in place, where checkpoint
+    changes nothing."""
+    from torch.utils.checkpoint import checkpoint
+
+    class Block(nn.Module):
+        def __init__(self, inplace):
+            super().__init__()
+            torch.manual_seed(4)
+            self.fc = nn.Linear(6, CHANNELS, dtype=dtype)
+            self.bn = SyncBatchNorm(CHANNELS, activation="leaky_relu", inplace=inplace,
+                                    dtype=dtype)
+            with torch.no_grad():
+                self.bn.bias.uniform_(-5.0, 5.0)
+
+        def forward(self, x):
+            return checkpoint(lambda h: self.bn(self.fc(h)), x, use_reentrant=False)
+
+    x = torch.randn(count, 6, generator=torch.Generator().manual_seed(5), dtype=dtype)
+    grads = []
+    for inplace in (True, False):
+        model = Block(inplace)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            out = SimulatedDataParallel(model, 2)(x)
+        out.square().sum().backward()
+        grads.append([p.grad for p in model.parameters()])
+    for got, want in zip(*grads):
+        if count < MIN_REBUILT_COUNT:
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+        else:  # in place: the rebuilt input's rounding
+            assert_close(got, want, dtype)
