@@ -412,3 +412,37 @@ def test_in_place_model_after_a_step_compiles_to_one_graph(training):
     explained = torch._dynamo.explain(model)(x)
     assert (explained.graph_count, explained.graph_break_count) == (1, 0), \
         explained.break_reasons
+
+
+def test_compiled_in_place_count_follows_gamma():
+    """The count of channels kept aside: none from eager calls (they cost nothing there);
+    after each compiled backward, from the parameters then, growing (and recompiling) as a
+    gamma falls within ``MARGIN`` times the limit, so that the next call keeps it aside
+    once it falls below (to zero here: the graph chooses which channels from the current
+    gammas); forgotten where the parameters change outside training (load_state_dict) and
+    by a copy. Gradients match nn.BatchNorm2d + leaky_relu throughout."""
+    layer = _in_place_layer("leaky_relu", 0.1, [1.0, -2.0, 0.5, 1.5], [0.0, 0.3, -0.2, 1.0],
+                            True)
+    torch.manual_seed(8)
+    x, dy = torch.randn(3, C, 4, 5, dtype=torch.float64), torch.randn(3, C, 4, 5).double()
+    step(layer, x, dy)
+    assert layer._compiled_keep_aside is None
+    recorder = GraphRecorder()
+    compiled = torch.compile(layer, backend=recorder.backend)
+    limit = channels_aside.MIN_INVERTIBLE_GAMMA
+    # gamma[0]: 1, then 10x the limit (rebuilt; counted: within the margin), then 0 (kept
+    # aside: a rebuild would divide by zero).
+    for gamma, counted in ((1.0, (0, 0)), (10 * limit, (1, 1)), (0.0, (1, 1))):
+        with torch.no_grad():
+            layer.weight[0] = gamma
+        layer.zero_grad(set_to_none=True)
+        out, want = _plain_step(layer, x, dy, "leaky_relu", 0.1)
+        got_out, _, dx, grads, _ = step(compiled, x, dy)
+        for got, expected in zip((got_out, dx, *grads), (out, *want)):
+            torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-9)
+        assert layer._compiled_keep_aside == counted
+    # Compiled before the first count, then once for each count: (0, 0), (1, 1).
+    assert len(recorder.graphs) == 6
+    assert copy.deepcopy(layer)._compiled_keep_aside is None
+    layer.load_state_dict(layer.state_dict())
+    assert layer._compiled_keep_aside is None
