@@ -315,8 +315,7 @@ gammas = st.sampled_from([0.0, 1e-7, -1e-5, 1e-3, 0.02, -0.3, 1.0, 2.5])
 @given(
     activation=st.sampled_from(["leaky_relu", "elu", "identity"]),
     training=st.booleans(),
-    # Each with enough values a channel to train in place (inplace_policy.MIN_REBUILT_COUNT).
-    shape=st.sampled_from([(2, 3, 4, 5), (8, 4, 3), (3, 5, 2, 2, 3), (1, 6, 7, 4)]),
+    shape=st.sampled_from([(2, 3, 4, 5), (5, 4, 3), (3, 5, 2, 2, 3), (1, 6, 7, 1)]),
     channel_params=st.lists(st.tuples(gammas, st.sampled_from([0.0, 0.4, -3.0])),
                             min_size=6, max_size=6),
     seed=st.integers(0, 2**16),
