@@ -8,7 +8,6 @@ from backends import each_backend
 from merge import merge_stats
 
 from encoding_syncbn import SyncBatchNorm
-from encoding_syncbn.layer.channels_aside import ChannelsAside
 from encoding_syncbn.layer.functional import (
     ActConfig,
     NormAct,
@@ -17,6 +16,7 @@ from encoding_syncbn.layer.functional import (
     normalize_with,
     replica_stats,
 )
+from encoding_syncbn.layer.inplace_policy import ChannelsAside
 from encoding_syncbn.testing import SimulatedDataParallel
 
 pytestmark = each_backend

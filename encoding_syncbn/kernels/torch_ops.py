@@ -307,7 +307,7 @@ def small_gamma(weight: torch.Tensor, bias: torch.Tensor, limit: float) -> torch
 
     Rebuilding the input from the output divides by gamma and multiplies the output's rounding
     by ``|bias| / |weight|``: ``limit`` is the smallest ``|weight| / |bias|`` a channel is
-    rebuilt at (``channels_aside.gamma_limit`` chooses it by the output's dtype). A NaN or infinite
+    rebuilt at (``inplace_policy.gamma_limit`` chooses it by the output's dtype). A NaN or infinite
     weight or bias is flagged too: rebuilding xhat = (z - bias) / weight from such a channel's
     output gives NaN where nn.BatchNorm's gradients have none.
     """

@@ -28,7 +28,7 @@ device, not once per replica.
 In place, only y is kept: x, z and xhat are rebuilt from it. Channels whose |w| is too small
 to divide by (zero-initialised residual BNs) keep their input aside instead, so every sign and
 value of gamma gets exact gradients (which channels, and how the host learns them:
-``channels_aside``).
+``inplace_policy.ChannelsAside``).
 
 Double backward (a gradient penalty: ``torch.autograd.grad(..., create_graph=True)``, then a
 backward through that gradient): under ``create_graph`` each backward is autograd's gradient of
@@ -62,7 +62,7 @@ from ..kernels import (
 from ..sync import stats
 from ..sync.streams import stream_event, wait_for
 from . import inplace_policy
-from .channels_aside import ChannelsAside
+from .inplace_policy import ChannelsAside
 
 DOUBLE_BACKWARD_IN_PLACE = (
     "SyncBatchNorm(inplace=True) does not support double backward (differentiating its "

@@ -18,8 +18,7 @@ from ..kernels import RunningStats, channel_vector, torch_ops
 from ..sync import distributed, replicas
 from ..sync.group import ReplicaGroup
 from ..sync.replicas import ReplicaSlot
-from . import inplace_check, inplace_policy, recompute, tracing
-from .channels_aside import ChannelsAside
+from . import inplace_policy, recompute, tracing
 from .exchange import Exchange
 from .functional import (
     ActConfig,
@@ -29,6 +28,7 @@ from .functional import (
     synced_batch_norm_act,
     track_batch,
 )
+from .inplace_policy import ChannelsAside
 from .recompute import RecomputeCache
 
 # The options checked together, at construction and when assigned (``__setattr__``).
@@ -86,7 +86,7 @@ class SyncBatchNorm(_BatchNorm):
             |beta| >= |gamma| keep their input aside, and ELU runs out of place, as does a
             training call over fewer than ``inplace_policy.MIN_REBUILT_COUNT`` values a
             channel in the whole batch: a rebuild from a half-precision output would lose
-            precision (see ``channels_aside``, ``inplace_policy``).
+            precision (see ``inplace_policy``).
 
     In place, the tensor passed in is overwritten and returned. A tensor autograd will not let
     us overwrite (a leaf that requires grad, an output of ``torch.chunk``/``split``) is
@@ -302,11 +302,13 @@ class SyncBatchNorm(_BatchNorm):
             if not torch.compiler.is_compiling():  # Dynamo's tensors are never such wrappers
                 input = compat.unwrap_if_dead(input)
             self._last_input_dim[0] = dim
-            if self.inplace and inplace_check.checking():
-                inplace_check.before_write(input, self._label())
+            if self.inplace and inplace_policy.checking():
+                inplace_policy.before_write(input, self._label())
                 out = self._forward(input, slot)
                 # ``out is input``: written in place (not a fallback out of place).
-                return inplace_check.after_write(input, out, self._label()) if out is input else out
+                if out is not input:
+                    return out
+                return inplace_policy.after_write(input, out, self._label())
             return self._forward(input, slot)
         except BaseException as error:
             if slot is not None:

@@ -15,8 +15,8 @@ import torch
 
 from .. import compat
 from ..kernels import ops_for
-from .channels_aside import ChannelsAside
 from .functional import ActConfig, ReplicaStats, for_count, normalize_with
+from .inplace_policy import ChannelsAside
 
 # How many recent synchronised calls a replica remembers for checkpoint recomputation.
 CACHE_SIZE = 64
