@@ -115,9 +115,9 @@ def one_thread_work_us(replicas: int, calls: int, turns: int) -> PerCall:
     channels ``replicate()`` reads once a step and hands it, as the layer's replicas do."""
     import torch
 
+    from encoding_syncbn.activations import ActConfig
     from encoding_syncbn.layer.functional import (
-        ActConfig,
-        NormAct,
+            NormAct,
         batch_norm_act,
         merge_replicas,
         replica_stats,

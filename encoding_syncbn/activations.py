@@ -229,3 +229,17 @@ def from_module(module: nn.Module) -> tuple[str, float] | None:
                 slope = float(getattr(module, entry.parameter)) if entry.parameter else 0.0
                 return definition.name, slope
     return None
+
+
+class ActConfig(NamedTuple):
+    """The activation a layer fuses after its normalisation, and whether it overwrites its
+    input (the layer's, and what a call computes with).
+
+    ``activation_param``: leaky_relu's negative slope, ELU's alpha (the layer's ``slope``).
+    ``layer``: how errors name the layer (``SyncBatchNorm._label``).
+    """
+
+    activation: str
+    activation_param: float
+    inplace: bool
+    layer: str = "SyncBatchNorm"

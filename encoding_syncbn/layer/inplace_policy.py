@@ -41,13 +41,13 @@ import os
 import threading
 import warnings
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from .. import activations, compat
+from ..activations import ActConfig
 from ..kernels import GammaCheck, torch_ops
-from ..sync.streams import stream_event
 from ..tensor_cache import tensor_cache
 
 # ---- when a call runs in place ----------------------------------------------------------
@@ -173,12 +173,9 @@ _RESTRICTED_VIEWS = {
 
 def can_overwrite(x: torch.Tensor, warned: list[bool]) -> bool:
     """Whether ``x`` may be overwritten by a custom Function; if not, warn unless ``warned[0]``
-    (the layer's flag: once per layer). While compiling: yes, unchecked."""
-    if torch.compiler.is_compiling():
-        # A compiled call runs out of place whatever this answers
-        # (``functional._as_computed``), and Dynamo cannot inspect view provenance: no check,
-        # and no warning (one inside the traced code would break the graph).
-        return True
+    (the layer's flag: once per layer). Never asked while compiling (a compiled call runs out
+    of place, ``plan_call``): Dynamo cannot inspect view provenance, and a warning inside the
+    traced code would break the graph."""
     # The usual input first, in the fewest checks: a fresh non-leaf tensor, dense (no two
     # elements share memory), outside inference mode.
     if (not x._is_view()
@@ -370,7 +367,7 @@ class ChannelsAside:
         index); ``flags``: the result of this call's ``check``.
 
         Never asked while compiling: a compiled layer keeps its input instead (see
-        ``functional._as_computed``).
+        ``plan_call``).
         """
         channels = (self.found if self._found_for(dtype)
                     else self._channels(weight, bias, dtype, recomputing, flags))
@@ -443,7 +440,11 @@ class ChannelsAside:
                 pinned = self._pinned = torch.empty(small.shape, dtype=small.dtype,
                                                     pin_memory=True)
         pinned.copy_(small, non_blocking=True)
-        self._host, self._ready = pinned, stream_event(small)
+        # The copy's end, on the stream that runs it (the current one of the flags' device):
+        # the host polls it (``_channels``), no other stream waits for it.
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(small.device))
+        self._host, self._ready = pinned, ready
 
     @staticmethod
     def _read(flags: torch.Tensor) -> tuple[int, ...]:
@@ -624,3 +625,64 @@ def after_write(x: torch.Tensor, out: torch.Tensor, layer: str) -> torch.Tensor:
         x.__class__ = OverwrittenTensor
         x._overwritten_by = layer
     return result
+
+
+# ---- one call's decision ----------------------------------------------------------------
+
+class CallPlan(NamedTuple):
+    """How one call of an in-place layer runs, decided before its statistics are taken.
+
+    ``config``: the layer's ``ActConfig`` as the call computes (``inplace`` False: out of
+    place). ``kept``: the channels it keeps aside, where they are known before the statistics
+    (None: none, or not yet). ``check``: where they are not, the check of the parameters that
+    the launch finishing the batch statistics runs; its flags then go to
+    ``ChannelsAside.index``.
+    """
+
+    config: ActConfig
+    kept: torch.Tensor | None = None
+    check: GammaCheck | None = None
+
+
+def plan_call(config: ActConfig, x: torch.Tensor, warned: list[bool],
+              channels_aside: ChannelsAside, weight: torch.Tensor, bias: torch.Tensor, *,
+              count: int | None = None, recomputing: bool = False) -> CallPlan:
+    """Whether a call of a layer configured as ``config`` runs in place on ``x``, and which of
+    its channels keep their input: the one place the layer asks. ``warned``: the layer's
+    out-of-place warning flag (``can_overwrite``); ``channels_aside``: the layer's; ``count``:
+    the values a channel of a training call on ``x``'s own batch (its statistics then choose
+    the channels kept aside, ``CallPlan.check``), None for a call with running or exchanged
+    statistics (the count rule then waits for the exchange's count: ``for_count``);
+    ``recomputing``: a checkpoint's recomputation, which keeps the original call's channels.
+
+    With checks on (``check_inplace``), ``x`` is refused first where it is an in-place
+    layer's output that its backward still needs (``before_write``).
+
+    While compiling the call runs out of place. An in-place Function could neither overwrite
+    its input there (AOTAutograd mis-routes the gradient of an autograd.Function that
+    overwrites a graph input with ``mark_dirty``), nor keep aside the channels its output
+    cannot rebuild the input of (their number depends on the values: a size Dynamo breaks the
+    graph at), nor copy its output over an input it saved. Out of place, the Function keeps its
+    input, its gradients are exact for every gamma, its graph has static shapes throughout,
+    and which buffers hold what is Inductor's to plan.
+    """
+    if not config.inplace:
+        return CallPlan(config)
+    if checking():
+        before_write(x, config.layer)
+    if (torch.compiler.is_compiling() or not can_overwrite(x, warned)
+            or not stays_in_place(config.activation, x.dtype)
+            or (count is not None and not rebuilds_from_count(count, x.dtype))):
+        return CallPlan(config._replace(inplace=False))
+    if count is None:
+        return CallPlan(config, kept=channels_aside.index(weight, bias, x.dtype, recomputing))
+    return CallPlan(config, check=channels_aside.check(weight, bias, x.dtype, recomputing))
+
+
+def for_count(config: ActConfig, count: int, dtype: torch.dtype) -> ActConfig:
+    """``config`` for a training call on an input of ``dtype`` whose statistics are taken over
+    ``count`` values a channel: out of place where that is too few to rebuild the input from
+    the output (``rebuilds_from_count``)."""
+    if config.inplace and not rebuilds_from_count(count, dtype):
+        return config._replace(inplace=False)
+    return config
