@@ -404,8 +404,8 @@ class ChannelsAside:
         elif self._frozen(weight, recomputing):
             return self.known
         elif self._host is None or self._limit != gamma_limit(dtype, with_margin=True):
-            self._offer(small_gamma_mask(weight, bias, self._limit_for(dtype, weight,
-                                                                        recomputing)))
+            limit = self._limit_for(dtype, weight, recomputing)
+            self._offer(small_gamma_mask(weight, bias, limit))
         host = self._host
         if host is None:  # none on its way: the newest answer (on the CPU: this call's)
             return self.known
@@ -674,9 +674,9 @@ def plan_call(config: ActConfig, x: torch.Tensor, warned: list[bool],
             or not stays_in_place(config.activation, x.dtype)
             or (count is not None and not rebuilds_from_count(count, x.dtype))):
         return CallPlan(config._replace(inplace=False))
-    if count is None:
-        return CallPlan(config, kept=channels_aside.index(weight, bias, x.dtype, recomputing))
-    return CallPlan(config, check=channels_aside.check(weight, bias, x.dtype, recomputing))
+    if count is not None:
+        return CallPlan(config, check=channels_aside.check(weight, bias, x.dtype, recomputing))
+    return CallPlan(config, kept=channels_aside.index(weight, bias, x.dtype, recomputing))
 
 
 def for_count(config: ActConfig, count: int, dtype: torch.dtype) -> ActConfig:
