@@ -76,7 +76,7 @@ def resolve_inplace(layer: str, activation: str, slope: float, inplace: bool | N
             f"{layer}: activation 'none' does not run in place (a plain BatchNorm keeps its "
             "input); use activation='identity' for an in-place BatchNorm, or inplace=False"
         )
-    if inplace and definition.inverse_needs_positive_slope:
+    if inplace and definition.inverse_needs_positive_param:
         acc = torch_ops.stats_dtype(dtype or torch.get_default_dtype())
         if not slope > 0:
             raise ValueError(

@@ -541,7 +541,7 @@ class SyncBatchNorm(_BatchNorm):
 
     def extra_repr(self) -> str:
         text = super().extra_repr() + f", activation={self.activation!r}"
-        if activations.ACTIVATIONS[self.activation].has_slope:
+        if activations.ACTIVATIONS[self.activation].has_param:
             text += f", slope={self.slope}"
         text += f", inplace={self.inplace}"
         if not self.sync:
