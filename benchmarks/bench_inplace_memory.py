@@ -122,7 +122,7 @@ def main() -> None:
     results.add_arguments(parser)
     args = parser.parse_args()
     from encoding_syncbn import SyncBatchNorm, convert_inplace_abn, convert_sync_batchnorm
-    from encoding_syncbn.layer.channels_aside import gamma_limit, small_gamma_mask
+    from encoding_syncbn.layer.inplace_policy import gamma_limit, small_gamma_mask
 
     autocast = getattr(torch, args.autocast) if args.autocast else None
     torch.manual_seed(0)

@@ -115,14 +115,14 @@ def one_thread_work_us(replicas: int, calls: int, turns: int) -> PerCall:
     channels ``replicate()`` reads once a step and hands it, as the layer's replicas do."""
     import torch
 
-    from encoding_syncbn.layer.channels_aside import ChannelsAside
+    from encoding_syncbn.activations import ActConfig
     from encoding_syncbn.layer.functional import (
-        ActConfig,
-        NormAct,
+            NormAct,
         batch_norm_act,
         merge_replicas,
         replica_stats,
     )
+    from encoding_syncbn.layer.inplace_policy import ChannelsAside
 
     weight = torch.ones(8, requires_grad=True)
     bias = torch.zeros(8, requires_grad=True)

@@ -5,7 +5,7 @@ nn.BatchNorm2d + the activation in the same dtype, both against float64.
 
 In place, backward rebuilds the input from the output (xhat = (z - beta) / gamma), which
 multiplies the output's rounding by up to |beta| / |gamma|; the layer keeps aside the channels
-where its dtype cannot afford that (``encoding_syncbn.layer.channels_aside``). Per dtype
+where its dtype cannot afford that (``encoding_syncbn.layer.inplace_policy``). Per dtype
 (float64, float32, and float16 / bfloat16 under ``torch.autocast`` with float32 parameters) and
 per |beta| / |gamma| (gamma 1, beta of either sign), one training step of ``SyncBatchNorm(8,
 activation="leaky_relu")`` on a (16, 8, 8, 8) input. An error is per channel, relative to the
@@ -46,7 +46,7 @@ def main() -> None:
     results.add_arguments(parser)
     args = parser.parse_args()
     from encoding_syncbn import SyncBatchNorm
-    from encoding_syncbn.layer.channels_aside import gamma_limit, small_gamma_mask
+    from encoding_syncbn.layer.inplace_policy import gamma_limit, small_gamma_mask
 
     gen = torch.Generator().manual_seed(0)
     x64 = torch.randn(SHAPE, generator=gen, dtype=torch.float64) * 2 + 1

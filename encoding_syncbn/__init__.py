@@ -8,7 +8,7 @@ from .conversions.convert import convert_sync_batchnorm, register_conversion, re
 from .conversions.fuse import convert_inplace_abn
 from .conversions.reporting import ConversionReport, MemoryEstimate, NormLayerReport
 from .kernels import get_backend, set_backend
-from .layer.inplace_check import check_inplace
+from .layer.inplace_policy import check_inplace
 from .layer.modules import SyncBatchNorm
 from .sync.group import SyncError
 from .version import __version__

@@ -52,7 +52,7 @@ def has_call_hooks(module: torch.nn.Module) -> bool:
 
 def disable_torch_function_subclass() -> Any:
     """A context in which tensor subclasses' ``__torch_function__`` is not called (what a
-    subclass's own ``__torch_function__`` runs torch under; ``inplace_check``'s checked
+    subclass's own ``__torch_function__`` runs torch under; ``inplace_policy``'s checked
     tensors). Only the opt-in checks need it."""
     try:
         return torch._C.DisableTorchFunctionSubclass()

@@ -155,7 +155,7 @@ class ABN(SyncBatchNorm):
             f"{self.num_features}, eps={self.eps}, momentum={self.momentum}, "
             f"affine={self.affine}, activation={self.activation}"
         )
-        if activations.ACTIVATIONS[self.activation].has_slope:
+        if activations.ACTIVATIONS[self.activation].has_param:
             text += f"[{self.activation_param}]"
         return text + f", inplace={self.inplace}" + ("" if self.sync else ", sync=False")
 

@@ -128,7 +128,7 @@ def test_every_definition_is_consistent():
         module = activations.to_module(name, slope)
         if module is not None:
             assert_close(module(z.clone()), y.detach(), what=f"{name} module")
-            assert activations.from_module(module) == (name, slope if definition.has_slope
+            assert activations.from_module(module) == (name, slope if definition.has_param
                                                        else 0.0)
 
 

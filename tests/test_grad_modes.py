@@ -17,7 +17,7 @@ from reference import SLOPES, activate
 from torch import nn
 
 from encoding_syncbn import SyncBatchNorm
-from encoding_syncbn.layer import channels_aside
+from encoding_syncbn.layer import inplace_policy
 from encoding_syncbn.sync import stats
 from encoding_syncbn.testing import SimulatedDataParallel
 
@@ -120,7 +120,7 @@ def test_training_after_an_inference_mode_call_with_a_channel_kept_aside(trainin
     zero gamma, then training with autograd, on that layer and on a new one (before, both
     failed with "Inference tensors cannot be saved for backward": a process-wide cache held
     the kept-aside channels' index tensor made under inference mode)."""
-    channels_aside.channel_index.cache_clear()  # so that the inference_mode call builds the entry
+    inplace_policy.channel_index.cache_clear()  # so that the inference_mode call builds the entry
     layer = SyncBatchNorm(C, activation="leaky_relu", slope=0.1, dtype=DT)
     with torch.no_grad():
         layer.weight.copy_(torch.tensor([1.5, 0.0, -0.7, 2.0]))

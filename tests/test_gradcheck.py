@@ -8,15 +8,14 @@ from backends import each_backend
 from merge import merge_stats
 
 from encoding_syncbn import SyncBatchNorm
-from encoding_syncbn.layer.channels_aside import ChannelsAside
+from encoding_syncbn.activations import ActConfig
 from encoding_syncbn.layer.functional import (
-    ActConfig,
     NormAct,
     batch_norm_act,
     merge_replicas,
-    normalize_with,
     replica_stats,
 )
+from encoding_syncbn.layer.inplace_policy import ChannelsAside
 from encoding_syncbn.testing import SimulatedDataParallel
 
 pytestmark = each_backend
@@ -61,8 +60,9 @@ def test_norm_act_with_given_statistics(activation, inplace):
     x, w, b = inputs()
     mean = torch.tensor([0.1, -0.2, 0.3], dtype=torch.float64, requires_grad=True)
     invstd = torch.tensor([1.1, 0.7, 2.0], dtype=torch.float64, requires_grad=True)
+    kept = ChannelsAside().index(w, b, x.dtype) if inplace else None
     assert torch.autograd.gradcheck(
-        lambda x, m, s, w, b: normalize_with(x.clone(), m, s, w, b, config),
+        lambda x, m, s, w, b: NormAct.apply(x.clone(), m, s, w, b, config, None, kept),
         (x, mean, invstd, w, b),
     )
 

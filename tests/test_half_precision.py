@@ -5,7 +5,7 @@ precision, against float64, over the whole range of gamma and beta.
 
 Backward rebuilds the input from the half-precision output, dividing by gamma; it amplifies the
 output's rounding by ``|beta| / |gamma|``. Channels where that is too much are kept aside
-(``channels_aside.HALF_PRECISION_LIMIT``), and ELU runs out of place in half precision
+(``inplace_policy.HALF_PRECISION_LIMIT``), and ELU runs out of place in half precision
 (``inplace_policy.stays_in_place``).
 
 Each gradient's error is measured per channel: the largest error of its elements (dx), or the
@@ -200,7 +200,7 @@ def test_a_layer_switching_dtype_checks_its_channels_again(dtype):
     a float32 call (where |beta| = 10 |gamma| is rebuilt), a half-precision one (autocast
     between convolutions) keeps that channel aside, and the float32 call after it rebuilds it
     again."""
-    from encoding_syncbn.layer.channels_aside import gamma_limit
+    from encoding_syncbn.layer.inplace_policy import gamma_limit
 
     layer = SyncBatchNorm(C, activation="leaky_relu", inplace=True)
     _load(layer, torch.ones(C), torch.tensor([0.0, 10.0, 0.5, -10.0]),
@@ -252,8 +252,8 @@ def _failure_chance(count: int) -> float:
     """``inplace_policy.rebuilds_from_count``'s chance that a rebuilt channel of ``count``
     values exceeds the bound: I(1 - c*; (n - 2) / 2, 1 / 2), integrated here (Simpson's
     rule in the variable v = sqrt(1 - s), which removes the density's pole at s = 1)."""
-    from encoding_syncbn.layer.channels_aside import HALF_PRECISION_LIMIT as rho
     from encoding_syncbn.layer.inplace_policy import GRADIENT_ERROR_BOUND as B
+    from encoding_syncbn.layer.inplace_policy import HALF_PRECISION_LIMIT as rho
 
     n, a = count, (count - 2) / 2
     c_star = (B**2 - (1 + rho) ** 2 / (3 * n)) / (B**2 + (1 + rho) ** 2)

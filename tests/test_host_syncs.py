@@ -183,7 +183,7 @@ def test_flags_of_any_dtype_and_layout_are_read(flags, dtype, step):
     hands it in another dtype (a wider int, float) or strided are read as what they say, not as
     their raw bytes (the channels kept aside are the nonzero flags, and only those); from one call
     to the next, flags of another length too (its reader is kept per length)."""
-    from encoding_syncbn.layer.channels_aside import ChannelsAside
+    from encoding_syncbn.layer.inplace_policy import ChannelsAside
 
     channels = ChannelsAside()
     for offered_flags in (flags, flags[::-1], flags[1:] or flags):

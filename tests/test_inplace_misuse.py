@@ -156,10 +156,10 @@ def test_check_mode_keeps_correct_code_exact():
 
 
 def test_check_mode_from_the_environment(monkeypatch):
-    from encoding_syncbn.layer import inplace_check
+    from encoding_syncbn.layer import inplace_policy
 
-    monkeypatch.setattr(inplace_check, "_FROM_ENV", True)
-    assert inplace_check.checking()
-    monkeypatch.setattr(inplace_check, "_FROM_ENV", False)
-    assert not inplace_check.checking()
-    assert encoding_syncbn.check_inplace is inplace_check.check_inplace
+    monkeypatch.setattr(inplace_policy, "_FROM_ENV", True)
+    assert inplace_policy.checking()
+    monkeypatch.setattr(inplace_policy, "_FROM_ENV", False)
+    assert not inplace_policy.checking()
+    assert encoding_syncbn.check_inplace is inplace_policy.check_inplace

@@ -313,11 +313,11 @@ def test_gamma_changed_between_steps_under_replicas(activation, monkeypatch):
     """In place, the channels kept aside are read from the parameters once per replicate()
     (not by every replica at every call) and so follow the parameters from step to step:
     a gamma set to zero, and one set back, between steps still get exact gradients."""
-    from encoding_syncbn.layer import channels_aside
+    from encoding_syncbn.layer import inplace_policy
 
     lookups = []
-    small_gamma_index = channels_aside.small_gamma_index
-    monkeypatch.setattr(channels_aside, "small_gamma_index",
+    small_gamma_index = inplace_policy.small_gamma_index
+    monkeypatch.setattr(inplace_policy, "small_gamma_index",
                         lambda w, b, limit: lookups.append(1) or small_gamma_index(w, b, limit))
     layer = make_layer(activation, True)
     twin = plain_twin(layer, 4)

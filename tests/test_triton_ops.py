@@ -545,7 +545,8 @@ def test_backward_gpu_tile_shapes(monkeypatch):
         for shape, fmt in [((40, 3, 5, 13), "nchw"), ((3, 2, 41, 50), "nchw"),
                            ((9, 70, 5, 7), "last"), ((30, 11, 9, 9), "last")]:
             x = make_input(shape, torch.float64, fmt)
-            planned = P.plan_op(x, P.launch_target(x.device), True).constexprs  # not a stale plan
+            # Planned anew, not a stale plan.
+            planned = P.plan_op(x, P.launch_target(x.device), reduction=True).constexprs
             assert planned["BLOCK_A"] * planned["BLOCK_B"] == P._GPU_TILE_ELEMS
             mean, m2, _ = T.channel_stats(x)
             ref_mean, ref_m2, _ = reference_stats(x)
@@ -592,8 +593,8 @@ def test_every_tile_computes_the_same(fmt, which, gpu_tiles, n, c, spatial, dtyp
         forget_plans()
         try:
             x = make_input(shape, dtype, fmt, seed=seed)
-            assert P.plan_op(x, P.launch_target(x.device), True).constexprs["CHANNEL_ROWS"] == (
-                tile.channel_rows)
+            planned = P.plan_op(x, P.launch_target(x.device), reduction=True)
+            assert planned.constexprs["CHANNEL_ROWS"] == tile.channel_rows
             mean, m2, _ = T.channel_stats(x)
             ref_mean, ref_m2, _ = torch_ops.channel_stats(upcast(x))
             acc = torch_ops.stats_dtype(dtype)

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from ..layer import inplace_policy
-from ..layer.channels_aside import gamma_limit, small_gamma_mask
+from ..layer.inplace_policy import gamma_limit, small_gamma_mask
 from ..layer.modules import SyncBatchNorm
 
 _log = logging.getLogger(__name__)
@@ -117,9 +117,10 @@ class NormLayerReport:
     kept_before: int  #: tensors of its input's size kept for backward before (see module)
     kept_after: int  #: ... and after
     input_bytes: int | None = None  #: one such tensor's size, when the report has shapes
-    #: In place after: the channels it keeps aside (their input saved, see ``channels_aside``)
-    #: on float32 and on float16 / bfloat16 inputs, by its parameters now (ELU runs out of
-    #: place in half precision: all); None for a layer out of place.
+    #: In place after: the channels it keeps aside (their input saved, see
+    #: ``inplace_policy.ChannelsAside``) on float32 and on float16 / bfloat16 inputs, by its
+    #: parameters now (ELU runs out of place in half precision: all); None for a layer out of
+    #: place.
     channels_aside: tuple[int, int] | None = None
 
     @property

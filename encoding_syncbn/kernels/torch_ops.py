@@ -307,7 +307,7 @@ def small_gamma(weight: torch.Tensor, bias: torch.Tensor, limit: float) -> torch
 
     Rebuilding the input from the output divides by gamma and multiplies the output's rounding
     by ``|bias| / |weight|``: ``limit`` is the smallest ``|weight| / |bias|`` a channel is
-    rebuilt at (``channels_aside.gamma_limit`` chooses it by the output's dtype). A NaN or infinite
+    rebuilt at (``inplace_policy.gamma_limit`` chooses it by the output's dtype). A NaN or infinite
     weight or bias is flagged too: rebuilding xhat = (z - bias) / weight from such a channel's
     output gives NaN where nn.BatchNorm's gradients have none.
     """
@@ -328,7 +328,7 @@ def normalize_act(x: torch.Tensor, params: NormParams, out: torch.Tensor) -> tor
     The mean is subtracted before scaling: ``x * scale + shift`` loses the normalised value
     to cancellation when |mean| >> std.
     """
-    mean, invstd, weight, bias, activation, slope = params
+    mean, invstd, weight, bias, activation, activation_param = params
     if x.numel() == 0:
         return out
     source = _in_rows_layout(x)
@@ -341,7 +341,7 @@ def normalize_act(x: torch.Tensor, params: NormParams, out: torch.Tensor) -> tor
             z = torch.sub(piece_in, mean, out=piece_out)
         else:
             z = torch.sub(piece_in, mean)
-        activate_(z.mul_(scale).add_(bias), slope)
+        activate_(z.mul_(scale).add_(bias), activation_param)
         if z is not piece_out:
             piece_out.copy_(z)
     if target is not out:
@@ -355,11 +355,11 @@ def normalize_running(x: torch.Tensor, running: RunningParams,
     1 / sqrt(running.var + eps)`` (buffers of any dtype, taken in the statistics dtype);
     returns that ``(mean, invstd)`` as new tensors (the buffers may change before a
     backward reads them)."""
-    running_mean, running_var, eps, weight, bias, activation, slope = running
+    running_mean, running_var, eps, weight, bias, activation, activation_param = running
     acc = stats_dtype(x.dtype)
     mean = running_mean.to(acc, copy=True)
     invstd = torch.rsqrt(running_var.to(acc) + eps)
-    normalize_act(x, NormParams(mean, invstd, weight, bias, activation, slope), out)
+    normalize_act(x, NormParams(mean, invstd, weight, bias, activation, activation_param), out)
     return mean, invstd
 
 

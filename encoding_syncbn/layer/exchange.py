@@ -19,12 +19,19 @@ from ..kernels import RunningStats
 from ..sync import distributed, stats
 from ..sync.replicas import ReplicaSlot
 from ..sync.streams import stream_event, wait_for
-from .functional import ReplicaStats, merge_replicas, on_device, track_batch
+from .functional import (
+    Exchanged,
+    ReplicaStats,
+    merge_replicas,
+    on_device,
+    replica_stats,
+    track_batch,
+)
 
 
 class Exchange:
-    """``exchange`` for ``functional.synced_batch_norm_act``: ``(ReplicaStats) -> (mean,
-    invstd, count)``, the global statistics on the replica's device and the global count.
+    """``exchange`` for ``functional.synced_batch_norm_act``: ``(x) -> Exchanged``, the global
+    statistics on the replica's device and the global count.
 
     The master folds the global ``(mean, M2, count)`` into ``running`` (the layer's running
     statistics; None: not tracked) before it answers: once the replicas run again, every ATen
@@ -46,12 +53,13 @@ class Exchange:
         self.across_processes = across_processes
         self.running = running
 
-    def __call__(self, own: ReplicaStats) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """Send local statistics to the master, get the global ``(mean, invstd, count)``
-        back."""
+    def __call__(self, x: torch.Tensor) -> Exchanged:
+        """Send the statistics of ``x`` (``replica_stats``) to the master, get the global
+        ``(mean, invstd, count)`` back."""
+        own = replica_stats(x)
         mean, invstd, total = self._share(self.slot, own)
         self.own, self.mean, self.invstd, self.total = own, mean, invstd, total
-        return mean, invstd, total
+        return Exchanged(mean, invstd, total, own.link)
 
     def _share(self, slot: ReplicaSlot | None, contribution: ReplicaStats | SubBatch
                ) -> tuple[torch.Tensor, torch.Tensor, int]:

@@ -28,7 +28,7 @@ device, not once per replica.
 In place, only y is kept: x, z and xhat are rebuilt from it. Channels whose |w| is too small
 to divide by (zero-initialised residual BNs) keep their input aside instead, so every sign and
 value of gamma gets exact gradients (which channels, and how the host learns them:
-``channels_aside``).
+``inplace_policy.ChannelsAside``).
 
 Double backward (a gradient penalty: ``torch.autograd.grad(..., create_graph=True)``, then a
 backward through that gradient): under ``create_graph`` each backward is autograd's gradient of
@@ -47,10 +47,12 @@ from typing import Callable, NamedTuple
 import torch
 
 from .. import activations, compat
+from ..activations import ActConfig
 from ..kernels import (
     Backend,
     BatchSums,
     DxCoefs,
+    GammaCheck,
     NormParams,
     RunningParams,
     RunningStats,
@@ -62,26 +64,13 @@ from ..kernels import (
 from ..sync import stats
 from ..sync.streams import stream_event, wait_for
 from . import inplace_policy
-from .channels_aside import ChannelsAside
+from .inplace_policy import ChannelsAside
 
 DOUBLE_BACKWARD_IN_PLACE = (
     "SyncBatchNorm(inplace=True) does not support double backward (differentiating its "
     "gradient, e.g. a gradient penalty with torch.autograd.grad(..., create_graph=True)): its "
     "input was overwritten by its output; use inplace=False for this layer"
 )
-
-
-class ActConfig(NamedTuple):
-    """The activation fused after the normalisation, and whether it overwrites its input.
-
-    ``activation_param``: leaky_relu's negative slope, ELU's alpha (the layer's ``slope``).
-    ``layer``: how errors name the layer (``SyncBatchNorm._label``).
-    """
-
-    activation: str
-    activation_param: float
-    inplace: bool
-    layer: str = "SyncBatchNorm"
 
 
 class _Saved(NamedTuple):
@@ -119,23 +108,6 @@ def _keeps_input(kept_channels: torch.Tensor | None) -> bool:
     (None or empty: none, see ``ChannelsAside.index``). Backward reads the answer from
     what forward saved (``_Saved.kept_channels`` None: no channel kept aside)."""
     return kept_channels is not None and kept_channels.numel() > 0
-
-
-def _as_computed(config: ActConfig) -> ActConfig:
-    """The configuration the layer's autograd Function computes with: ``config``, out of
-    place while compiling (its input left as it was).
-
-    Under ``torch.compile`` an in-place Function could neither overwrite its input
-    (AOTAutograd mis-routes the gradient of an autograd.Function that overwrites a graph
-    input with ``mark_dirty``), nor keep aside the channels its output cannot rebuild the
-    input of (their number depends on the values: a size Dynamo breaks the graph at), nor
-    copy its output over an input it saved. Out of place, the Function keeps its input, its
-    gradients are exact for every gamma, its graph has static shapes throughout, and which
-    buffers hold what is Inductor's to plan.
-    """
-    if config.inplace and torch.compiler.is_compiling():
-        return config._replace(inplace=False)
-    return config
 
 
 def _normalize(ctx, x, mean, invstd, weight, bias, config: ActConfig, kept_channels,
@@ -458,6 +430,19 @@ class ReplicaStats(NamedTuple):
     precise_mean: torch.Tensor | None = None
 
 
+class Exchanged(NamedTuple):
+    """What a synchronised call's exchange answers (``synced_batch_norm_act``): the global
+    ``(mean, invstd)`` on the replica's device, still attached to the autograd graph of the
+    merge (``merge_replicas``), the global count (values a channel), and the link the
+    replica's ``NormAct`` fills in backward for the merge's (None: no merge, as in a
+    checkpoint's recomputation)."""
+
+    mean: torch.Tensor
+    invstd: torch.Tensor
+    total: int
+    link: _Link | None
+
+
 def replica_stats(x: torch.Tensor) -> ReplicaStats:
     """The calling replica's contribution to the merge.
 
@@ -649,50 +634,30 @@ def track_batch(running: RunningStats | None, mean: torch.Tensor | None,
         torch_ops.track_batch(*running, mean, m2, count)
 
 
-def _kept_channels(channels_aside: ChannelsAside | None, config: ActConfig,
-                   weight: torch.Tensor, bias: torch.Tensor, dtype: torch.dtype,
-                   recomputing: bool = False, flags: torch.Tensor | None = None
-                   ) -> torch.Tensor | None:
-    """The channels an in-place call keeps aside, as the Function takes them (None: out of
-    place, or none); ``channels_aside``: the layer's (None: read now, with a device sync)."""
-    if not config.inplace:
-        return None
-    if channels_aside is None:
-        channels_aside = ChannelsAside()
-    return channels_aside.index(weight, bias, dtype, recomputing, flags)
-
-
-def for_count(config: ActConfig, count: int, dtype: torch.dtype) -> ActConfig:
-    """``config`` for a training call on an input of ``dtype`` whose statistics are taken over
-    ``count`` values a channel: out of place where that is too few to rebuild the input from
-    the output (``inplace_policy.rebuilds_from_count``)."""
-    if config.inplace and not inplace_policy.rebuilds_from_count(count, dtype):
-        return config._replace(inplace=False)
-    return config
-
-
 def batch_norm_act(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float, config: ActConfig,
     running: RunningStats | None = None, channels_aside: ChannelsAside | None = None,
-    recomputing: bool = False, count: int | None = None,
+    recomputing: bool = False, count: int | None = None, check: GammaCheck | None = None,
 ) -> torch.Tensor:
     """Normalise ``x`` with its own batch statistics, folded into ``running`` on the way;
-    ``count``: its values per channel, where the caller knows them.
+    ``config``: as the call computes (``inplace_policy.plan_call``); ``count``: x's values
+    per channel, where the caller knows them.
 
-    In place, the channels kept aside come from ``channels_aside`` (see ``_kept_channels``),
-    whose check of the parameters rides on the launch that finishes the statistics;
-    ``recomputing``: a checkpoint's recomputation, which keeps the original call's channels.
-    Too few values a channel to rebuild the input: out of place (``for_count``).
+    In place, the channels kept aside come from ``channels_aside`` (None: read now, with a
+    device sync), given the flags of ``check`` (``CallPlan.check``), which rides on the launch
+    that finishes the statistics; ``recomputing``: a checkpoint's recomputation, which keeps
+    the original call's channels.
     """
     backend = ops_for(x)
     if count is None:
         count = x.numel() // x.shape[1]
-    computed = _as_computed(for_count(config, count, x.dtype))
-    check = (channels_aside.check(weight, bias, x.dtype, recomputing)
-             if computed.inplace and channels_aside is not None else None)
     mean, invstd, flags = backend.batch_stats(x, eps, running, check)
-    kept = _kept_channels(channels_aside, computed, weight, bias, x.dtype, recomputing, flags)
-    return BatchNormAct.apply(x, weight, bias, (mean, invstd, count), computed, kept, eps,
+    kept = None
+    if config.inplace:
+        if channels_aside is None:
+            channels_aside = ChannelsAside()
+        kept = channels_aside.index(weight, bias, x.dtype, recomputing, flags)
+    return BatchNormAct.apply(x, weight, bias, (mean, invstd, count), config, kept, eps,
                               backend)
 
 
@@ -701,22 +666,22 @@ def synced_batch_norm_act(
     weight: torch.Tensor,
     bias: torch.Tensor,
     config: ActConfig,
-    exchange: Callable[[ReplicaStats], tuple[torch.Tensor, torch.Tensor, int]],
-    channels_aside: ChannelsAside | None = None,
+    exchange: Callable[[torch.Tensor], Exchanged],
+    kept: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Normalise ``x`` with statistics merged across replicas by ``exchange``.
 
-    ``exchange(replica_stats(x))`` returns the global ``(mean, invstd)`` on x's device, still
-    attached to the autograd graph of the merge (``merge_replicas``), and the global count
-    (values a channel), which ``for_count`` judges. ``channels_aside``: as ``batch_norm_act``.
+    ``exchange(x)`` meets x's statistics (``replica_stats``) with the other replicas' and
+    answers the global ones (``Exchanged``), whose count ``inplace_policy.for_count`` judges;
+    in a checkpoint's recomputation it is the layer's memory of the original call
+    (``RecomputeCache.replay``). ``config`` and ``kept``: as ``inplace_policy.plan_call``
+    decided them.
     """
-    computed = _as_computed(config)
-    kept = _kept_channels(channels_aside, computed, weight, bias, x.dtype)
-    own = replica_stats(x)
-    mean, invstd, total = exchange(own)
-    if computed.inplace and not (computed := for_count(computed, total, x.dtype)).inplace:
-        kept = None
-    return NormAct.apply(x, mean, invstd, weight, bias, computed, own.link, kept)
+    mean, invstd, total, link = exchange(x)
+    if config.inplace:
+        config = inplace_policy.for_count(config, total, x.dtype)
+        kept = kept if config.inplace else None
+    return NormAct.apply(x, mean, invstd, weight, bias, config, link, kept)
 
 
 def normalize_running(
@@ -727,28 +692,9 @@ def normalize_running(
     weight: torch.Tensor,
     bias: torch.Tensor,
     config: ActConfig,
-    channels_aside: ChannelsAside | None = None,
+    kept: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Normalise with the running statistics (evaluation): ``invstd`` is derived in the same
-    pass as the output (``Backend.normalize_running``). ``channels_aside``: as
-    ``batch_norm_act``."""
-    computed = _as_computed(config)
-    kept = _kept_channels(channels_aside, computed, weight, bias, x.dtype)
-    return RunningNormAct.apply(x, running_mean, running_var, weight, bias, computed, kept, eps)
-
-
-def normalize_with(
-    x: torch.Tensor,
-    mean: torch.Tensor,
-    invstd: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor,
-    config: ActConfig,
-    channels_aside: ChannelsAside | None = None,
-    recomputing: bool = False,
-) -> torch.Tensor:
-    """Normalise with fixed statistics (evaluation, or a recompute reusing global ones);
-    ``channels_aside`` and ``recomputing``: as ``batch_norm_act``."""
-    computed = _as_computed(config)
-    kept = _kept_channels(channels_aside, computed, weight, bias, x.dtype, recomputing)
-    return NormAct.apply(x, mean, invstd, weight, bias, computed, None, kept)
+    pass as the output (``Backend.normalize_running``). ``config`` and ``kept``: as
+    ``inplace_policy.plan_call`` decided them."""
+    return RunningNormAct.apply(x, running_mean, running_var, weight, bias, config, kept, eps)

@@ -1,18 +1,56 @@
-"""When ``SyncBatchNorm`` may run in place: a slope it can invert, an input it may overwrite.
+"""Running in place: when ``SyncBatchNorm`` may, which of its channels keep their input, and the
+opt-in checks of its misuse.
 
-Both are decided before anything is computed: a refusal by autograd inside the Function would
-come after the input, and the running statistics, had been written.
+When: a slope it can invert, an input it may overwrite, a dtype and a count it can rebuild the
+input from. Decided before anything is computed: a refusal by autograd inside the Function
+would come after the input, and the running statistics, had been written.
+
+Which channels: in place, backward rebuilds the input from the output, dividing by gamma; the
+channels whose gamma is too small for that keep their input (it is saved for backward, "kept
+aside") and get their gradients from it. ``ChannelsAside`` is the layer's one handle on them:
+which channels, and how the host learns them without waiting for the device.
+
+Misuse checks, at the operation that misuses an in-place layer. An in-place layer writes its
+output over its input and keeps only the output for backward. Two misuses follow:
+
+- the **input used again** after the layer (``abn(x) + x``): ``x`` now holds the output, so
+  the result is silently wrong (no error ever comes);
+- the **output modified in place** after the layer (``out += identity``, or a second
+  in-place layer fed the output directly): backward cannot rebuild the input; without
+  checks the layer's backward raises, naming the layer (see ``functional._unpack``).
+
+With checks on (``with encoding_syncbn.check_inplace():``, or ``ENCODING_SYNCBN_CHECK=1`` in
+the environment for the whole process), each in-place call
+
+- turns the tensor it overwrote into an ``OverwrittenTensor``: any later torch operation on
+  it raises, naming the layer (metadata such as ``.shape`` still works);
+- returns its output as an ``InPlaceOutput``: an in-place operation on it (``+=``, ``add_``,
+  ``out=``, ``inplace=True``, an in-place layer), or any use after a write through another
+  alias (its version counter moved), raises while the output's gradient is still needed.
+
+Checks cost a Python-level hook per operation on those tensors: a debugging mode, off by
+default. What they cannot see: writes through a view taken before the misuse (``out[:, :2]
++= 1``; backward still names the layer), and tensors that share the input's memory under
+another name (``y = x.view(...)`` before ``abn(x)``; ``y`` is silently overwritten too).
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import threading
 import warnings
+from collections.abc import Iterator
+from typing import Any, NamedTuple
 
 import torch
 
 from .. import activations, compat
-from ..kernels import torch_ops
+from ..activations import ActConfig
+from ..kernels import GammaCheck, torch_ops
+from ..tensor_cache import tensor_cache
 
+# ---- when a call runs in place ----------------------------------------------------------
 
 def resolve_inplace(layer: str, activation: str, slope: float, inplace: bool | None,
                     dtype: torch.dtype | None) -> bool:
@@ -38,7 +76,7 @@ def resolve_inplace(layer: str, activation: str, slope: float, inplace: bool | N
             f"{layer}: activation 'none' does not run in place (a plain BatchNorm keeps its "
             "input); use activation='identity' for an in-place BatchNorm, or inplace=False"
         )
-    if inplace and definition.inverse_needs_positive_slope:
+    if inplace and definition.inverse_needs_positive_param:
         acc = torch_ops.stats_dtype(dtype or torch.get_default_dtype())
         if not slope > 0:
             raise ValueError(
@@ -66,7 +104,7 @@ _OUT_OF_PLACE_IN_HALF_PRECISION = frozenset({"elu"})
 MIN_REBUILT_COUNT = 23
 
 # What ``MIN_REBUILT_COUNT`` is derived from, besides the largest |beta| / |gamma| of a channel
-# rebuilt in half precision (``channels_aside.HALF_PRECISION_LIMIT``): the bound on the
+# rebuilt in half precision (``HALF_PRECISION_LIMIT``): the bound on the
 # gradients' error (a multiple of nn.BatchNorm2d's), and the chance per channel and call of
 # exceeding it that is accepted.
 GRADIENT_ERROR_BOUND = 3.0
@@ -139,12 +177,9 @@ _RESTRICTED_VIEWS = {
 
 def can_overwrite(x: torch.Tensor, warned: list[bool]) -> bool:
     """Whether ``x`` may be overwritten by a custom Function; if not, warn unless ``warned[0]``
-    (the layer's flag: once per layer). While compiling: yes, unchecked."""
-    if torch.compiler.is_compiling():
-        # A compiled call runs out of place whatever this answers
-        # (``functional._as_computed``), and Dynamo cannot inspect view provenance: no check,
-        # and no warning (one inside the traced code would break the graph).
-        return True
+    (the layer's flag: once per layer). Never asked while compiling (a compiled call runs out
+    of place, ``plan_call``): Dynamo cannot inspect view provenance, and a warning inside the
+    traced code would break the graph."""
     # The usual input first, in the fewest checks: a fresh non-leaf tensor, dense (no two
     # elements share memory), outside inference mode.
     if (not x._is_view()
@@ -208,3 +243,450 @@ def shares_memory_within(x: torch.Tensor) -> bool:
     for stride, size in dims:
         offsets = (offsets.unsqueeze(1) + torch.arange(size) * stride).view(-1)
     return bool(offsets.unique().numel() < offsets.numel())
+
+
+# ---- the channels kept aside ------------------------------------------------------------
+
+# Rebuilding a channel's input from its output y divides by gamma: xhat = (z - b) / w, with z
+# the activation's inverse of y. That multiplies y's rounding by |z| / |w| <= |xhat| + |b| / |w|;
+# which amplification a channel affords depends on y's dtype.
+#
+# float32 and float64 outputs: rebuilt where |w| > MIN_INVERTIBLE_GAMMA * max(1, |b|), an
+# amplification of up to 1e3 (y's rounding: 6e-8 in float32).
+MIN_INVERTIBLE_GAMMA = 1e-3
+# float16 and bfloat16 outputs: rebuilt where |w| > HALF_PRECISION_LIMIT * |b| (and |w| is above
+# torch_ops.SMALL_GAMMA_FLOOR). y's rounding there (5e-4, 4e-3) is the size of the error
+# nn.BatchNorm's own gradients have in that dtype, so the rebuild may add about as much again,
+# not amplify it: at |b| <= |w| the gradients stay within 3x nn.BatchNorm2d's error in the same
+# dtype (tests/test_half_precision.py).
+HALF_PRECISION_LIMIT = 1.0
+
+# ChannelsAside keeps aside channels up to this many times the limits where its answer may
+# be a few calls old. Gamma rarely shrinks 16-fold in a few optimiser steps; |b| / |w| rarely
+# grows by a quarter.
+MARGIN = 16.0
+HALF_PRECISION_MARGIN = 1.25
+
+# By the output's dtype: the limit, and the limit with its margin.
+_LIMITS = {dtype: (HALF_PRECISION_LIMIT, HALF_PRECISION_LIMIT * HALF_PRECISION_MARGIN)
+           if dtype in torch_ops.HALF_DTYPES
+           else (MIN_INVERTIBLE_GAMMA, MIN_INVERTIBLE_GAMMA * MARGIN)
+           for dtype in torch_ops.INPUT_DTYPES}
+
+
+def gamma_limit(dtype: torch.dtype, with_margin: bool = False) -> float:
+    """The ``limit`` of ``torch_ops.small_gamma`` for an in-place layer whose output has
+    ``dtype`` (its input's); ``with_margin``: times ``MARGIN`` (``HALF_PRECISION_MARGIN``), for
+    an answer that may be a few calls old."""
+    return _LIMITS[dtype][with_margin]
+
+
+def small_gamma_mask(weight: torch.Tensor, bias: torch.Tensor | None, limit: float
+                     ) -> torch.Tensor:
+    """Per channel: ``torch_ops.small_gamma(weight, bias, limit)``: gamma too small for the
+    output's dtype to rebuild the input, or w or b NaN or inf (no host sync; no bias:
+    ``b = 0``)."""
+    bias = torch.zeros_like(weight) if bias is None else bias
+    return torch_ops.small_gamma(weight, bias, limit)
+
+
+def small_gamma_index(weight: torch.Tensor, bias: torch.Tensor | None, limit: float
+                      ) -> torch.Tensor:
+    """The channels' indices whose output cannot be inverted: ``(k,)``, sized by the data."""
+    return small_gamma_mask(weight, bias, limit).nonzero().view(-1)
+
+
+# What ChannelsAside holds for flags without values (the meta device, fake tensors): a
+# pass that computes no values keeps nothing aside, and leaves no answer for the calls after it.
+_NO_VALUES = object()
+
+
+class ChannelsAside:
+    """The channels an in-place layer keeps aside (its small-gamma channels), known on the
+    host: one per layer and replica.
+
+    ``index`` gives the layer's autograd Function their indices, chosen by the parameters of
+    the call. They are known in advance where ``replicate()`` read them for the replicas
+    (``found``, for outputs up to the limit ``found_limit``). Else reading them from the
+    current parameters would cost a device sync per call (``nonzero``); instead each call
+    checks the parameters on the device (single replica: in the launch that finishes the batch
+    statistics, see ``check``) and copies the flags to (pinned) host memory without waiting;
+    a call uses the newest answer whose copy is done (on the CPU: its own), and only a layer's
+    first call on a GPU waits for one. That check keeps aside every channel up to ``MARGIN``
+    (half precision: ``HALF_PRECISION_MARGIN``) times the limits, so an answer a few calls old
+    still covers a channel whose gamma shrank below the limit since, unless it shrank more
+    than that many times over. Answers hold for the dtype they were made for: a call in
+    another dtype (autocast switched on or off) starts afresh, as a first call.
+
+    ``recomputing`` (a checkpoint's recomputation of a call): the call keeps the answer the
+    original call used.
+    """
+
+    __slots__ = ("found", "found_limit", "known", "_limit", "_host", "_ready", "_pinned")
+
+    def __init__(self, found: tuple[int, ...] | None = None, found_limit: float = 0.0) -> None:
+        self.found = found
+        self.found_limit = found_limit
+        # The newest answer that arrived, and the limit it and the answer on its way were
+        # checked with.
+        self.known: tuple[int, ...] | None = None
+        self._limit: float | None = None
+        # An answer on its way, as flags in host memory (_NO_VALUES: this call's, from a pass
+        # without values).
+        self._host: torch.Tensor | object | None = None
+        self._ready: torch.cuda.Event | None = None
+        # Reused from call to call (one answer is on its way at a time).
+        self._pinned: torch.Tensor | None = None
+
+    @classmethod
+    def read_now(cls, weight: torch.Tensor | None, bias: torch.Tensor | None,
+                 dtype: torch.dtype) -> ChannelsAside:
+        """Channels found now, for outputs of ``dtype``: ``replicate()`` reads them once (on a
+        GPU one device-to-host copy) for all the replicas of a step; each replica is handed
+        its own ``copy()``."""
+        return cls(small_gamma_channels(weight, bias, dtype), gamma_limit(dtype))
+
+    def copy(self) -> ChannelsAside:
+        """The channels found in advance, without the answers learnt since."""
+        return ChannelsAside(self.found, self.found_limit)
+
+    def check(self, weight: torch.Tensor, bias: torch.Tensor, dtype: torch.dtype,
+              recomputing: bool = False) -> GammaCheck | None:
+        """The check for the backend to run in this call on an input of ``dtype`` (in the
+        launch that finishes the batch statistics; its flags then go to ``index``), or None
+        where no new answer is wanted: the channels are found in advance, one is on its way,
+        or the call keeps its answer (never asked while compiling, as ``index``)."""
+        if self._found_for(dtype):
+            return None
+        limit = self._limit_for(dtype, weight, recomputing)
+        if self._host is not None or self._frozen(weight, recomputing):
+            return None
+        return GammaCheck(weight, bias, limit)
+
+    def index(self, weight: torch.Tensor, bias: torch.Tensor, dtype: torch.dtype,
+              recomputing: bool = False, flags: torch.Tensor | None = None
+              ) -> torch.Tensor | None:
+        """The indices of the channels to keep aside in a call on an input of ``dtype``, or
+        None where there are none (the usual answer, which costs the layer's Function no
+        index); ``flags``: the result of this call's ``check``.
+
+        Never asked while compiling: a compiled layer keeps its input instead (see
+        ``plan_call``).
+        """
+        channels = (self.found if self._found_for(dtype)
+                    else self._channels(weight, bias, dtype, recomputing, flags))
+        return channel_index(channels, weight.device) if channels else None
+
+    def _found_for(self, dtype: torch.dtype) -> bool:
+        """Whether the channels found in advance hold for outputs of ``dtype`` (not for a
+        dtype whose limit is stricter than theirs)."""
+        return self.found is not None and self.found_limit >= gamma_limit(dtype)
+
+    def _frozen(self, weight: torch.Tensor, recomputing: bool) -> bool:
+        """Whether the call must keep the answer it has: a checkpoint's recompute (the
+        original call's), or a CUDA graph capture (the warm-up calls': querying an event is
+        not allowed there)."""
+        if self.known is None:
+            return False
+        return recomputing or (weight.is_cuda and torch.cuda.is_current_stream_capturing())
+
+    def _limit_for(self, dtype: torch.dtype, weight: torch.Tensor, recomputing: bool) -> float:
+        """The limit a call on ``dtype`` checks; answers made with another are dropped
+        (unless the call must keep its answer)."""
+        limit = gamma_limit(dtype, with_margin=True)
+        if limit != self._limit and not self._frozen(weight, recomputing):
+            self.known = self._host = self._ready = None
+            self._limit = limit
+        return limit
+
+    def _channels(self, weight: torch.Tensor, bias: torch.Tensor, dtype: torch.dtype,
+                  recomputing: bool, flags: torch.Tensor | None) -> tuple[int, ...]:
+        """The newest answer, ``flags`` (this call's check) offered first. Without a check
+        offered, the parameters are checked here, in ATen calls."""
+        if flags is not None:
+            self._offer(flags)
+        elif self._frozen(weight, recomputing):
+            return self.known
+        elif self._host is None or self._limit != gamma_limit(dtype, with_margin=True):
+            limit = self._limit_for(dtype, weight, recomputing)
+            self._offer(small_gamma_mask(weight, bias, limit))
+        host = self._host
+        if host is None:  # none on its way: the newest answer (on the CPU: this call's)
+            return self.known
+        if self.known is None and self._ready is not None:
+            self._ready.synchronize()  # the layer's first call on a GPU: once
+        if self._ready is None or self._ready.query():
+            self._host = self._ready = None
+            if host is _NO_VALUES:  # this call's answer, not one for the calls after it
+                return ()
+            self.known = self._read(host)
+        return self.known
+
+    def _offer(self, small: torch.Tensor) -> None:
+        """Start bringing per-channel flags (nonzero: keep aside) to the host, without
+        waiting for the device (on a GPU; other devices than the CPU wait). Flags in host
+        memory are read now: the answer is ``known`` at once."""
+        if type(small) is not torch.Tensor or small.is_meta:
+            # No values to read (the meta device, a tracing tool's fake tensors): no answer.
+            self._host, self._ready = _NO_VALUES, None
+            return
+        if small.is_cpu:  # read where they lie: no device sync
+            self.known = self._read(small)
+            return
+        if not small.is_cuda:  # mps, xpu: after a blocking copy
+            self._host, self._ready = small.cpu(), None
+            return
+        pinned = self._pinned
+        if pinned is None or pinned.shape != small.shape or pinned.dtype != small.dtype:
+            # Written by the calls after this one, in inference mode or not: a normal tensor
+            # (see ``tensor_cache``).
+            with torch.inference_mode(False):
+                pinned = self._pinned = torch.empty(small.shape, dtype=small.dtype,
+                                                    pin_memory=True)
+        pinned.copy_(small, non_blocking=True)
+        # The copy's end, on the stream that runs it (the current one of the flags' device):
+        # the host polls it (``_channels``), no other stream waits for it.
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(small.device))
+        self._host, self._ready = pinned, ready
+
+    @staticmethod
+    def _read(flags: torch.Tensor) -> tuple[int, ...]:
+        """The indices of the nonzero flags of ``flags``, a (C,) tensor in host memory, of
+        any dtype and strides.
+
+        Through numpy, not torch: ``nonzero`` or ``tolist`` here would be host reads that a
+        training step must not dispatch (on a GPU they sync with the device; this tensor is
+        already on the host, but the step's no-sync test cannot tell them apart)."""
+        return tuple(flags.numpy().nonzero()[0].tolist())
+
+
+def small_gamma_channels(weight: torch.Tensor | None, bias: torch.Tensor | None,
+                         dtype: torch.dtype) -> tuple[int, ...]:
+    """The channels an in-place layer with these parameters keeps aside on inputs of
+    ``dtype``, as host ints.
+
+    On a GPU this reads the parameters back (one device-to-host copy): ``SyncBatchNorm`` does
+    it once per ``replicate()`` on the original parameters, so that its replicas need none.
+    """
+    if weight is None:  # affine=False: gamma is 1 everywhere
+        return ()
+    return tuple(small_gamma_index(weight, bias, gamma_limit(dtype)).tolist())
+
+
+@tensor_cache(maxsize=256)
+def channel_index(channels: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """``channels`` as an index tensor on ``device``, built once (shared: read only)."""
+    return torch.tensor(channels, dtype=torch.long, device=device)
+
+
+# ---- checks of misuse -------------------------------------------------------------------
+
+# Whole process, every thread: DataParallel's replicas run the layers on threads of their own.
+_ENV = "ENCODING_SYNCBN_CHECK"
+_lock = threading.Lock()
+_active = 0
+# Read once, at import: the check runs on every in-place call.
+_FROM_ENV = os.environ.get(_ENV, "0") not in ("", "0")
+
+
+def checking() -> bool:
+    """Whether in-place calls are checked now (``check_inplace`` or ENCODING_SYNCBN_CHECK)."""
+    return (_active > 0 or _FROM_ENV) and not torch.compiler.is_compiling()
+
+
+@contextlib.contextmanager
+def check_inplace() -> Iterator[None]:
+    """Check every in-place layer's misuse while the block runs, in every thread.
+
+    See this module's docstring for what is checked. Nestable.
+    """
+    global _active
+    with _lock:
+        _active += 1
+    try:
+        yield
+    finally:
+        with _lock:
+            _active -= 1
+
+
+# Tensor attributes that read no values: allowed on an overwritten tensor.
+_METADATA = frozenset({
+    "shape", "size", "dim", "ndim", "dtype", "device", "layout", "numel", "stride",
+    "storage_offset", "is_contiguous", "requires_grad", "is_leaf", "grad_fn", "data_ptr",
+    "names", "is_cuda", "is_sparse", "is_quantized", "is_meta", "element_size",
+    "nelement", "__class__", "__len__",
+})
+_INPLACE_OPERATORS = frozenset({
+    "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__",
+    "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__",
+    "__imatmul__", "__setitem__",
+})
+
+
+def _name(func: Any) -> str:
+    """``func``'s name; for a property getter (``Tensor.shape.__get__``) the property's."""
+    name = getattr(func, "__name__", "")
+    if name in ("__get__", "__set__"):
+        return getattr(getattr(func, "__self__", None), "__name__", name)
+    return name
+
+
+def _writes_first_argument(func: Any, args: tuple, kwargs: dict) -> bool:
+    """Whether ``func(*args, **kwargs)`` writes its first argument (or writes to ``out=``)."""
+    name = _name(func)
+    if name in _INPLACE_OPERATORS or (name.endswith("_") and not name.startswith("__")):
+        return True
+    if kwargs.get("inplace") is True:
+        return True
+    # torch.nn.functional's activations take ``inplace`` positionally too.
+    return any(arg is True for arg in args[1:]) and name in _POSITIONAL_INPLACE
+
+
+_POSITIONAL_INPLACE = frozenset({
+    "relu", "leaky_relu", "elu", "celu", "selu", "hardtanh", "relu6", "silu", "mish",
+    "hardswish", "hardsigmoid", "rrelu", "threshold",
+})
+
+
+class _Checked(torch.Tensor):
+    """Both checked kinds: one ``__torch_function__`` sees every tensor of a call, whichever
+    kind torch asks first."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        with compat.disable_torch_function_subclass():
+            for arg in (*args, *kwargs.values()):
+                if isinstance(arg, OverwrittenTensor):
+                    _check_overwritten_use(arg, func)
+                elif isinstance(arg, InPlaceOutput) and arg.requires_grad:
+                    _check_output_use(arg, func, args, kwargs)
+            return func(*args, **kwargs)
+
+
+class OverwrittenTensor(_Checked):
+    """A tensor an in-place layer overwrote (checks on): using it again is an error."""
+
+    _overwritten_by: str
+
+
+class InPlaceOutput(_Checked):
+    """An in-place layer's output (checks on): writing it while backward needs it is an
+    error, raised at the write."""
+
+    _written_by: str
+    _expected_version: int
+
+
+def _check_overwritten_use(stale: OverwrittenTensor, func: Any) -> None:
+    name = _name(func)
+    # Private attributes are autograd's bookkeeping (``_backward_hooks`` when a view of the
+    # tensor is written), not a read of its values.
+    private = name.startswith("_") and not name.startswith("__")
+    if name in _METADATA or private or func is torch.Tensor.__repr__:
+        return
+    raise RuntimeError(
+        f"{stale._overwritten_by} (inplace=True) overwrote this tensor with its output, and "
+        f"it was used again after the layer ({_name(func)}; e.g. `abn(x) + x`, which silently "
+        "adds the output to itself). Use the value the layer returned, keep a copy of the "
+        "input before the layer, or use inplace=False for that layer"
+    )
+
+
+def _check_output_use(out: InPlaceOutput, func: Any, args: tuple, kwargs: dict) -> None:
+    if out._version != out._expected_version:
+        raise RuntimeError(_output_written_message(out._written_by, "through another alias"))
+    if out is kwargs.get("out") or (out is args[0] and _writes_first_argument(func, args, kwargs)):
+        raise RuntimeError(_output_written_message(out._written_by, f"by {_name(func)}"))
+
+
+def _output_written_message(layer: str, how: str) -> str:
+    return (
+        f"{layer} (inplace=True): its output is modified in place {how} while its backward "
+        "still needs it to rebuild the input (`out += identity` after the layer, or another "
+        "in-place layer fed this output directly). Fix: write `out = out + identity` instead "
+        "of `out += identity`, or use inplace=False for that layer"
+    )
+
+
+def before_write(x: torch.Tensor, layer: str) -> None:
+    """Raise if ``x``, which ``layer`` is about to overwrite, is an in-place layer's output
+    that its backward still needs."""
+    with compat.disable_torch_function_subclass():
+        if isinstance(x, InPlaceOutput) and x.requires_grad:
+            raise RuntimeError(_output_written_message(x._written_by, f"by {layer}"))
+
+
+def after_write(x: torch.Tensor, out: torch.Tensor, layer: str) -> torch.Tensor:
+    """Mark ``x`` (overwritten by ``layer``) stale; return ``out`` as a checked alias."""
+    with compat.disable_torch_function_subclass():
+        result = out.as_subclass(InPlaceOutput)
+        result._written_by, result._expected_version = layer, out._version
+    # Only plain tensors change class: a user's own subclass keeps its behaviour.
+    if type(x) in (torch.Tensor, InPlaceOutput):
+        x.__class__ = OverwrittenTensor
+        x._overwritten_by = layer
+    return result
+
+
+# ---- one call's decision ----------------------------------------------------------------
+
+class CallPlan(NamedTuple):
+    """How one call of an in-place layer runs, decided before its statistics are taken.
+
+    ``config``: the layer's ``ActConfig`` as the call computes (``inplace`` False: out of
+    place). ``kept``: the channels it keeps aside, where they are known before the statistics
+    (None: none, or not yet). ``check``: where they are not, the check of the parameters that
+    the launch finishing the batch statistics runs; its flags then go to
+    ``ChannelsAside.index``.
+    """
+
+    config: ActConfig
+    kept: torch.Tensor | None = None
+    check: GammaCheck | None = None
+
+
+def plan_call(config: ActConfig, x: torch.Tensor, warned: list[bool],
+              channels_aside: ChannelsAside, weight: torch.Tensor, bias: torch.Tensor, *,
+              count: int | None = None, recomputing: bool = False) -> CallPlan:
+    """Whether a call of a layer configured as ``config`` runs in place on ``x``, and which of
+    its channels keep their input: the one place the layer asks. ``warned``: the layer's
+    out-of-place warning flag (``can_overwrite``); ``channels_aside``: the layer's; ``count``:
+    the values a channel of a training call on ``x``'s own batch (its statistics then choose
+    the channels kept aside, ``CallPlan.check``), None for a call with running or exchanged
+    statistics (the count rule then waits for the exchange's count: ``for_count``);
+    ``recomputing``: a checkpoint's recomputation, which keeps the original call's channels.
+
+    With checks on (``check_inplace``), ``x`` is refused first where it is an in-place
+    layer's output that its backward still needs (``before_write``).
+
+    While compiling the call runs out of place. An in-place Function could neither overwrite
+    its input there (AOTAutograd mis-routes the gradient of an autograd.Function that
+    overwrites a graph input with ``mark_dirty``), nor keep aside the channels its output
+    cannot rebuild the input of (their number depends on the values: a size Dynamo breaks the
+    graph at), nor copy its output over an input it saved. Out of place, the Function keeps its
+    input, its gradients are exact for every gamma, its graph has static shapes throughout,
+    and which buffers hold what is Inductor's to plan.
+    """
+    if not config.inplace:
+        return CallPlan(config)
+    if checking():
+        before_write(x, config.layer)
+    if (torch.compiler.is_compiling() or not can_overwrite(x, warned)
+            or not stays_in_place(config.activation, x.dtype)
+            or (count is not None and not rebuilds_from_count(count, x.dtype))):
+        return CallPlan(config._replace(inplace=False))
+    if count is not None:
+        return CallPlan(config, check=channels_aside.check(weight, bias, x.dtype, recomputing))
+    return CallPlan(config, kept=channels_aside.index(weight, bias, x.dtype, recomputing))
+
+
+def for_count(config: ActConfig, count: int, dtype: torch.dtype) -> ActConfig:
+    """``config`` for a training call on an input of ``dtype`` whose statistics are taken over
+    ``count`` values a channel: out of place where that is too few to rebuild the input from
+    the output (``rebuilds_from_count``)."""
+    if config.inplace and not rebuilds_from_count(count, dtype):
+        return config._replace(inplace=False)
+    return config

@@ -14,21 +14,21 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.utils import parametrize
 
 from .. import activations, compat
+from ..activations import ActConfig
 from ..kernels import RunningStats, channel_vector, torch_ops
 from ..sync import distributed, replicas
 from ..sync.group import ReplicaGroup
 from ..sync.replicas import ReplicaSlot
-from . import inplace_check, inplace_policy, recompute, tracing
-from .channels_aside import ChannelsAside
+from . import inplace_policy, recompute, tracing
 from .exchange import Exchange
 from .functional import (
-    ActConfig,
     batch_norm_act,
     norm_act_composite,
     normalize_running,
     synced_batch_norm_act,
     track_batch,
 )
+from .inplace_policy import ChannelsAside
 from .recompute import RecomputeCache
 
 # The options checked together, at construction and when assigned (``__setattr__``).
@@ -46,7 +46,7 @@ _CONFIG_SOURCES = (*_ACTIVATION_OPTIONS, "_label_text")
 #: with the merge in functional collectives (``distributed.merge_traced``). False: as the
 #: backend's opaque custom ops, where a call synchronised across processes breaks the graph
 #: at the exchange's host read of the counts. Either way a compiled call runs out of place
-#: (``functional._as_computed``). ``benchmarks/bench_compile.py`` measures both.
+#: (``inplace_policy.plan_call``). ``benchmarks/bench_compile.py`` measures both.
 COMPILE_AS_FORMULA = True
 
 # Attributes that only make sense for the live object: dropped by pickle and deepcopy.
@@ -87,7 +87,7 @@ class SyncBatchNorm(_BatchNorm):
             from a half-precision output would lose precision. In any dtype, a training
             call over fewer than ``inplace_policy.MIN_REBUILT_COUNT`` values a channel in
             the whole batch runs out of place: so few values leave the rebuilt input's
-            rounding unaveraged (see ``channels_aside``, ``inplace_policy``).
+            rounding unaveraged (see ``inplace_policy``).
 
     In place, the tensor passed in is overwritten and returned. A tensor autograd will not let
     us overwrite (a leaf that requires grad, an output of ``torch.chunk``/``split``) is
@@ -286,6 +286,9 @@ class SyncBatchNorm(_BatchNorm):
             )
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        """One call, in one of three ways: recorded as one node of the graph ``torch.fx``
+        traces; computed in ATen ops where a capture or a transform records it
+        (``_forward_in_aten_ops``); else run (``_forward``)."""
         if not isinstance(input, torch.Tensor) and tracing.is_fx_proxy(input):
             return tracing.fx_leaf_call(self, self._label(), input)
         if tracing.in_aten_ops():
@@ -296,18 +299,6 @@ class SyncBatchNorm(_BatchNorm):
         elif self._open_group is not None and (group := self._open_group()) is not None:
             group.close()
         try:
-            dim = input.dim() if isinstance(input, torch.Tensor) else 0
-            if (dim < 2 or input.shape[1] != self.num_features
-                    or input.dtype not in torch_ops.INPUT_DTYPES):
-                self._check_input(input)  # raises, saying what is wrong
-            if not torch.compiler.is_compiling():  # Dynamo's tensors are never such wrappers
-                input = compat.unwrap_if_dead(input)
-            self._last_input_dim[0] = dim
-            if self.inplace and inplace_check.checking():
-                inplace_check.before_write(input, self._label())
-                out = self._forward(input, slot)
-                # ``out is input``: written in place (not a fallback out of place).
-                return inplace_check.after_write(input, out, self._label()) if out is input else out
             return self._forward(input, slot)
         except BaseException as error:
             if slot is not None:
@@ -430,69 +421,70 @@ class SyncBatchNorm(_BatchNorm):
         )
         return weight, bias
 
-    def _act_config(self, x: torch.Tensor) -> ActConfig:
-        """The activation, and whether it runs in place: the layer's configuration, out of
-        place where ``x`` cannot be overwritten or its dtype cannot rebuild the activation
-        (``inplace_policy.stays_in_place``)."""
-        config = self._config
-        if not config.inplace:
-            return config
-        if not inplace_policy.can_overwrite(x, self._warned_out_of_place) or (
-                x.dtype in torch_ops.HALF_DTYPES
-                and not inplace_policy.stays_in_place(config.activation, x.dtype)):
-            return config._replace(inplace=False)
-        return config
-
     def _forward(self, x: torch.Tensor, slot: ReplicaSlot | None) -> torch.Tensor:
-        """Choose the mode and run it: evaluation with running statistics; batch statistics
-        synchronised (or a checkpoint's recomputation of such a call); batch statistics of
-        this replica alone (one replica, or ``sync=False``). Each mode is one call into
-        ``functional``, which runs the mode's autograd Function (docs/internals.md)."""
+        """Check the call, choose its mode once and run it: evaluation with the running
+        statistics; batch statistics synchronised (in a checkpoint's recomputation, those of
+        the original call); batch statistics of this replica alone (one replica, or
+        ``sync=False``); while compiling, the formula in ATen ops (``_formula``). Each mode is
+        one call, into ``functional`` where it runs the mode's autograd Function
+        (docs/internals.md), after the one decision of how it runs in place
+        (``inplace_policy.plan_call``)."""
+        dim = x.dim() if isinstance(x, torch.Tensor) else 0
+        if dim < 2 or x.shape[1] != self.num_features or x.dtype not in torch_ops.INPUT_DTYPES:
+            self._check_input(x)  # raises, saying what is wrong
+        self._last_input_dim[0] = dim
         params = self.weight, self.bias  # read once: a parametrized weight is computed at each read
         running_mean = self.running_mean
         self._check_device(x, running_mean, params[0])
         weight, bias = self._affine_params(*params, x)
-        config = self._act_config(x)
-        channels_aside = self._channels_aside
-        formula = COMPILE_AS_FORMULA and torch.compiler.is_compiling()
-        if not self.training and running_mean is not None:
-            if formula:
-                return self._formula(x, weight, bias, None)
-            # The backend derives invstd in the same pass, and keeps copies of the statistics
-            # for the backward: a training forward, load_state_dict or a buffer broadcast may
-            # change the buffers before it.
-            return normalize_running(x, running_mean, self.running_var, self.eps, weight, bias,
-                                     config, channels_aside)
-        # Batch statistics: training, or evaluation without running ones. Asked only here:
-        # evaluation with running statistics never asks autograd (its private API untouched).
-        recomputing = recompute.inside_backward()
+        evaluating = not self.training and running_mean is not None
+        # Asked only for batch statistics: evaluation with running statistics never asks
+        # autograd (its private API untouched).
+        recomputing = not evaluating and recompute.inside_backward()
+        synced = not evaluating and self._synced(slot)
         running = self._running() if self.training and not recomputing else None
-        if self._synced(slot):
-            if recomputing:
-                return self._recompute_cache.replay(x, weight, bias, config, channels_aside)
-            if formula and slot is None:  # one replica a process: merged across processes
-                return self._formula(x, weight, bias, functools.partial(track_batch, running),
-                                     merged=True)
-            # The master folds the merged statistics into the running ones; each replica
-            # remembers the call for a checkpoint's recomputation.
-            exchange = Exchange(slot, self.eps, self.process_group, self._syncs_processes(),
-                                running, self._label())
-            out = synced_batch_norm_act(x, weight, bias, config, exchange, channels_aside)
-            self._recompute_cache.remember(exchange.own, exchange.mean, exchange.invstd,
-                                         exchange.total)
-            return out
-        # This replica's batch alone.
-        count = self._training_count(x)
-        if running is not None and slot is not None and slot.group.size > 1:
-            self._checked_by_every_replica(slot, x, count)
+        count = None
+        if not evaluating and not synced:  # this replica's batch alone
+            count = self._training_count(x)
+            if running is not None and slot is not None and slot.group.size > 1:
+                self._checked_by_every_replica(slot, x, count)
+        compiling = torch.compiler.is_compiling()
+        if (COMPILE_AS_FORMULA and compiling and count != 0
+                and not (synced and slot is not None)):  # merged across processes, if synced
+            track = None if evaluating else functools.partial(track_batch, running)
+            return self._formula(x, weight, bias, track, merged=synced)
+        if not compiling:  # Dynamo's tensors are never such wrappers
+            x = compat.unwrap_if_dead(x)
+        plan = inplace_policy.plan_call(self._config, x, self._warned_out_of_place,
+                                        self._channels_aside, weight, bias, count=count,
+                                        recomputing=recomputing)
         if count == 0:
             track_batch(running, None, None, 0)
             # Empty, and attached to the parameters (zero gradients) as nn.BatchNorm's result.
             return torch.nn.functional.batch_norm(x, None, None, weight, bias, True, 0.0, self.eps)
-        if formula:
-            return self._formula(x, weight, bias, functools.partial(track_batch, running))
-        return batch_norm_act(x, weight, bias, self.eps, config, running, channels_aside,
-                              recomputing, count)
+        if evaluating:
+            # The backend derives invstd in the same pass, and keeps copies of the statistics
+            # for the backward: a training forward, load_state_dict or a buffer broadcast may
+            # change the buffers before it.
+            out = normalize_running(x, running_mean, self.running_var, self.eps, weight, bias,
+                                    plan.config, plan.kept)
+        elif synced:
+            # The master folds the merged statistics into the running ones; each replica
+            # remembers the call for a checkpoint's recomputation, which meets no replica.
+            exchange = (self._recompute_cache.replay if recomputing else
+                        Exchange(slot, self.eps, self.process_group, self._syncs_processes(),
+                                 running, self._label()))
+            out = synced_batch_norm_act(x, weight, bias, plan.config, exchange, plan.kept)
+            if not recomputing:
+                self._recompute_cache.remember(exchange.own, exchange.mean, exchange.invstd,
+                                             exchange.total)
+        else:
+            out = batch_norm_act(x, weight, bias, self.eps, plan.config, running,
+                                 self._channels_aside, recomputing, count, plan.check)
+        # ``out is x``: written in place (not a fallback out of place).
+        if out is x and inplace_policy.checking():
+            return inplace_policy.after_write(x, out, self._label())
+        return out
 
     def _synced(self, slot: ReplicaSlot | None) -> bool:
         """Whether this call takes its batch statistics over several replicas or processes."""
@@ -550,7 +542,7 @@ class SyncBatchNorm(_BatchNorm):
 
     def extra_repr(self) -> str:
         text = super().extra_repr() + f", activation={self.activation!r}"
-        if activations.ACTIVATIONS[self.activation].has_slope:
+        if activations.ACTIVATIONS[self.activation].has_param:
             text += f", slope={self.slope}"
         text += f", inplace={self.inplace}"
         if not self.sync:

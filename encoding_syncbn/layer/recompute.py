@@ -15,8 +15,7 @@ import torch
 
 from .. import compat
 from ..kernels import ops_for
-from .channels_aside import ChannelsAside
-from .functional import ActConfig, ReplicaStats, for_count, normalize_with
+from .functional import Exchanged, ReplicaStats
 
 # How many recent synchronised calls a replica remembers for checkpoint recomputation.
 CACHE_SIZE = 64
@@ -55,11 +54,10 @@ class RecomputeCache:
                 )
             )
 
-    def replay(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
-               config: ActConfig, channels_aside: ChannelsAside) -> torch.Tensor:
-        """Checkpoint recomputation: normalise ``x`` with the global statistics of the
-        original call (in place where it was, keeping aside the channels it kept:
-        ``channels_aside``'s).
+    def replay(self, x: torch.Tensor) -> Exchanged:
+        """The ``exchange`` of a checkpoint's recomputation (``functional.synced_batch_norm_act``):
+        the global statistics of the original call on ``x``, met with no other replica (no
+        merge to link to).
 
         The call is found by its input's statistics, recomputed by the backend that computed
         them then (another backend's differ in the last bits: Triton's against ATen's).
@@ -77,10 +75,7 @@ class RecomputeCache:
                         "reentrant mode rebuilds each replica's graph apart, so gradients "
                         "cannot flow between replicas; use use_reentrant=False"
                     )
-                return normalize_with(x, call.mean, call.invstd, weight, bias,
-                                      for_count(config, call.total, x.dtype),
-                                      channels_aside,
-                                      recomputing=True)
+                return Exchanged(call.mean, call.invstd, call.total, None)
         raise RuntimeError(
             "SyncBatchNorm: a recomputation (checkpoint) found no synchronised call with the "
             "same input statistics; the checkpointed function must be deterministic"

@@ -93,14 +93,14 @@ def _gelu_tanh_u(z):
 
 
 @triton.jit
-def activate(z, slope, ACTIVATION: tl.constexpr):
+def activate(z, param, ACTIVATION: tl.constexpr):
     """``act(z)`` for one of KERNEL_ACTIVATIONS, positive branch for ``z > 0`` exactly as torch
-    (``slope`` is ELU's alpha)."""
+    (``param``: leaky_relu's negative slope, ELU's alpha)."""
     if ACTIVATION == "leaky_relu":
-        y = tl.where(z > 0.0, z, z * slope)
+        y = tl.where(z > 0.0, z, z * param)
     elif ACTIVATION == "elu":
         # NaN passes through, as in torch's elu.
-        y = tl.where(z <= 0.0, slope * _expm1_nonpos(tl.minimum(z, 0.0)), z)
+        y = tl.where(z <= 0.0, param * _expm1_nonpos(tl.minimum(z, 0.0)), z)
     elif ACTIVATION == "relu":
         # NaN passes through, as in torch.relu.
         y = tl.where((z > 0.0) | (z != z), z, 0.0)
@@ -116,11 +116,11 @@ def activate(z, slope, ACTIVATION: tl.constexpr):
 
 
 @triton.jit
-def xhat_dz(s, dy, mean, invstd, weight, bias, slope, ACTIVATION: tl.constexpr,
+def xhat_dz(s, dy, mean, invstd, weight, bias, param, ACTIVATION: tl.constexpr,
             SAVED_IS_OUTPUT: tl.constexpr):
     """``(xhat, dz)`` from the saved input ``x`` or output ``y``.
 
-    from y:  leaky_relu  z = y if y > 0 else y / slope        dz = dy  or dy * slope
+    from y:  leaky_relu  z = y if y > 0 else y / param        dz = dy  or dy * param
              elu         z = y if y > 0 else log1p(max(y / alpha, -1 + ulp))
                                                                 dz = dy  or dy * (y + alpha)
              xhat = (z - bias) / weight
@@ -129,12 +129,12 @@ def xhat_dz(s, dy, mean, invstd, weight, bias, slope, ACTIVATION: tl.constexpr,
     if SAVED_IS_OUTPUT:
         positive = s > 0.0
         if ACTIVATION == "leaky_relu":
-            z = tl.where(positive, s, s / slope)
-            dz = tl.where(positive, dy, dy * slope)
+            z = tl.where(positive, s, s / param)
+            dz = tl.where(positive, dy, dy * param)
         elif ACTIVATION == "elu":
-            ratio = tl.maximum(s / slope, _elu_floor(s))
+            ratio = tl.maximum(s / param, _elu_floor(s))
             z = tl.where(positive, s, _log1p(ratio))
-            dz = tl.where(positive, dy, dy * (s + slope))
+            dz = tl.where(positive, dy, dy * (s + param))
         else:
             tl.static_assert(False, "activation id without an inverse (or unknown): its "
                                     "kernels cannot read the saved output")
@@ -145,10 +145,10 @@ def xhat_dz(s, dy, mean, invstd, weight, bias, slope, ACTIVATION: tl.constexpr,
         # Branch tests as ATen's CPU kernels, so that a NaN z takes the same branch (relu's
         # threshold_backward passes dy unless z <= 0).
         if ACTIVATION == "leaky_relu":
-            dz = tl.where(z > 0.0, dy, dy * slope)
+            dz = tl.where(z > 0.0, dy, dy * param)
         elif ACTIVATION == "elu":
             # Not tl.minimum(z, 0): it turns a NaN into 0 (ATen's exp(NaN) gives NaN).
-            dz = tl.where(z > 0.0, dy, dy * (slope * tl.exp(tl.where(z > 0.0, 0.0, z))))
+            dz = tl.where(z > 0.0, dy, dy * (param * tl.exp(tl.where(z > 0.0, 0.0, z))))
         elif ACTIVATION == "relu":
             dz = tl.where(z <= 0.0, 0.0, dy)
         elif ACTIVATION == "silu":

@@ -36,7 +36,8 @@ from .tiles import (
 @triton.jit
 def _backward_dx_kernel(saved_ptr, dy_ptr, dx_ptr, mean_ptr, invstd_ptr, weight_ptr, bias_ptr,
                         coef_dz_ptr, coef_xhat_ptr, coef_const_ptr, neg_inv_count: tl.float64,
-                        slope: tl.float64, N, C, S, R, CS, tiles, tiles_s, tiles_per_prog,
+                        activation_param: tl.float64, N, C, S, R, CS, tiles, tiles_s,
+                        tiles_per_prog,
                         ACTIVATION: tl.constexpr, SAVED_IS_OUTPUT: tl.constexpr,
                         FROM_SUMS: tl.constexpr, CHANNELS_LAST: tl.constexpr,
                         CHANNEL_ROWS: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr,
@@ -64,13 +65,13 @@ def _backward_dx_kernel(saved_ptr, dy_ptr, dx_ptr, mean_ptr, invstd_ptr, weight_
     else:
         coef_dz = load_channel(coef_dz_ptr, c0, C, CHANNELS_LAST, CHANNEL_ROWS, BLOCK_A, BLOCK_B)
     no_xhat_term = coef_xhat == 0.0
-    alpha = tl.full([], slope, ACC)
+    param = tl.full([], activation_param, ACC)
     start, stop = tile_range(tiles, tiles_per_prog)
     for t in range(start, stop):
         base, local, mask = nth_tile(t, c0, N, C, S, R, CS, tiles_s, CHANNELS_LAST, CHANNEL_ROWS,
                                      BLOCK_A, BLOCK_B)
         xhat, dz = tile_xhat_dz(saved_ptr, dy_ptr, base + local, mask, mean, invstd, weight,
-                                bias, alpha, ACTIVATION, SAVED_IS_OUTPUT, ACC)
+                                bias, param, ACTIVATION, SAVED_IS_OUTPUT, ACC)
         # A zero coef_xhat (constant statistics) drops the xhat term: NaN * 0 is no NaN of dx.
         dx = (dz * coef_dz + tl.where(no_xhat_term, 0.0, xhat * coef_xhat)) + coef_const
         tl.store(dx_ptr + base + local, dx.to(dx_ptr.dtype.element_ty), mask=mask)
@@ -81,8 +82,9 @@ def plan_backward_dx(saved: torch.Tensor, dy: torch.Tensor, params: NormParams,
                      tile: Tile | None = None) -> tuple[list[Launch], torch.Tensor] | None:
     """From ``BatchSums`` of a non-empty batch the kernel derives the coefficients
     (``FROM_SUMS``); None: an empty input."""
-    plan = plan_op(saved, target, False, tile, params.activation, params.activation_param,
-                   bool(saved_is_output))
+    plan = plan_op(saved, target, reduction=False, tile=tile, activation=params.activation,
+                   activation_param=params.activation_param,
+                   saved_is_output=bool(saved_is_output))
     if plan is None:
         return None
     dx = empty_dx(saved, not plan.copy)
@@ -111,7 +113,8 @@ def _dx_launch(plan: OpPlan, constexprs: dict, saved: torch.Tensor, dy: torch.Te
     (mean, invstd, weight, bias), ``coefs``: (coef_dz, coef_xhat, coef_const), or from sums
     (unread, sum(dz * xhat), sum(dz)) with ``neg_inv_count`` ``-1 / count`` (else unread)."""
     return Launch(_backward_dx_kernel, plan.grid,
-                  (saved, dy, dx, *params, *coefs, neg_inv_count, plan.slope, *plan.args),
+                  (saved, dy, dx, *params, *coefs, neg_inv_count, plan.activation_param,
+                   *plan.args),
                   constexprs, plan.num_warps)
 
 
@@ -123,12 +126,15 @@ class _BackwardPlans(NamedTuple):
 
 @plan_memo
 def _batch_backward_plans(sizes: tuple[int, ...], strides: tuple[int, ...], dtype: torch.dtype,
-                          target: Target, tile: Tile | None, activation: str, slope: float,
-                          saved_is_output: bool) -> _BackwardPlans | None:
+                          target: Target, tile: Tile | None, activation: str,
+                          activation_param: float, *, saved_is_output: bool
+                          ) -> _BackwardPlans | None:
     """The reduction's and dx's plans, memoised together: one lookup a backward (None: an
     empty input)."""
-    reduce, dx = (plan_op_memo(sizes, strides, dtype, target, reduction, tile, activation,
-                               slope, saved_is_output) for reduction in (True, False))
+    reduce, dx = (plan_op_memo(sizes, strides, dtype, target, reduction=reduction, tile=tile,
+                               activation=activation, activation_param=activation_param,
+                               saved_is_output=saved_is_output)
+                  for reduction in (True, False))
     if reduce is None:
         return None
     return _BackwardPlans(reduce, dx, _dx_constexprs(dx, from_sums=True))
@@ -144,7 +150,8 @@ def plan_batch_backward(saved: torch.Tensor, dy: torch.Tensor, params: NormParam
     input, nothing to launch)."""
     strides = saved.stride()
     plans = _batch_backward_plans(saved.shape, strides, saved.dtype, target, tile,
-                                  params.activation, params.activation_param, bool(saved_is_output))
+                                  params.activation, params.activation_param,
+                                  saved_is_output=bool(saved_is_output))
     if plans is None:
         return None
     reduce, dx_plan, dx_constexprs = plans

@@ -32,7 +32,8 @@ from .tiles import (
 @triton.jit
 def _backward_reduce_kernel(saved_ptr, dy_ptr, mean_ptr, invstd_ptr, weight_ptr, bias_ptr,
                             sum_dz_ptr, sum_dz_xhat_ptr, part_ptr, counter_ptr,
-                            slope: tl.float64, N, C, S, R, CS, tiles, tiles_s, tiles_per_prog,
+                            activation_param: tl.float64, N, C, S, R, CS, tiles, tiles_s,
+                            tiles_per_prog,
                             ACTIVATION: tl.constexpr, SAVED_IS_OUTPUT: tl.constexpr,
                             CHANNELS_LAST: tl.constexpr, CHANNEL_ROWS: tl.constexpr,
                             BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, ALIGN: tl.constexpr,
@@ -46,7 +47,7 @@ def _backward_reduce_kernel(saved_ptr, dy_ptr, mean_ptr, invstd_ptr, weight_ptr,
     mean, invstd, weight, bias = load_norm_params(mean_ptr, invstd_ptr, weight_ptr, bias_ptr,
                                                   c0, C, CHANNELS_LAST, CHANNEL_ROWS,
                                                   BLOCK_A, BLOCK_B)
-    alpha = tl.full([], slope, ACC)
+    param = tl.full([], activation_param, ACC)
     acc_dz = tl.zeros([BLOCK_A, BLOCK_B], ACC)
     acc_dz_xhat = tl.zeros([BLOCK_A, BLOCK_B], ACC)
     start, stop = tile_range(tiles, tiles_per_prog)
@@ -54,7 +55,7 @@ def _backward_reduce_kernel(saved_ptr, dy_ptr, mean_ptr, invstd_ptr, weight_ptr,
         base, local, mask = nth_tile(t, c0, N, C, S, R, CS, tiles_s, CHANNELS_LAST, CHANNEL_ROWS,
                                      BLOCK_A, BLOCK_B)
         xhat, dz = tile_xhat_dz(saved_ptr, dy_ptr, base + local, mask, mean, invstd, weight,
-                                bias, alpha, ACTIVATION, SAVED_IS_OUTPUT, ACC)
+                                bias, param, ACTIVATION, SAVED_IS_OUTPUT, ACC)
         # Padding lanes may hold inf/nan (0 / weight); keep them out of the sums.
         acc_dz += tl.where(mask, dz, 0.0)
         acc_dz_xhat += tl.where(mask, dz * xhat, 0.0)
@@ -70,11 +71,12 @@ def _backward_reduce_kernel(saved_ptr, dy_ptr, mean_ptr, invstd_ptr, weight_ptr,
 
 def plan_backward_reduce(saved: torch.Tensor, dy: torch.Tensor, mean: torch.Tensor,
                          invstd: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
-                         activation: str, slope: float, saved_is_output: bool, target: Target,
-                         tile: Tile | None = None
+                         activation: str, activation_param: float, saved_is_output: bool,
+                         target: Target, tile: Tile | None = None
                          ) -> tuple[list[Launch], tuple[torch.Tensor, torch.Tensor]] | None:
     """The reduction's launches and their ``(sum_dz, sum_dz_xhat)`` (None: an empty input)."""
-    plan = plan_op(saved, target, True, tile, activation, slope, bool(saved_is_output))
+    plan = plan_op(saved, target, reduction=True, tile=tile, activation=activation,
+                   activation_param=activation_param, saved_is_output=bool(saved_is_output))
     if plan is None:
         return None
     saved = prepared_input(saved, plan)
@@ -94,6 +96,6 @@ def reduce_launches(plan: OpPlan, saved: torch.Tensor, dy: torch.Tensor, mean: t
     part = saved.new_empty(2 * splits * c, dtype=acc) if splits > 1 else sum_dz
     reduce = Launch(_backward_reduce_kernel, plan.grid,
                     (saved, dy, mean, invstd, weight, bias, sum_dz, sum_dz_xhat, part,
-                     split_counters(saved.device, c), plan.slope, *plan.args),
+                     split_counters(saved.device, c), plan.activation_param, *plan.args),
                     plan.constexprs, plan.num_warps)
     return [reduce], (sum_dz, sum_dz_xhat)

@@ -173,7 +173,7 @@ def _stats_buffers(plan: OpPlan, x: torch.Tensor, mean: torch.Tensor, extra_coun
 def plan_channel_stats(x: torch.Tensor, target: Target, tile: Tile | None = None
                        ) -> tuple[list[Launch], tuple[torch.Tensor, torch.Tensor]] | None:
     """The statistics kernel's launch and its (mean, M2); None: an empty x."""
-    plan = plan_op(x, target, True, tile)
+    plan = plan_op(x, target, reduction=True, tile=tile)
     if plan is None:
         return None
     x = prepared_input(x, plan)
@@ -187,17 +187,19 @@ def plan_channel_stats(x: torch.Tensor, target: Target, tile: Tile | None = None
 @plan_memo
 def _batch_stats_plan(sizes: tuple[int, ...], strides: tuple[int, ...], dtype: torch.dtype,
                       target: Target, tile: Tile | None, eps: float,
-                      running_dtype: torch.dtype | None, has_counter: bool,
+                      running_dtype: torch.dtype | None, *, has_counter: bool,
                       momentum: float | None, check: bool, gamma_limit: float
                       ) -> tuple[OpPlan, FinishPlan, dict] | None:
     """The launch's plan: the statistics' (:func:`plan_op`), the finishing step's scalars,
     both constexprs together and the flags it writes; one lookup a call (None: an empty x)."""
-    stats = plan_op_memo(sizes, strides, dtype, target, True, tile, None, 0.0, None)
+    stats = plan_op_memo(sizes, strides, dtype, target, reduction=True, tile=tile,
+                         activation=None, activation_param=0.0, saved_is_output=None)
     if stats is None:
         return None
     geo = stats.geo
-    finish = finish_plan(stats.acc, geo.c, geo.n * geo.s, eps, running_dtype, has_counter,
-                         momentum, check, gamma_limit)
+    finish = finish_plan(stats.acc, geo.c, geo.n * geo.s, eps, running_dtype,
+                         has_counter=has_counter, momentum=momentum, check=check,
+                         gamma_limit=gamma_limit)
     return stats, finish, {**stats.constexprs, **finish.constexprs}
 
 
@@ -212,8 +214,9 @@ def plan_batch_stats(x: torch.Tensor, eps: float, running_mean: torch.Tensor | N
     empty x, nothing to launch)."""
     plans = _batch_stats_plan(
         x.shape, x.stride(), x.dtype, target, tile, eps,
-        running_mean.dtype if running_mean is not None else None, batches is not None,
-        momentum, weight is not None, gamma_limit)
+        running_mean.dtype if running_mean is not None else None,
+        has_counter=batches is not None, momentum=momentum, check=weight is not None,
+        gamma_limit=gamma_limit)
     if plans is None:
         return None
     stats, finish, constexprs = plans

@@ -145,8 +145,8 @@ class FinishPlan(NamedTuple):
 
 @plan_memo
 def finish_plan(acc: torch.dtype, c: int, count: int, eps: float,
-                running_dtype: torch.dtype | None, has_counter: bool, momentum: float | None,
-                check: bool, gamma_limit: float) -> FinishPlan:
+                running_dtype: torch.dtype | None, *, has_counter: bool,
+                momentum: float | None, check: bool, gamma_limit: float) -> FinishPlan:
     """Host ints and floats only, the same from call to call (memoised)."""
     running = running_dtype is not None
     counter = running and has_counter

@@ -29,7 +29,7 @@ from .tiles import (
 
 
 @triton.jit
-def _normalize_tiles(x_ptr, out_ptr, mean, scale, bias, slope, c0, N, C, S, R, CS, tiles,
+def _normalize_tiles(x_ptr, out_ptr, mean, scale, bias, activation_param, c0, N, C, S, R, CS, tiles,
                      tiles_s, tiles_per_prog, ACTIVATION: tl.constexpr,
                      CHANNELS_LAST: tl.constexpr, CHANNEL_ROWS: tl.constexpr, BLOCK_A: tl.constexpr,
                      BLOCK_B: tl.constexpr, ALIGN: tl.constexpr, ACC: tl.constexpr):
@@ -40,19 +40,20 @@ def _normalize_tiles(x_ptr, out_ptr, mean, scale, bias, slope, c0, N, C, S, R, C
     ``out`` may be ``x``: each element is read and written by the same program.
     """
     C, S, CS = aligned_rows(C, S, CS, CHANNELS_LAST, ALIGN)
-    alpha = tl.full([], slope, ACC)
+    param = tl.full([], activation_param, ACC)
     start, stop = tile_range(tiles, tiles_per_prog)
     for t in range(start, stop):
         base, local, mask = nth_tile(t, c0, N, C, S, R, CS, tiles_s, CHANNELS_LAST, CHANNEL_ROWS,
                                      BLOCK_A, BLOCK_B)
         x = tl.load(x_ptr + base + local, mask=mask, other=0.0).to(ACC)
-        y = activate((x - mean) * scale + bias, alpha, ACTIVATION)
+        y = activate((x - mean) * scale + bias, param, ACTIVATION)
         tl.store(out_ptr + base + local, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _normalize_act_kernel(x_ptr, out_ptr, mean_ptr, invstd_ptr, weight_ptr, bias_ptr,
-                          slope: tl.float64, N, C, S, R, CS, tiles, tiles_s, tiles_per_prog,
+                          activation_param: tl.float64, N, C, S, R, CS, tiles, tiles_s,
+                          tiles_per_prog,
                           ACTIVATION: tl.constexpr, CHANNELS_LAST: tl.constexpr,
                           CHANNEL_ROWS: tl.constexpr, BLOCK_A: tl.constexpr,
                           BLOCK_B: tl.constexpr, ALIGN: tl.constexpr, ACC: tl.constexpr):
@@ -62,15 +63,16 @@ def _normalize_act_kernel(x_ptr, out_ptr, mean_ptr, invstd_ptr, weight_ptr, bias
     scale = (load_channel(invstd_ptr, c0, C, CHANNELS_LAST, CHANNEL_ROWS, BLOCK_A, BLOCK_B)
              * load_channel(weight_ptr, c0, C, CHANNELS_LAST, CHANNEL_ROWS, BLOCK_A, BLOCK_B))
     bias = load_channel(bias_ptr, c0, C, CHANNELS_LAST, CHANNEL_ROWS, BLOCK_A, BLOCK_B)
-    _normalize_tiles(x_ptr, out_ptr, mean, scale, bias, slope, c0, N, C, S, R, CS, tiles,
+    _normalize_tiles(x_ptr, out_ptr, mean, scale, bias, activation_param, c0, N, C, S, R, CS, tiles,
                      tiles_s, tiles_per_prog, ACTIVATION, CHANNELS_LAST, CHANNEL_ROWS, BLOCK_A,
                      BLOCK_B, ALIGN, ACC)
 
 
 @triton.jit
 def _normalize_running_kernel(x_ptr, out_ptr, running_mean_ptr, running_var_ptr, eps: tl.float64,
-                              weight_ptr, bias_ptr, mean_ptr, invstd_ptr, slope: tl.float64, N,
-                              C, S, R, CS, tiles, tiles_s, tiles_per_prog,
+                              weight_ptr, bias_ptr, mean_ptr, invstd_ptr,
+                              activation_param: tl.float64, N, C, S, R, CS, tiles, tiles_s,
+                              tiles_per_prog,
                               ACTIVATION: tl.constexpr, CHANNELS_LAST: tl.constexpr,
                               CHANNEL_ROWS: tl.constexpr, BLOCK_A: tl.constexpr,
                               BLOCK_B: tl.constexpr, ALIGN: tl.constexpr, ACC: tl.constexpr):
@@ -88,7 +90,7 @@ def _normalize_running_kernel(x_ptr, out_ptr, running_mean_ptr, running_var_ptr,
         store_channel(invstd_ptr, invstd, c0, C, CHANNELS_LAST, CHANNEL_ROWS, BLOCK_A, BLOCK_B)
     scale = invstd * load_channel(weight_ptr, c0, C, CHANNELS_LAST, CHANNEL_ROWS, BLOCK_A, BLOCK_B)
     bias = load_channel(bias_ptr, c0, C, CHANNELS_LAST, CHANNEL_ROWS, BLOCK_A, BLOCK_B)
-    _normalize_tiles(x_ptr, out_ptr, mean, scale, bias, slope, c0, N, C, S, R, CS, tiles,
+    _normalize_tiles(x_ptr, out_ptr, mean, scale, bias, activation_param, c0, N, C, S, R, CS, tiles,
                      tiles_s, tiles_per_prog, ACTIVATION, CHANNELS_LAST, CHANNEL_ROWS, BLOCK_A,
                      BLOCK_B, ALIGN, ACC)
 
@@ -106,13 +108,14 @@ def plan_normalize_act(x: torch.Tensor, params: NormParams, out: torch.Tensor, t
     """Plan into ``out`` when it lies like (the possibly copied) x, else into a temporary that
     the caller copies to ``out`` (returned as the tensor the kernel writes); None: an empty x,
     nothing to launch."""
-    plan = plan_op(x, target, False, tile, params.activation, params.activation_param)
+    plan = plan_op(x, target, reduction=False, tile=tile, activation=params.activation,
+                   activation_param=params.activation_param)
     if plan is None:
         return None
     x = prepared_input(x, plan)
     dst = _destination(x, out, plan)
     launch = Launch(_normalize_act_kernel, plan.grid,
-                    (x, dst, *params[:4], plan.slope, *plan.args),
+                    (x, dst, *params[:4], plan.activation_param, *plan.args),
                     plan.constexprs, plan.num_warps)
     return [launch], dst
 
@@ -124,8 +127,9 @@ def plan_normalize_running(x: torch.Tensor, running: RunningParams, out: torch.T
     """As ``plan_normalize_act``, from the running statistics (buffers of any strides, read
     contiguous), with the ``(mean, invstd)`` the launch writes (None: an empty x, nothing to
     launch)."""
-    running_mean, running_var, eps, weight, bias, activation, slope = running
-    plan = plan_op(x, target, False, tile, activation, slope)
+    running_mean, running_var, eps, weight, bias, activation, activation_param = running
+    plan = plan_op(x, target, reduction=False, tile=tile, activation=activation,
+                   activation_param=activation_param)
     if plan is None:
         return None
     running_mean, running_var = running_mean.contiguous(), running_var.contiguous()
@@ -135,6 +139,6 @@ def plan_normalize_running(x: torch.Tensor, running: RunningParams, out: torch.T
     invstd = torch.empty_like(mean)
     launch = Launch(_normalize_running_kernel, plan.grid,
                     (x, dst, running_mean, running_var, float(eps), weight, bias, mean, invstd,
-                     plan.slope, *plan.args),
+                     plan.activation_param, *plan.args),
                     plan.constexprs, plan.num_warps)
     return [launch], dst, (mean, invstd)

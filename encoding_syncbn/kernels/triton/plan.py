@@ -50,7 +50,7 @@ _NUM_WARPS_CHANNELS_LAST = 4
 _NUM_WARPS_FP64 = 4
 
 
-def _num_warps(dtype: torch.dtype, channels_last: bool) -> int:
+def _num_warps(dtype: torch.dtype, *, channels_last: bool) -> int:
     if dtype == torch.float64:
         return _NUM_WARPS_FP64
     return _NUM_WARPS_CHANNELS_LAST if channels_last else _NUM_WARPS
@@ -333,11 +333,11 @@ class OpPlan(NamedTuple):
     args: tuple[int, ...]  # the kernels' geometry arguments, as _plan_tiles
     constexprs: dict
     num_warps: int
-    slope: float  # the kernel's slope (1.0 for the identity, which runs as leaky_relu)
+    activation_param: float  # the kernel's (1.0 for the identity, which runs as leaky_relu)
 
 
-def plan_op(x: torch.Tensor, target: Target, reduction: bool, tile: Tile | None = None,
-            activation: str | None = None, slope: float = 0.0,
+def plan_op(x: torch.Tensor, target: Target, *, reduction: bool, tile: Tile | None = None,
+            activation: str | None = None, activation_param: float = 0.0,
             saved_is_output: bool | None = None) -> OpPlan | None:
     """The launch plan of an op on ``x``: input checks, geometry, tile, grid, constexprs; None
     for an empty ``x`` (nothing to launch: the callers need not ask ``numel()`` first).
@@ -346,8 +346,9 @@ def plan_op(x: torch.Tensor, target: Target, reduction: bool, tile: Tile | None 
     dtype, target and the op's choices. ``activation`` None plans the statistics (no
     activation constexpr), ``saved_is_output`` None a forward.
     """
-    return plan_op_memo(x.shape, x.stride(), x.dtype, target, reduction, tile, activation,
-                        slope, saved_is_output)
+    return plan_op_memo(x.shape, x.stride(), x.dtype, target, reduction=reduction, tile=tile,
+                        activation=activation, activation_param=activation_param,
+                        saved_is_output=saved_is_output)
 
 
 def check_dtype(dtype: torch.dtype) -> None:
@@ -366,14 +367,15 @@ plan_memo = functools.lru_cache(maxsize=1024)
 
 @plan_memo
 def plan_op_memo(sizes: tuple[int, ...], strides: tuple[int, ...], dtype: torch.dtype,
-                 target: Target, reduction: bool, tile: Tile | None, activation: str | None,
-                 slope: float, saved_is_output: bool | None) -> OpPlan | None:
+                 target: Target, *, reduction: bool, tile: Tile | None, activation: str | None,
+                 activation_param: float, saved_is_output: bool | None) -> OpPlan | None:
     check_dtype(dtype)  # an error is not memoised: asked again at every such call
     if len(sizes) < 2:
         raise ValueError(f"expected an (N, C, *) input, got shape {sizes}")
     constexprs = {}
     if activation is not None:
-        activation, slope = _kernel_activation(activation, slope, bool(saved_is_output))
+        activation, activation_param = _kernel_activation(
+            activation, activation_param, saved_is_output=bool(saved_is_output))
         constexprs["ACTIVATION"] = activation
         if saved_is_output is not None:
             constexprs["SAVED_IS_OUTPUT"] = bool(saved_is_output)
@@ -389,7 +391,7 @@ def plan_op_memo(sizes: tuple[int, ...], strides: tuple[int, ...], dtype: torch.
     if reduction:
         constexprs.update(_split_constexprs(geo, tile, grid[1]))
     return OpPlan(copy, geo, stats_dtype(dtype), grid, args, constexprs,
-                  _num_warps(dtype, geo.channels_last), float(slope))
+                  _num_warps(dtype, channels_last=geo.channels_last), float(activation_param))
 
 
 def _contiguous_strides(sizes: tuple[int, ...]) -> tuple[int, ...]:
@@ -405,16 +407,17 @@ def prepared_input(x: torch.Tensor, plan: OpPlan) -> torch.Tensor:
     return x.contiguous() if plan.copy else x
 
 
-def _kernel_activation(activation: str, slope: float, saved_is_output: bool = False
-                       ) -> tuple[str, float]:
-    """The kernel specialisation and slope that compute ``activation``."""
+def _kernel_activation(activation: str, activation_param: float, *,
+                       saved_is_output: bool = False) -> tuple[str, float]:
+    """The kernel specialisation and parameter that compute ``activation``."""
     definition = ACTIVATIONS.get(activation)
     if definition is None:
         raise ValueError(f"unknown activation {activation!r}")
     if saved_is_output and definition.inverse is None:
         raise ValueError(f"activation {activation!r} cannot be inverted from its output")
-    slope = definition.kernel_slope if definition.kernel_slope is not None else slope
-    return definition.kernel, float(slope)
+    if definition.kernel_param is not None:
+        activation_param = definition.kernel_param
+    return definition.kernel, float(activation_param)
 
 
 def empty_dx(saved: torch.Tensor, dense: bool) -> torch.Tensor:

@@ -208,9 +208,9 @@ def load_norm_params(mean_ptr, invstd_ptr, weight_ptr, bias_ptr, c0, C,
 
 
 @triton.jit
-def tile_xhat_dz(saved_ptr, dy_ptr, offsets, mask, mean, invstd, weight, bias, alpha,
+def tile_xhat_dz(saved_ptr, dy_ptr, offsets, mask, mean, invstd, weight, bias, param,
                  ACTIVATION: tl.constexpr, SAVED_IS_OUTPUT: tl.constexpr, ACC: tl.constexpr):
     """``(xhat, dz)`` of one tile: saved and dy read once, widened to ``ACC``."""
     s = tl.load(saved_ptr + offsets, mask=mask, other=0.0).to(ACC)
     dy = tl.load(dy_ptr + offsets, mask=mask, other=0.0).to(ACC)
-    return xhat_dz(s, dy, mean, invstd, weight, bias, alpha, ACTIVATION, SAVED_IS_OUTPUT)
+    return xhat_dz(s, dy, mean, invstd, weight, bias, param, ACTIVATION, SAVED_IS_OUTPUT)
