@@ -363,7 +363,7 @@ def normalize_running(x: torch.Tensor, running: RunningParams,
     return mean, invstd
 
 
-def _centred_dz(saved, dy, mean, scale, bias, activation: str, slope: float,
+def _centred_dz(saved, dy, mean, scale, bias, activation: str, activation_param: float,
                 saved_is_output: bool, scratch) -> tuple[torch.Tensor, torch.Tensor]:
     """``(centred, dz)`` of one channel-last piece, written into ``scratch = (centred, dz,
     aux)``, buffers of the piece's shape in the statistics dtype, with ``centred = xhat /
@@ -382,14 +382,15 @@ def _centred_dz(saved, dy, mean, scale, bias, activation: str, slope: float,
     if saved_is_output:
         # Without widening, y is the layer's output itself: read it, never write it.
         y = centred.copy_(saved) if widen else saved
-        definition.inverse(y, dy, slope, centred, dz, aux)
+        definition.inverse(y, dy, activation_param, centred, dz, aux)
         return centred.sub_(bias), dz
     torch.sub(saved, mean, out=centred)
     if definition.derivative is None:
         dz.copy_(dy)
     else:
         # z as the forward computed it: (x - mean) * scale + bias.
-        definition.derivative(dy, torch.mul(centred, scale, out=dz).add_(bias), slope, dz)
+        z = torch.mul(centred, scale, out=dz).add_(bias)
+        definition.derivative(dy, z, activation_param, dz)
     return centred, dz
 
 
@@ -406,7 +407,7 @@ def _backward_pieces(saved, dy, params: NormParams, saved_is_output: bool, *outs
     ``saved`` must be one slab or have an ``(A, C, B)`` view, and ``outs`` its layout. The
     ``(centred, dz)`` of a piece are valid until the next one is yielded.
     """
-    mean, invstd, weight, bias, activation, slope = params
+    mean, invstd, weight, bias, activation, activation_param = params
     if saved_is_output and activations.ACTIVATIONS[activation].inverse is None:
         raise ValueError(f"activation {activation!r} cannot be inverted from its output")
     if saved.numel() > _slab_elements(saved) and (
@@ -421,7 +422,7 @@ def _backward_pieces(saved, dy, params: NormParams, saved_is_output: bool, *outs
     scale = None if saved_is_output else weight * invstd
     for s, d, *out_pieces in pieces:
         buffers = [_fitted(b, s) for b in scratch]
-        yield (*_centred_dz(s, d, mean, scale, bias, activation, slope, saved_is_output,
+        yield (*_centred_dz(s, d, mean, scale, bias, activation, activation_param, saved_is_output,
                             buffers),
                *out_pieces)
 
@@ -528,7 +529,7 @@ def batch_backward(saved: torch.Tensor, dy: torch.Tensor, params: NormParams,
     xhat) / n)``, and its weight gradient is ``sum(dz * xhat)``. The rebuilt z and dz are
     full-size temporaries of this call (where act' is 1, none: z is y and dz is dy).
     """
-    mean, invstd, weight, bias, activation, slope = params
+    mean, invstd, weight, bias, activation, activation_param = params
     if saved.numel() == 0 or saved.dtype != mean.dtype or dy.dtype != mean.dtype:
         sums = backward_reduce(saved, dy, params, saved_is_output)
         return backward_dx(saved, dy, params, saved_is_output, BatchSums(*sums, count)), *sums
@@ -539,11 +540,12 @@ def batch_backward(saved: torch.Tensor, dy: torch.Tensor, params: NormParams,
     if definition.derivative is not None:  # else act(z) = z: z is y, dz is dy
         if saved_is_output:
             z, dz = torch.empty_like(saved), torch.empty_like(saved)
-            definition.inverse(saved, dy, slope, z, dz, None)
+            definition.inverse(saved, dy, activation_param, z, dz, None)
         else:
             dz = torch.empty_like(saved)
-            normalize_act(saved, NormParams(mean, invstd, weight, bias, "none", slope), dz)
-            definition.derivative(dy, dz, slope, dz)
+            affine = NormParams(mean, invstd, weight, bias, "none", activation_param)
+            normalize_act(saved, affine, dz)
+            definition.derivative(dy, dz, activation_param, dz)
     # As xhat = (z - centre) * unit, and unit * bn_weight = weight * invstd.
     centre, unit, bn_weight = ((bias, weight.reciprocal(), weight * invstd * weight)
                                if saved_is_output else (mean, invstd, weight))
