@@ -47,11 +47,11 @@ def shape_for(count: int, channels: int) -> tuple[int, ...]:
 def switch_rule_off() -> None:
     """Rebuild every channel whatever the count, and every channel the float32 / float64
     limit without its margin allows (|gamma| > 1e-3 max(1, |beta|))."""
-    from encoding_syncbn.layer import channels_aside, inplace_policy
+    from encoding_syncbn.layer import inplace_policy
 
-    inplace_policy.rebuilds_from_count = lambda count, dtype: True
+    inplace_policy.rebuilds_from_count = lambda count: True
     for dtype in (torch.float32, torch.float64):
-        channels_aside._LIMITS[dtype] = (1e-3, 1e-3)
+        inplace_policy._LIMITS[dtype] = (1e-3, 1e-3)
 
 
 def cell(dtype: torch.dtype, count: int, ratio: float, args: argparse.Namespace,

@@ -262,7 +262,7 @@ def few_values(layer: nn.Module, input_bytes: int | None, dtype: torch.dtype | N
     if not input_bytes or dtype is None or not getattr(layer, "num_features", 0):
         return False
     count = input_bytes // (dtype.itemsize * layer.num_features)
-    return not inplace_policy.rebuilds_from_count(count, dtype)
+    return not inplace_policy.rebuilds_from_count(count)
 
 
 # A class named as a BatchNorm is: BatchNorm2d, FrozenBatchNorm2d, BatchNormAct2d, MyBatchNorm.

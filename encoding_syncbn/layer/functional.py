@@ -679,7 +679,7 @@ def synced_batch_norm_act(
     """
     mean, invstd, total, link = exchange(x)
     if config.inplace:
-        config = inplace_policy.for_count(config, total, x.dtype)
+        config = inplace_policy.for_count(config, total)
         kept = kept if config.inplace else None
     return NormAct.apply(x, mean, invstd, weight, bias, config, link, kept)
 

@@ -111,11 +111,11 @@ GRADIENT_ERROR_BOUND = 3.0
 ACCEPTED_FAILURE_CHANCE = 1e-6
 
 
-def rebuilds_from_count(count: int, dtype: torch.dtype) -> bool:
+def rebuilds_from_count(count: int) -> bool:
     """Whether an in-place layer whose batch statistics are taken over ``count`` values a
     channel (all replicas and ranks) may rebuild its input for the input gradient; if not, it
     trains out of place (such layers are tiny: an (N, C, 1, 1) pooling branch). The count
-    alone decides, in every ``dtype``.
+    alone decides, in every dtype.
 
     Why the count matters. Per channel, with xhat the normalised input, dz the gradient
     reaching the activation's input, m = mean(dz * xhat) and n = ``count``::
@@ -676,17 +676,17 @@ def plan_call(config: ActConfig, x: torch.Tensor, warned: list[bool],
         before_write(x, config.layer)
     if (torch.compiler.is_compiling() or not can_overwrite(x, warned)
             or not stays_in_place(config.activation, x.dtype)
-            or (count is not None and not rebuilds_from_count(count, x.dtype))):
+            or (count is not None and not rebuilds_from_count(count))):
         return CallPlan(config._replace(inplace=False))
     if count is not None:
         return CallPlan(config, check=channels_aside.check(weight, bias, x.dtype, recomputing))
     return CallPlan(config, kept=channels_aside.index(weight, bias, x.dtype, recomputing))
 
 
-def for_count(config: ActConfig, count: int, dtype: torch.dtype) -> ActConfig:
-    """``config`` for a training call on an input of ``dtype`` whose statistics are taken over
-    ``count`` values a channel: out of place where that is too few to rebuild the input from
-    the output (``rebuilds_from_count``)."""
-    if config.inplace and not rebuilds_from_count(count, dtype):
+def for_count(config: ActConfig, count: int) -> ActConfig:
+    """``config`` for a training call whose statistics are taken over ``count`` values a
+    channel: out of place where that is too few to rebuild the input from the output
+    (``rebuilds_from_count``)."""
+    if config.inplace and not rebuilds_from_count(count):
         return config._replace(inplace=False)
     return config
