@@ -48,6 +48,7 @@ import torch
 from .. import activations, compat
 from ..activations import ActConfig
 from ..kernels import GammaCheck, torch_ops
+from ..sync.streams import stream_event
 from ..tensor_cache import tensor_cache
 
 # ---- when a call runs in place ----------------------------------------------------------
@@ -444,11 +445,8 @@ class ChannelsAside:
                 pinned = self._pinned = torch.empty(small.shape, dtype=small.dtype,
                                                     pin_memory=True)
         pinned.copy_(small, non_blocking=True)
-        # The copy's end, on the stream that runs it (the current one of the flags' device):
-        # the host polls it (``_channels``), no other stream waits for it.
-        ready = torch.cuda.Event()
-        ready.record(torch.cuda.current_stream(small.device))
-        self._host, self._ready = pinned, ready
+        # The copy's end: the host polls it (``_channels``), no other stream waits for it.
+        self._host, self._ready = pinned, stream_event(small)
 
     @staticmethod
     def _read(flags: torch.Tensor) -> tuple[int, ...]:
