@@ -56,6 +56,11 @@ def stats_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def widest_dtype(device: torch.device) -> torch.dtype:
+    """float64, where ``device`` computes in it (mps has none: float32 there)."""
+    return torch.float32 if device.type == "mps" else torch.float64
+
+
 # Elements per slab on the CPU: large enough to amortise the per-call overhead, small enough to
 # stay in cache between the few ops applied to it. On other devices (a GPU without Triton)
 # every ATen call of a slab is a kernel launch and there is no cache to stay in: slabs there
@@ -150,7 +155,11 @@ def _reduced_dims(piece: torch.Tensor) -> list[int]:
 def channel_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Per-channel ``(mean, M2, count)`` with ``M2 = sum((x - mean)^2)``.
 
-    One slab: the mean, and ATen's Welford variance (accumulating in double on the CPU).
+    One slab: the mean, and ATen's Welford variance, which accumulates float32 and half
+    inputs in double on the CPU; a float64 input has no wider accumulator, and Welford's
+    updates then round M2 by up to tens of ulps where the centred sum of squares rounds by a
+    few: float64 takes that sum (the input gradient scales with invstd, so its rounding
+    decides how the gradient compares with nn.BatchNorm2d's).
     Larger, on the CPU: one pass in the statistics dtype over the deviations ``d = x - K``
     from a shift ``K``, the first slab's mean (``_shifted_stats``), unless that pass finds ``K``
     further than a standard deviation from the mean or a sum not finite; then, as on other
@@ -167,7 +176,11 @@ def channel_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
         wide, dims = as_dtype(x, acc), [0, *range(2, x.dim())]
         # The mean on its own, as BatchNorm takes it (an inf input gives an inf mean, where
         # the Welford mean of var_mean is NaN).
-        return wide.mean(dim=dims), wide.var(dim=dims, correction=0).mul_(count), count
+        mean = wide.mean(dim=dims)
+        if acc != torch.float64:
+            return mean, wide.var(dim=dims, correction=0).mul_(count), count
+        centred = wide - mean.view(-1, *([1] * (x.dim() - 2)))
+        return mean, centred.mul_(centred).sum(dim=dims), count
     rows = _as_rows(_in_rows_layout(x))
     slabs = _pieces(rows)
     scratch = torch.empty_like(slabs[0][0], dtype=acc)
@@ -233,8 +246,12 @@ def finalize_stats(mean: torch.Tensor, m2: torch.Tensor, count: int, eps: float,
     """What follows a batch's statistics, per channel: ``invstd = 1 / sqrt(M2 / count + eps)``;
     the running statistics folded in (``track_batch``; skipped when ``running`` is None);
     and, given a ``check``, the flags ``small_gamma(*check)`` (else None).
-    The Triton backend does all three in ``batch_stats``' second launch."""
-    invstd = torch.rsqrt(m2 / count + eps)
+    The Triton backend does all three in ``batch_stats``' second launch.
+
+    ``invstd`` is taken in float64 and rounded once, as nn.BatchNorm2d takes it on the CPU:
+    the input gradient scales with it, and three float32 roundings (the division, the sum,
+    the root) would leave it coarser than nn.BatchNorm2d's, for a (C,) vector's cost."""
+    invstd = torch.rsqrt(m2.to(widest_dtype(m2.device)) / count + eps).to(m2.dtype)
     if running is not None:
         track_batch(*running, mean, m2, count)
     small = small_gamma(*check) if check is not None else None
