@@ -116,7 +116,7 @@ def _normalize(ctx, x, mean, invstd, weight, bias, config: ActConfig, kept_chann
     what backward needs; ``backend``: the one the caller looked up for ``x`` (None: look it
     up)."""
     kept, out = _keep_aside(x, kept_channels), _output(x, config)
-    (backend or ops_for(x)).normalize_act(
+    (backend or _ops(x, mean)).normalize_act(
         x, NormParams(mean, invstd, weight, bias, config.activation, config.activation_param), out
     )
     _save(ctx, x, out, weight, bias, config, kept, mean, invstd)
@@ -133,6 +133,32 @@ def _normalize_running(ctx, x, running_mean, running_var, eps: float, weight, bi
         config.activation_param), out)
     _save(ctx, x, out, weight, bias, config, kept, mean, invstd)
     return out
+
+
+def computes_in(dtype: torch.dtype, count: int, device: torch.device) -> torch.dtype:
+    """The dtype a training call on inputs of ``dtype`` computes in when its statistics cover
+    ``count`` values a channel (all replicas and ranks): float64 where that is too few to
+    rebuild an input from (``inplace_policy.rebuilds_from_count``: such a call runs out of
+    place) and ``device`` computes in it, else ``torch_ops.stats_dtype``.
+
+    Over so few values (an (N, C, 1, 1) pooling branch) the input gradient is a difference of
+    terms larger than itself, and each rounding of the layer's arithmetic reaches it
+    unaveraged: in the input's own precision a handful of them exceed 3x nn.BatchNorm2d's
+    error wherever its roundings happen to cancel (README, Limits). In float64 a narrower
+    input's gradient keeps only its final rounding, at no cost at that size.
+    """
+    if inplace_policy.rebuilds_from_count(count):
+        return torch_ops.stats_dtype(dtype)
+    return torch.promote_types(dtype, torch_ops.widest_dtype(device))
+
+
+def _ops(x: torch.Tensor, mean: torch.Tensor) -> Backend:
+    """The backend for ``x`` normalised with statistics of ``mean``'s dtype: ATen's ops where
+    they are wider than the input's own statistics dtype (``computes_in``; those ops widen
+    each piece they read), else ``ops_for(x)``."""
+    if mean.dtype != torch_ops.stats_dtype(x.dtype):
+        return reference_ops()
+    return ops_for(x)
 
 
 def _keep_aside(x, kept_channels) -> tuple:
@@ -320,7 +346,7 @@ class BatchNormAct(torch.autograd.Function):
             grads = _differentiable_grads(ctx, grad_output,
                                           (saved.tensor, saved.weight, saved.bias), composite)
             return (*grads, None, None, None, None, None)
-        backend, config, needs = ops_for(saved.tensor), ctx.config, ctx.needs_input_grad
+        backend, config, needs = _ops(saved.tensor, saved.mean), ctx.config, ctx.needs_input_grad
         params = _params(saved, config)
         if not needs[0]:
             sum_dz, sum_dz_xhat = _reduce(saved, grad_output, config, params, backend)
@@ -372,7 +398,7 @@ def _norm_act_grads(ctx, grad_output) -> tuple:
             ctx.link.ready = stream_event(saved.tensor)
             compat.queue_backward_callback(ctx.link.clear)
         return tuple(grads)
-    backend, params = ops_for(saved.tensor), _params(saved, config)
+    backend, params = _ops(saved.tensor, saved.mean), _params(saved, config)
     sum_dz, sum_dz_xhat = _reduce(saved, grad_output, config, params, backend)
     scale = saved.weight * saved.invstd
     grad_input = grad_mean = grad_invstd = None
@@ -450,15 +476,27 @@ def replica_stats(x: torch.Tensor) -> ReplicaStats:
     merge's ``n_i (mean_i - mean)^2`` terms are differences of nearby means, so a mean rounded
     to float32 (half an ulp: 0.03 at 1e6) costs the merged variance far more than it costs
     one replica's (at mean 1e6, std 1 and 2-4 replicas: ~1e-3 relative, against ~1e-8).
-    Half-precision inputs have float32 statistics, finer than their own rounding.
+    Half-precision inputs have float32 statistics, finer than their own rounding. A replica
+    of few values takes its statistics in float64 (``local_channel_stats``).
     """
     with torch.no_grad():
-        mean, m2, count = ops_for(x).channel_stats(x)
+        mean, m2, count = local_channel_stats(x, ops_for(x))
         precise_mean = None
-        if x.dtype == torch.float32 and count > 0:
+        if mean.dtype == torch.float32 and x.dtype == torch.float32 and count > 0:
             dims = [0, *range(2, x.dim())]
             precise_mean = x.sum(dim=dims, dtype=torch.float64).div_(count)
     return ReplicaStats(x, mean, m2, count, _Link(), precise_mean)
+
+
+def local_channel_stats(x: torch.Tensor, backend: Backend
+                        ) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """A replica's ``(mean, M2, count)``: ``backend``'s, or in float64 by ATen's ops where so
+    few values that the whole synchronised batch may compute in it (``computes_in`` judges
+    the global count, which is at least this one)."""
+    wide = computes_in(x.dtype, x.numel() // max(x.shape[1], 1), x.device)
+    if wide != torch_ops.stats_dtype(x.dtype):
+        return reference_ops().channel_stats(x.to(wide))
+    return backend.channel_stats(x)
 
 
 # MergeReplicas.forward's arguments before the replicas' inputs.
@@ -479,7 +517,7 @@ class MergeReplicas(torch.autograd.Function):
                 means: list[torch.Tensor], m2s: list[torch.Tensor], *xs: torch.Tensor):
         # In float64 (see replica_stats), returned in the replicas' statistics dtype.
         merged = stats.chan_merge(means, m2s, counts, eps)
-        dtype = torch_ops.stats_dtype(xs[0].dtype)
+        dtype = computes_in(xs[0].dtype, int(counts.total), xs[0].device)
         mean, m2, invstd = (t.to(dtype) for t in merged[:3])
         ctx.links, ctx.total = links, counts.total
         # For a backward that recomputes the merge (see _merge_backward_composite).
@@ -519,7 +557,8 @@ class MergeReplicas(torch.autograd.Function):
                 )
             grads[i] = _input_grad(saved, link.grad_output, link.config,
                                    DxCoefs(link.scale, *coefficients[device]),
-                                   _params(saved, link.config), ops_for(saved.tensor))
+                                   _params(saved, link.config),
+                                   _ops(saved.tensor, saved.mean))
             link.clear()  # free y and dy as soon as dx exists
         return (None,) * _MERGE_LEADING_ARGS + tuple(grads)
 
@@ -648,10 +687,15 @@ def batch_norm_act(
     that finishes the statistics; ``recomputing``: a checkpoint's recomputation, which keeps
     the original call's channels.
     """
-    backend = ops_for(x)
     if count is None:
         count = x.numel() // x.shape[1]
-    mean, invstd, flags = backend.batch_stats(x, eps, running, check)
+    wide = computes_in(x.dtype, count, x.device)
+    if wide != torch_ops.stats_dtype(x.dtype):
+        backend = reference_ops()
+        mean, invstd, flags = backend.batch_stats(x.to(wide), eps, running, check)
+    else:
+        backend = ops_for(x)
+        mean, invstd, flags = backend.batch_stats(x, eps, running, check)
     kept = None
     if config.inplace:
         if channels_aside is None:
