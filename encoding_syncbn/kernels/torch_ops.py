@@ -324,7 +324,7 @@ def small_gamma(weight: torch.Tensor, bias: torch.Tensor, limit: float) -> torch
 
     Rebuilding the input from the output divides by gamma and multiplies the output's rounding
     by ``|bias| / |weight|``: ``limit`` is the smallest ``|weight| / |bias|`` a channel is
-    rebuilt at (``inplace_policy.gamma_limit`` chooses it by the output's dtype). A NaN or infinite
+    rebuilt at (``inplace_policy.gamma_limit``). A NaN or infinite
     weight or bias is flagged too: rebuilding xhat = (z - bias) / weight from such a channel's
     output gives NaN where nn.BatchNorm's gradients have none.
     """
@@ -384,7 +384,7 @@ def _centred_dz(saved, dy, mean, scale, bias, activation: str, activation_param:
                 saved_is_output: bool, scratch) -> tuple[torch.Tensor, torch.Tensor]:
     """``(centred, dz)`` of one channel-last piece, written into ``scratch = (centred, dz,
     aux)``, buffers of the piece's shape in the statistics dtype, with ``centred = xhat /
-    unit`` for the per-channel ``unit`` of ``_xhat_unit``: ``z - bias`` rebuilt from the
+    unit`` for the per-channel ``unit`` of ``_in_xhat_units``: ``z - bias`` rebuilt from the
     output, or ``x - mean``. The unit is applied to the per-channel sums and coefficients
     instead, not to every element (``scale``: ``weight * invstd``).
 
@@ -411,10 +411,15 @@ def _centred_dz(saved, dy, mean, scale, bias, activation: str, activation_param:
     return centred, dz
 
 
-def _xhat_unit(params: NormParams, saved_is_output: bool) -> torch.Tensor:
-    """Per channel, ``xhat / centred`` (see ``_centred_dz``): ``1 / weight`` where xhat is
-    rebuilt from the output, ``invstd`` where it comes from the input."""
-    return params.weight.reciprocal() if saved_is_output else params.invstd
+def _in_xhat_units(v: torch.Tensor, params: NormParams, saved_is_output: bool
+                   ) -> torch.Tensor:
+    """The per-channel ``v`` times ``xhat / centred`` (see ``_centred_dz``): ``1 / weight``
+    where xhat is rebuilt from the output, ``invstd`` where it comes from the input; taken
+    in float64 and rounded once (a (C,) vector: its roundings would reach every element)."""
+    wide = widest_dtype(v.device)
+    unit = (params.weight.to(wide).reciprocal() if saved_is_output
+            else params.invstd.to(wide))
+    return (v.to(wide) * unit).to(v.dtype)
 
 
 def _backward_pieces(saved, dy, params: NormParams, saved_is_output: bool, *outs):
@@ -459,7 +464,7 @@ def backward_reduce(saved: torch.Tensor, dy: torch.Tensor, params: NormParams,
         else:
             compat.foreach_add_(sums, piece_sums)
     sum_dz, sum_dz_centred = sums
-    return sum_dz, sum_dz_centred.mul_(_xhat_unit(params, saved_is_output))
+    return sum_dz, _in_xhat_units(sum_dz_centred, params, saved_is_output)
 
 
 def _channels_without_xhat_term(coef_xhat: torch.Tensor) -> torch.Tensor | bool:
@@ -518,7 +523,7 @@ def backward_dx(saved: torch.Tensor, dy: torch.Tensor, params: NormParams,
     walked = _in_rows_layout(saved)
     target = _target_for(dx, walked)
     without = _channels_without_xhat_term(coef_xhat)
-    coef_centred = coef_xhat * _xhat_unit(params, saved_is_output)
+    coef_centred = _in_xhat_units(coef_xhat, params, saved_is_output)
     for centred, dz, piece_dx in _backward_pieces(walked, dy, params, saved_is_output, target):
         if without is True:
             torch.add(dz.mul_(coef_dz), coef_const, out=piece_dx)
@@ -563,9 +568,14 @@ def batch_backward(saved: torch.Tensor, dy: torch.Tensor, params: NormParams,
             affine = NormParams(mean, invstd, weight, bias, "none", activation_param)
             normalize_act(saved, affine, dz)
             definition.derivative(dy, dz, activation_param, dz)
-    # As xhat = (z - centre) * unit, and unit * bn_weight = weight * invstd.
-    centre, unit, bn_weight = ((bias, weight.reciprocal(), weight * invstd * weight)
-                               if saved_is_output else (mean, invstd, weight))
+    # As xhat = (z - centre) * unit, and unit * bn_weight = weight * invstd: (C,) vectors
+    # taken in float64 and rounded once each, as nn.BatchNorm2d's own are.
+    if saved_is_output:
+        wide = weight.to(widest_dtype(weight.device))
+        centre, unit, bn_weight = (bias, wide.reciprocal().to(weight.dtype),
+                                   (wide * invstd * wide).to(weight.dtype))
+    else:
+        centre, unit, bn_weight = mean, invstd, weight
     dx, sum_dz_xhat, sum_dz = torch.ops.aten.native_batch_norm_backward(
         dz, z, bn_weight, None, None, centre, unit, True, 0.0, [True, True, True])
     return dx, sum_dz, sum_dz_xhat
