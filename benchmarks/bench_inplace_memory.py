@@ -138,7 +138,7 @@ def main() -> None:
         error = max(abs(e / m - 1) for e, m in zip(estimate, (sizes[0], sizes[2])))
         layers = [m for m in in_place.modules() if isinstance(m, SyncBatchNorm) and m.inplace]
         # As a single replica's layer chooses them (the limit with its margin).
-        limit = gamma_limit(autocast or x.dtype, with_margin=True)
+        limit = gamma_limit(with_margin=True)
         aside = sum(int(small_gamma_mask(m.weight, m.bias, limit).sum()) for m in layers)
         channels = sum(m.num_features for m in layers)
         rows.append([name, *(f"{size:.1f}" for size in sizes), f"{sizes[2] / sizes[0]:.2f}",

@@ -49,9 +49,8 @@ def switch_rule_off() -> None:
     limit without its margin allows (|gamma| > 1e-3 max(1, |beta|))."""
     from encoding_syncbn.layer import inplace_policy
 
-    inplace_policy.rebuilds_from_count = lambda count: True
-    for dtype in (torch.float32, torch.float64):
-        inplace_policy._LIMITS[dtype] = (1e-3, 1e-3)
+    inplace_policy.rebuilds_from_count = lambda count, dtype: True
+    inplace_policy.gamma_limit = lambda with_margin=False: 1e-3
 
 
 def cell(dtype: torch.dtype, count: int, ratio: float, args: argparse.Namespace,

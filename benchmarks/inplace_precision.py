@@ -87,7 +87,7 @@ def main() -> None:
             ours = error(gradients(norms["ours"], x, dy, autocast))
             theirs = error(gradients(norms["torch"], x, dy, autocast))
             # As this single-replica layer chooses them (the limit with its margin).
-            kept = int(small_gamma_mask(gamma, beta.float(), gamma_limit(dtype, True)).sum())
+            kept = int(small_gamma_mask(gamma, beta.float(), gamma_limit(True)).sum())
             rows.append([name + (" (autocast)" if autocast else ""), f"{ratio:g}",
                          f"{kept} / {SHAPE[1]}", f"{ours[1]:.2g}", f"{theirs[1]:.2g}",
                          f"{ours[0]:.2g}", f"{theirs[0]:.2g}"])

@@ -471,8 +471,8 @@ def test_channels_kept_aside_are_the_layers_own(dtype):
             continue
         assert layer._channels_aside.known is not None
         assert row.channels_aside[half] == len(layer._channels_aside.known), row.path
-    assert [row.channels_aside for row in report.rows] == [(2, 3), (2, 3), (2, 4)]
-    assert "aside fp32/half" in str(report) and "  2/3  " in str(report)
+    assert [row.channels_aside for row in report.rows] == [(3, 3), (3, 3), (3, 4)]
+    assert "aside fp32/half" in str(report) and "  3/3  " in str(report)
 
 
 # ---- the memory estimate and the counts, against what autograd keeps ----------------------

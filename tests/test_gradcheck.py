@@ -60,7 +60,7 @@ def test_norm_act_with_given_statistics(activation, inplace):
     x, w, b = inputs()
     mean = torch.tensor([0.1, -0.2, 0.3], dtype=torch.float64, requires_grad=True)
     invstd = torch.tensor([1.1, 0.7, 2.0], dtype=torch.float64, requires_grad=True)
-    kept = ChannelsAside().index(w, b, x.dtype) if inplace else None
+    kept = ChannelsAside().index(w, b) if inplace else None
     assert torch.autograd.gradcheck(
         lambda x, m, s, w, b: NormAct.apply(x.clone(), m, s, w, b, config, None, kept),
         (x, mean, invstd, w, b),
@@ -87,7 +87,7 @@ def synced_in_one_thread(x, w, b, config, split, other_ranks=None):
         means, m2s, counts = other_ranks
         own_count = sum(c.count for c in contributions)
         mean, _, invstd = merge_stats([mean, *means], [m2, *m2s], [own_count, *counts], 1e-3)
-    kept = ChannelsAside().index(w, b, x.dtype) if config.inplace else None
+    kept = ChannelsAside().index(w, b) if config.inplace else None
     return [NormAct.apply(c.x, mean, invstd, w, b, config, c.link, kept)
             for c in contributions]
 

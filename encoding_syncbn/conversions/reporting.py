@@ -251,8 +251,8 @@ def build(converter: str, originals: dict[str, nn.Module], converted: nn.Module,
     return report
 
 
-FEW_VALUES = (f"fewer than {inplace_policy.MIN_REBUILT_COUNT} values a channel to rebuild "
-              "its input from")
+FEW_VALUES = (f"fewer than {inplace_policy.MIN_REBUILT_COUNT} values a channel (float64: "
+              f"{inplace_policy.MIN_OWN_PRECISION_COUNT}) to rebuild its input from")
 
 
 def few_values(layer: nn.Module, input_bytes: int | None, dtype: torch.dtype | None) -> bool:
@@ -262,7 +262,7 @@ def few_values(layer: nn.Module, input_bytes: int | None, dtype: torch.dtype | N
     if not input_bytes or dtype is None or not getattr(layer, "num_features", 0):
         return False
     count = input_bytes // (dtype.itemsize * layer.num_features)
-    return not inplace_policy.rebuilds_from_count(count)
+    return not inplace_policy.rebuilds_from_count(count, dtype)
 
 
 # A class named as a BatchNorm is: BatchNorm2d, FrozenBatchNorm2d, BatchNormAct2d, MyBatchNorm.
@@ -298,12 +298,10 @@ def channels_aside(layer: nn.Module) -> tuple[int, int] | None:
         # As the layer computes with them (mapillary's InPlaceABN: |w| + eps).
         weight, bias = layer._affine_params(
             weight, bias, torch.empty(0, dtype=torch.float32, device=device))
-        counts = [int(small_gamma_mask(
-            weight, bias, gamma_limit(dtype, with_margin=True)).sum())
-            for dtype in (torch.float32, torch.float16)]
+        kept = int(small_gamma_mask(weight, bias, gamma_limit(with_margin=True)).sum())
     if not inplace_policy.stays_in_place(layer.activation, torch.float16):
-        counts[1] = layer.num_features
-    return counts[0], counts[1]
+        return kept, layer.num_features
+    return kept, kept
 
 
 def activation_text(layer: nn.Module) -> str:

@@ -137,17 +137,19 @@ def _normalize_running(ctx, x, running_mean, running_var, eps: float, weight, bi
 
 def computes_in(dtype: torch.dtype, count: int, device: torch.device) -> torch.dtype:
     """The dtype a training call on inputs of ``dtype`` computes in when its statistics cover
-    ``count`` values a channel (all replicas and ranks): float64 where that is too few to
-    rebuild an input from (``inplace_policy.rebuilds_from_count``: such a call runs out of
-    place) and ``device`` computes in it, else ``torch_ops.stats_dtype``.
+    ``count`` values a channel (all replicas and ranks): float64 below
+    ``inplace_policy.MIN_OWN_PRECISION_COUNT`` values where ``device`` computes in it, else
+    ``torch_ops.stats_dtype``.
 
     Over so few values (an (N, C, 1, 1) pooling branch) the input gradient is a difference of
     terms larger than itself, and each rounding of the layer's arithmetic reaches it
     unaveraged: in the input's own precision a handful of them exceed 3x nn.BatchNorm2d's
-    error wherever its roundings happen to cancel (README, Limits). In float64 a narrower
-    input's gradient keeps only its final rounding, at no cost at that size.
+    error wherever its roundings happen to cancel (README, Limits), and an in-place call's
+    rebuild has no share of the bound left (``inplace_policy.rebuilds_from_count``). In
+    float64 a narrower input's gradient keeps its final rounding and the rebuild's, at no
+    cost at that size.
     """
-    if inplace_policy.rebuilds_from_count(count):
+    if count >= inplace_policy.MIN_OWN_PRECISION_COUNT:
         return torch_ops.stats_dtype(dtype)
     return torch.promote_types(dtype, torch_ops.widest_dtype(device))
 
@@ -700,7 +702,7 @@ def batch_norm_act(
     if config.inplace:
         if channels_aside is None:
             channels_aside = ChannelsAside()
-        kept = channels_aside.index(weight, bias, x.dtype, recomputing, flags)
+        kept = channels_aside.index(weight, bias, recomputing, flags)
     return BatchNormAct.apply(x, weight, bias, (mean, invstd, count), config, kept, eps,
                               backend)
 
@@ -723,7 +725,7 @@ def synced_batch_norm_act(
     """
     mean, invstd, total, link = exchange(x)
     if config.inplace:
-        config = inplace_policy.for_count(config, total)
+        config = inplace_policy.for_count(config, total, x.dtype)
         kept = kept if config.inplace else None
     return NormAct.apply(x, mean, invstd, weight, bias, config, link, kept)
 

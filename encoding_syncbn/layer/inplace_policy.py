@@ -101,22 +101,26 @@ _OUT_OF_PLACE_IN_HALF_PRECISION = frozenset({"elu"})
 
 
 # The fewest values a channel (over the whole synchronised batch: every replica and rank) over
-# which an in-place layer trains in place, in every dtype; see ``rebuilds_from_count``.
+# which an in-place layer trains in place, where its rebuild computes in a dtype finer than its
+# output's; see ``rebuilds_from_count``.
 MIN_REBUILT_COUNT = 23
+# The fewest over which a rebuild computing as finely as its output meets the same chance: a
+# call over fewer computes in float64 (``functional.computes_in``), and float64, with nothing
+# finer to compute in, trains in place only from there.
+MIN_OWN_PRECISION_COUNT = 38
 
-# What ``MIN_REBUILT_COUNT`` is derived from, besides the largest |beta| / |gamma| of a channel
-# rebuilt in half precision (``HALF_PRECISION_LIMIT``): the bound on the
-# gradients' error (a multiple of nn.BatchNorm2d's), and the chance per channel and call of
-# exceeding it that is accepted.
+# What the counts are derived from, besides the largest |beta| / |gamma| of a channel rebuilt
+# (``REBUILD_LIMIT``): the bound on the gradients' error (a multiple of nn.BatchNorm2d's), and
+# the chance per channel and call of exceeding it that is accepted.
 GRADIENT_ERROR_BOUND = 3.0
 ACCEPTED_FAILURE_CHANCE = 1e-6
 
 
-def rebuilds_from_count(count: int) -> bool:
+def rebuilds_from_count(count: int, dtype: torch.dtype) -> bool:
     """Whether an in-place layer whose batch statistics are taken over ``count`` values a
-    channel (all replicas and ranks) may rebuild its input for the input gradient; if not, it
-    trains out of place (such layers are tiny: an (N, C, 1, 1) pooling branch). The count
-    alone decides, in every dtype.
+    channel (all replicas and ranks) on inputs of ``dtype`` may rebuild its input for the
+    input gradient; if not, it trains out of place (such layers are tiny: an (N, C, 1, 1)
+    pooling branch).
 
     Why the count matters. Per channel, with xhat the normalised input, dz the gradient
     reaching the activation's input, m = mean(dz * xhat) and n = ``count``::
@@ -142,21 +146,21 @@ def rebuilds_from_count(count: int) -> bool:
     dz does not depend on how the output rounds: as a direction random against xhat in the
     n - 1 dimensions of centred values, sin^2 t follows Beta((n - 2) / 2, 1 / 2), and the bound
     fails with chance ``I(1 - c*; (n - 2) / 2, 1 / 2)`` (the regularised incomplete beta
-    function), which falls with n and, at rho = 1, is first below ``ACCEPTED_FAILURE_CHANCE``
-    at ``MIN_REBUILT_COUNT`` (tests/test_half_precision.py derives it again). At n = 2 dx is 0
+    function), which falls with n and, at rho = 1 (``REBUILD_LIMIT``: channels of larger rho
+    keep their input aside), is first below ``ACCEPTED_FAILURE_CHANCE`` at
+    ``MIN_REBUILT_COUNT`` (tests/test_half_precision.py derives it again). At n = 2 dx is 0
     whatever the rebuild.
 
-    The same in every dtype, since the analysis is in units of the output's own rounding:
-    a call over fewer values computes as ``inplace=False`` does, leaving the gradients the
-    error of the layer's arithmetic alone. From ``MIN_REBUILT_COUNT`` values on, the bound
-    holds with that chance for a channel of rho <= 1 whose rebuild computes in a dtype finer
-    than its output's: every channel rebuilt in float16 and bfloat16 (float32 arithmetic,
-    rho <= ``HALF_PRECISION_LIMIT``). In float32 and float64 the rebuild's arithmetic rounds
-    as finely as the output, and channels of rho up to ``1 / MIN_INVERTIBLE_GAMMA`` are
-    rebuilt: by c* the error there grows as (1 + rho) / sqrt(n), which no count a layer trains
-    on bounds for rho in the hundreds; keeping those channels aside is the memory this dtype
-    trades for it (README, Limits).
+    That holds where the layer's own arithmetic is finer than the output's rounding (float16
+    and bfloat16 in float32; float32 below ``MIN_OWN_PRECISION_COUNT`` values, which computes
+    in float64). Arithmetic as fine as the output errs about as nn.BatchNorm2d's does, taking
+    one of the bound's B shares: with B - 1 the chance is first below the accepted one at
+    ``MIN_OWN_PRECISION_COUNT``, from which float32 computes in float32, and below which
+    float64, with nothing finer, trains out of place. A call over fewer values computes as
+    ``inplace=False`` does, in float64 (``functional.computes_in``).
     """
+    if dtype == torch.float64:
+        return count >= MIN_OWN_PRECISION_COUNT
     return count >= MIN_REBUILT_COUNT
 
 
@@ -249,37 +253,22 @@ def shares_memory_within(x: torch.Tensor) -> bool:
 # ---- the channels kept aside ------------------------------------------------------------
 
 # Rebuilding a channel's input from its output y divides by gamma: xhat = (z - b) / w, with z
-# the activation's inverse of y. That multiplies y's rounding by |z| / |w| <= |xhat| + |b| / |w|;
-# which amplification a channel affords depends on y's dtype.
-#
-# float32 and float64 outputs: rebuilt where |w| > MIN_INVERTIBLE_GAMMA * max(1, |b|), an
-# amplification of up to 1e3 (y's rounding: 6e-8 in float32).
-MIN_INVERTIBLE_GAMMA = 1e-3
-# float16 and bfloat16 outputs: rebuilt where |w| > HALF_PRECISION_LIMIT * |b| (and |w| is above
-# torch_ops.SMALL_GAMMA_FLOOR). y's rounding there (5e-4, 4e-3) is the size of the error
-# nn.BatchNorm's own gradients have in that dtype, so the rebuild may add about as much again,
-# not amplify it: at |b| <= |w| the gradients stay within 3x nn.BatchNorm2d's error in the same
-# dtype (tests/test_half_precision.py).
-HALF_PRECISION_LIMIT = 1.0
+# the activation's inverse of y. That multiplies y's rounding by |z| / |w| <= |xhat| + |b| / |w|,
+# in units of the output's own rounding, the unit nn.BatchNorm's own gradients err in, in every
+# dtype: a channel is rebuilt where |w| > REBUILD_LIMIT * |b| (and |w| is above
+# torch_ops.SMALL_GAMMA_FLOOR), so that the rebuild adds about as much again, not amplify it
+# (the counts of ``rebuilds_from_count`` follow from it).
+REBUILD_LIMIT = 1.0
 
-# ChannelsAside keeps aside channels up to this many times the limits where its answer may
-# be a few calls old. Gamma rarely shrinks 16-fold in a few optimiser steps; |b| / |w| rarely
-# grows by a quarter.
-MARGIN = 16.0
-HALF_PRECISION_MARGIN = 1.25
-
-# By the output's dtype: the limit, and the limit with its margin.
-_LIMITS = {dtype: (HALF_PRECISION_LIMIT, HALF_PRECISION_LIMIT * HALF_PRECISION_MARGIN)
-           if dtype in torch_ops.HALF_DTYPES
-           else (MIN_INVERTIBLE_GAMMA, MIN_INVERTIBLE_GAMMA * MARGIN)
-           for dtype in torch_ops.INPUT_DTYPES}
+# ChannelsAside keeps aside channels up to this many times the limit where its answer may
+# be a few calls old: |b| / |w| rarely grows by a quarter in a few optimiser steps.
+MARGIN = 1.25
 
 
-def gamma_limit(dtype: torch.dtype, with_margin: bool = False) -> float:
-    """The ``limit`` of ``torch_ops.small_gamma`` for an in-place layer whose output has
-    ``dtype`` (its input's); ``with_margin``: times ``MARGIN`` (``HALF_PRECISION_MARGIN``), for
-    an answer that may be a few calls old."""
-    return _LIMITS[dtype][with_margin]
+def gamma_limit(with_margin: bool = False) -> float:
+    """The ``limit`` of ``torch_ops.small_gamma`` for an in-place layer; ``with_margin``:
+    times ``MARGIN``, for an answer that may be a few calls old."""
+    return REBUILD_LIMIT * MARGIN if with_margin else REBUILD_LIMIT
 
 
 def small_gamma_mask(weight: torch.Tensor, bias: torch.Tensor | None, limit: float
@@ -308,30 +297,25 @@ class ChannelsAside:
 
     ``index`` gives the layer's autograd Function their indices, chosen by the parameters of
     the call. They are known in advance where ``replicate()`` read them for the replicas
-    (``found``, for outputs up to the limit ``found_limit``). Else reading them from the
+    (``found``). Else reading them from the
     current parameters would cost a device sync per call (``nonzero``); instead each call
     checks the parameters on the device (single replica: in the launch that finishes the batch
     statistics, see ``check``) and copies the flags to (pinned) host memory without waiting;
     a call uses the newest answer whose copy is done (on the CPU: its own), and only a layer's
     first call on a GPU waits for one. That check keeps aside every channel up to ``MARGIN``
-    (half precision: ``HALF_PRECISION_MARGIN``) times the limits, so an answer a few calls old
-    still covers a channel whose gamma shrank below the limit since, unless it shrank more
-    than that many times over. Answers hold for the dtype they were made for: a call in
-    another dtype (autocast switched on or off) starts afresh, as a first call.
+    times the limit, so an answer a few calls old still covers a channel whose |beta| /
+    |gamma| grew past the limit since, unless it grew more than that.
 
     ``recomputing`` (a checkpoint's recomputation of a call): the call keeps the answer the
     original call used.
     """
 
-    __slots__ = ("found", "found_limit", "known", "_limit", "_host", "_ready", "_pinned")
+    __slots__ = ("found", "known", "_host", "_ready", "_pinned")
 
-    def __init__(self, found: tuple[int, ...] | None = None, found_limit: float = 0.0) -> None:
+    def __init__(self, found: tuple[int, ...] | None = None) -> None:
         self.found = found
-        self.found_limit = found_limit
-        # The newest answer that arrived, and the limit it and the answer on its way were
-        # checked with.
+        # The newest answer that arrived.
         self.known: tuple[int, ...] | None = None
-        self._limit: float | None = None
         # An answer on its way, as flags in host memory (_NO_VALUES: this call's, from a pass
         # without values).
         self._host: torch.Tensor | object | None = None
@@ -340,48 +324,38 @@ class ChannelsAside:
         self._pinned: torch.Tensor | None = None
 
     @classmethod
-    def read_now(cls, weight: torch.Tensor | None, bias: torch.Tensor | None,
-                 dtype: torch.dtype) -> ChannelsAside:
-        """Channels found now, for outputs of ``dtype``: ``replicate()`` reads them once (on a
-        GPU one device-to-host copy) for all the replicas of a step; each replica is handed
-        its own ``copy()``."""
-        return cls(small_gamma_channels(weight, bias, dtype), gamma_limit(dtype))
+    def read_now(cls, weight: torch.Tensor | None, bias: torch.Tensor | None) -> ChannelsAside:
+        """Channels found now: ``replicate()`` reads them once (on a GPU one device-to-host
+        copy) for all the replicas of a step; each replica is handed its own ``copy()``."""
+        return cls(small_gamma_channels(weight, bias))
 
     def copy(self) -> ChannelsAside:
         """The channels found in advance, without the answers learnt since."""
-        return ChannelsAside(self.found, self.found_limit)
+        return ChannelsAside(self.found)
 
-    def check(self, weight: torch.Tensor, bias: torch.Tensor, dtype: torch.dtype,
-              recomputing: bool = False) -> GammaCheck | None:
-        """The check for the backend to run in this call on an input of ``dtype`` (in the
-        launch that finishes the batch statistics; its flags then go to ``index``), or None
-        where no new answer is wanted: the channels are found in advance, one is on its way,
-        or the call keeps its answer (never asked while compiling, as ``index``)."""
-        if self._found_for(dtype):
+    def check(self, weight: torch.Tensor, bias: torch.Tensor, recomputing: bool = False
+              ) -> GammaCheck | None:
+        """The check for the backend to run in this call (in the launch that finishes the
+        batch statistics; its flags then go to ``index``), or None where no new answer is
+        wanted: the channels are found in advance, one is on its way, or the call keeps its
+        answer (never asked while compiling, as ``index``)."""
+        if (self.found is not None or self._host is not None
+                or self._frozen(weight, recomputing)):
             return None
-        limit = self._limit_for(dtype, weight, recomputing)
-        if self._host is not None or self._frozen(weight, recomputing):
-            return None
-        return GammaCheck(weight, bias, limit)
+        return GammaCheck(weight, bias, gamma_limit(with_margin=True))
 
-    def index(self, weight: torch.Tensor, bias: torch.Tensor, dtype: torch.dtype,
-              recomputing: bool = False, flags: torch.Tensor | None = None
-              ) -> torch.Tensor | None:
-        """The indices of the channels to keep aside in a call on an input of ``dtype``, or
-        None where there are none (the usual answer, which costs the layer's Function no
-        index); ``flags``: the result of this call's ``check``.
+    def index(self, weight: torch.Tensor, bias: torch.Tensor, recomputing: bool = False,
+              flags: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The indices of the channels to keep aside in a call, or None where there are
+        none (the usual answer, which costs the layer's Function no index); ``flags``: the
+        result of this call's ``check``.
 
         Never asked while compiling: a compiled layer keeps its input instead (see
         ``plan_call``).
         """
-        channels = (self.found if self._found_for(dtype)
-                    else self._channels(weight, bias, dtype, recomputing, flags))
+        channels = (self.found if self.found is not None
+                    else self._channels(weight, bias, recomputing, flags))
         return channel_index(channels, weight.device) if channels else None
-
-    def _found_for(self, dtype: torch.dtype) -> bool:
-        """Whether the channels found in advance hold for outputs of ``dtype`` (not for a
-        dtype whose limit is stricter than theirs)."""
-        return self.found is not None and self.found_limit >= gamma_limit(dtype)
 
     def _frozen(self, weight: torch.Tensor, recomputing: bool) -> bool:
         """Whether the call must keep the answer it has: a checkpoint's recompute (the
@@ -391,26 +365,16 @@ class ChannelsAside:
             return False
         return recomputing or (weight.is_cuda and torch.cuda.is_current_stream_capturing())
 
-    def _limit_for(self, dtype: torch.dtype, weight: torch.Tensor, recomputing: bool) -> float:
-        """The limit a call on ``dtype`` checks; answers made with another are dropped
-        (unless the call must keep its answer)."""
-        limit = gamma_limit(dtype, with_margin=True)
-        if limit != self._limit and not self._frozen(weight, recomputing):
-            self.known = self._host = self._ready = None
-            self._limit = limit
-        return limit
-
-    def _channels(self, weight: torch.Tensor, bias: torch.Tensor, dtype: torch.dtype,
-                  recomputing: bool, flags: torch.Tensor | None) -> tuple[int, ...]:
+    def _channels(self, weight: torch.Tensor, bias: torch.Tensor, recomputing: bool,
+                  flags: torch.Tensor | None) -> tuple[int, ...]:
         """The newest answer, ``flags`` (this call's check) offered first. Without a check
         offered, the parameters are checked here, in ATen calls."""
         if flags is not None:
             self._offer(flags)
         elif self._frozen(weight, recomputing):
             return self.known
-        elif self._host is None or self._limit != gamma_limit(dtype, with_margin=True):
-            limit = self._limit_for(dtype, weight, recomputing)
-            self._offer(small_gamma_mask(weight, bias, limit))
+        elif self._host is None:
+            self._offer(small_gamma_mask(weight, bias, gamma_limit(with_margin=True)))
         host = self._host
         if host is None:  # none on its way: the newest answer (on the CPU: this call's)
             return self.known
@@ -459,17 +423,16 @@ class ChannelsAside:
         return tuple(flags.numpy().nonzero()[0].tolist())
 
 
-def small_gamma_channels(weight: torch.Tensor | None, bias: torch.Tensor | None,
-                         dtype: torch.dtype) -> tuple[int, ...]:
-    """The channels an in-place layer with these parameters keeps aside on inputs of
-    ``dtype``, as host ints.
+def small_gamma_channels(weight: torch.Tensor | None, bias: torch.Tensor | None
+                         ) -> tuple[int, ...]:
+    """The channels an in-place layer with these parameters keeps aside, as host ints.
 
     On a GPU this reads the parameters back (one device-to-host copy): ``SyncBatchNorm`` does
     it once per ``replicate()`` on the original parameters, so that its replicas need none.
     """
     if weight is None:  # affine=False: gamma is 1 everywhere
         return ()
-    return tuple(small_gamma_index(weight, bias, gamma_limit(dtype)).tolist())
+    return tuple(small_gamma_index(weight, bias, gamma_limit()).tolist())
 
 
 @tensor_cache(maxsize=256)
@@ -674,17 +637,17 @@ def plan_call(config: ActConfig, x: torch.Tensor, warned: list[bool],
         before_write(x, config.layer)
     if (torch.compiler.is_compiling() or not can_overwrite(x, warned)
             or not stays_in_place(config.activation, x.dtype)
-            or (count is not None and not rebuilds_from_count(count))):
+            or (count is not None and not rebuilds_from_count(count, x.dtype))):
         return CallPlan(config._replace(inplace=False))
     if count is not None:
-        return CallPlan(config, check=channels_aside.check(weight, bias, x.dtype, recomputing))
-    return CallPlan(config, kept=channels_aside.index(weight, bias, x.dtype, recomputing))
+        return CallPlan(config, check=channels_aside.check(weight, bias, recomputing))
+    return CallPlan(config, kept=channels_aside.index(weight, bias, recomputing))
 
 
-def for_count(config: ActConfig, count: int) -> ActConfig:
-    """``config`` for a training call whose statistics are taken over ``count`` values a
-    channel: out of place where that is too few to rebuild the input from the output
-    (``rebuilds_from_count``)."""
-    if config.inplace and not rebuilds_from_count(count):
+def for_count(config: ActConfig, count: int, dtype: torch.dtype) -> ActConfig:
+    """``config`` for a training call on inputs of ``dtype`` whose statistics are taken over
+    ``count`` values a channel: out of place where that is too few to rebuild the input from
+    the output (``rebuilds_from_count``)."""
+    if config.inplace and not rebuilds_from_count(count, dtype):
         return config._replace(inplace=False)
     return config

@@ -206,8 +206,7 @@ class SyncBatchNorm(_BatchNorm):
                 if self.inplace and not self._computed_by_hooks():
                     weight, bias = self.weight, self.bias  # read once: parametrizations compute
                     if not _on_meta(weight, bias):
-                        self._replicas_channels_aside = ChannelsAside.read_now(
-                            weight, bias, self._expected_input_dtype(weight))
+                        self._replicas_channels_aside = ChannelsAside.read_now(weight, bias)
         replica = super()._replicate_for_data_parallel()
         replica._replica_slot = ReplicaSlot(group, group.add_member(replica), self._replica_slot)
         replica._open_group = None
@@ -215,19 +214,6 @@ class SyncBatchNorm(_BatchNorm):
         found = self._replicas_channels_aside
         replica._channels_aside = found.copy() if found is not None else ChannelsAside()
         return replica
-
-    def _expected_input_dtype(self, weight: torch.Tensor | None) -> torch.dtype:
-        """The dtype the replicas' inputs are expected in: autocast's where it is on for the
-        parameters' device, else theirs (``weight``'s: the layer's, as read once; a call on
-        a dtype with a stricter limit checks again: ``ChannelsAside.index``)."""
-        state = self.running_mean if weight is None else weight
-        if state is None:
-            return torch.get_default_dtype()
-        device_type = state.device.type
-        if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(
-                device_type):
-            return torch.get_autocast_dtype(device_type)
-        return state.dtype
 
     def _computed_by_hooks(self) -> bool:
         """Whether ``weight`` or ``bias`` is a plain attribute that a forward pre-hook sets
