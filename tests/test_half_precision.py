@@ -244,11 +244,11 @@ def test_evaluation_whose_float16_output_overflows(activation):
                          f"{activation} evaluation overflowing float16")
 
 
-def _failure_chance(count: int) -> float:
+def _failure_chance(count: int, B: float) -> float:
     """``inplace_policy.rebuilds_from_count``'s chance that a rebuilt channel of ``count``
-    values exceeds the bound: I(1 - c*; (n - 2) / 2, 1 / 2), integrated here (Simpson's
-    rule in the variable v = sqrt(1 - s), which removes the density's pole at s = 1)."""
-    from encoding_syncbn.layer.inplace_policy import GRADIENT_ERROR_BOUND as B
+    values exceeds the bound, of which the rebuild has ``B`` shares: I(1 - c*; (n - 2) / 2,
+    1 / 2), integrated here (Simpson's rule in the variable v = sqrt(1 - s), which removes
+    the density's pole at s = 1)."""
     from encoding_syncbn.layer.inplace_policy import REBUILD_LIMIT as rho
 
     n, a = count, (count - 2) / 2
@@ -267,12 +267,20 @@ def _failure_chance(count: int) -> float:
 def test_fewest_values_rebuilt_follows_from_the_error_analysis():
     """``MIN_REBUILT_COUNT`` is the smallest count whose chance of exceeding the bound (the
     analysis of ``inplace_policy.rebuilds_from_count``) is below the accepted one, and that
-    chance falls with the count."""
-    from encoding_syncbn.layer.inplace_policy import ACCEPTED_FAILURE_CHANCE, MIN_REBUILT_COUNT
+    chance falls with the count; ``MIN_OWN_PRECISION_COUNT`` the same for a rebuild left
+    one share of the bound fewer (its arithmetic as fine as the output's)."""
+    from encoding_syncbn.layer.inplace_policy import (
+        ACCEPTED_FAILURE_CHANCE,
+        GRADIENT_ERROR_BOUND,
+        MIN_OWN_PRECISION_COUNT,
+        MIN_REBUILT_COUNT,
+    )
 
-    chances = [_failure_chance(n) for n in range(4, MIN_REBUILT_COUNT + 1)]
-    assert all(a > b for a, b in zip(chances, chances[1:]))
-    assert chances[-2] > ACCEPTED_FAILURE_CHANCE >= chances[-1]
+    for fewest, shares in ((MIN_REBUILT_COUNT, GRADIENT_ERROR_BOUND),
+                           (MIN_OWN_PRECISION_COUNT, GRADIENT_ERROR_BOUND - 1)):
+        chances = [_failure_chance(n, shares) for n in range(4, fewest + 1)]
+        assert all(a > b for a, b in zip(chances, chances[1:]))
+        assert chances[-2] > ACCEPTED_FAILURE_CHANCE >= chances[-1]
     readme = (Path(__file__).parents[1] / "README.md").read_text()
     assert f"fewer than {MIN_REBUILT_COUNT} values a channel" in readme
 
