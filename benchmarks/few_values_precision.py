@@ -17,9 +17,9 @@ at most the batch), gammas (|gamma| log-uniform in [0.1, 10], either sign) and d
 above about -4; its deep saturation is a limit of its own, README). A cell gives the largest
 ratio of error to bound over its channels, and in brackets the share of channels over 1.
 ``--rule off`` rebuilds every channel at every count (the layer's policy switched off: no
-count rule, every channel with |gamma| > 1e-3 max(1, |beta|) rebuilt); ``on``: the layer as
-shipped. ``--inplace off``: the layer with ``inplace=False``, for the error of its arithmetic
-alone.
+count rule, every channel with |gamma| > 1e-3 max(1, |beta|) rebuilt; a call over fewer than
+``MIN_OWN_PRECISION_COUNT`` values still computes in float64); ``on``: the layer as shipped.
+``--inplace off``: the layer with ``inplace=False``, for the error of its arithmetic alone.
 """
 
 from __future__ import annotations
@@ -45,8 +45,8 @@ def shape_for(count: int, channels: int) -> tuple[int, ...]:
 
 
 def switch_rule_off() -> None:
-    """Rebuild every channel whatever the count, and every channel the float32 / float64
-    limit without its margin allows (|gamma| > 1e-3 max(1, |beta|))."""
+    """Rebuild every channel whatever the count, and every channel of |gamma| > 1e-3 max(1,
+    |beta|) (no margin)."""
     from encoding_syncbn.layer import inplace_policy
 
     inplace_policy.rebuilds_from_count = lambda count, dtype: True
