@@ -79,7 +79,8 @@ def finish_batch_stats(c, mean, m2, counter_ptr, mean_ptr, invstd_ptr, count: tl
     stored mean, invstd, running statistics and small-gamma flags of the channels ``c`` (a
     block; those past C masked).
 
-    invstd = 1 / sqrt(M2 / count + eps), correctly rounded steps (as ATen's CPU rsqrt);
+    invstd = 1 / sqrt(M2 / count + eps) in float64, correctly rounded steps, then rounded
+    once to ACC (as ``torch_ops.finalize_stats``: the input gradient scales with it);
     running, as ATen's two calls: r_mean = r_mean * keep + momentum * mean and r_var = r_var *
     keep + var_alpha * M2 (keep = 1 - momentum, var_alpha = momentum / (count - 1), from the
     host); cumulative: lerp(r, stat, 1 / batches), the variance's stat M2 * var_alpha
@@ -91,15 +92,16 @@ def finish_batch_stats(c, mean, m2, counter_ptr, mean_ptr, invstd_ptr, count: tl
     counter after the channels' own), once every other block has read it.
     """
     valid = c < C
-    n = tl.full([], count, ACC)
-    epsilon = tl.full([], eps, ACC)
+    n = tl.full([], count, tl.float64)
+    epsilon = tl.full([], eps, tl.float64)
     # The divisions and the square root first, while little is live: in float64 they are
     # subroutine calls, and values live across them spill.
     if COUNTER:
         batches = tl.load(batches_ptr) + 1
     if CUMULATIVE:
         factor = div_rn(tl.full([], 1.0, RUN_ACC), batches.to(RUN_ACC))
-    invstd = div_rn(tl.full([], 1.0, ACC), sqrt_rn(div_rn(m2, n) + epsilon))
+    invstd = div_rn(tl.full([], 1.0, tl.float64),
+                    sqrt_rn(div_rn(m2.to(tl.float64), n) + epsilon)).to(ACC)
     tl.store(invstd_ptr + c, invstd, mask=valid)
     tl.store(mean_ptr + c, mean, mask=valid)
     if RUNNING:
