@@ -123,8 +123,8 @@ def check_nonfinite_gradients(activation: str, inplace: bool, training: bool,
                               channels_last: bool,
                               injections: list[tuple[str, float, int, int]],
                               replicas: int | None, seed: int, device: str = "cpu") -> None:
-    """A (4, 3, 2, 3) float64 layer (values a channel enough to train in place:
-    ``inplace_policy.MIN_REBUILT_COUNT``), with ``injections`` put into it: each ``(target,
+    """A (7, 3, 2, 3) float64 layer (values a channel enough to train in place:
+    ``inplace_policy.rebuilds_from_count``), with ``injections`` put into it: each ``(target,
     value, channel, element)`` writes ``value`` into x (``element``: 0-23 of that channel) or into
     the channel's entry of a parameter or buffer (``target``: its name). Its input, weight and
     bias gradients, on ``device`` under ``replicas`` simulated replicas (None: called
@@ -134,12 +134,13 @@ def check_nonfinite_gradients(activation: str, inplace: bool, training: bool,
     layer = SyncBatchNorm(3, activation=activation, slope=SLOPES.get(activation, 0.01),
                           inplace=inplace, dtype=torch.float64)
     ref = nn.BatchNorm2d(3, dtype=torch.float64)
-    x = torch.randn(4, 3, 2, 3, generator=gen, dtype=torch.float64)
+    x = torch.randn(7, 3, 2, 3, generator=gen, dtype=torch.float64)
     with torch.no_grad():
-        # Gammas of either sign, far above the limit under which in place keeps channels aside.
+        # Gammas of either sign, above the limit under which in place keeps channels aside
+        # (|beta| < |gamma| / 1.25).
         state = {"weight": (torch.rand(3, generator=gen, dtype=torch.float64) + 0.5)
                  * torch.randn(3, generator=gen, dtype=torch.float64).sign(),
-                 "bias": torch.randn(3, generator=gen, dtype=torch.float64),
+                 "bias": torch.rand(3, generator=gen, dtype=torch.float64) * 0.6 - 0.3,
                  "running_mean": torch.randn(3, generator=gen, dtype=torch.float64),
                  "running_var": torch.rand(3, generator=gen, dtype=torch.float64) + 0.5}
         for target, value, channel, element in injections:

@@ -46,8 +46,8 @@ def inputs(shape=(4, 3, 5)):
 @pytest.mark.parametrize("activation,inplace", MODES)
 def test_batch_norm_act(activation, inplace):
     config = ActConfig(activation, 0.3, inplace=inplace)
-    # Enough values a channel to train in place (inplace_policy.MIN_REBUILT_COUNT).
-    x, w, b = inputs((5, 3, 5))
+    # Enough values a channel to train in place (inplace_policy.rebuilds_from_count).
+    x, w, b = inputs((8, 3, 5))
     # clone: gradcheck's inputs are leaves, which an in-place Function may not overwrite.
     assert torch.autograd.gradcheck(
         lambda x, w, b: batch_norm_act(x.clone(), w, b, 1e-3, config), (x, w, b)
@@ -137,6 +137,6 @@ def test_layer_across_simulated_replicas(activation):
     with torch.no_grad():
         layer.weight.copy_(torch.tensor([1.3, -0.6, 0.0]))
     model = SimulatedDataParallel(layer, 3)
-    # Enough values a channel over the whole batch to train in place (MIN_REBUILT_COUNT).
-    x = torch.randn(11, 3, 3, dtype=torch.float64, requires_grad=True)
+    # Enough values a channel over the whole batch to train in place (rebuilds_from_count).
+    x = torch.randn(14, 3, 3, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(lambda x: model(x * 1), (x,))

@@ -292,8 +292,8 @@ def test_the_functions(function):
     running_var = torch.ones(C, dtype=torch.float64)
     ref = Formula(weight, bias, running_mean, running_var, 1e-3, magnitude=True)
     for training in (True, False):
-        # Enough values a channel to train in place (inplace_policy.MIN_REBUILT_COUNT).
-        x = torch.randn(3, C, 8, dtype=torch.float64)
+        # Enough values a channel to train in place (inplace_policy.rebuilds_from_count).
+        x = torch.randn(5, C, 8, dtype=torch.float64)
         grad = torch.randn_like(x)
         expected, expected_dx = ref.step(x, grad, training, 0.3, "elu", 0.7)
         leaf = x.clone().requires_grad_()

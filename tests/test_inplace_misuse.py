@@ -36,8 +36,8 @@ class Residual(nn.Module):
 
 
 def _input():
-    # Enough values a channel to train in place (inplace_policy.MIN_REBUILT_COUNT).
-    return torch.randn(4, 3, 3, 3, dtype=torch.float64)
+    # Enough values a channel to train in place (inplace_policy.rebuilds_from_count).
+    return torch.randn(5, 3, 3, 3, dtype=torch.float64)
 
 
 @pytest.mark.parametrize("replicas", [1, 2])

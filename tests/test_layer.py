@@ -84,8 +84,8 @@ _BIASES = [0.0, 0.5, -1.0, 100.0]
 @given(
     mode=st.sampled_from(list(activation_modes())),
     replicas=st.integers(1, 4),
-    # Values a channel on both sides of inplace_policy.MIN_REBUILT_COUNT, below which an
-    # in-place layer trains out of place.
+    # Values a channel on both sides of inplace_policy.rebuilds_from_count's counts, below
+    # which an in-place layer trains out of place.
     batch=st.integers(2, 30),
     rank=st.sampled_from(sorted(_SPATIAL)),
     channels_last=st.booleans(),
@@ -289,11 +289,11 @@ def test_half_model_running_stats_are_batchnorms(momentum, replicas):
 @pytest.mark.parametrize("replicas,batch", [(1, 5), (2, 6), (3, 7), (4, 8), (4, 6), (4, 3)])
 def test_training_matches_full_batch(activation, inplace, replicas, batch):
     """Even and uneven splits, and fewer chunks than replicas (6 over 4 gives 3); values a
-    channel enough to train in place (inplace_policy.MIN_REBUILT_COUNT)."""
+    channel enough to train in place (inplace_policy.rebuilds_from_count)."""
     layer = make_layer(activation, inplace)
     twin = plain_twin(layer, 4)
     gen = torch.Generator().manual_seed(batch * 10 + replicas)
-    shape = (batch, C, 3, 3)
+    shape = (batch, C, 4, 4)
     run_steps(layer, twin, lambda s: torch.randn(shape, generator=gen, dtype=torch.float64),
               replicas, activation)
 
@@ -557,8 +557,8 @@ def test_sync_false_is_per_replica_batchnorm():
 def test_constructor_options_of_batchnorm(options, replicas):
     layer = make_layer("identity", **options)
     twin = plain_twin(layer, 3)
-    # Enough values a channel to train in place (inplace_policy.MIN_REBUILT_COUNT).
-    run_steps(layer, twin, lambda s: torch.randn(8, C, 3, dtype=torch.float64) + s, replicas,
+    # Enough values a channel to train in place (inplace_policy.rebuilds_from_count).
+    run_steps(layer, twin, lambda s: torch.randn(13, C, 3, dtype=torch.float64) + s, replicas,
               "identity", steps=4)
     if not layer.track_running_stats:  # in eval too, the whole batch's statistics are used
         layer.eval()
