@@ -82,12 +82,12 @@ class SyncBatchNorm(_BatchNorm):
             leaky_relu, elu); ``"none"``, relu, silu and gelu cannot be in place (True is an
             error).
             In place, 1/slope must be finite in the compute dtype (float32 unless ``dtype``
-            is float64). On float16 and bfloat16 inputs (autocast) channels with
-            |beta| >= |gamma| keep their input aside, and ELU runs out of place: a rebuild
-            from a half-precision output would lose precision. In any dtype, a training
-            call over fewer than ``inplace_policy.MIN_REBUILT_COUNT`` values a channel in
-            the whole batch runs out of place: so few values leave the rebuilt input's
-            rounding unaveraged (see ``inplace_policy``).
+            is float64). Channels with |beta| >= |gamma| keep their input aside, and on
+            float16 and bfloat16 inputs (autocast) ELU runs out of place: a rebuild from
+            the output would lose precision. A training call over fewer than
+            ``inplace_policy.MIN_REBUILT_COUNT`` values a channel in the whole batch
+            (float64: ``MIN_OWN_PRECISION_COUNT``) runs out of place: so few values leave
+            the rebuilt input's rounding unaveraged (see ``inplace_policy``).
 
     In place, the tensor passed in is overwritten and returned. A tensor autograd will not let
     us overwrite (a leaf that requires grad, an output of ``torch.chunk``/``split``) is
