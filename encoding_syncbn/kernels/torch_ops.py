@@ -515,7 +515,7 @@ def backward_dx(saved: torch.Tensor, dy: torch.Tensor, params: NormParams,
 
 
 def batch_backward(saved: torch.Tensor, dy: torch.Tensor, params: NormParams,
-                   saved_is_output: bool, count: int
+                   saved_is_output: bool, count: int, overwrite_saved: bool = False
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dx, sum(dz), sum(dz * xhat))`` of a layer normalised with its own batch's
     statistics: ``backward_reduce``, then ``backward_dx`` from ``BatchSums(..., count)``.
@@ -527,7 +527,10 @@ def batch_backward(saved: torch.Tensor, dy: torch.Tensor, params: NormParams,
     the output), or on x itself with the batch's mean and invstd: nn.BatchNorm's own backward.
     Its weight is chosen so that its dx is ``w * invstd * (dz - sum(dz) / n - xhat * sum(dz *
     xhat) / n)``, and its weight gradient is ``sum(dz * xhat)``. The rebuilt z and dz are
-    full-size temporaries of this call (where act' is 1, none: z is y and dz is dy).
+    full-size temporaries of this call (where act' is 1, none: z is y and dz is dy), except
+    that with ``overwrite_saved`` (nothing reads the output after this call) z is rebuilt over
+    the output itself: a fresh full-size buffer costs, on the CPU, page faults of about a
+    pass of its own.
     """
     mean, invstd, weight, bias, activation, activation_param = params
     if saved.numel() == 0 or saved.dtype != mean.dtype or dy.dtype != mean.dtype:
@@ -539,7 +542,8 @@ def batch_backward(saved: torch.Tensor, dy: torch.Tensor, params: NormParams,
     z, dz = saved, dy
     if definition.derivative is not None:  # else act(z) = z: z is y, dz is dy
         if saved_is_output:
-            z, dz = torch.empty_like(saved), torch.empty_like(saved)
+            z = saved if overwrite_saved else torch.empty_like(saved)
+            dz = torch.empty_like(saved)
             definition.inverse(saved, dy, activation_param, z, dz, None)
         else:
             dz = torch.empty_like(saved)
