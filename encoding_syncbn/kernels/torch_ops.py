@@ -151,11 +151,12 @@ def channel_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Per-channel ``(mean, M2, count)`` with ``M2 = sum((x - mean)^2)``.
 
     One slab: the mean, and ATen's Welford variance (accumulating in double on the CPU).
-    Larger, on the CPU: one pass in the statistics dtype over the deviations ``d = x - K``
-    from a shift ``K``, the first slab's mean (``_shifted_stats``), unless that pass finds ``K``
-    further than a standard deviation from the mean or a sum not finite; then, as on other
-    devices, two passes (``_centred_stats``). Never ``E[x^2] - E[x]^2``. An empty batch gives
-    zeros, so that it drops out of any Chan merge.
+    Larger, on the CPU: around a shift ``K``, the first slab's mean, in one ATen call where
+    the input suits it (``_fused_stats``), else in one pass in the statistics dtype over the
+    deviations ``d = x - K`` (``_shifted_stats``), unless that pass finds ``K`` further than a
+    standard deviation from the mean or a sum not finite; then, as on other devices, two
+    passes (``_centred_stats``). Never ``E[x^2] - E[x]^2``. An empty batch gives zeros, so
+    that it drops out of any Chan merge.
     """
     channels = x.shape[1]
     count = x.numel() // channels if channels else 0
@@ -170,9 +171,14 @@ def channel_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
         return wide.mean(dim=dims), wide.var(dim=dims, correction=0).mul_(count), count
     rows = _as_rows(_in_rows_layout(x))
     slabs = _pieces(rows)
+    if x.is_cpu:
+        shift = _shift(slabs[0][0], acc)
+        fused = _fused_stats(x, slabs[0][0], shift, count)
+        if fused is not None:
+            return (*fused, count)
     scratch = torch.empty_like(slabs[0][0], dtype=acc)
     if x.is_cpu:
-        shifted = _shifted_stats(slabs, scratch, count)
+        shifted = _shifted_stats(slabs, scratch, shift, count)
         if shifted is not None:
             return (*shifted, count)
     return (*_centred_stats(rows, slabs, scratch, count), count)
@@ -190,25 +196,85 @@ def _sums_around(slabs, scratch: torch.Tensor, shift: torch.Tensor
     return total, squares
 
 
-def _shifted_stats(slabs, scratch: torch.Tensor, count: int
+def _shift(first: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Per channel, the mean of ``first``, a channel-last slab, in ``dtype`` (0 where it is
+    not finite): the shift the one-pass statistics are taken around."""
+    shift = first.sum(dim=(0, 1), dtype=dtype).div_(first.numel() // first.shape[-1])
+    return shift.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def _sums_fit(total: torch.Tensor, squares: torch.Tensor, count: int) -> bool:
+    """Whether per-channel ``sum(d)`` and ``sum(d^2)`` of the deviations from a shift are all
+    finite and the shift lies within a standard deviation of every channel's mean
+    (``sum(d)^2 / n <= M2``, with a margin). Read on the host through numpy (no ATen op)."""
+    t, s = (sums.detach().numpy().astype(np.float64) for sums in (total, squares))
+    return bool(np.isfinite(s).all() and np.isfinite(t).all() and (2 * t * t <= s * count).all())
+
+
+#: ``_fused_stats``' bounds on its input: its sums run along a sample's channel (at most
+#: ``_FUSED_PLANE`` elements) and then across at most ``_FUSED_SAMPLES`` samples, in the
+#: statistics dtype; longer runs would lose more digits than the slab walk's sums.
+_FUSED_PLANE = 1 << 12
+_FUSED_SAMPLES = 1 << 8
+#: How far from 0 ``_fused_stats`` takes the shift, in standard deviations: its terms are
+#: ``x * d = d^2 + K * d``, whose ``K * d`` parts cancel in the sum, and their roundings grow
+#: with ``|K|``.
+_FUSED_SHIFT = 2.0
+
+
+def _fused_stats(x: torch.Tensor, first: torch.Tensor, shift: torch.Tensor, count: int
+                 ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(mean, M2)`` from one read of x, or None where x does not suit it: ATen's fused
+    BatchNorm backward with x as both its gradient and its input, centred at the shift
+    ``K``, sums ``x`` and ``x * (x - K)`` per channel in one pass; then ``sum(d) = sum(x) -
+    n K``, ``sum(d^2) = sum(x * (x - K)) - K sum(d)`` for ``d = x - K``, and as
+    ``_shifted_stats``.
+
+    For an NCHW-contiguous input in the statistics dtype within ``_FUSED_PLANE`` and
+    ``_FUSED_SAMPLES``, whose every channel has ``|K|`` within ``_FUSED_SHIFT`` standard
+    deviations and within one of its mean, and finite sums: there the result is within a
+    few roundings of the slab walk's, for one ATen call instead of four a slab. The shift's
+    distance from 0 is first estimated on ``first``, the slab it is the mean of, so that a
+    clearly far one costs that slab's read, not the input's."""
+    if (x.dtype != shift.dtype or x.dim() < 3 or not x.is_contiguous()
+            or x[0, 0].numel() > _FUSED_PLANE or x.shape[0] > _FUSED_SAMPLES
+            or type(x) is not torch.Tensor):  # a tracer's fakes: no values to check
+        return None
+    # |K| <= s std, std^2 = E[x^2] - K^2 over the first slab (rough where it cancels, and
+    # then rightly refused): (1 + s^2) K^2 <= s^2 E[x^2].
+    squares_first = torch.linalg.vector_norm(first, dim=(0, 1), dtype=shift.dtype)
+    k, square_norm = (v.detach().numpy().astype(np.float64) for v in (shift, squares_first))
+    mean_square = square_norm * square_norm / (first.numel() // first.shape[-1])
+    if not ((1 + _FUSED_SHIFT ** 2) * k * k <= _FUSED_SHIFT ** 2 * mean_square).all():
+        return None
+    _, product, total = torch.ops.aten.native_batch_norm_backward(
+        x, x, None, None, None, shift, torch.ones_like(shift), True, 0.0, [False, True, True])
+    deviation = total.sub_(shift, alpha=count)
+    squares = product.sub_(shift * deviation)
+    if not _sums_fit(deviation, squares, count):
+        return None
+    if not (k * k * count <= _FUSED_SHIFT ** 2 * squares.detach().numpy()).all():
+        return None
+    mean_deviation = deviation / count
+    m2 = squares.addcmul_(deviation, mean_deviation, value=-1.0)
+    return mean_deviation.add_(shift), m2
+
+
+def _shifted_stats(slabs, scratch: torch.Tensor, shift: torch.Tensor, count: int
                    ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``(mean, M2)`` in one pass over the slabs, ``mean = K + sum(d) / n`` and ``M2 = sum(d^2)
-    - sum(d)^2 / n`` for ``d = x - K``, with ``K`` the first slab's mean (0 where it is not
-    finite); None where a channel's ``K`` lies further than a standard deviation from its mean
+    - sum(d)^2 / n`` for ``d = x - K``, with ``K = shift`` (``_shift`` of the first slab);
+    None where a channel's ``K`` lies further than a standard deviation from its mean
     (``sum(d)^2 / n > M2``: the subtraction would cost more digits than the centred passes
     lose) or a sum is not finite (NaN and inf inputs take the centred passes' conventions).
 
     Near the mean, ``sum(d^2)`` is at most twice M2 and the subtraction exact to a few
     roundings, so that the result is as precise as the centred passes', for one read of x
-    instead of two. The check reads the (C,) sums on the host through numpy (no ATen op)."""
-    first = slabs[0][0]
-    shift = first.sum(dim=(0, 1), dtype=scratch.dtype).div_(first.numel() // first.shape[-1])
-    shift.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+    instead of two."""
     total, squares = _sums_around(slabs, scratch, shift)
     if type(total) is not torch.Tensor:  # a tracer's fakes: no values to check
         return None
-    t, s = (sums.detach().numpy().astype(np.float64) for sums in (total, squares))
-    if not (np.isfinite(s).all() and np.isfinite(t).all() and (2 * t * t <= s * count).all()):
+    if not _sums_fit(total, squares, count):
         return None
     mean_deviation = total / count
     m2 = squares.addcmul_(total, mean_deviation, value=-1.0)
