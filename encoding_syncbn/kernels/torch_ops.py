@@ -89,12 +89,13 @@ def _channel_last(t: torch.Tensor) -> torch.Tensor:
     return t if t.dim() == 2 else t.movedim(1, -1)
 
 
-def _pieces(*tensors: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
+def _pieces(*tensors: torch.Tensor, first_only: bool = False
+            ) -> list[tuple[torch.Tensor, ...]]:
     """Matching channel-last pieces of same-shaped tensors: the whole tensors when they are
     one slab, else slabs of their ``(A, C, B)`` views (which must have the same strides):
     runs of whole rows, or runs of columns of one row where a row alone is larger than a
     slab (an NCHW sample's map), so that a piece and its scratch stay in cache between the
-    ops applied to them."""
+    ops applied to them. ``first_only``: the first piece alone (its views cost host time)."""
     views: dict[int, torch.Tensor] = {}  # one view per distinct tensor (out may be x)
     slab = _slab_elements(tensors[0])
     if tensors[0].numel() <= slab:
@@ -104,10 +105,12 @@ def _pieces(*tensors: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
     per_row = max(1, columns * channels)
     if per_row > slab:
         step = max(1, slab // max(1, channels))
-        return [tuple(r[a:a + 1, b:b + step] for r in rows)
+        cuts = [(slice(a, a + 1), slice(b, b + step))
                 for a in range(count) for b in range(0, columns, step)]
-    step = slab // per_row
-    return [tuple(r[a:a + step] for r in rows) for a in range(0, count, step)]
+    else:
+        step = slab // per_row
+        cuts = [(slice(a, a + step),) for a in range(0, count, step)]
+    return [tuple(r[cut] for r in rows) for cut in (cuts[:1] if first_only else cuts)]
 
 
 def _fitted(buffer: torch.Tensor, piece: torch.Tensor) -> torch.Tensor:
@@ -170,12 +173,13 @@ def channel_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
         # the Welford mean of var_mean is NaN).
         return wide.mean(dim=dims), wide.var(dim=dims, correction=0).mul_(count), count
     rows = _as_rows(_in_rows_layout(x))
-    slabs = _pieces(rows)
     if x.is_cpu:
-        shift = _shift(slabs[0][0], acc)
-        fused = _fused_stats(x, slabs[0][0], shift, count)
+        ((first,),) = _pieces(rows, first_only=True)
+        shift = _shift(first, acc)
+        fused = _fused_stats(x, first, shift, count)
         if fused is not None:
             return (*fused, count)
+    slabs = _pieces(rows)
     scratch = torch.empty_like(slabs[0][0], dtype=acc)
     if x.is_cpu:
         shifted = _shifted_stats(slabs, scratch, shift, count)
