@@ -36,8 +36,8 @@ _OVERWRITE = {"copy_", "fill_", "zero_"}
 
 class Traffic(TorchDispatchMode):
     """Bytes of element-sized tensors read and written by the ATen ops run under it, and how
-    many element-sized tensors they allocate (``fresh``: on the CPU, a fresh buffer costs page
-    faults of about a pass of its own, which no byte count shows)."""
+    many element-sized tensors they allocate (``fresh``: a fresh buffer costs memory and, on
+    the CPU, page faults, which no byte count shows)."""
 
     def __init__(self, channels: int) -> None:
         super().__init__()

@@ -599,8 +599,7 @@ def batch_backward(saved: torch.Tensor, dy: torch.Tensor, params: NormParams,
     xhat) / n)``, and its weight gradient is ``sum(dz * xhat)``. The rebuilt z and dz are
     full-size temporaries of this call (where act' is 1, none: z is y and dz is dy), except
     that with ``overwrite_saved`` (nothing reads the output after this call) z is rebuilt over
-    the output itself: a fresh full-size buffer costs, on the CPU, page faults of about a
-    pass of its own.
+    the output itself, sparing a full-size allocation (memory and, on the CPU, page faults).
     """
     mean, invstd, weight, bias, activation, activation_param = params
     if saved.numel() == 0 or saved.dtype != mean.dtype or dy.dtype != mean.dtype:
