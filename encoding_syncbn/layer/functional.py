@@ -304,8 +304,10 @@ class BatchNormAct(torch.autograd.Function):
         mean, invstd, ctx.count = stats
         ctx.eps = eps
         # Saved-tensor hooks may hand backward the caller's own output (see
-        # ``compat.saved_output_is_sole``): then backward never writes over it.
-        ctx.unhooked = not compat.saved_tensor_hooks_may_be_active()
+        # ``compat.saved_output_is_sole``): then backward never writes over it; nor in a
+        # traced graph, whose backward counts no storage's holders.
+        ctx.unhooked = (not torch.compiler.is_compiling()
+                        and not compat.saved_tensor_hooks_may_be_active())
         return _normalize(ctx, x, mean, invstd, weight, bias, config, kept_channels, backend)
 
     @staticmethod
