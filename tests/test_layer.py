@@ -19,7 +19,7 @@ from reference import (
 )
 from torch import nn
 
-from encoding_syncbn import SyncBatchNorm, kernels
+from encoding_syncbn import SyncBatchNorm, compat, kernels
 from encoding_syncbn.layer import modules
 from encoding_syncbn.testing import SimulatedDataParallel
 
@@ -1059,18 +1059,21 @@ def test_an_output_nothing_holds_is_the_backwards_scratch(activation, hold, reta
 
 
 @one_backend  # the layer's decision, handed to whichever backend
-@pytest.mark.parametrize("hold, retain, hooked, overwritten", [
-    (None, False, False, True),
-    ("output", False, False, False),
-    ("view", False, False, False),
-    ("detached", False, False, False),
-    (None, True, False, False),
-    ("output", False, True, False),  # a hook may hand backward the caller's own tensor
+@pytest.mark.parametrize("hold, retain, hooked, untold, overwritten", [
+    (None, False, False, False, True),
+    ("output", False, False, False, False),
+    ("view", False, False, False, False),
+    ("detached", False, False, False, False),
+    (None, True, False, False, False),
+    ("output", False, True, False, False),  # a hook may hand backward the caller's own tensor
+    (None, False, False, True, False),  # a torch without the private APIs that tell
 ])
 def test_backward_overwrites_only_an_output_nothing_holds(monkeypatch, hold, retain, hooked,
-                                                          overwritten):
+                                                          untold, overwritten):
     """What the backend is told: the output is its scratch only where nothing reads it after
     backward (the case the tests above see exact)."""
+    if untold:
+        monkeypatch.setattr(compat, "_storage_use_count", lambda: None)
     told = []
     real = kernels.TORCH.batch_backward
 
