@@ -141,6 +141,38 @@ def saved_tensor_hooks_may_be_active() -> bool:
 
 
 @functools.cache
+def _keeps_graph() -> Callable[[], bool] | None:
+    return getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+
+
+@functools.cache
+def _storage_use_count() -> Callable[[int], int] | None:
+    return getattr(torch._C, "_storage_Use_Count", None)
+
+
+#: The holders of a saved output's storage that its Function's backward sees when nothing else
+#: holds it: the saved variable's own tensor (autograd saves an output as a detached copy of
+#: its tensor, so that the output does not keep its own graph alive), the tensor
+#: ``ctx.saved_tensors`` unpacked, and the storage handle the count is read through. The
+#: caller's reference to the output, a view or detached alias of it, another node's saved
+#: input: each is a tensor of its own, one holder more.
+_SOLE_SAVED_OUTPUT_HOLDERS = 3
+
+
+def saved_output_is_sole(y: torch.Tensor) -> bool:
+    """Whether nothing reads ``y`` after this backward: ``y`` is an output its Function saved
+    without saved-tensor hooks (a hook may hand backward the caller's own tensor) and unpacked
+    once, this backward frees the graph (no ``retain_graph``; a node called outside a backward
+    pass counts as keeping it), and no other tensor shares ``y``'s storage. False where this
+    torch cannot tell. No public API tells either."""
+    keeps_graph, use_count = _keeps_graph(), _storage_use_count()
+    if keeps_graph is None or use_count is None or keeps_graph():
+        return False
+    storage = y.untyped_storage()
+    return use_count(storage._cdata) == _SOLE_SAVED_OUTPUT_HOLDERS
+
+
+@functools.cache
 def _execution_engine() -> Any:
     try:
         return torch.autograd.Variable._execution_engine

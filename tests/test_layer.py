@@ -19,7 +19,7 @@ from reference import (
 )
 from torch import nn
 
-from encoding_syncbn import SyncBatchNorm
+from encoding_syncbn import SyncBatchNorm, compat, kernels
 from encoding_syncbn.layer import modules
 from encoding_syncbn.testing import SimulatedDataParallel
 
@@ -993,3 +993,100 @@ def test_views_autograd_will_not_let_us_overwrite(make_view):
     if make_view == "chunk":
         out.backward(grad)
         assert_close(leaf.grad[:3], expected_dx)
+
+
+def _step_dropping_the_output(layer, x: torch.Tensor, grad: torch.Tensor, hold: str | None,
+                              retain: bool = False):
+    """A training step whose in-place output is held by ``hold`` (None: by nothing once the
+    next op has read it; "output", "view", "detached": the caller keeps that), then backward
+    (twice with ``retain``). Returns the gradients and, where held, what is held and its
+    values after forward."""
+    leaf = x.detach().clone().requires_grad_()
+    out = layer(leaf * 1)
+    held = {"output": out, "view": out[1:], "detached": out.detach(), None: None}[hold]
+    before = None if held is None else held.detach().clone()
+    loss = out.clone()  # CloneBackward hands the gradient on as it is
+    del out
+    loss.backward(grad, retain_graph=retain)
+    grads = [leaf.grad.clone(), layer.weight.grad.clone(), layer.bias.grad.clone()]
+    if retain:
+        for t in (leaf, layer.weight, layer.bias):
+            t.grad = None
+        loss.backward(grad)
+        for first, again in zip(grads, (leaf.grad, layer.weight.grad, layer.bias.grad)):
+            torch.testing.assert_close(again, first, rtol=0, atol=0, equal_nan=True)
+    return grads, held, before
+
+
+@settings(max_examples=10, deadline=None, derandomize=True)
+@given(
+    activation=st.sampled_from(["leaky_relu", "elu", "identity"]),
+    hold=st.sampled_from([None, "output", "view", "detached"]),
+    retain=st.booleans(),
+    batch=st.integers(6, 12),
+    channels_last=st.booleans(),
+    offset=st.sampled_from([0.0, 100.0]),
+    seed=st.integers(0, 2**16),
+)
+def test_an_output_nothing_holds_is_the_backwards_scratch(activation, hold, retain, batch,
+                                                          channels_last, offset, seed):
+    """Backward may rebuild the input over an in-place output that nothing reads afterwards:
+    gradients exact against nn.BatchNorm2d + the activation (float64), and equal to those of a
+    step whose output is held; an output, a view or a detached alias the caller holds, or a
+    graph kept for a second backward, is never written (its values after backward are those
+    of forward). Gammas include zero and small ones (channels kept aside)."""
+    gen = torch.Generator().manual_seed(seed)
+    layer = make_layer(activation, inplace=True)
+    with torch.no_grad():
+        layer.weight.copy_(torch.tensor([1.5, 5e-4, 0.0, -0.7]))
+    twin = plain_twin(layer, 4)
+    x = torch.randn(batch, C, 5, 4, generator=gen, dtype=torch.float64) + offset
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    grad = torch.randn(x.shape, generator=gen, dtype=torch.float64)
+    _, expected_dx = reference_step(twin, x, grad, activation, SLOPES.get(activation, 0.01))
+
+    got, held, before = _step_dropping_the_output(layer, x, grad, hold, retain)
+    assert_close(got[0], expected_dx, what="input grad")
+    assert_close(got[1], twin.weight.grad, what="weight grad")
+    assert_close(got[2], twin.bias.grad, what="bias grad")
+    if held is not None:
+        assert torch.equal(held, before), f"the {hold} the caller holds was written"
+    layer.zero_grad()
+    also, _, _ = _step_dropping_the_output(layer, x, grad, "output")
+    for name, a, b in zip(("dx", "dw", "db"), got, also):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True, msg=name)
+
+
+@one_backend  # the layer's decision, handed to whichever backend
+@pytest.mark.parametrize("hold, retain, hooked, untold, overwritten", [
+    (None, False, False, False, True),
+    ("output", False, False, False, False),
+    ("view", False, False, False, False),
+    ("detached", False, False, False, False),
+    (None, True, False, False, False),
+    ("output", False, True, False, False),  # a hook may hand backward the caller's own tensor
+    (None, False, False, True, False),  # a torch without the private APIs that tell
+])
+def test_backward_overwrites_only_an_output_nothing_holds(monkeypatch, hold, retain, hooked,
+                                                          untold, overwritten):
+    """What the backend is told: the output is its scratch only where nothing reads it after
+    backward (the case the tests above see exact)."""
+    if untold:
+        monkeypatch.setattr(compat, "_storage_use_count", lambda: None)
+    told = []
+    real = kernels.TORCH.batch_backward
+
+    def spy(*args, overwrite_saved=False, **kwargs):
+        told.append(overwrite_saved)
+        return real(*args, overwrite_saved=overwrite_saved, **kwargs)
+
+    monkeypatch.setattr(kernels.TORCH, "batch_backward", spy)
+    x = torch.randn(6, C, 5, 4, dtype=torch.float64)
+    layer = make_layer("leaky_relu", inplace=True)
+    if hooked:
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+            _step_dropping_the_output(layer, x, torch.randn_like(x), hold, retain)
+    else:
+        _step_dropping_the_output(layer, x, torch.randn_like(x), hold, retain)
+    assert told[0] is overwritten

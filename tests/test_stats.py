@@ -155,6 +155,33 @@ def test_channel_stats_take_one_pass_where_the_shift_is_near(sample_offset, cent
                                atol=0)
 
 
+@pytest.mark.parametrize("layout, offset, fused", [
+    ("contiguous", 0.0, True), ("contiguous", 1.0, True),
+    ("contiguous", 5.0, False),  # the shift further than two standard deviations from 0
+    ("channels_last", 0.0, False), ("strided", 0.0, False),
+])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_channel_stats_in_one_fused_call_where_the_input_suits_it(layout, offset, fused, dtype,
+                                                                  monkeypatch):
+    """An NCHW-contiguous input near 0 takes its statistics in one fused ATen call, within a
+    few roundings of the slab walk's; any other goes on walking the slabs (one pass)."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 3, 4, 5, generator=gen, dtype=torch.float64) + offset
+    x = _layouts(x.to(dtype), layout)
+    monkeypatch.setattr(torch_ops, "_SLAB_ELEMENTS", 120)  # the first slab: 40 values a channel
+    walked = []
+    real = torch_ops._shifted_stats
+    monkeypatch.setattr(torch_ops, "_shifted_stats", lambda *a: walked.append(1) or real(*a))
+    mean, m2, count = torch_ops.channel_stats(x)
+    assert not walked == fused
+    exact = x.double().transpose(0, 1).reshape(3, -1)
+    rtol = _STATS_RTOL[dtype]
+    torch.testing.assert_close(mean.double(), exact.mean(1), rtol=0,
+                               atol=rtol * float(exact.std(1).max()))
+    torch.testing.assert_close(m2.double(), exact.var(1, correction=0) * count, rtol=4 * rtol,
+                               atol=0)
+
+
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
 @pytest.mark.parametrize("where", ["first slab", "last slab", "inf and -inf"])
 def test_channel_stats_of_non_finite_inputs_are_the_centred_passes(value, where, monkeypatch):

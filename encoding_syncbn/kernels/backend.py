@@ -12,9 +12,11 @@ A backend computes, per channel, what ``torch_ops`` (the reference) documents::
     backward_reduce(saved, dy, params, saved_is_output) -> (sum(dz), sum(dz * xhat))
     backward_dx(saved, dy, params, saved_is_output, coefs)
                                     dx = coefs.dz * dz + coefs.xhat * xhat + coefs.const
-    batch_backward(saved, dy, params, saved_is_output, count)
+    batch_backward(saved, dy, params, saved_is_output, count, overwrite_saved)
                     -> (dx, sum(dz), sum(dz * xhat)): backward_reduce, then backward_dx
-                       from BatchSums(sum(dz), sum(dz * xhat), count), in one call
+                       from BatchSums(sum(dz), sum(dz * xhat), count), in one call;
+                       overwrite_saved: nothing reads saved afterwards (its memory is
+                       the call's scratch)
 
 ``params`` bundles what every op but the statistics needs (:class:`NormParams`), ``coefs`` the
 backward's per-channel coefficients (:class:`DxCoefs`, or :class:`BatchSums` from which a
@@ -155,7 +157,7 @@ class Backend(Protocol):
                     saved_is_output: bool, coefs: DxCoefs | BatchSums) -> torch.Tensor: ...
 
     def batch_backward(self, saved: torch.Tensor, dy: torch.Tensor, params: NormParams,
-                       saved_is_output: bool, count: int
+                       saved_is_output: bool, count: int, overwrite_saved: bool = False
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
 
 

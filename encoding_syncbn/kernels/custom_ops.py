@@ -280,8 +280,9 @@ class OpsBackend:
         return self._backward_dx(saved, dy, params, saved_is_output, coefs)
 
     def batch_backward(self, saved: torch.Tensor, dy: torch.Tensor, params: NormParams,
-                       saved_is_output: bool, count: int
+                       saved_is_output: bool, count: int, overwrite_saved: bool = False
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if self._batch_backward is not None:
-            return self._batch_backward(saved, dy, params, saved_is_output, count)
+            return self._batch_backward(saved, dy, params, saved_is_output, count,
+                                        overwrite_saved)
         return reduce_then_dx(self, saved, dy, params, saved_is_output, count)

@@ -94,12 +94,13 @@ def _channel_last(t: torch.Tensor) -> torch.Tensor:
     return t if t.dim() == 2 else t.movedim(1, -1)
 
 
-def _pieces(*tensors: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
+def _pieces(*tensors: torch.Tensor, first_only: bool = False
+            ) -> list[tuple[torch.Tensor, ...]]:
     """Matching channel-last pieces of same-shaped tensors: the whole tensors when they are
     one slab, else slabs of their ``(A, C, B)`` views (which must have the same strides):
     runs of whole rows, or runs of columns of one row where a row alone is larger than a
     slab (an NCHW sample's map), so that a piece and its scratch stay in cache between the
-    ops applied to them."""
+    ops applied to them. ``first_only``: the first piece alone (its views cost host time)."""
     views: dict[int, torch.Tensor] = {}  # one view per distinct tensor (out may be x)
     slab = _slab_elements(tensors[0])
     if tensors[0].numel() <= slab:
@@ -109,10 +110,12 @@ def _pieces(*tensors: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
     per_row = max(1, columns * channels)
     if per_row > slab:
         step = max(1, slab // max(1, channels))
-        return [tuple(r[a:a + 1, b:b + step] for r in rows)
+        cuts = [(slice(a, a + 1), slice(b, b + step))
                 for a in range(count) for b in range(0, columns, step)]
-    step = slab // per_row
-    return [tuple(r[a:a + step] for r in rows) for a in range(0, count, step)]
+    else:
+        step = slab // per_row
+        cuts = [(slice(a, a + step),) for a in range(0, count, step)]
+    return [tuple(r[cut] for r in rows) for cut in (cuts[:1] if first_only else cuts)]
 
 
 def _fitted(buffer: torch.Tensor, piece: torch.Tensor) -> torch.Tensor:
@@ -160,11 +163,12 @@ def channel_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
     updates then round M2 by up to tens of ulps where the centred sum of squares rounds by a
     few: float64 takes that sum (the input gradient scales with invstd, so its rounding
     decides how the gradient compares with nn.BatchNorm2d's).
-    Larger, on the CPU: one pass in the statistics dtype over the deviations ``d = x - K``
-    from a shift ``K``, the first slab's mean (``_shifted_stats``), unless that pass finds ``K``
-    further than a standard deviation from the mean or a sum not finite; then, as on other
-    devices, two passes (``_centred_stats``). Never ``E[x^2] - E[x]^2``. An empty batch gives
-    zeros, so that it drops out of any Chan merge.
+    Larger, on the CPU: around a shift ``K``, the first slab's mean, in one ATen call where
+    the input suits it (``_fused_stats``), else in one pass in the statistics dtype over the
+    deviations ``d = x - K`` (``_shifted_stats``), unless that pass finds ``K`` further than a
+    standard deviation from the mean or a sum not finite; then, as on other devices, two
+    passes (``_centred_stats``). Never ``E[x^2] - E[x]^2``. An empty batch gives zeros, so
+    that it drops out of any Chan merge.
     """
     channels = x.shape[1]
     count = x.numel() // channels if channels else 0
@@ -182,10 +186,16 @@ def channel_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
         centred = wide - mean.view(-1, *([1] * (x.dim() - 2)))
         return mean, centred.mul_(centred).sum(dim=dims), count
     rows = _as_rows(_in_rows_layout(x))
+    if x.is_cpu:
+        ((first,),) = _pieces(rows, first_only=True)
+        shift = _shift(first, acc)
+        fused = _fused_stats(x, first, shift, count)
+        if fused is not None:
+            return (*fused, count)
     slabs = _pieces(rows)
     scratch = torch.empty_like(slabs[0][0], dtype=acc)
     if x.is_cpu:
-        shifted = _shifted_stats(slabs, scratch, count)
+        shifted = _shifted_stats(slabs, scratch, shift, count)
         if shifted is not None:
             return (*shifted, count)
     return (*_centred_stats(rows, slabs, scratch, count), count)
@@ -203,25 +213,85 @@ def _sums_around(slabs, scratch: torch.Tensor, shift: torch.Tensor
     return total, squares
 
 
-def _shifted_stats(slabs, scratch: torch.Tensor, count: int
+def _shift(first: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Per channel, the mean of ``first``, a channel-last slab, in ``dtype`` (0 where it is
+    not finite): the shift the one-pass statistics are taken around."""
+    shift = first.sum(dim=(0, 1), dtype=dtype).div_(first.numel() // first.shape[-1])
+    return shift.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def _sums_fit(total: torch.Tensor, squares: torch.Tensor, count: int) -> bool:
+    """Whether per-channel ``sum(d)`` and ``sum(d^2)`` of the deviations from a shift are all
+    finite and the shift lies within a standard deviation of every channel's mean
+    (``sum(d)^2 / n <= M2``, with a margin). Read on the host through numpy (no ATen op)."""
+    t, s = (sums.detach().numpy().astype(np.float64) for sums in (total, squares))
+    return bool(np.isfinite(s).all() and np.isfinite(t).all() and (2 * t * t <= s * count).all())
+
+
+#: ``_fused_stats``' bounds on its input: its sums run along a sample's channel (at most
+#: ``_FUSED_PLANE`` elements) and then across at most ``_FUSED_SAMPLES`` samples, in the
+#: statistics dtype; longer runs would lose more digits than the slab walk's sums.
+_FUSED_PLANE = 1 << 12
+_FUSED_SAMPLES = 1 << 8
+#: How far from 0 ``_fused_stats`` takes the shift, in standard deviations: its terms are
+#: ``x * d = d^2 + K * d``, whose ``K * d`` parts cancel in the sum, and their roundings grow
+#: with ``|K|``.
+_FUSED_SHIFT = 2.0
+
+
+def _fused_stats(x: torch.Tensor, first: torch.Tensor, shift: torch.Tensor, count: int
+                 ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(mean, M2)`` from one read of x, or None where x does not suit it: ATen's fused
+    BatchNorm backward with x as both its gradient and its input, centred at the shift
+    ``K``, sums ``x`` and ``x * (x - K)`` per channel in one pass; then ``sum(d) = sum(x) -
+    n K``, ``sum(d^2) = sum(x * (x - K)) - K sum(d)`` for ``d = x - K``, and as
+    ``_shifted_stats``.
+
+    For an NCHW-contiguous input in the statistics dtype within ``_FUSED_PLANE`` and
+    ``_FUSED_SAMPLES``, whose every channel has ``|K|`` within ``_FUSED_SHIFT`` standard
+    deviations and within one of its mean, and finite sums: there the result is within a
+    few roundings of the slab walk's, for one ATen call instead of four a slab. The shift's
+    distance from 0 is first estimated on ``first``, the slab it is the mean of, so that a
+    clearly far one costs that slab's read, not the input's."""
+    if (x.dtype != shift.dtype or x.dim() < 3 or not x.is_contiguous()
+            or x[0, 0].numel() > _FUSED_PLANE or x.shape[0] > _FUSED_SAMPLES
+            or type(x) is not torch.Tensor):  # a tracer's fakes: no values to check
+        return None
+    # |K| <= s std, std^2 = E[x^2] - K^2 over the first slab (rough where it cancels, and
+    # then rightly refused): (1 + s^2) K^2 <= s^2 E[x^2].
+    squares_first = torch.linalg.vector_norm(first, dim=(0, 1), dtype=shift.dtype)
+    k, square_norm = (v.detach().numpy().astype(np.float64) for v in (shift, squares_first))
+    mean_square = square_norm * square_norm / (first.numel() // first.shape[-1])
+    if not ((1 + _FUSED_SHIFT ** 2) * k * k <= _FUSED_SHIFT ** 2 * mean_square).all():
+        return None
+    _, product, total = torch.ops.aten.native_batch_norm_backward(
+        x, x, None, None, None, shift, torch.ones_like(shift), True, 0.0, [False, True, True])
+    deviation = total.sub_(shift, alpha=count)
+    squares = product.sub_(shift * deviation)
+    if not _sums_fit(deviation, squares, count):
+        return None
+    if not (k * k * count <= _FUSED_SHIFT ** 2 * squares.detach().numpy()).all():
+        return None
+    mean_deviation = deviation / count
+    m2 = squares.addcmul_(deviation, mean_deviation, value=-1.0)
+    return mean_deviation.add_(shift), m2
+
+
+def _shifted_stats(slabs, scratch: torch.Tensor, shift: torch.Tensor, count: int
                    ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``(mean, M2)`` in one pass over the slabs, ``mean = K + sum(d) / n`` and ``M2 = sum(d^2)
-    - sum(d)^2 / n`` for ``d = x - K``, with ``K`` the first slab's mean (0 where it is not
-    finite); None where a channel's ``K`` lies further than a standard deviation from its mean
+    - sum(d)^2 / n`` for ``d = x - K``, with ``K = shift`` (``_shift`` of the first slab);
+    None where a channel's ``K`` lies further than a standard deviation from its mean
     (``sum(d)^2 / n > M2``: the subtraction would cost more digits than the centred passes
     lose) or a sum is not finite (NaN and inf inputs take the centred passes' conventions).
 
     Near the mean, ``sum(d^2)`` is at most twice M2 and the subtraction exact to a few
     roundings, so that the result is as precise as the centred passes', for one read of x
-    instead of two. The check reads the (C,) sums on the host through numpy (no ATen op)."""
-    first = slabs[0][0]
-    shift = first.sum(dim=(0, 1), dtype=scratch.dtype).div_(first.numel() // first.shape[-1])
-    shift.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+    instead of two."""
     total, squares = _sums_around(slabs, scratch, shift)
     if type(total) is not torch.Tensor:  # a tracer's fakes: no values to check
         return None
-    t, s = (sums.detach().numpy().astype(np.float64) for sums in (total, squares))
-    if not (np.isfinite(s).all() and np.isfinite(t).all() and (2 * t * t <= s * count).all()):
+    if not _sums_fit(total, squares, count):
         return None
     mean_deviation = total / count
     m2 = squares.addcmul_(total, mean_deviation, value=-1.0)
@@ -537,7 +607,7 @@ def backward_dx(saved: torch.Tensor, dy: torch.Tensor, params: NormParams,
 
 
 def batch_backward(saved: torch.Tensor, dy: torch.Tensor, params: NormParams,
-                   saved_is_output: bool, count: int
+                   saved_is_output: bool, count: int, overwrite_saved: bool = False
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dx, sum(dz), sum(dz * xhat))`` of a layer normalised with its own batch's
     statistics: ``backward_reduce``, then ``backward_dx`` from ``BatchSums(..., count)``.
@@ -549,7 +619,9 @@ def batch_backward(saved: torch.Tensor, dy: torch.Tensor, params: NormParams,
     the output), or on x itself with the batch's mean and invstd: nn.BatchNorm's own backward.
     Its weight is chosen so that its dx is ``w * invstd * (dz - sum(dz) / n - xhat * sum(dz *
     xhat) / n)``, and its weight gradient is ``sum(dz * xhat)``. The rebuilt z and dz are
-    full-size temporaries of this call (where act' is 1, none: z is y and dz is dy).
+    full-size temporaries of this call (where act' is 1, none: z is y and dz is dy), except
+    that with ``overwrite_saved`` (nothing reads the output after this call) z is rebuilt over
+    the output itself, sparing a full-size allocation (memory and, on the CPU, page faults).
     """
     mean, invstd, weight, bias, activation, activation_param = params
     if saved.numel() == 0 or saved.dtype != mean.dtype or dy.dtype != mean.dtype:
@@ -561,7 +633,8 @@ def batch_backward(saved: torch.Tensor, dy: torch.Tensor, params: NormParams,
     z, dz = saved, dy
     if definition.derivative is not None:  # else act(z) = z: z is y, dz is dy
         if saved_is_output:
-            z, dz = torch.empty_like(saved), torch.empty_like(saved)
+            z = saved if overwrite_saved else torch.empty_like(saved)
+            dz = torch.empty_like(saved)
             definition.inverse(saved, dy, activation_param, z, dz, None)
         else:
             dz = torch.empty_like(saved)

@@ -331,6 +331,11 @@ class BatchNormAct(torch.autograd.Function):
                 config: ActConfig, kept_channels, eps: float, backend: Backend):
         mean, invstd, ctx.count = stats
         ctx.eps = eps
+        # Saved-tensor hooks may hand backward the caller's own output (see
+        # ``compat.saved_output_is_sole``): then backward never writes over it; nor in a
+        # traced graph, whose backward counts no storage's holders.
+        ctx.unhooked = (not torch.compiler.is_compiling()
+                        and not compat.saved_tensor_hooks_may_be_active())
         return _normalize(ctx, x, mean, invstd, weight, bias, config, kept_channels, backend)
 
     @staticmethod
@@ -355,9 +360,14 @@ class BatchNormAct(torch.autograd.Function):
             return (None, *_param_grads(needs[1], needs[2], sum_dz, sum_dz_xhat),
                     None, None, None, None, None)
         # One backend call, then the channels kept aside, whose dx takes their exact sums (dx
-        # of every other channel reads only its own sums).
+        # of every other channel reads only its own sums). An output that nothing reads after
+        # this backward is the call's scratch: the backend may rebuild the input over it
+        # instead of into a full-size temporary (the channels kept aside read their own input).
+        overwrite = (config.inplace and ctx.unhooked
+                     and compat.saved_output_is_sole(saved.tensor))
         grad_input, sum_dz, sum_dz_xhat = backend.batch_backward(
-            saved.tensor, grad_output, params, saved_is_output=config.inplace, count=ctx.count)
+            saved.tensor, grad_output, params, saved_is_output=config.inplace, count=ctx.count,
+            overwrite_saved=overwrite)
         if saved.kept_channels is not None:
             sum_dz, sum_dz_xhat = _exact_kept_sums(saved, grad_output, config, sum_dz,
                                                     sum_dz_xhat)

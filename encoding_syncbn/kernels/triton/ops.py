@@ -143,10 +143,11 @@ def _backward_dx(saved: torch.Tensor, dy: torch.Tensor, params: NormParams,
 
 
 def _batch_backward(saved: torch.Tensor, dy: torch.Tensor, params: NormParams,
-                    saved_is_output: bool, count: int
+                    saved_is_output: bool, count: int, overwrite_saved: bool = False
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``backward_reduce``, then ``backward_dx`` from its ``BatchSums``: ``(dx, sum_dz,
-    sum_dz_xhat)``, in two launches planned by one lookup."""
+    sum_dz_xhat)``, in two launches planned by one lookup. ``overwrite_saved`` changes
+    nothing: the kernels rebuild the input in registers, with no full-size scratch to spare."""
     device = saved.device
     planned = plan_batch_backward(saved, dy, params, bool(saved_is_output), int(count),
                                   launch_target(device))
