@@ -1015,38 +1015,6 @@ def test_merging_programs_rearm_their_counters(fmt):
     assert not counters.any()
 
 
-@pytest.mark.parametrize("fmt", ["nchw", "last"])
-def test_split_reductions_reuse_one_partials_buffer(fmt):
-    """A split reduction's partial rows lie in one buffer per device, stream and dtype, reused
-    from launch to launch (no allocation a call): each launch reads only the rows its own
-    programs wrote, so stale rows (NaN here) leave its results the bits of the first launch."""
-    from encoding_syncbn.kernels.triton.partials import split_partials
-
-    x = make_input((64, 2, 33, 9) if fmt == "nchw" else (64, 3, 17, 11), torch.float32, fmt)
-    c, target = x.shape[1], P.launch_target(x.device)
-    weight, bias = make_params(c, torch.float32)[2:]
-
-    def launched():
-        stats, stats_out = TS.plan_channel_stats(x, target)
-        fused, fused_out = TS.plan_batch_stats(x, 1e-5, None, None, None, None, weight, bias,
-                                               0.016, target)
-        reduce, sums = TB.plan_backward_reduce(x, x, *stats_out, weight, bias, "leaky_relu",
-                                               0.1, False, target)
-        for launches in (stats, fused, reduce):
-            assert launches[0].grid[1] > 1  # split
-            triton_ops._run(launches, x.device)
-        return [*stats_out, *fused_out[:2], *sums]
-
-    first = launched()
-    buffer = split_partials(x.device, 1, torch.float32)
-    buffer.fill_(float("nan"))
-    again = launched()
-    assert split_partials(x.device, 1, torch.float32) is buffer
-    assert not buffer.isnan().all()  # the launches wrote their rows there
-    for got, want in zip(again, first):
-        torch.testing.assert_close(got, want, rtol=0, atol=0)
-
-
 def test_batch_stats_cumulative_average_needs_the_counter():
     x = make_input((2, 3, 4), torch.float32)
     with pytest.raises(ValueError, match="num_batches_tracked"):

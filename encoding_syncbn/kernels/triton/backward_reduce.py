@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .partials import merge_split, split_counters, split_partials
+from .partials import merge_split, split_counters
 from .plan import (
     Launch,
     OpPlan,
@@ -93,7 +93,7 @@ def reduce_launches(plan: OpPlan, saved: torch.Tensor, dy: torch.Tensor, mean: t
     sum_dz = saved.new_empty(c, dtype=acc)
     sum_dz_xhat = saved.new_empty(c, dtype=acc)
     # Split: one buffer of two planes of partial sums; else unread.
-    part = split_partials(saved.device, 2 * splits * c, acc) if splits > 1 else sum_dz
+    part = saved.new_empty(2 * splits * c, dtype=acc) if splits > 1 else sum_dz
     reduce = Launch(_backward_reduce_kernel, plan.grid,
                     (saved, dy, mean, invstd, weight, bias, sum_dz, sum_dz_xhat, part,
                      split_counters(saved.device, c), plan.activation_param, *plan.args),

@@ -8,7 +8,7 @@ import triton
 import triton.language as tl
 
 from .finalize_stats import FinishPlan, finish_args, finish_batch_stats, finish_plan
-from .partials import merge_split, split_counters, split_partials
+from .partials import merge_split, split_counters
 from .plan import (
     Launch,
     OpPlan,
@@ -165,9 +165,9 @@ def _stats_buffers(plan: OpPlan, x: torch.Tensor, mean: torch.Tensor, extra_coun
     """The statistics kernel's ``part`` buffer (split: 2 * splits * C partial sums; else
     ``mean``, unread) and counters (one per channel: ``partials``, and ``extra_counters``
     after them)."""
-    splits, device = plan.grid[1], x.device
-    part = split_partials(device, 2 * splits * plan.geo.c, plan.acc) if splits > 1 else mean
-    return part, split_counters(device, plan.geo.c + extra_counters)
+    splits = plan.grid[1]
+    part = x.new_empty(2 * splits * plan.geo.c, dtype=plan.acc) if splits > 1 else mean
+    return part, split_counters(x.device, plan.geo.c + extra_counters)
 
 
 def plan_channel_stats(x: torch.Tensor, target: Target, tile: Tile | None = None

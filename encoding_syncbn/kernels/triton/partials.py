@@ -7,9 +7,8 @@ barrier: every thread's stores come before it). The program that finds ``splits 
 the last: the acquire makes every other program's row visible to it; it merges the rows in
 index order (the same bits whatever order the programs finished in) and sets the counter back
 to 0 for the next launch. The counters live in one int32 buffer per device and stream
-(:func:`split_counters`), zeroed once, and the partial rows in one buffer per device, stream
-and dtype (:func:`split_partials`); launches on one stream run one after another, so they
-never share a counter or a row at the same time.
+(:func:`split_counters`), zeroed once; launches on one stream run one after another, so they
+never share a counter at the same time.
 """
 
 from __future__ import annotations
@@ -66,15 +65,13 @@ def merge_split(sum_a, sum_b, part_ptr, block_counter_ptr, c, C, SPLIT: tl.const
 
 
 # --------------------------------------------------------------------------------------------
-# The counters and the partials (host side)
+# The counters (host side)
 # --------------------------------------------------------------------------------------------
 
 # Counters per buffer at least: a layer of up to this many channels needs no larger one.
 _MIN_COUNTERS = 4096
 
 _counters: dict[tuple[torch.device, int], torch.Tensor] = {}
-# The partials' buffers, by device, stream and dtype.
-_partials: dict[tuple[torch.device, int, torch.dtype], torch.Tensor] = {}
 # Buffers outgrown: kept, for a captured CUDA graph may still address them.
 _outgrown: list[torch.Tensor] = []
 _lock = threading.Lock()
@@ -84,31 +81,16 @@ def split_counters(device: torch.device, count: int) -> torch.Tensor:
     """At least ``count`` zeroed int32 counters for launches on ``device``'s current stream,
     reused from launch to launch (each launch leaves them at 0)."""
     stream = compat.current_stream_handle(device.index) if device.type == "cuda" else 0
-    return _stream_buffer(_counters, (device, stream), count, torch.int32, _MIN_COUNTERS)
-
-
-def split_partials(device: torch.device, count: int, dtype: torch.dtype) -> torch.Tensor:
-    """At least ``count`` elements of ``dtype`` for a split reduction's partial rows, for
-    launches on ``device``'s current stream, reused from launch to launch: a launch reads only
-    the rows its own programs wrote, and launches on one stream run one after another (no
-    allocation a launch)."""
-    stream = compat.current_stream_handle(device.index) if device.type == "cuda" else 0
-    return _stream_buffer(_partials, (device, stream, dtype), count, dtype, 0)
-
-
-def _stream_buffer(table: dict, key: tuple, count: int, dtype: torch.dtype,
-                   least: int) -> torch.Tensor:
-    """``table``'s zeroed buffer of at least ``count`` elements under ``key`` (device first),
-    made (at least ``least`` long) or grown as needed."""
-    buffer = table.get(key)
+    buffer = _counters.get((device, stream))
     if buffer is None or buffer.numel() < count:
         with _lock:
-            buffer = table.get(key)
+            buffer = _counters.get((device, stream))
             if buffer is None or buffer.numel() < count:
                 if buffer is not None:
                     _outgrown.append(buffer)
-                buffer = torch.zeros(max(count, least), dtype=dtype, device=key[0])
-                table[key] = buffer
+                buffer = torch.zeros(max(count, _MIN_COUNTERS), dtype=torch.int32,
+                                     device=device)
+                _counters[(device, stream)] = buffer
     return buffer
 
 
