@@ -8,6 +8,9 @@ import subprocess
 import sys
 
 import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 pytest.importorskip("triton")
 
@@ -56,3 +59,81 @@ def test_direct_launch_only_for_triton_releases_it_was_read_against(version, kno
 @pytest.mark.skipif(not INTERPRET, reason="the interpreter's launches")
 def test_interpreted_launches_take_the_public_path():
     assert launch._resolve_knobs() is None
+
+
+def _planned_twice(shape, dtype, channels_last, activation, first, second):
+    """Each planner's launches for two calls alike in sizes, strides, dtype and options but not
+    in their tensors (fresh ones) nor in the per-call values the token does not cover (the
+    backward's count, the parameters' and gradients' dtypes), on meta tensors."""
+    from encoding_syncbn.kernels.backend import BatchSums, DxCoefs, NormParams, RunningParams
+    from encoding_syncbn.kernels.torch_ops import stats_dtype
+    from encoding_syncbn.kernels.triton.backward_dx import (
+        plan_backward_dx,
+        plan_batch_backward,
+    )
+    from encoding_syncbn.kernels.triton.backward_reduce import plan_backward_reduce
+    from encoding_syncbn.kernels.triton.channel_stats import plan_batch_stats, plan_channel_stats
+    from encoding_syncbn.kernels.triton.normalize_act import (
+        plan_normalize_act,
+        plan_normalize_running,
+    )
+    from encoding_syncbn.kernels.triton.plan import Target
+
+    target = Target(INTERPRET, 0 if INTERPRET else 132)
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    acc = stats_dtype(dtype)
+    calls = []
+    for count, vector_dtype, grad_dtype in (first, second):
+        x = torch.empty(shape, dtype=dtype, device="meta", memory_format=fmt)
+        dy = torch.empty(shape, dtype=grad_dtype, device="meta", memory_format=fmt)
+
+        def vec(dt=vector_dtype):
+            return torch.empty(shape[1], dtype=dt, device="meta")
+
+        params = NormParams(vec(acc), vec(acc), vec(), vec(), activation, 0.01)
+        batches = torch.empty((), dtype=torch.long, device="meta")
+        launches = [
+            *plan_channel_stats(x, target)[0],
+            *plan_batch_stats(x, 1e-5, vec(acc), vec(), batches, 0.1, vec(), vec(), 0.016,
+                              target)[0],
+            *plan_normalize_act(x, params, x, target)[0],
+            *plan_normalize_running(x, RunningParams(vec(), vec(), 1e-5, vec(), vec(),
+                                                     activation, 0.01), x, target)[0],
+            *plan_backward_reduce(x, dy, *params, True, target)[0],
+            *plan_backward_dx(x, dy, params, True, DxCoefs(vec(acc), vec(acc), vec(acc)),
+                              target)[0],
+            *plan_backward_dx(x, dy, params, True, BatchSums(vec(acc), vec(acc), count),
+                              target)[0],
+            *plan_batch_backward(x, dy, params, True, count, target)[0],
+        ]
+        calls.append(launches)
+    return calls
+
+
+@settings(max_examples=12, deadline=None, derandomize=True)
+@given(shape=st.sampled_from([(4, 16, 8, 8), (2, 3, 5, 7), (8, 7), (1, 32, 16, 16)]),
+       dtype=st.sampled_from([torch.float16, torch.bfloat16, torch.float32, torch.float64]),
+       channels_last=st.booleans(), activation=st.sampled_from(["leaky_relu", "elu"]),
+       counts=st.tuples(st.integers(2, 2**40), st.integers(2, 2**40)),
+       vector_dtypes=st.tuples(*[st.sampled_from([torch.float32, torch.float64])] * 2),
+       grad_dtypes=st.tuples(*[st.sampled_from([torch.float16, torch.float32])] * 2))
+def test_a_plan_token_fixes_all_the_launch_but_its_tensors(shape, dtype, channels_last,
+                                                           activation, counts, vector_dtypes,
+                                                           grad_dtypes):
+    """Every planner names the memoised plan of its launches (``Launch.token``), which stands
+    for all that Triton specialises on but the tensors' dtypes and addresses: two calls alike
+    in what the plans are memoised by get the same tokens, and launches of one kernel with one
+    token and the same tensor dtypes get the same key from every argument (so the compiled
+    kernel found by the token is the one Triton's launch would find)."""
+    if channels_last and len(shape) != 4:
+        channels_last = False
+    first, second = _planned_twice(shape, dtype, channels_last, activation,
+                                   *zip(counts, vector_dtypes, grad_dtypes))
+    assert all(planned.token is not None for planned in first + second)
+    assert [p.token for p in first] == [p.token for p in second]
+    by_token: dict[tuple, tuple] = {}
+    for planned in first + second:
+        key = launch._key(planned, None)
+        assert key[1] is planned.token  # meta tensors lie at 0: aligned, keyed by the token
+        assert by_token.setdefault(key, launch._argument_key(planned, None)) == \
+            launch._argument_key(planned, None), planned.kernel.fn.__name__

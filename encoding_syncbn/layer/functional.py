@@ -320,17 +320,19 @@ def _param_grads(needs_weight: bool, needs_bias: bool, sum_dz, sum_dz_xhat):
 
 
 class BatchNormAct(torch.autograd.Function):
-    """Training on one replica's whole batch: ``(x, w, b) -> y``, normalised with ``stats``,
-    x's own batch statistics and values per channel ``(mean, invstd, count)``: no input of the
-    Function (the backward includes their dependence on x). (The Function returns y alone: one
-    that overwrites a view may not return a second tensor.)
+    """Training on one replica's whole batch: ``(x, w, b) -> y``, normalised with x's own batch
+    statistics and values per channel ``(mean, invstd, count)``: no input of the Function (the
+    backward includes their dependence on x). (The Function returns y alone: one that
+    overwrites a view may not return a second tensor.)
+
+    The rest of the call comes as one argument, ``call``: ``(mean, invstd, count, config,
+    kept_channels, eps, backend)`` (``apply`` handles each of its arguments in Python, and
+    backward answers a gradient slot for each).
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, stats: tuple[torch.Tensor, torch.Tensor, int],
-                config: ActConfig, kept_channels, eps: float, backend: Backend):
-        mean, invstd, ctx.count = stats
-        ctx.eps = eps
+    def forward(ctx, x, weight, bias, call: tuple):
+        mean, invstd, ctx.count, config, kept_channels, ctx.eps, backend = call
         # Saved-tensor hooks may hand backward the caller's own output (see
         # ``compat.saved_output_is_sole``): then backward never writes over it; nor in a
         # traced graph, whose backward counts no storage's holders.
@@ -352,13 +354,12 @@ class BatchNormAct(torch.autograd.Function):
 
             grads = _differentiable_grads(ctx, grad_output,
                                           (saved.tensor, saved.weight, saved.bias), composite)
-            return (*grads, None, None, None, None, None)
+            return (*grads, None)
         backend, config, needs = _ops(saved.tensor, saved.mean), ctx.config, ctx.needs_input_grad
         params = _params(saved, config)
         if not needs[0]:
             sum_dz, sum_dz_xhat = _reduce(saved, grad_output, config, params, backend)
-            return (None, *_param_grads(needs[1], needs[2], sum_dz, sum_dz_xhat),
-                    None, None, None, None, None)
+            return (None, *_param_grads(needs[1], needs[2], sum_dz, sum_dz_xhat), None)
         # One backend call, then the channels kept aside, whose dx takes their exact sums (dx
         # of every other channel reads only its own sums). An output that nothing reads after
         # this backward is the call's scratch: the backend may rebuild the input over it
@@ -373,8 +374,7 @@ class BatchNormAct(torch.autograd.Function):
                                                     sum_dz_xhat)
             _exact_kept_dx(grad_input, saved, grad_output, config, params,
                             BatchSums(sum_dz, sum_dz_xhat, ctx.count))
-        return (grad_input, *_param_grads(needs[1], needs[2], sum_dz, sum_dz_xhat),
-                None, None, None, None, None)
+        return (grad_input, *_param_grads(needs[1], needs[2], sum_dz, sum_dz_xhat), None)
 
 
 class NormAct(torch.autograd.Function):
@@ -713,8 +713,7 @@ def batch_norm_act(
         if channels_aside is None:
             channels_aside = ChannelsAside()
         kept = channels_aside.index(weight, bias, recomputing, flags)
-    return BatchNormAct.apply(x, weight, bias, (mean, invstd, count), config, kept, eps,
-                              backend)
+    return BatchNormAct.apply(x, weight, bias, (mean, invstd, count, config, kept, eps, backend))
 
 
 def synced_batch_norm_act(

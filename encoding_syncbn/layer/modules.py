@@ -516,10 +516,10 @@ class SyncBatchNorm(_BatchNorm):
 
     def _running(self) -> RunningStats | None:
         """The running statistics a training call updates (None: not tracked)."""
-        if not self.track_running_stats or self.running_mean is None:
+        mean = self.running_mean  # each buffer read once: nn.Module's __getattr__ a read
+        if not self.track_running_stats or mean is None:
             return None
-        return RunningStats(self.running_mean, self.running_var, self.num_batches_tracked,
-                            self.momentum)
+        return RunningStats(mean, self.running_var, self.num_batches_tracked, self.momentum)
 
     @property
     def last_input_dim(self) -> int | None:

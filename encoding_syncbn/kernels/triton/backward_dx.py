@@ -115,7 +115,7 @@ def _dx_launch(plan: OpPlan, constexprs: dict, saved: torch.Tensor, dy: torch.Te
     return Launch(_backward_dx_kernel, plan.grid,
                   (saved, dy, dx, *params, *coefs, neg_inv_count, plan.activation_param,
                    *plan.args),
-                  constexprs, plan.num_warps)
+                  constexprs, plan.num_warps, (plan.token, constexprs["FROM_SUMS"]))
 
 
 class _BackwardPlans(NamedTuple):

@@ -97,5 +97,5 @@ def reduce_launches(plan: OpPlan, saved: torch.Tensor, dy: torch.Tensor, mean: t
     reduce = Launch(_backward_reduce_kernel, plan.grid,
                     (saved, dy, mean, invstd, weight, bias, sum_dz, sum_dz_xhat, part,
                      split_counters(saved.device, c), plan.activation_param, *plan.args),
-                    plan.constexprs, plan.num_warps)
+                    plan.constexprs, plan.num_warps, plan.token)
     return [reduce], (sum_dz, sum_dz_xhat)

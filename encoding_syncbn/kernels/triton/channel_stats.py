@@ -181,7 +181,7 @@ def plan_channel_stats(x: torch.Tensor, target: Target, tile: Tile | None = None
     m2 = torch.empty_like(mean)
     part, counters = _stats_buffers(plan, x, mean)
     return [Launch(_channel_stats_kernel, plan.grid, (x, part, counters, mean, m2, *plan.args),
-                   plan.constexprs, plan.num_warps)], (mean, m2)
+                   plan.constexprs, plan.num_warps, plan.token)], (mean, m2)
 
 
 @plan_memo
@@ -189,9 +189,10 @@ def _batch_stats_plan(sizes: tuple[int, ...], strides: tuple[int, ...], dtype: t
                       target: Target, tile: Tile | None, eps: float,
                       running_dtype: torch.dtype | None, *, has_counter: bool,
                       momentum: float | None, check: bool, gamma_limit: float
-                      ) -> tuple[OpPlan, FinishPlan, dict] | None:
+                      ) -> tuple[OpPlan, FinishPlan, dict, object] | None:
     """The launch's plan: the statistics' (:func:`plan_op`), the finishing step's scalars,
-    both constexprs together and the flags it writes; one lookup a call (None: an empty x)."""
+    both constexprs together and the flags it writes, and its token (``Launch.token``); one
+    lookup a call (None: an empty x)."""
     stats = plan_op_memo(sizes, strides, dtype, target, reduction=True, tile=tile,
                          activation=None, activation_param=0.0, saved_is_output=None)
     if stats is None:
@@ -200,7 +201,7 @@ def _batch_stats_plan(sizes: tuple[int, ...], strides: tuple[int, ...], dtype: t
     finish = finish_plan(stats.acc, geo.c, geo.n * geo.s, eps, running_dtype,
                          has_counter=has_counter, momentum=momentum, check=check,
                          gamma_limit=gamma_limit)
-    return stats, finish, {**stats.constexprs, **finish.constexprs}
+    return stats, finish, {**stats.constexprs, **finish.constexprs}, object()
 
 
 def plan_batch_stats(x: torch.Tensor, eps: float, running_mean: torch.Tensor | None,
@@ -219,11 +220,11 @@ def plan_batch_stats(x: torch.Tensor, eps: float, running_mean: torch.Tensor | N
         gamma_limit=gamma_limit)
     if plans is None:
         return None
-    stats, finish, constexprs = plans
+    stats, finish, constexprs, token = plans
     x = prepared_input(x, stats)
     mean = x.new_empty(stats.geo.c, dtype=stats.acc)
     # One counter after the channels': the cumulative average's finished blocks.
     part, counters = _stats_buffers(stats, x, mean, 1)
     args, result = finish_args(finish, mean, running_mean, running_var, batches, weight, bias)
     return [Launch(_batch_stats_kernel, stats.grid, (x, part, counters, mean, *args, *stats.args),
-                   constexprs, stats.num_warps)], result
+                   constexprs, stats.num_warps, token)], result

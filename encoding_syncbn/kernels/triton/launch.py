@@ -6,8 +6,10 @@ argument and builds the cache key on every call. The compiled kernel it finds, c
 bound arguments alone, does the launch itself: what Inductor's generated launchers do. So each
 specialisation's compiled kernel is kept here, keyed by what Triton specialises on (each
 tensor's dtype and 16-byte alignment, each integer's value, each other argument's type, the
-constexprs, warps and device), and later launches of it call it with the arguments in the order
-Triton binds them. Triton's public launch still takes every launch
+constexprs, warps and device; where the planner names the memoised plan that fixes all but
+the tensors, ``Launch.token``, by that and the tensors' dtypes, once they all lie on 16 bytes),
+and later launches of it call it with the arguments in the order Triton binds them. Triton's
+public launch still takes every launch
 
 - the first of each specialisation (it compiles or finds the kernel, and loads it);
 - under the interpreter, and with a Triton whose launch this module was not read against
@@ -20,6 +22,8 @@ The compilation knobs (debug, instrumentation) are those of each specialisation'
 
 from __future__ import annotations
 
+import functools
+import operator
 from typing import Any, Callable, NamedTuple
 
 import torch
@@ -81,6 +85,7 @@ def forget_compiled() -> None:
     """Forget every compiled kernel kept: later launches take Triton's public launch first
     again, which compiles (or finds) each kernel with the compile options then set."""
     _COMPILED.clear()
+    _TENSOR_PICKERS.clear()
 
 
 def compiled_for(planned: Launch, device_index: int | None) -> Any | None:
@@ -100,8 +105,44 @@ def _resolve_knobs() -> Any:
 # lookup, where ``isinstance`` with torch.Tensor goes through its metaclass on every call.
 _TENSOR_CLASSES: set[type] = {torch.Tensor}
 
+# Per kernel and plan token (``Launch.token``): what picks the launch's tensors from its
+# arguments (where they lie is the token's to fix). Forgotten with the compiled kernels.
+_TENSOR_PICKERS: dict[tuple, Callable[[tuple], tuple]] = {}
+_data_ptr = torch.Tensor.data_ptr
+_dtype_of = operator.attrgetter("dtype")
+
 
 def _key(planned: Launch, device_index: int | None) -> tuple:
+    """What Triton specialises a launch of ``planned`` on, or finer. With a plan token whose
+    tensors all lie on 16 bytes: the kernel, the token and the tensors' dtypes (the token fixes
+    the rest); else from every argument (:func:`_argument_key`)."""
+    token = planned.token
+    if token is not None:
+        kernel = id(planned.kernel)
+        pick = _TENSOR_PICKERS.get((kernel, token))
+        if pick is None:
+            pick = _tensor_picker(planned, kernel)
+        tensors = pick(planned.args)
+        if not functools.reduce(operator.or_, map(_data_ptr, tensors)) & 15:
+            return (kernel, token, device_index, *map(_dtype_of, tensors))
+    return _argument_key(planned, device_index)
+
+
+def _tensor_picker(planned: Launch, kernel: int) -> Callable[[tuple], tuple]:
+    positions = [i for i, arg in enumerate(planned.args)
+                 if arg.__class__ in _TENSOR_CLASSES or _is_tensor_class(arg.__class__)]
+    if len(positions) == 1:  # itemgetter of one position answers the item, not a tuple
+        def pick(args: tuple, only: int = positions[0]) -> tuple:
+            return (args[only],)
+    else:
+        pick = operator.itemgetter(*positions)
+    if len(_TENSOR_PICKERS) >= _MAX_COMPILED:
+        _TENSOR_PICKERS.clear()
+    _TENSOR_PICKERS[(kernel, planned.token)] = pick
+    return pick
+
+
+def _argument_key(planned: Launch, device_index: int | None) -> tuple:
     """What Triton specialises a launch of ``planned`` on, or finer: a tensor by its dtype and
     whether its address is a multiple of 16 (the two in a row: a dtype comes from no other
     argument), an integer by its value (1, multiples of 16 and 64-bit values are typed apart), a

@@ -116,7 +116,7 @@ def plan_normalize_act(x: torch.Tensor, params: NormParams, out: torch.Tensor, t
     dst = _destination(x, out, plan)
     launch = Launch(_normalize_act_kernel, plan.grid,
                     (x, dst, *params[:4], plan.activation_param, *plan.args),
-                    plan.constexprs, plan.num_warps)
+                    plan.constexprs, plan.num_warps, plan.token)
     return [launch], dst
 
 
@@ -140,5 +140,5 @@ def plan_normalize_running(x: torch.Tensor, running: RunningParams, out: torch.T
     launch = Launch(_normalize_running_kernel, plan.grid,
                     (x, dst, running_mean, running_var, float(eps), weight, bias, mean, invstd,
                      plan.activation_param, *plan.args),
-                    plan.constexprs, plan.num_warps)
+                    plan.constexprs, plan.num_warps, plan.token)
     return [launch], dst, (mean, invstd)

@@ -111,13 +111,20 @@ def programs_per_sm(registers: int, num_warps: int) -> int:
 
 
 class Launch(NamedTuple):
-    """One kernel launch, fully planned (``check.py`` compiles these ahead of time)."""
+    """One kernel launch, fully planned (``check.py`` compiles these ahead of time).
+
+    ``token``: the memoised plan the launch was made from, where its planner vouches that the
+    token and the kernel fix everything Triton specialises the launch on but its tensors'
+    dtypes and addresses: the constexprs, the warps, which arguments are tensors and every
+    other argument's type (each integer's value). ``launch.py`` then keys the launch's
+    compiled kernel by the token (one lookup); None: by every argument."""
 
     kernel: object
     grid: tuple[int, int]
     args: tuple
     constexprs: dict
     num_warps: int
+    token: object = None
 
 
 class _Geometry(NamedTuple):
@@ -334,6 +341,7 @@ class OpPlan(NamedTuple):
     constexprs: dict
     num_warps: int
     activation_param: float  # the kernel's (1.0 for the identity, which runs as leaky_relu)
+    token: object  # this plan's own (``Launch.token``), hashed by identity
 
 
 def plan_op(x: torch.Tensor, target: Target, *, reduction: bool, tile: Tile | None = None,
@@ -391,7 +399,8 @@ def plan_op_memo(sizes: tuple[int, ...], strides: tuple[int, ...], dtype: torch.
     if reduction:
         constexprs.update(_split_constexprs(geo, tile, grid[1]))
     return OpPlan(copy, geo, stats_dtype(dtype), grid, args, constexprs,
-                  _num_warps(dtype, channels_last=geo.channels_last), float(activation_param))
+                  _num_warps(dtype, channels_last=geo.channels_last), float(activation_param),
+                  object())
 
 
 def _contiguous_strides(sizes: tuple[int, ...]) -> tuple[int, ...]:
