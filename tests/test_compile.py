@@ -472,3 +472,27 @@ def test_compiled_in_place_counts_on_cpu_parameters_only(monkeypatch):
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     assert compiled_inplace.keep_aside(layer, x, 60) == 1
     assert compiled_inplace.keep_aside(layer, x.to("meta"), 60) is None
+
+
+def test_compiled_in_place_warns_where_a_gamma_outgrew_its_count():
+    """A gamma set to zero outside training after the count (no margin covers it): that
+    step's backward rebuilds the channel from its output, and the layer says so, naming
+    itself; it counts the channel then, and the next step keeps it aside, exactly."""
+    layer = _in_place_layer("leaky_relu", 0.1, [1.0, -2.0, 0.5, 1.5], [0.0, 0.3, -0.2, 1.0],
+                            True)
+    torch.manual_seed(10)
+    x, dy = torch.randn(3, C, 4, 5, dtype=torch.float64), torch.randn(3, C, 4, 5).double()
+    compiled = torch.compile(layer, backend="aot_eager")
+    for _ in range(2):  # out of place, then keeping no channel aside
+        step(compiled, x, dy)
+    assert layer._compiled_keep_aside == (0, 0)
+    with torch.no_grad():
+        layer.weight[2] = 0.0
+    with pytest.warns(RuntimeWarning, match=r"SyncBatchNorm\(4\) .*1 channels .* counted 0"):
+        step(compiled, x, dy)
+    assert layer._compiled_keep_aside == (1, 1)
+    layer.zero_grad(set_to_none=True)
+    out, want = _plain_step(layer, x, dy, "leaky_relu", 0.1)
+    got_out, _, dx, grads, _ = step(compiled, x, dy)
+    for got, expected in zip((got_out, dx, *grads), (out, *want)):
+        torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-9)

@@ -366,7 +366,7 @@ def test_compiled_in_place_layer_counts_nothing_on_gpu():
         x = torch.randn(4, 8, 10, 10, device="cuda", requires_grad=True)
         compiled(x * 1).square().mean().backward()
     assert layer._compiled_keep_aside is None
-    assert layer._compiled_keep_aside_wanted == [False]
+    assert layer._compiled_keep_aside_last_call == [None]
 
 
 @pytest.mark.parametrize("activation", ["leaky_relu", "elu", "identity", "relu"])

@@ -8,31 +8,34 @@ output is kept anyway (the next convolution saves it), and what ``nn.BatchNorm2d
 top is its input. ``RebuiltNormAct`` keeps the output only and rebuilds ``xhat`` from it in
 backward through the activation's inverse, as the eager in-place Functions do.
 
-The channels whose gamma is too small to divide by (``inplace_policy.small_gamma_mask``) need
-their input: their number depends on the parameters' values, and a compiled graph has static
-shapes and must not read values on the host. So the host learns it outside the compiled
-region: a hook on the layer's weight (or its bias, where only that trains), run by autograd
-once its gradient is accumulated (after the compiled backward), counts them on the CPU
-parameters with the margins ``inplace_policy.gamma_limit`` gives an answer one step old, and
-stores the count, rounded up to a power of two, on the layer (``KEEP_ASIDE``). Dynamo reads
-it while tracing and guards on it: a larger count recompiles the model (at most log2(C) + 1
-times a layer; the count never shrinks). Inside the graph the kept channels are chosen from
-the current parameters (``torch.topk`` of the small-gamma flags: every flagged channel while
-at most that many are), so a count one optimiser step old covers the current gammas unless
-one shrank more than ``inplace_policy.MARGIN`` times since, as an eager layer's answer on a
-GPU. Until the first count (a layer's first compiled calls, after ``load_state_dict`` or a
-move, or with frozen parameters) the layer runs out of place, as ``nn.BatchNorm2d`` compiled:
+The channels whose gamma is too small to divide by (``inplace_policy.small_gamma_mask``)
+need their input: their number depends on the parameters' values, and a compiled graph has
+static shapes and must not read values on the host. So the host learns it outside the
+compiled region: a hook on the layer's weight (or its bias, where only that trains), run by
+autograd once its gradient is accumulated (after the compiled backward), counts them on the
+CPU parameters with the margins ``inplace_policy.gamma_limit`` gives an answer one step old,
+and stores the count, rounded up to a power of two, on the layer (``KEEP_ASIDE``). Dynamo
+reads it while tracing and guards on it: a larger count recompiles the model (at most
+log2(C) + 1 times a layer; the count never shrinks). Inside the graph the kept channels are
+chosen from the current parameters (``torch.topk`` of the small-gamma flags: every flagged
+channel while at most that many are), so a count one optimiser step old covers the current
+gammas unless one shrank more than ``inplace_policy.MARGIN`` times since, as an eager
+layer's answer on a GPU (or was set outside training): that step's gradients are then
+inexact for it, which the hook, reading the parameters the step ran with, says in a warning.
+Until the first count (a layer's first compiled calls, after ``load_state_dict`` or a move,
+or with frozen parameters) the layer runs out of place, as ``nn.BatchNorm2d`` compiled:
 exact, without the saving.
 
 Only on the CPU. The hook reads CPU parameters where they lie: it creates no device tensor
-and runs no device work, so nothing it does can land in a CUDA graph's memory pool or
-capture (a count taken on a GPU's parameters allocated in a CUDA graph tree's pool during a
-recorded backward, under ``mode="reduce-overhead"``). A layer whose parameters are elsewhere
-carries no hook, and compiled there it runs out of place (``keep_aside``).
+and runs no device work, so that nothing of the count can land in a backward that a CUDA
+graph tree (``mode="reduce-overhead"``) records, nor in its memory pool, as a count taken
+from a GPU's parameters would. A layer whose parameters are elsewhere carries no hook, and
+compiled there it runs out of place (``keep_aside``).
 """
 
 from __future__ import annotations
 
+import warnings
 import weakref
 
 import torch
@@ -50,12 +53,14 @@ KEEP_ONLY_OUTPUT = True
 #: for float16/bfloat16 outputs, (None: not counted yet). Dynamo guards on its value.
 KEEP_ASIDE = "_compiled_keep_aside"
 
-# The layer's attributes this module keeps besides ``KEEP_ASIDE``: whether a compiled call
-# asked for the count (a one-element list, set at each compiled call: the hook of a layer
-# only run eagerly counts nothing), and the hook's handle.
-_WANTED = "_compiled_keep_aside_wanted"
+# The layer's attributes this module keeps besides ``KEEP_ASIDE``: what the last compiled
+# call kept aside (a one-element list, set at each compiled call: None where no compiled call
+# asked for a count, so that the hook of a layer only run eagerly counts nothing; else the
+# number of channels whose input it kept, None where it ran out of place, and whether its
+# output was in half precision), and the hook's handle.
+_LAST_CALL = "_compiled_keep_aside_last_call"
 _HANDLE = "_compiled_keep_aside_hook"
-TRANSIENT = (KEEP_ASIDE, _WANTED, _HANDLE)
+TRANSIENT = (KEEP_ASIDE, _LAST_CALL, _HANDLE)
 
 # The output dtypes whose limits the counts are taken at, in ``KEEP_ASIDE``'s order.
 _COUNTED_FOR = (torch.float32, torch.float16)
@@ -70,7 +75,7 @@ def watch(layer: torch.nn.Module) -> None:
     if old is not None:
         old.remove()
     forget(layer)
-    layer.__dict__.setdefault(_WANTED, [False])
+    layer.__dict__.setdefault(_LAST_CALL, [None])
     trained = [layer._parameters.get(name) for name in ("weight", "bias")]
     trained = [param for param in trained
                if param is not None and param.requires_grad and param.device.type == "cpu"]
@@ -93,16 +98,38 @@ def _count(ref: weakref.ref) -> None:
     computed (a hook or parametrization) or not on the CPU, or where this hook is itself
     being traced (compiled autograd)."""
     layer = ref()
-    if layer is None or not layer.__dict__[_WANTED][0] or torch.compiler.is_compiling():
+    last = None if layer is None else layer.__dict__[_LAST_CALL][0]
+    if last is None or torch.compiler.is_compiling():
         return
     weight, bias = layer.weight, layer.bias
     if type(weight) is not torch.nn.Parameter or weight.device.type != "cpu":
         return
-    with torch.no_grad():
-        counts = [small_gamma_mask(weight, bias, gamma_limit(dtype, with_margin=True))
-                  for dtype in _COUNTED_FOR]
     # Through numpy, not torch: no host read dispatched (see ``ChannelsAside._read``).
-    _store(layer, [int(flags.numpy().sum()) for flags in counts])
+    with torch.no_grad():
+        counts = [int(small_gamma_mask(weight, bias, gamma_limit(dtype, with_margin=True))
+                      .numpy().sum()) for dtype in _COUNTED_FOR]
+    kept, half = last
+    if kept is not None:
+        _warn_if_outgrown(layer, weight, bias, kept, _COUNTED_FOR[half])
+    _store(layer, counts)
+
+
+def _warn_if_outgrown(layer: torch.nn.Module, weight: torch.Tensor, bias: torch.Tensor | None,
+                      kept: int, dtype: torch.dtype) -> None:
+    """The backward just run rebuilt the input of more channels than its output can give
+    (more small gammas than the ``kept`` the call kept the input of): say so, as its
+    gradients are inexact there (NaN at a zero gamma). The parameters are those of the
+    call, the optimiser not having stepped yet."""
+    with torch.no_grad():
+        small = int(small_gamma_mask(weight, bias, gamma_limit(dtype)).numpy().sum())
+    if small > kept:
+        warnings.warn(
+            f"{layer._label()}: under torch.compile, {small} channels have a gamma too small to "
+            f"rebuild their input from the output, where the layer counted {kept} before this "
+            f"step (a gamma fell more than {inplace_policy.MARGIN:g}-fold within one step, or "
+            "was set outside training): this step's gradients are inexact for them. The "
+            "layer counts them now and keeps them aside from the next step on; set "
+            "inplace=False where gamma collapses that fast.", RuntimeWarning, stacklevel=2)
 
 
 def _store(layer: torch.nn.Module, counts: list[int]) -> None:
@@ -122,16 +149,17 @@ def keep_aside(layer: torch.nn.Module, x: torch.Tensor, count: int | None) -> in
     if not (KEEP_ONLY_OUTPUT and layer.inplace and torch.compiler.is_compiling()
             and x.device.type == "cpu"):
         return None
-    layer.__dict__[_WANTED][0] = True
+    half = x.dtype in torch_ops.HALF_DTYPES
     known = getattr(layer, KEEP_ASIDE, None)
-    if known is None:
-        return None
-    if not inplace_policy.stays_in_place(layer.activation, x.dtype) or (
-            count is not None and not inplace_policy.rebuilds_from_count(count)):
-        return None
-    kept = known[x.dtype in torch_ops.HALF_DTYPES]
-    # Keeping every channel's input costs what running out of place costs, and more time.
-    return kept if kept < layer.num_features else None
+    kept = None
+    if known is not None and inplace_policy.stays_in_place(layer.activation, x.dtype) and (
+            count is None or inplace_policy.rebuilds_from_count(count)):
+        kept = known[half]
+        # Keeping every channel's input costs what running out of place costs, and more time.
+        if kept >= layer.num_features:
+            kept = None
+    layer.__dict__[_LAST_CALL][0] = (kept, half)
+    return kept
 
 
 def norm_act(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, mean: torch.Tensor,
