@@ -496,3 +496,20 @@ def test_compiled_in_place_warns_where_a_gamma_outgrew_its_count():
     got_out, _, dx, grads, _ = step(compiled, x, dy)
     for got, expected in zip((got_out, dx, *grads), (out, *want)):
         torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-9)
+
+
+def test_export_after_a_compiled_step_computes_the_formula():
+    """``torch.export`` of a layer that counted its channels in compiled steps records the
+    kernels' formula, as any export does: no rebuilt Function, no choice of channels."""
+    layer = _in_place_layer("leaky_relu", 0.1, [1.0, 0.0, 0.5, 1.5], [0.0] * C, True)
+    torch.manual_seed(11)
+    x, dy = torch.randn(3, C, 4, 5, dtype=torch.float64), torch.randn(3, C, 4, 5).double()
+    compiled = torch.compile(layer, backend="aot_eager")
+    for _ in range(2):
+        step(compiled, x, dy)
+    assert layer._compiled_keep_aside == (1, 1)
+    layer.eval()
+    exported = torch.export.export(layer, (x.clone(),))
+    ops = {str(node.target) for node in exported.graph.nodes if node.op == "call_function"}
+    assert not [op for op in ops if "topk" in op or "index_select" in op], ops
+    torch.testing.assert_close(exported.module()(x.clone()), layer(x.clone()))

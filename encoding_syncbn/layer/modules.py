@@ -346,12 +346,14 @@ class SyncBatchNorm(_BatchNorm):
 
     def _formula(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
                  track: Callable[[torch.Tensor, torch.Tensor, int | torch.Tensor], None] | None,
-                 merged: bool = False) -> torch.Tensor:
+                 merged: bool = False, compiled: bool = False) -> torch.Tensor:
         """The layer's output in differentiable ATen ops (``functional.norm_act_composite``),
         out of place: with the batch's statistics where training or without running ones
         (``track(mean, M2, count)`` folds them into the running statistics while training;
         ``merged``: the statistics of the whole process group, ``distributed.merge_traced``),
-        else with the running ones (``track`` None)."""
+        else with the running ones (``track`` None). ``compiled``: a call ``torch.compile``
+        traces (not a capture or transform), which in place on the CPU keeps for backward only
+        its output and a static number of channels' input (``compiled_inplace``)."""
         acc = torch_ops.stats_dtype(x.dtype)
         dims = [0, *range(2, x.dim())]
         if merged:
@@ -374,7 +376,8 @@ class SyncBatchNorm(_BatchNorm):
                 # Eagerly (torch.func, export) ATen's CPU kernel would compute
                 # x * scale + shift, which a large mean cancels. In place: see
                 # ``compiled_inplace``.
-                kept = compiled_inplace.keep_aside(self, x, x.numel() // self.num_features)
+                kept = (compiled_inplace.keep_aside(self, x, x.numel() // self.num_features)
+                        if compiled else None)
                 if self.training or kept is not None:
                     with torch.no_grad():
                         var, mean = torch.var_mean(x.to(acc), dims, correction=0)
@@ -392,7 +395,7 @@ class SyncBatchNorm(_BatchNorm):
                 track(mean.detach(), var.detach() * count, count)
         else:
             mean, var = self.running_mean.to(acc), self.running_var.to(acc)
-            kept = compiled_inplace.keep_aside(self, x, None)
+            kept = compiled_inplace.keep_aside(self, x, None) if compiled else None
             if kept is not None:
                 return compiled_inplace.norm_act(x, weight, bias, mean, var, self.eps, False,
                                                  kept, self.activation, self.slope)
@@ -477,7 +480,7 @@ class SyncBatchNorm(_BatchNorm):
         if (COMPILE_AS_FORMULA and compiling and count != 0
                 and not (synced and slot is not None)):  # merged across processes, if synced
             track = None if evaluating else functools.partial(track_batch, running)
-            return self._formula(x, weight, bias, track, merged=synced)
+            return self._formula(x, weight, bias, track, merged=synced, compiled=True)
         if not compiling:  # Dynamo's tensors are never such wrappers
             x = compat.unwrap_if_dead(x)
         plan = inplace_policy.plan_call(self._config, x, self._warned_out_of_place,
