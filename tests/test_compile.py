@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import math
 import os
+import warnings
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -496,6 +497,12 @@ def test_compiled_in_place_warns_where_a_gamma_outgrew_its_count():
     got_out, _, dx, grads, _ = step(compiled, x, dy)
     for got, expected in zip((got_out, dx, *grads), (out, *want)):
         torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-9)
+    # An eager step after a gamma set to zero is exact: no warning.
+    with torch.no_grad():
+        layer.weight[1] = 0.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        step(layer, x, dy)
 
 
 def test_export_after_a_compiled_step_computes_the_formula():

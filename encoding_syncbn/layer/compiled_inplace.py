@@ -111,6 +111,8 @@ def _count(ref: weakref.ref) -> None:
     kept, half = last
     if kept is not None:
         _warn_if_outgrown(layer, weight, bias, kept, _COUNTED_FOR[half])
+        # Checked once: a backward of eager calls after it (no compiled call since) is exact.
+        layer.__dict__[_LAST_CALL][0] = (None, half)
     _store(layer, counts)
 
 
