@@ -55,9 +55,10 @@ KEEP_ASIDE = "_compiled_keep_aside"
 
 # The layer's attributes this module keeps besides ``KEEP_ASIDE``: what the last compiled
 # call kept aside (a one-element list, set at each compiled call: None where no compiled call
-# asked for a count, so that the hook of a layer only run eagerly counts nothing; else the
-# number of channels whose input it kept, None where it ran out of place, and whether its
-# output was in half precision), and the hook's handle.
+# asked for a count, so that the hook of a layer only run eagerly counts nothing; else
+# ``(kept, half)``: the number of channels whose input it kept, None where it ran out of place
+# or a backward has checked it since, and whether its output was in half precision), and the
+# hook's handle.
 _LAST_CALL = "_compiled_keep_aside_last_call"
 _HANDLE = "_compiled_keep_aside_hook"
 TRANSIENT = (KEEP_ASIDE, _LAST_CALL, _HANDLE)
@@ -169,7 +170,7 @@ def norm_act(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, mean: to
              slope: float) -> torch.Tensor:
     """``act((x - mean) / sqrt(var + eps) * weight + bias)``, keeping for backward the output
     and the input of ``kept`` channels: those whose gamma the output cannot be inverted
-    through, first (``channels_aside.small_gamma_mask`` at the limit of x's dtype).
+    through, first (``inplace_policy.small_gamma_mask`` at the limit of x's dtype).
     ``batch``: ``(mean, var)`` are x's own statistics (their gradient is part of x's); else
     constants (the running statistics). The statistics come detached."""
     index = None
