@@ -409,7 +409,7 @@ def test_in_place_model_after_a_step_compiles_to_one_graph(training):
     x, dy = torch.randn(2, 3, 6, 6, dtype=torch.float64), torch.randn(2, C, 6, 6).double()
     step(torch.compile(model, backend="aot_eager"), x, dy)
     assert [m._compiled_keep_aside for m in model.modules() if isinstance(m, SyncBatchNorm)] \
-        == [(2, 2), (0, 0)]
+        == [(2, None), (0, None)]
     torch._dynamo.reset()
     explained = torch._dynamo.explain(model)(x)
     assert (explained.graph_count, explained.graph_break_count) == (1, 0), \
@@ -434,7 +434,7 @@ def test_compiled_in_place_count_follows_gamma():
     limit = inplace_policy.MIN_INVERTIBLE_GAMMA
     # gamma[0]: 1, then 10x the limit (rebuilt; counted: within the margin), then 0 (kept
     # aside: a rebuild would divide by zero).
-    for gamma, counted in ((1.0, (0, 0)), (10 * limit, (1, 1)), (0.0, (1, 1))):
+    for gamma, counted in ((1.0, (0, None)), (10 * limit, (1, None)), (0.0, (1, None))):
         with torch.no_grad():
             layer.weight[0] = gamma
         layer.zero_grad(set_to_none=True)
@@ -443,7 +443,7 @@ def test_compiled_in_place_count_follows_gamma():
         for got, expected in zip((got_out, dx, *grads), (out, *want)):
             torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-9)
         assert layer._compiled_keep_aside == counted
-    # Compiled before the first count, then once for each count: (0, 0), (1, 1).
+    # Compiled before the first count, then once for each count: (0, None), (1, None).
     assert len(recorder.graphs) == 6
     assert copy.deepcopy(layer)._compiled_keep_aside is None
     layer.load_state_dict(layer.state_dict())
@@ -486,12 +486,12 @@ def test_compiled_in_place_warns_where_a_gamma_outgrew_its_count():
     compiled = torch.compile(layer, backend="aot_eager")
     for _ in range(2):  # out of place, then keeping no channel aside
         step(compiled, x, dy)
-    assert layer._compiled_keep_aside == (0, 0)
+    assert layer._compiled_keep_aside == (0, None)
     with torch.no_grad():
         layer.weight[2] = 0.0
     with pytest.warns(RuntimeWarning, match=r"SyncBatchNorm\(4\) .*1 channels .* counted 0"):
         step(compiled, x, dy)
-    assert layer._compiled_keep_aside == (1, 1)
+    assert layer._compiled_keep_aside == (1, None)
     layer.zero_grad(set_to_none=True)
     out, want = _plain_step(layer, x, dy, "leaky_relu", 0.1)
     got_out, _, dx, grads, _ = step(compiled, x, dy)
@@ -514,7 +514,7 @@ def test_export_after_a_compiled_step_computes_the_formula():
     compiled = torch.compile(layer, backend="aot_eager")
     for _ in range(2):
         step(compiled, x, dy)
-    assert layer._compiled_keep_aside == (1, 1)
+    assert layer._compiled_keep_aside == (1, None)
     layer.eval()
     exported = torch.export.export(layer, (x.clone(),))
     ops = {str(node.target) for node in exported.graph.nodes if node.op == "call_function"}

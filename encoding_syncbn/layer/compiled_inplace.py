@@ -50,7 +50,8 @@ from .inplace_policy import gamma_limit, small_gamma_mask
 KEEP_ONLY_OUTPUT = True
 
 #: The layer attribute holding the counts of channels to keep aside, for float32/float64 and
-#: for float16/bfloat16 outputs, (None: not counted yet). Dynamo guards on its value.
+#: for float16/bfloat16 outputs (None, or None for one: not counted yet, after a call in that
+#: precision). Dynamo guards on its value.
 KEEP_ASIDE = "_compiled_keep_aside"
 
 # The layer's attributes this module keeps besides ``KEEP_ASIDE``: what the last compiled
@@ -65,6 +66,7 @@ TRANSIENT = (KEEP_ASIDE, _LAST_CALL, _HANDLE)
 
 # The output dtypes whose limits the counts are taken at, in ``KEEP_ASIDE``'s order.
 _COUNTED_FOR = (torch.float32, torch.float16)
+_NOT_COUNTED = (None, None)
 
 
 def watch(layer: torch.nn.Module) -> None:
@@ -94,10 +96,11 @@ def forget(layer: torch.nn.Module) -> None:
 
 
 def _count(ref: weakref.ref) -> None:
-    """After a backward: count the channels to keep aside from the current parameters, read
-    on the CPU where they lie. Nothing where the layer was not compiled, where its weight is
-    computed (a hook or parametrization) or not on the CPU, or where this hook is itself
-    being traced (compiled autograd)."""
+    """After a backward: count the channels to keep aside from the current parameters, read on
+    the CPU where they lie, for calls in the precision of the last compiled call. Nothing
+    where the layer was not compiled, where its weight is computed (a hook or
+    parametrization) or not on the CPU, or where this hook is itself being traced (compiled
+    autograd)."""
     layer = ref()
     last = None if layer is None else layer.__dict__[_LAST_CALL][0]
     if last is None or torch.compiler.is_compiling():
@@ -105,26 +108,30 @@ def _count(ref: weakref.ref) -> None:
     weight, bias = layer.weight, layer.bias
     if type(weight) is not torch.nn.Parameter or weight.device.type != "cpu":
         return
-    # Through numpy, not torch: no host read dispatched (see ``ChannelsAside._read``).
-    with torch.no_grad():
-        counts = [int(small_gamma_mask(weight, bias, gamma_limit(dtype, with_margin=True))
-                      .numpy().sum()) for dtype in _COUNTED_FOR]
     kept, half = last
+    dtype = _COUNTED_FOR[half]  # the precision of the calls: the count they use
+    count = _small_gammas(weight, bias, gamma_limit(dtype, with_margin=True))
     if kept is not None:
-        _warn_if_outgrown(layer, weight, bias, kept, _COUNTED_FOR[half])
+        # At most ``kept`` small within the margin: none below the limit beyond them.
+        if count > kept:
+            _warn_if_outgrown(layer, _small_gammas(weight, bias, gamma_limit(dtype)), kept)
         # Checked once: a backward of eager calls after it (no compiled call since) is exact.
         layer.__dict__[_LAST_CALL][0] = (None, half)
-    _store(layer, counts)
+    _store(layer, half, count)
 
 
-def _warn_if_outgrown(layer: torch.nn.Module, weight: torch.Tensor, bias: torch.Tensor | None,
-                      kept: int, dtype: torch.dtype) -> None:
-    """The backward just run rebuilt the input of more channels than its output can give
-    (more small gammas than the ``kept`` the call kept the input of): say so, as its
-    gradients are inexact there (NaN at a zero gamma). The parameters are those of the
-    call, the optimiser not having stepped yet."""
+def _small_gammas(weight: torch.Tensor, bias: torch.Tensor | None, limit: float) -> int:
+    """How many channels of these CPU parameters are too small to rebuild at ``limit``;
+    read through numpy, not torch: no host read dispatched (see ``ChannelsAside._read``)."""
     with torch.no_grad():
-        small = int(small_gamma_mask(weight, bias, gamma_limit(dtype)).numpy().sum())
+        return int(small_gamma_mask(weight, bias, limit).numpy().sum())
+
+
+def _warn_if_outgrown(layer: torch.nn.Module, small: int, kept: int) -> None:
+    """The backward just run rebuilt the input of more channels than its output can give
+    (``small`` gammas, where the call kept the input of ``kept`` channels): say so, as its
+    gradients are inexact there (NaN at a zero gamma). ``small`` is counted on the
+    parameters of the call, the optimiser not having stepped yet."""
     if small > kept:
         warnings.warn(
             f"{layer._label()}: under torch.compile, {small} channels have a gamma too small to "
@@ -135,15 +142,16 @@ def _warn_if_outgrown(layer: torch.nn.Module, weight: torch.Tensor, bias: torch.
             "inplace=False where gamma collapses that fast.", RuntimeWarning, stacklevel=2)
 
 
-def _store(layer: torch.nn.Module, counts: list[int]) -> None:
-    """Round each count up to a power of two (0 stays 0, at most C) and keep the larger of it
-    and the last one, so that the model recompiles a few times at most."""
-    channels = layer.num_features
-    rounded = tuple(min(channels, 1 << (n - 1).bit_length()) if n else 0 for n in counts)
-    known = layer.__dict__.get(KEEP_ASIDE)
-    if known is not None:
-        rounded = tuple(max(a, b) for a, b in zip(rounded, known))
-    layer.__dict__[KEEP_ASIDE] = rounded
+def _store(layer: torch.nn.Module, half: bool, count: int) -> None:
+    """Round the count for calls in half precision or not up to a power of two (0 stays 0, at
+    most C) and keep the larger of it and the last one, so that the model recompiles a few
+    times at most."""
+    rounded = min(layer.num_features, 1 << (count - 1).bit_length()) if count else 0
+    known = list(layer.__dict__.get(KEEP_ASIDE) or _NOT_COUNTED)
+    if known[half] is not None:
+        rounded = max(rounded, known[half])
+    known[half] = rounded
+    layer.__dict__[KEEP_ASIDE] = tuple(known)
 
 
 def keep_aside(layer: torch.nn.Module, x: torch.Tensor, count: int | None) -> int | None:
@@ -153,14 +161,13 @@ def keep_aside(layer: torch.nn.Module, x: torch.Tensor, count: int | None) -> in
             and x.device.type == "cpu"):
         return None
     half = x.dtype in torch_ops.HALF_DTYPES
-    known = getattr(layer, KEEP_ASIDE, None)
-    kept = None
-    if known is not None and inplace_policy.stays_in_place(layer.activation, x.dtype) and (
-            count is None or inplace_policy.rebuilds_from_count(count)):
-        kept = known[half]
-        # Keeping every channel's input costs what running out of place costs, and more time.
-        if kept >= layer.num_features:
-            kept = None
+    kept = (getattr(layer, KEEP_ASIDE, None) or _NOT_COUNTED)[half]
+    # Keeping every channel's input costs what running out of place costs, and more time.
+    if kept is not None and (
+            kept >= layer.num_features
+            or not inplace_policy.stays_in_place(layer.activation, x.dtype)
+            or (count is not None and not inplace_policy.rebuilds_from_count(count))):
+        kept = None
     layer.__dict__[_LAST_CALL][0] = (kept, half)
     return kept
 
