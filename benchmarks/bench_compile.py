@@ -9,9 +9,12 @@ on a ``--shape`` float32 input (default (4, 3, 48, 48), 32 channels), converted 
 compiled with a plain ``torch.compile(model)`` (default options, inductor) in the two ways a
 compiled call can be traced (``modules.COMPILE_AS_FORMULA``: its formula in ATen ops, the
 default, or the backend's opaque custom ops), against the plain net compiled and each net
-eager. Per variant:
+eager; the in-place net also compiled out of place (``compiled_inplace.KEEP_ONLY_OUTPUT``
+False: keeping its input, not only its output). Per variant:
 
-- graphs and graph breaks of a training step and of evaluation (``torch._dynamo.explain``);
+- graphs and graph breaks of a training step and of evaluation (``torch._dynamo.explain``),
+  after one compiled training step (an in-place layer's first compiled call, before it has
+  counted the channels it keeps aside, runs out of place: see ``compiled_inplace``);
 - forward+backward time of a training step, median [interquartile range] over ``--turns``
   turns, every variant taking turns (after compiling and two warm-up turns); the ratios are
   taken turn by turn against the compiled plain net and against the same net eager;
@@ -36,16 +39,17 @@ import sys
 from helpers import results
 
 CHANNELS = 32
-# name -> (converter, compiled, traced as the formula)
+# name -> (converter, compiled, traced as the formula, in place keeping only the output)
 VARIANTS = {
-    "plain eager": (None, False, True),
-    "plain compiled": (None, True, True),
-    "inplace_abn eager": ("convert_inplace_abn", False, True),
-    "inplace_abn compiled": ("convert_inplace_abn", True, True),
-    "inplace_abn compiled, custom ops": ("convert_inplace_abn", True, False),
-    "sync_batchnorm eager": ("convert_sync_batchnorm", False, True),
-    "sync_batchnorm compiled": ("convert_sync_batchnorm", True, True),
-    "sync_batchnorm compiled, custom ops": ("convert_sync_batchnorm", True, False),
+    "plain eager": (None, False, True, True),
+    "plain compiled": (None, True, True, True),
+    "inplace_abn eager": ("convert_inplace_abn", False, True, True),
+    "inplace_abn compiled": ("convert_inplace_abn", True, True, True),
+    "inplace_abn compiled, out of place": ("convert_inplace_abn", True, True, False),
+    "inplace_abn compiled, custom ops": ("convert_inplace_abn", True, False, True),
+    "sync_batchnorm eager": ("convert_sync_batchnorm", False, True, True),
+    "sync_batchnorm compiled": ("convert_sync_batchnorm", True, True, True),
+    "sync_batchnorm compiled, custom ops": ("convert_sync_batchnorm", True, False, True),
 }
 
 
@@ -73,9 +77,9 @@ def build(name: str, args: argparse.Namespace, device):
 
     import encoding_syncbn
     from encoding_syncbn.conversions.fuse import convert_inplace_abn
-    from encoding_syncbn.layer import modules
+    from encoding_syncbn.layer import compiled_inplace, modules
 
-    converter, compiled, formula = VARIANTS[name]
+    converter, compiled, formula, only_output = VARIANTS[name]
     torch.manual_seed(0)
     layers, channels = [], args.shape[1]
     for _ in range(args.blocks):
@@ -97,6 +101,7 @@ def build(name: str, args: argparse.Namespace, device):
     def run(inp):
         # Traced (at the first call) and run with the variant's way of tracing.
         modules.COMPILE_AS_FORMULA = formula
+        compiled_inplace.KEEP_ONLY_OUTPUT = only_output
         return compiled_model(inp)
 
     return run, x, grad
@@ -106,16 +111,21 @@ def graphs(name: str, args: argparse.Namespace, device) -> str:
     """``"graphs/breaks"`` of a training step and of evaluation, as explain counts them."""
     import torch
 
-    from encoding_syncbn.layer import modules
+    from encoding_syncbn.layer import compiled_inplace, modules
 
-    converter, compiled, formula = VARIANTS[name]
+    converter, compiled, formula, only_output = VARIANTS[name]
     if not compiled:
         return ""
     modules.COMPILE_AS_FORMULA = formula
+    compiled_inplace.KEEP_ONLY_OUTPUT = only_output
     counts = []
     for training in (True, False):
         torch._dynamo.reset()
-        model, x, _ = build(name.replace("compiled", "eager").split(",")[0], args, device)
+        model, x, grad = build(name.replace("compiled", "eager").split(",")[0], args, device)
+        # A compiled training step first: the graphs counted are those of the steps after
+        # it, where an in-place layer knows how many channels it keeps aside.
+        step(torch.compile(model, backend="eager"), x, grad)
+        torch._dynamo.reset()
         explained = torch._dynamo.explain(model.train(training))(x)
         counts.append(f"{explained.graph_count}/{explained.graph_break_count}")
     torch._dynamo.reset()
@@ -203,7 +213,7 @@ def main() -> None:
         return median_iqr([a / b for a, b in zip(totals[name], totals[other])], 2)
 
     rows = []
-    for name, (_, compiled, _) in VARIANTS.items():
+    for name, (_, compiled, _, _) in VARIANTS.items():
         eager = name.split(" compiled")[0] + " eager"
         rows.append([
             name, counted[name], median_iqr(totals[name], 2),
@@ -223,11 +233,15 @@ def main() -> None:
     notes = (f"{args.blocks} blocks of conv 3x3 + BatchNorm2d + LeakyReLU(0.01), {CHANNELS} "
              f"channels, a {tuple(args.shape)} float32 input, {where}; plain "
              f"`torch.compile(model)`. Graphs/breaks: `torch._dynamo.explain` of a training "
-             f"step and of evaluation. Time: a training step's forward+backward, median "
-             f"[interquartile range] of {args.turns} turns, all variants taking turns. Peak: "
+             f"step and of evaluation, after one compiled training step. Time: a training "
+             f"step's forward+backward, median [interquartile range] of {args.turns} turns, "
+             f"all variants taking turns. Peak: "
              f"{kind} over one training step, in units of the net's activations "
              f"({activation / 2**20:.1f} MiB: the blocks' conv outputs). 'custom ops': "
-             f"traced as the backend's opaque ops (`modules.COMPILE_AS_FORMULA = False`).")
+             f"traced as the backend's opaque ops (`modules.COMPILE_AS_FORMULA = False`). 'out "
+             f"of place': an in-place layer compiled keeping its input, as an in-place layer "
+             f"did before it kept only its output (`compiled_inplace.KEEP_ONLY_OUTPUT = "
+             f"False`).")
     print(notes + "\n\n" + table)
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
     results.record(args, f"bench_compile.py ({device.type})", table, notes, gpu)

@@ -122,14 +122,17 @@ def assert_same_nonfinite(got: torch.Tensor, want: torch.Tensor, what: str) -> N
 def check_nonfinite_gradients(activation: str, inplace: bool, training: bool,
                               channels_last: bool,
                               injections: list[tuple[str, float, int, int]],
-                              replicas: int | None, seed: int, device: str = "cpu") -> None:
+                              replicas: int | None, seed: int, device: str = "cpu",
+                              compiled: bool = False) -> None:
     """A (7, 3, 2, 3) float64 layer (values a channel enough to train in place:
     ``inplace_policy.rebuilds_from_count``), with ``injections`` put into it: each ``(target,
     value, channel, element)`` writes ``value`` into x (``element``: 0-23 of that channel) or into
     the channel's entry of a parameter or buffer (``target``: its name). Its input, weight and
     bias gradients, on ``device`` under ``replicas`` simulated replicas (None: called
     directly), have NaN and inf where nn.BatchNorm2d + the activation has them (on the CPU),
-    and the same finite values elsewhere."""
+    and the same finite values elsewhere. ``compiled``: the layer under ``torch.compile``
+    (aot_eager), checked at its second step (the first counts, in place, the channels it
+    keeps aside), its state put back after the first."""
     gen = torch.Generator().manual_seed(seed)
     layer = SyncBatchNorm(3, activation=activation, slope=SLOPES.get(activation, 0.01),
                           inplace=inplace, dtype=torch.float64)
@@ -158,6 +161,15 @@ def check_nonfinite_gradients(activation: str, inplace: bool, training: bool,
     dy = torch.randn(x.shape, generator=gen, dtype=torch.float64)
     leaf = x.to(device, copy=True).requires_grad_()
     runner = SimulatedDataParallel(layer, replicas) if replicas else layer
+    if compiled:
+        runner = torch.compile(runner, backend="aot_eager")
+        runner(leaf * 1).backward(dy.to(device))
+        assert layer._compiled_keep_aside is not None  # counted: the next call keeps y only
+        with torch.no_grad():
+            for name, value in state.items():
+                getattr(layer, name).copy_(value)
+        layer.zero_grad(set_to_none=True)
+        leaf.grad = None
     runner(leaf * 1).backward(dy.to(device))  # a non-leaf: in place, really overwritten
     expected = batchnorm_grads(ref, x, dy, activation,
                                elu_from_output=activation == "elu" and inplace and not training)

@@ -4,28 +4,35 @@ Forward and backward, training and evaluation, in place (leaky_relu) and not ("n
 backends, each way a compiled call is traced (``modules.COMPILE_AS_FORMULA``): as the layer's
 formula in ATen ops (the default, with no ``encoding_syncbn::`` op in the graphs), or as the
 backend's custom ops (Triton kernels; on the "torch" backend the ATen path wrapped as
-``aten_*`` ops). A compiled call runs out of place, so that no channel is kept aside (a
-data-dependent size) and a converted model compiles to one graph, with no break, under plain
-``torch.compile`` (counted by ``torch._dynamo.explain``).
+``aten_*`` ops). A compiled call leaves its input as it was, and a converted model compiles
+to one graph, with no break, under plain ``torch.compile`` (counted by
+``torch._dynamo.explain``). Compiled in place, a layer keeps for backward only its output and
+the input of a static number of channels (``layer/compiled_inplace.py``), once it has counted
+them: tested against nn.BatchNorm2d + the activation, and by what the graph saves.
 """
 
 from __future__ import annotations
 
 import copy
+import math
 import os
+import warnings
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from functorch.compile import make_boxed_func  # noqa: E402
+from functorch.compile import make_boxed_func, min_cut_rematerialization_partition  # noqa: E402
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+from reference import activate, plain_twin  # noqa: E402
 from torch import nn  # noqa: E402
 from torch._dynamo.backends.common import aot_autograd  # noqa: E402
 
 import encoding_syncbn  # noqa: E402
 from encoding_syncbn import SyncBatchNorm, convert_inplace_abn, convert_sync_batchnorm  # noqa: E402
 from encoding_syncbn.kernels import torch_ops  # noqa: E402
-from encoding_syncbn.layer import modules  # noqa: E402
+from encoding_syncbn.layer import compiled_inplace, inplace_policy, modules  # noqa: E402
 
 C = 4
 
@@ -133,10 +140,14 @@ def test_compiled_layer_matches_eager(each_backend, traced_as, activation, train
         # Compiled, the layer runs out of place: its input is left as it was.
         assert torch.equal(given, x)
 
-    forward, backward = recorder.custom_ops()  # one graph each: no break, no recompile
+    graphs = recorder.custom_ops()
     if traced_as == "formula":
-        assert forward == backward == []
+        assert all(ops == [] for ops in graphs)
+        # One forward and one backward graph: no break; an in-place layer compiles again
+        # once it has counted the channels it keeps aside (after the first backward).
+        assert len(graphs) == (4 if activation == "leaky_relu" else 2)
         return
+    forward, backward = graphs  # one graph each: no break, no recompile
     stats, normalize, normalize_running, reduce, input_grad = KERNELS[each_backend]
     assert (normalize if training else normalize_running) in forward
     assert (stats in forward) == training
@@ -255,3 +266,257 @@ def test_opcheck_compile_ops(slab, monkeypatch):
                               (y, x, *params, "leaky_relu", 0.1, True, *coefs, -1))
         torch.library.opcheck(ops.aten_backward_dx.default,
                               (y, x, *params, "leaky_relu", 0.1, True, *coefs, 90))
+
+
+# ---- in place, compiled: only the output kept for backward -------------------------------
+
+class SavedRecorder(GraphRecorder):
+    """``GraphRecorder`` partitioning as Inductor does (min-cut: which tensors the forward
+    keeps for backward is its choice), recording what each forward graph saves."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.backend = aot_autograd(fw_compiler=self._record, bw_compiler=self._record,
+                                    partition_fn=min_cut_rematerialization_partition)
+
+    def saved_shapes(self, outputs: int) -> list[tuple[int, ...]]:
+        """The shapes of the tensors the last forward graph keeps for backward (what it
+        returns after its ``outputs`` outputs: the buffers it updates, then the model's)."""
+        forward = self.graphs[-2]
+        returned = next(n for n in forward.graph.nodes if n.op == "output").args[0]
+        return [tuple(node.meta["val"].shape) for node in returned[outputs:]
+                if isinstance(node, torch.fx.Node)
+                and isinstance(node.meta.get("val"), torch.Tensor)]
+
+
+def _in_place_layer(activation, slope, gammas, betas, training, dtype=torch.float64):
+    layer = SyncBatchNorm(len(gammas), activation=activation, slope=slope, inplace=True,
+                          dtype=dtype)
+    with torch.no_grad():
+        layer.weight.copy_(torch.tensor(gammas))
+        layer.bias.copy_(torch.tensor(betas))
+        layer.running_mean.uniform_(-1, 1)
+        layer.running_var.uniform_(0.5, 2)
+    return layer.train(training)
+
+
+def _plain_step(layer, x, dy, activation, slope):
+    """Output and (dx, dw, db) of nn.BatchNorm2d + the activation, twin of ``layer``."""
+    twin = plain_twin(layer, x.dim(), layer.weight.dtype)
+    leaf = x.clone().requires_grad_()
+    out = activate(twin(leaf), activation, slope)
+    out.backward(dy)
+    return out.detach(), (leaf.grad, twin.weight.grad, twin.bias.grad)
+
+
+gammas = st.sampled_from([0.0, 1e-7, -1e-5, 1e-3, 0.02, -0.3, 1.0, 2.5])
+
+
+@settings(max_examples=12, deadline=None, derandomize=True)
+@given(
+    activation=st.sampled_from(["leaky_relu", "elu", "identity"]),
+    training=st.booleans(),
+    # Each with enough values a channel to train in place (inplace_policy.MIN_REBUILT_COUNT).
+    shape=st.sampled_from([(2, 3, 4, 5), (8, 4, 3), (3, 5, 2, 2, 3), (1, 6, 7, 4)]),
+    channel_params=st.lists(st.tuples(gammas, st.sampled_from([0.0, 0.4, -3.0])),
+                            min_size=6, max_size=6),
+    seed=st.integers(0, 2**16),
+)
+def test_compiled_in_place_gradients_match_batchnorm(activation, training, shape,
+                                                     channel_params, seed):
+    """float64: a compiled in-place layer's output, input, weight and bias gradients match
+    nn.BatchNorm*d + the activation for every gamma (zeros and tiny ones kept aside), in the
+    first compiled step (out of place: the channels kept aside not counted yet) and in the
+    steps after it, which keep for backward only the output and the input of the counted
+    channels (a static number: a power of two covering the small gammas)."""
+    channels = shape[1]
+    slope = {"leaky_relu": 0.1, "elu": 0.7}.get(activation, 0.01)
+    params = channel_params[:channels]
+    layer = _in_place_layer(activation, slope, [g for g, _ in params], [b for _, b in params],
+                            training)
+    torch._dynamo.reset()  # each example's layer, compiled afresh
+    recorder = SavedRecorder()
+    compiled = torch.compile(layer, backend=recorder.backend)
+    gen = torch.Generator().manual_seed(seed)
+    for call in range(3):
+        x = torch.randn(shape, generator=gen, dtype=torch.float64) * 2 + 0.5
+        dy = torch.randn(shape, generator=gen, dtype=torch.float64)
+        out, want = _plain_step(layer, x, dy, activation, slope)
+        for p in layer.parameters():
+            p.grad = None
+        got_out, _, dx, (dw, db), _ = step(compiled, x, dy)
+        for name, got, expected in zip(("output", "dx", "dw", "db"), (got_out, dx, dw, db),
+                                       (out, *want)):
+            torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-9,
+                                       msg=lambda m, what=f"call {call}, {name}": f"{what}: {m}")
+    limit = inplace_policy.gamma_limit(torch.float64, with_margin=True)
+    small = int(inplace_policy.small_gamma_mask(layer.weight, layer.bias, limit).sum())
+    kept = layer._compiled_keep_aside[0]
+    assert kept == (min(channels, 1 << (small - 1).bit_length()) if small else 0)
+    # The steps after the first keep the output and the kept channels' input, no more.
+    outputs = 1 + 3 * training  # running mean, variance and batch count; the output
+    full = [s for s in recorder.saved_shapes(outputs)
+            if len(s) == len(shape) and s[0] == shape[0] and s[2:] == shape[2:]]
+    if kept < channels:
+        assert sorted(full) == sorted([shape] + ([(shape[0], kept, *shape[2:])] if kept else []))
+    assert len(recorder.graphs) == 4  # two compilations (before and after the count), no break
+
+
+def _saved_bytes(model, x, dy) -> int:
+    """Bytes of the activation-sized tensors (or parts of one: kept channels) the compiled
+    model's forward keeps for backward, once the in-place layers counted their channels
+    (the second step's graph)."""
+    torch._dynamo.reset()
+    recorder = SavedRecorder()
+    compiled = torch.compile(model, backend=recorder.backend)
+    for _ in range(2):
+        step(compiled, x, dy)
+    outputs = 3 * 3 + 1  # each layer's running mean, variance and batch count; the output
+    return sum(math.prod(s) * x.element_size() for s in recorder.saved_shapes(outputs)
+               if len(s) == 4 and s[0] == x.shape[0] and s[2:] == x.shape[2:]
+               and s != x.shape)  # the input, kept by the first convolution
+
+
+def test_compiled_in_place_keeps_one_activation_a_block():
+    """Counted in the compiled graph: a converted in-place net keeps for backward one
+    activation a block (its output, which the next convolution keeps anyway) and the input
+    of the channels kept aside; compiled out of place, and the plain net compiled, keep
+    more (the normalisation's input besides)."""
+    torch.manual_seed(6)
+    base = _block_net(3)
+    with torch.no_grad():
+        base[4].weight[2] = 0.0  # the second block keeps one channel aside
+    x, dy = torch.randn(2, 3, 6, 6, dtype=torch.float64), torch.randn(2, C, 6, 6).double()
+    activation = x.shape[0] * C * 6 * 6 * x.element_size()
+    ours = _saved_bytes(convert_inplace_abn(copy.deepcopy(base)), x, dy)
+    assert ours == 3 * activation + activation // C
+    plain = _saved_bytes(copy.deepcopy(base), x, dy)
+    assert plain >= 2 * 3 * activation
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(compiled_inplace, "KEEP_ONLY_OUTPUT", False)
+        assert _saved_bytes(convert_inplace_abn(copy.deepcopy(base)), x, dy) >= 2 * 3 * activation
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+def test_in_place_model_after_a_step_compiles_to_one_graph(training):
+    """Once its layers counted the channels they keep aside (after a compiled step's
+    backward), a converted in-place model still compiles to one graph with no break."""
+    torch.manual_seed(7)
+    base = _block_net()
+    with torch.no_grad():
+        base[1].weight.copy_(torch.tensor([1.5, 0.0, -0.7, 1e-5]))
+    model = convert_inplace_abn(base).train(training)
+    x, dy = torch.randn(2, 3, 6, 6, dtype=torch.float64), torch.randn(2, C, 6, 6).double()
+    step(torch.compile(model, backend="aot_eager"), x, dy)
+    assert [m._compiled_keep_aside for m in model.modules() if isinstance(m, SyncBatchNorm)] \
+        == [(2, None), (0, None)]
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(model)(x)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), \
+        explained.break_reasons
+
+
+def test_compiled_in_place_count_follows_gamma():
+    """The count of channels kept aside: none from eager calls (they cost nothing there);
+    after each compiled backward, from the parameters then, growing (and recompiling) as a
+    gamma falls within ``MARGIN`` times the limit, so that the next call keeps it aside
+    once it falls below (to zero here: the graph chooses which channels from the current
+    gammas); forgotten where the parameters change outside training (load_state_dict) and
+    by a copy. Gradients match nn.BatchNorm2d + leaky_relu throughout."""
+    layer = _in_place_layer("leaky_relu", 0.1, [1.0, -2.0, 0.5, 1.5], [0.0, 0.3, -0.2, 1.0],
+                            True)
+    torch.manual_seed(8)
+    x, dy = torch.randn(3, C, 4, 5, dtype=torch.float64), torch.randn(3, C, 4, 5).double()
+    step(layer, x, dy)
+    assert layer._compiled_keep_aside is None
+    recorder = GraphRecorder()
+    compiled = torch.compile(layer, backend=recorder.backend)
+    limit = inplace_policy.MIN_INVERTIBLE_GAMMA
+    # gamma[0]: 1, then 10x the limit (rebuilt; counted: within the margin), then 0 (kept
+    # aside: a rebuild would divide by zero).
+    for gamma, counted in ((1.0, (0, None)), (10 * limit, (1, None)), (0.0, (1, None))):
+        with torch.no_grad():
+            layer.weight[0] = gamma
+        layer.zero_grad(set_to_none=True)
+        out, want = _plain_step(layer, x, dy, "leaky_relu", 0.1)
+        got_out, _, dx, grads, _ = step(compiled, x, dy)
+        for got, expected in zip((got_out, dx, *grads), (out, *want)):
+            torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-9)
+        assert layer._compiled_keep_aside == counted
+    # Compiled before the first count, then once for each count: (0, None), (1, None).
+    assert len(recorder.graphs) == 6
+    assert copy.deepcopy(layer)._compiled_keep_aside is None
+    layer.load_state_dict(layer.state_dict())
+    assert layer._compiled_keep_aside is None
+
+
+def test_compiled_in_place_counts_on_cpu_parameters_only(monkeypatch):
+    """The count is taken by a hook on the layer's CPU parameters, where they lie: a layer
+    moved off the CPU (here to the meta device) carries no hook, so that no backward runs
+    any work of its own there (a CUDA graph's capture or memory pool would record it), and
+    one moved back counts again; compiled on another device a call keeps no channel aside
+    (it runs out of place), whatever its count."""
+    layer = _in_place_layer("leaky_relu", 0.1, [1.0, 0.0, 0.5, 1.5], [0.0] * C, True)
+    hooks = lambda: layer.weight._post_accumulate_grad_hooks  # noqa: E731
+    assert len(hooks()) == 1
+    layer.to("meta")
+    assert not hooks() and layer._compiled_keep_aside_hook is None
+    layer.to_empty(device="cpu")
+    assert len(hooks()) == 1
+    torch.manual_seed(9)
+    x, dy = torch.randn(3, C, 4, 5, dtype=torch.float64), torch.randn(3, C, 4, 5).double()
+    step(torch.compile(layer, backend="aot_eager"), x, dy)
+    assert layer._compiled_keep_aside is not None
+    layer.double()  # moved (to its own dtype): counted again after the next backward
+    assert layer._compiled_keep_aside is None and len(hooks()) == 1
+    layer.__dict__["_compiled_keep_aside"] = (1, 1)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert compiled_inplace.keep_aside(layer, x, 60) == 1
+    assert compiled_inplace.keep_aside(layer, x.to("meta"), 60) is None
+
+
+def test_compiled_in_place_warns_where_a_gamma_outgrew_its_count():
+    """A gamma set to zero outside training after the count (no margin covers it): that
+    step's backward rebuilds the channel from its output, and the layer says so, naming
+    itself; it counts the channel then, and the next step keeps it aside, exactly."""
+    layer = _in_place_layer("leaky_relu", 0.1, [1.0, -2.0, 0.5, 1.5], [0.0, 0.3, -0.2, 1.0],
+                            True)
+    torch.manual_seed(10)
+    x, dy = torch.randn(3, C, 4, 5, dtype=torch.float64), torch.randn(3, C, 4, 5).double()
+    compiled = torch.compile(layer, backend="aot_eager")
+    for _ in range(2):  # out of place, then keeping no channel aside
+        step(compiled, x, dy)
+    assert layer._compiled_keep_aside == (0, None)
+    with torch.no_grad():
+        layer.weight[2] = 0.0
+    with pytest.warns(RuntimeWarning, match=r"SyncBatchNorm\(4\) .*1 channels .* counted 0"):
+        step(compiled, x, dy)
+    assert layer._compiled_keep_aside == (1, None)
+    layer.zero_grad(set_to_none=True)
+    out, want = _plain_step(layer, x, dy, "leaky_relu", 0.1)
+    got_out, _, dx, grads, _ = step(compiled, x, dy)
+    for got, expected in zip((got_out, dx, *grads), (out, *want)):
+        torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-9)
+    # An eager step after a gamma set to zero is exact: no warning.
+    with torch.no_grad():
+        layer.weight[1] = 0.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        step(layer, x, dy)
+
+
+def test_export_after_a_compiled_step_computes_the_formula():
+    """``torch.export`` of a layer that counted its channels in compiled steps records the
+    kernels' formula, as any export does: no rebuilt Function, no choice of channels."""
+    layer = _in_place_layer("leaky_relu", 0.1, [1.0, 0.0, 0.5, 1.5], [0.0] * C, True)
+    torch.manual_seed(11)
+    x, dy = torch.randn(3, C, 4, 5, dtype=torch.float64), torch.randn(3, C, 4, 5).double()
+    compiled = torch.compile(layer, backend="aot_eager")
+    for _ in range(2):
+        step(compiled, x, dy)
+    assert layer._compiled_keep_aside == (1, None)
+    layer.eval()
+    exported = torch.export.export(layer, (x.clone(),))
+    ops = {str(node.target) for node in exported.graph.nodes if node.op == "call_function"}
+    assert not [op for op in ops if "topk" in op or "index_select" in op], ops
+    torch.testing.assert_close(exported.module()(x.clone()), layer(x.clone()))

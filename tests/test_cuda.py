@@ -351,6 +351,24 @@ def test_training_steps_in_a_cuda_graph(capture, monkeypatch):
         torch.testing.assert_close(mine.running_var, theirs.running_var, rtol=1e-4, atol=1e-5)
 
 
+def test_compiled_in_place_layer_counts_nothing_on_gpu():
+    """Compiled on a GPU an in-place layer runs out of place: moved there it carries no hook
+    counting the channels it keeps aside (the count is taken on CPU parameters only, so
+    nothing of it can land in a CUDA graph's capture or memory pool), and its compiled steps
+    ask for none."""
+    layer = SyncBatchNorm(8, activation="leaky_relu", slope=0.1, inplace=True)
+    assert layer._compiled_keep_aside_hook is not None
+    layer = layer.cuda()
+    assert layer._compiled_keep_aside_hook is None
+    assert not layer.weight._post_accumulate_grad_hooks
+    compiled = torch.compile(layer)
+    for _ in range(2):
+        x = torch.randn(4, 8, 10, 10, device="cuda", requires_grad=True)
+        compiled(x * 1).square().mean().backward()
+    assert layer._compiled_keep_aside is None
+    assert layer._compiled_keep_aside_last_call == [None]
+
+
 @pytest.mark.parametrize("activation", ["leaky_relu", "elu", "identity", "relu"])
 def test_compiled_single_replica_layer(activation):
     layer = SyncBatchNorm(8, activation=activation, slope=0.2).cuda()

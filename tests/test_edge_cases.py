@@ -313,6 +313,29 @@ def test_nonfinite_gradients_follow_batchnorm(mode, training, channels_last, inj
     (simulated DataParallel: synchronised statistics in training)."""
     check_nonfinite_gradients(*mode, training, channels_last, injections, replicas, seed)
 
+
+@one_backend  # compiled, the layer is its formula in ATen ops
+@settings(max_examples=12, deadline=None, derandomize=True)
+@given(
+    activation=st.sampled_from([a for a in ACTIVATIONS if a != "none"
+                                and activations.runs_in_place(a, 0.1)]),
+    training=st.booleans(),
+    channels_last=st.booleans(),
+    injections=st.lists(_INJECTIONS, min_size=1, max_size=3),
+    seed=st.integers(0, 2**16),
+)
+@example(activation="leaky_relu", training=True, channels_last=False,
+         injections=[("weight", float("nan"), 0, 0)], seed=0)
+@example(activation="elu", training=False, channels_last=False,
+         injections=[("x", -float("inf"), 0, 3), ("running_mean", float("inf"), 1, 0)], seed=0)
+def test_compiled_in_place_nonfinite_gradients_follow_batchnorm(activation, training,
+                                                                channels_last, injections, seed):
+    """As above for an in-place layer under ``torch.compile``, once it keeps only its output
+    (and the input of the channels it counted: a NaN weight's among them)."""
+    torch._dynamo.reset()
+    check_nonfinite_gradients(activation, True, training, channels_last, injections, None, seed,
+                              compiled=True)
+
 @one_backend  # calls the Triton kernels directly
 @pytest.mark.parametrize("where", [(0, 0), (200, 0), (0, 1), (600, 1)])
 def test_triton_stats_of_an_infinite_element_across_split_programs(where):

@@ -33,6 +33,7 @@ from reference import SLOPES, activate
 from torch import nn
 
 from encoding_syncbn import SyncBatchNorm
+from encoding_syncbn.layer import inplace_policy
 from encoding_syncbn.testing import SimulatedDataParallel
 
 pytestmark = each_backend
@@ -51,6 +52,8 @@ magnitudes = st.one_of(st.just(0.0), st.floats(1e-3, 10.0))
 ratios = st.one_of(st.just(0.0), st.just(1.0), st.floats(1e-2, 1e3))
 signs = st.sampled_from([1.0, -1.0])
 channel = st.tuples(magnitudes, signs, ratios, signs)
+# A channel rebuilt from its half-precision output: |beta| below |gamma|.
+rebuilt = st.tuples(st.floats(0.1, 10.0), signs, st.floats(0.0, 0.7), signs)
 
 
 def _parameters(channels):
@@ -100,6 +103,30 @@ def _gradients(norm, x, dy, mode, replicas, activation, slope):
     return leaf.grad, norm.weight.grad, norm.bias.grad
 
 
+class _Case:
+    """A generated case: the input and output gradient in ``dtype``, gamma and beta from
+    ``channels``, running statistics near the data's (evaluation with statistics far from
+    it: below), the float64 reference, and an nn.BatchNorm2d twin and an in-place layer in
+    the precision ``mode`` gives the parameters."""
+
+    def __init__(self, dtype, mode, activation, training, channels, offset, seed) -> None:
+        self.slope = SLOPES.get(activation, 0.01)
+        self.gamma, self.beta = _parameters(channels)
+        gen = torch.Generator().manual_seed(seed)
+        self.x = (torch.randn(SHAPE, generator=gen) * 2 + offset).to(dtype)
+        self.dy = torch.randn(SHAPE, generator=gen).to(dtype)
+        self.running = (torch.randn(C, generator=gen) * 0.5 + offset,
+                        torch.rand(C, generator=gen) * 6 + 1)
+        self.reference, self.sizes = _reference(self.x, self.dy, self.gamma, self.beta,
+                                                self.running, activation, self.slope, training)
+        params = dtype if mode == "half model" else torch.float32
+        self.twin = nn.BatchNorm2d(C).to(params).train(training)
+        self.layer = SyncBatchNorm(C, activation=activation, slope=self.slope,
+                                   inplace=True).to(params).train(training)
+        self.what = (f"{dtype} {mode} {activation} {'training' if training else 'eval'}, "
+                     f"gamma {self.gamma.tolist()}, beta {self.beta.tolist()}")
+
+
 def _assert_within_bound(ours, torch_same, reference, sizes, dtype, what, summed=1):
     """Per channel: our error <= BOUND * max(torch's error, half an ulp at the size);
     ``summed``: the half-precision gradients summed into each parameter gradient (a half
@@ -142,26 +169,53 @@ def test_gradients_within_three_times_batchnorms_error(dtype, mode, activation, 
     or evaluated with running statistics: input, weight and bias gradients within 3x
     nn.BatchNorm2d + the activation's error in the same precision (see the module docstring),
     for gammas from 0 to 10 of either sign and |beta| / |gamma| from 0 to 1e3."""
-    slope = SLOPES.get(activation, 0.01)
-    gamma, beta = _parameters(channels)
-    gen = torch.Generator().manual_seed(seed)
-    x = (torch.randn(SHAPE, generator=gen) * 2 + offset).to(dtype)
-    dy = torch.randn(SHAPE, generator=gen).to(dtype)
-    # Running statistics near the data's (evaluation with statistics far from it: below).
-    running = (torch.randn(C, generator=gen) * 0.5 + offset, torch.rand(C, generator=gen) * 6 + 1)
-    reference, sizes = _reference(x, dy, gamma, beta, running, activation, slope, training)
-    params = dtype if mode == "half model" else torch.float32
-    twin = nn.BatchNorm2d(C).to(params).train(training)
-    layer = SyncBatchNorm(C, activation=activation, slope=slope, inplace=True).to(params)
-    layer.train(training)
-    for norm in (twin, layer):
-        _load(norm, gamma, beta, running)
-    torch_same = _gradients(twin, x, dy, mode, 1, activation, slope)
-    ours = _gradients(layer, x, dy, mode, replicas, activation, slope)
-    _assert_within_bound(ours, torch_same, reference, sizes, dtype,
-                         f"{dtype} {mode} {activation} x{replicas} "
-                         f"{'training' if training else 'eval'}, gamma {gamma.tolist()}, "
-                         f"beta {beta.tolist()}", replicas if mode == "half model" else 1)
+    case = _Case(dtype, mode, activation, training, channels, offset, seed)
+    for norm in (case.twin, case.layer):
+        _load(norm, case.gamma, case.beta, case.running)
+    torch_same = _gradients(case.twin, case.x, case.dy, mode, 1, activation, case.slope)
+    ours = _gradients(case.layer, case.x, case.dy, mode, replicas, activation, case.slope)
+    _assert_within_bound(ours, torch_same, case.reference, case.sizes, dtype,
+                         f"x{replicas} {case.what}", replicas if mode == "half model" else 1)
+
+
+@one_backend  # compiled, the layer is its formula in ATen ops
+@settings(max_examples=10, deadline=None, derandomize=True)
+@given(
+    dtype=st.sampled_from(HALF),
+    mode=st.sampled_from(MODES),
+    activation=st.sampled_from(["identity", "leaky_relu"]),
+    training=st.sampled_from([True, True, False]),
+    channels=st.tuples(channel, rebuilt, rebuilt, rebuilt),
+    offset=st.floats(-3.0, 3.0),
+    seed=st.integers(0, 2**16),
+)
+def test_compiled_gradients_within_three_times_batchnorms_error(dtype, mode, activation,
+                                                                training, channels, offset,
+                                                                seed):
+    """As above for a layer under ``torch.compile``, at its second step, which keeps for
+    backward only the output and the input of the channels counted after the first: one
+    channel of any gamma and beta, three rebuilt from the output (ELU in half precision runs
+    out of place, compiled or not)."""
+    case = _Case(dtype, mode, activation, training, channels, offset, seed)
+    layer = case.layer
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, backend="aot_eager")
+    for _ in range(2):  # the first counts the channels kept aside
+        _load(layer, case.gamma, case.beta, case.running)
+        layer.zero_grad(set_to_none=True)
+        leaf = case.x.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=dtype, enabled=mode == "autocast"):
+            out = compiled(leaf * 1)
+        assert out.dtype == dtype
+        out.backward(case.dy)
+    # One channel kept aside at most, in either precision (the float32 limit is lower).
+    limit = inplace_policy.gamma_limit(dtype, with_margin=True)
+    kept_aside = inplace_policy.small_gamma_mask(case.gamma, case.beta, limit)[0]
+    assert layer._compiled_keep_aside[1] == int(kept_aside)
+    _load(case.twin, case.gamma, case.beta, case.running)
+    torch_same = _gradients(case.twin, case.x, case.dy, mode, 1, activation, case.slope)
+    _assert_within_bound((leaf.grad, layer.weight.grad, layer.bias.grad), torch_same,
+                         case.reference, case.sizes, dtype, f"compiled {case.what}")
 
 
 @pytest.mark.parametrize("dtype", HALF)

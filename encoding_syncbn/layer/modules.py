@@ -19,7 +19,7 @@ from ..kernels import RunningStats, channel_vector, torch_ops
 from ..sync import distributed, replicas
 from ..sync.group import ReplicaGroup
 from ..sync.replicas import ReplicaSlot
-from . import inplace_policy, recompute, tracing
+from . import compiled_inplace, inplace_policy, recompute, tracing
 from .exchange import Exchange
 from .functional import (
     batch_norm_act,
@@ -45,13 +45,16 @@ _CONFIG_SOURCES = (*_ACTIVATION_OPTIONS, "_label_text")
 #: backward is then its choice, as for ``nn.BatchNorm2d``); synchronised across processes,
 #: with the merge in functional collectives (``distributed.merge_traced``). False: as the
 #: backend's opaque custom ops, where a call synchronised across processes breaks the graph
-#: at the exchange's host read of the counts. Either way a compiled call runs out of place
-#: (``inplace_policy.plan_call``). ``benchmarks/bench_compile.py`` measures both.
+#: at the exchange's host read of the counts. Either way a compiled call leaves its input as
+#: it was (``inplace_policy.plan_call``); traced as its formula in one process on the CPU, an
+#: in-place call keeps only its output for backward (``compiled_inplace``).
+#: ``benchmarks/bench_compile.py`` measures both.
 COMPILE_AS_FORMULA = True
 
 # Attributes that only make sense for the live object: dropped by pickle and deepcopy.
 _TRANSIENT = ("_open_group", "_replica_slot", "_recompute_cache", "_replicas_channels_aside",
-              "_channels_aside", "_warned_out_of_place", "_config")
+              "_channels_aside", "_warned_out_of_place", "_config",
+              *compiled_inplace.TRANSIENT)
 
 
 class SyncBatchNorm(_BatchNorm):
@@ -160,6 +163,7 @@ class SyncBatchNorm(_BatchNorm):
         # its replicas (which copy __dict__ shallowly), so that each layer's fallback is told.
         self._warned_out_of_place: list[bool] = [False]
         self._config = self._make_config()
+        compiled_inplace.watch(self)
 
     def __setattr__(self, name: str, value: Any) -> None:
         """Assigning ``activation``, ``slope``, ``inplace``, ``eps`` or ``momentum`` after
@@ -180,6 +184,8 @@ class SyncBatchNorm(_BatchNorm):
         super().__setattr__(name, value)
         if name in _CONFIG_SOURCES and "_config" in self.__dict__:
             self._config = self._make_config()
+        if name in ("weight", "bias", "inplace") and "_config" in self.__dict__:
+            compiled_inplace.watch(self)
 
     def _make_config(self) -> ActConfig:
         """The layer's ``ActConfig``: made when one of its sources is assigned, not in each
@@ -234,6 +240,15 @@ class SyncBatchNorm(_BatchNorm):
         self._path = path
         where = f"at model path {path!r}" if path else f"at {id(self):#x}"
         self._label_text = f"SyncBatchNorm({self.num_features}) {where}"
+
+    def _apply(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> SyncBatchNorm:
+        super()._apply(fn, *args, **kwargs)
+        compiled_inplace.watch(self)  # the parameters may have moved off the CPU, or onto it
+        return self
+
+    def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
+        super()._load_from_state_dict(*args, **kwargs)
+        compiled_inplace.forget(self)  # the parameters' values changed: counted again
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
@@ -317,12 +332,14 @@ class SyncBatchNorm(_BatchNorm):
 
     def _formula(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
                  track: Callable[[torch.Tensor, torch.Tensor, int | torch.Tensor], None] | None,
-                 merged: bool = False) -> torch.Tensor:
+                 merged: bool = False, compiled: bool = False) -> torch.Tensor:
         """The layer's output in differentiable ATen ops (``functional.norm_act_composite``),
         out of place: with the batch's statistics where training or without running ones
         (``track(mean, M2, count)`` folds them into the running statistics while training;
         ``merged``: the statistics of the whole process group, ``distributed.merge_traced``),
-        else with the running ones (``track`` None)."""
+        else with the running ones (``track`` None). ``compiled``: a call ``torch.compile``
+        traces (not a capture or transform), which in place on the CPU keeps for backward only
+        its output and a static number of channels' input (``compiled_inplace``)."""
         acc = torch_ops.stats_dtype(x.dtype)
         dims = [0, *range(2, x.dim())]
         if merged:
@@ -343,11 +360,18 @@ class SyncBatchNorm(_BatchNorm):
                 # differentiates as it does for nn.BatchNorm2d, in no more time than the
                 # compiled plain net (the statistics' own formula below costs more there).
                 # Eagerly (torch.func, export) ATen's CPU kernel would compute
-                # x * scale + shift, which a large mean cancels.
-                if self.training:
+                # x * scale + shift, which a large mean cancels. In place: see
+                # ``compiled_inplace``.
+                kept = (compiled_inplace.keep_aside(self, x, x.numel() // self.num_features)
+                        if compiled else None)
+                if self.training or kept is not None:
                     with torch.no_grad():
                         var, mean = torch.var_mean(x.to(acc), dims, correction=0)
+                if self.training:
                     track(mean, var * count, count)
+                if kept is not None:
+                    return compiled_inplace.norm_act(x, weight, bias, mean, var, self.eps, True,
+                                                     kept, self.activation, self.slope)
                 z = torch.nn.functional.batch_norm(x.to(acc), None, None, weight, bias, True,
                                                    0.0, self.eps)
                 act = activations.ACTIVATIONS[self.activation]
@@ -357,6 +381,10 @@ class SyncBatchNorm(_BatchNorm):
                 track(mean.detach(), var.detach() * count, count)
         else:
             mean, var = self.running_mean.to(acc), self.running_var.to(acc)
+            kept = compiled_inplace.keep_aside(self, x, None) if compiled else None
+            if kept is not None:
+                return compiled_inplace.norm_act(x, weight, bias, mean, var, self.eps, False,
+                                                 kept, self.activation, self.slope)
         config = ActConfig(self.activation, self.slope, False, self._label())
         return norm_act_composite(config)(x, mean, torch.rsqrt(var + self.eps), weight, bias)
 
@@ -438,7 +466,7 @@ class SyncBatchNorm(_BatchNorm):
         if (COMPILE_AS_FORMULA and compiling and count != 0
                 and not (synced and slot is not None)):  # merged across processes, if synced
             track = None if evaluating else functools.partial(track_batch, running)
-            return self._formula(x, weight, bias, track, merged=synced)
+            return self._formula(x, weight, bias, track, merged=synced, compiled=True)
         if not compiling:  # Dynamo's tensors are never such wrappers
             x = compat.unwrap_if_dead(x)
         plan = inplace_policy.plan_call(self._config, x, self._warned_out_of_place,
