@@ -316,8 +316,9 @@ gammas = st.sampled_from([0.0, 1e-7, -1e-5, 1e-3, 0.02, -0.3, 1.0, 2.5])
 @given(
     activation=st.sampled_from(["leaky_relu", "elu", "identity"]),
     training=st.booleans(),
-    # Each with enough values a channel to train in place (inplace_policy.MIN_REBUILT_COUNT).
-    shape=st.sampled_from([(2, 3, 4, 5), (8, 4, 3), (3, 5, 2, 2, 3), (1, 6, 7, 4)]),
+    # Each with enough values a channel for float64 to train in place
+    # (inplace_policy.rebuilds_from_count).
+    shape=st.sampled_from([(2, 3, 4, 5), (8, 4, 5), (3, 5, 2, 2, 4), (1, 6, 7, 6)]),
     channel_params=st.lists(st.tuples(gammas, st.sampled_from([0.0, 0.4, -3.0])),
                             min_size=6, max_size=6),
     seed=st.integers(0, 2**16),
@@ -349,9 +350,9 @@ def test_compiled_in_place_gradients_match_batchnorm(activation, training, shape
                                        (out, *want)):
             torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-9,
                                        msg=lambda m, what=f"call {call}, {name}": f"{what}: {m}")
-    limit = inplace_policy.gamma_limit(torch.float64, with_margin=True)
+    limit = inplace_policy.gamma_limit(with_margin=True)
     small = int(inplace_policy.small_gamma_mask(layer.weight, layer.bias, limit).sum())
-    kept = layer._compiled_keep_aside[0]
+    kept = layer._compiled_keep_aside
     assert kept == (min(channels, 1 << (small - 1).bit_length()) if small else 0)
     # The steps after the first keep the output and the kept channels' input, no more.
     outputs = 1 + 3 * training  # running mean, variance and batch count; the output
@@ -409,7 +410,7 @@ def test_in_place_model_after_a_step_compiles_to_one_graph(training):
     x, dy = torch.randn(2, 3, 6, 6, dtype=torch.float64), torch.randn(2, C, 6, 6).double()
     step(torch.compile(model, backend="aot_eager"), x, dy)
     assert [m._compiled_keep_aside for m in model.modules() if isinstance(m, SyncBatchNorm)] \
-        == [(2, None), (0, None)]
+        == [2, 0]
     torch._dynamo.reset()
     explained = torch._dynamo.explain(model)(x)
     assert (explained.graph_count, explained.graph_break_count) == (1, 0), \
@@ -423,7 +424,7 @@ def test_compiled_in_place_count_follows_gamma():
     once it falls below (to zero here: the graph chooses which channels from the current
     gammas); forgotten where the parameters change outside training (load_state_dict) and
     by a copy. Gradients match nn.BatchNorm2d + leaky_relu throughout."""
-    layer = _in_place_layer("leaky_relu", 0.1, [1.0, -2.0, 0.5, 1.5], [0.0, 0.3, -0.2, 1.0],
+    layer = _in_place_layer("leaky_relu", 0.1, [1.0, -2.0, 0.5, 1.5], [0.5, 0.3, -0.2, 1.0],
                             True)
     torch.manual_seed(8)
     x, dy = torch.randn(3, C, 4, 5, dtype=torch.float64), torch.randn(3, C, 4, 5).double()
@@ -431,10 +432,10 @@ def test_compiled_in_place_count_follows_gamma():
     assert layer._compiled_keep_aside is None
     recorder = GraphRecorder()
     compiled = torch.compile(layer, backend=recorder.backend)
-    limit = inplace_policy.MIN_INVERTIBLE_GAMMA
-    # gamma[0]: 1, then 10x the limit (rebuilt; counted: within the margin), then 0 (kept
-    # aside: a rebuild would divide by zero).
-    for gamma, counted in ((1.0, (0, None)), (10 * limit, (1, None)), (0.0, (1, None))):
+    # gamma[0] against |beta[0]| = 0.5: 1, then just above the limit (rebuilt; counted:
+    # within the margin), then 0 (kept aside: a rebuild would divide by zero).
+    above = 0.5 * inplace_policy.REBUILD_LIMIT * (1 + inplace_policy.MARGIN) / 2
+    for gamma, counted in ((1.0, 0), (above, 1), (0.0, 1)):
         with torch.no_grad():
             layer.weight[0] = gamma
         layer.zero_grad(set_to_none=True)
@@ -443,7 +444,7 @@ def test_compiled_in_place_count_follows_gamma():
         for got, expected in zip((got_out, dx, *grads), (out, *want)):
             torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-9)
         assert layer._compiled_keep_aside == counted
-    # Compiled before the first count, then once for each count: (0, None), (1, None).
+    # Compiled before the first count, then once for each count: 0, 1.
     assert len(recorder.graphs) == 6
     assert copy.deepcopy(layer)._compiled_keep_aside is None
     layer.load_state_dict(layer.state_dict())
@@ -469,7 +470,7 @@ def test_compiled_in_place_counts_on_cpu_parameters_only(monkeypatch):
     assert layer._compiled_keep_aside is not None
     layer.double()  # moved (to its own dtype): counted again after the next backward
     assert layer._compiled_keep_aside is None and len(hooks()) == 1
-    layer.__dict__["_compiled_keep_aside"] = (1, 1)
+    layer.__dict__["_compiled_keep_aside"] = 1
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     assert compiled_inplace.keep_aside(layer, x, 60) == 1
     assert compiled_inplace.keep_aside(layer, x.to("meta"), 60) is None
@@ -486,12 +487,12 @@ def test_compiled_in_place_warns_where_a_gamma_outgrew_its_count():
     compiled = torch.compile(layer, backend="aot_eager")
     for _ in range(2):  # out of place, then keeping no channel aside
         step(compiled, x, dy)
-    assert layer._compiled_keep_aside == (0, None)
+    assert layer._compiled_keep_aside == 0
     with torch.no_grad():
         layer.weight[2] = 0.0
     with pytest.warns(RuntimeWarning, match=r"SyncBatchNorm\(4\) .*1 channels .* counted 0"):
         step(compiled, x, dy)
-    assert layer._compiled_keep_aside == (1, None)
+    assert layer._compiled_keep_aside == 1
     layer.zero_grad(set_to_none=True)
     out, want = _plain_step(layer, x, dy, "leaky_relu", 0.1)
     got_out, _, dx, grads, _ = step(compiled, x, dy)
@@ -514,7 +515,7 @@ def test_export_after_a_compiled_step_computes_the_formula():
     compiled = torch.compile(layer, backend="aot_eager")
     for _ in range(2):
         step(compiled, x, dy)
-    assert layer._compiled_keep_aside == (1, None)
+    assert layer._compiled_keep_aside == 1
     layer.eval()
     exported = torch.export.export(layer, (x.clone(),))
     ops = {str(node.target) for node in exported.graph.nodes if node.op == "call_function"}
