@@ -63,7 +63,7 @@ from ..kernels import (
 )
 from ..sync import stats
 from ..sync.streams import stream_event, wait_for
-from . import inplace_policy
+from . import double_double, inplace_policy
 from .inplace_policy import ChannelsAside
 
 DOUBLE_BACKWARD_IN_PLACE = (
@@ -88,9 +88,12 @@ class _Saved(NamedTuple):
 class _Link:
     """Hands what ``NormAct.backward`` read to ``MergeReplicas.backward`` of the same call."""
 
-    __slots__ = ("saved", "grad_output", "config", "scale", "ready")
+    __slots__ = ("saved", "grad_output", "config", "scale", "ready", "total")
 
     def __init__(self) -> None:
+        # The values a channel the replica normalised over (every replica and rank); None:
+        # not yet known (see ``synced_batch_norm_act``).
+        self.total: int | None = None
         self.saved: _Saved | None = None
         self.grad_output: torch.Tensor | None = None
         self.config: ActConfig | None = None
@@ -354,6 +357,12 @@ class BatchNormAct(torch.autograd.Function):
             sum_dz, sum_dz_xhat = _reduce(saved, grad_output, config, params, backend)
             return (None, *_param_grads(needs[1], needs[2], sum_dz, sum_dz_xhat),
                     None, None, None, None, None)
+        if double_double.applies(saved.tensor.dtype, ctx.count, config.inplace):
+            grad_input, sum_dz, sum_dz_xhat = double_double.batch_backward(
+                saved.tensor, grad_output, saved.weight, saved.bias, ctx.eps,
+                config.activation, config.activation_param)
+            return (grad_input, *_param_grads(needs[1], needs[2], sum_dz, sum_dz_xhat),
+                    None, None, None, None, None)
         # One backend call, then the channels kept aside, whose dx takes their exact sums (dx
         # of every other channel reads only its own sums).
         grad_input, sum_dz, sum_dz_xhat = backend.batch_backward(
@@ -542,6 +551,8 @@ class MergeReplicas(torch.autograd.Function):
                       for link, need in zip(ctx.links, needed)]
         grads = (_merge_backward_composite(ctx, grad_mean, grad_m2, grad_invstd, recomputed)
                  if any(recomputed) else [None] * len(ctx.links))
+        if not any(recomputed) and _in_double_double(ctx, needed):
+            return (None,) * _MERGE_LEADING_ARGS + _double_double_grads(ctx)
         grad_m2 = stats.total_grad_m2(grad_m2, grad_invstd, ctx.invstd, ctx.total)
         # Per device: the replicas of one call all normalised with the same statistics.
         coefficients: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -563,6 +574,38 @@ class MergeReplicas(torch.autograd.Function):
                                    _ops(saved.tensor, saved.mean))
             link.clear()  # free y and dy as soon as dx exists
         return (None,) * _MERGE_LEADING_ARGS + tuple(grads)
+
+
+def _in_double_double(ctx, needed: Sequence[bool]) -> bool:
+    """Whether the merge's backward takes every replica's input gradient at once in
+    double-double (``double_double.applies``): each replica left its input and dy, and this
+    merge's replicas are the whole batch (no other process or nested call's replicas joined:
+    the count they normalised over is this merge's), so the replicas' NormActs are all that
+    read the merged statistics."""
+    return all(needed) and all(
+        link.saved is not None and link.grad_output is not None and link.total == ctx.total
+        and double_double.applies(link.saved.tensor.dtype, ctx.total, link.config.inplace)
+        for link in ctx.links)
+
+
+def _double_double_grads(ctx) -> tuple[torch.Tensor, ...]:
+    """Every replica's input gradient, from their inputs and output gradients joined on the
+    merge's device (so few values: cheap), in double-double (``double_double``)."""
+    device = ctx.mean.device
+    for link in ctx.links:
+        wait_for(link.ready, (link.saved.tensor, link.grad_output))  # see MergeReplicas.backward
+    first, config = ctx.links[0].saved, ctx.links[0].config
+    joined = [torch.cat([on_device(t, device) for t in parts]) for parts in (
+        [link.saved.tensor for link in ctx.links], [link.grad_output for link in ctx.links])]
+    grad_input = double_double.batch_backward(
+        *joined, on_device(first.weight, device), on_device(first.bias, device), ctx.eps,
+        config.activation, config.activation_param)[0]
+    grads = []
+    for link, part in zip(ctx.links, grad_input.split(
+            [link.saved.tensor.shape[0] for link in ctx.links])):
+        grads.append(on_device(part, link.saved.tensor.device))
+        link.clear()  # free y and dy as soon as dx exists
+    return tuple(grads)
 
 
 def _merge_backward_composite(ctx, grad_mean, grad_m2, grad_invstd, recomputed: list[bool]
@@ -724,6 +767,8 @@ def synced_batch_norm_act(
     decided them.
     """
     mean, invstd, total, link = exchange(x)
+    if link is not None:
+        link.total = total
     if config.inplace:
         config = inplace_policy.for_count(config, total, x.dtype)
         kept = kept if config.inplace else None
