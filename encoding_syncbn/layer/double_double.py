@@ -35,6 +35,9 @@ and a call over more never comes here.
 
 from __future__ import annotations
 
+import math
+from fractions import Fraction
+
 import torch
 
 from .. import activations
@@ -43,6 +46,22 @@ from . import inplace_policy
 _SPLITTER = float(2**27 + 1)
 
 DD = tuple[torch.Tensor, torch.Tensor]
+
+
+def _constant(value: Fraction) -> tuple[float, float]:
+    """``value`` as a double-double pair of Python floats."""
+    high = float(value)
+    return high, float(value - Fraction(high))
+
+
+# exp's range reduction: z = k ln 2 + 2^SQUARINGS r, then exp(r) by its Taylor polynomial
+# (degree TAYLOR_DEGREE: |r| <= ln 2 / 2^(SQUARINGS + 1) leaves a remainder below 2^-110).
+# ln 2: float64's, plus its error to 35 digits.
+_LN2 = _constant(Fraction(math.log(2)) + Fraction("2.3190468138462996154948554638754786e-17"))
+_SQUARINGS = 8
+_TAYLOR_DEGREE = 9
+_INVERSE_FACTORIALS = [_constant(Fraction(1, math.factorial(k)))
+                       for k in range(_TAYLOR_DEGREE + 1)]
 
 
 def applies(dtype: torch.dtype, count: int, inplace: bool) -> bool:
@@ -113,6 +132,24 @@ def rsqrt(v: DD) -> DD:
     return _fast_two_sum(r, r * residual[0] * 0.5)
 
 
+def exp(z: DD) -> DD:
+    """``exp(z)`` for z <= 0: ``2^k exp(r)^(2^_SQUARINGS)`` with ``r = (z - k ln 2) /
+    2^_SQUARINGS`` (exact scalings by powers of 2)."""
+    k = torch.round(z[0] / _LN2[0])
+    zero = torch.zeros_like(k)
+    ln2 = (torch.full_like(k, _LN2[0]), torch.full_like(k, _LN2[1]))
+    r = add(z, neg(mul((k, zero), ln2)))
+    r = (torch.ldexp(r[0], torch.full_like(k, -_SQUARINGS)),
+         torch.ldexp(r[1], torch.full_like(k, -_SQUARINGS)))
+    high, low = _INVERSE_FACTORIALS[-1]
+    p = (torch.full_like(k, high), torch.full_like(k, low))
+    for high, low in reversed(_INVERSE_FACTORIALS[:-1]):
+        p = add(mul(p, r), (torch.full_like(k, high), torch.full_like(k, low)))
+    for _ in range(_SQUARINGS):
+        p = mul(p, p)
+    return torch.ldexp(p[0], k), torch.ldexp(p[1], k)
+
+
 def channel_sum(a: DD) -> DD:
     """Per row of (C, n) double-double values, their sum, pairwise; (C, 1)."""
     high, low = a
@@ -130,17 +167,20 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 
 def _activation_slope(z: DD, dy: torch.Tensor, activation: str, param: float) -> DD:
-    """``dy * act'(z)``: exact where act' is piecewise constant; ELU's ``alpha exp(z)`` below
-    0 takes z's low part to first order (``exp(h + l) = exp(h) (1 + l)``); other activations'
-    derivatives are float64's at z's high part."""
+    """``dy * act'(z)``: exact where act' is piecewise constant, ELU's ``alpha exp(z)`` below
+    0 in double-double; other activations' derivatives are float64's at z's high part."""
+    dy_dd = (dy, torch.zeros_like(dy))
+    if activation == "elu":
+        positive = z[0] > 0
+        below = exp((torch.clamp(z[0], max=0), torch.where(positive, 0.0, z[1])))
+        slope = mul((torch.full_like(dy, param), torch.zeros_like(dy)), below)
+        slope = (torch.where(positive, 1.0, slope[0]), torch.where(positive, 0.0, slope[1]))
+        return mul(dy_dd, slope)
     definition = activations.ACTIVATIONS[activation]
     if definition.derivative is None:
-        return dy, torch.zeros_like(dy)
+        return dy_dd
     slope = definition.derivative(torch.ones_like(z[0]), z[0], param, torch.empty_like(z[0]))
-    slope_low = torch.zeros_like(slope)
-    if activation == "elu":
-        slope_low = torch.where(z[0] > 0, slope_low, slope * z[1])
-    return mul((dy, torch.zeros_like(dy)), _fast_two_sum(slope, slope_low))
+    return mul(dy_dd, (slope, torch.zeros_like(slope)))
 
 
 def batch_backward(x: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
