@@ -72,16 +72,23 @@ def applies(dtype: torch.dtype, count: int, inplace: bool) -> bool:
             and not inplace)
 
 
+def _exact_where_finite(s: torch.Tensor, error: torch.Tensor) -> DD:
+    """``(s, error)``, the error 0 where s is infinite or NaN: there the transformation's
+    own arithmetic makes NaN, and ``s`` alone is what float64 computes (NaN and inf
+    propagate as in nn.BatchNorm2d)."""
+    return s, torch.where(torch.isfinite(s), error, 0.0)
+
+
 def two_sum(a: torch.Tensor, b: torch.Tensor) -> DD:
     s = a + b
     b_virtual = s - a
-    return s, (a - (s - b_virtual)) + (b - b_virtual)
+    return _exact_where_finite(s, (a - (s - b_virtual)) + (b - b_virtual))
 
 
 def _fast_two_sum(a: torch.Tensor, b: torch.Tensor) -> DD:
     """``two_sum`` where |a| >= |b| (or a is 0)."""
     s = a + b
-    return s, b - (s - a)
+    return _exact_where_finite(s, b - (s - a))
 
 
 def _split(a: torch.Tensor) -> DD:
@@ -94,7 +101,8 @@ def two_prod(a: torch.Tensor, b: torch.Tensor) -> DD:
     p = a * b
     a_high, a_low = _split(a)
     b_high, b_low = _split(b)
-    return p, ((a_high * b_high - p) + a_high * b_low + a_low * b_high) + a_low * b_low
+    return _exact_where_finite(
+        p, ((a_high * b_high - p) + a_high * b_low + a_low * b_high) + a_low * b_low)
 
 
 def add(a: DD, b: DD) -> DD:
