@@ -88,12 +88,15 @@ class _Saved(NamedTuple):
 class _Link:
     """Hands what ``NormAct.backward`` read to ``MergeReplicas.backward`` of the same call."""
 
-    __slots__ = ("saved", "grad_output", "config", "scale", "ready", "total")
+    __slots__ = ("saved", "grad_output", "config", "scale", "ready", "total", "graphed")
 
     def __init__(self) -> None:
         # The values a channel the replica normalised over (every replica and rank); None:
         # not yet known (see ``synced_batch_norm_act``).
         self.total: int | None = None
+        # Whether a create_graph backward of the replica's NormAct built a graph reading the
+        # merged statistics: their gradient then need not come from the NormActs alone.
+        self.graphed = False
         self.saved: _Saved | None = None
         self.grad_output: torch.Tensor | None = None
         self.config: ActConfig | None = None
@@ -150,7 +153,8 @@ def computes_in(dtype: torch.dtype, count: int, device: torch.device) -> torch.d
     error wherever its roundings happen to cancel (README, Limits), and an in-place call's
     rebuild has no share of the bound left (``inplace_policy.rebuilds_from_count``). In
     float64 a narrower input's gradient keeps its final rounding and the rebuild's, at no
-    cost at that size.
+    cost at that size; a float64 input's, with no wider dtype, computes in double-double
+    (``double_double``).
     """
     if count >= inplace_policy.MIN_OWN_PRECISION_COUNT:
         return torch_ops.stats_dtype(dtype)
@@ -404,6 +408,8 @@ def _norm_act_grads(ctx, grad_output) -> tuple:
         # statistics (whose history leads to the merge) in MergeReplicas, from x.
         grads = _differentiable_grads(ctx, grad_output, saved[:5],
                                       norm_act_composite(config))
+        if ctx.link is not None:
+            ctx.link.graphed = True
         if ctx.link is not None and ctx.needs_input_grad[0]:
             ctx.link.saved, ctx.link.config = saved, config
             ctx.link.ready = stream_event(saved.tensor)
@@ -578,12 +584,14 @@ class MergeReplicas(torch.autograd.Function):
 
 def _in_double_double(ctx, needed: Sequence[bool]) -> bool:
     """Whether the merge's backward takes every replica's input gradient at once in
-    double-double (``double_double.applies``): each replica left its input and dy, and this
-    merge's replicas are the whole batch (no other process or nested call's replicas joined:
-    the count they normalised over is this merge's), so the replicas' NormActs are all that
-    read the merged statistics."""
+    double-double (``double_double.applies``): each replica left its input and dy, and the
+    gradients reaching the merge are those of the whole batch's normalisation: its replicas
+    are the whole batch (no other process or nested call's replicas joined: the count they
+    normalised over is this merge's), and the replicas' NormActs are all that read the merged
+    statistics (no create_graph backward built a graph on them)."""
     return all(needed) and all(
         link.saved is not None and link.grad_output is not None and link.total == ctx.total
+        and not link.graphed
         and double_double.applies(link.saved.tensor.dtype, ctx.total, link.config.inplace)
         for link in ctx.links)
 
