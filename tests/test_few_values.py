@@ -3,9 +3,10 @@ cover fewer than ``MIN_REBUILT_COUNT`` values a channel (float64: ``MIN_OWN_PREC
 the whole synchronised batch) runs out of place (``inplace_policy.rebuilds_from_count``), where
 the rebuilt input's rounding, multiplied by up to 1 + |beta| / |gamma|, is not averaged out,
 and a call over fewer than ``MIN_OWN_PRECISION_COUNT`` computes in float64
-(``functional.computes_in``). The README's bound on the input gradient (3x nn.BatchNorm2d's
-error) is asserted here in float32 (benchmarks/few_values_precision.py measures it, float64
-included). Half precision: tests/test_half_precision.py.
+(``functional.computes_in``; float64's input gradient in double-double,
+``layer/double_double.py``). The README's bound on the input gradient (3x nn.BatchNorm2d's
+error) is asserted here in float32 and float64 (benchmarks/few_values_precision.py measures
+it). Half precision: tests/test_half_precision.py.
 """
 
 from __future__ import annotations
