@@ -3,14 +3,16 @@ cover fewer than ``MIN_REBUILT_COUNT`` values a channel (float64: ``MIN_OWN_PREC
 the whole synchronised batch) runs out of place (``inplace_policy.rebuilds_from_count``), where
 the rebuilt input's rounding, multiplied by up to 1 + |beta| / |gamma|, is not averaged out,
 and a call over fewer than ``MIN_OWN_PRECISION_COUNT`` computes in float64
-(``functional.computes_in``). The README's bound on the input gradient (3x nn.BatchNorm2d's
-error) is asserted here in float32 (benchmarks/few_values_precision.py measures it, float64
-included). Half precision: tests/test_half_precision.py.
+(``functional.computes_in``; float64's input gradient in double-double,
+``layer/double_double.py``). The README's bound on the input gradient (3x nn.BatchNorm2d's
+error) is asserted here in float32 and float64 (benchmarks/few_values_precision.py measures
+it). Half precision: tests/test_half_precision.py.
 """
 
 from __future__ import annotations
 
 import warnings
+from collections.abc import Sequence
 
 import pytest
 import torch
@@ -162,22 +164,15 @@ def _bound_ratios(ours: torch.Tensor, theirs: torch.Tensor, exact: torch.Tensor)
 
 # Channels a generated layer has: the bound's failures are a chance per channel.
 BOUND_CHANNELS = 16
+# Bits the float64 reference computes with (mpmath): float64's input gradient over so few values
+# is a difference of terms larger than itself, measured to far below its last bit.
+REFERENCE_BITS = 160
 
 
-@settings(max_examples=12, deadline=None, derandomize=True)
-@given(
-    activation=st.sampled_from(["identity", "leaky_relu", "elu"]),
-    replicas=st.integers(1, 4),
-    spatial=st.sampled_from([(1, 1), (1, 2), (3, 1), (4, 4)]),
-    data=st.data(),
-)
-def test_float32_input_gradient_within_three_times_batchnorms_error(activation, replicas,
-                                                                   spatial, data):
-    """In float32, in place, with 3 to 64 values a channel over the whole simulated
-    DataParallel batch, each channel's input gradient is within 3x
-    nn.BatchNorm2d + the activation's error in float32 (or of half an ulp of its largest
-    |dx|), both against float64: on both sides of ``MIN_REBUILT_COUNT`` and of
-    ``MIN_OWN_PRECISION_COUNT``, for gammas and betas rebuilt and kept aside (|beta| up to
+def _bound_case(activation: str, replicas: int, spatial: tuple[int, int], data):
+    """A generated layer for the bound: ``(shape, gamma, beta, x, dy)`` (x and dy in float64),
+    3 to 64 values a channel over the whole batch, on both sides of ``MIN_REBUILT_COUNT``
+    and ``MIN_OWN_PRECISION_COUNT``, gammas and betas rebuilt and kept aside (|beta| up to
     1e3 |gamma|). ELU: |gamma| <= 1 and beta >= 0, keeping z above about -4 (its deep
     saturation is a limit of its own, README)."""
     per_sample = spatial[0] * spatial[1]
@@ -198,17 +193,25 @@ def test_float32_input_gradient_within_three_times_batchnorms_error(activation, 
     if activation == "elu":
         beta = beta.abs()
     shape = (batch, channels, *spatial)
-    x = (torch.randn(shape, generator=gen, dtype=torch.float64) * 2 + 0.5).float()
-    dy = torch.randn(shape, generator=gen, dtype=torch.float64).float()
-    slope = SLOPES.get(activation, 0.01)
-    layer, _ = _twins(activation, gamma, beta, torch.float32)
+    x = torch.randn(shape, generator=gen, dtype=torch.float64) * 2 + 0.5
+    dy = torch.randn(shape, generator=gen, dtype=torch.float64)
+    return shape, gamma, beta, x, dy
+
+
+def _input_grads(x: torch.Tensor, dy: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor,
+                 activation: str, replicas: int, dtypes: Sequence[torch.dtype]
+                 ) -> list[torch.Tensor]:
+    """The input gradients of the layer, in place where its activation may be (over
+    ``replicas`` simulated DataParallel replicas) in ``dtypes[0]``, then of nn.BatchNorm2d +
+    the activation in each of ``dtypes``."""
+    channels, slope = x.shape[1], SLOPES.get(activation, 0.01)
+    layer = SyncBatchNorm(channels, activation=activation, slope=slope, dtype=dtypes[0])
     grads = []
-    for norm, dtype in ((layer, torch.float32), (nn.BatchNorm2d(channels), torch.float32),
-                        (nn.BatchNorm2d(channels, dtype=torch.float64), torch.float64)):
-        if not isinstance(norm, SyncBatchNorm):
-            with torch.no_grad():
-                norm.weight.copy_(gamma)
-                norm.bias.copy_(beta)
+    for norm, dtype in ((layer, dtypes[0]),
+                        *((nn.BatchNorm2d(channels, dtype=d), d) for d in dtypes)):
+        with torch.no_grad():
+            norm.weight.copy_(gamma)
+            norm.bias.copy_(beta)
         model = (SimulatedDataParallel(norm, replicas) if norm is layer and replicas > 1
                  else norm)
         leaf = x.to(dtype, copy=True).requires_grad_()
@@ -219,8 +222,97 @@ def test_float32_input_gradient_within_three_times_batchnorms_error(activation, 
             out = activate(out, activation, slope)
         out.backward(dy.to(dtype))
         grads.append(leaf.grad)
-    ratio = _bound_ratios(*grads)
+    return grads
+
+
+def _assert_within_bound(ratio: torch.Tensor, gamma, beta, what: str) -> None:
     worst = int(ratio.argmax())
     assert ratio[worst] <= 1.0, (
-        f"{activation} x{replicas} {shape}: channel {worst} (gamma {float(gamma[worst]):.4g}, "
+        f"{what}: channel {worst} (gamma {float(gamma[worst]):.4g}, "
         f"beta {float(beta[worst]):.4g}) at {float(ratio[worst]):.3g}x the bound")
+
+
+@settings(max_examples=12, deadline=None, derandomize=True)
+@given(
+    activation=st.sampled_from(["identity", "leaky_relu", "elu"]),
+    replicas=st.integers(1, 4),
+    spatial=st.sampled_from([(1, 1), (1, 2), (3, 1), (4, 4)]),
+    data=st.data(),
+)
+def test_float32_input_gradient_within_three_times_batchnorms_error(activation, replicas,
+                                                                   spatial, data):
+    """In float32, in place, over generated layers (``_bound_case``) on the whole simulated
+    DataParallel batch, each channel's input gradient is within 3x nn.BatchNorm2d + the
+    activation's error in float32 (or of half an ulp of its largest |dx|), both against
+    float64."""
+    shape, gamma, beta, x, dy = _bound_case(activation, replicas, spatial, data)
+    x, dy = x.float(), dy.float()
+    grads = _input_grads(x, dy, gamma, beta, activation, replicas,
+                         (torch.float32, torch.float64))
+    _assert_within_bound(_bound_ratios(*grads), gamma, beta,
+                         f"{activation} x{replicas} {shape}")
+
+
+def _exact_errors(grads: Sequence[torch.Tensor], x: torch.Tensor, dy: torch.Tensor,
+                  gamma: torch.Tensor, beta: torch.Tensor, activation: str
+                  ) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Per channel, each of ``grads``' largest error against the exact input gradient of
+    training-mode BatchNorm (eps 1e-5) + the activation, and the exact gradient's largest
+    |dx|, computed with ``REFERENCE_BITS`` bits (mpmath)."""
+    import mpmath
+
+    slope = mpmath.mpf(SLOPES.get(activation, 0.01))
+    errors = [torch.zeros(x.shape[1], dtype=torch.float64) for _ in grads]
+    size = torch.zeros(x.shape[1], dtype=torch.float64)
+    with mpmath.workprec(REFERENCE_BITS):
+        for c in range(x.shape[1]):
+            values = [mpmath.mpf(v) for v in x[:, c].flatten().tolist()]
+            n = len(values)
+            mean = mpmath.fsum(values) / n
+            centred = [v - mean for v in values]
+            invstd = 1 / mpmath.sqrt(mpmath.fsum(d * d for d in centred) / n + mpmath.mpf(1e-5))
+            xhat = [d * invstd for d in centred]
+            w, b = mpmath.mpf(float(gamma[c])), mpmath.mpf(float(beta[c]))
+            dz = []
+            for g, h in zip(dy[:, c].flatten().tolist(), xhat):
+                z = w * h + b
+                if z > 0 or activation == "identity":
+                    dz.append(mpmath.mpf(g))
+                elif activation == "relu":
+                    dz.append(mpmath.mpf(0))
+                elif activation == "leaky_relu":
+                    dz.append(g * slope)
+                else:
+                    dz.append(g * slope * mpmath.exp(z))
+            mean_dz = mpmath.fsum(dz) / n
+            mean_dz_xhat = mpmath.fsum(d * h for d, h in zip(dz, xhat)) / n
+            exact = [w * invstd * (d - mean_dz - h * mean_dz_xhat) for d, h in zip(dz, xhat)]
+            size[c] = float(max(abs(e) for e in exact))
+            for grad, error in zip(grads, errors):
+                got = grad[:, c].flatten().tolist()
+                error[c] = float(max(abs(mpmath.mpf(g) - e) for g, e in zip(got, exact)))
+    return errors, size
+
+
+@settings(max_examples=12, deadline=None, derandomize=True)
+@given(
+    activation=st.sampled_from(["identity", "leaky_relu", "elu", "relu"]),
+    replicas=st.integers(1, 4),
+    spatial=st.sampled_from([(1, 1), (1, 2), (3, 1), (4, 4)]),
+    data=st.data(),
+)
+def test_float64_input_gradient_within_three_times_batchnorms_error(activation, replicas,
+                                                                   spatial, data):
+    """In float64, in place (relu: out of place), over generated layers (``_bound_case``) on
+    the whole simulated DataParallel batch, each channel's input gradient is within 3x
+    nn.BatchNorm2d + the activation's error in float64 (or of half an ulp of its largest
+    |dx|), both against an exact reference: below ``MIN_OWN_PRECISION_COUNT`` values the
+    layer's input gradient computes in double-double (``layer/double_double.py``)."""
+    shape, gamma, beta, x, dy = _bound_case(activation, replicas, spatial, data)
+    ours, theirs = _input_grads(x, dy, gamma, beta, activation, replicas, (torch.float64,))
+    (our_error, their_error), size = _exact_errors((ours, theirs), x, dy, gamma, beta,
+                                                   activation)
+    half_ulp = torch.finfo(torch.float64).eps / 2
+    allowed = 3.0 * torch.maximum(their_error, half_ulp * size)
+    allowed = allowed.clamp_min(1e-3 * half_ulp * float(size.max()) + 1e-300)
+    _assert_within_bound(our_error / allowed, gamma, beta, f"{activation} x{replicas} {shape}")

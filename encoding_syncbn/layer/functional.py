@@ -63,7 +63,7 @@ from ..kernels import (
 )
 from ..sync import stats
 from ..sync.streams import stream_event, wait_for
-from . import inplace_policy
+from . import double_double, inplace_policy
 from .inplace_policy import ChannelsAside
 
 DOUBLE_BACKWARD_IN_PLACE = (
@@ -88,9 +88,15 @@ class _Saved(NamedTuple):
 class _Link:
     """Hands what ``NormAct.backward`` read to ``MergeReplicas.backward`` of the same call."""
 
-    __slots__ = ("saved", "grad_output", "config", "scale", "ready")
+    __slots__ = ("saved", "grad_output", "config", "scale", "ready", "total", "graphed")
 
     def __init__(self) -> None:
+        # The values a channel the replica normalised over (every replica and rank); None:
+        # not yet known (see ``synced_batch_norm_act``).
+        self.total: int | None = None
+        # Whether a create_graph backward of the replica's NormAct built a graph reading the
+        # merged statistics: their gradient then need not come from the NormActs alone.
+        self.graphed = False
         self.saved: _Saved | None = None
         self.grad_output: torch.Tensor | None = None
         self.config: ActConfig | None = None
@@ -147,7 +153,8 @@ def computes_in(dtype: torch.dtype, count: int, device: torch.device) -> torch.d
     error wherever its roundings happen to cancel (README, Limits), and an in-place call's
     rebuild has no share of the bound left (``inplace_policy.rebuilds_from_count``). In
     float64 a narrower input's gradient keeps its final rounding and the rebuild's, at no
-    cost at that size.
+    cost at that size; a float64 input's, with no wider dtype, computes in double-double
+    (``double_double``).
     """
     if count >= inplace_policy.MIN_OWN_PRECISION_COUNT:
         return torch_ops.stats_dtype(dtype)
@@ -360,6 +367,11 @@ class BatchNormAct(torch.autograd.Function):
         if not needs[0]:
             sum_dz, sum_dz_xhat = _reduce(saved, grad_output, config, params, backend)
             return (None, *_param_grads(needs[1], needs[2], sum_dz, sum_dz_xhat), None)
+        if double_double.applies(saved.tensor.dtype, ctx.count, config.inplace):
+            grad_input, sum_dz, sum_dz_xhat = double_double.batch_backward(
+                saved.tensor, grad_output, saved.weight, saved.bias, ctx.eps,
+                config.activation, config.activation_param)
+            return (grad_input, *_param_grads(needs[1], needs[2], sum_dz, sum_dz_xhat), None)
         # One backend call, then the channels kept aside, whose dx takes their exact sums (dx
         # of every other channel reads only its own sums). An output that nothing reads after
         # this backward is the call's scratch: the backend may rebuild the input over it
@@ -405,6 +417,8 @@ def _norm_act_grads(ctx, grad_output) -> tuple:
         # statistics (whose history leads to the merge) in MergeReplicas, from x.
         grads = _differentiable_grads(ctx, grad_output, saved[:5],
                                       norm_act_composite(config))
+        if ctx.link is not None:
+            ctx.link.graphed = True
         if ctx.link is not None and ctx.needs_input_grad[0]:
             ctx.link.saved, ctx.link.config = saved, config
             ctx.link.ready = stream_event(saved.tensor)
@@ -552,6 +566,8 @@ class MergeReplicas(torch.autograd.Function):
                       for link, need in zip(ctx.links, needed)]
         grads = (_merge_backward_composite(ctx, grad_mean, grad_m2, grad_invstd, recomputed)
                  if any(recomputed) else [None] * len(ctx.links))
+        if not any(recomputed) and _in_double_double(ctx, needed):
+            return (None,) * _MERGE_LEADING_ARGS + _double_double_grads(ctx)
         grad_m2 = stats.total_grad_m2(grad_m2, grad_invstd, ctx.invstd, ctx.total)
         # Per device: the replicas of one call all normalised with the same statistics.
         coefficients: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -573,6 +589,40 @@ class MergeReplicas(torch.autograd.Function):
                                    _ops(saved.tensor, saved.mean))
             link.clear()  # free y and dy as soon as dx exists
         return (None,) * _MERGE_LEADING_ARGS + tuple(grads)
+
+
+def _in_double_double(ctx, needed: Sequence[bool]) -> bool:
+    """Whether the merge's backward takes every replica's input gradient at once in
+    double-double (``double_double.applies``): each replica left its input and dy, and the
+    gradients reaching the merge are those of the whole batch's normalisation: its replicas
+    are the whole batch (no other process or nested call's replicas joined: the count they
+    normalised over is this merge's), and the replicas' NormActs are all that read the merged
+    statistics (no create_graph backward built a graph on them)."""
+    return all(needed) and all(
+        link.saved is not None and link.grad_output is not None and link.total == ctx.total
+        and not link.graphed
+        and double_double.applies(link.saved.tensor.dtype, ctx.total, link.config.inplace)
+        for link in ctx.links)
+
+
+def _double_double_grads(ctx) -> tuple[torch.Tensor, ...]:
+    """Every replica's input gradient, from their inputs and output gradients joined on the
+    merge's device (so few values: cheap), in double-double (``double_double``)."""
+    device = ctx.mean.device
+    for link in ctx.links:
+        wait_for(link.ready, (link.saved.tensor, link.grad_output))  # see MergeReplicas.backward
+    first, config = ctx.links[0].saved, ctx.links[0].config
+    joined = [torch.cat([on_device(t, device) for t in parts]) for parts in (
+        [link.saved.tensor for link in ctx.links], [link.grad_output for link in ctx.links])]
+    grad_input = double_double.batch_backward(
+        *joined, on_device(first.weight, device), on_device(first.bias, device), ctx.eps,
+        config.activation, config.activation_param)[0]
+    grads = []
+    for link, part in zip(ctx.links, grad_input.split(
+            [link.saved.tensor.shape[0] for link in ctx.links])):
+        grads.append(on_device(part, link.saved.tensor.device))
+        link.clear()  # free y and dy as soon as dx exists
+    return tuple(grads)
 
 
 def _merge_backward_composite(ctx, grad_mean, grad_m2, grad_invstd, recomputed: list[bool]
@@ -733,6 +783,8 @@ def synced_batch_norm_act(
     decided them.
     """
     mean, invstd, total, link = exchange(x)
+    if link is not None:
+        link.total = total
     if config.inplace:
         config = inplace_policy.for_count(config, total, x.dtype)
         kept = kept if config.inplace else None

@@ -1,0 +1,220 @@
+"""The input gradient of a float64 training call over few values a channel, in double-double
+arithmetic, rounded once.
+
+Why. Over fewer than ``inplace_policy.MIN_OWN_PRECISION_COUNT`` values a channel the input
+gradient is a difference of terms larger than itself (``inplace_policy.rebuilds_from_count``),
+and every rounding of the layer's arithmetic reaches it unaveraged. Narrower inputs compute in
+float64 there (``functional.computes_in``); float64 has no wider dtype, and its roundings, as
+many as nn.BatchNorm2d's in another order, exceed 3x its error (README, Limits) wherever its
+happen to cancel. In double-double arithmetic every step errs by about 2^-104 relative, so
+the one error left of any size is dx's final rounding (and, for an activation whose
+derivative is transcendental, that derivative's float64 rounding).
+
+How. A double-double number is an unevaluated sum ``hi + lo`` of float64 tensors with
+``|lo| <= ulp(hi) / 2``. Built from error-free transformations, each an exact identity of
+float64 operations rounding to nearest (no fused multiply-add needed)::
+
+    two_sum(a, b) = (s, e):   s = fl(a + b),  e = (a - (s - b')) + (b - b'),  b' = fl(s - a)
+                               a + b = s + e exactly (Knuth)
+    split(a) = (h, l):        t = fl(c a),  h = fl(t - fl(t - a)),  l = fl(a - h),
+                               c = 2^27 + 1; h and l hold 26 bits each (Dekker)
+    two_prod(a, b) = (p, e):  p = fl(a b),  e = ((h_a h_b - p) + h_a l_b + l_a h_b) + l_a l_b
+                               a b = p + e exactly (Dekker)
+
+Sums over a channel's values are pairwise (halving), of double-double terms; the reciprocal
+square root takes float64's ``rsqrt`` and one Newton step ``r + r (1 - v r^2) / 2`` with the
+residual in double-double, which squares its relative error. With n values a channel::
+
+    mean = sum(x) / n,   d = x - mean,   invstd = rsqrt(sum(d^2) / n + eps),   xhat = d invstd
+    dz = dy act'(w xhat + b)
+    dx = w invstd (dz - sum(dz) / n - xhat sum(dz xhat) / n)
+
+The cost is a few dozen elementwise passes over the channel's values: nil at those counts,
+and a call over more never comes here.
+"""
+
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+
+import torch
+
+from .. import activations
+from . import inplace_policy
+
+_SPLITTER = float(2**27 + 1)
+
+DD = tuple[torch.Tensor, torch.Tensor]
+
+
+def _constant(value: Fraction) -> tuple[float, float]:
+    """``value`` as a double-double pair of Python floats."""
+    high = float(value)
+    return high, float(value - Fraction(high))
+
+
+# exp's range reduction: z = k ln 2 + 2^SQUARINGS r, then exp(r) by its Taylor polynomial
+# (degree TAYLOR_DEGREE: |r| <= ln 2 / 2^(SQUARINGS + 1) leaves a remainder below 2^-110).
+# ln 2: float64's, plus its error to 35 digits.
+_LN2 = _constant(Fraction(math.log(2)) + Fraction("2.3190468138462996154948554638754786e-17"))
+_SQUARINGS = 8
+_TAYLOR_DEGREE = 9
+_INVERSE_FACTORIALS = [_constant(Fraction(1, math.factorial(k)))
+                       for k in range(_TAYLOR_DEGREE + 1)]
+
+
+def applies(dtype: torch.dtype, count: int, inplace: bool) -> bool:
+    """Whether a training call's input gradient is taken here: float64 inputs whose
+    statistics cover fewer than ``MIN_OWN_PRECISION_COUNT`` values a channel (all replicas
+    and ranks), which train out of place (their input saved)."""
+    return (dtype == torch.float64 and count < inplace_policy.MIN_OWN_PRECISION_COUNT
+            and not inplace)
+
+
+def _exact_where_finite(s: torch.Tensor, error: torch.Tensor) -> DD:
+    """``(s, error)``, the error 0 where s is infinite or NaN: there the transformation's
+    own arithmetic makes NaN, and ``s`` alone is what float64 computes (NaN and inf
+    propagate as in nn.BatchNorm2d)."""
+    return s, torch.where(torch.isfinite(s), error, 0.0)
+
+
+def two_sum(a: torch.Tensor, b: torch.Tensor) -> DD:
+    s = a + b
+    b_virtual = s - a
+    return _exact_where_finite(s, (a - (s - b_virtual)) + (b - b_virtual))
+
+
+def _fast_two_sum(a: torch.Tensor, b: torch.Tensor) -> DD:
+    """``two_sum`` where |a| >= |b| (or a is 0)."""
+    s = a + b
+    return _exact_where_finite(s, b - (s - a))
+
+
+def _split(a: torch.Tensor) -> DD:
+    t = _SPLITTER * a
+    high = t - (t - a)
+    return high, a - high
+
+
+def two_prod(a: torch.Tensor, b: torch.Tensor) -> DD:
+    p = a * b
+    a_high, a_low = _split(a)
+    b_high, b_low = _split(b)
+    return _exact_where_finite(
+        p, ((a_high * b_high - p) + a_high * b_low + a_low * b_high) + a_low * b_low)
+
+
+def add(a: DD, b: DD) -> DD:
+    s, e = two_sum(a[0], b[0])
+    t, f = two_sum(a[1], b[1])
+    s, e = _fast_two_sum(s, e + t)
+    return _fast_two_sum(s, e + f)
+
+
+def neg(a: DD) -> DD:
+    return -a[0], -a[1]
+
+
+def mul(a: DD, b: DD) -> DD:
+    p, e = two_prod(a[0], b[0])
+    return _fast_two_sum(p, e + (a[0] * b[1] + a[1] * b[0]))
+
+
+def div(a: DD, b: DD) -> DD:
+    """``a / b``: float64's quotient and two corrections from the double-double remainder."""
+    q1 = a[0] / b[0]
+    r = add(a, neg(mul(b, (q1, torch.zeros_like(q1)))))
+    q2 = r[0] / b[0]
+    r = add(r, neg(mul(b, (q2, torch.zeros_like(q2)))))
+    q3 = r[0] / b[0]
+    q = _fast_two_sum(q1, q2)
+    return add(q, (q3, torch.zeros_like(q3)))
+
+
+def rsqrt(v: DD) -> DD:
+    """``1 / sqrt(v)`` for v > 0: one Newton step from float64's."""
+    r = torch.rsqrt(v[0])
+    zero = torch.zeros_like(r)
+    residual = add((torch.ones_like(r), zero), neg(mul(v, mul((r, zero), (r, zero)))))
+    return _fast_two_sum(r, r * residual[0] * 0.5)
+
+
+def exp(z: DD) -> DD:
+    """``exp(z)`` for z <= 0: ``2^k exp(r)^(2^_SQUARINGS)`` with ``r = (z - k ln 2) /
+    2^_SQUARINGS`` (exact scalings by powers of 2)."""
+    k = torch.round(z[0] / _LN2[0])
+    zero = torch.zeros_like(k)
+    ln2 = (torch.full_like(k, _LN2[0]), torch.full_like(k, _LN2[1]))
+    r = add(z, neg(mul((k, zero), ln2)))
+    r = (torch.ldexp(r[0], torch.full_like(k, -_SQUARINGS)),
+         torch.ldexp(r[1], torch.full_like(k, -_SQUARINGS)))
+    high, low = _INVERSE_FACTORIALS[-1]
+    p = (torch.full_like(k, high), torch.full_like(k, low))
+    for high, low in reversed(_INVERSE_FACTORIALS[:-1]):
+        p = add(mul(p, r), (torch.full_like(k, high), torch.full_like(k, low)))
+    for _ in range(_SQUARINGS):
+        p = mul(p, p)
+    return torch.ldexp(p[0], k), torch.ldexp(p[1], k)
+
+
+def channel_sum(a: DD) -> DD:
+    """Per row of (C, n) double-double values, their sum, pairwise; (C, 1)."""
+    high, low = a
+    while high.shape[1] > 1:
+        half = high.shape[1] // 2
+        s = add((high[:, :half], low[:, :half]), (high[:, half:2 * half], low[:, half:2 * half]))
+        high, low = (torch.cat([part, rest[:, 2 * half:]], 1)
+                     for part, rest in zip(s, (high, low)))
+    return high, low
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """An (N, C, *) tensor as (C, values a channel)."""
+    return t.transpose(0, 1).reshape(t.shape[1], -1)
+
+
+def _activation_slope(z: DD, dy: torch.Tensor, activation: str, param: float) -> DD:
+    """``dy * act'(z)``: exact where act' is piecewise constant, ELU's ``alpha exp(z)`` below
+    0 in double-double; other activations' derivatives are float64's at z's high part."""
+    dy_dd = (dy, torch.zeros_like(dy))
+    if activation == "elu":
+        positive = z[0] > 0
+        below = exp((torch.clamp(z[0], max=0), torch.where(positive, 0.0, z[1])))
+        slope = mul((torch.full_like(dy, param), torch.zeros_like(dy)), below)
+        slope = (torch.where(positive, 1.0, slope[0]), torch.where(positive, 0.0, slope[1]))
+        return mul(dy_dd, slope)
+    definition = activations.ACTIVATIONS[activation]
+    if definition.derivative is None:
+        return dy_dd
+    slope = definition.derivative(torch.ones_like(z[0]), z[0], param, torch.empty_like(z[0]))
+    return mul(dy_dd, (slope, torch.zeros_like(slope)))
+
+
+def batch_backward(x: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                   eps: float, activation: str, param: float
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dx, sum(dz), sum(dz * xhat))`` of training-mode BatchNorm (biased variance) + the
+    activation over the whole float64 batch ``x`` (N, C, *), each rounded once from
+    double-double (module docstring)."""
+    values, grads = _rows(x), _rows(dy.to(x.dtype))
+    zero = torch.zeros_like(values)
+    count = values.shape[1]
+    n = (torch.full_like(values[:, :1], float(count)), torch.zeros_like(values[:, :1]))
+    w = weight.to(x.dtype).view(-1, 1)
+    w = (w, torch.zeros_like(w))
+    b = bias.to(x.dtype).view(-1, 1)
+    mean = div(channel_sum((values, zero)), n)
+    centred = add((values, zero), neg(mean))
+    var = div(channel_sum(mul(centred, centred)), n)
+    invstd = rsqrt(add(var, (torch.full_like(var[0], eps), torch.zeros_like(var[0]))))
+    xhat = mul(centred, invstd)
+    z = add(mul(w, xhat), (b, torch.zeros_like(b)))
+    dz = _activation_slope(z, grads, activation, param)
+    sum_dz, sum_dz_xhat = channel_sum(dz), channel_sum(mul(dz, xhat))
+    inner = add(add(dz, neg(div(sum_dz, n))), neg(mul(xhat, div(sum_dz_xhat, n))))
+    dx = mul(mul(w, invstd), inner)
+    grad_input = torch.empty_like(x)
+    grad_input.transpose(0, 1).copy_((dx[0] + dx[1]).view(grad_input.transpose(0, 1).shape))
+    return (grad_input, (sum_dz[0] + sum_dz[1]).view(-1),
+            (sum_dz_xhat[0] + sum_dz_xhat[1]).view(-1))
