@@ -122,7 +122,7 @@ def _normalize(ctx, x, mean, invstd, weight, bias, config: ActConfig, kept_chann
     what backward needs; ``backend``: the one the caller looked up for ``x`` (None: look it
     up)."""
     kept, out = _keep_aside(x, kept_channels), _output(x, config)
-    (backend or _ops(x, mean)).normalize_act(
+    (backend or _ops(x, mean.dtype)).normalize_act(
         x, NormParams(mean, invstd, weight, bias, config.activation, config.activation_param), out
     )
     _save(ctx, x, out, weight, bias, config, kept, mean, invstd)
@@ -161,13 +161,19 @@ def computes_in(dtype: torch.dtype, count: int, device: torch.device) -> torch.d
     return torch.promote_types(dtype, torch_ops.widest_dtype(device))
 
 
-def _ops(x: torch.Tensor, mean: torch.Tensor) -> Backend:
-    """The backend for ``x`` normalised with statistics of ``mean``'s dtype: ATen's ops where
-    they are wider than the input's own statistics dtype (``computes_in``; those ops widen
-    each piece they read), else ``ops_for(x)``."""
-    if mean.dtype != torch_ops.stats_dtype(x.dtype):
+def _ops(x: torch.Tensor, dtype: torch.dtype, backend: Backend | None = None) -> Backend:
+    """The backend for a call on ``x`` computing in ``dtype`` (``computes_in``): ATen's ops
+    where that is wider than the input's own statistics dtype (they widen each piece they
+    read), else ``backend`` (None: ``ops_for(x)``)."""
+    if dtype != torch_ops.stats_dtype(x.dtype):
         return reference_ops()
-    return ops_for(x)
+    return ops_for(x) if backend is None else backend
+
+
+def _widened(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` as the statistics of a call computing in ``dtype`` read it: in ``dtype`` where that
+    is wider than x's own statistics dtype (a copy: the call is tiny), else x itself."""
+    return x if dtype == torch_ops.stats_dtype(x.dtype) else x.to(dtype)
 
 
 def _keep_aside(x, kept_channels) -> tuple:
@@ -362,7 +368,8 @@ class BatchNormAct(torch.autograd.Function):
             grads = _differentiable_grads(ctx, grad_output,
                                           (saved.tensor, saved.weight, saved.bias), composite)
             return (*grads, None)
-        backend, config, needs = _ops(saved.tensor, saved.mean), ctx.config, ctx.needs_input_grad
+        config, needs = ctx.config, ctx.needs_input_grad
+        backend = _ops(saved.tensor, saved.mean.dtype)
         params = _params(saved, config)
         if not needs[0]:
             sum_dz, sum_dz_xhat = _reduce(saved, grad_output, config, params, backend)
@@ -419,12 +426,12 @@ def _norm_act_grads(ctx, grad_output) -> tuple:
                                       norm_act_composite(config))
         if ctx.link is not None:
             ctx.link.graphed = True
-        if ctx.link is not None and ctx.needs_input_grad[0]:
-            ctx.link.saved, ctx.link.config = saved, config
-            ctx.link.ready = stream_event(saved.tensor)
-            compat.queue_backward_callback(ctx.link.clear)
+            if ctx.needs_input_grad[0]:
+                ctx.link.saved, ctx.link.config = saved, config
+                ctx.link.ready = stream_event(saved.tensor)
+                compat.queue_backward_callback(ctx.link.clear)
         return tuple(grads)
-    backend, params = _ops(saved.tensor, saved.mean), _params(saved, config)
+    backend, params = _ops(saved.tensor, saved.mean.dtype), _params(saved, config)
     sum_dz, sum_dz_xhat = _reduce(saved, grad_output, config, params, backend)
     scale = saved.weight * saved.invstd
     grad_input = grad_mean = grad_invstd = None
@@ -520,9 +527,7 @@ def local_channel_stats(x: torch.Tensor, backend: Backend
     few values that the whole synchronised batch may compute in it (``computes_in`` judges
     the global count, which is at least this one)."""
     wide = computes_in(x.dtype, x.numel() // max(x.shape[1], 1), x.device)
-    if wide != torch_ops.stats_dtype(x.dtype):
-        return reference_ops().channel_stats(x.to(wide))
-    return backend.channel_stats(x)
+    return _ops(x, wide, backend).channel_stats(_widened(x, wide))
 
 
 # MergeReplicas.forward's arguments before the replicas' inputs.
@@ -586,7 +591,7 @@ class MergeReplicas(torch.autograd.Function):
             grads[i] = _input_grad(saved, link.grad_output, link.config,
                                    DxCoefs(link.scale, *coefficients[device]),
                                    _params(saved, link.config),
-                                   _ops(saved.tensor, saved.mean))
+                                   _ops(saved.tensor, saved.mean.dtype))
             link.clear()  # free y and dy as soon as dx exists
         return (None,) * _MERGE_LEADING_ARGS + tuple(grads)
 
@@ -752,12 +757,8 @@ def batch_norm_act(
     if count is None:
         count = x.numel() // x.shape[1]
     wide = computes_in(x.dtype, count, x.device)
-    if wide != torch_ops.stats_dtype(x.dtype):
-        backend = reference_ops()
-        mean, invstd, flags = backend.batch_stats(x.to(wide), eps, running, check)
-    else:
-        backend = ops_for(x)
-        mean, invstd, flags = backend.batch_stats(x, eps, running, check)
+    backend = _ops(x, wide)
+    mean, invstd, flags = backend.batch_stats(_widened(x, wide), eps, running, check)
     kept = None
     if config.inplace:
         if channels_aside is None:
