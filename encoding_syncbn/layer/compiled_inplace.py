@@ -217,11 +217,7 @@ class RebuiltNormAct(torch.autograd.Function):
         centred = z - v(bias)  # xhat * w
         sum_dz = dz.sum(reduced)
         sum_dz_xhat = (dz * centred).sum(reduced) * weight.reciprocal()
-        if ctx.batch:
-            dx = ((dz - v(sum_dz * per_value)) * v(scale)
-                  - centred * v(sum_dz_xhat * per_value * invstd))
-        else:
-            dx = dz * v(scale)
+        kept_dx = None
         if index is not None:  # the channels kept aside, from their input
             kept_xhat = (kept_input.to(acc) - v(mean[index])) * v(invstd[index])
             kept_dz = dy_acc.index_select(1, index)
@@ -235,8 +231,15 @@ class RebuiltNormAct(torch.autograd.Function):
             if ctx.batch:
                 kept_dx = (kept_dz - v(kept_sum_dz * per_value)
                            - kept_xhat * v(kept_sum_dz_xhat * per_value))
+            # The sums as returned (graph outputs): what dx reads below.
             sum_dz = sum_dz.index_copy(0, index, kept_sum_dz)
             sum_dz_xhat = sum_dz_xhat.index_copy(0, index, kept_sum_dz_xhat)
+        if ctx.batch:
+            dx = ((dz - v(sum_dz * per_value)) * v(scale)
+                  - centred * v(sum_dz_xhat * per_value * invstd))
+        else:
+            dx = dz * v(scale)
+        if kept_dx is not None:
             dx = dx.index_copy(1, index, kept_dx * v(scale[index]))
         return (dx.to(dy.dtype), sum_dz_xhat.to(weight.dtype), sum_dz.to(bias.dtype),
                 None, None, None, None, None, None)
