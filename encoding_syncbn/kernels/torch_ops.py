@@ -115,7 +115,12 @@ def _pieces(*tensors: torch.Tensor, first_only: bool = False
     else:
         step = slab // per_row
         cuts = [(slice(a, a + step),) for a in range(0, count, step)]
-    return [tuple(r[cut] for r in rows) for cut in (cuts[:1] if first_only else cuts)]
+    pieces = []
+    for cut in (cuts[:1] if first_only else cuts):
+        # A tensor given twice (an in-place call's input and output) is cut once.
+        cut_views: dict[int, torch.Tensor] = {}
+        pieces.append(tuple(_view_once(cut_views, r, lambda r, cut=cut: r[cut]) for r in rows))
+    return pieces
 
 
 def _fitted(buffer: torch.Tensor, piece: torch.Tensor) -> torch.Tensor:
@@ -224,8 +229,14 @@ def _sums_fit(total: torch.Tensor, squares: torch.Tensor, count: int) -> bool:
     """Whether per-channel ``sum(d)`` and ``sum(d^2)`` of the deviations from a shift are all
     finite and the shift lies within a standard deviation of every channel's mean
     (``sum(d)^2 / n <= M2``, with a margin). Read on the host through numpy (no ATen op)."""
-    t, s = (sums.detach().numpy().astype(np.float64) for sums in (total, squares))
+    t, s = _host(total), _host(squares)
     return bool(np.isfinite(s).all() and np.isfinite(t).all() and (2 * t * t <= s * count).all())
+
+
+def _host(t: torch.Tensor) -> np.ndarray:
+    """A CPU tensor's values as a float64 numpy array, read without an ATen op of its own
+    where nothing records the tensor's history (every op costs host time)."""
+    return (t.detach() if t.requires_grad else t).numpy().astype(np.float64)
 
 
 #: ``_fused_stats``' bounds on its input: its sums run along a sample's channel (at most
@@ -260,7 +271,7 @@ def _fused_stats(x: torch.Tensor, first: torch.Tensor, shift: torch.Tensor, coun
     # |K| <= s std, std^2 = E[x^2] - K^2 over the first slab (rough where it cancels, and
     # then rightly refused): (1 + s^2) K^2 <= s^2 E[x^2].
     squares_first = torch.linalg.vector_norm(first, dim=(0, 1), dtype=shift.dtype)
-    k, square_norm = (v.detach().numpy().astype(np.float64) for v in (shift, squares_first))
+    k, square_norm = _host(shift), _host(squares_first)
     mean_square = square_norm * square_norm / (first.numel() // first.shape[-1])
     if not ((1 + _FUSED_SHIFT ** 2) * k * k <= _FUSED_SHIFT ** 2 * mean_square).all():
         return None
@@ -270,7 +281,7 @@ def _fused_stats(x: torch.Tensor, first: torch.Tensor, shift: torch.Tensor, coun
     squares = product.sub_(shift * deviation)
     if not _sums_fit(deviation, squares, count):
         return None
-    if not (k * k * count <= _FUSED_SHIFT ** 2 * squares.detach().numpy()).all():
+    if not (k * k * count <= _FUSED_SHIFT ** 2 * _host(squares)).all():
         return None
     mean_deviation = deviation / count
     m2 = squares.addcmul_(deviation, mean_deviation, value=-1.0)
