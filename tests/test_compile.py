@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import math
 import os
+import re
 import warnings
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -238,6 +239,58 @@ def test_inductor(traced_as):
     assert torch.equal(given, x)
     for a, b in zip([y, rest[0], *rest[1], *rest[2]], [y_c, rest_c[0], *rest_c[1], *rest_c[2]]):
         torch.testing.assert_close(b, a)
+
+
+# A quotient or a root in Inductor's C++: vectorised or scalar.
+_QUOTIENT = re.compile(r" / tmp|reciprocal\(\)|sqrt\(")
+_LOOP_BOUND = re.compile(r"for\(.*<static_cast<int64_t>\((\d+)L\)")
+
+
+def _per_element_ops(code: str, per_channel: int) -> tuple[int, int]:
+    """``(quotients and roots, all ops)`` on lines of Inductor's C++ kernels run once an
+    element, not once a channel: inside loops whose bounds multiply to at least
+    ``per_channel`` (the values a channel), found by the braces that enclose each line."""
+    quotients = ops = depth = 0
+    loops: list[tuple[int, int]] = []  # (depth of the loop's body, its bound)
+    pending = None
+    for line in code.splitlines():
+        bound = _LOOP_BOUND.search(line)
+        if bound:
+            pending = int(bound.group(1))
+        for char in line:
+            if char == "{":
+                depth += 1
+                if pending is not None:
+                    loops.append((depth, pending))
+                    pending = None
+            elif char == "}":
+                if loops and loops[-1][0] == depth:
+                    loops.pop()
+                depth -= 1
+        if loops and math.prod(b for _, b in loops) >= per_channel and " = " in line:
+            ops += 1
+            quotients += len(_QUOTIENT.findall(line))
+    return quotients, ops
+
+
+def test_compiled_in_place_element_loops_take_no_quotient():
+    """Inductor computes a per-channel value inside the element loops that read it unless it
+    is a graph output or a reduction's: the compiled in-place layer's formula keeps every
+    quotient and root (1 / w, / n, rsqrt) out of them, as Inductor's own BatchNorm does, in
+    forward and backward, once it keeps only its output and the input of the channels it
+    counted (its second step)."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    layer = make_layer("leaky_relu", True)
+    compiled = torch.compile(layer)
+    x, dy = (torch.randn(4, C, 6, 6, dtype=torch.float64) for _ in range(2))
+    step(compiled, x, dy)  # the first step runs out of place and counts the small gammas
+    _, codes = run_and_get_code(lambda: step(compiled, x, dy))
+    assert layer._compiled_keep_aside == 2  # the zero and the tiny gamma, from their input
+    quotients, ops = _per_element_ops("\n".join(codes), x.numel() // C)
+    assert ops > 20, codes  # the element loops were found: forward and backward
+    assert quotients == 0
 
 
 @pytest.mark.parametrize("slab", [None, 20], ids=["whole", "slabs"])

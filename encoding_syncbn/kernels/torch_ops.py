@@ -31,6 +31,8 @@ vectors broadcast against them as they are.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
@@ -115,7 +117,12 @@ def _pieces(*tensors: torch.Tensor, first_only: bool = False
     else:
         step = slab // per_row
         cuts = [(slice(a, a + step),) for a in range(0, count, step)]
-    return [tuple(r[cut] for r in rows) for cut in (cuts[:1] if first_only else cuts)]
+    pieces = []
+    for cut in (cuts[:1] if first_only else cuts):
+        # A tensor given twice (an in-place call's input and output) is cut once.
+        cut_views: dict[int, torch.Tensor] = {}
+        pieces.append(tuple(_view_once(cut_views, r, lambda r, cut=cut: r[cut]) for r in rows))
+    return pieces
 
 
 def _fitted(buffer: torch.Tensor, piece: torch.Tensor) -> torch.Tensor:
@@ -187,9 +194,8 @@ def channel_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
         return mean, centred.mul_(centred).sum(dim=dims), count
     rows = _as_rows(_in_rows_layout(x))
     if x.is_cpu:
-        ((first,),) = _pieces(rows, first_only=True)
-        shift = _shift(first, acc)
-        fused = _fused_stats(x, first, shift, count)
+        shift, first_mean_square = _first_slab_moments(rows, acc)
+        fused = _fused_stats(x, shift, first_mean_square, count)
         if fused is not None:
             return (*fused, count)
     slabs = _pieces(rows)
@@ -213,19 +219,53 @@ def _sums_around(slabs, scratch: torch.Tensor, shift: torch.Tensor
     return total, squares
 
 
-def _shift(first: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Per channel, the mean of ``first``, a channel-last slab, in ``dtype`` (0 where it is
-    not finite): the shift the one-pass statistics are taken around."""
-    shift = first.sum(dim=(0, 1), dtype=dtype).div_(first.numel() // first.shape[-1])
-    return shift.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+def _first_slab(rows: torch.Tensor) -> torch.Tensor:
+    """The first piece of ``_pieces(rows)``, as an ``(A, C, B)`` view (not channel-last)."""
+    count, channels, columns = rows.shape
+    slab = _slab_elements(rows)
+    if rows.numel() <= slab:
+        return rows
+    if columns * channels > slab:
+        return rows[:1, :, :max(1, slab // max(1, channels))]
+    return rows[:slab // (columns * channels)]
 
 
-def _sums_fit(total: torch.Tensor, squares: torch.Tensor, count: int) -> bool:
-    """Whether per-channel ``sum(d)`` and ``sum(d^2)`` of the deviations from a shift are all
-    finite and the shift lies within a standard deviation of every channel's mean
-    (``sum(d)^2 / n <= M2``, with a margin). Read on the host through numpy (no ATen op)."""
-    t, s = (sums.detach().numpy().astype(np.float64) for sums in (total, squares))
+def _first_slab_moments(rows: torch.Tensor, dtype: torch.dtype
+                        ) -> tuple[torch.Tensor, np.ndarray | None]:
+    """Per channel, the mean of the first slab of ``rows`` (an ``(A, C, B)`` view) in ``dtype``,
+    0 where it is not finite: the shift the one-pass statistics are taken around; and that
+    slab's mean square, in float64 on the host (None where ``rows`` is not in ``dtype`` or
+    has no values: a tracer's fakes), with which ``_fused_stats`` checks the shift.
+
+    In ``dtype``, both come from one ATen call, BatchNorm's fused backward with the slab as
+    its gradient and its input, centred at 0 (it sums x and x * x per channel); the rest is
+    numpy's, on (C,) vectors (an ATen call costs more host time than such a vector's
+    arithmetic)."""
+    first = _first_slab(rows)
+    values = first.numel() // first.shape[1]
+    if first.dtype != dtype or type(first) is not torch.Tensor:
+        shift = first.sum(dim=(0, 2), dtype=dtype).div_(values)
+        return shift.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0), None
+    zeros = torch.zeros(first.shape[1], dtype=dtype)
+    _, squares, total = torch.ops.aten.native_batch_norm_backward(
+        first, first, None, None, None, zeros, torch.ones_like(zeros), True, 0.0,
+        [False, True, True])
+    mean = _host(total) / values
+    shift = np.where(np.isfinite(mean), mean, 0).astype(zeros.numpy().dtype)
+    return torch.from_numpy(shift), _host(squares) / values
+
+
+def _sums_fit(t: np.ndarray, s: np.ndarray, count: int) -> bool:
+    """Whether per-channel ``sum(d)`` and ``sum(d^2)`` of the deviations from a shift, read on
+    the host (``_host``), are all finite and the shift lies within a standard deviation of
+    every channel's mean (``sum(d)^2 / n <= M2``, with a margin)."""
     return bool(np.isfinite(s).all() and np.isfinite(t).all() and (2 * t * t <= s * count).all())
+
+
+def _host(t: torch.Tensor) -> np.ndarray:
+    """A CPU tensor's values as a float64 numpy array, read without an ATen op of its own
+    where nothing records the tensor's history (every op costs host time)."""
+    return (t.detach() if t.requires_grad else t).numpy().astype(np.float64)
 
 
 #: ``_fused_stats``' bounds on its input: its sums run along a sample's channel (at most
@@ -239,48 +279,49 @@ _FUSED_SAMPLES = 1 << 8
 _FUSED_SHIFT = 2.0
 
 
-def _fused_stats(x: torch.Tensor, first: torch.Tensor, shift: torch.Tensor, count: int
-                 ) -> tuple[torch.Tensor, torch.Tensor] | None:
+def _fused_stats(x: torch.Tensor, shift: torch.Tensor, first_mean_square: np.ndarray | None,
+                 count: int) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``(mean, M2)`` from one read of x, or None where x does not suit it: ATen's fused
     BatchNorm backward with x as both its gradient and its input, centred at the shift
     ``K``, sums ``x`` and ``x * (x - K)`` per channel in one pass; then ``sum(d) = sum(x) -
     n K``, ``sum(d^2) = sum(x * (x - K)) - K sum(d)`` for ``d = x - K``, and as
-    ``_shifted_stats``.
+    ``_shifted_stats``, in float64 on the host (per-channel arithmetic: numpy's calls cost
+    less than ATen's), rounded once.
 
     For an NCHW-contiguous input in the statistics dtype within ``_FUSED_PLANE`` and
     ``_FUSED_SAMPLES``, whose every channel has ``|K|`` within ``_FUSED_SHIFT`` standard
     deviations and within one of its mean, and finite sums: there the result is within a
     few roundings of the slab walk's, for one ATen call instead of four a slab. The shift's
-    distance from 0 is first estimated on ``first``, the slab it is the mean of, so that a
-    clearly far one costs that slab's read, not the input's."""
-    if (x.dtype != shift.dtype or x.dim() < 3 or not x.is_contiguous()
-            or x[0, 0].numel() > _FUSED_PLANE or x.shape[0] > _FUSED_SAMPLES
-            or type(x) is not torch.Tensor):  # a tracer's fakes: no values to check
+    distance from 0 is first estimated on the first slab (``first_mean_square``, None where
+    x is not in the statistics dtype), so that a clearly far one costs that slab's read, not
+    the input's."""
+    if (first_mean_square is None or x.dim() < 3 or not x.is_contiguous()
+            or math.prod(x.shape[2:]) > _FUSED_PLANE or x.shape[0] > _FUSED_SAMPLES):
         return None
     # |K| <= s std, std^2 = E[x^2] - K^2 over the first slab (rough where it cancels, and
     # then rightly refused): (1 + s^2) K^2 <= s^2 E[x^2].
-    squares_first = torch.linalg.vector_norm(first, dim=(0, 1), dtype=shift.dtype)
-    k, square_norm = (v.detach().numpy().astype(np.float64) for v in (shift, squares_first))
-    mean_square = square_norm * square_norm / (first.numel() // first.shape[-1])
-    if not ((1 + _FUSED_SHIFT ** 2) * k * k <= _FUSED_SHIFT ** 2 * mean_square).all():
+    k = _host(shift)
+    if not ((1 + _FUSED_SHIFT ** 2) * k * k <= _FUSED_SHIFT ** 2 * first_mean_square).all():
         return None
     _, product, total = torch.ops.aten.native_batch_norm_backward(
         x, x, None, None, None, shift, torch.ones_like(shift), True, 0.0, [False, True, True])
-    deviation = total.sub_(shift, alpha=count)
-    squares = product.sub_(shift * deviation)
+    deviation = _host(total) - count * k
+    squares = _host(product) - k * deviation
     if not _sums_fit(deviation, squares, count):
         return None
-    if not (k * k * count <= _FUSED_SHIFT ** 2 * squares.detach().numpy()).all():
+    if not (k * k * count <= _FUSED_SHIFT ** 2 * squares).all():
         return None
     mean_deviation = deviation / count
-    m2 = squares.addcmul_(deviation, mean_deviation, value=-1.0)
-    return mean_deviation.add_(shift), m2
+    m2 = squares - deviation * mean_deviation
+    dtype = shift.numpy().dtype  # shift: made from numpy, recording no history
+    return (torch.from_numpy((mean_deviation + k).astype(dtype)),
+            torch.from_numpy(m2.astype(dtype)))
 
 
 def _shifted_stats(slabs, scratch: torch.Tensor, shift: torch.Tensor, count: int
                    ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``(mean, M2)`` in one pass over the slabs, ``mean = K + sum(d) / n`` and ``M2 = sum(d^2)
-    - sum(d)^2 / n`` for ``d = x - K``, with ``K = shift`` (``_shift`` of the first slab);
+    - sum(d)^2 / n`` for ``d = x - K``, with ``K = shift`` (``_first_slab_moments``);
     None where a channel's ``K`` lies further than a standard deviation from its mean
     (``sum(d)^2 / n > M2``: the subtraction would cost more digits than the centred passes
     lose) or a sum is not finite (NaN and inf inputs take the centred passes' conventions).
@@ -291,7 +332,7 @@ def _shifted_stats(slabs, scratch: torch.Tensor, shift: torch.Tensor, count: int
     total, squares = _sums_around(slabs, scratch, shift)
     if type(total) is not torch.Tensor:  # a tracer's fakes: no values to check
         return None
-    if not _sums_fit(total, squares, count):
+    if not _sums_fit(_host(total), _host(squares), count):
         return None
     mean_deviation = total / count
     m2 = squares.addcmul_(total, mean_deviation, value=-1.0)

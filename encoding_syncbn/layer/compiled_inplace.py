@@ -183,47 +183,63 @@ class RebuiltNormAct(torch.autograd.Function):
     """``(x, w, b) -> y = act((x - mean) * invstd * w + b)``, keeping y (and the input of the
     channels ``index``) for backward, where ``z = act^-1(y)`` and ``xhat = (z - b) / w``;
     the other channels' ``xhat`` comes from their input. Traced by Dynamo into the compiled
-    graph (forward and backward in ATen ops, for Inductor to fuse)."""
+    graph (forward and backward in ATen ops, for Inductor to fuse).
+
+    Inductor computes per-channel arithmetic inside the element loops that read it (a
+    quotient or a root then costs a division an element), unless the value is a graph output
+    or a reduction's. So the element loops here take products and sums only: backward reads
+    ``invstd`` itself (saved, it is a forward output, computed once), ``1 / w`` applies to
+    the sums, ``xhat * w * invstd`` is ``(z - b) * invstd``, and ``/ n`` is ``* (1 / n)``."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, mean, invstd, index, batch: bool, activation: str,
                 slope: float):
         v = lambda t: _channel_view(t, x.dim())  # noqa: E731
-        z = (x.to(mean.dtype) - v(mean)) * v(invstd) * v(weight) + v(bias)
+        scale = invstd * weight
+        z = (x.to(mean.dtype) - v(mean)) * v(scale) + v(bias)
         y = activations.ACTIVATIONS[activation].forward(z, slope).to(x.dtype)
         kept_input = None if index is None else x.index_select(1, index)
-        ctx.save_for_backward(y, weight, bias, mean, invstd, index, kept_input)
+        ctx.save_for_backward(y, weight, bias, mean, invstd, scale, index, kept_input)
         ctx.batch, ctx.activation, ctx.slope = batch, activation, slope
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        y, weight, bias, mean, invstd, index, kept_input = ctx.saved_tensors
+        y, weight, bias, mean, invstd, scale, index, kept_input = ctx.saved_tensors
         acc, dims = mean.dtype, y.dim()
         v = lambda t: _channel_view(t, dims)  # noqa: E731
+        reduced = [0, *range(2, dims)]
+        per_value = 1.0 / (y.numel() // y.shape[1])
         definition = activations.ACTIVATIONS[ctx.activation]
         dy_acc = dy.to(acc)
         z, dz = torch.empty_like(dy_acc), torch.empty_like(dy_acc)
         definition.inverse(y.to(acc), dy_acc, ctx.slope, z, dz, None)
-        xhat = (z - v(bias)) * v(weight.reciprocal())  # a product an element: cheaper
+        centred = z - v(bias)  # xhat * w
+        sum_dz = dz.sum(reduced)
+        sum_dz_xhat = (dz * centred).sum(reduced) * weight.reciprocal()
+        kept_dx = None
         if index is not None:  # the channels kept aside, from their input
             kept_xhat = (kept_input.to(acc) - v(mean[index])) * v(invstd[index])
-            kept_dy = dy_acc.index_select(1, index)
-            kept_dz = kept_dy
+            kept_dz = dy_acc.index_select(1, index)
             if definition.derivative is not None:
                 kept_z = kept_xhat * v(weight[index]) + v(bias[index])
-                kept_dz = definition.derivative(kept_dy, kept_z, ctx.slope,
+                kept_dz = definition.derivative(kept_dz, kept_z, ctx.slope,
                                                 torch.empty_like(kept_z))
-            xhat = xhat.index_copy(1, index, kept_xhat)
-            dz = dz.index_copy(1, index, kept_dz)
-        reduced = [0, *range(2, dims)]
-        sum_dz = dz.sum(reduced)
-        sum_dz_xhat = (dz * xhat).sum(reduced)
-        scale = v(weight * invstd)
+            kept_sum_dz = kept_dz.sum(reduced)
+            kept_sum_dz_xhat = (kept_dz * kept_xhat).sum(reduced)
+            kept_dx = kept_dz
+            if ctx.batch:
+                kept_dx = (kept_dz - v(kept_sum_dz * per_value)
+                           - kept_xhat * v(kept_sum_dz_xhat * per_value))
+            # The sums as returned (graph outputs): what dx reads below.
+            sum_dz = sum_dz.index_copy(0, index, kept_sum_dz)
+            sum_dz_xhat = sum_dz_xhat.index_copy(0, index, kept_sum_dz_xhat)
         if ctx.batch:
-            n = dz.numel() // dz.shape[1]
-            dx = (dz - v(sum_dz / n) - xhat * v(sum_dz_xhat / n)) * scale
+            dx = ((dz - v(sum_dz * per_value)) * v(scale)
+                  - centred * v(sum_dz_xhat * per_value * invstd))
         else:
-            dx = dz * scale
+            dx = dz * v(scale)
+        if kept_dx is not None:
+            dx = dx.index_copy(1, index, kept_dx * v(scale[index]))
         return (dx.to(dy.dtype), sum_dz_xhat.to(weight.dtype), sum_dz.to(bias.dtype),
                 None, None, None, None, None, None)
