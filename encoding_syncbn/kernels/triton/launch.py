@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import operator
+from collections.abc import Sequence
 from typing import Any, Callable, NamedTuple
 
 import torch
@@ -58,20 +59,33 @@ _knobs: Any = _UNRESOLVED
 def launch(planned: Launch, device_index: int | None) -> None:
     """Launch ``planned`` on the current device (``device_index``: the torch device's index,
     part of the key: a compiled kernel is loaded on one device)."""
+    launch_all((planned,), device_index)
+
+
+def launch_all(launches: Sequence[Launch], device_index: int | None) -> None:
+    """Launch each of ``launches`` in order, as :func:`launch` does: the launch hooks and the
+    current stream asked once for all of them (one op's launches run on one device and
+    stream, and no launch of theirs sets a hook)."""
     knobs = _knobs if _knobs is not _UNRESOLVED else _resolve_knobs()
     if knobs is None:
-        public(planned)
+        for planned in launches:
+            public(planned)
         return
-    key = _key(planned, device_index)
-    compiled = _COMPILED.get(key)
-    if compiled is None or not _hooks_idle(knobs, planned.kernel):
-        kernel = public(planned)
-        if compiled is None and kernel is not None:
-            _remember(key, planned, kernel)
-        return
-    grid = planned.grid
-    compiled.run(grid[0], grid[1], 1, compiled.stream(compiled.device), compiled.function,
-                 compiled.packed_metadata, None, None, None, *planned.args, *compiled.constexprs)
+    hooked = _hooked(knobs)
+    stream = None
+    for planned in launches:
+        key = _key(planned, device_index)
+        compiled = _COMPILED.get(key)
+        if compiled is None or hooked or planned.kernel.pre_run_hooks:
+            kernel = public(planned)
+            if compiled is None and kernel is not None:
+                _remember(key, planned, kernel)
+            continue
+        if stream is None:
+            stream = compiled.stream(compiled.device)
+        grid = planned.grid
+        compiled.run(grid[0], grid[1], 1, stream, compiled.function, compiled.packed_metadata,
+                     None, None, None, *planned.args, *compiled.constexprs)
 
 
 def public(planned: Launch) -> Any:
@@ -172,12 +186,12 @@ def _is_tensor_class(cls: type) -> bool:
     return False
 
 
-def _hooks_idle(knobs: Any, kernel: Any) -> bool:
-    """Whether no launch hook is set: the hooks Triton keeps as ``HookChain``s are idle when
-    empty, any other hook when None."""
+def _hooked(knobs: Any) -> bool:
+    """Whether a launch hook is set: the hooks Triton keeps as ``HookChain``s are idle when
+    empty, any other hook when None (a kernel's own pre-run hooks: ``pre_run_hooks``)."""
     enter, leave = knobs.launch_enter_hook, knobs.launch_exit_hook
-    return not (getattr(enter, "calls", enter) or getattr(leave, "calls", leave)
-                or knobs.add_stages_inspection_hook is not None or kernel.pre_run_hooks)
+    return bool(getattr(enter, "calls", enter) or getattr(leave, "calls", leave)
+                or knobs.add_stages_inspection_hook is not None)
 
 
 def _remember(key: tuple, planned: Launch, kernel: Any) -> None:
