@@ -170,6 +170,25 @@ def _stats_buffers(plan: OpPlan, x: torch.Tensor, mean: torch.Tensor, extra_coun
     return part, split_counters(x.device, plan.geo.c + extra_counters)
 
 
+# The statistics kernels' arguments allocated by their planners: part, counters, mean and M2
+# or invstd (``Launch.fixed``).
+_CHANNEL_STATS_FIXED = (1, 2, 3, 4)
+# batch_stats': those, the small-gamma flags, and where absent (passed as ``mean``, unread)
+# the running buffers, the counter and the parameters.
+_BATCH_STATS_FLAGS = 15
+_BATCH_STATS_RUNNING = (7, 8)
+_BATCH_STATS_COUNTER = 9
+_BATCH_STATS_PARAMETERS = (13, 14)
+
+
+def _batch_stats_fixed(finish: FinishPlan) -> tuple[int, ...]:
+    constexprs = finish.constexprs
+    return (*_CHANNEL_STATS_FIXED, _BATCH_STATS_FLAGS,
+            *(() if constexprs["RUNNING"] else _BATCH_STATS_RUNNING),
+            *(() if constexprs["COUNTER"] else (_BATCH_STATS_COUNTER,)),
+            *(() if constexprs["CHECK"] else _BATCH_STATS_PARAMETERS))
+
+
 def plan_channel_stats(x: torch.Tensor, target: Target, tile: Tile | None = None
                        ) -> tuple[list[Launch], tuple[torch.Tensor, torch.Tensor]] | None:
     """The statistics kernel's launch and its (mean, M2); None: an empty x."""
@@ -181,7 +200,7 @@ def plan_channel_stats(x: torch.Tensor, target: Target, tile: Tile | None = None
     m2 = torch.empty_like(mean)
     part, counters = _stats_buffers(plan, x, mean)
     return [Launch(_channel_stats_kernel, plan.grid, (x, part, counters, mean, m2, *plan.args),
-                   plan.constexprs, plan.num_warps, plan.token)], (mean, m2)
+                   plan.constexprs, plan.num_warps, plan.token, _CHANNEL_STATS_FIXED)], (mean, m2)
 
 
 @plan_memo
@@ -189,10 +208,10 @@ def _batch_stats_plan(sizes: tuple[int, ...], strides: tuple[int, ...], dtype: t
                       target: Target, tile: Tile | None, eps: float,
                       running_dtype: torch.dtype | None, *, has_counter: bool,
                       momentum: float | None, check: bool, gamma_limit: float
-                      ) -> tuple[OpPlan, FinishPlan, dict, object] | None:
+                      ) -> tuple[OpPlan, FinishPlan, dict, object, tuple[int, ...]] | None:
     """The launch's plan: the statistics' (:func:`plan_op`), the finishing step's scalars,
-    both constexprs together and the flags it writes, and its token (``Launch.token``); one
-    lookup a call (None: an empty x)."""
+    both constexprs together and the flags it writes, its token (``Launch.token``) and the
+    arguments it fixes (``Launch.fixed``); one lookup a call (None: an empty x)."""
     stats = plan_op_memo(sizes, strides, dtype, target, reduction=True, tile=tile,
                          activation=None, activation_param=0.0, saved_is_output=None)
     if stats is None:
@@ -201,7 +220,8 @@ def _batch_stats_plan(sizes: tuple[int, ...], strides: tuple[int, ...], dtype: t
     finish = finish_plan(stats.acc, geo.c, geo.n * geo.s, eps, running_dtype,
                          has_counter=has_counter, momentum=momentum, check=check,
                          gamma_limit=gamma_limit)
-    return stats, finish, {**stats.constexprs, **finish.constexprs}, object()
+    return (stats, finish, {**stats.constexprs, **finish.constexprs}, object(),
+            _batch_stats_fixed(finish))
 
 
 def plan_batch_stats(x: torch.Tensor, eps: float, running_mean: torch.Tensor | None,
@@ -220,11 +240,11 @@ def plan_batch_stats(x: torch.Tensor, eps: float, running_mean: torch.Tensor | N
         gamma_limit=gamma_limit)
     if plans is None:
         return None
-    stats, finish, constexprs, token = plans
+    stats, finish, constexprs, token, fixed = plans
     x = prepared_input(x, stats)
     mean = x.new_empty(stats.geo.c, dtype=stats.acc)
     # One counter after the channels': the cumulative average's finished blocks.
     part, counters = _stats_buffers(stats, x, mean, 1)
     args, result = finish_args(finish, mean, running_mean, running_var, batches, weight, bias)
     return [Launch(_batch_stats_kernel, stats.grid, (x, part, counters, mean, *args, *stats.args),
-                   constexprs, stats.num_warps, token)], result
+                   constexprs, stats.num_warps, token, fixed)], result

@@ -7,7 +7,8 @@ bound arguments alone, does the launch itself: what Inductor's generated launche
 specialisation's compiled kernel is kept here, keyed by what Triton specialises on (each
 tensor's dtype and 16-byte alignment, each integer's value, each other argument's type, the
 constexprs, warps and device; where the planner names the memoised plan that fixes all but
-the tensors, ``Launch.token``, by that and the tensors' dtypes, once they all lie on 16 bytes),
+the tensors, ``Launch.token``, by that and the dtypes of the tensors it does not fix, once
+they all lie on 16 bytes),
 and later launches of it call it with the arguments in the order Triton binds them. Triton's
 public launch still takes every launch
 
@@ -128,8 +129,9 @@ _dtype_of = operator.attrgetter("dtype")
 
 def _key(planned: Launch, device_index: int | None) -> tuple:
     """What Triton specialises a launch of ``planned`` on, or finer. With a plan token whose
-    tensors all lie on 16 bytes: the kernel, the token and the tensors' dtypes (the token fixes
-    the rest); else from every argument (:func:`_argument_key`)."""
+    tensors all lie on 16 bytes: the kernel, the token and the dtypes of the tensors it does
+    not fix (``Launch.fixed``; it fixes the rest); else from every argument
+    (:func:`_argument_key`)."""
     token = planned.token
     if token is not None:
         kernel = id(planned.kernel)
@@ -143,8 +145,10 @@ def _key(planned: Launch, device_index: int | None) -> tuple:
 
 
 def _tensor_picker(planned: Launch, kernel: int) -> Callable[[tuple], tuple]:
+    fixed = planned.fixed
     positions = [i for i, arg in enumerate(planned.args)
-                 if arg.__class__ in _TENSOR_CLASSES or _is_tensor_class(arg.__class__)]
+                 if i not in fixed
+                 and (arg.__class__ in _TENSOR_CLASSES or _is_tensor_class(arg.__class__))]
     if len(positions) == 1:  # itemgetter of one position answers the item, not a tuple
         def pick(args: tuple, only: int = positions[0]) -> tuple:
             return (args[only],)

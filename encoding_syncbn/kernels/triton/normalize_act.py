@@ -120,6 +120,11 @@ def plan_normalize_act(x: torch.Tensor, params: NormParams, out: torch.Tensor, t
     return [launch], dst
 
 
+# normalize_running's arguments allocated by its planner: the mean and invstd it writes
+# (``Launch.fixed``).
+_RUNNING_FIXED = (7, 8)
+
+
 def plan_normalize_running(x: torch.Tensor, running: RunningParams, out: torch.Tensor,
                            target: Target, tile: Tile | None = None
                            ) -> tuple[list[Launch], torch.Tensor,
@@ -140,5 +145,5 @@ def plan_normalize_running(x: torch.Tensor, running: RunningParams, out: torch.T
     launch = Launch(_normalize_running_kernel, plan.grid,
                     (x, dst, running_mean, running_var, float(eps), weight, bias, mean, invstd,
                      plan.activation_param, *plan.args),
-                    plan.constexprs, plan.num_warps, plan.token)
+                    plan.constexprs, plan.num_warps, plan.token, _RUNNING_FIXED)
     return [launch], dst, (mean, invstd)
