@@ -97,7 +97,8 @@ def plan_backward_dx(saved: torch.Tensor, dy: torch.Tensor, params: NormParams,
         count = 0
     from_sums = count > 0
     constexprs = _dx_constexprs(plan, from_sums)
-    return [_dx_launch(plan, constexprs, (plan.token, from_sums), _DX_FIXED, saved, dy, dx,
+    return [_dx_launch(plan, constexprs, (plan.token, from_sums),
+                       _DX_FROM_SUMS_FIXED if from_sums else _DX_FIXED, saved, dy, dx,
                        params[:4], coefs, -1.0 / count if from_sums else 0.0)], dx
 
 
@@ -106,10 +107,12 @@ def _dx_constexprs(plan: OpPlan, from_sums: bool) -> dict:
     return {**plan.constexprs, "FROM_SUMS": from_sums}
 
 
-# dx's arguments allocated by its planner (``Launch.fixed``): dx; in ``batch_backward`` also
-# the reduction's sums it derives its coefficients from.
+# dx's arguments the launch key need not read (``Launch.fixed``): dx, its planner's; from sums,
+# the weight again in the unread coef_dz slot; in ``batch_backward`` also the reduction's sums
+# it derives its coefficients from.
 _DX_FIXED = (2,)
-_DX_FROM_OWN_SUMS_FIXED = (2, 8, 9)
+_DX_FROM_SUMS_FIXED = (2, 7)
+_DX_FROM_OWN_SUMS_FIXED = (2, 7, 8, 9)
 
 
 def _dx_launch(plan: OpPlan, constexprs: dict, token: object, fixed: tuple[int, ...],
@@ -137,7 +140,7 @@ class _BackwardPlans(NamedTuple):
 @plan_memo
 def _batch_backward_plans(sizes: tuple[int, ...], strides: tuple[int, ...], dtype: torch.dtype,
                           target: Target, tile: Tile | None, activation: str,
-                          activation_param: float, *, saved_is_output: bool
+                          activation_param: float, saved_is_output: bool
                           ) -> _BackwardPlans | None:
     """The reduction's and dx's plans, memoised together: one lookup a backward (None: an
     empty input)."""
@@ -161,15 +164,16 @@ def plan_batch_backward(saved: torch.Tensor, dy: torch.Tensor, params: NormParam
     strides = saved.stride()
     plans = _batch_backward_plans(saved.shape, strides, saved.dtype, target, tile,
                                   params.activation, params.activation_param,
-                                  saved_is_output=bool(saved_is_output))
+                                  bool(saved_is_output))
     if plans is None:
         return None
     reduce, dx_plan, dx_constexprs, dx_token = plans
     dx = empty_dx(saved, not reduce.copy)
-    saved = prepared_input(saved, reduce)
     if reduce.copy:  # launched on a contiguous copy: its strides
+        saved = prepared_input(saved, reduce)
         strides = saved.stride()
-    dy = in_layout(dy, strides, reduce.geo.channels_last)
+    if dy.stride() != strides:  # (``in_layout``'s first test, without its call)
+        dy = in_layout(dy, strides, reduce.geo.channels_last)
     vectors = params[:4]
     launches, (sum_dz, sum_dz_xhat) = reduce_launches(reduce, saved, dy, *vectors)
     launches.append(_dx_launch(dx_plan, dx_constexprs, dx_token, _DX_FROM_OWN_SUMS_FIXED, saved,

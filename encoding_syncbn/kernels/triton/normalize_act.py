@@ -103,6 +103,11 @@ def _destination(x: torch.Tensor, out: torch.Tensor, plan: OpPlan) -> torch.Tens
     return torch.empty_like(x, dtype=out.dtype)
 
 
+# normalize_act in place: its output, x itself (or x's contiguous copy), read by the key as its
+# input (``Launch.fixed``).
+_IN_PLACE_FIXED = (1,)
+
+
 def plan_normalize_act(x: torch.Tensor, params: NormParams, out: torch.Tensor, target: Target,
                        tile: Tile | None = None) -> tuple[list[Launch], torch.Tensor] | None:
     """Plan into ``out`` when it lies like (the possibly copied) x, else into a temporary that
@@ -112,11 +117,16 @@ def plan_normalize_act(x: torch.Tensor, params: NormParams, out: torch.Tensor, t
                    activation_param=params.activation_param)
     if plan is None:
         return None
-    x = prepared_input(x, plan)
-    dst = _destination(x, out, plan)
+    if out is x:  # in place, the usual call: x as it is
+        dst = x = prepared_input(x, plan)
+        fixed = _IN_PLACE_FIXED
+    else:
+        x = prepared_input(x, plan)
+        dst = _destination(x, out, plan)
+        fixed = ()
     launch = Launch(_normalize_act_kernel, plan.grid,
                     (x, dst, *params[:4], plan.activation_param, *plan.args),
-                    plan.constexprs, plan.num_warps, plan.token)
+                    plan.constexprs, plan.num_warps, plan.token, fixed)
     return [launch], dst
 
 

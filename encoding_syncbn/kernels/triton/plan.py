@@ -118,9 +118,9 @@ class Launch(NamedTuple):
     dtypes and addresses: the constexprs, the warps, which arguments are tensors and every
     other argument's type (each integer's value). ``launch.py`` then keys the launch's
     compiled kernel by the token (one lookup); None: by every argument. ``fixed``: the
-    positions of the tensor arguments the token fixes too, left out of that key: the
-    planner's own allocations of this call, in the dtypes its plan gives them, each a fresh
-    block (which every allocator aligns past 16 bytes)."""
+    positions of the tensor arguments the key need not read: the planner's own allocations
+    of this call, in the dtypes its plan gives them, each a fresh block (which every
+    allocator aligns past 16 bytes), and the repeats of an argument the key reads."""
 
     kernel: object
     grid: tuple[int, int]
