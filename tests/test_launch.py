@@ -64,7 +64,8 @@ def test_interpreted_launches_take_the_public_path():
 def _planned_twice(shape, dtype, channels_last, activation, first, second):
     """Each planner's launches for two calls alike in sizes, strides, dtype and options but not
     in their tensors (fresh ones) nor in the per-call values the token does not cover (the
-    backward's count, the parameters' and gradients' dtypes), on meta tensors."""
+    backward's count, the parameters' and gradients' dtypes), on meta tensors; and the ids of
+    the tensors handed to the planners."""
     from encoding_syncbn.kernels.backend import BatchSums, DxCoefs, NormParams, RunningParams
     from encoding_syncbn.kernels.torch_ops import stats_dtype
     from encoding_syncbn.kernels.triton.backward_dx import (
@@ -82,16 +83,20 @@ def _planned_twice(shape, dtype, channels_last, activation, first, second):
     target = Target(INTERPRET, 0 if INTERPRET else 132)
     fmt = torch.channels_last if channels_last else torch.contiguous_format
     acc = stats_dtype(dtype)
-    calls = []
+    calls, given = [], []
     for count, vector_dtype, grad_dtype in (first, second):
         x = torch.empty(shape, dtype=dtype, device="meta", memory_format=fmt)
         dy = torch.empty(shape, dtype=grad_dtype, device="meta", memory_format=fmt)
 
+        given.extend((x, dy))
+
         def vec(dt=vector_dtype):
-            return torch.empty(shape[1], dtype=dt, device="meta")
+            given.append(torch.empty(shape[1], dtype=dt, device="meta"))
+            return given[-1]
 
         params = NormParams(vec(acc), vec(acc), vec(), vec(), activation, 0.01)
         batches = torch.empty((), dtype=torch.long, device="meta")
+        given.append(batches)
         launches = [
             *plan_channel_stats(x, target)[0],
             *plan_batch_stats(x, 1e-5, vec(acc), vec(), batches, 0.1, vec(), vec(), 0.016,
@@ -107,7 +112,7 @@ def _planned_twice(shape, dtype, channels_last, activation, first, second):
             *plan_batch_backward(x, dy, params, True, count, target)[0],
         ]
         calls.append(launches)
-    return calls
+    return calls, {id(t) for t in given}
 
 
 @settings(max_examples=12, deadline=None, derandomize=True)
@@ -124,13 +129,21 @@ def test_a_plan_token_fixes_all_the_launch_but_its_tensors(shape, dtype, channel
     for all that Triton specialises on but the tensors' dtypes and addresses: two calls alike
     in what the plans are memoised by get the same tokens, and launches of one kernel with one
     token and the same tensor dtypes get the same key from every argument (so the compiled
-    kernel found by the token is the one Triton's launch would find)."""
+    kernel found by the token is the one Triton's launch would find); the tensors a launch's
+    key leaves out (``Launch.fixed``) are its planner's own, or repeats of one the key reads."""
     if channels_last and len(shape) != 4:
         channels_last = False
-    first, second = _planned_twice(shape, dtype, channels_last, activation,
-                                   *zip(counts, vector_dtypes, grad_dtypes))
+    (first, second), given = _planned_twice(shape, dtype, channels_last, activation,
+                                            *zip(counts, vector_dtypes, grad_dtypes))
     assert all(planned.token is not None for planned in first + second)
     assert [p.token for p in first] == [p.token for p in second]
+    for planned in first + second:
+        read = [arg for i, arg in enumerate(planned.args) if i not in planned.fixed]
+        for i in planned.fixed:
+            arg = planned.args[i]
+            assert isinstance(arg, torch.Tensor), (planned.kernel.fn.__name__, i)
+            assert id(arg) not in given or any(arg is other for other in read), (
+                planned.kernel.fn.__name__, i)
     by_token: dict[tuple, tuple] = {}
     for planned in first + second:
         key = launch._key(planned, None)

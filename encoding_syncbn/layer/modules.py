@@ -396,7 +396,7 @@ class SyncBatchNorm(_BatchNorm):
         which cannot be folded into the buffers: refused with them untouched (the update
         itself would fail after scaling them). (Under ``grad`` torch refuses the write back,
         the first write, as it refuses ``nn.BatchNorm``'s update.)"""
-        running = self._running()
+        running = self._running(self.running_mean)
         if running is None:
             return
         staged = RunningStats(running.mean.clone(), running.var.clone(),
@@ -458,7 +458,7 @@ class SyncBatchNorm(_BatchNorm):
         # autograd (its private API untouched).
         recomputing = not evaluating and recompute.inside_backward()
         synced = not evaluating and self._synced(slot)
-        running = self._running() if self.training and not recomputing else None
+        running = self._running(running_mean) if self.training and not recomputing else None
         count = None
         if not evaluating and not synced:  # this replica's batch alone
             count = self._training_count(x)
@@ -544,9 +544,10 @@ class SyncBatchNorm(_BatchNorm):
             )
         return count
 
-    def _running(self) -> RunningStats | None:
-        """The running statistics a training call updates (None: not tracked)."""
-        mean = self.running_mean  # each buffer read once: nn.Module's __getattr__ a read
+    def _running(self, mean: torch.Tensor | None) -> RunningStats | None:
+        """The running statistics a training call updates (None: not tracked); ``mean``: the
+        layer's ``running_mean``, as the caller read it (each buffer is read once a call:
+        nn.Module's ``__getattr__`` raises and catches an AttributeError at every read)."""
         if not self.track_running_stats or mean is None:
             return None
         return RunningStats(mean, self.running_var, self.num_batches_tracked, self.momentum)

@@ -96,8 +96,10 @@ def plan_backward_dx(saved: torch.Tensor, dy: torch.Tensor, params: NormParams,
     else:
         count = 0
     from_sums = count > 0
-    return [_dx_launch(plan, _dx_constexprs(plan, from_sums), saved, dy, dx, params[:4], coefs,
-                       -1.0 / count if from_sums else 0.0)], dx
+    constexprs = _dx_constexprs(plan, from_sums)
+    return [_dx_launch(plan, constexprs, (plan.token, from_sums),
+                       _DX_FROM_SUMS_FIXED if from_sums else _DX_FIXED, saved, dy, dx,
+                       params[:4], coefs, -1.0 / count if from_sums else 0.0)], dx
 
 
 def _dx_constexprs(plan: OpPlan, from_sums: bool) -> dict:
@@ -105,29 +107,40 @@ def _dx_constexprs(plan: OpPlan, from_sums: bool) -> dict:
     return {**plan.constexprs, "FROM_SUMS": from_sums}
 
 
-def _dx_launch(plan: OpPlan, constexprs: dict, saved: torch.Tensor, dy: torch.Tensor,
-               dx: torch.Tensor, params: tuple[torch.Tensor, ...],
-               coefs: tuple[torch.Tensor, ...], neg_inv_count: float) -> Launch:
+# dx's arguments the launch key need not read (``Launch.fixed``): dx, its planner's; from sums,
+# the weight again in the unread coef_dz slot; in ``batch_backward`` also the reduction's sums
+# it derives its coefficients from.
+_DX_FIXED = (2,)
+_DX_FROM_SUMS_FIXED = (2, 7)
+_DX_FROM_OWN_SUMS_FIXED = (2, 7, 8, 9)
+
+
+def _dx_launch(plan: OpPlan, constexprs: dict, token: object, fixed: tuple[int, ...],
+               saved: torch.Tensor, dy: torch.Tensor, dx: torch.Tensor,
+               params: tuple[torch.Tensor, ...], coefs: tuple[torch.Tensor, ...],
+               neg_inv_count: float) -> Launch:
     """The dx kernel's launch as ``plan`` plans it (``constexprs``: the plan's and
-    ``FROM_SUMS``), on ``saved`` and ``dy`` as it launches on them, into ``dx``; ``params``:
-    (mean, invstd, weight, bias), ``coefs``: (coef_dz, coef_xhat, coef_const), or from sums
-    (unread, sum(dz * xhat), sum(dz)) with ``neg_inv_count`` ``-1 / count`` (else unread)."""
+    ``FROM_SUMS``; ``token`` and ``fixed``: ``Launch``'s), on ``saved`` and ``dy`` as it
+    launches on them, into ``dx``; ``params``: (mean, invstd, weight, bias), ``coefs``:
+    (coef_dz, coef_xhat, coef_const), or from sums (unread, sum(dz * xhat), sum(dz)) with
+    ``neg_inv_count`` ``-1 / count`` (else unread)."""
     return Launch(_backward_dx_kernel, plan.grid,
                   (saved, dy, dx, *params, *coefs, neg_inv_count, plan.activation_param,
                    *plan.args),
-                  constexprs, plan.num_warps, (plan.token, constexprs["FROM_SUMS"]))
+                  constexprs, plan.num_warps, token, fixed)
 
 
 class _BackwardPlans(NamedTuple):
     reduce: OpPlan
     dx: OpPlan
     dx_constexprs: dict  # dx's, from the reduction's sums (FROM_SUMS)
+    dx_token: object  # dx's launch's (``Launch.token``)
 
 
 @plan_memo
 def _batch_backward_plans(sizes: tuple[int, ...], strides: tuple[int, ...], dtype: torch.dtype,
                           target: Target, tile: Tile | None, activation: str,
-                          activation_param: float, *, saved_is_output: bool
+                          activation_param: float, saved_is_output: bool
                           ) -> _BackwardPlans | None:
     """The reduction's and dx's plans, memoised together: one lookup a backward (None: an
     empty input)."""
@@ -137,7 +150,7 @@ def _batch_backward_plans(sizes: tuple[int, ...], strides: tuple[int, ...], dtyp
                   for reduction in (True, False))
     if reduce is None:
         return None
-    return _BackwardPlans(reduce, dx, _dx_constexprs(dx, from_sums=True))
+    return _BackwardPlans(reduce, dx, _dx_constexprs(dx, from_sums=True), (dx.token, True))
 
 
 def plan_batch_backward(saved: torch.Tensor, dy: torch.Tensor, params: NormParams,
@@ -151,17 +164,19 @@ def plan_batch_backward(saved: torch.Tensor, dy: torch.Tensor, params: NormParam
     strides = saved.stride()
     plans = _batch_backward_plans(saved.shape, strides, saved.dtype, target, tile,
                                   params.activation, params.activation_param,
-                                  saved_is_output=bool(saved_is_output))
+                                  bool(saved_is_output))
     if plans is None:
         return None
-    reduce, dx_plan, dx_constexprs = plans
+    reduce, dx_plan, dx_constexprs, dx_token = plans
     dx = empty_dx(saved, not reduce.copy)
-    saved = prepared_input(saved, reduce)
     if reduce.copy:  # launched on a contiguous copy: its strides
+        saved = prepared_input(saved, reduce)
         strides = saved.stride()
-    dy = in_layout(dy, strides, reduce.geo.channels_last)
+    if dy.stride() != strides:  # (``in_layout``'s first test, without its call)
+        dy = in_layout(dy, strides, reduce.geo.channels_last)
     vectors = params[:4]
     launches, (sum_dz, sum_dz_xhat) = reduce_launches(reduce, saved, dy, *vectors)
-    launches.append(_dx_launch(dx_plan, dx_constexprs, saved, dy, dx, vectors,
-                               (params.weight, sum_dz_xhat, sum_dz), -1.0 / count))
+    launches.append(_dx_launch(dx_plan, dx_constexprs, dx_token, _DX_FROM_OWN_SUMS_FIXED, saved,
+                               dy, dx, vectors, (params.weight, sum_dz_xhat, sum_dz),
+                               -1.0 / count))
     return launches, (dx, sum_dz, sum_dz_xhat)

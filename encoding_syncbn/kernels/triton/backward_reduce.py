@@ -84,6 +84,11 @@ def plan_backward_reduce(saved: torch.Tensor, dy: torch.Tensor, mean: torch.Tens
     return reduce_launches(plan, saved, dy, mean, invstd, weight, bias)
 
 
+# The reduction's arguments allocated by its planner: its sums, the partials and the counters
+# (``Launch.fixed``).
+_REDUCE_FIXED = (6, 7, 8, 9)
+
+
 def reduce_launches(plan: OpPlan, saved: torch.Tensor, dy: torch.Tensor, mean: torch.Tensor,
                     invstd: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
                     ) -> tuple[list[Launch], tuple[torch.Tensor, torch.Tensor]]:
@@ -97,5 +102,5 @@ def reduce_launches(plan: OpPlan, saved: torch.Tensor, dy: torch.Tensor, mean: t
     reduce = Launch(_backward_reduce_kernel, plan.grid,
                     (saved, dy, mean, invstd, weight, bias, sum_dz, sum_dz_xhat, part,
                      split_counters(saved.device, c), plan.activation_param, *plan.args),
-                    plan.constexprs, plan.num_warps, plan.token)
+                    plan.constexprs, plan.num_warps, plan.token, _REDUCE_FIXED)
     return [reduce], (sum_dz, sum_dz_xhat)

@@ -3,15 +3,16 @@ program of a channel block finishes the block's statistics (one launch)."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
-from .finalize_stats import FinishPlan, finish_args, finish_batch_stats, finish_plan
+from .finalize_stats import FinishPlan, finish_batch_stats, finish_plan
 from .partials import merge_split, split_counters
 from .plan import (
     Launch,
-    OpPlan,
     Target,
     Tile,
     plan_memo,
@@ -160,14 +161,23 @@ def _batch_stats_kernel(x_ptr, part_ptr, counter_ptr, mean_ptr, invstd_ptr, coun
                            RUNNING, COUNTER, CUMULATIVE, CHECK, ACC, RUN_ACC)
 
 
-def _stats_buffers(plan: OpPlan, x: torch.Tensor, mean: torch.Tensor, extra_counters: int = 0
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The statistics kernel's ``part`` buffer (split: 2 * splits * C partial sums; else
-    ``mean``, unread) and counters (one per channel: ``partials``, and ``extra_counters``
-    after them)."""
-    splits = plan.grid[1]
-    part = x.new_empty(2 * splits * plan.geo.c, dtype=plan.acc) if splits > 1 else mean
-    return part, split_counters(x.device, plan.geo.c + extra_counters)
+# The statistics kernels' arguments allocated by their planners: part, counters, mean and M2
+# or invstd (``Launch.fixed``).
+_CHANNEL_STATS_FIXED = (1, 2, 3, 4)
+# batch_stats': those, the small-gamma flags, and where absent (passed as ``mean``, unread)
+# the running buffers, the counter and the parameters.
+_BATCH_STATS_FLAGS = 15
+_BATCH_STATS_RUNNING = (7, 8)
+_BATCH_STATS_COUNTER = 9
+_BATCH_STATS_PARAMETERS = (13, 14)
+
+
+def _batch_stats_fixed(finish: FinishPlan) -> tuple[int, ...]:
+    constexprs = finish.constexprs
+    return (*_CHANNEL_STATS_FIXED, _BATCH_STATS_FLAGS,
+            *(() if constexprs["RUNNING"] else _BATCH_STATS_RUNNING),
+            *(() if constexprs["COUNTER"] else (_BATCH_STATS_COUNTER,)),
+            *(() if constexprs["CHECK"] else _BATCH_STATS_PARAMETERS))
 
 
 def plan_channel_stats(x: torch.Tensor, target: Target, tile: Tile | None = None
@@ -179,20 +189,44 @@ def plan_channel_stats(x: torch.Tensor, target: Target, tile: Tile | None = None
     x = prepared_input(x, plan)
     mean = x.new_empty(plan.geo.c, dtype=plan.acc)
     m2 = torch.empty_like(mean)
-    part, counters = _stats_buffers(plan, x, mean)
+    # Split: 2 * splits * C partial sums; else ``mean``, unread. One counter a channel.
+    splits = plan.grid[1]
+    part = x.new_empty(2 * splits * plan.geo.c, dtype=plan.acc) if splits > 1 else mean
+    counters = split_counters(x.device, plan.geo.c)
     return [Launch(_channel_stats_kernel, plan.grid, (x, part, counters, mean, m2, *plan.args),
-                   plan.constexprs, plan.num_warps, plan.token)], (mean, m2)
+                   plan.constexprs, plan.num_warps, plan.token, _CHANNEL_STATS_FIXED)], (mean, m2)
+
+
+class _BatchStatsPlan(NamedTuple):
+    """Everything about a ``batch_stats`` launch but its tensors (memoised by
+    :func:`_batch_stats_plan`)."""
+
+    copy: bool  # launched on a contiguous copy of x (``OpPlan.copy``)
+    channels: int
+    acc: torch.dtype  # the statistics dtype
+    part: int  # elements of the split partials' buffer (0: not split, ``mean`` passed unread)
+    counters: int  # the channels' counters and the cumulative average's (``partials``)
+    flags: int  # the small-gamma flags it writes: C with the check, else none
+    scalars: tuple  # (count, eps, keep, momentum, var_alpha, gamma_limit)
+    running: bool  # whether the running buffers are read (else ``mean`` is passed, unread)
+    counter: bool  # whether num_batches_tracked is
+    check: bool  # whether weight and bias are
+    grid: tuple[int, int]
+    args: tuple[int, ...]  # the geometry arguments (``OpPlan.args``)
+    constexprs: dict
+    num_warps: int
+    token: object  # ``Launch.token``
+    fixed: tuple[int, ...]  # ``Launch.fixed``
 
 
 @plan_memo
 def _batch_stats_plan(sizes: tuple[int, ...], strides: tuple[int, ...], dtype: torch.dtype,
                       target: Target, tile: Tile | None, eps: float,
-                      running_dtype: torch.dtype | None, *, has_counter: bool,
+                      running_dtype: torch.dtype | None, has_counter: bool,
                       momentum: float | None, check: bool, gamma_limit: float
-                      ) -> tuple[OpPlan, FinishPlan, dict, object] | None:
-    """The launch's plan: the statistics' (:func:`plan_op`), the finishing step's scalars,
-    both constexprs together and the flags it writes, and its token (``Launch.token``); one
-    lookup a call (None: an empty x)."""
+                      ) -> _BatchStatsPlan | None:
+    """The launch's plan: the statistics' (:func:`plan_op`) and the finishing step's
+    (``finish_plan``) together; one lookup a call (None: an empty x)."""
     stats = plan_op_memo(sizes, strides, dtype, target, reduction=True, tile=tile,
                          activation=None, activation_param=0.0, saved_is_output=None)
     if stats is None:
@@ -201,7 +235,14 @@ def _batch_stats_plan(sizes: tuple[int, ...], strides: tuple[int, ...], dtype: t
     finish = finish_plan(stats.acc, geo.c, geo.n * geo.s, eps, running_dtype,
                          has_counter=has_counter, momentum=momentum, check=check,
                          gamma_limit=gamma_limit)
-    return stats, finish, {**stats.constexprs, **finish.constexprs}, object()
+    splits = stats.grid[1]
+    flags = finish.constexprs
+    # One counter after the channels': the cumulative average's finished blocks.
+    return _BatchStatsPlan(stats.copy, geo.c, stats.acc, 2 * splits * geo.c if splits > 1 else 0,
+                           geo.c + 1, finish.flags, finish.scalars, flags["RUNNING"],
+                           flags["COUNTER"], flags["CHECK"], stats.grid, stats.args,
+                           {**stats.constexprs, **finish.constexprs}, stats.num_warps, object(),
+                           _batch_stats_fixed(finish))
 
 
 def plan_batch_stats(x: torch.Tensor, eps: float, running_mean: torch.Tensor | None,
@@ -211,20 +252,29 @@ def plan_batch_stats(x: torch.Tensor, eps: float, running_mean: torch.Tensor | N
                      tile: Tile | None = None
                      ) -> tuple[list[Launch], tuple[torch.Tensor, torch.Tensor, torch.Tensor]
                                  ] | None:
-    """``batch_stats`` in one launch, whatever the split: ``(mean, invstd, small)`` (None: an
-    empty x, nothing to launch)."""
-    plans = _batch_stats_plan(
-        x.shape, x.stride(), x.dtype, target, tile, eps,
-        running_mean.dtype if running_mean is not None else None,
-        has_counter=batches is not None, momentum=momentum, check=weight is not None,
-        gamma_limit=gamma_limit)
-    if plans is None:
+    """``batch_stats`` in one launch, whatever the split: ``(mean, invstd, small)``; ``small``
+    has C uint8 flags given a ``weight``, else no element (None: an empty x, nothing to
+    launch). An absent tensor is passed as ``mean``, which its constexpr keeps unread."""
+    plan = _batch_stats_plan(x.shape, x.stride(), x.dtype, target, tile, eps,
+                             running_mean.dtype if running_mean is not None else None,
+                             batches is not None, momentum, weight is not None, gamma_limit)
+    if plan is None:
         return None
-    stats, finish, constexprs, token = plans
-    x = prepared_input(x, stats)
-    mean = x.new_empty(stats.geo.c, dtype=stats.acc)
-    # One counter after the channels': the cumulative average's finished blocks.
-    part, counters = _stats_buffers(stats, x, mean, 1)
-    args, result = finish_args(finish, mean, running_mean, running_var, batches, weight, bias)
-    return [Launch(_batch_stats_kernel, stats.grid, (x, part, counters, mean, *args, *stats.args),
-                   constexprs, stats.num_warps, token)], result
+    if plan.copy:
+        x = x.contiguous()
+    mean = x.new_empty(plan.channels, dtype=plan.acc)
+    invstd = torch.empty_like(mean)
+    small = mean.new_empty(plan.flags, dtype=torch.uint8)
+    part = x.new_empty(plan.part, dtype=plan.acc) if plan.part else mean
+    if not plan.running:
+        running_mean = running_var = mean
+    if not plan.counter:
+        batches = mean
+    if not plan.check:
+        weight = bias = mean
+    count, eps, keep, momentum, var_alpha, limit = plan.scalars
+    args = (x, part, split_counters(x.device, plan.counters), mean, invstd, count, eps,
+            running_mean, running_var, batches, keep, momentum, var_alpha, weight, bias, small,
+            limit, *plan.args)
+    return [Launch(_batch_stats_kernel, plan.grid, args, plan.constexprs, plan.num_warps,
+                   plan.token, plan.fixed)], (mean, invstd, small)

@@ -163,22 +163,3 @@ def finish_plan(acc: torch.dtype, c: int, count: int, eps: float,
     constexprs = {"RUNNING": running, "COUNTER": counter, "CUMULATIVE": cumulative,
                   "CHECK": check, "RUN_ACC": TL_DTYPES[run_acc]}
     return FinishPlan(scalars, constexprs, c if check else 0)
-
-
-def finish_args(plan: FinishPlan, mean: torch.Tensor, running_mean: torch.Tensor | None,
-                running_var: torch.Tensor | None, batches: torch.Tensor | None,
-                weight: torch.Tensor | None, bias: torch.Tensor | None
-                ) -> tuple[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """The finishing step's arguments from ``invstd_ptr`` to ``gamma_limit`` (after
-    ``mean_ptr``, which is ``mean``), and ``(mean, invstd, small)``: ``small`` has C uint8
-    flags given a ``weight``, else no element. An absent tensor is passed as ``mean`` (its
-    constexpr keeps it unread)."""
-    count, eps, keep, momentum, var_alpha, limit = plan.scalars
-    invstd = torch.empty_like(mean)
-    small = mean.new_empty(plan.flags, dtype=torch.uint8)
-    args = (invstd, count, eps,
-            mean if running_mean is None else running_mean,
-            mean if running_var is None else running_var,
-            batches if plan.constexprs["COUNTER"] else mean, keep, momentum, var_alpha,
-            mean if weight is None else weight, mean if bias is None else bias, small, limit)
-    return args, (mean, invstd, small)

@@ -7,7 +7,8 @@ bound arguments alone, does the launch itself: what Inductor's generated launche
 specialisation's compiled kernel is kept here, keyed by what Triton specialises on (each
 tensor's dtype and 16-byte alignment, each integer's value, each other argument's type, the
 constexprs, warps and device; where the planner names the memoised plan that fixes all but
-the tensors, ``Launch.token``, by that and the tensors' dtypes, once they all lie on 16 bytes),
+the tensors, ``Launch.token``, by that and the dtypes of the tensors it does not fix, once
+they all lie on 16 bytes),
 and later launches of it call it with the arguments in the order Triton binds them. Triton's
 public launch still takes every launch
 
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import operator
+from collections.abc import Sequence
 from typing import Any, Callable, NamedTuple
 
 import torch
@@ -58,20 +60,33 @@ _knobs: Any = _UNRESOLVED
 def launch(planned: Launch, device_index: int | None) -> None:
     """Launch ``planned`` on the current device (``device_index``: the torch device's index,
     part of the key: a compiled kernel is loaded on one device)."""
+    launch_all((planned,), device_index)
+
+
+def launch_all(launches: Sequence[Launch], device_index: int | None) -> None:
+    """Launch each of ``launches`` in order, as :func:`launch` does: the launch hooks and the
+    current stream asked once for all of them (one op's launches run on one device and
+    stream, and no launch of theirs sets a hook)."""
     knobs = _knobs if _knobs is not _UNRESOLVED else _resolve_knobs()
     if knobs is None:
-        public(planned)
+        for planned in launches:
+            public(planned)
         return
-    key = _key(planned, device_index)
-    compiled = _COMPILED.get(key)
-    if compiled is None or not _hooks_idle(knobs, planned.kernel):
-        kernel = public(planned)
-        if compiled is None and kernel is not None:
-            _remember(key, planned, kernel)
-        return
-    grid = planned.grid
-    compiled.run(grid[0], grid[1], 1, compiled.stream(compiled.device), compiled.function,
-                 compiled.packed_metadata, None, None, None, *planned.args, *compiled.constexprs)
+    hooked = _hooked(knobs)
+    stream = None
+    for planned in launches:
+        key = _key(planned, device_index)
+        compiled = _COMPILED.get(key)
+        if compiled is None or hooked or planned.kernel.pre_run_hooks:
+            kernel = public(planned)
+            if compiled is None and kernel is not None:
+                _remember(key, planned, kernel)
+            continue
+        if stream is None:
+            stream = compiled.stream(compiled.device)
+        grid = planned.grid
+        compiled.run(grid[0], grid[1], 1, stream, compiled.function, compiled.packed_metadata,
+                     None, None, None, *planned.args, *compiled.constexprs)
 
 
 def public(planned: Launch) -> Any:
@@ -114,8 +129,9 @@ _dtype_of = operator.attrgetter("dtype")
 
 def _key(planned: Launch, device_index: int | None) -> tuple:
     """What Triton specialises a launch of ``planned`` on, or finer. With a plan token whose
-    tensors all lie on 16 bytes: the kernel, the token and the tensors' dtypes (the token fixes
-    the rest); else from every argument (:func:`_argument_key`)."""
+    tensors all lie on 16 bytes: the kernel, the token and the dtypes of the tensors it does
+    not fix (``Launch.fixed``; it fixes the rest); else from every argument
+    (:func:`_argument_key`)."""
     token = planned.token
     if token is not None:
         kernel = id(planned.kernel)
@@ -129,8 +145,10 @@ def _key(planned: Launch, device_index: int | None) -> tuple:
 
 
 def _tensor_picker(planned: Launch, kernel: int) -> Callable[[tuple], tuple]:
+    fixed = planned.fixed
     positions = [i for i, arg in enumerate(planned.args)
-                 if arg.__class__ in _TENSOR_CLASSES or _is_tensor_class(arg.__class__)]
+                 if i not in fixed
+                 and (arg.__class__ in _TENSOR_CLASSES or _is_tensor_class(arg.__class__))]
     if len(positions) == 1:  # itemgetter of one position answers the item, not a tuple
         def pick(args: tuple, only: int = positions[0]) -> tuple:
             return (args[only],)
@@ -172,12 +190,12 @@ def _is_tensor_class(cls: type) -> bool:
     return False
 
 
-def _hooks_idle(knobs: Any, kernel: Any) -> bool:
-    """Whether no launch hook is set: the hooks Triton keeps as ``HookChain``s are idle when
-    empty, any other hook when None."""
+def _hooked(knobs: Any) -> bool:
+    """Whether a launch hook is set: the hooks Triton keeps as ``HookChain``s are idle when
+    empty, any other hook when None (a kernel's own pre-run hooks: ``pre_run_hooks``)."""
     enter, leave = knobs.launch_enter_hook, knobs.launch_exit_hook
-    return not (getattr(enter, "calls", enter) or getattr(leave, "calls", leave)
-                or knobs.add_stages_inspection_hook is not None or kernel.pre_run_hooks)
+    return bool(getattr(enter, "calls", enter) or getattr(leave, "calls", leave)
+                or knobs.add_stages_inspection_hook is not None)
 
 
 def _remember(key: tuple, planned: Launch, kernel: Any) -> None:

@@ -103,6 +103,11 @@ def _destination(x: torch.Tensor, out: torch.Tensor, plan: OpPlan) -> torch.Tens
     return torch.empty_like(x, dtype=out.dtype)
 
 
+# normalize_act in place: its output, x itself (or x's contiguous copy), read by the key as its
+# input (``Launch.fixed``).
+_IN_PLACE_FIXED = (1,)
+
+
 def plan_normalize_act(x: torch.Tensor, params: NormParams, out: torch.Tensor, target: Target,
                        tile: Tile | None = None) -> tuple[list[Launch], torch.Tensor] | None:
     """Plan into ``out`` when it lies like (the possibly copied) x, else into a temporary that
@@ -112,12 +117,22 @@ def plan_normalize_act(x: torch.Tensor, params: NormParams, out: torch.Tensor, t
                    activation_param=params.activation_param)
     if plan is None:
         return None
-    x = prepared_input(x, plan)
-    dst = _destination(x, out, plan)
+    if out is x:  # in place, the usual call: x as it is
+        dst = x = prepared_input(x, plan)
+        fixed = _IN_PLACE_FIXED
+    else:
+        x = prepared_input(x, plan)
+        dst = _destination(x, out, plan)
+        fixed = ()
     launch = Launch(_normalize_act_kernel, plan.grid,
                     (x, dst, *params[:4], plan.activation_param, *plan.args),
-                    plan.constexprs, plan.num_warps, plan.token)
+                    plan.constexprs, plan.num_warps, plan.token, fixed)
     return [launch], dst
+
+
+# normalize_running's arguments allocated by its planner: the mean and invstd it writes
+# (``Launch.fixed``).
+_RUNNING_FIXED = (7, 8)
 
 
 def plan_normalize_running(x: torch.Tensor, running: RunningParams, out: torch.Tensor,
@@ -140,5 +155,5 @@ def plan_normalize_running(x: torch.Tensor, running: RunningParams, out: torch.T
     launch = Launch(_normalize_running_kernel, plan.grid,
                     (x, dst, running_mean, running_var, float(eps), weight, bias, mean, invstd,
                      plan.activation_param, *plan.args),
-                    plan.constexprs, plan.num_warps, plan.token)
+                    plan.constexprs, plan.num_warps, plan.token, _RUNNING_FIXED)
     return [launch], dst, (mean, invstd)

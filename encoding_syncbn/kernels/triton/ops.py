@@ -16,7 +16,7 @@ from ..torch_ops import stats_dtype
 from .backward_dx import plan_backward_dx, plan_batch_backward
 from .backward_reduce import plan_backward_reduce
 from .channel_stats import plan_batch_stats, plan_channel_stats
-from .launch import launch
+from .launch import launch_all
 from .normalize_act import plan_normalize_act, plan_normalize_running
 from .partials import reset_counters
 from .plan import INTERPRET as INTERPRET
@@ -39,8 +39,7 @@ def _run(launches: list[Launch], device: torch.device) -> None:
         guard = torch.cuda.device(device)
     with guard:
         try:
-            for planned in launches:
-                launch(planned, device.index)
+            launch_all(launches, device.index)
         except BaseException:
             if device.type != "cuda":  # interpreted: a kernel may have stopped half-way
                 reset_counters()

@@ -117,7 +117,10 @@ class Launch(NamedTuple):
     token and the kernel fix everything Triton specialises the launch on but its tensors'
     dtypes and addresses: the constexprs, the warps, which arguments are tensors and every
     other argument's type (each integer's value). ``launch.py`` then keys the launch's
-    compiled kernel by the token (one lookup); None: by every argument."""
+    compiled kernel by the token (one lookup); None: by every argument. ``fixed``: the
+    positions of the tensor arguments the key need not read: the planner's own allocations
+    of this call, in the dtypes its plan gives them, each a fresh block (which every
+    allocator aligns past 16 bytes), and the repeats of an argument the key reads."""
 
     kernel: object
     grid: tuple[int, int]
@@ -125,6 +128,7 @@ class Launch(NamedTuple):
     constexprs: dict
     num_warps: int
     token: object = None
+    fixed: tuple[int, ...] = ()
 
 
 class _Geometry(NamedTuple):
