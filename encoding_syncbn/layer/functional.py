@@ -65,6 +65,7 @@ from ..sync import stats
 from ..sync.streams import stream_event, wait_for
 from . import double_double, inplace_policy
 from .inplace_policy import ChannelsAside
+from .whole_batch import WholeBatch
 
 DOUBLE_BACKWARD_IN_PLACE = (
     "SyncBatchNorm(inplace=True) does not support double backward (differentiating its "
@@ -88,25 +89,35 @@ class _Saved(NamedTuple):
 class _Link:
     """Hands what ``NormAct.backward`` read to ``MergeReplicas.backward`` of the same call."""
 
-    __slots__ = ("saved", "grad_output", "config", "scale", "ready", "total", "graphed")
+    __slots__ = ("dtype", "saved", "grad_output", "config", "scale", "ready", "total",
+                 "graphed", "batch", "exact_grad", "direct_grad")
 
-    def __init__(self) -> None:
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype  # the replica's input's
         # The values a channel the replica normalised over (every replica and rank); None:
         # not yet known (see ``synced_batch_norm_act``).
         self.total: int | None = None
         # Whether a create_graph backward of the replica's NormAct built a graph reading the
         # merged statistics: their gradient then need not come from the NormActs alone.
         self.graphed = False
+        # The call's replicas, where their input gradients may come in double-double at once
+        # (``whole_batch``); None: never.
+        self.batch: WholeBatch | None = None
         self.saved: _Saved | None = None
         self.grad_output: torch.Tensor | None = None
         self.config: ActConfig | None = None
         self.scale: torch.Tensor | None = None  # weight * invstd
         self.ready: torch.cuda.Event | None = None  # see ``stream_event``
+        self.exact_grad: torch.Tensor | None = None  # the input gradient, from ``batch``
+        # Under the first create_graph backward: the value of the input gradient its NormAct
+        # returned (through x directly), which the merge's completes to the exact one.
+        self.direct_grad: torch.Tensor | None = None
 
     def clear(self) -> None:
         """Drop y and dy. While filled, the link closes a cycle through autograd's C++ nodes
         (y -> its node -> ctx.link -> y) that Python's collector cannot see."""
         self.saved = self.grad_output = self.scale = self.ready = None
+        self.exact_grad = self.direct_grad = None
 
 
 def _keeps_input(kept_channels: torch.Tensor | None) -> bool:
@@ -367,6 +378,13 @@ class BatchNormAct(torch.autograd.Function):
 
             grads = _differentiable_grads(ctx, grad_output,
                                           (saved.tensor, saved.weight, saved.bias), composite)
+            if double_double.applies(saved.tensor.dtype, ctx.count, config.inplace):
+                with torch.no_grad():
+                    grad_input, sum_dz, sum_dz_xhat = double_double.batch_backward(
+                        saved.tensor, grad_output, saved.weight, saved.bias, ctx.eps,
+                        config.activation, config.activation_param)
+                grads = [grad if grad is None else _exactly(grad, value)
+                         for grad, value in zip(grads, (grad_input, sum_dz_xhat, sum_dz))]
             return (*grads, None)
         config, needs = ctx.config, ctx.needs_input_grad
         backend = _ops(saved.tensor, saved.mean.dtype)
@@ -424,12 +442,19 @@ def _norm_act_grads(ctx, grad_output) -> tuple:
         # statistics (whose history leads to the merge) in MergeReplicas, from x.
         grads = _differentiable_grads(ctx, grad_output, saved[:5],
                                       norm_act_composite(config))
-        if ctx.link is not None:
-            ctx.link.graphed = True
+        link = ctx.link
+        if link is not None:
             if ctx.needs_input_grad[0]:
-                ctx.link.saved, ctx.link.config = saved, config
-                ctx.link.ready = stream_event(saved.tensor)
-                compat.queue_backward_callback(ctx.link.clear)
+                link.saved, link.config = saved, config
+                link.ready = stream_event(saved.tensor)
+                if link.batch is not None and not link.graphed:
+                    # The merge completes the gradient's value to the exact one
+                    # (``_exactly``).
+                    link.grad_output = grad_output.detach()
+                    link.direct_grad = (torch.zeros_like(saved.tensor) if grads[0] is None
+                                        else grads[0].detach())
+                compat.queue_backward_callback(link.clear)
+            link.graphed = True
         return tuple(grads)
     backend, params = _ops(saved.tensor, saved.mean.dtype), _params(saved, config)
     sum_dz, sum_dz_xhat = _reduce(saved, grad_output, config, params, backend)
@@ -518,7 +543,7 @@ def replica_stats(x: torch.Tensor) -> ReplicaStats:
         if mean.dtype == torch.float32 and x.dtype == torch.float32 and count > 0:
             dims = [0, *range(2, x.dim())]
             precise_mean = x.sum(dim=dims, dtype=torch.float64).div_(count)
-    return ReplicaStats(x, mean, m2, count, _Link(), precise_mean)
+    return ReplicaStats(x, mean, m2, count, _Link(x.dtype), precise_mean)
 
 
 def local_channel_stats(x: torch.Tensor, backend: Backend
@@ -564,6 +589,16 @@ class MergeReplicas(torch.autograd.Function):
     def backward(ctx, grad_mean, grad_m2, grad_invstd):
         needed = ctx.needs_input_grad[_MERGE_LEADING_ARGS:]
         create_graph = torch.is_grad_enabled()
+        # A float64 call over few values: every replica's input gradient in double-double,
+        # taken for the whole batch (``whole_batch``); under create_graph, its value.
+        batch = ctx.links[0].batch
+        exact = (batch.grads(ctx.links, create_graph)
+                 if batch is not None and all(needed) else None)
+        if exact is not None and not create_graph:
+            for link in ctx.links:
+                link.clear()  # free y and dy as soon as dx exists
+            return (None,) * _MERGE_LEADING_ARGS + tuple(exact)
+        direct = [link.direct_grad for link in ctx.links]
         # Recomputed: every replica under create_graph; otherwise those whose NormAct has not
         # run in this pass (a gradient penalty's backward reaching the merge through the
         # statistics' history), from the inputs a create_graph pass kept.
@@ -571,8 +606,9 @@ class MergeReplicas(torch.autograd.Function):
                       for link, need in zip(ctx.links, needed)]
         grads = (_merge_backward_composite(ctx, grad_mean, grad_m2, grad_invstd, recomputed)
                  if any(recomputed) else [None] * len(ctx.links))
-        if not any(recomputed) and _in_double_double(ctx, needed):
-            return (None,) * _MERGE_LEADING_ARGS + _double_double_grads(ctx)
+        if exact is not None:
+            return (None,) * _MERGE_LEADING_ARGS + tuple(
+                _exactly(grad, value - own) for grad, value, own in zip(grads, exact, direct))
         grad_m2 = stats.total_grad_m2(grad_m2, grad_invstd, ctx.invstd, ctx.total)
         # Per device: the replicas of one call all normalised with the same statistics.
         coefficients: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -596,38 +632,10 @@ class MergeReplicas(torch.autograd.Function):
         return (None,) * _MERGE_LEADING_ARGS + tuple(grads)
 
 
-def _in_double_double(ctx, needed: Sequence[bool]) -> bool:
-    """Whether the merge's backward takes every replica's input gradient at once in
-    double-double (``double_double.applies``): each replica left its input and dy, and the
-    gradients reaching the merge are those of the whole batch's normalisation: its replicas
-    are the whole batch (no other process or nested call's replicas joined: the count they
-    normalised over is this merge's), and the replicas' NormActs are all that read the merged
-    statistics (no create_graph backward built a graph on them)."""
-    return all(needed) and all(
-        link.saved is not None and link.grad_output is not None and link.total == ctx.total
-        and not link.graphed
-        and double_double.applies(link.saved.tensor.dtype, ctx.total, link.config.inplace)
-        for link in ctx.links)
-
-
-def _double_double_grads(ctx) -> tuple[torch.Tensor, ...]:
-    """Every replica's input gradient, from their inputs and output gradients joined on the
-    merge's device (so few values: cheap), in double-double (``double_double``)."""
-    device = ctx.mean.device
-    for link in ctx.links:
-        wait_for(link.ready, (link.saved.tensor, link.grad_output))  # see MergeReplicas.backward
-    first, config = ctx.links[0].saved, ctx.links[0].config
-    joined = [torch.cat([on_device(t, device) for t in parts]) for parts in (
-        [link.saved.tensor for link in ctx.links], [link.grad_output for link in ctx.links])]
-    grad_input = double_double.batch_backward(
-        *joined, on_device(first.weight, device), on_device(first.bias, device), ctx.eps,
-        config.activation, config.activation_param)[0]
-    grads = []
-    for link, part in zip(ctx.links, grad_input.split(
-            [link.saved.tensor.shape[0] for link in ctx.links])):
-        grads.append(on_device(part, link.saved.tensor.device))
-        link.clear()  # free y and dy as soon as dx exists
-    return tuple(grads)
+def _exactly(grad: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """``grad`` (a create_graph backward's, carrying its graph) with ``value``: the first
+    derivative exact (double-double), the second autograd's."""
+    return grad + (value.to(grad.dtype) - grad).detach()
 
 
 def _merge_backward_composite(ctx, grad_mean, grad_m2, grad_invstd, recomputed: list[bool]
