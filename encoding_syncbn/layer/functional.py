@@ -378,13 +378,6 @@ class BatchNormAct(torch.autograd.Function):
 
             grads = _differentiable_grads(ctx, grad_output,
                                           (saved.tensor, saved.weight, saved.bias), composite)
-            if double_double.applies(saved.tensor.dtype, ctx.count, config.inplace):
-                with torch.no_grad():
-                    grad_input, sum_dz, sum_dz_xhat = double_double.batch_backward(
-                        saved.tensor, grad_output, saved.weight, saved.bias, ctx.eps,
-                        config.activation, config.activation_param)
-                grads = [grad if grad is None else _exactly(grad, value)
-                         for grad, value in zip(grads, (grad_input, sum_dz_xhat, sum_dz))]
             return (*grads, None)
         config, needs = ctx.config, ctx.needs_input_grad
         backend = _ops(saved.tensor, saved.mean.dtype)
