@@ -380,3 +380,48 @@ def test_float64_bound_in_a_create_graph_backward(activation, replicas, spatial,
                                 create_graph=True)
     assert_float64_bound(ours, theirs, x, dy, gamma, beta, activation,
                          f"{activation} x{replicas} create_graph {shape}")
+
+
+@settings(max_examples=12, deadline=None, derandomize=True)
+@given(
+    activation=st.sampled_from(["identity", "leaky_relu", "elu", "relu"]),
+    replicas=st.integers(2, 4),
+    spatial=st.sampled_from([(1, 1), (1, 2), (3, 1)]),
+    data=st.data(),
+)
+def test_float64_bound_after_a_create_graph_backward(activation, replicas, spatial, data):
+    """A gradient penalty's pattern over 2-4 simulated DataParallel replicas and 3 to 37
+    values a channel: after a create_graph backward, a backward of the loss alone gives an
+    input gradient within the float64 bound, and one of the loss plus a penalty on the first
+    gradient gives the sum of the two apart (rounded once more): the penalty's part reaches
+    the merge through the first backward's graph, and comes apart from the loss's, which is
+    taken in double-double (``functional._ReadInGraph``, ``layer/whole_batch.py``)."""
+    shape, gamma, beta, x, dy = bound_case(activation, replicas, spatial, data, most=FEW)
+    layer = SyncBatchNorm(shape[1], activation=activation, slope=SLOPES.get(activation, 0.01),
+                          dtype=torch.float64)
+    with torch.no_grad():
+        layer.weight.copy_(gamma)
+        layer.bias.copy_(beta)
+    leaf = x.clone().requires_grad_()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the out-of-place fallback's warning
+        out = _wrapped(layer, replicas)(leaf * 1)
+    (first,) = torch.autograd.grad(out, leaf, dy, create_graph=True)
+    weights = torch.randn(shape, generator=torch.Generator().manual_seed(shape[0]),
+                          dtype=torch.float64)
+    penalty = (first * weights).sum().square()
+    (ours,) = torch.autograd.grad(out, leaf, dy, retain_graph=True)
+    (penalty_grad,) = torch.autograd.grad(penalty, leaf, retain_graph=True)
+    (both,) = torch.autograd.grad((out * dy).sum() + penalty, leaf)
+    theirs = _input_grads(x, dy, gamma, beta, activation, 1, (torch.float64,))[1]
+    what = f"{activation} x{replicas} {shape}"
+    assert_float64_bound(ours, theirs, x, dy, gamma, beta, activation, what)
+    # The penalty's part, computed in float64 apart and with the loss's, in another order:
+    # their roundings differ by a few ulps of the channel's largest gradients.
+    apart = ours + penalty_grad
+    dims = [0, *range(2, x.dim())]
+    scale = (ours.abs() + penalty_grad.abs()).amax(dims, keepdim=True)
+    rounding = 64 * torch.finfo(torch.float64).eps * scale
+    assert ((both - apart).abs() <= rounding).all(), (
+        f"{what}: the loss and penalty's input gradient off the two apart by "
+        f"{float((both - apart).abs().max()):.3g}")

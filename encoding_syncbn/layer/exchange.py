@@ -103,7 +103,8 @@ class Exchange:
         """
         mean, m2, invstd, total = _merged(contributions, self.eps)
         batch = WholeBatch.of(_links(contributions), total, self.eps, mean.device,
-                              self.across_processes)
+                              self.across_processes,
+                              any(isinstance(c, SubBatch) for c in contributions))
         if self.across_processes:
             mean, m2, invstd, total = distributed.merge_across_processes(
                 mean, m2, total, self.eps, self.process_group, batch

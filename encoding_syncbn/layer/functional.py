@@ -90,7 +90,7 @@ class _Link:
     """Hands what ``NormAct.backward`` read to ``MergeReplicas.backward`` of the same call."""
 
     __slots__ = ("dtype", "saved", "grad_output", "config", "scale", "ready", "total",
-                 "graphed", "batch", "exact_grad", "direct_grad")
+                 "graphed", "batch", "exact_grad", "direct_grad", "read_grads")
 
     def __init__(self, dtype: torch.dtype) -> None:
         self.dtype = dtype  # the replica's input's
@@ -98,7 +98,7 @@ class _Link:
         # not yet known (see ``synced_batch_norm_act``).
         self.total: int | None = None
         # Whether a create_graph backward of the replica's NormAct built a graph reading the
-        # merged statistics: their gradient then need not come from the NormActs alone.
+        # merged statistics: a later one's gradients reach the merge through it too.
         self.graphed = False
         # The call's replicas, where their input gradients may come in double-double at once
         # (``whole_batch``); None: never.
@@ -112,12 +112,15 @@ class _Link:
         # Under the first create_graph backward: the value of the input gradient its NormAct
         # returned (through x directly), which the merge's completes to the exact one.
         self.direct_grad: torch.Tensor | None = None
+        # The gradients of the merged (mean, invstd) this backward brought through the graph
+        # of an earlier create_graph one (``_ReadInGraph``); None: none.
+        self.read_grads: tuple[torch.Tensor | None, torch.Tensor | None] | None = None
 
     def clear(self) -> None:
         """Drop y and dy. While filled, the link closes a cycle through autograd's C++ nodes
         (y -> its node -> ctx.link -> y) that Python's collector cannot see."""
         self.saved = self.grad_output = self.scale = self.ready = None
-        self.exact_grad = self.direct_grad = None
+        self.exact_grad = self.direct_grad = self.read_grads = None
 
 
 def _keeps_input(kept_channels: torch.Tensor | None) -> bool:
@@ -433,9 +436,12 @@ def _norm_act_grads(ctx, grad_output) -> tuple:
     if torch.is_grad_enabled():
         # create_graph: the gradient through x directly here, the one through the merged
         # statistics (whose history leads to the merge) in MergeReplicas, from x.
-        grads = _differentiable_grads(ctx, grad_output, saved[:5],
-                                      norm_act_composite(config))
         link = ctx.link
+        inputs = saved[:5]
+        if link is not None and link.batch is not None:
+            inputs = (saved.tensor, *_ReadInGraph.apply(saved.mean, saved.invstd, link),
+                      saved.weight, saved.bias)
+        grads = _differentiable_grads(ctx, grad_output, inputs, norm_act_composite(config))
         if link is not None:
             if ctx.needs_input_grad[0]:
                 link.saved, link.config = saved, config
@@ -472,6 +478,31 @@ def _norm_act_grads(ctx, grad_output) -> tuple:
         grad_invstd = saved.weight * sum_dz_xhat / saved.invstd
     return (grad_input, grad_mean, grad_invstd,
             *_param_grads(*ctx.needs_input_grad[3:5], sum_dz, sum_dz_xhat))
+
+
+class _ReadInGraph(torch.autograd.Function):
+    """The merged ``(mean, invstd)`` as a create_graph backward's graph reads them (identity):
+    its backward records in the link the gradients that a later backward brings them through
+    that graph (a gradient penalty's), for ``whole_batch``, which takes the rest of the
+    input gradient from the replicas' inputs and dy alone; and passes them on unchanged, for
+    the merges' own backward."""
+
+    @staticmethod
+    def forward(ctx, mean, invstd, link: _Link):
+        ctx.link = link
+        ctx.set_materialize_grads(False)
+        return mean.view_as(mean), invstd.view_as(invstd)
+
+    @staticmethod
+    def backward(ctx, grad_mean, grad_invstd):
+        link = ctx.link
+        read = [None if g is None else g.detach() for g in (grad_mean, grad_invstd)]
+        if link.read_grads is not None:  # read by the graphs of several backward passes
+            read = [a if b is None else b if a is None else a + b
+                    for a, b in zip(read, link.read_grads)]
+        link.read_grads = tuple(read)
+        compat.queue_backward_callback(link.clear)
+        return grad_mean, grad_invstd, None
 
 
 class RunningNormAct(torch.autograd.Function):

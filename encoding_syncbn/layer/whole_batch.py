@@ -18,6 +18,14 @@ nodes on a thread of its own), and each merge returns its own replicas'. Across 
 cross-process merge's backward, which autograd runs before any merge of its process, gathers
 every rank's inputs and dy instead (``sync.distributed``) and hands this process its part
 (``take``).
+
+Under create_graph the merge keeps autograd's gradient for its graph and takes its value from
+here (``functional._exactly``), in the first create_graph backward only (``_filled``). In a
+backward after one, a gradient penalty's gradients reach the merged statistics through its
+graph as well as the replicas' NormActs: ``functional._ReadInGraph`` records them in the
+links, and the gradient is the NormActs' part from the inputs and dy, plus the penalty's
+through the statistics (``_through_statistics``, float64). A nested call's merges join in
+ATen ops whose graph reads their statistics past ``_ReadInGraph``: there it is not taken.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..sync import stats
 from ..sync.streams import wait_for
 from . import double_double
 
@@ -38,28 +47,31 @@ if TYPE_CHECKING:
 class WholeBatch:
     """The links of every replica of one synchronised call in this process."""
 
-    __slots__ = ("links", "eps", "device", "across_processes", "_lock")
+    __slots__ = ("links", "eps", "device", "across_processes", "nested", "_lock")
 
     def __init__(self, links: Sequence[_Link], eps: float, device: torch.device,
-                 across_processes: bool) -> None:
+                 across_processes: bool, nested: bool) -> None:
         self.links = list(links)
         self.eps = eps
         self.device = device  # the master's: where the replicas' values are joined
         self.across_processes = across_processes
+        # Whether nested calls' merges join in Chan's merge in ATen ops (``exchange``): the
+        # graph of a create_graph backward through them reads the merges' statistics too.
+        self.nested = nested
         self._lock = threading.Lock()
         for link in self.links:
             link.batch = self
 
     @classmethod
     def of(cls, links: Sequence[_Link], count: int, eps: float, device: torch.device,
-           across_processes: bool) -> WholeBatch | None:
+           across_processes: bool, nested: bool) -> WholeBatch | None:
         """The batch of ``links``, over ``count`` values a channel in this process, or None
         where its input gradients never come here: not float64, or already
         ``MIN_OWN_PRECISION_COUNT`` values (the global count, known after the merge, is at
         least this one)."""
         if not double_double.applies(links[0].dtype, count, inplace=False):
             return None
-        return cls(links, eps, device, across_processes)
+        return cls(links, eps, device, across_processes, nested)
 
     def wanted(self, total: int) -> bool:
         """Whether a call over ``total`` values a channel in every process takes its input
@@ -69,14 +81,15 @@ class WholeBatch:
         return double_double.applies(self.links[0].dtype, total, inplace=False)
 
     def _filled(self, create_graph: bool) -> bool:
-        """Whether every replica left its input and dy, and the gradients reaching the merges
-        are those of the call's normalisation alone: no earlier create_graph backward built a
-        graph reading the merged statistics (``_Link.graphed``), whose gradients would reach
-        the merges too."""
+        """Whether every replica left its input and dy, and every gradient reaching the
+        merges besides the replicas' NormActs' is known (``_Link.read_grads``): under
+        create_graph, in the first create_graph backward alone (``_Link.direct_grad``); after
+        one, where no nested call joined (``nested``)."""
         total = self.links[0].total
         return all(
             link.saved is not None and link.grad_output is not None and link.total == total
-            and (link.direct_grad is not None if create_graph else not link.graphed)
+            and (link.direct_grad is not None if create_graph
+                 else not (link.graphed and self.nested))
             and double_double.applies(link.saved.tensor.dtype, total, link.config.inplace)
             for link in self.links)
 
@@ -103,6 +116,9 @@ class WholeBatch:
         grad = double_double.batch_backward(
             x_rows.unsqueeze(0), dy_rows.unsqueeze(0), weight, bias, self.eps,
             first.config.activation, first.config.activation_param)[0][0]
+        read = self._read_grads()
+        if read is not None:
+            grad += self._through_statistics(x_rows, *read)
         for link in self.links:
             x = link.saved.tensor
             count = x.numel() // x.shape[1]
@@ -111,6 +127,36 @@ class WholeBatch:
                 grad[:, start:start + count].reshape(part.transpose(0, 1).shape))
             link.exact_grad = part
             start += count
+
+    def _read_grads(self) -> tuple[torch.Tensor | None, torch.Tensor | None] | None:
+        """The gradients of the merged ``(mean, invstd)`` this backward brought through an
+        earlier create_graph backward's graph (``functional._ReadInGraph``), summed over the
+        replicas on ``device``; None: none."""
+        read = [link.read_grads for link in self.links if link.read_grads is not None]
+        if not read:
+            return None
+        return tuple(  # type: ignore[return-value]
+            None if all(r[i] is None for r in read)
+            else torch.stack([r[i].to(self.device) for r in read if r[i] is not None]).sum(0)
+            for i in range(2))
+
+    def _through_statistics(self, x_rows: torch.Tensor, grad_mean: torch.Tensor | None,
+                            grad_invstd: torch.Tensor | None) -> torch.Tensor:
+        """The input gradient, on (C, values) rows, of the gradients ``(grad_mean,
+        grad_invstd)`` of the statistics every replica normalised with (n values a channel,
+        M2 their centred sum of squares)::
+
+            dx = g_mean / n + 2 g_M2 (x - mean),   g_M2 = -g_invstd invstd^3 / (2 n)
+        """
+        saved, total = self.links[0].saved, self.links[0].total
+        mean, invstd = (t.to(self.device).view(-1, 1) for t in (saved.mean, saved.invstd))
+        grad = torch.zeros_like(x_rows)
+        if grad_mean is not None:
+            grad += grad_mean.view(-1, 1) / total
+        if grad_invstd is not None:
+            grad_m2 = stats.total_grad_m2(None, grad_invstd.view(-1, 1), invstd, total)
+            grad += 2 * grad_m2 * (x_rows - mean)
+        return grad
 
     def grads(self, links: Sequence[_Link], create_graph: bool = False
               ) -> list[torch.Tensor] | None:

@@ -5,7 +5,10 @@ After the master replica of each process has merged its replicas' statistics, it
 formula. Gathering and merging are one autograd Function, whose backward all-reduces the 2C
 gradients of the merged statistics and applies its own rank's Jacobian: one collective
 forward (W rows of 2C+1), one backward (2C values, whatever the world size), per layer call.
-A rank with an empty batch takes part with count 0 and gets zero gradients.
+A rank with an empty batch takes part with count 0 and gets zero gradients. A float64 call
+over fewer than ``MIN_OWN_PRECISION_COUNT`` values a channel in the whole group gathers every
+rank's inputs and output gradients in backward instead, for its input gradient in
+double-double (``layer.whole_batch``).
 
 (It lives apart from the thread protocol in ``group.py`` so that ``group.py`` stays free of
 torch.)
@@ -53,7 +56,9 @@ class _MergeAcrossProcesses(torch.autograd.Function):
         d mean_r = g_mean * n_r / n + 2 n_r (mean_r - mean) g_M2,   d M2_r = g_M2
 
     A rank whose outputs get no gradient still takes part in the all_reduce, with zeros.
-    ``counts`` (float64 on the host, group-rank order) is not differentiable.
+    ``counts`` (float64 on the host, group-rank order) is not differentiable. ``batch``: this
+    process's replicas (``layer.whole_batch.WholeBatch``; None: a call whose input gradients
+    never come from every rank's inputs, see ``_gathered_whole_batch``).
     """
 
     @staticmethod
