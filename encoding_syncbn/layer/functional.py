@@ -35,7 +35,9 @@ backward through that gradient): under ``create_graph`` each backward is autogra
 the forward recomputed in differentiable ATen ops (``_differentiable_grads``,
 ``_merge_backward_composite``), so that the gradients carry their own graph; the fused
 single-pass ops stay the default. In place it is refused: the input is gone, and the second
-derivative needs the statistics as a function of it.
+derivative needs the statistics as a function of it. A synchronised float64 call over few
+values a channel takes the gradient's value from double-double (``whole_batch``), its graph
+from autograd (``_exactly``).
 """
 
 from __future__ import annotations
