@@ -449,11 +449,14 @@ def _norm_act_grads(ctx, grad_output) -> tuple:
                 link.saved, link.config = saved, config
                 link.ready = stream_event(saved.tensor)
                 if link.batch is not None and not link.graphed:
-                    # The merge completes the gradient's value to the exact one
-                    # (``_exactly``).
+                    # The merge returns the whole gradient's value, exact where it can be
+                    # (``_exactly``): this one keeps its graph, at value 0.
                     link.grad_output = grad_output.detach()
-                    link.direct_grad = (torch.zeros_like(saved.tensor) if grads[0] is None
-                                        else grads[0].detach())
+                    if grads[0] is None:
+                        link.direct_grad = torch.zeros_like(saved.tensor)
+                    else:
+                        link.direct_grad = grads[0].detach()
+                        grads[0] = _exactly(grads[0], 0.0)
                 compat.queue_backward_callback(link.clear)
             link.graphed = True
         return tuple(grads)
@@ -634,7 +637,9 @@ class MergeReplicas(torch.autograd.Function):
                  if any(recomputed) else [None] * len(ctx.links))
         if exact is not None:
             return (None,) * _MERGE_LEADING_ARGS + tuple(
-                _exactly(grad, value - own) for grad, value, own in zip(grads, exact, direct))
+                _exactly(grad, value) for grad, value in zip(grads, exact))
+        if create_graph:  # the value the replicas' NormActs left here (see _norm_act_grads)
+            grads = [grad if own is None else grad + own for grad, own in zip(grads, direct)]
         grad_m2 = stats.total_grad_m2(grad_m2, grad_invstd, ctx.invstd, ctx.total)
         # Per device: the replicas of one call all normalised with the same statistics.
         coefficients: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -658,10 +663,11 @@ class MergeReplicas(torch.autograd.Function):
         return (None,) * _MERGE_LEADING_ARGS + tuple(grads)
 
 
-def _exactly(grad: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-    """``grad`` (a create_graph backward's, carrying its graph) with ``value``: the first
-    derivative exact (double-double), the second autograd's."""
-    return grad + (value.to(grad.dtype) - grad).detach()
+def _exactly(grad: torch.Tensor, value: torch.Tensor | float) -> torch.Tensor:
+    """``grad`` (a create_graph backward's, carrying its graph) with the value ``value``
+    exactly: the first derivative exact (double-double), the second autograd's. (Adding
+    ``value - grad`` would round at the size of grad, a term larger than the gradient.)"""
+    return (grad - grad.detach()) + value
 
 
 def _merge_backward_composite(ctx, grad_mean, grad_m2, grad_invstd, recomputed: list[bool]
