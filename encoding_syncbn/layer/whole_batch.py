@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
@@ -40,8 +40,8 @@ from ..sync import stats
 from ..sync.streams import wait_for
 from . import double_double
 
-if TYPE_CHECKING:
-    from .functional import _Link
+# A replica's ``functional._Link`` (functional imports this module).
+_Link = Any
 
 
 class WholeBatch:
