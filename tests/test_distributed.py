@@ -29,10 +29,13 @@ from pathlib import Path
 
 import gloo_group
 import pytest
+import test_few_values as few_values
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from hypothesis import Phase, given, settings
+from hypothesis import strategies as st
 from reference import activate
 from torch import nn
 
@@ -451,6 +454,48 @@ def scenario_inplace_abn(ctx):
         _check(layer.running_var, running[1], what + " running_var")
 
 
+def scenario_few_values_float64(ctx):
+    """Float64 over 3 to 37 values a channel in the whole group, on uneven ranks with 1-2
+    DataParallel replicas in each (generated as tests/test_few_values.py generates its cases,
+    the same in every rank): every rank's input gradient within the README's bound against
+    the exact one (``assert_float64_bound``), from every rank's inputs and dy gathered in
+    backward (``layer/whole_batch.py``), in one all_gather."""
+    world = ctx["world"]
+
+    @settings(max_examples=12, deadline=None, derandomize=True, database=None,
+              phases=[Phase.generate])  # no shrinking: the ranks must draw alike
+    @given(activation=st.sampled_from(["identity", "leaky_relu", "elu", "relu"]),
+           replicas=st.integers(1, 2), spatial=st.sampled_from([(1, 1), (1, 2), (3, 1)]),
+           data=st.data())
+    def case(activation, replicas, spatial, data):
+        shape, gamma, beta, x, dy = few_values.bound_case(activation, world * replicas,
+                                                          spatial, data, most=few_values.FEW)
+        cuts = sorted(data.draw(st.lists(st.integers(1, shape[0] - 1), min_size=world - 1,
+                                         max_size=world - 1, unique=True), label="cuts"))
+        batches = [end - start for start, end in zip([0, *cuts], [*cuts, shape[0]])]
+        mine = _offsets(batches)[dist.get_rank()]
+        layer = SyncBatchNorm(shape[1], activation=activation,
+                              slope=SLOPES.get(activation, 0.01), dtype=torch.float64)
+        with torch.no_grad():
+            layer.weight.copy_(gamma)
+            layer.bias.copy_(beta)
+        model = SimulatedDataParallel(layer, replicas) if replicas > 1 else layer
+        leaf = x[mine].clone().requires_grad_()
+        out = model(leaf * 1)
+        with _CollectiveCounter() as counter:
+            (grad,) = torch.autograd.grad(out, leaf, dy[mine])
+        assert counter.calls == {"all_gather": 1}, f"backward: {dict(counter.calls)}"
+        grads = [None] * world
+        dist.all_gather_object(grads, grad)
+        theirs = _reference(layer, x, dy, torch.zeros(shape[1], dtype=torch.float64),
+                            torch.ones(shape[1], dtype=torch.float64), activation)[1]
+        few_values.assert_float64_bound(torch.cat(grads), theirs, x, dy, gamma, beta,
+                                        activation, f"{activation} {batches} x{replicas} "
+                                        f"{shape}")
+
+    case()
+
+
 def scenario_double_backward(ctx):
     """A gradient penalty through a layer synchronised across processes: a clear error on
     every rank (before any collective of that backward), never a silently wrong graph."""
@@ -467,9 +512,9 @@ def scenario_double_backward(ctx):
 
 SCENARIOS = {
     2: ["uneven", "empty_rank", "replicas", "collective_count", "solo_group", "ddp",
-        "double_backward", "compiled_ddp"],
+        "double_backward", "compiled_ddp", "few_values_float64"],
     3: ["uneven", "empty_rank", "replicas", "collective_count", "subgroup", "ddp_subgroup",
-        "inplace_abn"],
+        "inplace_abn", "few_values_float64"],
 }
 
 

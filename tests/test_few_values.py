@@ -169,16 +169,17 @@ BOUND_CHANNELS = 16
 REFERENCE_BITS = 160
 
 
-def _bound_case(activation: str, replicas: int, spatial: tuple[int, int], data):
+def bound_case(activation: str, replicas: int, spatial: tuple[int, int], data,
+                most: int = 64):
     """A generated layer for the bound: ``(shape, gamma, beta, x, dy)`` (x and dy in float64),
-    3 to 64 values a channel over the whole batch, on both sides of ``MIN_REBUILT_COUNT``
-    and ``MIN_OWN_PRECISION_COUNT``, gammas and betas rebuilt and kept aside (|beta| up to
-    1e3 |gamma|). ELU: |gamma| <= 1 and beta >= 0, keeping z above about -4 (its deep
-    saturation is a limit of its own, README)."""
+    3 to ``most`` values a channel over the whole batch (by default on both sides of
+    ``MIN_REBUILT_COUNT`` and ``MIN_OWN_PRECISION_COUNT``), gammas and betas rebuilt and kept
+    aside (|beta| up to 1e3 |gamma|). ELU: |gamma| <= 1 and beta >= 0, keeping z above about
+    -4 (its deep saturation is a limit of its own, README)."""
     per_sample = spatial[0] * spatial[1]
     fewest = max(replicas, -(-3 // per_sample))
-    batch = data.draw(st.one_of(st.integers(fewest, max(fewest, 40 // per_sample)),
-                                st.integers(fewest, max(fewest, 64 // per_sample))),
+    batch = data.draw(st.one_of(st.integers(fewest, max(fewest, min(40, most) // per_sample)),
+                                st.integers(fewest, max(fewest, most // per_sample))),
                       label="batch")
     channels = BOUND_CHANNELS
     largest = 1.0 if activation == "elu" else 10.0
@@ -198,12 +199,21 @@ def _bound_case(activation: str, replicas: int, spatial: tuple[int, int], data):
     return shape, gamma, beta, x, dy
 
 
+def _wrapped(layer: nn.Module, replicas: int | Sequence[int]) -> nn.Module:
+    """``layer`` in simulated DataParallel wrappers: of ``replicas`` replicas, or nested, of
+    ``replicas[0]`` outermost, ``replicas[1]`` inside each of its replicas, ..."""
+    for count in reversed([replicas] if isinstance(replicas, int) else replicas):
+        layer = SimulatedDataParallel(layer, count) if count > 1 else layer
+    return layer
+
+
 def _input_grads(x: torch.Tensor, dy: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor,
-                 activation: str, replicas: int, dtypes: Sequence[torch.dtype]
-                 ) -> list[torch.Tensor]:
-    """The input gradients of the layer, in place where its activation may be (over
-    ``replicas`` simulated DataParallel replicas) in ``dtypes[0]``, then of nn.BatchNorm2d +
-    the activation in each of ``dtypes``."""
+                 activation: str, replicas: int | Sequence[int], dtypes: Sequence[torch.dtype],
+                 create_graph: bool = False) -> list[torch.Tensor]:
+    """The input gradients of the layer, in place where its activation may be (in simulated
+    DataParallel wrappers, ``_wrapped``) in ``dtypes[0]``, then of nn.BatchNorm2d + the
+    activation in each of ``dtypes``; ``create_graph``: each the result of a create_graph
+    backward (a gradient penalty's first)."""
     channels, slope = x.shape[1], SLOPES.get(activation, 0.01)
     layer = SyncBatchNorm(channels, activation=activation, slope=slope, dtype=dtypes[0])
     grads = []
@@ -212,16 +222,16 @@ def _input_grads(x: torch.Tensor, dy: torch.Tensor, gamma: torch.Tensor, beta: t
         with torch.no_grad():
             norm.weight.copy_(gamma)
             norm.bias.copy_(beta)
-        model = (SimulatedDataParallel(norm, replicas) if norm is layer and replicas > 1
-                 else norm)
+        model = _wrapped(norm, replicas) if norm is layer else norm
         leaf = x.to(dtype, copy=True).requires_grad_()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the out-of-place fallback's warning
             out = model(leaf * 1)
         if norm is not layer:
             out = activate(out, activation, slope)
-        out.backward(dy.to(dtype))
-        grads.append(leaf.grad)
+        (grad,) = torch.autograd.grad(out, leaf, dy.to(dtype), create_graph=create_graph)
+        assert grad.requires_grad == create_graph
+        grads.append(grad.detach())
     return grads
 
 
@@ -241,11 +251,11 @@ def _assert_within_bound(ratio: torch.Tensor, gamma, beta, what: str) -> None:
 )
 def test_float32_input_gradient_within_three_times_batchnorms_error(activation, replicas,
                                                                    spatial, data):
-    """In float32, in place, over generated layers (``_bound_case``) on the whole simulated
+    """In float32, in place, over generated layers (``bound_case``) on the whole simulated
     DataParallel batch, each channel's input gradient is within 3x nn.BatchNorm2d + the
     activation's error in float32 (or of half an ulp of its largest |dx|), both against
     float64."""
-    shape, gamma, beta, x, dy = _bound_case(activation, replicas, spatial, data)
+    shape, gamma, beta, x, dy = bound_case(activation, replicas, spatial, data)
     x, dy = x.float(), dy.float()
     grads = _input_grads(x, dy, gamma, beta, activation, replicas,
                          (torch.float32, torch.float64))
@@ -303,16 +313,115 @@ def _exact_errors(grads: Sequence[torch.Tensor], x: torch.Tensor, dy: torch.Tens
 )
 def test_float64_input_gradient_within_three_times_batchnorms_error(activation, replicas,
                                                                    spatial, data):
-    """In float64, in place (relu: out of place), over generated layers (``_bound_case``) on
+    """In float64, in place (relu: out of place), over generated layers (``bound_case``) on
     the whole simulated DataParallel batch, each channel's input gradient is within 3x
     nn.BatchNorm2d + the activation's error in float64 (or of half an ulp of its largest
     |dx|), both against an exact reference: below ``MIN_OWN_PRECISION_COUNT`` values the
     layer's input gradient computes in double-double (``layer/double_double.py``)."""
-    shape, gamma, beta, x, dy = _bound_case(activation, replicas, spatial, data)
+    shape, gamma, beta, x, dy = bound_case(activation, replicas, spatial, data)
     ours, theirs = _input_grads(x, dy, gamma, beta, activation, replicas, (torch.float64,))
+    assert_float64_bound(ours, theirs, x, dy, gamma, beta, activation,
+                         f"{activation} x{replicas} {shape}")
+
+
+def assert_float64_bound(ours: torch.Tensor, theirs: torch.Tensor, x: torch.Tensor,
+                         dy: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor,
+                         activation: str, what: str) -> None:
+    """Each channel of the float64 input gradient ``ours`` within 3x the error of ``theirs``
+    (nn.BatchNorm2d + the activation's) or of half an ulp of its largest |dx|, both against
+    the exact one (``_exact_errors``)."""
     (our_error, their_error), size = _exact_errors((ours, theirs), x, dy, gamma, beta,
                                                    activation)
     half_ulp = torch.finfo(torch.float64).eps / 2
     allowed = 3.0 * torch.maximum(their_error, half_ulp * size)
     allowed = allowed.clamp_min(1e-3 * half_ulp * float(size.max()) + 1e-300)
-    _assert_within_bound(our_error / allowed, gamma, beta, f"{activation} x{replicas} {shape}")
+    _assert_within_bound(our_error / allowed, gamma, beta, what)
+
+
+# The whole synchronised batch's values a channel in the cases of the paths below: under
+# MIN_OWN_PRECISION_COUNT, where a float64 call's input gradient comes in double-double.
+FEW = MIN_OWN_PRECISION_COUNT - 1
+
+
+@settings(max_examples=10, deadline=None, derandomize=True)
+@given(
+    activation=st.sampled_from(["identity", "leaky_relu", "elu", "relu"]),
+    replicas=st.lists(st.integers(2, 3), min_size=2, max_size=3),
+    spatial=st.sampled_from([(1, 1), (1, 2), (3, 1)]),
+    data=st.data(),
+)
+def test_float64_bound_in_nested_dataparallel_calls(activation, replicas, spatial, data):
+    """The float64 bound over 3 to 37 values a channel with the layer in nested simulated
+    DataParallel calls (two or three deep, 2-3 replicas each; a chunk too small to split
+    runs unsplit beside the nested calls): every replica's input gradient comes from the
+    whole outer batch in double-double (``layer/whole_batch.py``), not from the nested
+    merges' float64 gradients."""
+    shape, gamma, beta, x, dy = bound_case(activation, replicas[0], spatial, data, most=FEW)
+    ours, theirs = _input_grads(x, dy, gamma, beta, activation, replicas, (torch.float64,))
+    assert_float64_bound(ours, theirs, x, dy, gamma, beta, activation,
+                         f"{activation} nested {replicas} {shape}")
+
+
+@settings(max_examples=12, deadline=None, derandomize=True)
+@given(
+    activation=st.sampled_from(["identity", "leaky_relu", "elu", "relu"]),
+    replicas=st.integers(2, 4),
+    spatial=st.sampled_from([(1, 1), (1, 2), (3, 1)]),
+    data=st.data(),
+)
+def test_float64_bound_in_a_create_graph_backward(activation, replicas, spatial, data):
+    """The float64 bound over 3 to 37 values a channel for the gradient a create_graph
+    backward returns (a gradient penalty's first) over 2-4 simulated DataParallel replicas:
+    its value in double-double, its graph autograd's (tests/test_edge_cases.py checks the
+    second derivative against nn.BatchNorm2d's). (One replica's is nn.BatchNorm2d's own
+    arithmetic there: ``BatchNormAct.backward``.)"""
+    shape, gamma, beta, x, dy = bound_case(activation, replicas, spatial, data, most=FEW)
+    ours, theirs = _input_grads(x, dy, gamma, beta, activation, replicas, (torch.float64,),
+                                create_graph=True)
+    assert_float64_bound(ours, theirs, x, dy, gamma, beta, activation,
+                         f"{activation} x{replicas} create_graph {shape}")
+
+
+@settings(max_examples=12, deadline=None, derandomize=True)
+@given(
+    activation=st.sampled_from(["identity", "leaky_relu", "elu", "relu"]),
+    replicas=st.integers(2, 4),
+    spatial=st.sampled_from([(1, 1), (1, 2), (3, 1)]),
+    data=st.data(),
+)
+def test_float64_bound_after_a_create_graph_backward(activation, replicas, spatial, data):
+    """A gradient penalty's pattern over 2-4 simulated DataParallel replicas and 3 to 37
+    values a channel: after a create_graph backward, a backward of the loss alone gives an
+    input gradient within the float64 bound, and one of the loss plus a penalty on the first
+    gradient gives the sum of the two apart (rounded once more): the penalty's part reaches
+    the merge through the first backward's graph, and comes apart from the loss's, which is
+    taken in double-double (``functional._ReadInGraph``, ``layer/whole_batch.py``)."""
+    shape, gamma, beta, x, dy = bound_case(activation, replicas, spatial, data, most=FEW)
+    layer = SyncBatchNorm(shape[1], activation=activation, slope=SLOPES.get(activation, 0.01),
+                          dtype=torch.float64)
+    with torch.no_grad():
+        layer.weight.copy_(gamma)
+        layer.bias.copy_(beta)
+    leaf = x.clone().requires_grad_()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the out-of-place fallback's warning
+        out = _wrapped(layer, replicas)(leaf * 1)
+    (first,) = torch.autograd.grad(out, leaf, dy, create_graph=True)
+    weights = torch.randn(shape, generator=torch.Generator().manual_seed(shape[0]),
+                          dtype=torch.float64)
+    penalty = (first * weights).sum().square()
+    (ours,) = torch.autograd.grad(out, leaf, dy, retain_graph=True)
+    (penalty_grad,) = torch.autograd.grad(penalty, leaf, retain_graph=True)
+    (both,) = torch.autograd.grad((out * dy).sum() + penalty, leaf)
+    theirs = _input_grads(x, dy, gamma, beta, activation, 1, (torch.float64,))[1]
+    what = f"{activation} x{replicas} {shape}"
+    assert_float64_bound(ours, theirs, x, dy, gamma, beta, activation, what)
+    # The penalty's part, computed in float64 apart and with the loss's, in another order:
+    # their roundings differ by a few ulps of the channel's largest gradients.
+    apart = ours + penalty_grad
+    dims = [0, *range(2, x.dim())]
+    scale = (ours.abs() + penalty_grad.abs()).amax(dims, keepdim=True)
+    rounding = 64 * torch.finfo(torch.float64).eps * scale
+    assert ((both - apart).abs() <= rounding).all(), (
+        f"{what}: the loss and penalty's input gradient off the two apart by "
+        f"{float((both - apart).abs().max()):.3g}")

@@ -140,3 +140,18 @@ def test_layer_across_simulated_replicas(activation):
     # Enough values a channel over the whole batch to train in place (rebuilds_from_count).
     x = torch.randn(14, 3, 3, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(lambda x: model(x * 1), (x,))
+
+
+@pytest.mark.parametrize("activation", ["leaky_relu", "elu"])
+def test_layer_across_simulated_replicas_differentiates_twice_over_few_values(activation):
+    """Float64 over fewer than ``MIN_OWN_PRECISION_COUNT`` values a channel, across replicas:
+    the create_graph backward's input gradient takes its value from double-double
+    (``layer/whole_batch.py``) and its graph from autograd; its derivative is that graph's."""
+    layer = SyncBatchNorm(3, activation=activation, slope=0.3, eps=1e-3,
+                          inplace=False).double()
+    with torch.no_grad():
+        layer.weight.copy_(torch.tensor([1.3, -0.6, 0.2]))
+    model = SimulatedDataParallel(layer, 2)
+    x = torch.randn(5, 3, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(2),
+                    requires_grad=True)
+    assert torch.autograd.gradgradcheck(lambda x: model(x * 1), (x,))

@@ -162,7 +162,7 @@ def test_across_processes_only_the_sync_class_merges(monkeypatch):
     its group: seen through the layer's one door to the cross-process merge."""
     gathered = []
 
-    def merge_across_processes(mean, m2, count, eps, group):
+    def merge_across_processes(mean, m2, count, eps, group, batch=None):
         gathered.append(group)
         return mean, m2, (m2 / count + eps).rsqrt(), count
 

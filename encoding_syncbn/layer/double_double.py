@@ -169,7 +169,7 @@ def channel_sum(a: DD) -> DD:
     return high, low
 
 
-def _rows(t: torch.Tensor) -> torch.Tensor:
+def channel_rows(t: torch.Tensor) -> torch.Tensor:
     """An (N, C, *) tensor as (C, values a channel)."""
     return t.transpose(0, 1).reshape(t.shape[1], -1)
 
@@ -197,7 +197,7 @@ def batch_backward(x: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor, bias
     """``(dx, sum(dz), sum(dz * xhat))`` of training-mode BatchNorm (biased variance) + the
     activation over the whole float64 batch ``x`` (N, C, *), each rounded once from
     double-double (module docstring)."""
-    values, grads = _rows(x), _rows(dy.to(x.dtype))
+    values, grads = channel_rows(x), channel_rows(dy.to(x.dtype))
     zero = torch.zeros_like(values)
     count = values.shape[1]
     n = (torch.full_like(values[:, :1], float(count)), torch.zeros_like(values[:, :1]))

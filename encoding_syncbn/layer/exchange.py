@@ -22,11 +22,13 @@ from ..sync.streams import stream_event, wait_for
 from .functional import (
     Exchanged,
     ReplicaStats,
+    _Link,
     merge_replicas,
     on_device,
     replica_stats,
     track_batch,
 )
+from .whole_batch import WholeBatch
 
 
 class Exchange:
@@ -82,7 +84,8 @@ class Exchange:
         else:  # a nested call: its replicas' statistics go on as its replica's in the outer one
             try:
                 mean, m2, _, total = _merged(contributions, self.eps)
-                mean, invstd, total = self._share(slot.parent, SubBatch(mean, m2, total))
+                mean, invstd, total = self._share(
+                    slot.parent, SubBatch(mean, m2, total, _links(contributions)))
             except BaseException as error:  # the outer call's replicas stop waiting for it
                 slot.parent.group.fail(slot.parent.rank, error)
                 raise
@@ -99,9 +102,12 @@ class Exchange:
         Returns the global ``(mean, M2, invstd, count)``.
         """
         mean, m2, invstd, total = _merged(contributions, self.eps)
+        batch = WholeBatch.of(_links(contributions), total, self.eps, mean.device,
+                              self.across_processes,
+                              any(isinstance(c, SubBatch) for c in contributions))
         if self.across_processes:
             mean, m2, invstd, total = distributed.merge_across_processes(
-                mean, m2, total, self.eps, self.process_group
+                mean, m2, total, self.eps, self.process_group, batch
             )
         if total == 1:
             raise ValueError(
@@ -114,11 +120,18 @@ class Exchange:
 class SubBatch(NamedTuple):
     """The statistics of a nested call's replicas, merged by its master: what it brings to
     the outer call's merge in its replica's place (differentiable: their graph leads to the
-    replicas' inputs)."""
+    replicas' inputs), and its replicas' links (for ``WholeBatch``)."""
 
     mean: torch.Tensor
     m2: torch.Tensor
     count: int
+    links: tuple[_Link, ...] = ()
+
+
+def _links(contributions: list[ReplicaStats | SubBatch]) -> tuple[_Link, ...]:
+    """The links of every replica behind ``contributions``, nested calls' included."""
+    return tuple(link for c in contributions
+                 for link in ((c.link,) if isinstance(c, ReplicaStats) else c.links))
 
 
 def _merged(contributions: list[ReplicaStats | SubBatch], eps: float

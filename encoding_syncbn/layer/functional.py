@@ -35,7 +35,9 @@ backward through that gradient): under ``create_graph`` each backward is autogra
 the forward recomputed in differentiable ATen ops (``_differentiable_grads``,
 ``_merge_backward_composite``), so that the gradients carry their own graph; the fused
 single-pass ops stay the default. In place it is refused: the input is gone, and the second
-derivative needs the statistics as a function of it.
+derivative needs the statistics as a function of it. A synchronised float64 call over few
+values a channel takes the gradient's value from double-double (``whole_batch``), its graph
+from autograd (``_exactly``).
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ from ..sync import stats
 from ..sync.streams import stream_event, wait_for
 from . import double_double, inplace_policy
 from .inplace_policy import ChannelsAside
+from .whole_batch import WholeBatch
 
 DOUBLE_BACKWARD_IN_PLACE = (
     "SyncBatchNorm(inplace=True) does not support double backward (differentiating its "
@@ -88,25 +91,38 @@ class _Saved(NamedTuple):
 class _Link:
     """Hands what ``NormAct.backward`` read to ``MergeReplicas.backward`` of the same call."""
 
-    __slots__ = ("saved", "grad_output", "config", "scale", "ready", "total", "graphed")
+    __slots__ = ("dtype", "saved", "grad_output", "config", "scale", "ready", "total",
+                 "graphed", "batch", "exact_grad", "direct_grad", "read_grads")
 
-    def __init__(self) -> None:
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype  # the replica's input's
         # The values a channel the replica normalised over (every replica and rank); None:
         # not yet known (see ``synced_batch_norm_act``).
         self.total: int | None = None
         # Whether a create_graph backward of the replica's NormAct built a graph reading the
-        # merged statistics: their gradient then need not come from the NormActs alone.
+        # merged statistics: a later one's gradients reach the merge through it too.
         self.graphed = False
+        # The call's replicas, where their input gradients may come in double-double at once
+        # (``whole_batch``); None: never.
+        self.batch: WholeBatch | None = None
         self.saved: _Saved | None = None
         self.grad_output: torch.Tensor | None = None
         self.config: ActConfig | None = None
         self.scale: torch.Tensor | None = None  # weight * invstd
         self.ready: torch.cuda.Event | None = None  # see ``stream_event``
+        self.exact_grad: torch.Tensor | None = None  # the input gradient, from ``batch``
+        # Under the first create_graph backward: the value of the input gradient its NormAct
+        # returned (through x directly), which the merge's completes to the exact one.
+        self.direct_grad: torch.Tensor | None = None
+        # The gradients of the merged (mean, invstd) this backward brought through the graph
+        # of an earlier create_graph one (``_ReadInGraph``); None: none.
+        self.read_grads: tuple[torch.Tensor | None, torch.Tensor | None] | None = None
 
     def clear(self) -> None:
         """Drop y and dy. While filled, the link closes a cycle through autograd's C++ nodes
         (y -> its node -> ctx.link -> y) that Python's collector cannot see."""
         self.saved = self.grad_output = self.scale = self.ready = None
+        self.exact_grad = self.direct_grad = self.read_grads = None
 
 
 def _keeps_input(kept_channels: torch.Tensor | None) -> bool:
@@ -422,14 +438,27 @@ def _norm_act_grads(ctx, grad_output) -> tuple:
     if torch.is_grad_enabled():
         # create_graph: the gradient through x directly here, the one through the merged
         # statistics (whose history leads to the merge) in MergeReplicas, from x.
-        grads = _differentiable_grads(ctx, grad_output, saved[:5],
-                                      norm_act_composite(config))
-        if ctx.link is not None:
-            ctx.link.graphed = True
+        link = ctx.link
+        inputs = saved[:5]
+        if link is not None and link.batch is not None:
+            inputs = (saved.tensor, *_ReadInGraph.apply(saved.mean, saved.invstd, link),
+                      saved.weight, saved.bias)
+        grads = _differentiable_grads(ctx, grad_output, inputs, norm_act_composite(config))
+        if link is not None:
             if ctx.needs_input_grad[0]:
-                ctx.link.saved, ctx.link.config = saved, config
-                ctx.link.ready = stream_event(saved.tensor)
-                compat.queue_backward_callback(ctx.link.clear)
+                link.saved, link.config = saved, config
+                link.ready = stream_event(saved.tensor)
+                if link.batch is not None and not link.graphed:
+                    # The merge returns the whole gradient's value, exact where it can be
+                    # (``_exactly``): this one keeps its graph, at value 0.
+                    link.grad_output = grad_output.detach()
+                    if grads[0] is None:
+                        link.direct_grad = torch.zeros_like(saved.tensor)
+                    else:
+                        link.direct_grad = grads[0].detach()
+                        grads[0] = _exactly(grads[0], 0.0)
+                compat.queue_backward_callback(link.clear)
+            link.graphed = True
         return tuple(grads)
     backend, params = _ops(saved.tensor, saved.mean.dtype), _params(saved, config)
     sum_dz, sum_dz_xhat = _reduce(saved, grad_output, config, params, backend)
@@ -454,6 +483,31 @@ def _norm_act_grads(ctx, grad_output) -> tuple:
         grad_invstd = saved.weight * sum_dz_xhat / saved.invstd
     return (grad_input, grad_mean, grad_invstd,
             *_param_grads(*ctx.needs_input_grad[3:5], sum_dz, sum_dz_xhat))
+
+
+class _ReadInGraph(torch.autograd.Function):
+    """The merged ``(mean, invstd)`` as a create_graph backward's graph reads them (identity):
+    its backward records in the link the gradients that a later backward brings them through
+    that graph (a gradient penalty's), for ``whole_batch``, which takes the rest of the
+    input gradient from the replicas' inputs and dy alone; and passes them on unchanged, for
+    the merges' own backward."""
+
+    @staticmethod
+    def forward(ctx, mean, invstd, link: _Link):
+        ctx.link = link
+        ctx.set_materialize_grads(False)
+        return mean.view_as(mean), invstd.view_as(invstd)
+
+    @staticmethod
+    def backward(ctx, grad_mean, grad_invstd):
+        link = ctx.link
+        read = [None if g is None else g.detach() for g in (grad_mean, grad_invstd)]
+        if link.read_grads is not None:  # read by the graphs of several backward passes
+            read = [a if b is None else b if a is None else a + b
+                    for a, b in zip(read, link.read_grads)]
+        link.read_grads = tuple(read)
+        compat.queue_backward_callback(link.clear)
+        return grad_mean, grad_invstd, None
 
 
 class RunningNormAct(torch.autograd.Function):
@@ -518,7 +572,7 @@ def replica_stats(x: torch.Tensor) -> ReplicaStats:
         if mean.dtype == torch.float32 and x.dtype == torch.float32 and count > 0:
             dims = [0, *range(2, x.dim())]
             precise_mean = x.sum(dim=dims, dtype=torch.float64).div_(count)
-    return ReplicaStats(x, mean, m2, count, _Link(), precise_mean)
+    return ReplicaStats(x, mean, m2, count, _Link(x.dtype), precise_mean)
 
 
 def local_channel_stats(x: torch.Tensor, backend: Backend
@@ -564,6 +618,16 @@ class MergeReplicas(torch.autograd.Function):
     def backward(ctx, grad_mean, grad_m2, grad_invstd):
         needed = ctx.needs_input_grad[_MERGE_LEADING_ARGS:]
         create_graph = torch.is_grad_enabled()
+        # A float64 call over few values: every replica's input gradient in double-double,
+        # taken for the whole batch (``whole_batch``); under create_graph, its value.
+        batch = ctx.links[0].batch
+        exact = (batch.grads(ctx.links, create_graph)
+                 if batch is not None and all(needed) else None)
+        if exact is not None and not create_graph:
+            for link in ctx.links:
+                link.clear()  # free y and dy as soon as dx exists
+            return (None,) * _MERGE_LEADING_ARGS + tuple(exact)
+        direct = [link.direct_grad for link in ctx.links]
         # Recomputed: every replica under create_graph; otherwise those whose NormAct has not
         # run in this pass (a gradient penalty's backward reaching the merge through the
         # statistics' history), from the inputs a create_graph pass kept.
@@ -571,8 +635,11 @@ class MergeReplicas(torch.autograd.Function):
                       for link, need in zip(ctx.links, needed)]
         grads = (_merge_backward_composite(ctx, grad_mean, grad_m2, grad_invstd, recomputed)
                  if any(recomputed) else [None] * len(ctx.links))
-        if not any(recomputed) and _in_double_double(ctx, needed):
-            return (None,) * _MERGE_LEADING_ARGS + _double_double_grads(ctx)
+        if exact is not None:
+            return (None,) * _MERGE_LEADING_ARGS + tuple(
+                _exactly(grad, value) for grad, value in zip(grads, exact))
+        if create_graph:  # the value the replicas' NormActs left here (see _norm_act_grads)
+            grads = [grad if own is None else grad + own for grad, own in zip(grads, direct)]
         grad_m2 = stats.total_grad_m2(grad_m2, grad_invstd, ctx.invstd, ctx.total)
         # Per device: the replicas of one call all normalised with the same statistics.
         coefficients: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -596,38 +663,11 @@ class MergeReplicas(torch.autograd.Function):
         return (None,) * _MERGE_LEADING_ARGS + tuple(grads)
 
 
-def _in_double_double(ctx, needed: Sequence[bool]) -> bool:
-    """Whether the merge's backward takes every replica's input gradient at once in
-    double-double (``double_double.applies``): each replica left its input and dy, and the
-    gradients reaching the merge are those of the whole batch's normalisation: its replicas
-    are the whole batch (no other process or nested call's replicas joined: the count they
-    normalised over is this merge's), and the replicas' NormActs are all that read the merged
-    statistics (no create_graph backward built a graph on them)."""
-    return all(needed) and all(
-        link.saved is not None and link.grad_output is not None and link.total == ctx.total
-        and not link.graphed
-        and double_double.applies(link.saved.tensor.dtype, ctx.total, link.config.inplace)
-        for link in ctx.links)
-
-
-def _double_double_grads(ctx) -> tuple[torch.Tensor, ...]:
-    """Every replica's input gradient, from their inputs and output gradients joined on the
-    merge's device (so few values: cheap), in double-double (``double_double``)."""
-    device = ctx.mean.device
-    for link in ctx.links:
-        wait_for(link.ready, (link.saved.tensor, link.grad_output))  # see MergeReplicas.backward
-    first, config = ctx.links[0].saved, ctx.links[0].config
-    joined = [torch.cat([on_device(t, device) for t in parts]) for parts in (
-        [link.saved.tensor for link in ctx.links], [link.grad_output for link in ctx.links])]
-    grad_input = double_double.batch_backward(
-        *joined, on_device(first.weight, device), on_device(first.bias, device), ctx.eps,
-        config.activation, config.activation_param)[0]
-    grads = []
-    for link, part in zip(ctx.links, grad_input.split(
-            [link.saved.tensor.shape[0] for link in ctx.links])):
-        grads.append(on_device(part, link.saved.tensor.device))
-        link.clear()  # free y and dy as soon as dx exists
-    return tuple(grads)
+def _exactly(grad: torch.Tensor, value: torch.Tensor | float) -> torch.Tensor:
+    """``grad`` (a create_graph backward's, carrying its graph) with the value ``value``
+    exactly: the first derivative exact (double-double), the second autograd's. (Adding
+    ``value - grad`` would round at the size of grad, a term larger than the gradient.)"""
+    return (grad - grad.detach()) + value
 
 
 def _merge_backward_composite(ctx, grad_mean, grad_m2, grad_invstd, recomputed: list[bool]

@@ -5,7 +5,10 @@ After the master replica of each process has merged its replicas' statistics, it
 formula. Gathering and merging are one autograd Function, whose backward all-reduces the 2C
 gradients of the merged statistics and applies its own rank's Jacobian: one collective
 forward (W rows of 2C+1), one backward (2C values, whatever the world size), per layer call.
-A rank with an empty batch takes part with count 0 and gets zero gradients.
+A rank with an empty batch takes part with count 0 and gets zero gradients. A float64 call
+over fewer than ``MIN_OWN_PRECISION_COUNT`` values a channel in the whole group gathers every
+rank's inputs and output gradients in backward instead, for its input gradient in
+double-double (``layer.whole_batch``).
 
 (It lives apart from the thread protocol in ``group.py`` so that ``group.py`` stays free of
 torch.)
@@ -53,12 +56,14 @@ class _MergeAcrossProcesses(torch.autograd.Function):
         d mean_r = g_mean * n_r / n + 2 n_r (mean_r - mean) g_M2,   d M2_r = g_M2
 
     A rank whose outputs get no gradient still takes part in the all_reduce, with zeros.
-    ``counts`` (float64 on the host, group-rank order) is not differentiable.
+    ``counts`` (float64 on the host, group-rank order) is not differentiable. ``batch``: this
+    process's replicas (``layer.whole_batch.WholeBatch``; None: a call whose input gradients
+    never come from every rank's inputs, see ``_gathered_whole_batch``).
     """
 
     @staticmethod
     def forward(ctx, mean: torch.Tensor, m2: torch.Tensor, count: int, eps: float,
-                process_group: Any):
+                process_group: Any, batch: Any):
         channels = mean.numel()
         packed = torch.cat(
             [mean.double(), m2.double(), mean.new_tensor([count], dtype=torch.float64)]
@@ -79,6 +84,7 @@ class _MergeAcrossProcesses(torch.autograd.Function):
         )
         total = float(sum(host_counts))
         ctx.process_group, ctx.total, ctx.count = process_group, total, host_counts[rank]
+        ctx.counts, ctx.rank, ctx.batch = host_counts, rank, batch
         # Detached: see functional.MergeReplicas.
         ctx.deviation, ctx.invstd = merged.deviation[rank], merged.invstd.detach()
         ctx.mark_non_differentiable(counts)
@@ -94,8 +100,13 @@ class _MergeAcrossProcesses(torch.autograd.Function):
                 "processes; for the layers a gradient penalty differentiates twice, use "
                 "sync=False or a process_group of this rank alone"
             )
-        grad_m2 = stats.total_grad_m2(grad_m2, grad_invstd, ctx.invstd, ctx.total)
         zeros = torch.zeros_like(ctx.invstd)
+        if (ctx.batch is not None and ctx.batch.wanted(int(ctx.total))
+                and _gathered_whole_batch(ctx)):
+            # Every replica's input gradient is taken: the merges' backward reads no
+            # gradient of the statistics.
+            return zeros, zeros, None, None, None, None
+        grad_m2 = stats.total_grad_m2(grad_m2, grad_invstd, ctx.invstd, ctx.total)
         packed = torch.cat([zeros if grad_mean is None else grad_mean,
                             zeros if grad_m2 is None else grad_m2])
         dist.all_reduce(packed, group=ctx.process_group)
@@ -103,14 +114,47 @@ class _MergeAcrossProcesses(torch.autograd.Function):
         share = ctx.count / max(ctx.total, 1.0)
         grad_own_mean = torch.addcmul(grad_mean * share, ctx.deviation, grad_m2,
                                       value=2.0 * ctx.count)
-        return grad_own_mean, grad_m2, None, None, None
+        return grad_own_mean, grad_m2, None, None, None, None
+
+
+def _gathered_whole_batch(ctx) -> bool:
+    """Gather every rank's inputs and output gradients and let ``ctx.batch`` take this
+    process's input gradients from them (``layer.whole_batch``); False, in every rank, where
+    some rank's replicas did not leave them (then the merges' own backward runs).
+
+    One all_gather of float64 rows ``(has them, x, dy)``, x and dy padded to the largest
+    rank's values a channel (below ``MIN_OWN_PRECISION_COUNT`` the whole group's are fewer
+    than that many a channel), and one host read of the flags.
+    """
+    rows = ctx.batch.rows()
+    channels, widest = ctx.invstd.numel(), max(ctx.counts)
+    packed = torch.zeros(1 + 2 * channels * widest, dtype=torch.float64,
+                         device=ctx.invstd.device)
+    if rows is not None:
+        packed[0] = 1.0
+        blocks = packed[1:].view(2, channels, widest)
+        for block, part in zip(blocks, rows):
+            block[:, :part.shape[1]].copy_(part)
+    gathered = [torch.empty_like(packed) for _ in ctx.counts]
+    dist.all_gather(gathered, packed, group=ctx.process_group)
+    if not bool(torch.stack([row[0] for row in gathered]).all()):
+        return False
+    x_rows, dy_rows = torch.cat(
+        [row[1:].view(2, channels, widest)[:, :, :count]
+         for row, count in zip(gathered, ctx.counts)], 2)
+    ctx.batch.take(x_rows, dy_rows, sum(ctx.counts[:ctx.rank]))
+    return True
 
 
 def merge_across_processes(
-    mean: torch.Tensor, m2: torch.Tensor, count: int, eps: float, process_group: Any = None
+    mean: torch.Tensor, m2: torch.Tensor, count: int, eps: float, process_group: Any = None,
+    batch: Any = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-    """The whole group's ``(mean, M2, invstd, count)`` from this rank's, differentiable."""
-    mean, m2, invstd, counts = _MergeAcrossProcesses.apply(mean, m2, count, eps, process_group)
+    """The whole group's ``(mean, M2, invstd, count)`` from this rank's, differentiable.
+    ``batch``: this process's replicas' ``layer.whole_batch.WholeBatch``, where their input
+    gradients may come from every rank's inputs at once (None: never)."""
+    mean, m2, invstd, counts = _MergeAcrossProcesses.apply(mean, m2, count, eps, process_group,
+                                                           batch)
     return mean, m2, invstd, int(counts.sum())
 
 
