@@ -164,29 +164,29 @@ def _bound_ratios(ours: torch.Tensor, theirs: torch.Tensor, exact: torch.Tensor)
 
 # Channels a generated layer has: the bound's failures are a chance per channel.
 BOUND_CHANNELS = 16
+SMOOTH_CHANNELS = 48
 # Bits the float64 reference computes with (mpmath): float64's input gradient over so few values
 # is a difference of terms larger than itself, measured to far below its last bit.
 REFERENCE_BITS = 160
 
 
 def bound_case(activation: str, replicas: int, spatial: tuple[int, int], data,
-                most: int = 64):
+               most: int = 64, channels: int = BOUND_CHANNELS, ratio: float = 1e3):
     """A generated layer for the bound: ``(shape, gamma, beta, x, dy)`` (x and dy in float64),
     3 to ``most`` values a channel over the whole batch (by default on both sides of
     ``MIN_REBUILT_COUNT`` and ``MIN_OWN_PRECISION_COUNT``), gammas and betas rebuilt and kept
-    aside (|beta| up to 1e3 |gamma|). ELU: |gamma| <= 1 and beta >= 0, keeping z above about
+    aside (|beta| up to ``ratio`` |gamma|). ELU: |gamma| <= 1 and beta >= 0, keeping z above about
     -4 (its deep saturation is a limit of its own, README)."""
     per_sample = spatial[0] * spatial[1]
     fewest = max(replicas, -(-3 // per_sample))
     batch = data.draw(st.one_of(st.integers(fewest, max(fewest, min(40, most) // per_sample)),
                                 st.integers(fewest, max(fewest, most // per_sample))),
                       label="batch")
-    channels = BOUND_CHANNELS
     largest = 1.0 if activation == "elu" else 10.0
     magnitudes = data.draw(st.lists(st.floats(0.1, largest), min_size=channels,
                                     max_size=channels))
-    ratios = data.draw(st.lists(st.one_of(st.floats(-1.5, 1.5), st.floats(1.5, 1e3),
-                                          st.floats(-1e3, -1.5)),
+    ratios = data.draw(st.lists(st.one_of(st.floats(-1.5, 1.5), st.floats(1.5, ratio),
+                                          st.floats(-ratio, -1.5)),
                                 min_size=channels, max_size=channels))
     gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16), label="seed"))
     gamma = torch.tensor(magnitudes) * torch.randn(channels, generator=gen).sign()
@@ -263,6 +263,23 @@ def test_float32_input_gradient_within_three_times_batchnorms_error(activation, 
                          f"{activation} x{replicas} {shape}")
 
 
+def _smooth_derivative(activation: str, z):
+    """act'(z) of a smooth activation, in mpmath at its working precision."""
+    import mpmath
+
+    if activation == "silu":
+        sigmoid = 1 / (1 + mpmath.exp(-z))
+        return sigmoid * (1 + z * (1 - sigmoid))
+    if activation == "gelu":
+        return mpmath.erfc(-z / mpmath.sqrt(2)) / 2 + z * mpmath.npdf(z)
+    # gelu_tanh: z / 2 (1 + tanh(u)), u = sqrt(2 / pi) (z + 0.044715 z^3); 1 + tanh(u) =
+    # 2 s(2u) and 1 - tanh(u)^2 = 4 s(2u) s(-2u), s the sigmoid, keep the tails' digits.
+    k, c = mpmath.sqrt(2 / mpmath.pi), mpmath.mpf(0.044715)
+    u = k * (z + c * z**3)
+    up, down = 1 / (1 + mpmath.exp(-2 * u)), 1 / (1 + mpmath.exp(2 * u))
+    return up + 2 * z * up * down * k * (1 + 3 * c * z * z)
+
+
 def _exact_errors(grads: Sequence[torch.Tensor], x: torch.Tensor, dy: torch.Tensor,
                   gamma: torch.Tensor, beta: torch.Tensor, activation: str
                   ) -> tuple[list[torch.Tensor], torch.Tensor]:
@@ -292,8 +309,10 @@ def _exact_errors(grads: Sequence[torch.Tensor], x: torch.Tensor, dy: torch.Tens
                     dz.append(mpmath.mpf(0))
                 elif activation == "leaky_relu":
                     dz.append(g * slope)
-                else:
+                elif activation == "elu":
                     dz.append(g * slope * mpmath.exp(z))
+                else:
+                    dz.append(g * _smooth_derivative(activation, z))
             mean_dz = mpmath.fsum(dz) / n
             mean_dz_xhat = mpmath.fsum(d * h for d, h in zip(dz, xhat)) / n
             exact = [w * invstd * (d - mean_dz - h * mean_dz_xhat) for d, h in zip(dz, xhat)]
@@ -425,3 +444,25 @@ def test_float64_bound_after_a_create_graph_backward(activation, replicas, spati
     assert ((both - apart).abs() <= rounding).all(), (
         f"{what}: the loss and penalty's input gradient off the two apart by "
         f"{float((both - apart).abs().max()):.3g}")
+
+
+@settings(max_examples=30, deadline=None, derandomize=True)
+@given(
+    activation=st.sampled_from(["silu", "gelu"]),
+    replicas=st.integers(1, 4),
+    spatial=st.sampled_from([(1, 1), (1, 2), (3, 1)]),
+    data=st.data(),
+)
+def test_float64_smooth_activations_within_three_times_batchnorms_error(activation, replicas,
+                                                                       spatial, data):
+    """silu and gelu (out of place) in float64 below ``MIN_OWN_PRECISION_COUNT`` values, their
+    derivatives in double-double too: each channel within the bound of
+    ``test_float64_input_gradient_within_three_times_batchnorms_error``. Many channels,
+    |beta| up to 3 |gamma|: ATen's float64 gelu' loses its tail (1 + erf(z / sqrt 2) below
+    z of about -3), and a derivative at z's float64 rounding errs by act''(z) times its low
+    part, beyond the bound where nn.BatchNorm2d's own roundings happen to cancel."""
+    shape, gamma, beta, x, dy = bound_case(activation, replicas, spatial, data, most=8,
+                                           channels=SMOOTH_CHANNELS, ratio=3.0)
+    ours, theirs = _input_grads(x, dy, gamma, beta, activation, replicas, (torch.float64,))
+    assert_float64_bound(ours, theirs, x, dy, gamma, beta, activation,
+                         f"{activation} x{replicas} {shape}")

@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from .. import activations, compat
+from ..layer import double_double
 from .backend import (
     BatchSums,
     DxCoefs,
@@ -190,9 +191,10 @@ def channel_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
         mean = wide.mean(dim=dims)
         if acc != torch.float64:
             return mean, wide.var(dim=dims, correction=0).mul_(count), count
-        centred = wide - mean.view(-1, *([1] * (x.dim() - 2)))
-        return mean, centred.mul_(centred).sum(dim=dims), count
+        return mean, _float64_m2(_channel_last(wide), mean), count
     rows = _as_rows(_in_rows_layout(x))
+    if acc == torch.float64:
+        return (*_float64_slab_stats(_pieces(rows)), count)
     if x.is_cpu:
         shift, first_mean_square = _first_slab_moments(rows, acc)
         fused = _fused_stats(x, shift, first_mean_square, count)
@@ -205,6 +207,78 @@ def channel_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
         if shifted is not None:
             return (*shifted, count)
     return (*_centred_stats(rows, slabs, scratch, count), count)
+
+
+#: Squares ``_float64_m2`` adds in one ATen sum before the exact part of its sum.
+_SQUARES_RUN = 16
+
+
+def _float64_m2(piece: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
+    """Per channel, ``M2 = sum((x - mean)^2)`` of a float64 channel-last piece around the
+    (C,) ``mean``, to about one rounding.
+
+    Why: invstd carries half of M2's relative error, and every element of the input gradient
+    all of invstd's. Summed as float64 squares of rounded deviations, M2 errs by the
+    deviations' roundings (about one each, which few values do not average out) and by the
+    sum's (about sqrt(n) at n values), as nn.BatchNorm2d's own sums do; the README bounds the
+    input gradient by 3x nn.BatchNorm2d's error, which its luckier channels make smaller than
+    that. Here each deviation is exact as ``d + e`` and its square as ``p + q`` (error-free
+    transformations, ``double_double``); ATen sums runs of ``_SQUARES_RUN`` of the ``p``, and
+    the runs' sums are added in double-double: a run's error is relative to the run's sum,
+    and n / ``_SQUARES_RUN`` independent ones (at least ``_SQUARES_RUN``; fewer values are
+    added in double-double one by one) average down to a fraction of a rounding of the
+    whole. The small terms ``q + 2 d e`` are summed in float64, their rounding far below M2's.
+    """
+    channels = piece.shape[-1]
+    d, e = double_double.two_sum(piece, -mean)
+    p, q = double_double.two_prod(d, d)
+    values = p.reshape(-1, channels)
+    # Fewer runs than a run's squares would not average their errors: all in double-double.
+    run = _SQUARES_RUN if values.shape[0] >= _SQUARES_RUN * _SQUARES_RUN else 1
+    whole = values.shape[0] // run * run
+    runs = [values[:whole].view(-1, run, channels).sum(1)]
+    if whole < values.shape[0]:
+        runs.append(values[whole:].sum(0, keepdim=True))
+    runs = torch.cat(runs).t()
+    high, low = double_double.channel_sum((runs, torch.zeros_like(runs)))
+    small = q.addcmul_(d, e, value=2.0).sum(dim=_reduced_dims(q))
+    return high.view(channels) + (low.view(channels) + small)
+
+
+def _float64_slab_stats(slabs) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(mean, M2)`` of float64 slabs: each slab's mean and ``_float64_m2``, merged as
+    Chan's (``sync.stats``), the M2 terms added in double-double: as precise as one slab's,
+    for the few passes a slab of ``_float64_m2``."""
+    counts, means, m2s = [], [], []
+    for (slab,) in slabs:
+        mean = slab.mean(dim=(0, 1))
+        counts.append(slab.numel() // slab.shape[-1])
+        means.append(mean)
+        m2s.append(_float64_m2(slab, mean))
+    if len(slabs) == 1:
+        return means[0], m2s[0]
+    column = torch.tensor(counts, dtype=torch.float64, device=means[0].device).unsqueeze(1)
+    means = torch.stack(means)
+    mean = (means * column).sum(0) / sum(counts)
+    deviation = means - mean
+    terms = torch.stack(m2s).addcmul_(deviation * column, deviation).t()
+    high, low = double_double.channel_sum((terms, torch.zeros_like(terms)))
+    return mean, (high + low).view(-1)
+
+
+def float64_invstd(m2: torch.Tensor, count: float, eps: float) -> torch.Tensor:
+    """``1 / sqrt(M2 / count + eps)`` of float64 (C,) ``m2``, rounded once: the variance in
+    double-double, then float64's rsqrt and a Newton step (``double_double.rsqrt``).
+
+    Why: float64 has no wider dtype to take invstd in and round once (as narrower inputs
+    do, ``finalize_stats``); its division, sum and root round three times, and the input
+    gradient scales with invstd in every element."""
+    zero = torch.zeros_like(m2)
+    variance = double_double.add(
+        double_double.div((m2, zero), (torch.full_like(m2, float(count)), zero)),
+        (torch.full_like(m2, eps), zero))
+    high, low = double_double.rsqrt(variance)
+    return high + low
 
 
 def _sums_around(slabs, scratch: torch.Tensor, shift: torch.Tensor
@@ -361,8 +435,12 @@ def finalize_stats(mean: torch.Tensor, m2: torch.Tensor, count: int, eps: float,
 
     ``invstd`` is taken in float64 and rounded once, as nn.BatchNorm2d takes it on the CPU:
     the input gradient scales with it, and three float32 roundings (the division, the sum,
-    the root) would leave it coarser than nn.BatchNorm2d's, for a (C,) vector's cost."""
-    invstd = torch.rsqrt(m2.to(widest_dtype(m2.device)) / count + eps).to(m2.dtype)
+    the root) would leave it coarser than nn.BatchNorm2d's, for a (C,) vector's cost; float64
+    in double-double (``float64_invstd``)."""
+    if m2.dtype == torch.float64:
+        invstd = float64_invstd(m2, count, eps)
+    else:
+        invstd = torch.rsqrt(m2.to(widest_dtype(m2.device)) / count + eps).to(m2.dtype)
     if running is not None:
         track_batch(*running, mean, m2, count)
     small = small_gamma(*check) if check is not None else None
@@ -647,6 +725,22 @@ def backward_dx(saved: torch.Tensor, dy: torch.Tensor, params: NormParams,
     return dx
 
 
+def _rebuilt_weight(weight: torch.Tensor, invstd: torch.Tensor, unit: torch.Tensor
+                    ) -> torch.Tensor:
+    """The weight ATen's BatchNorm backward takes for xhat rebuilt as ``(z - bias) * unit``
+    (``unit`` about ``1 / weight``, in float64): ``weight * invstd / unit``, so that the
+    product it scales dx by, ``unit * weight'``, is ``weight * invstd``. In float32, taken in
+    float64 and rounded once; in float64, in double-double with ``unit`` as rounded, so that
+    the product errs by one rounding, not by unit's, the two of ``weight * invstd * weight``
+    and their product's (each reaches every element of dx)."""
+    if weight.dtype != torch.float64:
+        wide = weight.to(unit.dtype)
+        return (wide * invstd * wide).to(weight.dtype)
+    zero = torch.zeros_like(unit)
+    high, low = double_double.div(double_double.two_prod(weight, invstd), (unit, zero))
+    return high + low
+
+
 def batch_backward(saved: torch.Tensor, dy: torch.Tensor, params: NormParams,
                    saved_is_output: bool, count: int, overwrite_saved: bool = False
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -685,9 +779,9 @@ def batch_backward(saved: torch.Tensor, dy: torch.Tensor, params: NormParams,
     # As xhat = (z - centre) * unit, and unit * bn_weight = weight * invstd: (C,) vectors
     # taken in float64 and rounded once each, as nn.BatchNorm2d's own are.
     if saved_is_output:
-        wide = weight.to(widest_dtype(weight.device))
-        centre, unit, bn_weight = (bias, wide.reciprocal().to(weight.dtype),
-                                   (wide * invstd * wide).to(weight.dtype))
+        centre, unit = bias, weight.to(widest_dtype(weight.device)).reciprocal()
+        bn_weight = _rebuilt_weight(weight, invstd, unit)
+        unit = unit.to(weight.dtype)
     else:
         centre, unit, bn_weight = mean, invstd, weight
     dx, sum_dz_xhat, sum_dz = torch.ops.aten.native_batch_norm_backward(

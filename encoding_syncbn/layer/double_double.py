@@ -175,8 +175,9 @@ def channel_rows(t: torch.Tensor) -> torch.Tensor:
 
 
 def _activation_slope(z: DD, dy: torch.Tensor, activation: str, param: float) -> DD:
-    """``dy * act'(z)``: exact where act' is piecewise constant, ELU's ``alpha exp(z)`` below
-    0 in double-double; other activations' derivatives are float64's at z's high part."""
+    """``dy * act'(z)``: exact where act' is piecewise constant; ELU's ``alpha exp(z)`` below
+    0, silu's and gelu's derivatives in double-double (``_SMOOTH_SLOPES``); others' (gelu_tanh)
+    are float64's at z's high part."""
     dy_dd = (dy, torch.zeros_like(dy))
     if activation == "elu":
         positive = z[0] > 0
@@ -187,8 +188,67 @@ def _activation_slope(z: DD, dy: torch.Tensor, activation: str, param: float) ->
     definition = activations.ACTIVATIONS[activation]
     if definition.derivative is None:
         return dy_dd
+    smooth = _SMOOTH_SLOPES.get(activation)
+    if smooth is not None:
+        return mul(dy_dd, smooth(z))
     slope = definition.derivative(torch.ones_like(z[0]), z[0], param, torch.empty_like(z[0]))
     return mul(dy_dd, (slope, torch.zeros_like(slope)))
+
+
+def _scaled(a: DD, factor: float) -> DD:
+    """``a`` times a float64 ``factor``."""
+    return mul(a, (torch.full_like(a[0], factor), torch.zeros_like(a[0])))
+
+
+def _sigmoids(a: DD) -> tuple[DD, DD]:
+    """``(sigmoid(a), sigmoid(-a))`` from ``e = exp(-|a|)`` (``exp``, whose argument is <= 0):
+    ``1 / (1 + e)`` and ``e / (1 + e)``, each to its own precision in both tails (where
+    float64's ``1 - sigmoid`` loses it)."""
+    negative = a[0] < 0
+    e = exp((-a[0].abs(), torch.where(negative, a[1], -a[1])))
+    one = (torch.ones_like(a[0]), torch.zeros_like(a[0]))
+    large = div(one, add(one, e))
+    small = mul(e, large)
+    return _where(negative, small, large), _where(negative, large, small)
+
+
+def _where(condition: torch.Tensor, a: DD, b: DD) -> DD:
+    return torch.where(condition, a[0], b[0]), torch.where(condition, a[1], b[1])
+
+
+def _silu_slope(z: DD) -> DD:
+    """silu'(z) = s(z) + z s(z) s(-z), s the sigmoid."""
+    up, down = _sigmoids(z)
+    return add(up, mul(z, mul(up, down)))
+
+
+def _gelu_slope(z: DD) -> DD:
+    """gelu'(z) = Phi(z) + z phi(z): phi(z) = exp(-z^2 / 2) / sqrt(2 pi) in double-double;
+    Phi(z) = erfc(-x) / 2, x = z / sqrt(2), float64's erfc at x's high part plus the step
+    ``2 / sqrt(pi) exp(-x^2) x_lo`` (exp(-x^2) = sqrt(2 pi) phi(z)): erfc keeps its digits in
+    both tails, where ATen's 1 + erf(x) loses them (all below z of about -8), and errs by
+    about a rounding of Phi elsewhere."""
+    density = mul(exp(_scaled(mul(z, z), -0.5)), _INV_SQRT_2PI_DD(z))
+    x = mul(z, _SQRT_HALF_DD(z))
+    cdf = (torch.special.erfc(-x[0]).mul_(0.5)
+           .add_(math.sqrt(2.0) * (density[0] + density[1]) * x[1]))
+    return add(mul(z, density), (cdf, torch.zeros_like(cdf)))
+
+
+def _dd_constant(value: Fraction):
+    """A double-double constant as a function of a tensor to take its shape from."""
+    high, low = _constant(value)
+    return lambda like: (torch.full_like(like[0], high), torch.full_like(like[0], low))
+
+
+# 1 / sqrt(2 pi), 1 / sqrt(2): float64's, plus the error to 32 digits.
+_INV_SQRT_2PI_DD = _dd_constant(Fraction(1 / math.sqrt(2 * math.pi))
+                                + Fraction("-2.4923272022777300786441381511657e-17"))
+_SQRT_HALF_DD = _dd_constant(Fraction(math.sqrt(0.5))
+                             + Fraction("-4.8336466567264565185935844299127932e-17"))
+# The smooth activations' act' in double-double from z's both parts, where ATen's float64
+# loses its tails and z's low part.
+_SMOOTH_SLOPES = {"gelu": _gelu_slope, "silu": _silu_slope}
 
 
 def batch_backward(x: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,

@@ -24,6 +24,7 @@ from typing import NamedTuple
 
 import torch
 
+from ..kernels import torch_ops
 from ..tensor_cache import tensor_cache
 
 
@@ -82,6 +83,8 @@ def chan_merge(means: Sequence[torch.Tensor], m2s: Sequence[torch.Tensor], count
     m2 = torch.addcmul(m2s, deviation * counts.column, deviation).sum(0)
     if isinstance(counts.total, torch.Tensor):  # traced: n stays on the device
         invstd = (m2 / counts.total.clamp_min(1.0) + eps).rsqrt()
+    elif m2.dtype == torch.float64:
+        invstd = torch_ops.float64_invstd(m2, max(counts.total, 1.0), eps)
     else:
         invstd = torch.add(
             _constant(eps, m2.device, m2.dtype), m2, alpha=1 / max(counts.total, 1.0)
