@@ -4,7 +4,7 @@ the whole synchronised batch) runs out of place (``inplace_policy.rebuilds_from_
 the rebuilt input's rounding, multiplied by up to 1 + |beta| / |gamma|, is not averaged out,
 and a call over fewer than ``MIN_OWN_PRECISION_COUNT`` computes in float64
 (``functional.computes_in``; float64's input gradient in double-double,
-``layer/double_double.py``). The README's bound on the input gradient (3x nn.BatchNorm2d's
+``kernels/double_double.py``). The README's bound on the input gradient (3x nn.BatchNorm2d's
 error) is asserted here in float32 and float64 (benchmarks/few_values_precision.py measures
 it). Half precision: tests/test_half_precision.py.
 """
@@ -336,7 +336,7 @@ def test_float64_input_gradient_within_three_times_batchnorms_error(activation, 
     the whole simulated DataParallel batch, each channel's input gradient is within 3x
     nn.BatchNorm2d + the activation's error in float64 (or of half an ulp of its largest
     |dx|), both against an exact reference: below ``MIN_OWN_PRECISION_COUNT`` values the
-    layer's input gradient computes in double-double (``layer/double_double.py``)."""
+    layer's input gradient computes in double-double (``kernels/double_double.py``)."""
     shape, gamma, beta, x, dy = bound_case(activation, replicas, spatial, data)
     ours, theirs = _input_grads(x, dy, gamma, beta, activation, replicas, (torch.float64,))
     assert_float64_bound(ours, theirs, x, dy, gamma, beta, activation,

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from .. import activations, compat
-from ..layer import double_double
+from . import double_double
 from .backend import (
     BatchSums,
     DxCoefs,

@@ -58,6 +58,7 @@ from ..kernels import (
     NormParams,
     RunningParams,
     RunningStats,
+    double_double,
     dx_coefs,
     ops_for,
     reference_ops,
@@ -65,7 +66,7 @@ from ..kernels import (
 )
 from ..sync import stats
 from ..sync.streams import stream_event, wait_for
-from . import double_double, inplace_policy
+from . import inplace_policy
 from .inplace_policy import ChannelsAside
 from .whole_batch import WholeBatch
 
@@ -390,7 +391,8 @@ class BatchNormAct(torch.autograd.Function):
         if not needs[0]:
             sum_dz, sum_dz_xhat = _reduce(saved, grad_output, config, params, backend)
             return (None, *_param_grads(needs[1], needs[2], sum_dz, sum_dz_xhat), None)
-        if double_double.applies(saved.tensor.dtype, ctx.count, config.inplace):
+        if inplace_policy.takes_double_double_gradient(saved.tensor.dtype, ctx.count,
+                                                       config.inplace):
             grad_input, sum_dz, sum_dz_xhat = double_double.batch_backward(
                 saved.tensor, grad_output, saved.weight, saved.bias, ctx.eps,
                 config.activation, config.activation_param)

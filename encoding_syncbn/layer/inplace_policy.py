@@ -116,6 +116,14 @@ GRADIENT_ERROR_BOUND = 3.0
 ACCEPTED_FAILURE_CHANCE = 1e-6
 
 
+def takes_double_double_gradient(dtype: torch.dtype, count: int, inplace: bool) -> bool:
+    """Whether a training call's input gradient is taken in double-double
+    (``kernels/double_double.py``): float64 inputs whose statistics cover fewer than
+    ``MIN_OWN_PRECISION_COUNT`` values a channel (all replicas and ranks), which train out of
+    place (their input saved)."""
+    return dtype == torch.float64 and count < MIN_OWN_PRECISION_COUNT and not inplace
+
+
 def rebuilds_from_count(count: int, dtype: torch.dtype) -> bool:
     """Whether an in-place layer whose batch statistics are taken over ``count`` values a
     channel (all replicas and ranks) on inputs of ``dtype`` may rebuild its input for the

@@ -92,7 +92,7 @@ class SyncBatchNorm(_BatchNorm):
             (float64: ``MIN_OWN_PRECISION_COUNT``) runs out of place: so few values leave
             the rebuilt input's rounding unaveraged (see ``inplace_policy``); it computes
             in float64, and a float64 one takes its input gradient in double-double
-            (``layer/double_double.py``).
+            (``kernels/double_double.py``).
 
     In place, the tensor passed in is overwritten and returned. A tensor autograd will not let
     us overwrite (a leaf that requires grad, an output of ``torch.chunk``/``split``) is

@@ -36,9 +36,10 @@ from typing import Any
 
 import torch
 
+from ..kernels import double_double
 from ..sync import stats
 from ..sync.streams import wait_for
-from . import double_double
+from . import inplace_policy
 
 # A replica's ``functional._Link`` (functional imports this module).
 _Link = Any
@@ -69,7 +70,8 @@ class WholeBatch:
         where its input gradients never come here: not float64, or already
         ``MIN_OWN_PRECISION_COUNT`` values (the global count, known after the merge, is at
         least this one)."""
-        if not double_double.applies(links[0].dtype, count, inplace=False):
+        if not inplace_policy.takes_double_double_gradient(links[0].dtype, count,
+                                                           inplace=False):
             return None
         return cls(links, eps, device, across_processes, nested)
 
@@ -78,7 +80,8 @@ class WholeBatch:
         gradients here: the same answer in every process (the input dtype and the global
         count; below that count a float64 call is always out of place,
         ``inplace_policy.for_count``)."""
-        return double_double.applies(self.links[0].dtype, total, inplace=False)
+        return inplace_policy.takes_double_double_gradient(self.links[0].dtype, total,
+                                                           inplace=False)
 
     def _filled(self, create_graph: bool) -> bool:
         """Whether every replica left its input and dy, and every gradient reaching the
@@ -90,7 +93,8 @@ class WholeBatch:
             link.saved is not None and link.grad_output is not None and link.total == total
             and (link.direct_grad is not None if create_graph
                  else not (link.graphed and self.nested))
-            and double_double.applies(link.saved.tensor.dtype, total, link.config.inplace)
+            and inplace_policy.takes_double_double_gradient(link.saved.tensor.dtype, total,
+                                                            link.config.inplace)
             for link in self.links)
 
     def rows(self, create_graph: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:

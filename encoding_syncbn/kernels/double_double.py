@@ -41,7 +41,6 @@ from fractions import Fraction
 import torch
 
 from .. import activations
-from . import inplace_policy
 
 _SPLITTER = float(2**27 + 1)
 
@@ -62,14 +61,6 @@ _SQUARINGS = 8
 _TAYLOR_DEGREE = 9
 _INVERSE_FACTORIALS = [_constant(Fraction(1, math.factorial(k)))
                        for k in range(_TAYLOR_DEGREE + 1)]
-
-
-def applies(dtype: torch.dtype, count: int, inplace: bool) -> bool:
-    """Whether a training call's input gradient is taken here: float64 inputs whose
-    statistics cover fewer than ``MIN_OWN_PRECISION_COUNT`` values a channel (all replicas
-    and ranks), which train out of place (their input saved)."""
-    return (dtype == torch.float64 and count < inplace_policy.MIN_OWN_PRECISION_COUNT
-            and not inplace)
 
 
 def _exact_where_finite(s: torch.Tensor, error: torch.Tensor) -> DD:
