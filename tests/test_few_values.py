@@ -360,6 +360,13 @@ def assert_float64_bound(ours: torch.Tensor, theirs: torch.Tensor, x: torch.Tens
 # The whole synchronised batch's values a channel in the cases of the paths below: under
 # MIN_OWN_PRECISION_COUNT, where a float64 call's input gradient comes in double-double.
 FEW = MIN_OWN_PRECISION_COUNT - 1
+# The layers of the create_graph tests: 2-4 simulated DataParallel replicas.
+SYNCHRONISED_FEW_VALUE_CASES = dict(
+    activation=st.sampled_from(["identity", "leaky_relu", "elu", "relu"]),
+    replicas=st.integers(2, 4),
+    spatial=st.sampled_from([(1, 1), (1, 2), (3, 1)]),
+    data=st.data(),
+)
 
 
 @settings(max_examples=10, deadline=None, derandomize=True)
@@ -382,12 +389,7 @@ def test_float64_bound_in_nested_dataparallel_calls(activation, replicas, spatia
 
 
 @settings(max_examples=12, deadline=None, derandomize=True)
-@given(
-    activation=st.sampled_from(["identity", "leaky_relu", "elu", "relu"]),
-    replicas=st.integers(2, 4),
-    spatial=st.sampled_from([(1, 1), (1, 2), (3, 1)]),
-    data=st.data(),
-)
+@given(**SYNCHRONISED_FEW_VALUE_CASES)
 def test_float64_bound_in_a_create_graph_backward(activation, replicas, spatial, data):
     """The float64 bound over 3 to 37 values a channel for the gradient a create_graph
     backward returns (a gradient penalty's first) over 2-4 simulated DataParallel replicas:
@@ -402,12 +404,7 @@ def test_float64_bound_in_a_create_graph_backward(activation, replicas, spatial,
 
 
 @settings(max_examples=12, deadline=None, derandomize=True)
-@given(
-    activation=st.sampled_from(["identity", "leaky_relu", "elu", "relu"]),
-    replicas=st.integers(2, 4),
-    spatial=st.sampled_from([(1, 1), (1, 2), (3, 1)]),
-    data=st.data(),
-)
+@given(**SYNCHRONISED_FEW_VALUE_CASES)
 def test_float64_bound_after_a_create_graph_backward(activation, replicas, spatial, data):
     """A gradient penalty's pattern over 2-4 simulated DataParallel replicas and 3 to 37
     values a channel: after a create_graph backward, a backward of the loss alone gives an
