@@ -790,7 +790,7 @@ def test_checkpoint_around_an_inplace_layer_on_its_own_input_raises(replicas):
     model = Model()
     runner = SimulatedDataParallel(model, replicas) if replicas else model
     # Enough values a channel to train in place (inplace_policy.rebuilds_from_count).
-    out = runner(batch(40, seed=90)[0])
+    out = runner(batch(112, seed=90)[0])
     with pytest.raises(RuntimeError):
         out.sum().backward()
 
