@@ -124,7 +124,7 @@ def check_nonfinite_gradients(activation: str, inplace: bool, training: bool,
                               injections: list[tuple[str, float, int, int]],
                               replicas: int | None, seed: int, device: str = "cpu",
                               compiled: bool = False) -> None:
-    """A (7, 3, 2, 3) float64 layer (values a channel enough to train in place:
+    """A (19, 3, 2, 3) float64 layer (values a channel enough to train in place:
     ``inplace_policy.rebuilds_from_count``), with ``injections`` put into it: each ``(target,
     value, channel, element)`` writes ``value`` into x (``element``: 0-23 of that channel) or into
     the channel's entry of a parameter or buffer (``target``: its name). Its input, weight and
@@ -137,7 +137,7 @@ def check_nonfinite_gradients(activation: str, inplace: bool, training: bool,
     layer = SyncBatchNorm(3, activation=activation, slope=SLOPES.get(activation, 0.01),
                           inplace=inplace, dtype=torch.float64)
     ref = nn.BatchNorm2d(3, dtype=torch.float64)
-    x = torch.randn(7, 3, 2, 3, generator=gen, dtype=torch.float64)
+    x = torch.randn(19, 3, 2, 3, generator=gen, dtype=torch.float64)
     with torch.no_grad():
         # Gammas of either sign, above the limit under which in place keeps channels aside
         # (|beta| < |gamma| / 1.25).

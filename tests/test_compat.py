@@ -131,7 +131,7 @@ def test_a_compiled_call_is_no_export_where_dynamo_says_it_is(monkeypatch):
     sets the flag, still refuses it."""
     monkeypatch.setattr(torch.compiler, "is_exporting", lambda: True)
     layer = SyncBatchNorm(3, activation="leaky_relu").double()
-    x = torch.randn(8, 3, 5, dtype=torch.float64)  # values enough to train in place
+    x = torch.randn(23, 3, 5, dtype=torch.float64)  # values enough to train in place
     written = x.clone()
     out = layer(written)  # in place: the layer's own kernels, not the ATen path's copy
     assert out.data_ptr() == written.data_ptr() and layer.num_batches_tracked == 1

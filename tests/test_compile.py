@@ -184,7 +184,7 @@ def test_converted_model_compiles_to_one_graph(traced_as, converter, training):
     model = converter(copy.deepcopy(base)).train(training)
     if converter is convert_inplace_abn:
         assert all(m.inplace for m in model.modules() if isinstance(m, SyncBatchNorm))
-    x, dy = torch.randn(2, 3, 6, 6, dtype=torch.float64), torch.randn(2, C, 6, 6).double()
+    x, dy = torch.randn(4, 3, 6, 6, dtype=torch.float64), torch.randn(4, C, 6, 6).double()
     explained = torch._dynamo.explain(copy.deepcopy(model))(x)
     assert (explained.graph_count, explained.graph_break_count) == (1, 0), \
         explained.break_reasons
@@ -371,7 +371,7 @@ gammas = st.sampled_from([0.0, 1e-7, -1e-5, 1e-3, 0.02, -0.3, 1.0, 2.5])
     training=st.booleans(),
     # Each with enough values a channel for float64 to train in place
     # (inplace_policy.rebuilds_from_count).
-    shape=st.sampled_from([(2, 3, 4, 5), (8, 4, 5), (3, 5, 2, 2, 4), (1, 6, 7, 6)]),
+    shape=st.sampled_from([(6, 3, 4, 5), (24, 4, 5), (7, 5, 2, 2, 4), (3, 6, 7, 6)]),
     channel_params=st.lists(st.tuples(gammas, st.sampled_from([0.0, 0.4, -3.0])),
                             min_size=6, max_size=6),
     seed=st.integers(0, 2**16),
@@ -440,7 +440,7 @@ def test_compiled_in_place_keeps_one_activation_a_block():
     base = _block_net(3)
     with torch.no_grad():
         base[4].weight[2] = 0.0  # the second block keeps one channel aside
-    x, dy = torch.randn(2, 3, 6, 6, dtype=torch.float64), torch.randn(2, C, 6, 6).double()
+    x, dy = torch.randn(4, 3, 6, 6, dtype=torch.float64), torch.randn(4, C, 6, 6).double()
     activation = x.shape[0] * C * 6 * 6 * x.element_size()
     ours = _saved_bytes(convert_inplace_abn(copy.deepcopy(base)), x, dy)
     assert ours == 3 * activation + activation // C
@@ -460,7 +460,7 @@ def test_in_place_model_after_a_step_compiles_to_one_graph(training):
     with torch.no_grad():
         base[1].weight.copy_(torch.tensor([1.5, 0.0, -0.7, 1e-5]))
     model = convert_inplace_abn(base).train(training)
-    x, dy = torch.randn(2, 3, 6, 6, dtype=torch.float64), torch.randn(2, C, 6, 6).double()
+    x, dy = torch.randn(4, 3, 6, 6, dtype=torch.float64), torch.randn(4, C, 6, 6).double()
     step(torch.compile(model, backend="aot_eager"), x, dy)
     assert [m._compiled_keep_aside for m in model.modules() if isinstance(m, SyncBatchNorm)] \
         == [2, 0]
@@ -480,7 +480,7 @@ def test_compiled_in_place_count_follows_gamma():
     layer = _in_place_layer("leaky_relu", 0.1, [1.0, -2.0, 0.5, 1.5], [0.5, 0.3, -0.2, 1.0],
                             True)
     torch.manual_seed(8)
-    x, dy = torch.randn(3, C, 4, 5, dtype=torch.float64), torch.randn(3, C, 4, 5).double()
+    x, dy = torch.randn(6, C, 4, 5, dtype=torch.float64), torch.randn(6, C, 4, 5).double()
     step(layer, x, dy)
     assert layer._compiled_keep_aside is None
     recorder = GraphRecorder()
@@ -518,15 +518,15 @@ def test_compiled_in_place_counts_on_cpu_parameters_only(monkeypatch):
     layer.to_empty(device="cpu")
     assert len(hooks()) == 1
     torch.manual_seed(9)
-    x, dy = torch.randn(3, C, 4, 5, dtype=torch.float64), torch.randn(3, C, 4, 5).double()
+    x, dy = torch.randn(6, C, 4, 5, dtype=torch.float64), torch.randn(6, C, 4, 5).double()
     step(torch.compile(layer, backend="aot_eager"), x, dy)
     assert layer._compiled_keep_aside is not None
     layer.double()  # moved (to its own dtype): counted again after the next backward
     assert layer._compiled_keep_aside is None and len(hooks()) == 1
     layer.__dict__["_compiled_keep_aside"] = 1
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    assert compiled_inplace.keep_aside(layer, x, 60) == 1
-    assert compiled_inplace.keep_aside(layer, x.to("meta"), 60) is None
+    assert compiled_inplace.keep_aside(layer, x, 120) == 1
+    assert compiled_inplace.keep_aside(layer, x.to("meta"), 120) is None
 
 
 def test_compiled_in_place_warns_where_a_gamma_outgrew_its_count():
@@ -536,7 +536,7 @@ def test_compiled_in_place_warns_where_a_gamma_outgrew_its_count():
     layer = _in_place_layer("leaky_relu", 0.1, [1.0, -2.0, 0.5, 1.5], [0.0, 0.3, -0.2, 1.0],
                             True)
     torch.manual_seed(10)
-    x, dy = torch.randn(3, C, 4, 5, dtype=torch.float64), torch.randn(3, C, 4, 5).double()
+    x, dy = torch.randn(6, C, 4, 5, dtype=torch.float64), torch.randn(6, C, 4, 5).double()
     compiled = torch.compile(layer, backend="aot_eager")
     for _ in range(2):  # out of place, then keeping no channel aside
         step(compiled, x, dy)
@@ -564,7 +564,7 @@ def test_export_after_a_compiled_step_computes_the_formula():
     kernels' formula, as any export does: no rebuilt Function, no choice of channels."""
     layer = _in_place_layer("leaky_relu", 0.1, [1.0, 0.0, 0.5, 1.5], [0.0] * C, True)
     torch.manual_seed(11)
-    x, dy = torch.randn(3, C, 4, 5, dtype=torch.float64), torch.randn(3, C, 4, 5).double()
+    x, dy = torch.randn(6, C, 4, 5, dtype=torch.float64), torch.randn(6, C, 4, 5).double()
     compiled = torch.compile(layer, backend="aot_eager")
     for _ in range(2):
         step(compiled, x, dy)

@@ -226,7 +226,7 @@ def test_double_backward_in_place_is_a_clear_error(replicas, training):
     conv = nn.Conv2d(2, 3, 2, dtype=DT)
     layer = SyncBatchNorm(3, activation="leaky_relu", dtype=DT).train(training)
     with pytest.raises(RuntimeError, match="double backward.*inplace=False"):
-        _penalty_grads(conv, layer, torch.randn(5, 2, 4, 4, dtype=DT), "leaky_relu", 0.01,
+        _penalty_grads(conv, layer, torch.randn(13, 2, 4, 4, dtype=DT), "leaky_relu", 0.01,
                        replicas)
 
 
@@ -406,14 +406,14 @@ def test_fake_tensor_pass_in_place_leaves_no_answer_behind():
     with torch.no_grad():
         layer.weight.copy_(torch.tensor([1.5, -0.7, 0.0, 2.0]))
     with FakeTensorMode(allow_non_fake_inputs=True):
-        fake = torch.randn(5, 4, 3, 3, dtype=DT, requires_grad=True)  # values to train in place
+        fake = torch.randn(13, 4, 3, 3, dtype=DT, requires_grad=True)  # values to train in place
         out = layer(fake * 1)
         out.sum().backward()
     assert out.shape == fake.shape and layer._channels_aside.known is None
     twin = nn.BatchNorm2d(4).double()
     twin.load_state_dict(layer.state_dict())
     layer.weight.grad = None
-    x = torch.randn(5, 4, 3, 3, dtype=DT)
+    x = torch.randn(13, 4, 3, 3, dtype=DT)
     grad = torch.randn_like(x)
     leaf, expected_leaf = x.clone().requires_grad_(), x.clone().requires_grad_()
     layer(leaf * 1).backward(grad)

@@ -322,16 +322,19 @@ def test_fewest_values_rebuilt_follows_from_the_error_analysis():
     """``MIN_REBUILT_COUNT`` is the smallest count whose chance of exceeding the bound (the
     analysis of ``inplace_policy.rebuilds_from_count``) is below the accepted one, and that
     chance falls with the count; ``MIN_OWN_PRECISION_COUNT`` the same for a rebuild left
-    one share of the bound fewer (its arithmetic as fine as the output's)."""
+    one share of the bound fewer (its arithmetic as fine as the output's), and
+    ``MIN_FLOAT64_REBUILT_COUNT`` for one left two fewer (float64's coefficients round too)."""
     from encoding_syncbn.layer.inplace_policy import (
         ACCEPTED_FAILURE_CHANCE,
         GRADIENT_ERROR_BOUND,
+        MIN_FLOAT64_REBUILT_COUNT,
         MIN_OWN_PRECISION_COUNT,
         MIN_REBUILT_COUNT,
     )
 
     for fewest, shares in ((MIN_REBUILT_COUNT, GRADIENT_ERROR_BOUND),
-                           (MIN_OWN_PRECISION_COUNT, GRADIENT_ERROR_BOUND - 1)):
+                           (MIN_OWN_PRECISION_COUNT, GRADIENT_ERROR_BOUND - 1),
+                           (MIN_FLOAT64_REBUILT_COUNT, GRADIENT_ERROR_BOUND - 2)):
         chances = [_failure_chance(n, shares) for n in range(4, fewest + 1)]
         assert all(a > b for a, b in zip(chances, chances[1:]))
         assert chances[-2] > ACCEPTED_FAILURE_CHANCE >= chances[-1]

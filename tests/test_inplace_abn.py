@@ -293,7 +293,7 @@ def test_the_functions(function):
     ref = Formula(weight, bias, running_mean, running_var, 1e-3, magnitude=True)
     for training in (True, False):
         # Enough values a channel to train in place (inplace_policy.rebuilds_from_count).
-        x = torch.randn(5, C, 8, dtype=torch.float64)
+        x = torch.randn(14, C, 8, dtype=torch.float64)
         grad = torch.randn_like(x)
         expected, expected_dx = ref.step(x, grad, training, 0.3, "elu", 0.7)
         leaf = x.clone().requires_grad_()

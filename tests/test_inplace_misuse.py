@@ -37,7 +37,7 @@ class Residual(nn.Module):
 
 def _input():
     # Enough values a channel to train in place (inplace_policy.rebuilds_from_count).
-    return torch.randn(5, 3, 3, 3, dtype=torch.float64)
+    return torch.randn(13, 3, 3, 3, dtype=torch.float64)
 
 
 @pytest.mark.parametrize("replicas", [1, 2])

@@ -45,28 +45,28 @@ class _Gapped(torch.autograd.Function):
 def _leaf():
     # Enough values a channel, its slice [1:] too, to train in place
     # (inplace_policy.rebuilds_from_count, float64).
-    return torch.randn(9, 3, 5, dtype=torch.float64, requires_grad=True)
+    return torch.randn(25, 3, 5, dtype=torch.float64, requires_grad=True)
 
 
 def _inference():
     with torch.inference_mode():
-        return torch.randn(9, 3, 5, dtype=torch.float64)
+        return torch.randn(25, 3, 5, dtype=torch.float64)
 
 
 # (name, make the input, whether it may be overwritten)
 CASES = [
     ("fresh", lambda: _leaf() * 1, True),
     ("fresh channels_last",
-     lambda: (torch.randn(4, 3, 5, 2, dtype=torch.float64, requires_grad=True) * 1).to(
+     lambda: (torch.randn(12, 3, 5, 2, dtype=torch.float64, requires_grad=True) * 1).to(
          memory_format=torch.channels_last), True),
-    ("no grad", lambda: torch.randn(9, 3, 5, dtype=torch.float64), True),
+    ("no grad", lambda: torch.randn(25, 3, 5, dtype=torch.float64), True),
     ("gapped", lambda: _Gapped.apply(_leaf()), True),
     ("slice of a fresh tensor", lambda: (_leaf() * 1)[1:], True),
     ("leaf", _leaf, False),
     ("view of a leaf", lambda: _leaf()[1:], False),
     ("chunk", lambda: (_leaf() * 1).chunk(2)[0], False),
     ("overlapping", lambda: _Overlapping.apply(_leaf()), False),
-    ("expanded", lambda: (_leaf()[:1] * 1).expand(9, -1, -1), False),
+    ("expanded", lambda: (_leaf()[:1] * 1).expand(25, -1, -1), False),
     ("inference tensor", _inference, False),
 ]
 

@@ -732,8 +732,8 @@ def test_checkpoint_non_reentrant_matches_reference(replica_waits):
     opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (ckpt, ref)]
     for s in range(2):
         # Enough values a channel to train, and recompute, in place (rebuilds_from_count).
-        x, _ = batch(40, seed=70 + s)
-        y = torch.randn(40, 2, dtype=DT, generator=torch.Generator().manual_seed(s))
+        x, _ = batch(112, seed=70 + s)
+        y = torch.randn(112, 2, dtype=DT, generator=torch.Generator().manual_seed(s))
         replica_waits.clear()
         out_c, grads_c = step(ckpt, opts[0], x, y, 4)
         # One wait a replica and sync layer, in the forward: the recomputation waits on no peer.
@@ -790,7 +790,7 @@ def test_checkpoint_around_an_inplace_layer_on_its_own_input_raises(replicas):
     model = Model()
     runner = SimulatedDataParallel(model, replicas) if replicas else model
     # Enough values a channel to train in place (inplace_policy.rebuilds_from_count).
-    out = runner(batch(40, seed=90)[0])
+    out = runner(batch(112, seed=90)[0])
     with pytest.raises(RuntimeError):
         out.sum().backward()
 

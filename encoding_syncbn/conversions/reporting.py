@@ -252,7 +252,7 @@ def build(converter: str, originals: dict[str, nn.Module], converted: nn.Module,
 
 
 FEW_VALUES = (f"fewer than {inplace_policy.MIN_REBUILT_COUNT} values a channel (float64: "
-              f"{inplace_policy.MIN_OWN_PRECISION_COUNT}) to rebuild its input from")
+              f"{inplace_policy.MIN_FLOAT64_REBUILT_COUNT}) to rebuild its input from")
 
 
 def few_values(layer: nn.Module, input_bytes: int | None, dtype: torch.dtype | None) -> bool:

@@ -105,9 +105,11 @@ _OUT_OF_PLACE_IN_HALF_PRECISION = frozenset({"elu"})
 # output's; see ``rebuilds_from_count``.
 MIN_REBUILT_COUNT = 23
 # The fewest over which a rebuild computing as finely as its output meets the same chance: a
-# call over fewer computes in float64 (``functional.computes_in``), and float64, with nothing
-# finer to compute in, trains in place only from there.
+# call over fewer computes in float64 (``functional.computes_in``).
 MIN_OWN_PRECISION_COUNT = 38
+# The fewest over which float64, with nothing finer to compute in, trains in place: its
+# per-channel coefficients round as well as its arithmetic, leaving the rebuild one share.
+MIN_FLOAT64_REBUILT_COUNT = 112
 
 # What the counts are derived from, besides the largest |beta| / |gamma| of a channel rebuilt
 # (``REBUILD_LIMIT``): the bound on the gradients' error (a multiple of nn.BatchNorm2d's), and
@@ -163,12 +165,15 @@ def rebuilds_from_count(count: int, dtype: torch.dtype) -> bool:
     and bfloat16 in float32; float32 below ``MIN_OWN_PRECISION_COUNT`` values, which computes
     in float64). Arithmetic as fine as the output errs about as nn.BatchNorm2d's does, taking
     one of the bound's B shares: with B - 1 the chance is first below the accepted one at
-    ``MIN_OWN_PRECISION_COUNT``, from which float32 computes in float32, and below which
-    float64, with nothing finer, trains out of place. A call over fewer values computes as
-    ``inplace=False`` does, in float64 (``functional.computes_in``).
+    ``MIN_OWN_PRECISION_COUNT``, from which float32 computes in float32. A call over fewer
+    values computes as ``inplace=False`` does, in float64 (``functional.computes_in``).
+    float64, with nothing finer, rounds its per-channel coefficients (invstd, the in-place
+    backward's) in its own arithmetic as well, a second share where nn.BatchNorm2d's
+    roundings cancel: with B - 2 the chance is first below the accepted one at
+    ``MIN_FLOAT64_REBUILT_COUNT``, below which float64 trains out of place.
     """
     if dtype == torch.float64:
-        return count >= MIN_OWN_PRECISION_COUNT
+        return count >= MIN_FLOAT64_REBUILT_COUNT
     return count >= MIN_REBUILT_COUNT
 
 
