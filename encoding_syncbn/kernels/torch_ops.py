@@ -97,6 +97,20 @@ def _channel_last(t: torch.Tensor) -> torch.Tensor:
     return t if t.dim() == 2 else t.movedim(1, -1)
 
 
+def _cuts(count: int, columns: int, channels: int, slab: int
+          ) -> list[tuple[slice, slice]]:
+    """The slabs of an ``(A, B)`` grid of ``channels``-value cells, each as ``(rows, columns)``
+    slices: runs of whole rows, or runs of columns of one row where a row alone is larger
+    than ``slab`` elements (an NCHW sample's map)."""
+    per_row = max(1, columns * channels)
+    if per_row > slab:
+        step = max(1, slab // max(1, channels))
+        return [(slice(a, a + 1), slice(b, b + step))
+                for a in range(count) for b in range(0, columns, step)]
+    step = slab // per_row
+    return [(slice(a, a + step), slice(None)) for a in range(0, count, step)]
+
+
 def _pieces(*tensors: torch.Tensor, first_only: bool = False
             ) -> list[tuple[torch.Tensor, ...]]:
     """Matching channel-last pieces of same-shaped tensors: the whole tensors when they are
@@ -110,14 +124,7 @@ def _pieces(*tensors: torch.Tensor, first_only: bool = False
         return [tuple(_view_once(views, t, _channel_last) for t in tensors)]
     rows = [_view_once(views, t, lambda t: _as_rows(t).transpose(1, 2)) for t in tensors]
     count, columns, channels = rows[0].shape
-    per_row = max(1, columns * channels)
-    if per_row > slab:
-        step = max(1, slab // max(1, channels))
-        cuts = [(slice(a, a + 1), slice(b, b + step))
-                for a in range(count) for b in range(0, columns, step)]
-    else:
-        step = slab // per_row
-        cuts = [(slice(a, a + step),) for a in range(0, count, step)]
+    cuts = _cuts(count, columns, channels, slab)
     pieces = []
     for cut in (cuts[:1] if first_only else cuts):
         # A tensor given twice (an in-place call's input and output) is cut once.
@@ -299,9 +306,8 @@ def _first_slab(rows: torch.Tensor) -> torch.Tensor:
     slab = _slab_elements(rows)
     if rows.numel() <= slab:
         return rows
-    if columns * channels > slab:
-        return rows[:1, :, :max(1, slab // max(1, channels))]
-    return rows[:slab // (columns * channels)]
+    samples, run = _cuts(count, columns, channels, slab)[0]
+    return rows[samples, :, run]
 
 
 def _first_slab_moments(rows: torch.Tensor, dtype: torch.dtype
