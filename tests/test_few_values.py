@@ -19,7 +19,7 @@ import torch
 from backends import each_backend
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from reference import SLOPES, activate, assert_close
+from reference import SLOPES, SMOOTH_ACTIVATIONS, activate, assert_close
 from torch import nn
 
 from encoding_syncbn import SyncBatchNorm
@@ -303,16 +303,16 @@ def _exact_errors(grads: Sequence[torch.Tensor], x: torch.Tensor, dy: torch.Tens
             dz = []
             for g, h in zip(dy[:, c].flatten().tolist(), xhat):
                 z = w * h + b
-                if z > 0 or activation == "identity":
+                if activation in SMOOTH_ACTIVATIONS:
+                    dz.append(g * _smooth_derivative(activation, z))
+                elif z > 0 or activation == "identity":
                     dz.append(mpmath.mpf(g))
                 elif activation == "relu":
                     dz.append(mpmath.mpf(0))
                 elif activation == "leaky_relu":
                     dz.append(g * slope)
-                elif activation == "elu":
+                else:  # elu
                     dz.append(g * slope * mpmath.exp(z))
-                else:
-                    dz.append(g * _smooth_derivative(activation, z))
             mean_dz = mpmath.fsum(dz) / n
             mean_dz_xhat = mpmath.fsum(d * h for d, h in zip(dz, xhat)) / n
             exact = [w * invstd * (d - mean_dz - h * mean_dz_xhat) for d, h in zip(dz, xhat)]
