@@ -166,9 +166,9 @@ def channel_rows(t: torch.Tensor) -> torch.Tensor:
 
 
 def _activation_slope(z: DD, dy: torch.Tensor, activation: str, param: float) -> DD:
-    """``dy * act'(z)``: exact where act' is piecewise constant; ELU's ``alpha exp(z)`` below
-    0, silu's and gelu's derivatives in double-double (``_SMOOTH_SLOPES``); others' (gelu_tanh)
-    are float64's at z's high part."""
+    """``dy * act'(z)``: ELU's ``alpha exp(z)`` below 0 and the smooth activations'
+    derivatives in double-double (``_SMOOTH_SLOPES``); the others' act' is piecewise constant,
+    ATen's at z's high part (whose sign is z's) and exact."""
     dy_dd = (dy, torch.zeros_like(dy))
     if activation == "elu":
         positive = z[0] > 0
@@ -226,6 +226,20 @@ def _gelu_slope(z: DD) -> DD:
     return add(mul(z, density), (cdf, torch.zeros_like(cdf)))
 
 
+def _gelu_tanh_slope(z: DD) -> DD:
+    """gelu_tanh'(z) = s(2u) + 2 z s(2u) s(-2u) u'(z), u = k (z + c z^3), u' = k (1 + 3 c z^2),
+    k = sqrt(2 / pi), c = 0.044715 (float64's, as ATen's), s the sigmoid: ``(1 + tanh(u)) / 2
+    = s(2u)`` and ``1 - tanh(u)^2 = 4 s(2u) s(-2u)`` keep their digits in both tails, where
+    ATen's ``1 + tanh(u)`` loses them (most below z of about -5, all below -7)."""
+    k, c = _SQRT_2_OVER_PI_DD(z), _GELU_TANH_CUBIC(z)
+    c_z2 = mul(c, mul(z, z))
+    one = (torch.ones_like(z[0]), torch.zeros_like(z[0]))
+    u = mul(k, mul(z, add(one, c_z2)))
+    up, down = _sigmoids(_scaled(u, 2.0))
+    du = mul(k, add(one, _scaled(c_z2, 3.0)))
+    return add(up, mul(_scaled(z, 2.0), mul(mul(up, down), du)))
+
+
 def _dd_constant(value: Fraction):
     """A double-double constant as a function of a tensor to take its shape from."""
     high, low = _constant(value)
@@ -237,9 +251,14 @@ _INV_SQRT_2PI_DD = _dd_constant(Fraction(1 / math.sqrt(2 * math.pi))
                                 + Fraction("-2.4923272022777300786441381511657e-17"))
 _SQRT_HALF_DD = _dd_constant(Fraction(math.sqrt(0.5))
                              + Fraction("-4.8336466567264565185935844299127932e-17"))
+# sqrt(2 / pi): float64's, plus the error to 32 digits.
+_SQRT_2_OVER_PI_DD = _dd_constant(Fraction(math.sqrt(2 / math.pi))
+                                  + Fraction("-4.9846544045554601572882763023315e-17"))
+# gelu_tanh's cubic coefficient: float64's 0.044715, the number ATen and nn.GELU compute with.
+_GELU_TANH_CUBIC = _dd_constant(Fraction(0.044715))
 # The smooth activations' act' in double-double from z's both parts, where ATen's float64
 # loses its tails and z's low part.
-_SMOOTH_SLOPES = {"gelu": _gelu_slope, "silu": _silu_slope}
+_SMOOTH_SLOPES = {"gelu": _gelu_slope, "gelu_tanh": _gelu_tanh_slope, "silu": _silu_slope}
 
 
 def batch_backward(x: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
