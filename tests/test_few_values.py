@@ -480,3 +480,27 @@ def test_float64_smooth_activations_within_three_times_batchnorms_error(activati
         assert ulps[worst] <= 1.0, (
             f"{what}: channel {worst} (gamma {float(gamma[worst]):.4g}, beta "
             f"{float(beta[worst]):.4g}) {float(ulps[worst]):.3g} ulps of its largest |dx| off")
+
+
+@settings(max_examples=12, deadline=None, derandomize=True)
+@given(
+    activation=st.sampled_from(["elu", *SMOOTH_ACTIVATIONS]),
+    replicas=st.integers(1, 3),
+    exponents=st.lists(st.integers(3, 300), min_size=BOUND_CHANNELS, max_size=BOUND_CHANNELS),
+    signs=st.lists(st.sampled_from([-1.0, 1.0]), min_size=BOUND_CHANNELS,
+                   max_size=BOUND_CHANNELS),
+    data=st.data(),
+)
+def test_float64_far_saturated_activations_follow_batchnorm(activation, replicas, exponents,
+                                                            signs, data):
+    """A float64 layer below ``MIN_OWN_PRECISION_COUNT`` values whose biases put z far past
+    its activation's bend (|beta| 1e3 to 1e300: exp's argument below float64's range, z^2
+    and z^3 past it) gives nn.BatchNorm2d + the activation's input gradient, NaN exactly where
+    that is (gelu_tanh's u'(z) overflows where z^2 does, times a slope of 0): the
+    double-double exp and products of an overflow are float64's, not NaN."""
+    shape, gamma, _, x, dy = bound_case(activation, replicas, (1, 1), data, most=FEW)
+    beta = torch.tensor([sign * 10.0**exponent for sign, exponent in zip(signs, exponents)],
+                        dtype=torch.float64)
+    ours, theirs = _input_grads(x, dy, gamma, beta, activation, replicas, (torch.float64,))
+    torch.testing.assert_close(ours, theirs, rtol=1e-10, atol=1e-10, equal_nan=True,
+                               msg=lambda m: f"{activation} x{replicas} {shape}: {m}")

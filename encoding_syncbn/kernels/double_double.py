@@ -58,6 +58,8 @@ def _constant(value: Fraction) -> tuple[float, float]:
 # ln 2: float64's, plus its error to 35 digits.
 _LN2 = _constant(Fraction(math.log(2)) + Fraction("2.3190468138462996154948554638754786e-17"))
 _SQUARINGS = 8
+# Below about -745.1 float64's exp is 0 (under half its smallest subnormal).
+_EXP_FLOOR = -800.0
 _TAYLOR_DEGREE = 9
 _INVERSE_FACTORIALS = [_constant(Fraction(1, math.factorial(k)))
                        for k in range(_TAYLOR_DEGREE + 1)]
@@ -108,8 +110,12 @@ def neg(a: DD) -> DD:
 
 
 def mul(a: DD, b: DD) -> DD:
+    """``a b``; an infinite or NaN product of the high parts is the result as float64's, not
+    the NaN its cross terms make (inf times a low part of 0)."""
     p, e = two_prod(a[0], b[0])
-    return _fast_two_sum(p, e + (a[0] * b[1] + a[1] * b[0]))
+    s, error = _fast_two_sum(p, e + (a[0] * b[1] + a[1] * b[0]))
+    finite = torch.isfinite(p)
+    return torch.where(finite, s, p), torch.where(finite, error, 0.0)
 
 
 def div(a: DD, b: DD) -> DD:
@@ -133,7 +139,11 @@ def rsqrt(v: DD) -> DD:
 
 def exp(z: DD) -> DD:
     """``exp(z)`` for z <= 0: ``2^k exp(r)^(2^_SQUARINGS)`` with ``r = (z - k ln 2) /
-    2^_SQUARINGS`` (exact scalings by powers of 2)."""
+    2^_SQUARINGS`` (exact scalings by powers of 2). z below ``_EXP_FLOOR`` (-inf too) takes
+    the floor's: 0, as float64's exp, where ``z - k ln 2`` would cancel to a residue too
+    large for the polynomial."""
+    below = z[0] < _EXP_FLOOR
+    z = torch.where(below, _EXP_FLOOR, z[0]), torch.where(below, 0.0, z[1])
     k = torch.round(z[0] / _LN2[0])
     zero = torch.zeros_like(k)
     ln2 = (torch.full_like(k, _LN2[0]), torch.full_like(k, _LN2[1]))
