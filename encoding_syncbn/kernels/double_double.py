@@ -58,6 +58,8 @@ def _constant(value: Fraction) -> tuple[float, float]:
 # ln 2: float64's, plus its error to 35 digits.
 _LN2 = _constant(Fraction(math.log(2)) + Fraction("2.3190468138462996154948554638754786e-17"))
 _SQUARINGS = 8
+# Below about -745.1 float64's exp is 0 (under half its smallest subnormal).
+_EXP_FLOOR = -800.0
 _TAYLOR_DEGREE = 9
 _INVERSE_FACTORIALS = [_constant(Fraction(1, math.factorial(k)))
                        for k in range(_TAYLOR_DEGREE + 1)]
@@ -108,8 +110,12 @@ def neg(a: DD) -> DD:
 
 
 def mul(a: DD, b: DD) -> DD:
+    """``a b``; an infinite or NaN product of the high parts is the result as float64's, not
+    the NaN its cross terms make (inf times a low part of 0)."""
     p, e = two_prod(a[0], b[0])
-    return _fast_two_sum(p, e + (a[0] * b[1] + a[1] * b[0]))
+    s, error = _fast_two_sum(p, e + (a[0] * b[1] + a[1] * b[0]))
+    finite = torch.isfinite(p)
+    return torch.where(finite, s, p), torch.where(finite, error, 0.0)
 
 
 def div(a: DD, b: DD) -> DD:
@@ -133,7 +139,11 @@ def rsqrt(v: DD) -> DD:
 
 def exp(z: DD) -> DD:
     """``exp(z)`` for z <= 0: ``2^k exp(r)^(2^_SQUARINGS)`` with ``r = (z - k ln 2) /
-    2^_SQUARINGS`` (exact scalings by powers of 2)."""
+    2^_SQUARINGS`` (exact scalings by powers of 2). z below ``_EXP_FLOOR`` (-inf too) takes
+    the floor's: 0, as float64's exp, where ``z - k ln 2`` would cancel to a residue too
+    large for the polynomial."""
+    below = z[0] < _EXP_FLOOR
+    z = torch.where(below, _EXP_FLOOR, z[0]), torch.where(below, 0.0, z[1])
     k = torch.round(z[0] / _LN2[0])
     zero = torch.zeros_like(k)
     ln2 = (torch.full_like(k, _LN2[0]), torch.full_like(k, _LN2[1]))
@@ -166,9 +176,9 @@ def channel_rows(t: torch.Tensor) -> torch.Tensor:
 
 
 def _activation_slope(z: DD, dy: torch.Tensor, activation: str, param: float) -> DD:
-    """``dy * act'(z)``: exact where act' is piecewise constant; ELU's ``alpha exp(z)`` below
-    0, silu's and gelu's derivatives in double-double (``_SMOOTH_SLOPES``); others' (gelu_tanh)
-    are float64's at z's high part."""
+    """``dy * act'(z)``: ELU's ``alpha exp(z)`` below 0 and the smooth activations'
+    derivatives in double-double (``_SMOOTH_SLOPES``); the others' act' is piecewise constant,
+    ATen's at z's high part (whose sign is z's) and exact."""
     dy_dd = (dy, torch.zeros_like(dy))
     if activation == "elu":
         positive = z[0] > 0
@@ -226,6 +236,20 @@ def _gelu_slope(z: DD) -> DD:
     return add(mul(z, density), (cdf, torch.zeros_like(cdf)))
 
 
+def _gelu_tanh_slope(z: DD) -> DD:
+    """gelu_tanh'(z) = s(2u) + 2 z s(2u) s(-2u) u'(z), u = k (z + c z^3), u' = k (1 + 3 c z^2),
+    k = sqrt(2 / pi), c = 0.044715 (float64's, as ATen's), s the sigmoid: ``(1 + tanh(u)) / 2
+    = s(2u)`` and ``1 - tanh(u)^2 = 4 s(2u) s(-2u)`` keep their digits in both tails, where
+    ATen's ``1 + tanh(u)`` loses them (most below z of about -5, all below -7)."""
+    k, c = _SQRT_2_OVER_PI_DD(z), _GELU_TANH_CUBIC(z)
+    c_z2 = mul(c, mul(z, z))
+    one = (torch.ones_like(z[0]), torch.zeros_like(z[0]))
+    u = mul(k, mul(z, add(one, c_z2)))
+    up, down = _sigmoids(_scaled(u, 2.0))
+    du = mul(k, add(one, _scaled(c_z2, 3.0)))
+    return add(up, mul(_scaled(z, 2.0), mul(mul(up, down), du)))
+
+
 def _dd_constant(value: Fraction):
     """A double-double constant as a function of a tensor to take its shape from."""
     high, low = _constant(value)
@@ -237,9 +261,14 @@ _INV_SQRT_2PI_DD = _dd_constant(Fraction(1 / math.sqrt(2 * math.pi))
                                 + Fraction("-2.4923272022777300786441381511657e-17"))
 _SQRT_HALF_DD = _dd_constant(Fraction(math.sqrt(0.5))
                              + Fraction("-4.8336466567264565185935844299127932e-17"))
+# sqrt(2 / pi): float64's, plus the error to 32 digits.
+_SQRT_2_OVER_PI_DD = _dd_constant(Fraction(math.sqrt(2 / math.pi))
+                                  + Fraction("-4.9846544045554601572882763023315e-17"))
+# gelu_tanh's cubic coefficient: float64's 0.044715, the number ATen and nn.GELU compute with.
+_GELU_TANH_CUBIC = _dd_constant(Fraction(0.044715))
 # The smooth activations' act' in double-double from z's both parts, where ATen's float64
 # loses its tails and z's low part.
-_SMOOTH_SLOPES = {"gelu": _gelu_slope, "silu": _silu_slope}
+_SMOOTH_SLOPES = {"gelu": _gelu_slope, "gelu_tanh": _gelu_tanh_slope, "silu": _silu_slope}
 
 
 def batch_backward(x: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
