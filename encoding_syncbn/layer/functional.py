@@ -170,8 +170,8 @@ def computes_in(dtype: torch.dtype, count: int, device: torch.device) -> torch.d
     error wherever its roundings happen to cancel (README, Limits), and an in-place call's
     rebuild has no share of the bound left (``inplace_policy.rebuilds_from_count``). In
     float64 a narrower input's gradient keeps its final rounding and the rebuild's, at no
-    cost at that size; a float64 input's, with no wider dtype, computes in double-double
-    (``double_double``).
+    cost at that size; a float64 input's, with no wider dtype, computes in double-double,
+    below ``MIN_FLOAT64_REBUILT_COUNT`` (``inplace_policy.takes_double_double_gradient``).
     """
     if count >= inplace_policy.MIN_OWN_PRECISION_COUNT:
         return torch_ops.stats_dtype(dtype)

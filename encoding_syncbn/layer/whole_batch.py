@@ -2,12 +2,13 @@
 for the whole batch in double-double (``double_double``): every replica of the call in this
 process, a nested DataParallel call's included, and every process's under torch.distributed.
 
-Why. Below ``MIN_OWN_PRECISION_COUNT`` values a channel a replica's input gradient is a
-difference of terms larger than itself (``double_double``), and the terms come from the whole
-batch: its mean and invstd, ``sum(dz)`` and ``sum(dz * xhat)``. The merges' own backward
-passes them on as float64 gradients of the merged statistics, rounded before the difference
-is taken; only the whole batch's inputs and output gradients, joined, give them in
-double-double. So few values make joining them cheap.
+Why. Below ``MIN_FLOAT64_REBUILT_COUNT`` values a channel
+(``inplace_policy.takes_double_double_gradient``) a replica's input gradient is a difference of
+terms larger than itself (``double_double``), and the terms come from the whole batch: its
+mean and invstd, ``sum(dz)`` and ``sum(dz * xhat)``. The merges' own backward passes them on
+as float64 gradients of the merged statistics, rounded before the difference is taken; only
+the whole batch's inputs and output gradients, joined, give them in double-double. So few
+values make joining them cheap.
 
 How. A call's replicas share one ``WholeBatch`` through their links (``functional._Link``),
 made by the master of the outermost call (``exchange.Exchange``). Autograd runs every
@@ -68,7 +69,7 @@ class WholeBatch:
            across_processes: bool, nested: bool) -> WholeBatch | None:
         """The batch of ``links``, over ``count`` values a channel in this process, or None
         where its input gradients never come here: not float64, or already
-        ``MIN_OWN_PRECISION_COUNT`` values (the global count, known after the merge, is at
+        ``MIN_FLOAT64_REBUILT_COUNT`` values (the global count, known after the merge, is at
         least this one)."""
         if not inplace_policy.takes_double_double_gradient(links[0].dtype, count,
                                                            inplace=False):
