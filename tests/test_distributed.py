@@ -227,7 +227,9 @@ def scenario_collective_count(ctx):
     for replicas in (1, 2):
         model = _two_layer_model()
         runner = SimulatedDataParallel(model, replicas) if replicas > 1 else model
-        x = torch.randn(4 + rank, C, 3, 2, dtype=torch.float64, requires_grad=True)
+        # Enough values a channel in the group for float64's own backward (fewer gather
+        # every rank's inputs instead: ``scenario_few_values_float64``).
+        x = torch.randn(4 + rank, C, 4, 4, dtype=torch.float64, requires_grad=True)
         with _CollectiveCounter() as counter:
             out = runner(x * 1)
             forward = counter.take()
