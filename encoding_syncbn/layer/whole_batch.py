@@ -21,12 +21,12 @@ every rank's inputs and dy instead (``sync.distributed``) and hands this process
 (``take``).
 
 Under create_graph the merge keeps autograd's gradient for its graph and takes its value from
-here (``functional._exactly``), in the first create_graph backward only (``_filled``). In a
-backward after one, a gradient penalty's gradients reach the merged statistics through its
-graph as well as the replicas' NormActs: ``functional._ReadInGraph`` records them in the
-links, and the gradient is the NormActs' part from the inputs and dy, plus the penalty's
-through the statistics (``_through_statistics``, float64). A nested call's merges join in
-ATen ops whose graph reads their statistics past ``_ReadInGraph``: there it is not taken.
+here (``functional._exactly``). In a backward after one (with create_graph or not), a gradient
+penalty's gradients reach the merged statistics through its graph as well as the replicas'
+NormActs: ``functional._ReadInGraph`` records them in the links, and the gradient is the
+NormActs' part from the inputs and dy, plus the penalty's through the statistics
+(``_through_statistics``, float64). A nested call's merges join in ATen ops whose graph reads
+their statistics past ``_ReadInGraph``: there it is not taken after a create_graph backward.
 """
 
 from __future__ import annotations
@@ -86,9 +86,9 @@ class WholeBatch:
 
     def _filled(self, create_graph: bool) -> bool:
         """Whether every replica left its input and dy, and every gradient reaching the
-        merges besides the replicas' NormActs' is known (``_Link.read_grads``): under
-        create_graph, in the first create_graph backward alone (``_Link.direct_grad``); after
-        one, where no nested call joined (``nested``)."""
+        merges besides the replicas' NormActs' is known (``_Link.read_grads``): after a
+        create_graph backward, where no nested call joined (``nested``; under create_graph the
+        NormActs tell, ``_Link.direct_grad``)."""
         total = self.links[0].total
         return all(
             link.saved is not None and link.grad_output is not None and link.total == total
