@@ -406,15 +406,19 @@ def test_float64_bound_in_a_create_graph_backward(activation, replicas, spatial,
                          f"{activation} x{replicas} create_graph {shape}")
 
 
+@pytest.mark.parametrize("create_graph", [False, True])
 @settings(max_examples=12, deadline=None, derandomize=True)
 @given(**SYNCHRONISED_FEW_VALUE_CASES)
-def test_float64_bound_after_a_create_graph_backward(activation, replicas, spatial, data):
+def test_float64_bound_after_a_create_graph_backward(create_graph, activation, replicas,
+                                                     spatial, data):
     """A gradient penalty's pattern over 2-4 simulated DataParallel replicas and 3 to ``FEW``
     values a channel: after a create_graph backward, a backward of the loss alone gives an
     input gradient within the float64 bound, and one of the loss plus a penalty on the first
     gradient gives the sum of the two apart (rounded once more): the penalty's part reaches
     the merge through the first backward's graph, and comes apart from the loss's, which is
-    taken in double-double (``functional._ReadInGraph``, ``layer/whole_batch.py``)."""
+    taken in double-double (``functional._ReadInGraph``, ``layer/whole_batch.py``).
+    ``create_graph``: those backward passes are create_graph ones too (their values so; their
+    graphs autograd's)."""
     shape, gamma, beta, x, dy = bound_case(activation, replicas, spatial, data, most=FEW)
     layer = SyncBatchNorm(shape[1], activation=activation, slope=SLOPES.get(activation, 0.01),
                           dtype=torch.float64)
@@ -429,9 +433,11 @@ def test_float64_bound_after_a_create_graph_backward(activation, replicas, spati
     weights = torch.randn(shape, generator=torch.Generator().manual_seed(shape[0]),
                           dtype=torch.float64)
     penalty = (first * weights).sum().square()
-    (ours,) = torch.autograd.grad(out, leaf, dy, retain_graph=True)
+    (ours,) = torch.autograd.grad(out, leaf, dy, retain_graph=True, create_graph=create_graph)
     (penalty_grad,) = torch.autograd.grad(penalty, leaf, retain_graph=True)
-    (both,) = torch.autograd.grad((out * dy).sum() + penalty, leaf)
+    (both,) = torch.autograd.grad((out * dy).sum() + penalty, leaf, create_graph=create_graph)
+    assert ours.requires_grad == both.requires_grad == create_graph
+    ours, both = ours.detach(), both.detach()
     theirs = _input_grads(x, dy, gamma, beta, activation, 1, (torch.float64,))[1]
     what = f"{activation} x{replicas} {shape}"
     assert_float64_bound(ours, theirs, x, dy, gamma, beta, activation, what)
@@ -444,44 +450,6 @@ def test_float64_bound_after_a_create_graph_backward(activation, replicas, spati
     assert ((both - apart).abs() <= rounding).all(), (
         f"{what}: the loss and penalty's input gradient off the two apart by "
         f"{float((both - apart).abs().max()):.3g}")
-
-
-@settings(max_examples=12, deadline=None, derandomize=True)
-@given(**SYNCHRONISED_FEW_VALUE_CASES)
-def test_float64_bound_in_a_second_create_graph_backward(activation, replicas, spatial, data):
-    """A second create_graph backward over 2-4 simulated DataParallel replicas and 3 to
-    ``FEW`` values a channel (a gradient penalty's first gradient taken again, or with the
-    penalty of an earlier one added): its value is the whole batch's in double-double, the
-    penalty's part through the first graph's statistics added (``functional._ReadInGraph``),
-    as after a create_graph backward without one; its graph autograd's."""
-    shape, gamma, beta, x, dy = bound_case(activation, replicas, spatial, data, most=FEW)
-    layer = SyncBatchNorm(shape[1], activation=activation, slope=SLOPES.get(activation, 0.01),
-                          dtype=torch.float64)
-    with torch.no_grad():
-        layer.weight.copy_(gamma)
-        layer.bias.copy_(beta)
-    leaf = x.clone().requires_grad_()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the out-of-place fallback's warning
-        out = _wrapped(layer, replicas)(leaf * 1)
-    (first,) = torch.autograd.grad(out, leaf, dy, create_graph=True)
-    weights = torch.randn(shape, generator=torch.Generator().manual_seed(shape[0]),
-                          dtype=torch.float64)
-    penalty = (first * weights).sum().square()
-    (second,) = torch.autograd.grad(out, leaf, dy, create_graph=True)
-    assert second.requires_grad
-    (penalty_grad,) = torch.autograd.grad(penalty, leaf, retain_graph=True)
-    (both,) = torch.autograd.grad((out * dy).sum() + penalty, leaf, create_graph=True)
-    theirs = _input_grads(x, dy, gamma, beta, activation, 1, (torch.float64,))[1]
-    what = f"{activation} x{replicas} {shape}"
-    assert_float64_bound(second.detach(), theirs, x, dy, gamma, beta, activation, what)
-    apart = second.detach() + penalty_grad
-    dims = [0, *range(2, x.dim())]
-    scale = (second.detach().abs() + penalty_grad.abs()).amax(dims, keepdim=True)
-    rounding = 64 * torch.finfo(torch.float64).eps * scale
-    assert ((both.detach() - apart).abs() <= rounding).all(), (
-        f"{what}: the loss and penalty's input gradient off the two apart by "
-        f"{float((both.detach() - apart).abs().max()):.3g}")
 
 
 # The values (channels times values a channel) of a generated layer over
