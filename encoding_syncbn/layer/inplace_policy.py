@@ -130,8 +130,9 @@ def takes_double_double_gradient(dtype: torch.dtype, count: int, inplace: bool) 
     (``rebuilds_from_count``) bounds the chance of both together exceeding the bound only
     from ``MIN_FLOAT64_REBUILT_COUNT`` on; below it, out of place, the coefficients' alone
     still exceed it in single channels where nn.BatchNorm2d's own roundings happen to cancel,
-    so the whole gradient is rounded once instead. Over so few values that costs a few dozen
-    elementwise passes over the saved input.
+    so the whole gradient is rounded once instead: hundreds of elementwise operations over
+    the saved input and dy, paid only by layers this small
+    (``benchmarks/float64_few_values_cost.py``).
     """
     return dtype == torch.float64 and count < MIN_FLOAT64_REBUILT_COUNT and not inplace
 
