@@ -227,7 +227,9 @@ def scenario_collective_count(ctx):
     for replicas in (1, 2):
         model = _two_layer_model()
         runner = SimulatedDataParallel(model, replicas) if replicas > 1 else model
-        x = torch.randn(4 + rank, C, 3, 2, dtype=torch.float64, requires_grad=True)
+        # Enough values a channel in the group for float64's own backward (fewer gather
+        # every rank's inputs instead: ``scenario_few_values_float64``).
+        x = torch.randn(4 + rank, C, 4, 4, dtype=torch.float64, requires_grad=True)
         with _CollectiveCounter() as counter:
             out = runner(x * 1)
             forward = counter.take()
@@ -455,11 +457,11 @@ def scenario_inplace_abn(ctx):
 
 
 def scenario_few_values_float64(ctx):
-    """Float64 over 3 to 37 values a channel in the whole group, on uneven ranks with 1-2
-    DataParallel replicas in each (generated as tests/test_few_values.py generates its cases,
-    the same in every rank): every rank's input gradient within the README's bound against
-    the exact one (``assert_float64_bound``), from every rank's inputs and dy gathered in
-    backward (``layer/whole_batch.py``), in one all_gather."""
+    """Float64 over 3 to ``few_values.FEW`` values a channel in the whole group, on uneven
+    ranks with 1-2 DataParallel replicas in each (generated as tests/test_few_values.py
+    generates its cases, the same in every rank): every rank's input gradient within the
+    README's bound against the exact one (``assert_float64_bound``), from every rank's inputs
+    and dy gathered in backward (``layer/whole_batch.py``), in one all_gather."""
     world = ctx["world"]
 
     @settings(max_examples=12, deadline=None, derandomize=True, database=None,

@@ -1,13 +1,14 @@
 """In place with few values a channel, in float32 and float64: a training call whose statistics
-cover fewer than ``MIN_REBUILT_COUNT`` values a channel (float64: ``MIN_OWN_PRECISION_COUNT``;
+cover fewer than ``MIN_REBUILT_COUNT`` values a channel (float64: ``MIN_FLOAT64_REBUILT_COUNT``;
 the whole synchronised batch) runs out of place (``inplace_policy.rebuilds_from_count``), where
 the rebuilt input's rounding, multiplied by up to 1 + |beta| / |gamma|, is not averaged out,
 and a call over fewer than ``MIN_OWN_PRECISION_COUNT`` computes in float64
-(``functional.computes_in``; float64's input gradient in double-double,
-``kernels/double_double.py``). The README's bound on the input gradient (3x nn.BatchNorm2d's
-error) is asserted here in float32 and float64 (benchmarks/few_values_precision.py measures
-it), and in float64 over thousands of values a channel too, where the bound rests on float64's
-statistics rounding about once. Half precision: tests/test_half_precision.py.
+(``functional.computes_in``); float64's input gradient below ``MIN_FLOAT64_REBUILT_COUNT`` in
+double-double (``kernels/double_double.py``). The README's bound on the input gradient (3x
+nn.BatchNorm2d's error) is asserted here in float32 and float64
+(benchmarks/few_values_precision.py measures it), and in float64 over thousands of values a
+channel too, where the bound rests on float64's statistics rounding about once. Half
+precision: tests/test_half_precision.py.
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ import math
 import warnings
 from collections.abc import Sequence
 
+import numpy as np
 import pytest
 import torch
-from backends import each_backend
+from backends import each_backend, one_backend
 from helpers.rebuild_error import ratios_to_bound
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -27,6 +29,7 @@ from torch import nn
 
 from encoding_syncbn import SyncBatchNorm
 from encoding_syncbn.layer.inplace_policy import (
+    MIN_FLOAT64_REBUILT_COUNT,
     MIN_OWN_PRECISION_COUNT,
     rebuilds_from_count,
 )
@@ -77,7 +80,7 @@ def _step(model: nn.Module, layer: SyncBatchNorm, x: torch.Tensor, dy: torch.Ten
 def test_few_values_a_channel_train_out_of_place(dtype, activation, replicas, spatial, data):
     """With 3 to 64 values a channel over the whole (simulated DataParallel) batch, an in-place
     layer in float32 or float64 computes below ``MIN_REBUILT_COUNT`` values (float64:
-    ``MIN_OWN_PRECISION_COUNT``) exactly as its inplace=False twin (outputs, gradients,
+    ``MIN_FLOAT64_REBUILT_COUNT``) exactly as its inplace=False twin (outputs, gradients,
     running statistics), leaving its input as it was, and in place from there on. Gammas and
     betas on both sides of the limit a channel is rebuilt at (|beta| up to 50 |gamma|)."""
     per_sample = spatial[0] * spatial[1]
@@ -168,6 +171,9 @@ def _bound_ratios(ours: torch.Tensor, theirs: torch.Tensor, exact: torch.Tensor)
 # Channels a generated layer has: the bound's failures are a chance per channel.
 BOUND_CHANNELS = 16
 SMOOTH_CHANNELS = 48
+# The whole synchronised batch's values a channel in the float64 cases: under
+# MIN_FLOAT64_REBUILT_COUNT, where a float64 call's input gradient comes in double-double.
+FEW = MIN_FLOAT64_REBUILT_COUNT - 1
 # Bits the float64 reference computes with (mpmath): float64's input gradient over so few values
 # is a difference of terms larger than itself, measured to far below its last bit.
 REFERENCE_BITS = 160
@@ -335,12 +341,13 @@ def _exact_errors(grads: Sequence[torch.Tensor], x: torch.Tensor, dy: torch.Tens
 )
 def test_float64_input_gradient_within_three_times_batchnorms_error(activation, replicas,
                                                                    spatial, data):
-    """In float64, in place (relu: out of place), over generated layers (``bound_case``) on
+    """In float64, over generated layers (``bound_case``, 3 to ``FEW`` values a channel) on
     the whole simulated DataParallel batch, each channel's input gradient is within 3x
     nn.BatchNorm2d + the activation's error in float64 (or of half an ulp of its largest
-    |dx|), both against an exact reference: below ``MIN_OWN_PRECISION_COUNT`` values the
-    layer's input gradient computes in double-double (``kernels/double_double.py``)."""
-    shape, gamma, beta, x, dy = bound_case(activation, replicas, spatial, data)
+    |dx|), both against an exact reference: below ``MIN_FLOAT64_REBUILT_COUNT`` values the
+    layer trains out of place and its input gradient computes in double-double
+    (``kernels/double_double.py``)."""
+    shape, gamma, beta, x, dy = bound_case(activation, replicas, spatial, data, most=FEW)
     ours, theirs = _input_grads(x, dy, gamma, beta, activation, replicas, (torch.float64,))
     assert_float64_bound(ours, theirs, x, dy, gamma, beta, activation,
                          f"{activation} x{replicas} {shape}")
@@ -362,9 +369,6 @@ def assert_float64_bound(ours: torch.Tensor, theirs: torch.Tensor, x: torch.Tens
     return our_error, size
 
 
-# The whole synchronised batch's values a channel in the cases of the paths below: under
-# MIN_OWN_PRECISION_COUNT, where a float64 call's input gradient comes in double-double.
-FEW = MIN_OWN_PRECISION_COUNT - 1
 # The layers of the create_graph tests: 2-4 simulated DataParallel replicas.
 SYNCHRONISED_FEW_VALUE_CASES = dict(
     activation=st.sampled_from(["identity", "leaky_relu", "elu", "relu"]),
@@ -382,7 +386,7 @@ SYNCHRONISED_FEW_VALUE_CASES = dict(
     data=st.data(),
 )
 def test_float64_bound_in_nested_dataparallel_calls(activation, replicas, spatial, data):
-    """The float64 bound over 3 to 37 values a channel with the layer in nested simulated
+    """The float64 bound over 3 to ``FEW`` values a channel with the layer in nested simulated
     DataParallel calls (two or three deep, 2-3 replicas each; a chunk too small to split
     runs unsplit beside the nested calls): every replica's input gradient comes from the
     whole outer batch in double-double (``layer/whole_batch.py``), not from the nested
@@ -396,7 +400,7 @@ def test_float64_bound_in_nested_dataparallel_calls(activation, replicas, spatia
 @settings(max_examples=12, deadline=None, derandomize=True)
 @given(**SYNCHRONISED_FEW_VALUE_CASES)
 def test_float64_bound_in_a_create_graph_backward(activation, replicas, spatial, data):
-    """The float64 bound over 3 to 37 values a channel for the gradient a create_graph
+    """The float64 bound over 3 to ``FEW`` values a channel for the gradient a create_graph
     backward returns (a gradient penalty's first) over 2-4 simulated DataParallel replicas:
     its value in double-double, its graph autograd's (tests/test_edge_cases.py checks the
     second derivative against nn.BatchNorm2d's). (One replica's is nn.BatchNorm2d's own
@@ -408,15 +412,19 @@ def test_float64_bound_in_a_create_graph_backward(activation, replicas, spatial,
                          f"{activation} x{replicas} create_graph {shape}")
 
 
+@pytest.mark.parametrize("create_graph", [False, True])
 @settings(max_examples=12, deadline=None, derandomize=True)
 @given(**SYNCHRONISED_FEW_VALUE_CASES)
-def test_float64_bound_after_a_create_graph_backward(activation, replicas, spatial, data):
-    """A gradient penalty's pattern over 2-4 simulated DataParallel replicas and 3 to 37
+def test_float64_bound_after_a_create_graph_backward(create_graph, activation, replicas,
+                                                     spatial, data):
+    """A gradient penalty's pattern over 2-4 simulated DataParallel replicas and 3 to ``FEW``
     values a channel: after a create_graph backward, a backward of the loss alone gives an
     input gradient within the float64 bound, and one of the loss plus a penalty on the first
     gradient gives the sum of the two apart (rounded once more): the penalty's part reaches
     the merge through the first backward's graph, and comes apart from the loss's, which is
-    taken in double-double (``functional._ReadInGraph``, ``layer/whole_batch.py``)."""
+    taken in double-double (``functional._ReadInGraph``, ``layer/whole_batch.py``).
+    ``create_graph``: those backward passes are create_graph ones too (their values so; their
+    graphs autograd's)."""
     shape, gamma, beta, x, dy = bound_case(activation, replicas, spatial, data, most=FEW)
     layer = SyncBatchNorm(shape[1], activation=activation, slope=SLOPES.get(activation, 0.01),
                           dtype=torch.float64)
@@ -431,9 +439,11 @@ def test_float64_bound_after_a_create_graph_backward(activation, replicas, spati
     weights = torch.randn(shape, generator=torch.Generator().manual_seed(shape[0]),
                           dtype=torch.float64)
     penalty = (first * weights).sum().square()
-    (ours,) = torch.autograd.grad(out, leaf, dy, retain_graph=True)
+    (ours,) = torch.autograd.grad(out, leaf, dy, retain_graph=True, create_graph=create_graph)
     (penalty_grad,) = torch.autograd.grad(penalty, leaf, retain_graph=True)
-    (both,) = torch.autograd.grad((out * dy).sum() + penalty, leaf)
+    (both,) = torch.autograd.grad((out * dy).sum() + penalty, leaf, create_graph=create_graph)
+    assert ours.requires_grad == both.requires_grad == create_graph
+    ours, both = ours.detach(), both.detach()
     theirs = _input_grads(x, dy, gamma, beta, activation, 1, (torch.float64,))[1]
     what = f"{activation} x{replicas} {shape}"
     assert_float64_bound(ours, theirs, x, dy, gamma, beta, activation, what)
@@ -446,6 +456,108 @@ def test_float64_bound_after_a_create_graph_backward(activation, replicas, spati
     assert ((both - apart).abs() <= rounding).all(), (
         f"{what}: the loss and penalty's input gradient off the two apart by "
         f"{float((both - apart).abs().max()):.3g}")
+
+
+# The values (channels times values a channel) of a generated layer over
+# MIN_OWN_PRECISION_COUNT to FEW values a channel: over 2,000 channels at 38-44 values, where
+# float64's own arithmetic exceeds the bound in about one channel of 1,500 at 38-40 values and
+# one of 4,000 at 44-56, fewer at more values (the double-double gradient costs by the value).
+MANY_VALUES = 96 * 1024
+# The share of the bound above which a channel measured against the long double reference is
+# measured again against mpmath's (``_long_double_ratios``).
+SCREEN = 0.5
+
+
+def many_channels_case(activation: str, replicas: int, spatial: tuple[int, int], data):
+    """``bound_case`` over ``MIN_OWN_PRECISION_COUNT`` to ``FEW`` values a channel (half the
+    time up to 44, where float64's own arithmetic fails most often) with ``MANY_VALUES``
+    values in all, gammas (|gamma| log-uniform in [0.1, 10], ELU [0.1, 1]) and betas (|beta| up to
+    2 |gamma|; ELU's >= 0) drawn from a seed: too many for hypothesis to draw one by one."""
+    per_sample = spatial[0] * spatial[1]
+    fewest = max(replicas, -(-MIN_OWN_PRECISION_COUNT // per_sample))
+    batch = data.draw(st.one_of(st.integers(fewest, max(fewest, 44 // per_sample)),
+                                st.integers(fewest, FEW // per_sample)), label="batch")
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16), label="seed"))
+    channels = MANY_VALUES // (batch * per_sample)
+    largest = 1.0 if activation == "elu" else 10.0
+    size = torch.empty(channels, dtype=torch.float64).uniform_(
+        float(np.log(0.1)), float(np.log(largest)), generator=gen).exp()
+    gamma = size * torch.randn(channels, generator=gen, dtype=torch.float64).sign()
+    beta = size * torch.empty(channels, dtype=torch.float64).uniform_(-2.0, 2.0, generator=gen)
+    if activation == "elu":
+        beta = beta.abs()
+    shape = (batch, channels, *spatial)
+    x = torch.randn(shape, generator=gen, dtype=torch.float64) * 2 + 0.5
+    dy = torch.randn(shape, generator=gen, dtype=torch.float64)
+    return shape, gamma, beta, x, dy
+
+
+def _long_double_ratios(ours: torch.Tensor, theirs: torch.Tensor, x: torch.Tensor,
+                        dy: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor,
+                        activation: str) -> torch.Tensor:
+    """Per channel, ``ours``' error over the bound of ``assert_float64_bound``, against the
+    exact gradient in numpy's long double (a 64-bit significand on x86: 11 bits beyond
+    float64, of which a channel's cancellation, |dz| over |dx|, takes a few): the channels
+    near the bound are measured again against mpmath's, thousands of channels too many."""
+    wide = np.longdouble
+    dims = (0, *range(2, x.dim()))
+    view = (1, -1, *([1] * (x.dim() - 2)))
+    values, grads = (t.numpy().astype(wide) for t in (x, dy))
+    w, b = (t.double().numpy().astype(wide).reshape(view) for t in (gamma, beta))
+    centred = values - values.mean(axis=dims, keepdims=True)
+    invstd = 1 / np.sqrt((centred * centred).mean(axis=dims, keepdims=True) + wide(1e-5))
+    xhat = centred * invstd
+    z = w * xhat + b
+    slope = wide(SLOPES.get(activation, 0.01))
+    below = {"identity": np.ones_like(z), "relu": np.zeros_like(z),
+             "leaky_relu": np.full_like(z, slope),
+             "elu": slope * np.exp(np.minimum(z, 0))}[activation]
+    dz = grads * np.where(z > 0, wide(1), below)
+    exact = w * invstd * (dz - dz.mean(axis=dims, keepdims=True)
+                          - xhat * (dz * xhat).mean(axis=dims, keepdims=True))
+    size = np.abs(exact).max(axis=dims)
+
+    def error(grad: torch.Tensor) -> np.ndarray:
+        return np.abs(grad.numpy().astype(wide) - exact).max(axis=dims)
+
+    half_ulp = torch.finfo(torch.float64).eps / 2
+    allowed = 3.0 * np.maximum(error(theirs), half_ulp * size)
+    allowed = np.maximum(allowed, 1e-3 * half_ulp * size.max() + 1e-300)
+    return torch.from_numpy((error(ours) / allowed).astype(np.float64))
+
+
+@one_backend  # the gradient is ATen's double-double on every backend
+@settings(max_examples=12, deadline=None, derandomize=True)
+@given(
+    path=st.sampled_from(["replicas", "nested", "create_graph"]),
+    activation=st.sampled_from(["identity", "leaky_relu", "relu"]),
+    replicas=st.integers(1, 4),
+    spatial=st.sampled_from([(1, 1), (1, 2), (3, 1), (4, 4)]),
+    data=st.data(),
+)
+def test_float64_bound_over_many_channels_below_the_rebuilt_count(path, activation, replicas,
+                                                                  spatial, data):
+    """The float64 bound over ``MIN_OWN_PRECISION_COUNT`` to ``FEW`` values a channel, where
+    float64 trains out of place, in layers of thousands of channels (``MANY_VALUES``): float64's own
+    arithmetic (its M2, invstd and coefficients rounding once each) exceeds it in single
+    channels there, double-double's does not. Over 1-4 simulated DataParallel replicas
+    (``replicas``), nested calls of 2 replicas in each of them (``nested``), or the value of
+    a create_graph backward over 2-4 replicas (``create_graph``). Each channel is measured
+    against a long double reference, and those near the bound (``SCREEN``) against mpmath's
+    (``assert_float64_bound``). (ELU's double-double exp costs several times the rest of the
+    gradient: its bound over these counts is the few-channel tests'.)"""
+    if path != "replicas":
+        replicas = max(replicas, 2)
+    shape, gamma, beta, x, dy = many_channels_case(activation, replicas, spatial, data)
+    wrapped = [replicas, 2] if path == "nested" else replicas
+    ours, theirs = _input_grads(x, dy, gamma, beta, activation, wrapped, (torch.float64,),
+                                create_graph=path == "create_graph")
+    near = (_long_double_ratios(ours, theirs, x, dy, gamma, beta, activation) > SCREEN)
+    near = near.nonzero().flatten()
+    if near.numel():
+        assert_float64_bound(ours[:, near], theirs[:, near], x[:, near], dy[:, near],
+                             gamma[near], beta[near], activation,
+                             f"{activation} {path} {wrapped} {shape}")
 
 
 # The smooth activations whose float64 derivative is double-double through (silu's from exp,
@@ -462,7 +574,7 @@ DOUBLE_DOUBLE_SLOPES = ("silu", "gelu_tanh")
 )
 def test_float64_smooth_activations_within_three_times_batchnorms_error(activation, replicas,
                                                                        spatial, data):
-    """silu, gelu and gelu_tanh (out of place) in float64 below ``MIN_OWN_PRECISION_COUNT``
+    """silu, gelu and gelu_tanh (out of place) in float64 below ``MIN_FLOAT64_REBUILT_COUNT``
     values, their derivatives in double-double too: each channel within the bound of
     ``test_float64_input_gradient_within_three_times_batchnorms_error``. Many channels,
     |beta| up to 3 |gamma| (|z| up to about 56): ATen's float64 gelu' and gelu_tanh' lose

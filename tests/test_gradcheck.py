@@ -137,14 +137,15 @@ def test_layer_across_simulated_replicas(activation):
     with torch.no_grad():
         layer.weight.copy_(torch.tensor([1.3, -0.6, 0.0]))
     model = SimulatedDataParallel(layer, 3)
-    # Enough values a channel over the whole batch to train in place (rebuilds_from_count).
-    x = torch.randn(14, 3, 3, dtype=torch.float64, requires_grad=True)
+    # Enough values a channel over the whole batch to train in place (rebuilds_from_count),
+    # the merge's backward writing each replica's gradient (fewer take it in double-double).
+    x = torch.randn(38, 3, 3, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(lambda x: model(x * 1), (x,))
 
 
 @pytest.mark.parametrize("activation", ["leaky_relu", "elu"])
 def test_layer_across_simulated_replicas_differentiates_twice_over_few_values(activation):
-    """Float64 over fewer than ``MIN_OWN_PRECISION_COUNT`` values a channel, across replicas:
+    """Float64 over fewer than ``MIN_FLOAT64_REBUILT_COUNT`` values a channel, across replicas:
     the create_graph backward's input gradient takes its value from double-double
     (``layer/whole_batch.py``) and its graph from autograd; its derivative is that graph's."""
     layer = SyncBatchNorm(3, activation=activation, slope=0.3, eps=1e-3,
@@ -155,3 +156,28 @@ def test_layer_across_simulated_replicas_differentiates_twice_over_few_values(ac
     x = torch.randn(5, 3, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(2),
                     requires_grad=True)
     assert torch.autograd.gradgradcheck(lambda x: model(x * 1), (x,))
+
+
+@pytest.mark.parametrize("activation", ["leaky_relu", "elu"])
+def test_layer_across_simulated_replicas_differentiates_a_later_create_graph_backward(
+        activation):
+    """After a create_graph backward, a second one of the loss plus a penalty on the first
+    gradient (float64, few values a channel, across replicas): its value from double-double
+    with the penalty's part read apart (``functional._ReadInGraph``), its graph autograd's;
+    its derivative is that graph's."""
+    layer = SyncBatchNorm(3, activation=activation, slope=0.3, eps=1e-3,
+                          inplace=False).double()
+    with torch.no_grad():
+        layer.weight.copy_(torch.tensor([1.3, -0.6, 0.2]))
+    model = SimulatedDataParallel(layer, 2)
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 3, 2, dtype=torch.float64, generator=gen, requires_grad=True)
+    dy, weights = (torch.randn(5, 3, 2, dtype=torch.float64, generator=gen) for _ in range(2))
+
+    def second_gradient(x):
+        out = model(x * 1)
+        (first,) = torch.autograd.grad(out, x, dy, create_graph=True)
+        penalty = (first * weights).sum().square()
+        return torch.autograd.grad((out * dy).sum() + penalty, x, create_graph=True)[0]
+
+    assert torch.autograd.gradcheck(second_gradient, (x,))

@@ -1,7 +1,7 @@
 """The input gradient of a float64 training call over few values a channel, in double-double
 arithmetic, rounded once.
 
-Why. Over fewer than ``inplace_policy.MIN_OWN_PRECISION_COUNT`` values a channel the input
+Why. Over few values a channel (``inplace_policy.takes_double_double_gradient``) the input
 gradient is a difference of terms larger than itself (``inplace_policy.rebuilds_from_count``),
 and every rounding of the layer's arithmetic reaches it unaveraged. Narrower inputs compute in
 float64 there (``functional.computes_in``); float64 has no wider dtype, and its roundings, as

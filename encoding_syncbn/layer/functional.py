@@ -112,8 +112,8 @@ class _Link:
         self.scale: torch.Tensor | None = None  # weight * invstd
         self.ready: torch.cuda.Event | None = None  # see ``stream_event``
         self.exact_grad: torch.Tensor | None = None  # the input gradient, from ``batch``
-        # Under the first create_graph backward: the value of the input gradient its NormAct
-        # returned (through x directly), which the merge's completes to the exact one.
+        # Under a create_graph backward: the value of the input gradient its NormAct returned
+        # (through x directly), which the merge's completes to the exact one.
         self.direct_grad: torch.Tensor | None = None
         # The gradients of the merged (mean, invstd) this backward brought through the graph
         # of an earlier create_graph one (``_ReadInGraph``); None: none.
@@ -170,8 +170,8 @@ def computes_in(dtype: torch.dtype, count: int, device: torch.device) -> torch.d
     error wherever its roundings happen to cancel (README, Limits), and an in-place call's
     rebuild has no share of the bound left (``inplace_policy.rebuilds_from_count``). In
     float64 a narrower input's gradient keeps its final rounding and the rebuild's, at no
-    cost at that size; a float64 input's, with no wider dtype, computes in double-double
-    (``double_double``).
+    cost at that size; a float64 input's, with no wider dtype, computes in double-double,
+    below ``MIN_FLOAT64_REBUILT_COUNT`` (``inplace_policy.takes_double_double_gradient``).
     """
     if count >= inplace_policy.MIN_OWN_PRECISION_COUNT:
         return torch_ops.stats_dtype(dtype)
@@ -450,9 +450,11 @@ def _norm_act_grads(ctx, grad_output) -> tuple:
             if ctx.needs_input_grad[0]:
                 link.saved, link.config = saved, config
                 link.ready = stream_event(saved.tensor)
-                if link.batch is not None and not link.graphed:
+                if link.batch is not None and not (link.graphed and link.batch.nested):
                     # The merge returns the whole gradient's value, exact where it can be
-                    # (``_exactly``): this one keeps its graph, at value 0.
+                    # (``_exactly``): this one keeps its graph, at value 0. (After a
+                    # create_graph pass through a nested call, the gradients reaching its
+                    # merges through that graph are not all read: ``whole_batch``.)
                     link.grad_output = grad_output.detach()
                     if grads[0] is None:
                         link.direct_grad = torch.zeros_like(saved.tensor)

@@ -121,9 +121,20 @@ ACCEPTED_FAILURE_CHANCE = 1e-6
 def takes_double_double_gradient(dtype: torch.dtype, count: int, inplace: bool) -> bool:
     """Whether a training call's input gradient is taken in double-double
     (``kernels/double_double.py``): float64 inputs whose statistics cover fewer than
-    ``MIN_OWN_PRECISION_COUNT`` values a channel (all replicas and ranks), which train out of
-    place (their input saved)."""
-    return dtype == torch.float64 and count < MIN_OWN_PRECISION_COUNT and not inplace
+    ``MIN_FLOAT64_REBUILT_COUNT`` values a channel (all replicas and ranks), which train out
+    of place (their input saved).
+
+    The rebuild's count, for the rebuild's reason: float64's per-channel coefficients
+    (invstd, ``sum(dz * xhat) / n``) round in float64, an error along xhat that does not
+    shrink with dx, as the rebuilt input's does. The failure-chance model
+    (``rebuilds_from_count``) bounds the chance of both together exceeding the bound only
+    from ``MIN_FLOAT64_REBUILT_COUNT`` on; below it, out of place, the coefficients' alone
+    still exceed it in single channels where nn.BatchNorm2d's own roundings happen to cancel,
+    so the whole gradient is rounded once instead: hundreds of elementwise operations over
+    the saved input and dy, paid only by layers this small
+    (``benchmarks/float64_few_values_cost.py``).
+    """
+    return dtype == torch.float64 and count < MIN_FLOAT64_REBUILT_COUNT and not inplace
 
 
 def rebuilds_from_count(count: int, dtype: torch.dtype) -> bool:

@@ -91,8 +91,9 @@ class SyncBatchNorm(_BatchNorm):
             ``inplace_policy.MIN_REBUILT_COUNT`` values a channel in the whole batch
             (float64: ``MIN_FLOAT64_REBUILT_COUNT``) runs out of place: so few values leave
             the rebuilt input's rounding unaveraged (see ``inplace_policy``); below
-            ``MIN_OWN_PRECISION_COUNT`` it computes in float64, and a float64 one takes its
-            input gradient in double-double (``kernels/double_double.py``).
+            ``MIN_OWN_PRECISION_COUNT`` it computes in float64, and a float64 one below
+            ``MIN_FLOAT64_REBUILT_COUNT`` takes its input gradient in double-double
+            (``kernels/double_double.py``).
 
     In place, the tensor passed in is overwritten and returned. A tensor autograd will not let
     us overwrite (a leaf that requires grad, an output of ``torch.chunk``/``split``) is

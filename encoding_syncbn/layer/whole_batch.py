@@ -2,12 +2,13 @@
 for the whole batch in double-double (``double_double``): every replica of the call in this
 process, a nested DataParallel call's included, and every process's under torch.distributed.
 
-Why. Below ``MIN_OWN_PRECISION_COUNT`` values a channel a replica's input gradient is a
-difference of terms larger than itself (``double_double``), and the terms come from the whole
-batch: its mean and invstd, ``sum(dz)`` and ``sum(dz * xhat)``. The merges' own backward
-passes them on as float64 gradients of the merged statistics, rounded before the difference
-is taken; only the whole batch's inputs and output gradients, joined, give them in
-double-double. So few values make joining them cheap.
+Why. Below ``MIN_FLOAT64_REBUILT_COUNT`` values a channel
+(``inplace_policy.takes_double_double_gradient``) a replica's input gradient is a difference of
+terms larger than itself (``double_double``), and the terms come from the whole batch: its
+mean and invstd, ``sum(dz)`` and ``sum(dz * xhat)``. The merges' own backward passes them on
+as float64 gradients of the merged statistics, rounded before the difference is taken; only
+the whole batch's inputs and output gradients, joined, give them in double-double. So few
+values make joining them cheap.
 
 How. A call's replicas share one ``WholeBatch`` through their links (``functional._Link``),
 made by the master of the outermost call (``exchange.Exchange``). Autograd runs every
@@ -20,12 +21,12 @@ every rank's inputs and dy instead (``sync.distributed``) and hands this process
 (``take``).
 
 Under create_graph the merge keeps autograd's gradient for its graph and takes its value from
-here (``functional._exactly``), in the first create_graph backward only (``_filled``). In a
-backward after one, a gradient penalty's gradients reach the merged statistics through its
-graph as well as the replicas' NormActs: ``functional._ReadInGraph`` records them in the
-links, and the gradient is the NormActs' part from the inputs and dy, plus the penalty's
-through the statistics (``_through_statistics``, float64). A nested call's merges join in
-ATen ops whose graph reads their statistics past ``_ReadInGraph``: there it is not taken.
+here (``functional._exactly``). In a backward after one (with create_graph or not), a gradient
+penalty's gradients reach the merged statistics through its graph as well as the replicas'
+NormActs: ``functional._ReadInGraph`` records them in the links, and the gradient is the
+NormActs' part from the inputs and dy, plus the penalty's through the statistics
+(``_through_statistics``, float64). A nested call's merges join in ATen ops whose graph reads
+their statistics past ``_ReadInGraph``: there it is not taken after a create_graph backward.
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ class WholeBatch:
            across_processes: bool, nested: bool) -> WholeBatch | None:
         """The batch of ``links``, over ``count`` values a channel in this process, or None
         where its input gradients never come here: not float64, or already
-        ``MIN_OWN_PRECISION_COUNT`` values (the global count, known after the merge, is at
+        ``MIN_FLOAT64_REBUILT_COUNT`` values (the global count, known after the merge, is at
         least this one)."""
         if not inplace_policy.takes_double_double_gradient(links[0].dtype, count,
                                                            inplace=False):
@@ -85,9 +86,9 @@ class WholeBatch:
 
     def _filled(self, create_graph: bool) -> bool:
         """Whether every replica left its input and dy, and every gradient reaching the
-        merges besides the replicas' NormActs' is known (``_Link.read_grads``): under
-        create_graph, in the first create_graph backward alone (``_Link.direct_grad``); after
-        one, where no nested call joined (``nested``)."""
+        merges besides the replicas' NormActs' is known (``_Link.read_grads``): after a
+        create_graph backward, where no nested call joined (``nested``; under create_graph the
+        NormActs tell, ``_Link.direct_grad``)."""
         total = self.links[0].total
         return all(
             link.saved is not None and link.grad_output is not None and link.total == total

@@ -6,7 +6,7 @@ formula. Gathering and merging are one autograd Function, whose backward all-red
 gradients of the merged statistics and applies its own rank's Jacobian: one collective
 forward (W rows of 2C+1), one backward (2C values, whatever the world size), per layer call.
 A rank with an empty batch takes part with count 0 and gets zero gradients. A float64 call
-over fewer than ``MIN_OWN_PRECISION_COUNT`` values a channel in the whole group gathers every
+over fewer than ``MIN_FLOAT64_REBUILT_COUNT`` values a channel in the whole group gathers every
 rank's inputs and output gradients in backward instead, for its input gradient in
 double-double (``layer.whole_batch``).
 
@@ -123,7 +123,7 @@ def _gathered_whole_batch(ctx) -> bool:
     some rank's replicas did not leave them (then the merges' own backward runs).
 
     One all_gather of float64 rows ``(has them, x, dy)``, x and dy padded to the largest
-    rank's values a channel (below ``MIN_OWN_PRECISION_COUNT`` the whole group's are fewer
+    rank's values a channel (below ``MIN_FLOAT64_REBUILT_COUNT`` the whole group's are fewer
     than that many a channel), and one host read of the flags.
     """
     rows = ctx.batch.rows()
