@@ -7,7 +7,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .partials import merge_split, split_counters
+from . import double_double as dd
+from .partials import merge_split, merge_split_double, partial_planes, split_counters
 from .plan import (
     Launch,
     OpPlan,
@@ -22,11 +23,30 @@ from .tiles import (
     block_channels,
     channel_block,
     channel_sums,
+    channel_sums_double,
     load_norm_params,
     nth_tile,
     tile_range,
     tile_xhat_dz,
 )
+
+
+@triton.jit
+def _exact_dz_xhat(saved_ptr, offsets, mask, dz, xhat, mean, invstd,
+                   SAVED_IS_OUTPUT: tl.constexpr):
+    """float64's ``dz * xhat`` as a double-double ``(p, e)``: from the input, of the exact
+    ``xhat = (x - mean) invstd`` (the deviation and both products exact, but the deviation's
+    low part times invstd, a rounding some 2^-106 of xhat); from the output, of its
+    rounded xhat (the rebuild's own rounding is larger)."""
+    if SAVED_IS_OUTPUT:
+        p, e = dd.two_prod(dz, xhat)
+    else:
+        x = tl.load(saved_ptr + offsets, mask=mask, other=0.0)
+        centred, centred_lo = dd.two_sum(x, -mean)
+        exact_xhat, exact_xhat_lo = dd.two_prod(centred, invstd)
+        p, e = dd.two_prod(dz, exact_xhat)
+        e = tl.fma(dz, tl.fma(centred_lo, invstd, exact_xhat_lo), e)
+    return p, e
 
 
 @triton.jit
@@ -48,8 +68,12 @@ def _backward_reduce_kernel(saved_ptr, dy_ptr, mean_ptr, invstd_ptr, weight_ptr,
                                                   c0, C, CHANNELS_LAST, CHANNEL_ROWS,
                                                   BLOCK_A, BLOCK_B)
     param = tl.full([], activation_param, ACC)
+    DOUBLE: tl.constexpr = ACC == tl.float64
     acc_dz = tl.zeros([BLOCK_A, BLOCK_B], ACC)
     acc_dz_xhat = tl.zeros([BLOCK_A, BLOCK_B], ACC)
+    if DOUBLE:
+        acc_dz_lo = tl.zeros([BLOCK_A, BLOCK_B], ACC)
+        acc_dz_xhat_lo = tl.zeros([BLOCK_A, BLOCK_B], ACC)
     start, stop = tile_range(tiles, tiles_per_prog)
     for t in range(start, stop):
         base, local, mask = nth_tile(t, c0, N, C, S, R, CS, tiles_s, CHANNELS_LAST, CHANNEL_ROWS,
@@ -57,13 +81,32 @@ def _backward_reduce_kernel(saved_ptr, dy_ptr, mean_ptr, invstd_ptr, weight_ptr,
         xhat, dz = tile_xhat_dz(saved_ptr, dy_ptr, base + local, mask, mean, invstd, weight,
                                 bias, param, ACTIVATION, SAVED_IS_OUTPUT, ACC)
         # Padding lanes may hold inf/nan (0 / weight); keep them out of the sums.
-        acc_dz += tl.where(mask, dz, 0.0)
-        acc_dz_xhat += tl.where(mask, dz * xhat, 0.0)
+        if DOUBLE:
+            dz = tl.where(mask, dz, 0.0)
+            product, product_lo = _exact_dz_xhat(saved_ptr, base + local, mask, dz, xhat, mean,
+                                                 invstd, SAVED_IS_OUTPUT)
+            acc_dz, acc_dz_lo = dd.accumulate(acc_dz, acc_dz_lo, dz, 0.0)
+            acc_dz_xhat, acc_dz_xhat_lo = dd.accumulate(acc_dz_xhat, acc_dz_xhat_lo,
+                                                        tl.where(mask, product, 0.0),
+                                                        tl.where(mask, product_lo, 0.0))
+        else:
+            acc_dz += tl.where(mask, dz, 0.0)
+            acc_dz_xhat += tl.where(mask, dz * xhat, 0.0)
     c = block_channels(c0, CHANNELS_LAST, CHANNEL_ROWS, BLOCK_A, BLOCK_B)
-    sum_dz = channel_sums(acc_dz, CHANNELS_LAST, CHANNEL_ROWS)
-    sum_dz_xhat = channel_sums(acc_dz_xhat, CHANNELS_LAST, CHANNEL_ROWS)
-    sum_dz, sum_dz_xhat, finishing = merge_split(sum_dz, sum_dz_xhat, part_ptr,
-                                                 counter_ptr + c0, c, C, SPLIT, BLOCK_P)
+    if DOUBLE:
+        sum_dz, sum_dz_lo = channel_sums_double(acc_dz, acc_dz_lo, CHANNELS_LAST, CHANNEL_ROWS)
+        sum_dz_xhat, sum_dz_xhat_lo = channel_sums_double(acc_dz_xhat, acc_dz_xhat_lo,
+                                                          CHANNELS_LAST, CHANNEL_ROWS)
+        sum_dz, sum_dz_lo, sum_dz_xhat, sum_dz_xhat_lo, finishing = merge_split_double(
+            sum_dz, sum_dz_lo, sum_dz_xhat, sum_dz_xhat_lo, part_ptr, counter_ptr + c0, c, C,
+            SPLIT, BLOCK_P)
+        sum_dz = sum_dz + sum_dz_lo
+        sum_dz_xhat = sum_dz_xhat + sum_dz_xhat_lo
+    else:
+        sum_dz = channel_sums(acc_dz, CHANNELS_LAST, CHANNEL_ROWS)
+        sum_dz_xhat = channel_sums(acc_dz_xhat, CHANNELS_LAST, CHANNEL_ROWS)
+        sum_dz, sum_dz_xhat, finishing = merge_split(sum_dz, sum_dz_xhat, part_ptr,
+                                                     counter_ptr + c0, c, C, SPLIT, BLOCK_P)
     if finishing:
         tl.store(sum_dz_ptr + c, sum_dz, mask=c < C)
         tl.store(sum_dz_xhat_ptr + c, sum_dz_xhat, mask=c < C)
@@ -97,8 +140,8 @@ def reduce_launches(plan: OpPlan, saved: torch.Tensor, dy: torch.Tensor, mean: t
     acc, splits, c = plan.acc, plan.grid[1], plan.geo.c
     sum_dz = saved.new_empty(c, dtype=acc)
     sum_dz_xhat = saved.new_empty(c, dtype=acc)
-    # Split: one buffer of two planes of partial sums; else unread.
-    part = saved.new_empty(2 * splits * c, dtype=acc) if splits > 1 else sum_dz
+    # Split: one buffer of the planes of partial sums (``partial_planes``); else unread.
+    part = saved.new_empty(partial_planes(acc) * splits * c, dtype=acc) if splits > 1 else sum_dz
     reduce = Launch(_backward_reduce_kernel, plan.grid,
                     (saved, dy, mean, invstd, weight, bias, sum_dz, sum_dz_xhat, part,
                      split_counters(saved.device, c), plan.activation_param, *plan.args),
