@@ -8,6 +8,7 @@ import triton
 import triton.language as tl
 
 from . import double_double as dd
+from .activations import xhat_dz
 from .partials import merge_split, merge_split_double, partial_planes, split_counters
 from .plan import (
     Launch,
@@ -32,8 +33,7 @@ from .tiles import (
 
 
 @triton.jit
-def _exact_dz_xhat(saved_ptr, offsets, mask, dz, xhat, mean, invstd,
-                   SAVED_IS_OUTPUT: tl.constexpr):
+def _exact_dz_xhat(saved, dz, xhat, mean, invstd, SAVED_IS_OUTPUT: tl.constexpr):
     """float64's ``dz * xhat`` as a double-double ``(p, e)``: from the input, of the exact
     ``xhat = (x - mean) invstd`` (the deviation and both products exact, but the deviation's
     low part times invstd, a rounding some 2^-106 of xhat); from the output, of its
@@ -41,8 +41,7 @@ def _exact_dz_xhat(saved_ptr, offsets, mask, dz, xhat, mean, invstd,
     if SAVED_IS_OUTPUT:
         p, e = dd.two_prod(dz, xhat)
     else:
-        x = tl.load(saved_ptr + offsets, mask=mask, other=0.0)
-        centred, centred_lo = dd.two_sum(x, -mean)
+        centred, centred_lo = dd.two_sum(saved, -mean)
         exact_xhat, exact_xhat_lo = dd.two_prod(centred, invstd)
         p, e = dd.two_prod(dz, exact_xhat)
         e = tl.fma(dz, tl.fma(centred_lo, invstd, exact_xhat_lo), e)
@@ -60,8 +59,9 @@ def _backward_reduce_kernel(saved_ptr, dy_ptr, mean_ptr, invstd_ptr, weight_ptr,
                             ACC: tl.constexpr, SPLIT: tl.constexpr, BLOCK_P: tl.constexpr):
     """sum(dz) and sum(dz * xhat) per channel over this program's tiles -> ``sum_dz``,
     ``sum_dz_xhat``. ``SPLIT``: each program stores its sums in row pid_1 of the [2, splits,
-    C] buffer ``part``, and the last of a channel block to finish sums the rows in index order
-    (``partials``)."""
+    C] buffer ``part`` (float64: [4, splits, C]), and the last of a channel block to finish
+    sums the rows in index order (``partials``). float64, which has no wider dtype to sum
+    in: dz * xhat exact (``_exact_dz_xhat``), both sums in double-double, rounded once."""
     C, S, CS = aligned_rows(C, S, CS, CHANNELS_LAST, ALIGN)
     c0 = channel_block(CHANNELS_LAST, CHANNEL_ROWS, BLOCK_A, BLOCK_B)
     mean, invstd, weight, bias = load_norm_params(mean_ptr, invstd_ptr, weight_ptr, bias_ptr,
@@ -78,18 +78,21 @@ def _backward_reduce_kernel(saved_ptr, dy_ptr, mean_ptr, invstd_ptr, weight_ptr,
     for t in range(start, stop):
         base, local, mask = nth_tile(t, c0, N, C, S, R, CS, tiles_s, CHANNELS_LAST, CHANNEL_ROWS,
                                      BLOCK_A, BLOCK_B)
-        xhat, dz = tile_xhat_dz(saved_ptr, dy_ptr, base + local, mask, mean, invstd, weight,
-                                bias, param, ACTIVATION, SAVED_IS_OUTPUT, ACC)
         # Padding lanes may hold inf/nan (0 / weight); keep them out of the sums.
         if DOUBLE:
+            s = tl.load(saved_ptr + base + local, mask=mask, other=0.0)
+            dy = tl.load(dy_ptr + base + local, mask=mask, other=0.0)
+            xhat, dz = xhat_dz(s, dy, mean, invstd, weight, bias, param, ACTIVATION,
+                               SAVED_IS_OUTPUT)
             dz = tl.where(mask, dz, 0.0)
-            product, product_lo = _exact_dz_xhat(saved_ptr, base + local, mask, dz, xhat, mean,
-                                                 invstd, SAVED_IS_OUTPUT)
+            product, product_lo = _exact_dz_xhat(s, dz, xhat, mean, invstd, SAVED_IS_OUTPUT)
             acc_dz, acc_dz_lo = dd.accumulate(acc_dz, acc_dz_lo, dz, 0.0)
             acc_dz_xhat, acc_dz_xhat_lo = dd.accumulate(acc_dz_xhat, acc_dz_xhat_lo,
                                                         tl.where(mask, product, 0.0),
                                                         tl.where(mask, product_lo, 0.0))
         else:
+            xhat, dz = tile_xhat_dz(saved_ptr, dy_ptr, base + local, mask, mean, invstd, weight,
+                                    bias, param, ACTIVATION, SAVED_IS_OUTPUT, ACC)
             acc_dz += tl.where(mask, dz, 0.0)
             acc_dz_xhat += tl.where(mask, dz * xhat, 0.0)
     c = block_channels(c0, CHANNELS_LAST, CHANNEL_ROWS, BLOCK_A, BLOCK_B)

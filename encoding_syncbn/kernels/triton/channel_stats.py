@@ -98,8 +98,11 @@ def _block_stats(x_ptr, part_ptr, counter_ptr, N, C, S, R, CS, tiles, tiles_s, t
     subtraction, an add and a fused multiply-add. K is rounded to x's dtype and masked lanes
     load it: their d is 0. Infinities: K = 0 then, or the sums turn inf / NaN, giving
     BatchNorm's mean (inf, or NaN for both signs) and a NaN M2.
+    float64, which has no wider dtype to sum in: d and d^2 exact (d + e, p + q), summed in
+    double-double, mean and M2 rounded once (:func:`_double_moments`).
     ``SPLIT``: the channel block's tiles are split over the programs of grid axis 1; each
-    stores its two sums in row pid_1 of the [2, splits, C] buffer ``part`` and the last to
+    stores its two sums in row pid_1 of the [2, splits, C] buffer ``part`` (float64: [4,
+    splits, C], each sum's high and low parts) and the last to
     finish adds the rows up in index order (``partials``): only it is ``finishing``.
     """
     C, S, CS = aligned_rows(C, S, CS, CHANNELS_LAST, ALIGN)
