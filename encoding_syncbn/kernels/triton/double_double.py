@@ -5,14 +5,15 @@ Why. float64 has no wider dtype to accumulate and finish its statistics in (narr
 take float32's or float64's, ``finalize_stats``); in float64's own arithmetic M2 and invstd
 round at every step, and the input gradient scales with invstd in every element, unaveraged
 over few values a channel (``kernels/double_double.py``, whose formulas these mirror op for
-op, so that a kernel's float64 invstd is ``torch_ops.float64_invstd``'s bit for bit).
+op, so that a kernel's float64 invstd is ``torch_ops.float64_invstd``'s: a GPU's fused
+multiply-adds may change only the corrections' last bits, far below the result's rounding).
 
 A value is a pair ``(hi, lo)`` of float64 tensors, ``|lo| <= ulp(hi) / 2``. ``two_prod`` takes
 its error from ``tl.fma`` (exact in float64 on a GPU and in the interpreter), where the ATen
 version splits the factors (Dekker): both give the exact error. Where a result is not finite
 its error is 0, and the high part alone is what float64 computes (NaN and inf propagate).
 Only float64 kernels call these (a constexpr branch on the dtype): the other dtypes' kernels
-are what they were.
+keep their single sums and roundings, which their float32 or float64 accumulation covers.
 """
 
 import triton
