@@ -180,14 +180,15 @@ REFERENCE_BITS = 160
 
 
 def bound_case(activation: str, replicas: int, spatial: tuple[int, int], data,
-               most: int = 64, channels: int = BOUND_CHANNELS, ratio: float = 1e3):
+               most: int = 64, channels: int = BOUND_CHANNELS, ratio: float = 1e3,
+               least: int = 3):
     """A generated layer for the bound: ``(shape, gamma, beta, x, dy)`` (x and dy in float64),
-    3 to ``most`` values a channel over the whole batch (by default on both sides of
+    ``least`` to ``most`` values a channel over the whole batch (by default on both sides of
     ``MIN_REBUILT_COUNT`` and ``MIN_OWN_PRECISION_COUNT``), gammas and betas rebuilt and kept
     aside (|beta| up to ``ratio`` |gamma|). ELU: |gamma| <= 1 and beta >= 0, keeping z above about
     -4 (its deep saturation is a limit of its own, README)."""
     per_sample = spatial[0] * spatial[1]
-    fewest = max(replicas, -(-3 // per_sample))
+    fewest = max(replicas, -(-least // per_sample))
     batch = data.draw(st.one_of(st.integers(fewest, max(fewest, min(40, most) // per_sample)),
                                 st.integers(fewest, max(fewest, most // per_sample))),
                       label="batch")
@@ -348,6 +349,27 @@ def test_float64_input_gradient_within_three_times_batchnorms_error(activation, 
     layer trains out of place and its input gradient computes in double-double
     (``kernels/double_double.py``)."""
     shape, gamma, beta, x, dy = bound_case(activation, replicas, spatial, data, most=FEW)
+    ours, theirs = _input_grads(x, dy, gamma, beta, activation, replicas, (torch.float64,))
+    assert_float64_bound(ours, theirs, x, dy, gamma, beta, activation,
+                         f"{activation} x{replicas} {shape}")
+
+
+@settings(max_examples=6, deadline=None, derandomize=True)
+@given(
+    activation=st.sampled_from(["identity", "leaky_relu", "elu"]),
+    replicas=st.integers(1, 4),
+    spatial=st.sampled_from([(1, 1), (1, 2), (3, 1)]),
+    data=st.data(),
+)
+def test_float64_bound_out_of_place_below_the_rebuild(activation, replicas, spatial, data):
+    """The float64 bound from ``MIN_OWN_PRECISION_COUNT`` to ``MIN_FLOAT64_REBUILT_COUNT`` - 1
+    values a channel, where an in-place layer trains out of place in float64's own arithmetic:
+    the statistics, invstd and the input gradient's coefficients each rounded once (the torch
+    backend's ATen calls; Triton's float64 kernels in double-double), 48 channels a layer."""
+    shape, gamma, beta, x, dy = bound_case(activation, replicas, spatial, data,
+                                           least=MIN_OWN_PRECISION_COUNT,
+                                           most=MIN_FLOAT64_REBUILT_COUNT - 1,
+                                           channels=SMOOTH_CHANNELS)
     ours, theirs = _input_grads(x, dy, gamma, beta, activation, replicas, (torch.float64,))
     assert_float64_bound(ours, theirs, x, dy, gamma, beta, activation,
                          f"{activation} x{replicas} {shape}")

@@ -44,6 +44,8 @@ from typing import NamedTuple, Protocol
 
 import torch
 
+from . import double_double as dd
+
 
 def channel_vector(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``t`` as backends take a per-channel vector: contiguous, in ``dtype`` (the statistics
@@ -79,7 +81,8 @@ class BatchSums(NamedTuple):
         dx = w * invstd * (dz - sum_dz / n - xhat * sum_dz_xhat / n)
 
     i.e. ``DxCoefs(w * invstd, -w * invstd * sum_dz_xhat / n, -w * invstd * sum_dz / n)``:
-    see :func:`dx_coefs`, whose order of operations every backend follows."""
+    see :func:`dx_coefs`, whose order of operations every backend follows (float64's in
+    double-double, rounded once each)."""
 
     sum_dz: torch.Tensor
     sum_dz_xhat: torch.Tensor
@@ -87,12 +90,29 @@ class BatchSums(NamedTuple):
 
 
 def dx_coefs(params: NormParams, coefs: DxCoefs | BatchSums) -> DxCoefs:
-    """``coefs`` as :class:`DxCoefs` (four ATen calls on (C,) vectors for :class:`BatchSums`)."""
+    """``coefs`` as :class:`DxCoefs` (four ATen calls on (C,) vectors for :class:`BatchSums`;
+    float64's from :func:`_float64_dx_coefs`)."""
     if isinstance(coefs, DxCoefs):
         return coefs
+    if coefs.sum_dz.dtype == torch.float64:
+        return _float64_dx_coefs(params, coefs)
     scale = params.weight * params.invstd
     per_element = scale * (-1.0 / coefs.count)
     return DxCoefs(scale, per_element * coefs.sum_dz_xhat, per_element * coefs.sum_dz)
+
+
+def _float64_dx_coefs(params: NormParams, sums: BatchSums) -> DxCoefs:
+    """float64's coefficients, each rounded once from double-double: ``scale = w * invstd``
+    exact as ``two_prod``'s pair, ``p = -scale / n``, then ``p`` times each sum. float64 has
+    no wider dtype to take them in, and every element of dx takes them, unaveraged over few
+    values a channel (the Triton kernel derives them with the same ops: ``backward_dx``)."""
+    weight = params.weight.to(torch.float64)
+    scale = dd.two_prod(weight, params.invstd.to(torch.float64))
+    zero = torch.zeros_like(scale[0])
+    p = dd.div(dd.neg(scale), (torch.full_like(zero, float(sums.count)), zero))
+    coef_xhat = dd.mul(p, (sums.sum_dz_xhat, zero))
+    coef_const = dd.mul(p, (sums.sum_dz, zero))
+    return DxCoefs(scale[0], coef_xhat[0] + coef_xhat[1], coef_const[0] + coef_const[1])
 
 
 class RunningStats(NamedTuple):

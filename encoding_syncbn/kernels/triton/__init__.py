@@ -4,7 +4,8 @@ Same names, signatures, semantics and dtype rules as ``torch_ops`` (the referenc
 docstring for the notation (``z``, ``y``, ``dz``, ``xhat``). One job a file: ``plan`` (geometry,
 tiles, memoised launch planning), ``tiles`` (device functions addressing a tile),
 ``activations`` (the activation device functions), ``partials`` (a split reduction's merge by
-its last program), one file per op with its kernels and launch planner (``finalize_stats``: what
+its last program), ``double_double`` (float64's sums and finishing steps, rounded once), one
+file per op with its kernels and launch planner (``finalize_stats``: what
 follows the batch statistics per channel) and ``ops`` (launch, torch.library registration,
 the public functions).
 
@@ -31,6 +32,7 @@ then finish there too (``finalize_stats``), so a training step is two launches f
 backward, evaluation one.
 
 Accumulation is in float32 for half, bfloat16 and float32 inputs and in float64 for float64
-inputs; per-channel vectors come in (contiguous: see ``kernels.backend``) and go out in that
-statistics dtype.
+inputs, which has no wider dtype: its kernels' sums and per-channel results are taken in
+double-double and rounded once (``double_double``); per-channel vectors come in (contiguous:
+see ``kernels.backend``) and go out in that statistics dtype.
 """

@@ -9,6 +9,7 @@ import triton
 import triton.language as tl
 
 from ..backend import BatchSums, DxCoefs, NormParams
+from . import double_double as dd
 from .backward_reduce import reduce_launches
 from .plan import (
     Launch,
@@ -34,6 +35,20 @@ from .tiles import (
 
 
 @triton.jit
+def _double_coefs(weight, invstd, sum_dz_xhat, sum_dz, neg_inv_count):
+    """float64's ``(scale, p * sum(dz * xhat), p * sum(dz))``, ``scale = w * invstd`` and ``p
+    = -scale / n``, each rounded once from double-double: every element of dx takes them."""
+    zero = tl.zeros_like(weight * invstd)
+    scale, scale_lo = dd.two_prod(weight + zero, invstd + zero)
+    # The count, an integer, from its rounded reciprocal (1 / fl(1 / n) is within ulps of n).
+    count = zero + tl.floor(-1.0 / neg_inv_count + 0.5)
+    p, p_lo = dd.div(-scale, -scale_lo, count, zero)
+    coef_xhat, coef_xhat_lo = dd.mul(p, p_lo, sum_dz_xhat + zero, zero)
+    coef_const, coef_const_lo = dd.mul(p, p_lo, sum_dz + zero, zero)
+    return scale, coef_xhat + coef_xhat_lo, coef_const + coef_const_lo
+
+
+@triton.jit
 def _backward_dx_kernel(saved_ptr, dy_ptr, dx_ptr, mean_ptr, invstd_ptr, weight_ptr, bias_ptr,
                         coef_dz_ptr, coef_xhat_ptr, coef_const_ptr, neg_inv_count: tl.float64,
                         activation_param: tl.float64, N, C, S, R, CS, tiles, tiles_s,
@@ -48,7 +63,8 @@ def _backward_dx_kernel(saved_ptr, dy_ptr, dx_ptr, mean_ptr, invstd_ptr, weight_
     ``FROM_SUMS`` (``BatchSums``): coef_xhat_ptr and coef_const_ptr hold sum(dz * xhat) and
     sum(dz) of the batch, coef_dz_ptr is unread, and the coefficients are derived per channel
     in ``dx_coefs``' order: scale = w * invstd, p = scale * (-1/n), (scale, p * sum(dz *
-    xhat), p * sum(dz)).
+    xhat), p * sum(dz)); float64's in double-double, rounded once each (``_double_coefs``),
+    and dx with two fused multiply-adds.
     """
     C, S, CS = aligned_rows(C, S, CS, CHANNELS_LAST, ALIGN)
     c0 = channel_block(CHANNELS_LAST, CHANNEL_ROWS, BLOCK_A, BLOCK_B)
@@ -57,11 +73,16 @@ def _backward_dx_kernel(saved_ptr, dy_ptr, dx_ptr, mean_ptr, invstd_ptr, weight_
                                                   BLOCK_A, BLOCK_B)
     coef_xhat = load_channel(coef_xhat_ptr, c0, C, CHANNELS_LAST, CHANNEL_ROWS, BLOCK_A, BLOCK_B)
     coef_const = load_channel(coef_const_ptr, c0, C, CHANNELS_LAST, CHANNEL_ROWS, BLOCK_A, BLOCK_B)
+    DOUBLE: tl.constexpr = ACC == tl.float64
     if FROM_SUMS:
-        coef_dz = weight * invstd
-        per_element = coef_dz * tl.full([], neg_inv_count, ACC)
-        coef_xhat = per_element * coef_xhat
-        coef_const = per_element * coef_const
+        if DOUBLE:
+            coef_dz, coef_xhat, coef_const = _double_coefs(weight, invstd, coef_xhat,
+                                                           coef_const, neg_inv_count)
+        else:
+            coef_dz = weight * invstd
+            per_element = coef_dz * tl.full([], neg_inv_count, ACC)
+            coef_xhat = per_element * coef_xhat
+            coef_const = per_element * coef_const
     else:
         coef_dz = load_channel(coef_dz_ptr, c0, C, CHANNELS_LAST, CHANNEL_ROWS, BLOCK_A, BLOCK_B)
     no_xhat_term = coef_xhat == 0.0
@@ -73,7 +94,11 @@ def _backward_dx_kernel(saved_ptr, dy_ptr, dx_ptr, mean_ptr, invstd_ptr, weight_
         xhat, dz = tile_xhat_dz(saved_ptr, dy_ptr, base + local, mask, mean, invstd, weight,
                                 bias, param, ACTIVATION, SAVED_IS_OUTPUT, ACC)
         # A zero coef_xhat (constant statistics) drops the xhat term: NaN * 0 is no NaN of dx.
-        dx = (dz * coef_dz + tl.where(no_xhat_term, 0.0, xhat * coef_xhat)) + coef_const
+        if DOUBLE:  # two roundings, on a GPU and in the interpreter alike
+            dx = tl.fma(dz, coef_dz,
+                        tl.where(no_xhat_term, coef_const, tl.fma(xhat, coef_xhat, coef_const)))
+        else:
+            dx = (dz * coef_dz + tl.where(no_xhat_term, 0.0, xhat * coef_xhat)) + coef_const
         tl.store(dx_ptr + base + local, dx.to(dx_ptr.dtype.element_ty), mask=mask)
 
 

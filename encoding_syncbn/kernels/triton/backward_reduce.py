@@ -7,7 +7,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .partials import merge_split, split_counters
+from . import double_double as dd
+from .activations import xhat_dz
+from .partials import merge_split, merge_split_double, partial_planes, split_counters
 from .plan import (
     Launch,
     OpPlan,
@@ -22,11 +24,28 @@ from .tiles import (
     block_channels,
     channel_block,
     channel_sums,
+    channel_sums_double,
     load_norm_params,
     nth_tile,
     tile_range,
     tile_xhat_dz,
 )
+
+
+@triton.jit
+def _exact_dz_xhat(saved, dz, xhat, mean, invstd, SAVED_IS_OUTPUT: tl.constexpr):
+    """float64's ``dz * xhat`` as a double-double ``(p, e)``: from the input, of the exact
+    ``xhat = (x - mean) invstd`` (the deviation and both products exact, but the deviation's
+    low part times invstd, a rounding some 2^-106 of xhat); from the output, of its
+    rounded xhat (the rebuild's own rounding is larger)."""
+    if SAVED_IS_OUTPUT:
+        p, e = dd.two_prod(dz, xhat)
+    else:
+        centred, centred_lo = dd.two_sum(saved, -mean)
+        exact_xhat, exact_xhat_lo = dd.two_prod(centred, invstd)
+        p, e = dd.two_prod(dz, exact_xhat)
+        e = tl.fma(dz, tl.fma(centred_lo, invstd, exact_xhat_lo), e)
+    return p, e
 
 
 @triton.jit
@@ -40,30 +59,57 @@ def _backward_reduce_kernel(saved_ptr, dy_ptr, mean_ptr, invstd_ptr, weight_ptr,
                             ACC: tl.constexpr, SPLIT: tl.constexpr, BLOCK_P: tl.constexpr):
     """sum(dz) and sum(dz * xhat) per channel over this program's tiles -> ``sum_dz``,
     ``sum_dz_xhat``. ``SPLIT``: each program stores its sums in row pid_1 of the [2, splits,
-    C] buffer ``part``, and the last of a channel block to finish sums the rows in index order
-    (``partials``)."""
+    C] buffer ``part`` (float64: [4, splits, C]), and the last of a channel block to finish
+    sums the rows in index order (``partials``). float64, which has no wider dtype to sum
+    in: dz * xhat exact (``_exact_dz_xhat``), both sums in double-double, rounded once."""
     C, S, CS = aligned_rows(C, S, CS, CHANNELS_LAST, ALIGN)
     c0 = channel_block(CHANNELS_LAST, CHANNEL_ROWS, BLOCK_A, BLOCK_B)
     mean, invstd, weight, bias = load_norm_params(mean_ptr, invstd_ptr, weight_ptr, bias_ptr,
                                                   c0, C, CHANNELS_LAST, CHANNEL_ROWS,
                                                   BLOCK_A, BLOCK_B)
     param = tl.full([], activation_param, ACC)
+    DOUBLE: tl.constexpr = ACC == tl.float64
     acc_dz = tl.zeros([BLOCK_A, BLOCK_B], ACC)
     acc_dz_xhat = tl.zeros([BLOCK_A, BLOCK_B], ACC)
+    if DOUBLE:
+        acc_dz_lo = tl.zeros([BLOCK_A, BLOCK_B], ACC)
+        acc_dz_xhat_lo = tl.zeros([BLOCK_A, BLOCK_B], ACC)
     start, stop = tile_range(tiles, tiles_per_prog)
     for t in range(start, stop):
         base, local, mask = nth_tile(t, c0, N, C, S, R, CS, tiles_s, CHANNELS_LAST, CHANNEL_ROWS,
                                      BLOCK_A, BLOCK_B)
-        xhat, dz = tile_xhat_dz(saved_ptr, dy_ptr, base + local, mask, mean, invstd, weight,
-                                bias, param, ACTIVATION, SAVED_IS_OUTPUT, ACC)
         # Padding lanes may hold inf/nan (0 / weight); keep them out of the sums.
-        acc_dz += tl.where(mask, dz, 0.0)
-        acc_dz_xhat += tl.where(mask, dz * xhat, 0.0)
+        if DOUBLE:
+            s = tl.load(saved_ptr + base + local, mask=mask, other=0.0)
+            dy = tl.load(dy_ptr + base + local, mask=mask, other=0.0)
+            xhat, dz = xhat_dz(s, dy, mean, invstd, weight, bias, param, ACTIVATION,
+                               SAVED_IS_OUTPUT)
+            dz = tl.where(mask, dz, 0.0)
+            product, product_lo = _exact_dz_xhat(s, dz, xhat, mean, invstd, SAVED_IS_OUTPUT)
+            acc_dz, acc_dz_lo = dd.accumulate(acc_dz, acc_dz_lo, dz, 0.0)
+            acc_dz_xhat, acc_dz_xhat_lo = dd.accumulate(acc_dz_xhat, acc_dz_xhat_lo,
+                                                        tl.where(mask, product, 0.0),
+                                                        tl.where(mask, product_lo, 0.0))
+        else:
+            xhat, dz = tile_xhat_dz(saved_ptr, dy_ptr, base + local, mask, mean, invstd, weight,
+                                    bias, param, ACTIVATION, SAVED_IS_OUTPUT, ACC)
+            acc_dz += tl.where(mask, dz, 0.0)
+            acc_dz_xhat += tl.where(mask, dz * xhat, 0.0)
     c = block_channels(c0, CHANNELS_LAST, CHANNEL_ROWS, BLOCK_A, BLOCK_B)
-    sum_dz = channel_sums(acc_dz, CHANNELS_LAST, CHANNEL_ROWS)
-    sum_dz_xhat = channel_sums(acc_dz_xhat, CHANNELS_LAST, CHANNEL_ROWS)
-    sum_dz, sum_dz_xhat, finishing = merge_split(sum_dz, sum_dz_xhat, part_ptr,
-                                                 counter_ptr + c0, c, C, SPLIT, BLOCK_P)
+    if DOUBLE:
+        sum_dz, sum_dz_lo = channel_sums_double(acc_dz, acc_dz_lo, CHANNELS_LAST, CHANNEL_ROWS)
+        sum_dz_xhat, sum_dz_xhat_lo = channel_sums_double(acc_dz_xhat, acc_dz_xhat_lo,
+                                                          CHANNELS_LAST, CHANNEL_ROWS)
+        sum_dz, sum_dz_lo, sum_dz_xhat, sum_dz_xhat_lo, finishing = merge_split_double(
+            sum_dz, sum_dz_lo, sum_dz_xhat, sum_dz_xhat_lo, part_ptr, counter_ptr + c0, c, C,
+            SPLIT, BLOCK_P)
+        sum_dz = sum_dz + sum_dz_lo
+        sum_dz_xhat = sum_dz_xhat + sum_dz_xhat_lo
+    else:
+        sum_dz = channel_sums(acc_dz, CHANNELS_LAST, CHANNEL_ROWS)
+        sum_dz_xhat = channel_sums(acc_dz_xhat, CHANNELS_LAST, CHANNEL_ROWS)
+        sum_dz, sum_dz_xhat, finishing = merge_split(sum_dz, sum_dz_xhat, part_ptr,
+                                                     counter_ptr + c0, c, C, SPLIT, BLOCK_P)
     if finishing:
         tl.store(sum_dz_ptr + c, sum_dz, mask=c < C)
         tl.store(sum_dz_xhat_ptr + c, sum_dz_xhat, mask=c < C)
@@ -97,8 +143,8 @@ def reduce_launches(plan: OpPlan, saved: torch.Tensor, dy: torch.Tensor, mean: t
     acc, splits, c = plan.acc, plan.grid[1], plan.geo.c
     sum_dz = saved.new_empty(c, dtype=acc)
     sum_dz_xhat = saved.new_empty(c, dtype=acc)
-    # Split: one buffer of two planes of partial sums; else unread.
-    part = saved.new_empty(2 * splits * c, dtype=acc) if splits > 1 else sum_dz
+    # Split: one buffer of the planes of partial sums (``partial_planes``); else unread.
+    part = saved.new_empty(partial_planes(acc) * splits * c, dtype=acc) if splits > 1 else sum_dz
     reduce = Launch(_backward_reduce_kernel, plan.grid,
                     (saved, dy, mean, invstd, weight, bias, sum_dz, sum_dz_xhat, part,
                      split_counters(saved.device, c), plan.activation_param, *plan.args),

@@ -9,8 +9,9 @@ import torch
 import triton
 import triton.language as tl
 
+from . import double_double as dd
 from .finalize_stats import FinishPlan, finish_batch_stats, finish_plan
-from .partials import merge_split, split_counters
+from .partials import merge_split, merge_split_double, partial_planes, split_counters
 from .plan import (
     Launch,
     Target,
@@ -26,6 +27,7 @@ from .tiles import (
     block_channels,
     channel_block,
     channel_sums,
+    channel_sums_double,
     next_tile,
     tile_at,
     tile_coordinates,
@@ -39,6 +41,41 @@ def _mean_near(values, origin, mask, AXIS: tl.constexpr):
     their mean deviation from it (``origin`` where none is masked in)."""
     count = tl.maximum(tl.sum(mask.to(values.dtype), AXIS, keep_dims=True), 1.0)
     return origin + tl.sum(tl.where(mask, values - origin, 0.0), AXIS, keep_dims=True) / count
+
+
+@triton.jit
+def _exact_deviation_sums(x, k):
+    """``(d, e, p, q)``: the deviation ``x - k = d + e`` exactly, and its square ``p + q``
+    (``(d + e)^2`` but ``e^2``, some 2^-106 of it)."""
+    d, e = dd.two_sum(x, -k)
+    p, q = dd.two_prod(d, d)
+    return d, e, p, tl.fma(d + d, e, q)
+
+
+@triton.jit
+def _double_moments(s1, s1_lo, s2, s2_lo, k, part_ptr, block_counter_ptr, c, C, R,
+                    CHANNELS_LAST: tl.constexpr, CHANNEL_ROWS: tl.constexpr,
+                    SPLIT: tl.constexpr, BLOCK_P: tl.constexpr):
+    """float64's ``(mean, M2, finishing)`` from the lanes' double-double sums of the exact
+    deviations ``d`` from ``k`` and of their squares (:func:`_block_stats`): the lanes and the
+    split's programs added in double-double, ``mean = k + sum(d) / n`` and ``M2 = sum(d^2) -
+    sum(d)^2 / n`` in double-double, each rounded once. Where ``mean`` is not finite (an
+    infinite input, or the sum's overflow), float64's ``k + sum(d) / n``: inf as
+    BatchNorm's mean, where double-double's corrections would make NaN of it."""
+    sum_d, sum_d_lo = channel_sums_double(s1, s1_lo, CHANNELS_LAST, CHANNEL_ROWS)
+    sum_d2, sum_d2_lo = channel_sums_double(s2, s2_lo, CHANNELS_LAST, CHANNEL_ROWS)
+    sum_d, sum_d_lo, sum_d2, sum_d2_lo, finishing = merge_split_double(
+        sum_d, sum_d_lo, sum_d2, sum_d2_lo, part_ptr, block_counter_ptr, c, C, SPLIT, BLOCK_P)
+    k = as_block_vector(k, CHANNELS_LAST, CHANNEL_ROWS)
+    n = tl.zeros_like(k) + R.to(tl.float64)
+    zero = tl.zeros_like(k)
+    q, q_lo = dd.div(sum_d, sum_d_lo, n, zero)
+    mean, mean_lo = dd.add(k, zero, q, q_lo)
+    mean = tl.where(mean - mean == 0.0, mean + mean_lo, k + sum_d / n)
+    square, square_lo = dd.mul(sum_d, sum_d_lo, q, q_lo)
+    m2, m2_lo = dd.add(sum_d2, sum_d2_lo, -square, -square_lo)
+    m2 = tl.maximum(m2 + m2_lo, 0.0, propagate_nan=tl.PropagateNan.ALL)
+    return mean, m2, finishing
 
 
 @triton.jit
@@ -61,8 +98,11 @@ def _block_stats(x_ptr, part_ptr, counter_ptr, N, C, S, R, CS, tiles, tiles_s, t
     subtraction, an add and a fused multiply-add. K is rounded to x's dtype and masked lanes
     load it: their d is 0. Infinities: K = 0 then, or the sums turn inf / NaN, giving
     BatchNorm's mean (inf, or NaN for both signs) and a NaN M2.
+    float64, which has no wider dtype to sum in: d and d^2 exact (d + e, p + q), summed in
+    double-double, mean and M2 rounded once (:func:`_double_moments`).
     ``SPLIT``: the channel block's tiles are split over the programs of grid axis 1; each
-    stores its two sums in row pid_1 of the [2, splits, C] buffer ``part`` and the last to
+    stores its two sums in row pid_1 of the [2, splits, C] buffer ``part`` (float64: [4,
+    splits, C], each sum's high and low parts) and the last to
     finish adds the rows up in index order (``partials``): only it is ``finishing``.
     """
     C, S, CS = aligned_rows(C, S, CS, CHANNELS_LAST, ALIGN)
@@ -92,33 +132,53 @@ def _block_stats(x_ptr, part_ptr, counter_ptr, N, C, S, R, CS, tiles, tiles_s, t
         shift = origin + tl.sum(tl.where(head_mask, first - origin, 0.0)) / count
     shift = tl.where(shift - shift == 0.0, shift, 0.0).to(x_ptr.dtype.element_ty)
     k = shift.to(ACC)
+    DOUBLE: tl.constexpr = ACC == tl.float64
     start, stop = tile_range(tiles, tiles_per_prog)
     if HEAD_ONLY:
         s1 = tl.zeros([BLOCK_A, BLOCK_B], ACC)
         s2 = tl.zeros([BLOCK_A, BLOCK_B], ACC)
+        if DOUBLE:
+            s1_lo = tl.zeros([BLOCK_A, BLOCK_B], ACC)
+            s2_lo = tl.zeros([BLOCK_A, BLOCK_B], ACC)
     else:
         # The whole of tile 0 was read: the program that starts there takes it from its
         # registers, and walks the rest.
-        s1 = tl.where(head_mask & (start == 0), first - k, 0.0)
-        s2 = s1 * s1
+        if DOUBLE:
+            head = tl.where(head_mask & (start == 0), first, shift)
+            s1, s1_lo, s2, s2_lo = _exact_deviation_sums(head, k)
+        else:
+            s1 = tl.where(head_mask & (start == 0), first - k, 0.0)
+            s2 = s1 * s1
         start = tl.where(start == 0, 1, start)
     tn, ts = tile_coordinates(start, tiles_s, CHANNELS_LAST)
     for _ in range(start, stop):
         base, local, mask = tile_at(tn, ts, c0, N, C, S, R, CS, CHANNELS_LAST, CHANNEL_ROWS,
                                     BLOCK_A, BLOCK_B)
-        d = tl.load(x_ptr + base + local, mask=mask, other=shift).to(ACC) - k
-        s1 += d
-        s2 += d * d
+        x = tl.load(x_ptr + base + local, mask=mask, other=shift).to(ACC)
+        if DOUBLE:
+            t1, t1_lo, t2, t2_lo = _exact_deviation_sums(x, k)
+            s1, s1_lo = dd.accumulate(s1, s1_lo, t1, t1_lo)
+            s2, s2_lo = dd.accumulate(s2, s2_lo, t2, t2_lo)
+        else:
+            d = x - k
+            s1 += d
+            s2 += d * d
         tn, ts = next_tile(tn, ts, tiles_s, CHANNELS_LAST)
     c = block_channels(c0, CHANNELS_LAST, CHANNEL_ROWS, BLOCK_A, BLOCK_B)
-    sum_d = channel_sums(s1, CHANNELS_LAST, CHANNEL_ROWS)
-    sum_d2 = channel_sums(s2, CHANNELS_LAST, CHANNEL_ROWS)
-    sum_d, sum_d2, finishing = merge_split(sum_d, sum_d2, part_ptr,
-                                           counter_ptr + tl.program_id(0), c, C, SPLIT, BLOCK_P)
-    n = R.to(ACC)
-    mean = as_block_vector(k, CHANNELS_LAST, CHANNEL_ROWS) + sum_d / n
-    # Rounding may leave a constant channel's M2 a hair below 0 (NaN stays NaN).
-    m2 = tl.maximum(sum_d2 - sum_d * (sum_d / n), 0.0, propagate_nan=tl.PropagateNan.ALL)
+    if DOUBLE:
+        mean, m2, finishing = _double_moments(s1, s1_lo, s2, s2_lo, k, part_ptr,
+                                              counter_ptr + tl.program_id(0), c, C, R,
+                                              CHANNELS_LAST, CHANNEL_ROWS, SPLIT, BLOCK_P)
+    else:
+        sum_d = channel_sums(s1, CHANNELS_LAST, CHANNEL_ROWS)
+        sum_d2 = channel_sums(s2, CHANNELS_LAST, CHANNEL_ROWS)
+        sum_d, sum_d2, finishing = merge_split(sum_d, sum_d2, part_ptr,
+                                               counter_ptr + tl.program_id(0), c, C, SPLIT,
+                                               BLOCK_P)
+        n = R.to(ACC)
+        mean = as_block_vector(k, CHANNELS_LAST, CHANNEL_ROWS) + sum_d / n
+        # Rounding may leave a constant channel's M2 a hair below 0 (NaN stays NaN).
+        m2 = tl.maximum(sum_d2 - sum_d * (sum_d / n), 0.0, propagate_nan=tl.PropagateNan.ALL)
     return c, mean, m2, finishing
 
 
@@ -189,9 +249,11 @@ def plan_channel_stats(x: torch.Tensor, target: Target, tile: Tile | None = None
     x = prepared_input(x, plan)
     mean = x.new_empty(plan.geo.c, dtype=plan.acc)
     m2 = torch.empty_like(mean)
-    # Split: 2 * splits * C partial sums; else ``mean``, unread. One counter a channel.
+    # Split: a plane of splits * C partial sums for each of the sums' parts (float64: high
+    # and low); else ``mean``, unread. One counter a channel.
     splits = plan.grid[1]
-    part = x.new_empty(2 * splits * plan.geo.c, dtype=plan.acc) if splits > 1 else mean
+    part = (x.new_empty(partial_planes(plan.acc) * splits * plan.geo.c, dtype=plan.acc)
+            if splits > 1 else mean)
     counters = split_counters(x.device, plan.geo.c)
     return [Launch(_channel_stats_kernel, plan.grid, (x, part, counters, mean, m2, *plan.args),
                    plan.constexprs, plan.num_warps, plan.token, _CHANNEL_STATS_FIXED)], (mean, m2)
@@ -237,8 +299,9 @@ def _batch_stats_plan(sizes: tuple[int, ...], strides: tuple[int, ...], dtype: t
                          gamma_limit=gamma_limit)
     splits = stats.grid[1]
     flags = finish.constexprs
+    part = partial_planes(stats.acc) * splits * geo.c if splits > 1 else 0
     # One counter after the channels': the cumulative average's finished blocks.
-    return _BatchStatsPlan(stats.copy, geo.c, stats.acc, 2 * splits * geo.c if splits > 1 else 0,
+    return _BatchStatsPlan(stats.copy, geo.c, stats.acc, part,
                            geo.c + 1, finish.flags, finish.scalars, flags["RUNNING"],
                            flags["COUNTER"], flags["CHECK"], stats.grid, stats.args,
                            {**stats.constexprs, **finish.constexprs}, stats.num_warps, object(),

@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from ..torch_ops import SMALL_GAMMA_FLOOR
+from . import double_double as dd
 from .plan import TL_DTYPES, plan_memo
 
 _INF = tl.constexpr(float("inf"))
@@ -68,6 +69,18 @@ def _small_gamma(w, b, limit):
 
 
 @triton.jit
+def _float64_invstd(m2, n, epsilon):
+    """``torch_ops.float64_invstd``, op for op: ``1 / sqrt(M2 / n + eps)`` of float64 M2
+    rounded once (the variance in double-double, then float64's rsqrt and a Newton step);
+    float64 has no wider dtype to take it in."""
+    zero = tl.zeros_like(m2)
+    q, q_lo = dd.div(m2, zero, zero + n, zero)
+    variance, variance_lo = dd.add(q, q_lo, zero + epsilon, zero)
+    invstd, invstd_lo = dd.rsqrt(variance, variance_lo)
+    return invstd + invstd_lo
+
+
+@triton.jit
 def finish_batch_stats(c, mean, m2, counter_ptr, mean_ptr, invstd_ptr, count: tl.float64,
                        eps: tl.float64, running_mean_ptr, running_var_ptr, batches_ptr,
                        keep: tl.float64, momentum: tl.float64, var_alpha: tl.float64,
@@ -80,7 +93,8 @@ def finish_batch_stats(c, mean, m2, counter_ptr, mean_ptr, invstd_ptr, count: tl
     block; those past C masked).
 
     invstd = 1 / sqrt(M2 / count + eps) in float64, correctly rounded steps, then rounded
-    once to ACC (as ``torch_ops.finalize_stats``: the input gradient scales with it);
+    once to ACC (as ``torch_ops.finalize_stats``: the input gradient scales with it); a
+    float64 ACC in double-double (:func:`_float64_invstd`);
     running, as ATen's two calls: r_mean = r_mean * keep + momentum * mean and r_var = r_var *
     keep + var_alpha * M2 (keep = 1 - momentum, var_alpha = momentum / (count - 1), from the
     host); cumulative: lerp(r, stat, 1 / batches), the variance's stat M2 * var_alpha
@@ -100,8 +114,11 @@ def finish_batch_stats(c, mean, m2, counter_ptr, mean_ptr, invstd_ptr, count: tl
         batches = tl.load(batches_ptr) + 1
     if CUMULATIVE:
         factor = div_rn(tl.full([], 1.0, RUN_ACC), batches.to(RUN_ACC))
-    invstd = div_rn(tl.full([], 1.0, tl.float64),
-                    sqrt_rn(div_rn(m2.to(tl.float64), n) + epsilon)).to(ACC)
+    if ACC == tl.float64:
+        invstd = _float64_invstd(m2, n, epsilon)
+    else:
+        invstd = div_rn(tl.full([], 1.0, tl.float64),
+                        sqrt_rn(div_rn(m2.to(tl.float64), n) + epsilon)).to(ACC)
     tl.store(invstd_ptr + c, invstd, mask=valid)
     tl.store(mean_ptr + c, mean, mask=valid)
     if RUNNING:

@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from ... import compat
+from . import double_double as dd
 
 
 @triton.jit
@@ -62,6 +63,56 @@ def merge_split(sum_a, sum_b, part_ptr, block_counter_ptr, c, C, SPLIT: tl.const
     else:
         finishing = True
     return sum_a, sum_b, finishing
+
+
+@triton.jit
+def merge_split_double(sum_a, sum_a_lo, sum_b, sum_b_lo, part_ptr, block_counter_ptr, c, C,
+                       SPLIT: tl.constexpr, BLOCK_P: tl.constexpr):
+    """:func:`merge_split` of two double-double sums (float64's statistics): four planes,
+    the high and low parts of each, added in double-double."""
+    if SPLIT:
+        splits = tl.num_programs(1)
+        plane = splits * C
+        row_ptr = part_ptr + tl.program_id(1) * C + c
+        tl.store(row_ptr, sum_a, mask=c < C)
+        tl.store(row_ptr + plane, sum_a_lo, mask=c < C)
+        tl.store(row_ptr + 2 * plane, sum_b, mask=c < C)
+        tl.store(row_ptr + 3 * plane, sum_b_lo, mask=c < C)
+        tl.debug_barrier()
+        arrived = tl.atomic_add(block_counter_ptr, 1, sem="acq_rel", scope="gpu")
+        finishing = arrived == splits - 1
+        if finishing:
+            c2 = c[None, :]
+            p = tl.arange(0, BLOCK_P)[:, None]
+            acc_a = tl.zeros([BLOCK_P, c.shape[0]], sum_a.dtype)
+            acc_a_lo = tl.zeros([BLOCK_P, c.shape[0]], sum_a.dtype)
+            acc_b = tl.zeros([BLOCK_P, c.shape[0]], sum_b.dtype)
+            acc_b_lo = tl.zeros([BLOCK_P, c.shape[0]], sum_b.dtype)
+            for p0 in range(0, splits, BLOCK_P):
+                mask = (p0 + p < splits) & (c2 < C)
+                offs = (p0 + p) * C + c2
+                acc_a, acc_a_lo = dd.add(
+                    acc_a, acc_a_lo,
+                    tl.load(part_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg"),
+                    tl.load(part_ptr + plane + offs, mask=mask, other=0.0, cache_modifier=".cg"))
+                acc_b, acc_b_lo = dd.add(
+                    acc_b, acc_b_lo,
+                    tl.load(part_ptr + 2 * plane + offs, mask=mask, other=0.0,
+                            cache_modifier=".cg"),
+                    tl.load(part_ptr + 3 * plane + offs, mask=mask, other=0.0,
+                            cache_modifier=".cg"))
+            sum_a, sum_a_lo = dd.sum_along(acc_a, acc_a_lo, 0)
+            sum_b, sum_b_lo = dd.sum_along(acc_b, acc_b_lo, 0)
+            tl.store(block_counter_ptr, 0)
+    else:
+        finishing = True
+    return sum_a, sum_a_lo, sum_b, sum_b_lo, finishing
+
+
+def partial_planes(acc: torch.dtype) -> int:
+    """Planes of the statistics' partial buffer: a sum and a sum of squares, each with its
+    low part in float64 (:func:`merge_split_double`)."""
+    return 4 if acc == torch.float64 else 2
 
 
 # --------------------------------------------------------------------------------------------

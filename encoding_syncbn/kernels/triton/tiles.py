@@ -19,6 +19,7 @@ Per-channel values are shaped to broadcast over a tile: a scalar (one channel), 
 import triton
 import triton.language as tl
 
+from . import double_double as dd
 from .activations import xhat_dz
 
 
@@ -174,6 +175,20 @@ def channel_sums(acc, CHANNELS_LAST: tl.constexpr, CHANNEL_ROWS: tl.constexpr):
     else:
         total = tl.zeros([1], acc.dtype) + tl.sum(acc)
     return total
+
+
+@triton.jit
+def channel_sums_double(hi, lo, CHANNELS_LAST: tl.constexpr, CHANNEL_ROWS: tl.constexpr):
+    """:func:`channel_sums` of double-double lane accumulators ``(hi, lo)``, added in
+    double-double."""
+    if CHANNELS_LAST:
+        total, total_lo = dd.sum_along(hi, lo, 0)
+    elif CHANNEL_ROWS:
+        total, total_lo = dd.sum_along(hi, lo, 1)
+    else:  # rows, then the column of row sums
+        total, total_lo = dd.sum_along(hi, lo, 1)
+        total, total_lo = dd.sum_along(total[:, None], total_lo[:, None], 0)
+    return total, total_lo
 
 
 @triton.jit
