@@ -75,11 +75,18 @@ def _exact_where_finite(s: torch.Tensor, error: torch.Tensor, checked: bool) -> 
     return s, torch.where(torch.isfinite(s), error, 0.0)
 
 
+def _over(scratch: torch.Tensor) -> torch.Tensor | None:
+    """``scratch``, a temporary of the caller's, to take an elementwise result of its shape
+    in its place; None (a new tensor) where autograd records the steps (``torch_ops``'
+    statistics under create_graph), which ``out=`` refuses."""
+    return None if scratch.requires_grad else scratch
+
+
 def _sum_into(total: torch.Tensor, term: torch.Tensor) -> torch.Tensor:
-    """``total + term``, written over ``total`` (a temporary of the caller's) where it has
-    the sum's shape."""
+    """``total + term``, over ``total`` (a temporary of the caller's) where it has the sum's
+    shape."""
     if total.shape == torch.broadcast_shapes(total.shape, term.shape):
-        return total.add_(term)
+        return torch.add(total, term, out=_over(total))
     return total + term
 
 
@@ -87,33 +94,36 @@ def two_sum(a: torch.Tensor, b: torch.Tensor, checked: bool = True) -> DD:
     s = a + b
     b_virtual = s - a
     error = s - b_virtual
-    error = torch.sub(a, error, out=error).add_(torch.sub(b, b_virtual, out=b_virtual))
-    return _exact_where_finite(s, error, checked)
+    error = torch.sub(a, error, out=_over(error))
+    return _exact_where_finite(
+        s, _sum_into(error, torch.sub(b, b_virtual, out=_over(b_virtual))), checked)
 
 
 def _fast_two_sum(a: torch.Tensor, b: torch.Tensor, checked: bool = True) -> DD:
     """``two_sum`` where |a| >= |b| (or a is 0)."""
     s = a + b
     error = s - a
-    return _exact_where_finite(s, torch.sub(b, error, out=error), checked)
+    return _exact_where_finite(s, torch.sub(b, error, out=_over(error)), checked)
 
 
 def _split(a: torch.Tensor) -> DD:
     t = _SPLITTER * a
     high = t - a
-    high = torch.sub(t, high, out=high)
-    return high, torch.sub(a, high, out=t)
+    high = torch.sub(t, high, out=_over(high))
+    return high, torch.sub(a, high, out=_over(t))
 
 
 def two_prod(a: torch.Tensor, b: torch.Tensor, checked: bool = True) -> DD:
     p = a * b
     a_high, a_low = _split(a)
-    b_high, b_low = _split(b)
-    # Every term has p's shape: summed over one temporary.
-    error = (a_high * b_high).sub_(p)
+    b_high, b_low = _split(b) if b is not a else (a_high, a_low)
+    # Every term has p's shape: summed over two temporaries.
+    error = a_high * b_high
+    error = torch.sub(error, p, out=_over(error))
     term = a_high * b_low
-    error.add_(term).add_(torch.mul(a_low, b_high, out=term))
-    error.add_(torch.mul(a_low, b_low, out=term))
+    error = _sum_into(error, term)
+    error = _sum_into(error, torch.mul(a_low, b_high, out=_over(term)))
+    error = _sum_into(error, torch.mul(a_low, b_low, out=_over(term)))
     return _exact_where_finite(p, error, checked)
 
 
@@ -303,19 +313,31 @@ _GELU_TANH_CUBIC = _dd_constant(Fraction(0.044715))
 _SMOOTH_SLOPES = {"gelu": _gelu_slope, "gelu_tanh": _gelu_tanh_slope, "silu": _silu_slope}
 
 
+# Elements a block of channels of ``batch_backward`` takes at once: the few hundred
+# elementwise steps' temporaries then stay in cache, and the transient memory is a block's.
+_BLOCK_ELEMENTS = 1 << 16
+
+
 def batch_backward(x: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
                    eps: float, activation: str, param: float
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dx, sum(dz), sum(dz * xhat))`` of training-mode BatchNorm (biased variance) + the
     activation over the whole float64 batch ``x`` (N, C, *), each rounded once from
-    double-double (module docstring)."""
-    values, grads = channel_rows(x), channel_rows(dy.to(x.dtype))
-    weight, bias = (p.to(x.dtype).view(-1, 1) for p in (weight, bias))
-    rows = (_rows_backward(values, grads, weight, bias, eps, activation, param, checked=False)
-            or _rows_backward(values, grads, weight, bias, eps, activation, param, checked=True))
+    double-double (module docstring); a block of channels at a time (``_BLOCK_ELEMENTS``)."""
+    channels = x.shape[1]
     grad_input = torch.empty_like(x)
-    grad_input.transpose(0, 1).copy_(rows[0].view(grad_input.transpose(0, 1).shape))
-    return grad_input, rows[1].view(-1), rows[2].view(-1)
+    sums = x.new_empty(2, channels)
+    weight, bias = (p.to(x.dtype) for p in (weight, bias))
+    step = max(1, _BLOCK_ELEMENTS * channels // max(x.numel(), 1))
+    for start in range(0, channels, step):
+        block = slice(start, start + step)
+        args = (channel_rows(x[:, block]), channel_rows(dy[:, block].to(x.dtype)),
+                weight[block].view(-1, 1), bias[block].view(-1, 1), eps, activation, param)
+        rows = _rows_backward(*args, checked=False) or _rows_backward(*args, checked=True)
+        target = grad_input[:, block].transpose(0, 1)
+        target.copy_(rows[0].view(target.shape))
+        sums[0, block], sums[1, block] = rows[1].view(-1), rows[2].view(-1)
+    return grad_input, sums[0], sums[1]
 
 
 def _all_finite(*tensors: torch.Tensor) -> bool:
@@ -353,7 +375,7 @@ def _rows_backward(values: torch.Tensor, grads: torch.Tensor, weight: torch.Tens
     del xhat
     dx = mul(mul(w, invstd, checked), inner, checked)
     del inner
-    rows = dx[0].add_(dx[1]), sum_dz[0] + sum_dz[1], sum_dz_xhat[0] + sum_dz_xhat[1]
+    rows = _sum_into(*dx), sum_dz[0] + sum_dz[1], sum_dz_xhat[0] + sum_dz_xhat[1]
     if not checked and not _all_finite(*rows):
         return None
     return rows
