@@ -77,9 +77,9 @@ def _exact_where_finite(s: torch.Tensor, error: torch.Tensor, checked: bool) -> 
 
 def _over(scratch: torch.Tensor) -> torch.Tensor | None:
     """``scratch``, a temporary of the caller's, to take an elementwise result of its shape
-    in its place; None (a new tensor) where autograd records the steps (``torch_ops``'
+    in its place; None (a new tensor) where autograd may record the steps (``torch_ops``'
     statistics under create_graph), which ``out=`` refuses."""
-    return None if scratch.requires_grad else scratch
+    return None if torch.is_grad_enabled() else scratch
 
 
 def _sum_into(total: torch.Tensor, term: torch.Tensor) -> torch.Tensor:
@@ -199,10 +199,12 @@ def channel_sum(a: DD, checked: bool = True) -> DD:
     high, low = a
     while high.shape[1] > 1:
         half, width = high.shape[1] // 2, high.shape[1]
-        if low.dim() < 2 or low.shape[1] == 1:
+        if low.dim() < 2 or low.shape[1] == 1:  # the row's one low part: summed as one
+            first, second = low, low
             low = low.expand(high.shape[0], width)
-        s = add((high[:, :half], low[:, :half]), (high[:, half:2 * half], low[:, half:2 * half]),
-                checked)
+        else:
+            first, second = low[:, :half], low[:, half:2 * half]
+        s = add((high[:, :half], first), (high[:, half:2 * half], second), checked)
         if width == 2 * half:
             high, low = s
         else:
