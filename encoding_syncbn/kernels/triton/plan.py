@@ -120,7 +120,10 @@ class Launch(NamedTuple):
     compiled kernel by the token (one lookup); None: by every argument. ``fixed``: the
     positions of the tensor arguments the key need not read: the planner's own allocations
     of this call, in the dtypes its plan gives them, each a fresh block (which every
-    allocator aligns past 16 bytes), and the repeats of an argument the key reads."""
+    allocator aligns past 16 bytes), and the repeats of an argument the key reads.
+    ``follows``: the launch comes right after another launch of its op, whose key its own
+    then takes in (``launch.launch_all``): ``fixed`` may also name that launch's keyed
+    tensors (a second pass over the same tensors reads none of them again)."""
 
     kernel: object
     grid: tuple[int, int]
@@ -129,6 +132,7 @@ class Launch(NamedTuple):
     num_warps: int
     token: object = None
     fixed: tuple[int, ...] = ()
+    follows: bool = False
 
 
 class _Geometry(NamedTuple):
