@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .partials import merge_split, split_counters
+from .partials import merge_split, split_buffers
 from .plan import (
     Launch,
     OpPlan,
@@ -84,7 +84,8 @@ def plan_backward_reduce(saved: torch.Tensor, dy: torch.Tensor, mean: torch.Tens
     return reduce_launches(plan, saved, dy, mean, invstd, weight, bias)
 
 
-# The reduction's arguments allocated by its planner: its sums, the partials and the counters
+# The reduction's arguments its planner allocates or keeps: its sums, and the stream's partials
+# and counters (``partials.split_buffers``: buffers of their own, of the plan's dtypes)
 # (``Launch.fixed``).
 _REDUCE_FIXED = (6, 7, 8, 9)
 
@@ -97,10 +98,11 @@ def reduce_launches(plan: OpPlan, saved: torch.Tensor, dy: torch.Tensor, mean: t
     acc, splits, c = plan.acc, plan.grid[1], plan.geo.c
     sum_dz = saved.new_empty(c, dtype=acc)
     sum_dz_xhat = saved.new_empty(c, dtype=acc)
-    # Split: one buffer of two planes of partial sums; else unread.
-    part = saved.new_empty(2 * splits * c, dtype=acc) if splits > 1 else sum_dz
+    # Split: two planes of partial sums, in the stream's buffer; else unread.
+    counters, part = split_buffers(saved.device, c, acc, 2 * splits * c if splits > 1 else 0)
     reduce = Launch(_backward_reduce_kernel, plan.grid,
-                    (saved, dy, mean, invstd, weight, bias, sum_dz, sum_dz_xhat, part,
-                     split_counters(saved.device, c), plan.activation_param, *plan.args),
+                    (saved, dy, mean, invstd, weight, bias, sum_dz, sum_dz_xhat,
+                     sum_dz if part is None else part, counters, plan.activation_param,
+                     *plan.args),
                     plan.constexprs, plan.num_warps, plan.token, _REDUCE_FIXED)
     return [reduce], (sum_dz, sum_dz_xhat)
