@@ -228,19 +228,15 @@ def view_kind(x: torch.Tensor) -> str | None:
 
 # ---- dispatch ---------------------------------------------------------------------------
 
-def _no_dispatch_mode() -> None:
-    return None
+def _no_dispatch_modes() -> int:
+    return 0
 
 
-try:  # imported once: the query runs for every op call of the Triton backend
-    from torch.utils._python_dispatch import _get_current_dispatch_mode
-except ImportError:
-    _get_current_dispatch_mode = _no_dispatch_mode
-
-#: The innermost active ``TorchDispatchMode``, or None (also where this torch moved the query:
-#: then modes are not detected and kernels launch directly). torch's own function where it
-#: has one: no wrapper's call on every op.
-current_dispatch_mode: Callable[[], Any] = _get_current_dispatch_mode
+#: How many ``TorchDispatchMode``s are active (0: none; also where this torch lacks the query:
+#: then modes are not detected and kernels launch directly). torch's own C function, which its
+#: ``_get_current_dispatch_mode`` asks first: no Python frame on every op call.
+dispatch_modes: Callable[[], int] = getattr(torch._C, "_len_torch_dispatch_stack",
+                                            _no_dispatch_modes)
 
 
 def foreach_add_(targets: list[torch.Tensor], values: list[torch.Tensor]) -> None:

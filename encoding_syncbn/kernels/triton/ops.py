@@ -198,6 +198,6 @@ def backend_for(x: torch.Tensor) -> OpsBackend:
     held under the GIL, which DataParallel's replica threads share.
     """
     if (torch.compiler.is_compiling() or type(x) is not torch.Tensor or x.is_meta
-            or compat.current_dispatch_mode() is not None):
+            or compat.dispatch_modes()):
         return TRACED
     return EAGER
