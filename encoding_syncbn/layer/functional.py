@@ -375,8 +375,9 @@ class BatchNormAct(torch.autograd.Function):
         ctx.backend = backend
         # Saved-tensor hooks may hand backward the caller's own output (see
         # ``compat.saved_output_is_sole``): then backward never writes over it; nor in a
-        # traced graph, whose backward counts no storage's holders.
-        ctx.unhooked = (not torch.compiler.is_compiling()
+        # traced graph, whose backward counts no storage's holders. Asked only for a backend
+        # that would write over it.
+        ctx.unhooked = (backend.scratches_saved and not torch.compiler.is_compiling()
                         and not compat.saved_tensor_hooks_may_be_active())
         return _normalize(ctx, x, mean, invstd, weight, bias, config, kept_channels, backend)
 
