@@ -145,9 +145,9 @@ def _batch_backward_plans(sizes: tuple[int, ...], strides: tuple[int, ...], dtyp
                           ) -> _BackwardPlans | None:
     """The reduction's and dx's plans, memoised together: one lookup a backward (None: an
     empty input)."""
-    reduce, dx = (plan_op_memo(sizes, strides, dtype, target, reduction=reduction, tile=tile,
-                               activation=activation, activation_param=activation_param,
-                               saved_is_output=saved_is_output)
+    # Positional, as ``plan_op`` asks: the same memo entries as the ops' own plans.
+    reduce, dx = (plan_op_memo(sizes, strides, dtype, target, reduction, tile, activation,
+                               activation_param, saved_is_output)
                   for reduction in (True, False))
     if reduce is None:
         return None

@@ -72,7 +72,11 @@ def launch_all(launches: Sequence[Launch], device_index: int | None) -> None:
         for planned in launches:
             public(planned)
         return
-    hooked = _hooked(knobs)
+    # Whether a launch hook is set: the hooks Triton keeps as ``HookChain``s are idle when
+    # empty, any other hook when None (a kernel's own pre-run hooks: ``pre_run_hooks``).
+    enter, leave = knobs.launch_enter_hook, knobs.launch_exit_hook
+    hooked = (getattr(enter, "calls", enter) or getattr(leave, "calls", leave)
+              or knobs.add_stages_inspection_hook is not None)
     stream = key = None
     for planned in launches:
         key = _key(planned, device_index, key)
@@ -192,14 +196,6 @@ def _is_tensor_class(cls: type) -> bool:
         _TENSOR_CLASSES.add(cls)
         return True
     return False
-
-
-def _hooked(knobs: Any) -> bool:
-    """Whether a launch hook is set: the hooks Triton keeps as ``HookChain``s are idle when
-    empty, any other hook when None (a kernel's own pre-run hooks: ``pre_run_hooks``)."""
-    enter, leave = knobs.launch_enter_hook, knobs.launch_exit_hook
-    return bool(getattr(enter, "calls", enter) or getattr(leave, "calls", leave)
-                or knobs.add_stages_inspection_hook is not None)
 
 
 def _remember(key: tuple, planned: Launch, kernel: Any) -> None:
