@@ -42,7 +42,6 @@ OPS = {
 }
 
 #: ``torch_ops``' ATen calls, any device.
-TORCH = OpsBackend("torch", implementations(OPS), batch_backward=torch_ops.batch_backward,
-                   scratches_saved=True)
+TORCH = OpsBackend("torch", implementations(OPS), batch_backward=torch_ops.batch_backward)
 #: What ``torch.compile`` traces in place of ``TORCH`` (the same functions as opaque ops).
 COMPILED = OpsBackend("compiled", register(OPS, prefix="aten_"))
