@@ -43,6 +43,9 @@ import torch
 from .. import activations
 
 _SPLITTER = float(2**27 + 1)
+# Above 2^996 the splitter's product can overflow; 2^28 times smaller, a number is below it.
+_SPLIT_LIMIT = 2.0**996
+_SPLIT_SCALE = 2.0**28
 
 DD = tuple[torch.Tensor, torch.Tensor]
 
@@ -91,11 +94,17 @@ def _split(a: torch.Tensor) -> DD:
 
 
 def two_prod(a: torch.Tensor, b: torch.Tensor) -> DD:
+    """``a b`` exactly, as ``(fl(a b), error)`` (Dekker). A factor above ``_SPLIT_LIMIT``,
+    whose split would overflow (NaN parts: a NaN error beside a finite product), is split
+    ``_SPLIT_SCALE`` times smaller and the error scaled back: powers of 2, exact."""
     p = a * b
+    a_scale = torch.where(a.abs() > _SPLIT_LIMIT, _SPLIT_SCALE, 1.0)
+    b_scale = torch.where(b.abs() > _SPLIT_LIMIT, _SPLIT_SCALE, 1.0)
+    a, b = a / a_scale, b / b_scale
     a_high, a_low = _split(a)
     b_high, b_low = _split(b)
-    return _exact_where_finite(
-        p, ((a_high * b_high - p) + a_high * b_low + a_low * b_high) + a_low * b_low)
+    error = ((a_high * b_high - a * b) + a_high * b_low + a_low * b_high) + a_low * b_low
+    return _exact_where_finite(p, error * (a_scale * b_scale))
 
 
 def add(a: DD, b: DD) -> DD:
