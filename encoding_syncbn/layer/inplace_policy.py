@@ -134,7 +134,7 @@ def takes_double_double_gradient(dtype: torch.dtype, count: int, inplace: bool) 
     the saved input and dy, paid only by layers this small
     (``benchmarks/float64_few_values_cost.py``).
     """
-    return dtype == torch.float64 and count < MIN_FLOAT64_REBUILT_COUNT and not inplace
+    return dtype == torch.float64 and not inplace and not rebuilds_from_count(count, dtype)
 
 
 def rebuilds_from_count(count: int, dtype: torch.dtype) -> bool:
