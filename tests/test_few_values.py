@@ -245,11 +245,13 @@ def _input_grads(x: torch.Tensor, dy: torch.Tensor, gamma: torch.Tensor, beta: t
     return grads
 
 
-def _assert_within_bound(ratio: torch.Tensor, gamma, beta, what: str) -> None:
+def _assert_within_bound(ratio: torch.Tensor, gamma, beta, what: str,
+                         unit: str = "x the bound") -> None:
+    """Every channel's ``ratio`` (its error in ``unit``) at most 1."""
     worst = int(ratio.argmax())
     assert ratio[worst] <= 1.0, (
         f"{what}: channel {worst} (gamma {float(gamma[worst]):.4g}, "
-        f"beta {float(beta[worst]):.4g}) at {float(ratio[worst]):.3g}x the bound")
+        f"beta {float(beta[worst]):.4g}) at {float(ratio[worst]):.3g}{unit}")
 
 
 @settings(max_examples=12, deadline=None, derandomize=True)
@@ -613,10 +615,7 @@ def test_float64_smooth_activations_within_three_times_batchnorms_error(activati
     if activation in DOUBLE_DOUBLE_SLOPES:
         float64 = torch.finfo(torch.float64)
         ulps = our_error / (float64.eps * size + float64.tiny)
-        worst = int(ulps.argmax())
-        assert ulps[worst] <= 1.0, (
-            f"{what}: channel {worst} (gamma {float(gamma[worst]):.4g}, beta "
-            f"{float(beta[worst]):.4g}) {float(ulps[worst]):.3g} ulps of its largest |dx| off")
+        _assert_within_bound(ulps, gamma, beta, what, " ulps of its largest |dx|")
 
 
 @settings(max_examples=12, deadline=None, derandomize=True)
