@@ -190,6 +190,7 @@ def test_channel_stats_in_one_fused_call_where_the_input_suits_it(layout, offset
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
 @pytest.mark.parametrize("where", ["first slab", "last slab", "inf and -inf"])
+@pytest.mark.filterwarnings("error::RuntimeWarning")  # handled inputs warn nothing
 def test_channel_stats_of_non_finite_inputs_are_the_centred_passes(value, where, monkeypatch):
     """A NaN or infinite input element gives the (mean, M2) of the centred passes (those the
     layer's NaN and inf patterns were set against), wherever it lies."""

@@ -385,8 +385,11 @@ def _fused_stats(x: torch.Tensor, shift: torch.Tensor, first_mean_square: np.nda
         return None
     _, product, total = torch.ops.aten.native_batch_norm_backward(
         x, x, None, None, None, shift, torch.ones_like(shift), True, 0.0, [False, True, True])
-    deviation = _host(total) - count * k
-    squares = _host(product) - k * deviation
+    # Non-finite inputs make non-finite sums, which ``_sums_fit`` refuses: numpy's warnings
+    # on them would reach the user's log for a case handled here.
+    with np.errstate(invalid="ignore", over="ignore"):
+        deviation = _host(total) - count * k
+        squares = _host(product) - k * deviation
     if not _sums_fit(deviation, squares, count):
         return None
     if not (k * k * count <= _FUSED_SHIFT ** 2 * squares).all():
