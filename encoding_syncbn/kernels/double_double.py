@@ -193,15 +193,15 @@ def exp(z: DD) -> DD:
     zero = torch.zeros_like(k)
     ln2 = (torch.full_like(k, _LN2[0]), torch.full_like(k, _LN2[1]))
     r = add(z, neg(mul((k, zero), ln2)))
-    r = (torch.ldexp(r[0], torch.full_like(k, -_SQUARINGS)),
-         torch.ldexp(r[1], torch.full_like(k, -_SQUARINGS)))
+    r = r[0] * 2.0**-_SQUARINGS, r[1] * 2.0**-_SQUARINGS
     high, low = _INVERSE_FACTORIALS[-1]
     p = (torch.full_like(k, high), torch.full_like(k, low))
     for high, low in reversed(_INVERSE_FACTORIALS[:-1]):
         p = add(mul(p, r), (torch.full_like(k, high), torch.full_like(k, low)))
     for _ in range(_SQUARINGS):
         p = mul(p, p)
-    return torch.ldexp(p[0], k), torch.ldexp(p[1], k)
+    power = torch.pow(k.new_full((), 2.0), k)  # torch.ldexp's factor, taken once
+    return p[0] * power, p[1] * power
 
 
 def channel_sum(a: DD) -> DD:
@@ -338,8 +338,8 @@ def batch_backward(x: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor, bias
     for start in range(0, channels, step):
         block = slice(start, start + step)
         dx, sum_dz, sum_dz_xhat = _rows_backward(
-            channel_rows(x[:, block]), channel_rows(dy[:, block].to(x.dtype)),
-            weight[block].view(-1, 1), bias[block].view(-1, 1), eps, activation, param)
+            x[:, block], dy[:, block], weight[block].view(-1, 1), bias[block].view(-1, 1),
+            eps, activation, param)
         target = grad_input[:, block].transpose(0, 1)
         target.copy_(dx.view(target.shape))
         sums.append((sum_dz, sum_dz_xhat))
@@ -347,23 +347,32 @@ def batch_backward(x: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor, bias
     return grad_input, sum_dz, sum_dz_xhat
 
 
-def _rows_backward(values: torch.Tensor, grads: torch.Tensor, weight: torch.Tensor,
+def _rows_backward(x: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor,
                    bias: torch.Tensor, eps: float, activation: str, param: float
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``batch_backward`` of (C, n) rows and (C, 1) parameters: dx as (C, n) rows, the sums
-    as (C, 1)."""
-    zero = torch.zeros_like(values)
-    count = values.shape[1]
-    n = (torch.full_like(values[:, :1], float(count)), torch.zeros_like(values[:, :1]))
+    """``batch_backward`` of a block of channels, ``x`` and ``dy`` (N, c, *) with (c, 1)
+    parameters: dx as (c, values a channel) rows, the sums as (c, 1). Each temporary goes
+    once the last step reading it has run, so that few are alive at once."""
+    values = channel_rows(x)
+    n = (torch.full_like(values[:, :1], float(values.shape[1])),
+         torch.zeros_like(values[:, :1]))
     w = (weight, torch.zeros_like(weight))
-    mean = div(channel_sum((values, zero)), n)
-    centred = add((values, zero), neg(mean))
+    values = values, torch.zeros_like(values)
+    mean = div(channel_sum(values), n)
+    centred = add(values, neg(mean))
+    del values
     var = div(channel_sum(mul(centred, centred)), n)
     invstd = rsqrt(add(var, (torch.full_like(var[0], eps), torch.zeros_like(var[0]))))
     xhat = mul(centred, invstd)
+    del centred
     z = add(mul(w, xhat), (bias, torch.zeros_like(bias)))
-    dz = _activation_slope(z, grads, activation, param)
+    dz = _activation_slope(z, channel_rows(dy.to(x.dtype)), activation, param)
+    del z
     sum_dz, sum_dz_xhat = channel_sum(dz), channel_sum(mul(dz, xhat))
-    inner = add(add(dz, neg(div(sum_dz, n))), neg(mul(xhat, div(sum_dz_xhat, n))))
+    inner = add(dz, neg(div(sum_dz, n)))
+    del dz
+    inner = add(inner, neg(mul(xhat, div(sum_dz_xhat, n))))
+    del xhat
     dx = mul(mul(w, invstd), inner)
+    del inner
     return dx[0] + dx[1], sum_dz[0] + sum_dz[1], sum_dz_xhat[0] + sum_dz_xhat[1]
