@@ -4,11 +4,16 @@ finite and its error term representable (no underflow), the largest magnitudes i
 
 from __future__ import annotations
 
+import weakref
 from fractions import Fraction
+from unittest import mock
 
+import pytest
 import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from encoding_syncbn.kernels import double_double
 
@@ -51,3 +56,103 @@ def test_two_prod_is_exact_where_the_product_is_finite(a, b):
     p, e = double_double.two_prod(_tensor(a), _tensor(b))
     assume(torch.isfinite(p).item())
     assert Fraction(float(p)) + Fraction(float(e)) == exact, (a, b)
+
+
+# Every float64 kind: the largest magnitudes, zeros of both signs, infinities and NaN.
+ANY = st.one_of(SIGNED, st.sampled_from([0.0, -0.0, float("inf"), float("-inf"), float("nan"),
+                                         1.7976931348623157e308, 2.0**996, 2.0**997]))
+
+
+@settings(max_examples=400, deadline=None, derandomize=True)
+@given(a=st.lists(ANY, min_size=1, max_size=8), b=st.lists(ANY, min_size=1, max_size=8))
+def test_errors_are_zero_exactly_where_results_are_not_finite(a, b):
+    """Each transformation's (and ``mul``'s) error is +0 where its result is infinite or NaN
+    (that result alone is float64's) and never NaN where the result is finite (infinite only
+    for a product within 2^-26 of float64's largest number, whose split halves' product
+    overflows); ``mul`` of an infinite or NaN product is that product."""
+    size = min(len(a), len(b))
+    a, b = (torch.tensor(v[:size], dtype=torch.float64) for v in (a, b))
+    results = {name: getattr(double_double, name)(a, b)
+               for name in ("two_sum", "_fast_two_sum", "two_prod")}
+    results["mul"] = double_double.mul((a, torch.zeros_like(a)), (b, torch.zeros_like(b)))
+    for name, (s, e) in results.items():
+        finite = torch.isfinite(s)
+        zero = e[~finite]
+        assert torch.equal(zero.view(torch.int64), torch.zeros_like(zero).view(torch.int64)), name
+        assert not torch.isnan(e[finite]).any(), name
+    product = a * b
+    torch.testing.assert_close(results["mul"][0], product, rtol=0, atol=0, equal_nan=True)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bit patterns, every NaN as one."""
+    return t.nan_to_num(nan=0.0, posinf=float("inf"), neginf=float("-inf")).view(torch.int64)
+
+
+@settings(max_examples=24, deadline=None, derandomize=True)
+@given(shape=st.tuples(st.integers(1, 6), st.integers(1, 7), st.integers(1, 4)),
+       activation=st.sampled_from(["identity", "leaky_relu", "elu", "silu", "gelu",
+                                   "gelu_tanh"]),
+       special=st.sampled_from([None, float("inf"), float("nan"), 1e300, 0.0]),
+       seed=st.integers(0, 2**16))
+def test_blocks_of_channels_give_the_whole_batch_gradient(shape, activation, special, seed):
+    """``batch_backward`` a channel at a time (the smallest blocks) is bit for bit the whole
+    batch at once, non-finite and huge values included: no step reads across channels."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=gen, dtype=torch.float64) * 3 + 1
+    dy = torch.randn(shape, generator=gen, dtype=torch.float64)
+    weight = torch.randn(shape[1], generator=gen, dtype=torch.float64)
+    bias = torch.randn(shape[1], generator=gen, dtype=torch.float64) * 4
+    if special is not None:
+        x[0, -1, 0] = special
+        dy[-1, 0, -1] = special
+    args = (x, dy, weight, bias, 1e-5, activation, 0.3)
+    whole = double_double.batch_backward(*args)
+    with mock.patch.object(double_double, "_BLOCK_ELEMENTS", 1):
+        blocks = double_double.batch_backward(*args)
+    for one, other in zip(whole, blocks):
+        assert one.shape == other.shape and one.stride() == other.stride()
+        assert torch.equal(torch.isnan(one), torch.isnan(other))
+        assert torch.equal(_bits(one), _bits(other))
+
+
+class _PeakBytes(TorchDispatchMode):
+    """The most bytes of storages made inside the mode alive at once, ``inputs``' storages
+    (which its views share) not counted."""
+
+    def __init__(self, *inputs: torch.Tensor) -> None:
+        super().__init__()
+        self.live = {t.untyped_storage().data_ptr(): 0 for t in inputs}
+        self.now = self.peak = 0
+
+    def _freed(self, key: int) -> None:
+        self.now -= self.live.pop(key)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes():
+                storage = t.untyped_storage()
+                if storage.data_ptr() not in self.live:
+                    self.live[storage.data_ptr()] = storage.nbytes()
+                    self.now += storage.nbytes()
+                    self.peak = max(self.peak, self.now)
+                    weakref.finalize(storage, self._freed, storage.data_ptr())
+        return out
+
+
+@pytest.mark.parametrize("activation", ["leaky_relu", "gelu"])
+def test_transient_memory_is_a_block_of_channels(activation):
+    """Beside the gradient it returns, ``batch_backward`` keeps the temporaries of one block
+    of channels alive at a time, not of the whole input."""
+    x = torch.randn(2, 64, 8, 8, dtype=torch.float64)
+    args = (x, torch.randn_like(x), torch.rand(64, dtype=torch.float64),
+            torch.randn(64, dtype=torch.float64), 1e-5, activation, 0.01)
+    block = 256  # 1/32 of the input: two channels of 128 values
+    peak = _PeakBytes(*args[:4])
+    with mock.patch.object(double_double, "_BLOCK_ELEMENTS", block), peak:
+        double_double.batch_backward(*args)
+    input_bytes = x.numel() * x.element_size()
+    # The gradient, and the temporaries of a block: a few dozen block-sized tensors where
+    # the whole input at once leaves 20-35 input-sized ones alive.
+    assert peak.peak <= input_bytes + 40 * block * x.element_size(), peak.peak / input_bytes

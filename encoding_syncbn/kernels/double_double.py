@@ -46,6 +46,7 @@ _SPLITTER = float(2**27 + 1)
 # Above 2^996 the splitter's product can overflow; 2^28 times smaller, a number is below it.
 _SPLIT_LIMIT = 2.0**996
 _SPLIT_SCALE = 2.0**28
+_ABOVE_SPLIT_LIMIT = math.nextafter(_SPLIT_LIMIT, math.inf)
 
 DD = tuple[torch.Tensor, torch.Tensor]
 
@@ -68,23 +69,35 @@ _INVERSE_FACTORIALS = [_constant(Fraction(1, math.factorial(k)))
                        for k in range(_TAYLOR_DEGREE + 1)]
 
 
-def _exact_where_finite(s: torch.Tensor, error: torch.Tensor) -> DD:
-    """``(s, error)``, the error 0 where s is infinite or NaN: there the transformation's
-    own arithmetic makes NaN, and ``s`` alone is what float64 computes (NaN and inf
-    propagate as in nn.BatchNorm2d)."""
-    return s, torch.where(torch.isfinite(s), error, 0.0)
+def _zero_where_not_finite(error: torch.Tensor) -> torch.Tensor:
+    """The error of ``s = fl(a + b)`` (``two_sum``, ``_fast_two_sum``), 0 where s is
+    infinite or NaN: there the transformation's own arithmetic makes the error infinite or
+    NaN, and ``s`` alone is what float64 computes (NaN and inf propagate as in
+    nn.BatchNorm2d). Its error is finite where s is (no step of it overflows where the sum
+    does not) and not where s is not, so zeroing the error where it is not finite, one pass,
+    is ``where(isfinite(s), error, 0)``, five."""
+    return torch.nan_to_num(error, nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def _where_finite(s: torch.Tensor, error: torch.Tensor) -> torch.Tensor:
+    """``where(isfinite(s), error, 0)`` for an ``error`` that is never NaN where ``s`` is
+    finite (``two_prod``'s: finite, or infinite where a product within 2^-26 of float64's
+    largest number overflows its split halves' product), in three passes: ``s - s`` is +0
+    where s is finite and NaN where not, and subtracting it leaves every other value as it
+    is (a zero's sign too)."""
+    return torch.nan_to_num(error - (s - s), nan=0.0, posinf=math.inf, neginf=-math.inf)
 
 
 def two_sum(a: torch.Tensor, b: torch.Tensor) -> DD:
     s = a + b
     b_virtual = s - a
-    return _exact_where_finite(s, (a - (s - b_virtual)) + (b - b_virtual))
+    return s, _zero_where_not_finite((a - (s - b_virtual)) + (b - b_virtual))
 
 
 def _fast_two_sum(a: torch.Tensor, b: torch.Tensor) -> DD:
     """``two_sum`` where |a| >= |b| (or a is 0)."""
     s = a + b
-    return _exact_where_finite(s, b - (s - a))
+    return s, _zero_where_not_finite(b - (s - a))
 
 
 def _split(a: torch.Tensor) -> DD:
@@ -93,18 +106,40 @@ def _split(a: torch.Tensor) -> DD:
     return high, a - high
 
 
-def two_prod(a: torch.Tensor, b: torch.Tensor) -> DD:
-    """``a b`` exactly, as ``(fl(a b), error)`` (Dekker). A factor above ``_SPLIT_LIMIT``,
-    whose split would overflow (NaN parts: a NaN error beside a finite product), is split
-    ``_SPLIT_SCALE`` times smaller and the error scaled back: powers of 2, exact."""
+def _split_inverse_scale(a: torch.Tensor) -> torch.Tensor:
+    """``1 / _SPLIT_SCALE`` where |a| > ``_SPLIT_LIMIT``, else 1 (NaN where a is NaN), in
+    four cheap elementwise passes, not a comparison's where: ``(next - |a|) 2^100``, next the
+    float64 number after the limit, is at least 2^1044 (inf) up to the limit, whose ulp is
+    2^944, and at most 0 above it, so clamping it to [1 / scale, 1] takes one of the two.
+    Piecewise constant: no gradient of the statistics' (create_graph) passes through it."""
+    return ((_ABOVE_SPLIT_LIMIT - a.detach().abs()) * 2.0**100).clamp(1.0 / _SPLIT_SCALE, 1.0)
+
+
+def _two_prod(a: torch.Tensor, b: torch.Tensor) -> DD:
+    """``two_prod`` before its error is zeroed where the product is not finite; a square
+    (``b is a``) splits its factor once."""
     p = a * b
-    a_scale = torch.where(a.abs() > _SPLIT_LIMIT, _SPLIT_SCALE, 1.0)
-    b_scale = torch.where(b.abs() > _SPLIT_LIMIT, _SPLIT_SCALE, 1.0)
-    a, b = a / a_scale, b / b_scale
-    a_high, a_low = _split(a)
-    b_high, b_low = _split(b)
-    error = ((a_high * b_high - a * b) + a_high * b_low + a_low * b_high) + a_low * b_low
-    return _exact_where_finite(p, error * (a_scale * b_scale))
+    a_inverse = _split_inverse_scale(a)
+    a_scaled = a * a_inverse
+    a_high, a_low = _split(a_scaled)
+    if b is a:
+        b_inverse, b_scaled, b_high, b_low = a_inverse, a_scaled, a_high, a_low
+    else:
+        b_inverse = _split_inverse_scale(b)
+        b_scaled = b * b_inverse
+        b_high, b_low = _split(b_scaled)
+    error = (((a_high * b_high - a_scaled * b_scaled) + a_high * b_low + a_low * b_high)
+             + a_low * b_low)
+    return p, error / (a_inverse * b_inverse)
+
+
+def two_prod(a: torch.Tensor, b: torch.Tensor) -> DD:
+    """``a b`` exactly, as ``(fl(a b), error)`` (Dekker), the error 0 where the product is
+    not finite. A factor above ``_SPLIT_LIMIT``, whose split would overflow (NaN parts: a
+    NaN error beside a finite product), is split ``_SPLIT_SCALE`` times smaller and the error
+    scaled back: powers of 2, exact."""
+    p, error = _two_prod(a, b)
+    return p, _where_finite(p, error)
 
 
 def add(a: DD, b: DD) -> DD:
@@ -120,11 +155,12 @@ def neg(a: DD) -> DD:
 
 def mul(a: DD, b: DD) -> DD:
     """``a b``; an infinite or NaN product of the high parts is the result as float64's, not
-    the NaN its cross terms make (inf times a low part of 0)."""
-    p, e = two_prod(a[0], b[0])
-    s, error = _fast_two_sum(p, e + (a[0] * b[1] + a[1] * b[0]))
-    finite = torch.isfinite(p)
-    return torch.where(finite, s, p), torch.where(finite, error, 0.0)
+    the NaN its cross terms make (inf times a low part of 0): there the correction is 0, so
+    the sum is the product and its error 0."""
+    p, error = _two_prod(a[0], b[0])
+    correction = _where_finite(p, error + (a[0] * b[1] + a[1] * b[0]))
+    s = p + correction
+    return s, _zero_where_not_finite(correction - (s - p))
 
 
 def div(a: DD, b: DD) -> DD:
@@ -157,15 +193,15 @@ def exp(z: DD) -> DD:
     zero = torch.zeros_like(k)
     ln2 = (torch.full_like(k, _LN2[0]), torch.full_like(k, _LN2[1]))
     r = add(z, neg(mul((k, zero), ln2)))
-    r = (torch.ldexp(r[0], torch.full_like(k, -_SQUARINGS)),
-         torch.ldexp(r[1], torch.full_like(k, -_SQUARINGS)))
+    r = r[0] * 2.0**-_SQUARINGS, r[1] * 2.0**-_SQUARINGS
     high, low = _INVERSE_FACTORIALS[-1]
     p = (torch.full_like(k, high), torch.full_like(k, low))
     for high, low in reversed(_INVERSE_FACTORIALS[:-1]):
         p = add(mul(p, r), (torch.full_like(k, high), torch.full_like(k, low)))
     for _ in range(_SQUARINGS):
         p = mul(p, p)
-    return torch.ldexp(p[0], k), torch.ldexp(p[1], k)
+    power = torch.pow(k.new_full((), 2.0), k)  # torch.ldexp's factor, taken once
+    return p[0] * power, p[1] * power
 
 
 def channel_sum(a: DD) -> DD:
@@ -280,30 +316,63 @@ _GELU_TANH_CUBIC = _dd_constant(Fraction(0.044715))
 _SMOOTH_SLOPES = {"gelu": _gelu_slope, "gelu_tanh": _gelu_tanh_slope, "silu": _silu_slope}
 
 
+# Elements of a block of channels that ``batch_backward`` takes at once: the few hundred
+# elementwise steps' temporaries then stay in cache and come from the allocator's free lists,
+# not fresh pages, and the backward's transient memory is a block's, not hundreds of the
+# input's size.
+_BLOCK_ELEMENTS = 1 << 15
+
+
 def batch_backward(x: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
                    eps: float, activation: str, param: float
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dx, sum(dz), sum(dz * xhat))`` of training-mode BatchNorm (biased variance) + the
     activation over the whole float64 batch ``x`` (N, C, *), each rounded once from
-    double-double (module docstring)."""
-    values, grads = channel_rows(x), channel_rows(dy.to(x.dtype))
-    zero = torch.zeros_like(values)
-    count = values.shape[1]
-    n = (torch.full_like(values[:, :1], float(count)), torch.zeros_like(values[:, :1]))
-    w = weight.to(x.dtype).view(-1, 1)
-    w = (w, torch.zeros_like(w))
-    b = bias.to(x.dtype).view(-1, 1)
-    mean = div(channel_sum((values, zero)), n)
-    centred = add((values, zero), neg(mean))
+    double-double (module docstring); a block of channels at a time (``_BLOCK_ELEMENTS``:
+    every step is elementwise or within a channel, so the blocks' results are the whole's)."""
+    channels = x.shape[1]
+    grad_input = torch.empty_like(x)
+    weight, bias = weight.to(x.dtype), bias.to(x.dtype)
+    step = max(1, _BLOCK_ELEMENTS * channels // max(x.numel(), 1))
+    sums = []
+    for start in range(0, channels, step):
+        block = slice(start, start + step)
+        dx, sum_dz, sum_dz_xhat = _rows_backward(
+            x[:, block], dy[:, block], weight[block].view(-1, 1), bias[block].view(-1, 1),
+            eps, activation, param)
+        target = grad_input[:, block].transpose(0, 1)
+        target.copy_(dx.view(target.shape))
+        sums.append((sum_dz, sum_dz_xhat))
+    sum_dz, sum_dz_xhat = (torch.cat(parts).view(-1) for parts in zip(*sums))
+    return grad_input, sum_dz, sum_dz_xhat
+
+
+def _rows_backward(x: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor,
+                   bias: torch.Tensor, eps: float, activation: str, param: float
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``batch_backward`` of a block of channels, ``x`` and ``dy`` (N, c, *) with (c, 1)
+    parameters: dx as (c, values a channel) rows, the sums as (c, 1). Each temporary goes
+    once the last step reading it has run, so that few are alive at once."""
+    values = channel_rows(x)
+    n = (torch.full_like(values[:, :1], float(values.shape[1])),
+         torch.zeros_like(values[:, :1]))
+    w = (weight, torch.zeros_like(weight))
+    values = values, torch.zeros_like(values)
+    mean = div(channel_sum(values), n)
+    centred = add(values, neg(mean))
+    del values
     var = div(channel_sum(mul(centred, centred)), n)
     invstd = rsqrt(add(var, (torch.full_like(var[0], eps), torch.zeros_like(var[0]))))
     xhat = mul(centred, invstd)
-    z = add(mul(w, xhat), (b, torch.zeros_like(b)))
-    dz = _activation_slope(z, grads, activation, param)
+    del centred
+    z = add(mul(w, xhat), (bias, torch.zeros_like(bias)))
+    dz = _activation_slope(z, channel_rows(dy.to(x.dtype)), activation, param)
+    del z
     sum_dz, sum_dz_xhat = channel_sum(dz), channel_sum(mul(dz, xhat))
-    inner = add(add(dz, neg(div(sum_dz, n))), neg(mul(xhat, div(sum_dz_xhat, n))))
+    inner = add(dz, neg(div(sum_dz, n)))
+    del dz
+    inner = add(inner, neg(mul(xhat, div(sum_dz_xhat, n))))
+    del xhat
     dx = mul(mul(w, invstd), inner)
-    grad_input = torch.empty_like(x)
-    grad_input.transpose(0, 1).copy_((dx[0] + dx[1]).view(grad_input.transpose(0, 1).shape))
-    return (grad_input, (sum_dz[0] + sum_dz[1]).view(-1),
-            (sum_dz_xhat[0] + sum_dz_xhat[1]).view(-1))
+    del inner
+    return dx[0] + dx[1], sum_dz[0] + sum_dz[1], sum_dz_xhat[0] + sum_dz_xhat[1]
