@@ -505,13 +505,14 @@ class NormAct(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, mean, invstd, weight, bias, config: ActConfig, link: _Link | None,
-                kept_channels):
+                kept_channels, offset: torch.Tensor | None = None):
         ctx.link = link
-        return _normalize(ctx, x, mean, invstd, weight, bias, config, kept_channels)
+        return _normalize(ctx, x, mean, invstd, weight, bias, config, kept_channels,
+                          offset=offset)
 
     @staticmethod
     def backward(ctx, grad_output):
-        return (*_norm_act_grads(ctx, grad_output), None, None, None)
+        return (*_norm_act_grads(ctx, grad_output), None, None, None, None)
 
 
 def _norm_act_grads(ctx, grad_output) -> tuple:
@@ -625,6 +626,8 @@ class ReplicaStats(NamedTuple):
     count: int
     link: _Link
     precise_mean: torch.Tensor | None = None
+    # float64 statistics: the error of ``mean`` (``torch_ops.residual_mean``); else None.
+    mean_error: torch.Tensor | None = None
 
 
 class Exchanged(NamedTuple):
@@ -638,6 +641,8 @@ class Exchanged(NamedTuple):
     invstd: torch.Tensor
     total: int
     link: _Link | None
+    # The global mean's error in units of xhat (``_mean_offset``); None: not known.
+    offset: torch.Tensor | None = None
 
 
 def replica_stats(x: torch.Tensor) -> ReplicaStats:
@@ -652,11 +657,13 @@ def replica_stats(x: torch.Tensor) -> ReplicaStats:
     """
     with torch.no_grad():
         mean, m2, count = local_channel_stats(x, ops_for(x))
-        precise_mean = None
+        precise_mean = mean_error = None
         if mean.dtype == torch.float32 and x.dtype == torch.float32 and count > 0:
             dims = [0, *range(2, x.dim())]
             precise_mean = x.sum(dim=dims, dtype=torch.float64).div_(count)
-    return ReplicaStats(x, mean, m2, count, _Link(x.dtype), precise_mean)
+        if mean.dtype == torch.float64:
+            mean_error = torch_ops.residual_mean(x, mean)
+    return ReplicaStats(x, mean, m2, count, _Link(x.dtype), precise_mean, mean_error)
 
 
 def local_channel_stats(x: torch.Tensor, backend: Backend
@@ -669,11 +676,13 @@ def local_channel_stats(x: torch.Tensor, backend: Backend
 
 
 # MergeReplicas.forward's arguments before the replicas' inputs.
-_MERGE_LEADING_ARGS = 5
+_MERGE_LEADING_ARGS = 6
 
 
 class MergeReplicas(torch.autograd.Function):
-    """``(x_1..x_k) -> (mean[C], M2[C], invstd[C])`` of their union (``stats.chan_merge``).
+    """``(x_1..x_k) -> (mean[C], M2[C], invstd[C], offset[C])`` of their union
+    (``stats.chan_merge``; ``offset``: the mean's error in units of xhat where the replicas
+    bring theirs, ``errors``, in float64, else None; not differentiable).
 
     The statistics come precomputed (``means``, ``m2s``, on the merge's device); the inputs
     are there so that autograd brings the merge's backward each replica's input gradient to
@@ -683,11 +692,18 @@ class MergeReplicas(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, counts: stats._Counts, eps: float, links: list[_Link],
-                means: list[torch.Tensor], m2s: list[torch.Tensor], *xs: torch.Tensor):
+                means: list[torch.Tensor], m2s: list[torch.Tensor],
+                errors: list[torch.Tensor] | None, *xs: torch.Tensor):
         # In float64 (see replica_stats), returned in the replicas' statistics dtype.
-        merged = stats.chan_merge(means, m2s, counts, eps)
+        merged = stats.chan_merge(means, m2s, counts, eps, errors)
         dtype = computes_in(xs[0].dtype, int(counts.total), xs[0].device)
         mean, m2, invstd = (t.to(dtype) for t in merged[:3])
+        # The merged mean's error in units of xhat (``_mean_offset``): no function of x
+        # autograd should see.
+        offset = None
+        if merged.error is not None and dtype == torch.float64:
+            offset = merged.error * merged.invstd
+            ctx.mark_non_differentiable(offset)
         ctx.links, ctx.total = links, counts.total
         # For a backward that recomputes the merge (see _merge_backward_composite).
         ctx.counts, ctx.eps, ctx.means, ctx.m2s = counts, eps, means, m2s
@@ -696,10 +712,10 @@ class MergeReplicas(torch.autograd.Function):
         # through its grad_fn that Python's collector cannot see, keeping the whole graph.
         ctx.mean, ctx.invstd = mean.detach(), invstd.detach()
         ctx.set_materialize_grads(False)
-        return mean, m2, invstd
+        return mean, m2, invstd, offset
 
     @staticmethod
-    def backward(ctx, grad_mean, grad_m2, grad_invstd):
+    def backward(ctx, grad_mean, grad_m2, grad_invstd, _grad_offset):
         needed = ctx.needs_input_grad[_MERGE_LEADING_ARGS:]
         create_graph = torch.is_grad_enabled()
         # A float64 call over few values: every replica's input gradient in double-double,
@@ -837,16 +853,20 @@ def _through_statistics(grad_mean, grad_m2, mean, total: float, saved: _Saved):
 
 
 def merge_replicas(replicas: Sequence[ReplicaStats], eps: float
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The merged ``(mean, M2, invstd)`` of ``replicas``, on the first one's device, in their
-    statistics dtype; merged in float64 (per-channel vectors: cheap)."""
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The merged ``(mean, M2, invstd, offset)`` of ``replicas``, on the first one's device,
+    in their statistics dtype; merged in float64 (per-channel vectors: cheap). ``offset``:
+    the merged mean's error in units of xhat (``_mean_offset``), where every replica brings
+    its mean's error (``ReplicaStats.mean_error``); else None."""
     device, wide = replicas[0].mean.device, torch.float64
     counts = stats.counts_of([r.count for r in replicas], device, wide)
+    errors = (None if any(r.mean_error is None for r in replicas)
+              else [on_device(r.mean_error, device) for r in replicas])
     return MergeReplicas.apply(
         counts, eps, [r.link for r in replicas],
         [on_device(r.mean if r.precise_mean is None else r.precise_mean, device).to(wide)
          for r in replicas],
-        [on_device(r.m2, device).to(wide) for r in replicas],
+        [on_device(r.m2, device).to(wide) for r in replicas], errors,
         *(r.x for r in replicas),
     )
 
@@ -910,13 +930,14 @@ def synced_batch_norm_act(
     (``RecomputeCache.replay``). ``config`` and ``kept``: as ``inplace_policy.plan_call``
     decided them.
     """
-    mean, invstd, total, link = exchange(x)
+    mean, invstd, total, link, offset = exchange(x)
     if link is not None:
         link.total = total
     if config.inplace:
         config = inplace_policy.for_count(config, total, x.dtype)
         kept = kept if config.inplace else None
-    return NormAct.apply(x, mean, invstd, weight, bias, config, link, kept)
+    return NormAct.apply(x, mean, invstd, weight, bias, config, link, kept,
+                         None if offset is None else on_device(offset, x.device))
 
 
 def normalize_running(
