@@ -75,11 +75,6 @@ _functorch_level: Callable[[], int | None] = getattr(
 _jit_tracing: Callable[[], bool] = getattr(torch._C, "_is_tracing", None) or torch.jit.is_tracing
 
 
-def jit_tracing() -> bool:
-    """``torch.jit.is_tracing()`` (while compiling False: Dynamo need not trace the query)."""
-    return not torch.compiler.is_compiling() and _jit_tracing()
-
-
 def exporting() -> bool:
     """Whether ``torch.export`` traces the call: torch.compiler's flag, read as it lies.
 
@@ -90,28 +85,26 @@ def exporting() -> bool:
     return torch.compiler.is_exporting() if flag is None else flag
 
 
-def functorch_transform_active() -> bool:
-    """Whether a ``torch.func`` transform (grad, vjp, jvp, vmap, ...) is running.
+def transformed_or_jit_traced() -> bool:
+    """Whether a ``torch.func`` transform (grad, vjp, jvp, vmap, ...) is running, or
+    ``torch.jit.trace`` records this call (``torch.jit.is_tracing()``).
 
-    Eagerly by the dispatch-key query: ``maybe_current_level`` creates this thread's functorch
-    state on first use, which every later ``backward()`` then copies with the thread's state:
-    a cost to every layer call and to every other backward of the program. While compiling by
-    the level, which Dynamo traces."""
+    A transform eagerly by the dispatch-key query: ``maybe_current_level`` creates this
+    thread's functorch state on first use, which every later ``backward()`` then copies with
+    the thread's state: a cost to every layer call and to every other backward of the program.
+    While compiling by the level, which Dynamo traces; and no jit trace (Dynamo need not trace
+    that query). One question for both: the layer asks at every call."""
     if torch.compiler.is_compiling():
         return _functorch_level() is not None
-    return _transforms_active()
+    return _transforms_active() or _jit_tracing()
 
 
-@functools.cache
-def _unwrap_dead() -> Callable[[torch.Tensor], torch.Tensor]:
-    return getattr(getattr(torch._C, "_functorch", None), "unwrap_if_dead", lambda x: x)
-
-
-def unwrap_if_dead(x: torch.Tensor) -> torch.Tensor:
-    """``x``, or the plain tensor inside it where ``x`` is a tensor a finished ``torch.func``
-    transform left wrapped (which the kernels cannot read: no storage). Eagerly only (Dynamo
-    cannot trace it; its tensors are never such wrappers)."""
-    return _unwrap_dead()(x)
+#: ``x``, or the plain tensor inside it where ``x`` is a tensor a finished ``torch.func``
+#: transform left wrapped (which the kernels cannot read: no storage). Eagerly only (Dynamo
+#: cannot trace it; its tensors are never such wrappers). torch's own function, resolved at
+#: import (the layer asks at every call); the identity where this torch lacks it.
+unwrap_if_dead: Callable[[torch.Tensor], torch.Tensor] = getattr(
+    getattr(torch._C, "_functorch", None), "unwrap_if_dead", lambda x: x)
 
 
 @functools.cache
@@ -228,19 +221,15 @@ def view_kind(x: torch.Tensor) -> str | None:
 
 # ---- dispatch ---------------------------------------------------------------------------
 
-def _no_dispatch_mode() -> None:
-    return None
+def _no_dispatch_modes() -> int:
+    return 0
 
 
-try:  # imported once: the query runs for every op call of the Triton backend
-    from torch.utils._python_dispatch import _get_current_dispatch_mode
-except ImportError:
-    _get_current_dispatch_mode = _no_dispatch_mode
-
-#: The innermost active ``TorchDispatchMode``, or None (also where this torch moved the query:
-#: then modes are not detected and kernels launch directly). torch's own function where it
-#: has one: no wrapper's call on every op.
-current_dispatch_mode: Callable[[], Any] = _get_current_dispatch_mode
+#: How many ``TorchDispatchMode``s are active (0: none; also where this torch lacks the query:
+#: then modes are not detected and kernels launch directly). torch's own C function, which its
+#: ``_get_current_dispatch_mode`` asks first: no Python frame on every op call.
+dispatch_modes: Callable[[], int] = getattr(torch._C, "_len_torch_dispatch_stack",
+                                            _no_dispatch_modes)
 
 
 def foreach_add_(targets: list[torch.Tensor], values: list[torch.Tensor]) -> None:

@@ -46,10 +46,11 @@ def _chosen() -> list[Launch]:
     return [by_spec[id(spec)] for spec in check.covering(specs, 1)]
 
 
-def _on_cpu(planned: Launch, misaligned: bool) -> Launch:
+def _on_cpu(planned: Launch, misaligned: bool, real: dict | None = None) -> Launch:
     """``planned`` with a small CPU tensor for each meta tensor (one per meta tensor: aliases
-    stay aliases); ``misaligned``: the first one element past a 16-byte boundary."""
-    real: dict[int, torch.Tensor] = {}
+    stay aliases, across the launches given one ``real``); ``misaligned``: the first one
+    element past a 16-byte boundary."""
+    real = {} if real is None else real
     args = []
     for arg in planned.args:
         if isinstance(arg, torch.Tensor):
@@ -60,6 +61,18 @@ def _on_cpu(planned: Launch, misaligned: bool) -> Launch:
             arg = real[id(arg)]
         args.append(arg)
     return planned._replace(args=tuple(args))
+
+
+def _batch_backward() -> list[Launch]:
+    """``batch_backward``'s two launches (the reduction, then dx following it) on meta
+    tensors, planned for a 132-SM sm_90."""
+    from encoding_syncbn.kernels.backend import NormParams
+    from encoding_syncbn.kernels.triton.backward_dx import plan_batch_backward
+
+    x = torch.empty((4, 16, 8, 8), dtype=torch.float16, device="meta")
+    params = NormParams(*(torch.empty(16, device="meta") for _ in range(4)), "leaky_relu", 0.01)
+    return plan_batch_backward(x, torch.empty_like(x), params, True, 256,
+                               Target(False, stub_driver.H100_SMS))[0]
 
 
 def _parameter_sizes(compiled) -> list[int]:
@@ -108,6 +121,16 @@ def main() -> None:
         pointer = planned.args[0].data_ptr().to_bytes(8, sys.byteorder)
         if pointer not in public:
             found["pointers_missing"].append(label)
+
+    # An op's launches one after another: the dx launch keyed after the reduction it follows
+    # (``Launch.follows``) is launched directly from the second call on too.
+    real: dict = {}
+    pair = [_on_cpu(planned, False, real) for planned in _batch_backward()]
+    launch.launch_all(pair, None)
+    before, launched = runs[0], STUB.launches()
+    launch.launch_all(pair, None)
+    found["following_launch_direct"] = (pair[1].follows and runs[0] == before
+                                        and STUB.launches() == launched + 2)
 
     # A launch hook sees every launch: with one set, launches take the public path again.
     planned = cases[0][1]

@@ -29,7 +29,8 @@ def test_direct_and_public_launches_hand_the_driver_the_same_arguments():
     (``tests/launch_paths.py``), aligned and misaligned: the public launch and the direct one
     give the stand-in driver the same grid, block, shared memory, stream, attributes, function
     and parameter bytes; the second launch of a specialisation is direct, a misaligned tensor
-    gets a kernel of its own, a launch hook turns the public path back on, and forgetting the
+    gets a kernel of its own, an op's launch that follows another of its launches is direct
+    from its second call on too, a launch hook turns the public path back on, and forgetting the
     plans after a planning constant changed (``forget_plans`` of
     benchmarks/helpers/plans.py, which plan_sweep.py calls) forgets the compiled kernels."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -44,6 +45,7 @@ def test_direct_and_public_launches_hand_the_driver_the_same_arguments():
     for problem in ("different", "public_on_second_launch", "pointers_missing",
                     "misaligned_shares_kernel"):
         assert found[problem] == [], (problem, found)
+    assert found["following_launch_direct"], found
     assert found["hooked_launch_public"] and found["unhooked_launch_direct"], found
     assert found["forgotten_with_plans"], found
 
@@ -97,21 +99,21 @@ def _planned_twice(shape, dtype, channels_last, activation, first, second):
         params = NormParams(vec(acc), vec(acc), vec(), vec(), activation, 0.01)
         batches = torch.empty((), dtype=torch.long, device="meta")
         given.append(batches)
-        launches = [
-            *plan_channel_stats(x, target)[0],
-            *plan_batch_stats(x, 1e-5, vec(acc), vec(), batches, 0.1, vec(), vec(), 0.016,
-                              target)[0],
-            *plan_normalize_act(x, params, x, target)[0],
-            *plan_normalize_running(x, RunningParams(vec(), vec(), 1e-5, vec(), vec(),
-                                                     activation, 0.01), x, target)[0],
-            *plan_backward_reduce(x, dy, *params, True, target)[0],
-            *plan_backward_dx(x, dy, params, True, DxCoefs(vec(acc), vec(acc), vec(acc)),
-                              target)[0],
-            *plan_backward_dx(x, dy, params, True, BatchSums(vec(acc), vec(acc), count),
-                              target)[0],
-            *plan_batch_backward(x, dy, params, True, count, target)[0],
+        ops = [
+            plan_channel_stats(x, target)[0],
+            plan_batch_stats(x, 1e-5, vec(acc), vec(), batches, 0.1, vec(), vec(), 0.016,
+                             target)[0],
+            plan_normalize_act(x, params, x, target)[0],
+            plan_normalize_running(x, RunningParams(vec(), vec(), 1e-5, vec(), vec(),
+                                                    activation, 0.01), x, target)[0],
+            plan_backward_reduce(x, dy, *params, True, target)[0],
+            plan_backward_dx(x, dy, params, True, DxCoefs(vec(acc), vec(acc), vec(acc)),
+                             target)[0],
+            plan_backward_dx(x, dy, params, True, BatchSums(vec(acc), vec(acc), count),
+                             target)[0],
+            plan_batch_backward(x, dy, params, True, count, target)[0],
         ]
-        calls.append(launches)
+        calls.append(ops)
     return calls, {id(t) for t in given}
 
 
@@ -130,23 +132,36 @@ def test_a_plan_token_fixes_all_the_launch_but_its_tensors(shape, dtype, channel
     in what the plans are memoised by get the same tokens, and launches of one kernel with one
     token and the same tensor dtypes get the same key from every argument (so the compiled
     kernel found by the token is the one Triton's launch would find); the tensors a launch's
-    key leaves out (``Launch.fixed``) are its planner's own, or repeats of one the key reads."""
+    key leaves out (``Launch.fixed``) are its planner's own, or repeats of one the key reads,
+    or, in a launch that ``follows`` another of its op, one that launch's key reads."""
     if channels_last and len(shape) != 4:
         channels_last = False
-    (first, second), given = _planned_twice(shape, dtype, channels_last, activation,
-                                            *zip(counts, vector_dtypes, grad_dtypes))
+    (first_ops, second_ops), given = _planned_twice(shape, dtype, channels_last, activation,
+                                                    *zip(counts, vector_dtypes, grad_dtypes))
+    first, second = ([p for op in call for p in op] for call in (first_ops, second_ops))
     assert all(planned.token is not None for planned in first + second)
     assert [p.token for p in first] == [p.token for p in second]
+    read_before: list = []
     for planned in first + second:
         read = [arg for i, arg in enumerate(planned.args) if i not in planned.fixed]
         for i in planned.fixed:
             arg = planned.args[i]
             assert isinstance(arg, torch.Tensor), (planned.kernel.fn.__name__, i)
-            assert id(arg) not in given or any(arg is other for other in read), (
+            assert id(arg) not in given or any(
+                arg is other for other in read + (read_before if planned.follows else [])), (
                 planned.kernel.fn.__name__, i)
+        read_before = read
     by_token: dict[tuple, tuple] = {}
-    for planned in first + second:
-        key = launch._key(planned, None)
-        assert key[1] is planned.token  # meta tensors lie at 0: aligned, keyed by the token
-        assert by_token.setdefault(key, launch._argument_key(planned, None)) == \
-            launch._argument_key(planned, None), planned.kernel.fn.__name__
+    for call in (first_ops, second_ops):
+        for op in call:
+            key = None
+            arguments = ()
+            for planned in op:  # keyed as ``launch_all`` keys an op's launches
+                key = launch._key(planned, None, key)
+                # meta tensors lie at 0: aligned, keyed by the token
+                assert key[1] is planned.token
+                # the launch's own arguments and those of the launches it follows
+                arguments = (*arguments, launch._argument_key(planned, None)) \
+                    if planned.follows else (launch._argument_key(planned, None),)
+                assert by_token.setdefault(key, arguments) == arguments, \
+                    planned.kernel.fn.__name__

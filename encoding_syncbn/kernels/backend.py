@@ -16,7 +16,8 @@ A backend computes, per channel, what ``torch_ops`` (the reference) documents::
                     -> (dx, sum(dz), sum(dz * xhat)): backward_reduce, then backward_dx
                        from BatchSums(sum(dz), sum(dz * xhat), count), in one call;
                        overwrite_saved: nothing reads saved afterwards (its memory is
-                       the call's scratch)
+                       the call's scratch; asked only of a backend that
+                       ``scratches_saved``)
 
 ``params`` bundles what every op but the statistics needs (:class:`NormParams`), ``coefs`` the
 backward's per-channel coefficients (:class:`DxCoefs`, or :class:`BatchSums` from which a
@@ -157,6 +158,9 @@ class Backend(Protocol):
     output the activation is inverted from."""
 
     name: str
+    #: Whether ``batch_backward`` uses ``overwrite_saved``: the caller finds it out (host work
+    #: at every call) only for a backend that does.
+    scratches_saved: bool
 
     def channel_stats(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]: ...
 

@@ -222,12 +222,15 @@ class OpsBackend:
     A table without ``batch_stats`` gets ``channel_stats``, then ``torch_ops.finalize_stats``
     (plain ATen on per-channel vectors: traceable as it is). ``batch_backward``: one call for
     ``backward_reduce`` then ``backward_dx`` (None: the two ops). ``records_history``: whether
-    the ops record autograd history, which ``batch_stats`` then suspends.
+    the ops record autograd history, which ``batch_stats`` then suspends. ``scratches_saved``:
+    whether ``batch_backward`` uses its ``overwrite_saved`` (``Backend.scratches_saved``).
     """
 
     def __init__(self, name: str, ops: Mapping[str, Callable], *,
-                 batch_backward: Callable | None = None, records_history: bool = True) -> None:
+                 batch_backward: Callable | None = None, records_history: bool = True,
+                 scratches_saved: bool = False) -> None:
         self.name = name
+        self.scratches_saved = scratches_saved
         self._channel_stats = ops["channel_stats"]
         self._batch_stats = ops.get("batch_stats", self._finalized_channel_stats)
         self._normalize_act = ops["normalize_act"]

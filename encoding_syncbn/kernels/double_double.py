@@ -65,76 +65,110 @@ _INVERSE_FACTORIALS = [_constant(Fraction(1, math.factorial(k)))
                        for k in range(_TAYLOR_DEGREE + 1)]
 
 
-def _exact_where_finite(s: torch.Tensor, error: torch.Tensor) -> DD:
+def _exact_where_finite(s: torch.Tensor, error: torch.Tensor, checked: bool) -> DD:
     """``(s, error)``, the error 0 where s is infinite or NaN: there the transformation's
     own arithmetic makes NaN, and ``s`` alone is what float64 computes (NaN and inf
-    propagate as in nn.BatchNorm2d)."""
+    propagate as in nn.BatchNorm2d). Unchecked, the error stays non-finite there, and so
+    does every result it reaches (``batch_backward`` checks once)."""
+    if not checked:
+        return s, error
     return s, torch.where(torch.isfinite(s), error, 0.0)
 
 
-def two_sum(a: torch.Tensor, b: torch.Tensor) -> DD:
+def _over(scratch: torch.Tensor) -> torch.Tensor | None:
+    """``scratch``, a temporary of the caller's, to take an elementwise result of its shape
+    in its place; None (a new tensor) where autograd may record the steps (``torch_ops``'
+    statistics under create_graph), which ``out=`` refuses."""
+    return None if torch.is_grad_enabled() else scratch
+
+
+def _sum_into(total: torch.Tensor, term: torch.Tensor) -> torch.Tensor:
+    """``total + term``, over ``total`` (a temporary of the caller's) where it has the sum's
+    shape."""
+    if total.shape == torch.broadcast_shapes(total.shape, term.shape):
+        return torch.add(total, term, out=_over(total))
+    return total + term
+
+
+def two_sum(a: torch.Tensor, b: torch.Tensor, checked: bool = True) -> DD:
     s = a + b
     b_virtual = s - a
-    return _exact_where_finite(s, (a - (s - b_virtual)) + (b - b_virtual))
+    error = s - b_virtual
+    error = torch.sub(a, error, out=_over(error))
+    return _exact_where_finite(
+        s, _sum_into(error, torch.sub(b, b_virtual, out=_over(b_virtual))), checked)
 
 
-def _fast_two_sum(a: torch.Tensor, b: torch.Tensor) -> DD:
+def _fast_two_sum(a: torch.Tensor, b: torch.Tensor, checked: bool = True) -> DD:
     """``two_sum`` where |a| >= |b| (or a is 0)."""
     s = a + b
-    return _exact_where_finite(s, b - (s - a))
+    error = s - a
+    return _exact_where_finite(s, torch.sub(b, error, out=_over(error)), checked)
 
 
 def _split(a: torch.Tensor) -> DD:
     t = _SPLITTER * a
-    high = t - (t - a)
-    return high, a - high
+    high = t - a
+    high = torch.sub(t, high, out=_over(high))
+    return high, torch.sub(a, high, out=_over(t))
 
 
-def two_prod(a: torch.Tensor, b: torch.Tensor) -> DD:
+def two_prod(a: torch.Tensor, b: torch.Tensor, checked: bool = True) -> DD:
     p = a * b
     a_high, a_low = _split(a)
-    b_high, b_low = _split(b)
-    return _exact_where_finite(
-        p, ((a_high * b_high - p) + a_high * b_low + a_low * b_high) + a_low * b_low)
+    b_high, b_low = _split(b) if b is not a else (a_high, a_low)
+    # Every term has p's shape: summed over two temporaries.
+    error = a_high * b_high
+    error = torch.sub(error, p, out=_over(error))
+    term = a_high * b_low
+    error = _sum_into(error, term)
+    error = _sum_into(error, torch.mul(a_low, b_high, out=_over(term)))
+    error = _sum_into(error, torch.mul(a_low, b_low, out=_over(term)))
+    return _exact_where_finite(p, error, checked)
 
 
-def add(a: DD, b: DD) -> DD:
-    s, e = two_sum(a[0], b[0])
-    t, f = two_sum(a[1], b[1])
-    s, e = _fast_two_sum(s, e + t)
-    return _fast_two_sum(s, e + f)
+def add(a: DD, b: DD, checked: bool = True) -> DD:
+    s, e = two_sum(a[0], b[0], checked)
+    t, f = two_sum(a[1], b[1], checked)
+    s, e = _fast_two_sum(s, _sum_into(e, t), checked)
+    return _fast_two_sum(s, _sum_into(e, f), checked)
 
 
 def neg(a: DD) -> DD:
     return -a[0], -a[1]
 
 
-def mul(a: DD, b: DD) -> DD:
+def mul(a: DD, b: DD, checked: bool = True) -> DD:
     """``a b``; an infinite or NaN product of the high parts is the result as float64's, not
     the NaN its cross terms make (inf times a low part of 0)."""
-    p, e = two_prod(a[0], b[0])
-    s, error = _fast_two_sum(p, e + (a[0] * b[1] + a[1] * b[0]))
+    p, e = two_prod(a[0], b[0], checked)
+    cross = _sum_into(a[0] * b[1], a[1] * b[0])
+    s, error = _fast_two_sum(p, _sum_into(e, cross), checked)
+    if not checked:
+        return s, error
     finite = torch.isfinite(p)
     return torch.where(finite, s, p), torch.where(finite, error, 0.0)
 
 
-def div(a: DD, b: DD) -> DD:
+def div(a: DD, b: DD, checked: bool = True) -> DD:
     """``a / b``: float64's quotient and two corrections from the double-double remainder."""
+    zero = a[0].new_zeros(())
     q1 = a[0] / b[0]
-    r = add(a, neg(mul(b, (q1, torch.zeros_like(q1)))))
+    r = add(a, neg(mul(b, (q1, zero), checked)), checked)
     q2 = r[0] / b[0]
-    r = add(r, neg(mul(b, (q2, torch.zeros_like(q2)))))
+    r = add(r, neg(mul(b, (q2, zero), checked)), checked)
     q3 = r[0] / b[0]
-    q = _fast_two_sum(q1, q2)
-    return add(q, (q3, torch.zeros_like(q3)))
+    q = _fast_two_sum(q1, q2, checked)
+    return add(q, (q3, zero), checked)
 
 
-def rsqrt(v: DD) -> DD:
+def rsqrt(v: DD, checked: bool = True) -> DD:
     """``1 / sqrt(v)`` for v > 0: one Newton step from float64's."""
     r = torch.rsqrt(v[0])
-    zero = torch.zeros_like(r)
-    residual = add((torch.ones_like(r), zero), neg(mul(v, mul((r, zero), (r, zero)))))
-    return _fast_two_sum(r, r * residual[0] * 0.5)
+    zero = r.new_zeros(())
+    residual = add((torch.ones_like(r), zero),
+                   neg(mul(v, mul((r, zero), (r, zero), checked), checked)), checked)
+    return _fast_two_sum(r, r * residual[0] * 0.5, checked)
 
 
 def exp(z: DD) -> DD:
@@ -159,15 +193,24 @@ def exp(z: DD) -> DD:
     return torch.ldexp(p[0], k), torch.ldexp(p[1], k)
 
 
-def channel_sum(a: DD) -> DD:
-    """Per row of (C, n) double-double values, their sum, pairwise; (C, 1)."""
+def channel_sum(a: DD, checked: bool = True) -> DD:
+    """Per row of (C, n) double-double values, their sum, pairwise; (C, 1). The low part may
+    be a single column (or a single value), the same for the whole row."""
     high, low = a
     while high.shape[1] > 1:
-        half = high.shape[1] // 2
-        s = add((high[:, :half], low[:, :half]), (high[:, half:2 * half], low[:, half:2 * half]))
-        high, low = (torch.cat([part, rest[:, 2 * half:]], 1)
-                     for part, rest in zip(s, (high, low)))
-    return high, low
+        half, width = high.shape[1] // 2, high.shape[1]
+        if low.dim() < 2 or low.shape[1] == 1:  # the row's one low part: summed as one
+            first, second = low, low
+            low = low.expand(high.shape[0], width)
+        else:
+            first, second = low[:, :half], low[:, half:2 * half]
+        s = add((high[:, :half], first), (high[:, half:2 * half], second), checked)
+        if width == 2 * half:
+            high, low = s
+        else:
+            high, low = (torch.cat([part, rest[:, 2 * half:]], 1)
+                         for part, rest in zip(s, (high, low)))
+    return high, low.expand_as(high)
 
 
 def channel_rows(t: torch.Tensor) -> torch.Tensor:
@@ -179,11 +222,12 @@ def _activation_slope(z: DD, dy: torch.Tensor, activation: str, param: float) ->
     """``dy * act'(z)``: ELU's ``alpha exp(z)`` below 0 and the smooth activations'
     derivatives in double-double (``_SMOOTH_SLOPES``); the others' act' is piecewise constant,
     ATen's at z's high part (whose sign is z's) and exact."""
-    dy_dd = (dy, torch.zeros_like(dy))
+    zero = dy.new_zeros(())
+    dy_dd = (dy, zero)
     if activation == "elu":
         positive = z[0] > 0
         below = exp((torch.clamp(z[0], max=0), torch.where(positive, 0.0, z[1])))
-        slope = mul((torch.full_like(dy, param), torch.zeros_like(dy)), below)
+        slope = mul((dy.new_tensor(param), zero), below)
         slope = (torch.where(positive, 1.0, slope[0]), torch.where(positive, 0.0, slope[1]))
         return mul(dy_dd, slope)
     definition = activations.ACTIVATIONS[activation]
@@ -193,12 +237,12 @@ def _activation_slope(z: DD, dy: torch.Tensor, activation: str, param: float) ->
     if smooth is not None:
         return mul(dy_dd, smooth(z))
     slope = definition.derivative(torch.ones_like(z[0]), z[0], param, torch.empty_like(z[0]))
-    return mul(dy_dd, (slope, torch.zeros_like(slope)))
+    return mul(dy_dd, (slope, zero))
 
 
 def _scaled(a: DD, factor: float) -> DD:
     """``a`` times a float64 ``factor``."""
-    return mul(a, (torch.full_like(a[0], factor), torch.zeros_like(a[0])))
+    return mul(a, (a[0].new_tensor(factor), a[0].new_zeros(())))
 
 
 def _sigmoids(a: DD) -> tuple[DD, DD]:
@@ -233,7 +277,7 @@ def _gelu_slope(z: DD) -> DD:
     x = mul(z, _SQRT_HALF_DD(z))
     cdf = (torch.special.erfc(-x[0]).mul_(0.5)
            .add_(math.sqrt(2.0) * (density[0] + density[1]) * x[1]))
-    return add(mul(z, density), (cdf, torch.zeros_like(cdf)))
+    return add(mul(z, density), (cdf, cdf.new_zeros(())))
 
 
 def _gelu_tanh_slope(z: DD) -> DD:
@@ -271,30 +315,69 @@ _GELU_TANH_CUBIC = _dd_constant(Fraction(0.044715))
 _SMOOTH_SLOPES = {"gelu": _gelu_slope, "gelu_tanh": _gelu_tanh_slope, "silu": _silu_slope}
 
 
+# Elements a block of channels of ``batch_backward`` takes at once: the few hundred
+# elementwise steps' temporaries then stay in cache, and the transient memory is a block's.
+_BLOCK_ELEMENTS = 1 << 16
+
+
 def batch_backward(x: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
                    eps: float, activation: str, param: float
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dx, sum(dz), sum(dz * xhat))`` of training-mode BatchNorm (biased variance) + the
     activation over the whole float64 batch ``x`` (N, C, *), each rounded once from
-    double-double (module docstring)."""
-    values, grads = channel_rows(x), channel_rows(dy.to(x.dtype))
-    zero = torch.zeros_like(values)
-    count = values.shape[1]
-    n = (torch.full_like(values[:, :1], float(count)), torch.zeros_like(values[:, :1]))
-    w = weight.to(x.dtype).view(-1, 1)
-    w = (w, torch.zeros_like(w))
-    b = bias.to(x.dtype).view(-1, 1)
-    mean = div(channel_sum((values, zero)), n)
-    centred = add((values, zero), neg(mean))
-    var = div(channel_sum(mul(centred, centred)), n)
-    invstd = rsqrt(add(var, (torch.full_like(var[0], eps), torch.zeros_like(var[0]))))
-    xhat = mul(centred, invstd)
-    z = add(mul(w, xhat), (b, torch.zeros_like(b)))
-    dz = _activation_slope(z, grads, activation, param)
-    sum_dz, sum_dz_xhat = channel_sum(dz), channel_sum(mul(dz, xhat))
-    inner = add(add(dz, neg(div(sum_dz, n))), neg(mul(xhat, div(sum_dz_xhat, n))))
-    dx = mul(mul(w, invstd), inner)
+    double-double (module docstring); a block of channels at a time (``_BLOCK_ELEMENTS``)."""
+    channels = x.shape[1]
     grad_input = torch.empty_like(x)
-    grad_input.transpose(0, 1).copy_((dx[0] + dx[1]).view(grad_input.transpose(0, 1).shape))
-    return (grad_input, (sum_dz[0] + sum_dz[1]).view(-1),
-            (sum_dz_xhat[0] + sum_dz_xhat[1]).view(-1))
+    sums = x.new_empty(2, channels)
+    weight, bias = (p.to(x.dtype) for p in (weight, bias))
+    step = max(1, _BLOCK_ELEMENTS * channels // max(x.numel(), 1))
+    for start in range(0, channels, step):
+        block = slice(start, start + step)
+        args = (channel_rows(x[:, block]), channel_rows(dy[:, block].to(x.dtype)),
+                weight[block].view(-1, 1), bias[block].view(-1, 1), eps, activation, param)
+        rows = _rows_backward(*args, checked=False) or _rows_backward(*args, checked=True)
+        target = grad_input[:, block].transpose(0, 1)
+        target.copy_(rows[0].view(target.shape))
+        sums[0, block], sums[1, block] = rows[1].view(-1), rows[2].view(-1)
+    return grad_input, sums[0], sums[1]
+
+
+def _all_finite(*tensors: torch.Tensor) -> bool:
+    return all(bool(torch.isfinite(t).all()) for t in tensors)
+
+
+def _rows_backward(values: torch.Tensor, grads: torch.Tensor, weight: torch.Tensor,
+                   bias: torch.Tensor, eps: float, activation: str, param: float,
+                   checked: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """``batch_backward`` on (C, n) rows and (C, 1) parameters. Unchecked, no step masks its
+    error where its result is not finite (``_exact_where_finite``), and None where anything
+    was not: a non-finite result leaves a non-finite error, which every later step carries
+    to z or to the results, checked once each (z before the activation, whose comparisons
+    and ``where`` would drop it); the checked steps then take over. The activation's
+    derivative is checked always."""
+    zero = values.new_zeros(1, 1)  # the low part of float64 values, broadcast
+    count = values.shape[1]
+    n = (torch.full_like(values[:, :1], float(count)), zero)
+    w = (weight, zero)
+    mean = div(channel_sum((values, zero), checked), n, checked)
+    centred = add((values, zero), neg(mean), checked)
+    var = div(channel_sum(mul(centred, centred, checked), checked), n, checked)
+    invstd = rsqrt(add(var, (torch.full_like(var[0], eps), zero), checked), checked)
+    xhat = mul(centred, invstd, checked)
+    del centred
+    z = add(mul(w, xhat, checked), (bias, zero), checked)
+    if not checked and not _all_finite(*z):
+        return None
+    dz = _activation_slope(z, grads, activation, param)
+    del z
+    sum_dz, sum_dz_xhat = channel_sum(dz, checked), channel_sum(mul(dz, xhat, checked), checked)
+    inner = add(dz, neg(div(sum_dz, n, checked)), checked)
+    del dz
+    inner = add(inner, neg(mul(xhat, div(sum_dz_xhat, n, checked), checked)), checked)
+    del xhat
+    dx = mul(mul(w, invstd, checked), inner, checked)
+    del inner
+    rows = _sum_into(*dx), sum_dz[0] + sum_dz[1], sum_dz_xhat[0] + sum_dz_xhat[1]
+    if not checked and not _all_finite(*rows):
+        return None
+    return rows

@@ -42,6 +42,7 @@ OPS = {
 }
 
 #: ``torch_ops``' ATen calls, any device.
-TORCH = OpsBackend("torch", implementations(OPS), batch_backward=torch_ops.batch_backward)
+TORCH = OpsBackend("torch", implementations(OPS), batch_backward=torch_ops.batch_backward,
+                   scratches_saved=True)
 #: What ``torch.compile`` traces in place of ``TORCH`` (the same functions as opaque ops).
 COMPILED = OpsBackend("compiled", register(OPS, prefix="aten_"))

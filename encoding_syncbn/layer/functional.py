@@ -224,6 +224,15 @@ def _ops(x: torch.Tensor, dtype: torch.dtype, backend: Backend | None = None) ->
     return ops_for(x) if backend is None else backend
 
 
+def _backward_ops(forward: Backend, saved: _Saved) -> Backend:
+    """The backend a backward of ``saved`` calls: ``forward``, the one its forward called
+    (``_ops`` of the same tensor and dtype), unless a tracer may have to see the ops now and
+    not then (while compiling, under a dispatch mode): then ``_ops`` again."""
+    if torch.compiler.is_compiling() or compat.dispatch_modes():
+        return _ops(saved.tensor, saved.mean.dtype)
+    return forward
+
+
 def _widened(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``x`` as the statistics of a call computing in ``dtype`` read it: in ``dtype`` where that
     is wider than x's own statistics dtype (a copy: the call is tiny), else x itself."""
@@ -437,10 +446,12 @@ class BatchNormAct(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, call: tuple):
         mean, invstd, ctx.count, config, kept_channels, ctx.eps, backend, offset = call
+        ctx.backend = backend
         # Saved-tensor hooks may hand backward the caller's own output (see
         # ``compat.saved_output_is_sole``): then backward never writes over it; nor in a
-        # traced graph, whose backward counts no storage's holders.
-        ctx.unhooked = (not torch.compiler.is_compiling()
+        # traced graph, whose backward counts no storage's holders. Asked only for a backend
+        # that would write over it.
+        ctx.unhooked = (backend.scratches_saved and not torch.compiler.is_compiling()
                         and not compat.saved_tensor_hooks_may_be_active())
         return _normalize(ctx, x, mean, invstd, weight, bias, config, kept_channels, backend,
                           offset)
@@ -461,7 +472,7 @@ class BatchNormAct(torch.autograd.Function):
                                           (saved.tensor, saved.weight, saved.bias), composite)
             return (*grads, None)
         config, needs = ctx.config, ctx.needs_input_grad
-        backend = _ops(saved.tensor, saved.mean.dtype)
+        backend = _backward_ops(ctx.backend, saved)
         params = _params(saved, config)
         if not needs[0]:
             sum_dz, sum_dz_xhat = _reduce(saved, grad_output, config, params, backend)

@@ -74,8 +74,7 @@ def in_aten_ops() -> bool:
     run without this package (``torch.jit.trace``, ``torch.export``: both refuse a training
     layer, see ``capture_of_training``), or differentiated by a ``torch.func`` transform or in
     forward mode."""
-    return (compat.functorch_transform_active() or in_forward_ad() or compat.jit_tracing()
-            or compat.exporting())
+    return compat.transformed_or_jit_traced() or in_forward_ad() or compat.exporting()
 
 
 def capture_of_training(training: bool) -> str | None:

@@ -133,26 +133,27 @@ def _dx_constexprs(plan: OpPlan, from_sums: bool) -> dict:
 
 
 # dx's arguments the launch key need not read (``Launch.fixed``): dx, its planner's; from sums,
-# the weight again in the unread coef_dz slot; in ``batch_backward`` also the reduction's sums
-# it derives its coefficients from.
+# the weight again in the unread coef_dz slot; in ``batch_backward``, which it follows the
+# reduction in, every one: the reduction's sums it derives its coefficients from, and the
+# tensors the reduction's key read.
 _DX_FIXED = (2,)
 _DX_FROM_SUMS_FIXED = (2, 7)
-_DX_FROM_OWN_SUMS_FIXED = (2, 7, 8, 9)
+_DX_FOLLOWING_FIXED = tuple(range(10))
 
 
 def _dx_launch(plan: OpPlan, constexprs: dict, token: object, fixed: tuple[int, ...],
                saved: torch.Tensor, dy: torch.Tensor, dx: torch.Tensor,
                params: tuple[torch.Tensor, ...], coefs: tuple[torch.Tensor, ...],
-               neg_inv_count: float) -> Launch:
+               neg_inv_count: float, follows: bool = False) -> Launch:
     """The dx kernel's launch as ``plan`` plans it (``constexprs``: the plan's and
-    ``FROM_SUMS``; ``token`` and ``fixed``: ``Launch``'s), on ``saved`` and ``dy`` as it
-    launches on them, into ``dx``; ``params``: (mean, invstd, weight, bias), ``coefs``:
-    (coef_dz, coef_xhat, coef_const), or from sums (unread, sum(dz * xhat), sum(dz)) with
-    ``neg_inv_count`` ``-1 / count`` (else unread)."""
+    ``FROM_SUMS``; ``token``, ``fixed`` and ``follows``: ``Launch``'s), on ``saved`` and
+    ``dy`` as it launches on them, into ``dx``; ``params``: (mean, invstd, weight, bias),
+    ``coefs``: (coef_dz, coef_xhat, coef_const), or from sums (unread, sum(dz * xhat),
+    sum(dz)) with ``neg_inv_count`` ``-1 / count`` (else unread)."""
     return Launch(_backward_dx_kernel, plan.grid,
                   (saved, dy, dx, *params, *coefs, neg_inv_count, plan.activation_param,
                    *plan.args),
-                  constexprs, plan.num_warps, token, fixed)
+                  constexprs, plan.num_warps, token, fixed, follows)
 
 
 class _BackwardPlans(NamedTuple):
@@ -169,9 +170,9 @@ def _batch_backward_plans(sizes: tuple[int, ...], strides: tuple[int, ...], dtyp
                           ) -> _BackwardPlans | None:
     """The reduction's and dx's plans, memoised together: one lookup a backward (None: an
     empty input)."""
-    reduce, dx = (plan_op_memo(sizes, strides, dtype, target, reduction=reduction, tile=tile,
-                               activation=activation, activation_param=activation_param,
-                               saved_is_output=saved_is_output)
+    # Positional, as ``plan_op`` asks: the same memo entries as the ops' own plans.
+    reduce, dx = (plan_op_memo(sizes, strides, dtype, target, reduction, tile, activation,
+                               activation_param, saved_is_output)
                   for reduction in (True, False))
     if reduce is None:
         return None
@@ -201,7 +202,7 @@ def plan_batch_backward(saved: torch.Tensor, dy: torch.Tensor, params: NormParam
         dy = in_layout(dy, strides, reduce.geo.channels_last)
     vectors = params[:4]
     launches, (sum_dz, sum_dz_xhat) = reduce_launches(reduce, saved, dy, *vectors)
-    launches.append(_dx_launch(dx_plan, dx_constexprs, dx_token, _DX_FROM_OWN_SUMS_FIXED, saved,
+    launches.append(_dx_launch(dx_plan, dx_constexprs, dx_token, _DX_FOLLOWING_FIXED, saved,
                                dy, dx, vectors, (params.weight, sum_dz_xhat, sum_dz),
-                               -1.0 / count))
+                               -1.0 / count, follows=True))
     return launches, (dx, sum_dz, sum_dz_xhat)

@@ -9,7 +9,7 @@ import triton.language as tl
 
 from . import double_double as dd
 from .activations import xhat_dz
-from .partials import merge_split, merge_split_double, partial_planes, split_counters
+from .partials import merge_split, merge_split_double, partial_planes, split_buffers
 from .plan import (
     Launch,
     OpPlan,
@@ -130,7 +130,8 @@ def plan_backward_reduce(saved: torch.Tensor, dy: torch.Tensor, mean: torch.Tens
     return reduce_launches(plan, saved, dy, mean, invstd, weight, bias)
 
 
-# The reduction's arguments allocated by its planner: its sums, the partials and the counters
+# The reduction's arguments its planner allocates or keeps: its sums, and the stream's partials
+# and counters (``partials.split_buffers``: buffers of their own, of the plan's dtypes)
 # (``Launch.fixed``).
 _REDUCE_FIXED = (6, 7, 8, 9)
 
@@ -143,10 +144,13 @@ def reduce_launches(plan: OpPlan, saved: torch.Tensor, dy: torch.Tensor, mean: t
     acc, splits, c = plan.acc, plan.grid[1], plan.geo.c
     sum_dz = saved.new_empty(c, dtype=acc)
     sum_dz_xhat = saved.new_empty(c, dtype=acc)
-    # Split: one buffer of the planes of partial sums (``partial_planes``); else unread.
-    part = saved.new_empty(partial_planes(acc) * splits * c, dtype=acc) if splits > 1 else sum_dz
+    # Split: the planes of partial sums (``partial_planes``), in the stream's buffer; else
+    # unread.
+    counters, part = split_buffers(saved.device, c, acc,
+                                   partial_planes(acc) * splits * c if splits > 1 else 0)
     reduce = Launch(_backward_reduce_kernel, plan.grid,
-                    (saved, dy, mean, invstd, weight, bias, sum_dz, sum_dz_xhat, part,
-                     split_counters(saved.device, c), plan.activation_param, *plan.args),
+                    (saved, dy, mean, invstd, weight, bias, sum_dz, sum_dz_xhat,
+                     sum_dz if part is None else part, counters, plan.activation_param,
+                     *plan.args),
                     plan.constexprs, plan.num_warps, plan.token, _REDUCE_FIXED)
     return [reduce], (sum_dz, sum_dz_xhat)

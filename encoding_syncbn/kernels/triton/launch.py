@@ -72,10 +72,14 @@ def launch_all(launches: Sequence[Launch], device_index: int | None) -> None:
         for planned in launches:
             public(planned)
         return
-    hooked = _hooked(knobs)
-    stream = None
+    # Whether a launch hook is set: the hooks Triton keeps as ``HookChain``s are idle when
+    # empty, any other hook when None (a kernel's own pre-run hooks: ``pre_run_hooks``).
+    enter, leave = knobs.launch_enter_hook, knobs.launch_exit_hook
+    hooked = (getattr(enter, "calls", enter) or getattr(leave, "calls", leave)
+              or knobs.add_stages_inspection_hook is not None)
+    stream = key = None
     for planned in launches:
-        key = _key(planned, device_index)
+        key = _key(planned, device_index, key)
         compiled = _COMPILED.get(key)
         if compiled is None or hooked or planned.kernel.pre_run_hooks:
             kernel = public(planned)
@@ -127,20 +131,21 @@ _data_ptr = torch.Tensor.data_ptr
 _dtype_of = operator.attrgetter("dtype")
 
 
-def _key(planned: Launch, device_index: int | None) -> tuple:
+def _key(planned: Launch, device_index: int | None, before: tuple | None = None) -> tuple:
     """What Triton specialises a launch of ``planned`` on, or finer. With a plan token whose
     tensors all lie on 16 bytes: the kernel, the token and the dtypes of the tensors it does
-    not fix (``Launch.fixed``; it fixes the rest); else from every argument
-    (:func:`_argument_key`)."""
+    not fix (``Launch.fixed``; it fixes the rest), and ``before``, the key of the launch
+    before it in its op's launches (None: the first), which holds those of a launch that
+    ``follows`` it; else from every argument (:func:`_argument_key`)."""
     token = planned.token
-    if token is not None:
+    if token is not None and (before is not None or not planned.follows):
         kernel = id(planned.kernel)
         pick = _TENSOR_PICKERS.get((kernel, token))
         if pick is None:
             pick = _tensor_picker(planned, kernel)
         tensors = pick(planned.args)
-        if not functools.reduce(operator.or_, map(_data_ptr, tensors)) & 15:
-            return (kernel, token, device_index, *map(_dtype_of, tensors))
+        if not functools.reduce(operator.or_, map(_data_ptr, tensors), 0) & 15:
+            return (kernel, token, device_index, before, *map(_dtype_of, tensors))
     return _argument_key(planned, device_index)
 
 
@@ -152,6 +157,9 @@ def _tensor_picker(planned: Launch, kernel: int) -> Callable[[tuple], tuple]:
     if len(positions) == 1:  # itemgetter of one position answers the item, not a tuple
         def pick(args: tuple, only: int = positions[0]) -> tuple:
             return (args[only],)
+    elif not positions:  # every tensor fixed (by the launch it follows)
+        def pick(args: tuple) -> tuple:
+            return ()
     else:
         pick = operator.itemgetter(*positions)
     if len(_TENSOR_PICKERS) >= _MAX_COMPILED:
@@ -188,14 +196,6 @@ def _is_tensor_class(cls: type) -> bool:
         _TENSOR_CLASSES.add(cls)
         return True
     return False
-
-
-def _hooked(knobs: Any) -> bool:
-    """Whether a launch hook is set: the hooks Triton keeps as ``HookChain``s are idle when
-    empty, any other hook when None (a kernel's own pre-run hooks: ``pre_run_hooks``)."""
-    enter, leave = knobs.launch_enter_hook, knobs.launch_exit_hook
-    return bool(getattr(enter, "calls", enter) or getattr(leave, "calls", leave)
-                or knobs.add_stages_inspection_hook is not None)
 
 
 def _remember(key: tuple, planned: Launch, kernel: Any) -> None:

@@ -146,7 +146,8 @@ def _batch_backward(saved: torch.Tensor, dy: torch.Tensor, params: NormParams,
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``backward_reduce``, then ``backward_dx`` from its ``BatchSums``: ``(dx, sum_dz,
     sum_dz_xhat)``, in two launches planned by one lookup. ``overwrite_saved`` changes
-    nothing: the kernels rebuild the input in registers, with no full-size scratch to spare."""
+    nothing (the backend does not ``scratches_saved``): the kernels rebuild the input in
+    registers, with no full-size scratch to spare."""
     device = saved.device
     planned = plan_batch_backward(saved, dy, params, bool(saved_is_output), int(count),
                                   launch_target(device))
@@ -198,6 +199,6 @@ def backend_for(x: torch.Tensor) -> OpsBackend:
     held under the GIL, which DataParallel's replica threads share.
     """
     if (torch.compiler.is_compiling() or type(x) is not torch.Tensor or x.is_meta
-            or compat.current_dispatch_mode() is not None):
+            or compat.dispatch_modes()):
         return TRACED
     return EAGER

@@ -8,7 +8,7 @@ the last: the acquire makes every other program's row visible to it; it merges t
 index order (the same bits whatever order the programs finished in) and sets the counter back
 to 0 for the next launch. The counters live in one int32 buffer per device and stream
 (:func:`split_counters`), zeroed once; launches on one stream run one after another, so they
-never share a counter at the same time.
+never share a counter at the same time, nor a partials' buffer (:func:`split_buffers`).
 """
 
 from __future__ import annotations
@@ -116,13 +116,17 @@ def partial_planes(acc: torch.dtype) -> int:
 
 
 # --------------------------------------------------------------------------------------------
-# The counters (host side)
+# The counters and the partials' buffers (host side)
 # --------------------------------------------------------------------------------------------
 
 # Counters per buffer at least: a layer of up to this many channels needs no larger one.
 _MIN_COUNTERS = 4096
 
-_counters: dict[tuple[torch.device, int], torch.Tensor] = {}
+# Per device and stream, each buffer with its size (no call into torch to ask it): the
+# counters, and the partials' buffers by dtype. Launches on one stream run one after another,
+# and a launch reads no partial row another wrote: the rows are scratch of one launch.
+_counters: dict[tuple[torch.device, int], tuple[torch.Tensor, int]] = {}
+_partials: dict[tuple[torch.device, int, torch.dtype], tuple[torch.Tensor, int]] = {}
 # Buffers outgrown: kept, for a captured CUDA graph may still address them.
 _outgrown: list[torch.Tensor] = []
 _lock = threading.Lock()
@@ -131,23 +135,46 @@ _lock = threading.Lock()
 def split_counters(device: torch.device, count: int) -> torch.Tensor:
     """At least ``count`` zeroed int32 counters for launches on ``device``'s current stream,
     reused from launch to launch (each launch leaves them at 0)."""
+    return split_buffers(device, count, torch.int32, 0)[0]
+
+
+def split_buffers(device: torch.device, count: int, dtype: torch.dtype, partials: int
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``split_counters(device, count)`` and, for a split reduction, a buffer of at least
+    ``partials`` elements of ``dtype`` for its partial rows (None where ``partials`` is 0):
+    both reused from launch to launch on ``device``'s current stream, found by one lookup of
+    the stream."""
     stream = compat.current_stream_handle(device.index) if device.type == "cuda" else 0
-    buffer = _counters.get((device, stream))
-    if buffer is None or buffer.numel() < count:
-        with _lock:
-            buffer = _counters.get((device, stream))
-            if buffer is None or buffer.numel() < count:
-                if buffer is not None:
-                    _outgrown.append(buffer)
-                buffer = torch.zeros(max(count, _MIN_COUNTERS), dtype=torch.int32,
-                                     device=device)
-                _counters[(device, stream)] = buffer
-    return buffer
+    key = (device, stream)
+    found = _counters.get(key)
+    if found is None or found[1] < count:
+        found = _grown(_counters, key, count, torch.int32, device, zeroed=True)
+    if not partials:
+        return found[0], None
+    key = (device, stream, dtype)
+    rows = _partials.get(key)
+    if rows is None or rows[1] < partials:
+        rows = _grown(_partials, key, partials, dtype, device, zeroed=False)
+    return found[0], rows[0]
+
+
+def _grown(buffers: dict, key: tuple, size: int, dtype: torch.dtype, device: torch.device, *,
+           zeroed: bool) -> tuple[torch.Tensor, int]:
+    """``buffers[key]``, replaced by one of at least ``size`` elements where it is smaller."""
+    with _lock:
+        found = buffers.get(key)
+        if found is None or found[1] < size:
+            if found is not None:
+                _outgrown.append(found[0])
+            size = max(size, _MIN_COUNTERS)
+            make = torch.zeros if zeroed else torch.empty
+            found = buffers[key] = make(size, dtype=dtype, device=device), size
+    return found
 
 
 def reset_counters() -> None:
     """Zero every counter buffer: after a launch that did not finish (an interpreted kernel
     that raised), a counter may hold the arrivals of programs whose block never merged."""
     with _lock:
-        for buffer in _counters.values():
+        for buffer, _ in _counters.values():
             buffer.zero_()

@@ -120,7 +120,10 @@ class Launch(NamedTuple):
     compiled kernel by the token (one lookup); None: by every argument. ``fixed``: the
     positions of the tensor arguments the key need not read: the planner's own allocations
     of this call, in the dtypes its plan gives them, each a fresh block (which every
-    allocator aligns past 16 bytes), and the repeats of an argument the key reads."""
+    allocator aligns past 16 bytes), and the repeats of an argument the key reads.
+    ``follows``: the launch comes right after another launch of its op, whose key its own
+    then takes in (``launch.launch_all``): ``fixed`` may also name that launch's keyed
+    tensors (a second pass over the same tensors reads none of them again)."""
 
     kernel: object
     grid: tuple[int, int]
@@ -129,6 +132,7 @@ class Launch(NamedTuple):
     num_warps: int
     token: object = None
     fixed: tuple[int, ...] = ()
+    follows: bool = False
 
 
 class _Geometry(NamedTuple):
@@ -358,9 +362,9 @@ def plan_op(x: torch.Tensor, target: Target, *, reduction: bool, tile: Tile | No
     dtype, target and the op's choices. ``activation`` None plans the statistics (no
     activation constexpr), ``saved_is_output`` None a forward.
     """
-    return plan_op_memo(x.shape, x.stride(), x.dtype, target, reduction=reduction, tile=tile,
-                        activation=activation, activation_param=activation_param,
-                        saved_is_output=saved_is_output)
+    # Positional: keywords would cost the memo's lookup a dictionary of them at every call.
+    return plan_op_memo(x.shape, x.stride(), x.dtype, target, reduction, tile, activation,
+                        activation_param, saved_is_output)
 
 
 def check_dtype(dtype: torch.dtype) -> None:
@@ -379,7 +383,7 @@ plan_memo = functools.lru_cache(maxsize=1024)
 
 @plan_memo
 def plan_op_memo(sizes: tuple[int, ...], strides: tuple[int, ...], dtype: torch.dtype,
-                 target: Target, *, reduction: bool, tile: Tile | None, activation: str | None,
+                 target: Target, reduction: bool, tile: Tile | None, activation: str | None,
                  activation_param: float, saved_is_output: bool | None) -> OpPlan | None:
     check_dtype(dtype)  # an error is not memoised: asked again at every such call
     if len(sizes) < 2:
