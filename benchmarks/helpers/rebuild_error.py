@@ -33,6 +33,10 @@ def exact_input_gradient(x: torch.Tensor, dy: torch.Tensor, gamma: torch.Tensor,
     b = beta.double().numpy().astype(wide).reshape(1, -1, 1, 1)
     dims = (0, 2, 3)
     centred = x - x.mean(axis=dims, keepdims=True)
+    # The mean's own rounding, about 2^-64 of it, would shift every xhat by that over the
+    # standard deviation (an ulp of float64's at a mean of 2^11 standard deviations): x -
+    # mean is exact in long double, and its mean corrects it.
+    centred -= centred.mean(axis=dims, keepdims=True)
     invstd = 1 / np.sqrt((centred * centred).mean(axis=dims, keepdims=True) + wide(EPS))
     xhat = centred * invstd
     z = w * xhat + b

@@ -273,6 +273,29 @@ def _float64_slab_stats(slabs) -> tuple[torch.Tensor, torch.Tensor]:
     return mean, (high + low).view(-1)
 
 
+def residual_mean(x: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
+    """Per channel, ``mean(x - mean)`` of ``x`` (N, C, *) around its own rounded (C,) mean:
+    the mean's error, to be added to it, in ``mean``'s dtype.
+
+    Why: a rounded mean shifts every normalised value by its error times invstd, the same in
+    every element of a channel, and the backward's sums do not average that out; with |mean|
+    a thousand standard deviations that is hundreds of ulps of xhat (float64 has no wider
+    dtype to take the mean in). Each ``x - mean`` is exact where x lies within a factor 2 of
+    the mean (Sterbenz), which is where the shift is large; the sum rounds at the size of
+    the deviations, far below the mean's ulp."""
+    channels = x.shape[1]
+    count = x.numel() // channels if channels else 0
+    if count == 0:
+        return torch.zeros_like(mean)
+    slabs = _pieces(_in_rows_layout(x))
+    scratch = torch.empty_like(slabs[0][0], dtype=mean.dtype)
+    total = torch.zeros_like(mean)
+    for (slab,) in slabs:
+        deviation = torch.sub(slab, mean, out=_fitted(scratch, slab))
+        total += deviation.sum(dim=_reduced_dims(deviation))
+    return total.div_(count)
+
+
 def float64_invstd(m2: torch.Tensor, count: float, eps: float) -> torch.Tensor:
     """``1 / sqrt(M2 / count + eps)`` of float64 (C,) ``m2``, rounded once: the variance in
     double-double, then float64's rsqrt and a Newton step (``double_double.rsqrt``).

@@ -44,7 +44,7 @@ class Exchange:
     """
 
     __slots__ = ("slot", "eps", "process_group", "across_processes", "running", "label",
-                 "own", "mean", "invstd", "total")
+                 "own", "mean", "invstd", "total", "offset")
 
     def __init__(self, slot: ReplicaSlot | None, eps: float, process_group: Any,
                  across_processes: bool, running: RunningStats | None, label: str) -> None:
@@ -59,19 +59,21 @@ class Exchange:
         """Send the statistics of ``x`` (``replica_stats``) to the master, get the global
         ``(mean, invstd, count)`` back."""
         own = replica_stats(x)
-        mean, invstd, total = self._share(self.slot, own)
+        mean, invstd, total, offset = self._share(self.slot, own)
         self.own, self.mean, self.invstd, self.total = own, mean, invstd, total
-        return Exchanged(mean, invstd, total, own.link)
+        self.offset = offset
+        return Exchanged(mean, invstd, total, own.link, offset)
 
     def _share(self, slot: ReplicaSlot | None, contribution: ReplicaStats | SubBatch
-               ) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """The global ``(mean, invstd, count)``, ``contribution`` (this replica's statistics,
-        or those of the replicas of a call nested in this one) met with the others of
-        ``slot``'s group."""
+               ) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor | None]:
+        """The global ``(mean, invstd, count, offset)`` (``offset``: the mean's error in units
+        of xhat, ``functional.merge_replicas``; None: not known), ``contribution`` (this
+        replica's statistics, or those of the replicas of a call nested in this one) met with
+        the others of ``slot``'s group."""
         if slot is None or not slot.synced:
-            mean, m2, invstd, total = self._merge([contribution])
+            mean, m2, invstd, total, offset = self._merge([contribution])
             track_batch(self.running, mean, m2, total)
-            return mean, invstd, total
+            return mean, invstd, total, offset
         group, rank = slot.group, slot.rank
         call = group.begin_call(rank)
         handed = _handed(contribution, contribution.mean)
@@ -79,33 +81,36 @@ class Exchange:
             return _received(group.exchange(rank, call, handed))
         contributions = [_received(c) for c in group.gather(call, handed)]
         if slot.parent is None:
-            mean, m2, invstd, total = self._merge(contributions)
+            mean, m2, invstd, total, offset = self._merge(contributions)
             track_batch(self.running, mean, m2, total)
         else:  # a nested call: its replicas' statistics go on as its replica's in the outer one
             try:
-                mean, m2, _, total = _merged(contributions, self.eps)
-                mean, invstd, total = self._share(
+                mean, m2, _, total, _ = _merged(contributions, self.eps)
+                mean, invstd, total, offset = self._share(
                     slot.parent, SubBatch(mean, m2, total, _links(contributions)))
             except BaseException as error:  # the outer call's replicas stop waiting for it
                 slot.parent.group.fail(slot.parent.rank, error)
                 raise
         answers = []
         for c in contributions:
-            answer = (on_device(mean, c.mean.device), on_device(invstd, c.mean.device), total)
+            answer = (on_device(mean, c.mean.device), on_device(invstd, c.mean.device), total,
+                      None if offset is None else on_device(offset, c.mean.device))
             answers.append(_handed(answer, answer[0]))
         group.scatter(call, answers)
-        return mean, invstd, total
+        return mean, invstd, total, offset
 
     def _merge(self, contributions: list[ReplicaStats | SubBatch]):
         """Master: merge every replica's (and process's) statistics.
 
-        Returns the global ``(mean, M2, invstd, count)``.
+        Returns the global ``(mean, M2, invstd, count, offset)`` (``_share``).
         """
-        mean, m2, invstd, total = _merged(contributions, self.eps)
+        mean, m2, invstd, total, offset = _merged(contributions, self.eps)
         batch = WholeBatch.of(_links(contributions), total, self.eps, mean.device,
                               self.across_processes,
                               any(isinstance(c, SubBatch) for c in contributions))
         if self.across_processes:
+            # The ranks' means bring no error term: the cross-process mean stays as rounded.
+            offset = None
             mean, m2, invstd, total = distributed.merge_across_processes(
                 mean, m2, total, self.eps, self.process_group, batch
             )
@@ -114,7 +119,7 @@ class Exchange:
                 f"{self.label}: expected more than 1 value per channel when training, got 1 "
                 "over the whole synchronised batch"
             )
-        return mean, m2, invstd, total
+        return mean, m2, invstd, total, offset
 
 
 class SubBatch(NamedTuple):
@@ -135,8 +140,10 @@ def _links(contributions: list[ReplicaStats | SubBatch]) -> tuple[_Link, ...]:
 
 
 def _merged(contributions: list[ReplicaStats | SubBatch], eps: float
-            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-    """``(mean, M2, invstd, count)`` of the contributions, on the first one's device.
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, torch.Tensor | None]:
+    """``(mean, M2, invstd, count, offset)`` of the contributions, on the first one's device
+    (``offset``: ``functional.merge_replicas``', where every contribution is a replica's;
+    nested calls' merged means bring no error term, None).
 
     The replicas' by ``merge_replicas`` (whose backward writes their input gradients); nested
     calls' merged statistics, if any, then join them in Chan's merge in differentiable ATen
@@ -148,9 +155,9 @@ def _merged(contributions: list[ReplicaStats | SubBatch], eps: float
     parts = [c for c in contributions if isinstance(c, SubBatch)]
     total = sum(c.count for c in contributions)
     if replicas:
-        mean, m2, invstd = merge_replicas(replicas, eps)
+        mean, m2, invstd, offset = merge_replicas(replicas, eps)
         if not parts:
-            return mean, m2, invstd, total
+            return mean, m2, invstd, total, offset
         parts.append(SubBatch(mean, m2, sum(c.count for c in replicas)))
     device, dtype, wide = contributions[0].mean.device, contributions[0].mean.dtype, torch.float64
     with torch.autograd.graph.saved_tensors_hooks(_kept, _kept):
@@ -159,7 +166,8 @@ def _merged(contributions: list[ReplicaStats | SubBatch], eps: float
             [on_device(p.m2, device).to(wide) for p in parts],
             stats.counts_of([p.count for p in parts], device, wide), eps,
         )
-        return merged.mean.to(dtype), merged.m2.to(dtype), merged.invstd.to(dtype), total
+        return (merged.mean.to(dtype), merged.m2.to(dtype), merged.invstd.to(dtype), total,
+                None)
 
 
 def _kept(tensor: torch.Tensor) -> torch.Tensor:
