@@ -668,16 +668,19 @@ def _off_centre_case(gen: torch.Generator, shape: tuple[int, ...], offset: torch
 MANY_VALUE_ELEMENTS = 1 << 18
 
 
-@settings(max_examples=4, deadline=None, derandomize=True)
+@settings(max_examples=6, deadline=None, derandomize=True)
 @given(
     activation=st.sampled_from(["identity", "leaky_relu", "elu"]),
     side=st.sampled_from([4, 8]),
+    far=st.booleans(),
     data=st.data(),
 )
-def test_float64_bound_over_thousands_of_values_off_centre(activation, side, data):
+def test_float64_bound_over_thousands_of_values_off_centre(activation, side, far, data):
     """The float64 bound (``_bound_ratios``' rule, against the long-double reference of
     benchmarks/few_values_precision.py) over 1024 to 8192 values a channel, in place, on
-    inputs whose mean lies 1.2 to 1.9 standard deviations from 0, as a feature's often does.
+    inputs whose mean lies 1.2 to 1.9 standard deviations from 0, as a feature's often does
+    (``far``: 10^2.5 to 10^4, where each slab's rounded mean costs M2 ulps unless its error
+    joins the slabs' merge, ``torch_ops._float64_slab_stats``).
 
     Why these inputs. Over n values the input gradient's error is mostly invstd's relative
     error times dx, and a channel fails where ours exceeds 3x nn.BatchNorm2d's. Statistics
@@ -694,12 +697,14 @@ def test_float64_bound_over_thousands_of_values_off_centre(activation, side, dat
     count = samples * side * side
     channels = MANY_VALUE_ELEMENTS // count
     gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16), label="seed"))
-    offset = torch.empty(channels, dtype=torch.float64).uniform_(1.2, 1.9, generator=gen)
+    offset = (10.0 ** torch.empty(channels, dtype=torch.float64).uniform_(2.5, 4.0, generator=gen)
+              if far else
+              torch.empty(channels, dtype=torch.float64).uniform_(1.2, 1.9, generator=gen))
     shape, x, dy, gamma, beta = _off_centre_case(gen, (samples, channels, side, side), offset,
                                                  activation)
     ratios, _ = ratios_to_bound(x, dy, gamma, beta, activation, SLOPES.get(activation, 0.01),
                                 replicas=1)
-    _assert_within_bound(ratios, gamma, beta, f"{activation} {shape}")
+    _assert_within_bound(ratios, gamma, beta, f"{activation} far={far} {shape}")
 
 
 @settings(max_examples=6, deadline=None, derandomize=True)
@@ -731,3 +736,32 @@ def test_float64_bound_on_inputs_far_from_zero(activation, inplace, replicas, de
                                 replicas=replicas, inplace=inplace)
     _assert_within_bound(ratios, gamma, beta, f"{activation} inplace={inplace} x{replicas} "
                          f"mean/std 1e{decades:.2g} {shape}")
+
+
+@settings(max_examples=4, deadline=None, derandomize=True)
+@given(
+    activation=st.sampled_from(["identity", "leaky_relu", "elu"]),
+    inplace=st.booleans(),
+    nesting=st.sampled_from([(2, 2), (2, 3), (3, 2)]),
+    decades=st.floats(2.5, 4.0),
+    data=st.data(),
+)
+def test_float64_bound_on_inputs_far_from_zero_through_nested_calls(activation, inplace,
+                                                                    nesting, decades, data):
+    """``test_float64_bound_on_inputs_far_from_zero`` with the layer in nested simulated
+    DataParallel calls: each nested call's merged mean goes on to the outer merge with its
+    error (``exchange.SubBatch``), and the replicas' backward takes the gap between their
+    nested call's mean and the outer one exact (``functional._mean_gap``); either rounded
+    shifts every element's gradient alike."""
+    side = 4
+    samples = data.draw(st.integers(1024 // side**2, 2048 // side**2), label="samples")
+    channels = BOUND_CHANNELS * 2
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16), label="seed"))
+    offset = 10.0 ** torch.empty(channels, dtype=torch.float64).uniform_(
+        decades - 0.5, decades, generator=gen)
+    shape, x, dy, gamma, beta = _off_centre_case(gen, (samples, channels, side, side), offset,
+                                                 activation)
+    ratios, _ = ratios_to_bound(x, dy, gamma, beta, activation, SLOPES.get(activation, 0.01),
+                                replicas=nesting, inplace=inplace)
+    _assert_within_bound(ratios, gamma, beta, f"{activation} inplace={inplace} nested "
+                         f"{nesting} mean/std 1e{decades:.2g} {shape}")

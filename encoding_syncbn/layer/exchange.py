@@ -67,7 +67,7 @@ class Exchange:
     def _share(self, slot: ReplicaSlot | None, contribution: ReplicaStats | SubBatch
                ) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor | None]:
         """The global ``(mean, invstd, count, offset)`` (``offset``: the mean's error in units
-        of xhat, ``functional.merge_replicas``; None: not known), ``contribution`` (this
+        of xhat, ``functional._mean_offset``; None: not known), ``contribution`` (this
         replica's statistics, or those of the replicas of a call nested in this one) met with
         the others of ``slot``'s group."""
         if slot is None or not slot.synced:
@@ -85,9 +85,9 @@ class Exchange:
             track_batch(self.running, mean, m2, total)
         else:  # a nested call: its replicas' statistics go on as its replica's in the outer one
             try:
-                mean, m2, _, total, _ = _merged(contributions, self.eps)
+                mean, m2, _, total, error = _merged(contributions, self.eps)
                 mean, invstd, total, offset = self._share(
-                    slot.parent, SubBatch(mean, m2, total, _links(contributions)))
+                    slot.parent, SubBatch(mean, m2, total, _links(contributions), error))
             except BaseException as error:  # the outer call's replicas stop waiting for it
                 slot.parent.group.fail(slot.parent.rank, error)
                 raise
@@ -104,33 +104,35 @@ class Exchange:
 
         Returns the global ``(mean, M2, invstd, count, offset)`` (``_share``).
         """
-        mean, m2, invstd, total, offset = _merged(contributions, self.eps)
+        mean, m2, invstd, total, error = _merged(contributions, self.eps)
         batch = WholeBatch.of(_links(contributions), total, self.eps, mean.device,
                               self.across_processes,
                               any(isinstance(c, SubBatch) for c in contributions))
         if self.across_processes:
-            # The ranks' means bring no error term: the cross-process mean stays as rounded.
-            offset = None
-            mean, m2, invstd, total = distributed.merge_across_processes(
-                mean, m2, total, self.eps, self.process_group, batch
+            mean, m2, invstd, total, error = distributed.merge_across_processes(
+                mean, m2, total, self.eps, self.process_group, batch, error
             )
         if total == 1:
             raise ValueError(
                 f"{self.label}: expected more than 1 value per channel when training, got 1 "
                 "over the whole synchronised batch"
             )
+        # The mean's error in units of xhat, as ``functional._mean_offset`` takes it.
+        offset = None if error is None else error * invstd
         return mean, m2, invstd, total, offset
 
 
 class SubBatch(NamedTuple):
     """The statistics of a nested call's replicas, merged by its master: what it brings to
     the outer call's merge in its replica's place (differentiable: their graph leads to the
-    replicas' inputs), and its replicas' links (for ``WholeBatch``)."""
+    replicas' inputs), its replicas' links (for ``WholeBatch``) and its mean's error (the
+    exact mean less it, not differentiable; None: not known, ``functional.merge_replicas``)."""
 
     mean: torch.Tensor
     m2: torch.Tensor
     count: int
     links: tuple[_Link, ...] = ()
+    error: torch.Tensor | None = None
 
 
 def _links(contributions: list[ReplicaStats | SubBatch]) -> tuple[_Link, ...]:
@@ -141,9 +143,9 @@ def _links(contributions: list[ReplicaStats | SubBatch]) -> tuple[_Link, ...]:
 
 def _merged(contributions: list[ReplicaStats | SubBatch], eps: float
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, torch.Tensor | None]:
-    """``(mean, M2, invstd, count, offset)`` of the contributions, on the first one's device
-    (``offset``: ``functional.merge_replicas``', where every contribution is a replica's;
-    nested calls' merged means bring no error term, None).
+    """``(mean, M2, invstd, count, error)`` of the contributions, on the first one's device
+    (``error``: the merged mean's, where every contribution brings its own, as float64
+    statistics do: ``functional.merge_replicas``, ``SubBatch.error``; else None).
 
     The replicas' by ``merge_replicas`` (whose backward writes their input gradients); nested
     calls' merged statistics, if any, then join them in Chan's merge in differentiable ATen
@@ -155,19 +157,21 @@ def _merged(contributions: list[ReplicaStats | SubBatch], eps: float
     parts = [c for c in contributions if isinstance(c, SubBatch)]
     total = sum(c.count for c in contributions)
     if replicas:
-        mean, m2, invstd, offset = merge_replicas(replicas, eps)
+        mean, m2, invstd, error = merge_replicas(replicas, eps)
         if not parts:
-            return mean, m2, invstd, total, offset
-        parts.append(SubBatch(mean, m2, sum(c.count for c in replicas)))
+            return mean, m2, invstd, total, error
+        parts.append(SubBatch(mean, m2, sum(c.count for c in replicas), (), error))
     device, dtype, wide = contributions[0].mean.device, contributions[0].mean.dtype, torch.float64
+    errors = (None if any(p.error is None for p in parts)
+              else [on_device(p.error, device) for p in parts])
     with torch.autograd.graph.saved_tensors_hooks(_kept, _kept):
         merged = stats.chan_merge(
             [on_device(p.mean, device).to(wide) for p in parts],
             [on_device(p.m2, device).to(wide) for p in parts],
-            stats.counts_of([p.count for p in parts], device, wide), eps,
+            stats.counts_of([p.count for p in parts], device, wide), eps, errors,
         )
         return (merged.mean.to(dtype), merged.m2.to(dtype), merged.invstd.to(dtype), total,
-                None)
+                merged.error)
 
 
 def _kept(tensor: torch.Tensor) -> torch.Tensor:

@@ -682,9 +682,9 @@ _MERGE_LEADING_ARGS = 6
 
 
 class MergeReplicas(torch.autograd.Function):
-    """``(x_1..x_k) -> (mean[C], M2[C], invstd[C], offset[C])`` of their union
-    (``stats.chan_merge``; ``offset``: the mean's error in units of xhat where the replicas
-    bring theirs, ``errors``, in float64, else None; not differentiable).
+    """``(x_1..x_k) -> (mean[C], M2[C], invstd[C], error[C])`` of their union
+    (``stats.chan_merge``; ``error``: the merged mean's, the exact mean less it, where the
+    replicas bring theirs, ``errors``, in float64, else None; not differentiable).
 
     The statistics come precomputed (``means``, ``m2s``, on the merge's device); the inputs
     are there so that autograd brings the merge's backward each replica's input gradient to
@@ -700,24 +700,23 @@ class MergeReplicas(torch.autograd.Function):
         merged = stats.chan_merge(means, m2s, counts, eps, errors)
         dtype = computes_in(xs[0].dtype, int(counts.total), xs[0].device)
         mean, m2, invstd = (t.to(dtype) for t in merged[:3])
-        # The merged mean's error in units of xhat (``_mean_offset``): no function of x
-        # autograd should see.
-        offset = None
+        # The merged mean's error (``_mean_offset``): no function of x autograd should see.
+        error = None
         if merged.error is not None and dtype == torch.float64:
-            offset = merged.error * merged.invstd
-            ctx.mark_non_differentiable(offset)
+            error = merged.error
+            ctx.mark_non_differentiable(error)
         ctx.links, ctx.total = links, counts.total
         # For a backward that recomputes the merge (see _merge_backward_composite).
         ctx.counts, ctx.eps, ctx.means, ctx.m2s = counts, eps, means, m2s
         ctx.inputs = None
         # Detached aliases: an output kept on its own ctx would close a reference cycle
         # through its grad_fn that Python's collector cannot see, keeping the whole graph.
-        ctx.mean, ctx.invstd = mean.detach(), invstd.detach()
+        ctx.mean, ctx.invstd, ctx.error = mean.detach(), invstd.detach(), error
         ctx.set_materialize_grads(False)
-        return mean, m2, invstd, offset
+        return mean, m2, invstd, error
 
     @staticmethod
-    def backward(ctx, grad_mean, grad_m2, grad_invstd, _grad_offset):
+    def backward(ctx, grad_mean, grad_m2, grad_invstd, _grad_error):
         needed = ctx.needs_input_grad[_MERGE_LEADING_ARGS:]
         create_graph = torch.is_grad_enabled()
         # A float64 call over few values: every replica's input gradient in double-double,
@@ -755,7 +754,7 @@ class MergeReplicas(torch.autograd.Function):
             device = saved.mean.device
             if device not in coefficients:
                 coefficients[device] = _through_statistics(
-                    grad_mean, grad_m2, ctx.mean, ctx.total, saved
+                    grad_mean, grad_m2, ctx.mean, ctx.total, saved, ctx.error
                 )
             grads[i] = _input_grad(saved, link.grad_output, link.config,
                                    DxCoefs(link.scale, *coefficients[device]),
@@ -829,7 +828,8 @@ def _merge_backward_composite(ctx, grad_mean, grad_m2, grad_invstd, recomputed: 
     return grads
 
 
-def _through_statistics(grad_mean, grad_m2, mean, total: float, saved: _Saved):
+def _through_statistics(grad_mean, grad_m2, mean, total: float, saved: _Saved,
+                        error: torch.Tensor | None = None):
     """``(coef_xhat, coef_const)`` on ``saved``'s device, for the statistics' part of dx::
 
         g_mean / n + 2 g_M2 (x - mean) = coef_xhat * xhat + coef_const,
@@ -837,8 +837,10 @@ def _through_statistics(grad_mean, grad_m2, mean, total: float, saved: _Saved):
         coef_xhat = 2 g_M2 / saved.invstd,  coef_const = g_mean / n + 2 g_M2 (saved.mean - mean)
 
     ``saved`` holds the statistics the replica normalised with: the merged ones, unless a
-    cross-process merge followed this one. Tensor-tensor calls: ATen first copies a Python
-    number operand (``g * 2``) into a tensor, which costs more than the arithmetic.
+    cross-process merge or a nested call's outer one followed this one. ``error``: ``mean``'s
+    (``merge_replicas``; None: not known), with the xhat and means taken exact
+    (``_mean_gap``). Tensor-tensor calls: ATen first copies a Python number operand
+    (``g * 2``) into a tensor, which costs more than the arithmetic.
     """
     device = saved.mean.device
     if grad_m2 is None:
@@ -847,19 +849,36 @@ def _through_statistics(grad_mean, grad_m2, mean, total: float, saved: _Saved):
         grad_m2 = on_device(grad_m2, device)
         twice_grad_m2 = grad_m2 + grad_m2
         coef_xhat = twice_grad_m2 / saved.invstd
-        coef_const = twice_grad_m2 * (saved.mean - on_device(mean, device))
+        coef_const = twice_grad_m2 * _mean_gap(saved, mean, error)
     if grad_mean is not None:
         coef_const = torch.add(coef_const, on_device(grad_mean, device),
                                alpha=1 / max(total, 1.0))
     return coef_xhat, coef_const
 
 
+def _mean_gap(saved: _Saved, mean: torch.Tensor, error: torch.Tensor | None
+              ) -> torch.Tensor:
+    """The exact mean ``saved`` normalised with less the exact ``mean`` (``error``: its
+    error), on ``saved``'s device: ``saved.mean - mean`` plus their errors where both are
+    known (``_mean_offset``).
+
+    Why: where a later merge gave the replica other statistics (a nested call's outer merge,
+    the processes'), the two means round apart, and the gap multiplies 2 g_M2 in every
+    element of the channel: at |mean| a thousand standard deviations, hundreds of ulps of
+    that term."""
+    device = saved.mean.device
+    gap = saved.mean - on_device(mean, device)
+    if saved.offset is None or error is None:
+        return gap
+    return gap.add_(saved.offset / saved.invstd).sub_(on_device(error, device))
+
+
 def merge_replicas(replicas: Sequence[ReplicaStats], eps: float
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """The merged ``(mean, M2, invstd, offset)`` of ``replicas``, on the first one's device,
-    in their statistics dtype; merged in float64 (per-channel vectors: cheap). ``offset``:
-    the merged mean's error in units of xhat (``_mean_offset``), where every replica brings
-    its mean's error (``ReplicaStats.mean_error``); else None."""
+    """The merged ``(mean, M2, invstd, error)`` of ``replicas``, on the first one's device,
+    in their statistics dtype; merged in float64 (per-channel vectors: cheap). ``error``:
+    the merged mean's (the exact mean less it: ``_mean_offset``), where every replica brings
+    its own (``ReplicaStats.mean_error``); else None."""
     device, wide = replicas[0].mean.device, torch.float64
     counts = stats.counts_of([r.count for r in replicas], device, wide)
     errors = (None if any(r.mean_error is None for r in replicas)

@@ -72,7 +72,8 @@ def _constant(value: float, device: torch.device, dtype: torch.dtype) -> torch.T
 
 
 class Merged(NamedTuple):
-    """The merge's results, each group's ``m_i - mean`` (``(k, C)``) for its backward, and the
+    """The merge's results, each group's ``m_i - mean`` (``(k, C)``) for its backward (the
+    exact means', ``m_i - mean + e_i - E``, where the groups brought their errors), and the
     merged mean's error (None: the groups brought none)."""
 
     mean: torch.Tensor
@@ -105,7 +106,7 @@ def chan_merge(means: Sequence[torch.Tensor], m2s: Sequence[torch.Tensor], count
         invstd = torch.add(
             _constant(eps, m2.device, m2.dtype), m2, alpha=1 / max(counts.total, 1.0)
         ).rsqrt_()
-    return Merged(mean, m2, invstd, deviation, error)
+    return Merged(mean, m2, invstd, exact_deviation, error)
 
 
 def total_grad_m2(grad_m2: torch.Tensor | None, grad_invstd: torch.Tensor | None,
