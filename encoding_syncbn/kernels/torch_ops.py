@@ -294,6 +294,9 @@ def residual_mean(x: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
     count = x.numel() // channels if channels else 0
     if count == 0:
         return torch.zeros_like(mean)
+    if torch.compiler.is_compiling():  # traced (custom ops' path): Dynamo takes no out= walk
+        centred = x - mean.view(1, channels, *([1] * (x.dim() - 2)))
+        return centred.mean(dim=[0, *range(2, x.dim())])
     slabs = _pieces(_in_rows_layout(x))
     scratch = torch.empty_like(slabs[0][0], dtype=mean.dtype)
     total = torch.zeros_like(mean)
