@@ -117,8 +117,9 @@ class Exchange:
                 f"{self.label}: expected more than 1 value per channel when training, got 1 "
                 "over the whole synchronised batch"
             )
-        # The mean's error in units of xhat, as ``functional._mean_offset`` takes it.
-        offset = None if error is None else error * invstd
+        # The mean's error in units of xhat, as ``functional._mean_offset`` takes it: no
+        # function of x autograd should see (nor a checkpoint count among its saved tensors).
+        offset = None if error is None else error * invstd.detach()
         return mean, m2, invstd, total, offset
 
 

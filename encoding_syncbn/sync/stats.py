@@ -106,7 +106,7 @@ def chan_merge(means: Sequence[torch.Tensor], m2s: Sequence[torch.Tensor], count
         invstd = torch.add(
             _constant(eps, m2.device, m2.dtype), m2, alpha=1 / max(counts.total, 1.0)
         ).rsqrt_()
-    return Merged(mean, m2, invstd, exact_deviation, error)
+    return Merged(mean, m2, invstd, exact_deviation, None if error is None else error.detach())
 
 
 def total_grad_m2(grad_m2: torch.Tensor | None, grad_invstd: torch.Tensor | None,
