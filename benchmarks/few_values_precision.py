@@ -2,7 +2,7 @@
 a channel and |beta| / |gamma|, in float32 and float64.
 
     python benchmarks/few_values_precision.py [--rule off | --inplace off] [--backend triton]
-        [--record]
+        [--mean-over-std M] [--record]
 
 The bound (README, Limits): per channel, dx's error <= 3 max(nn.BatchNorm2d + the activation's
 error in the same dtype, half an ulp of the channel's largest |dx|), errors against an exact
@@ -20,6 +20,9 @@ ratio of error to bound over its channels, and in brackets the share of channels
 count rule, every channel with |gamma| > 1e-3 max(1, |beta|) rebuilt; a call over fewer than
 ``MIN_OWN_PRECISION_COUNT`` values still computes in float64); ``on``: the layer as shipped.
 ``--inplace off``: the layer with ``inplace=False``, for the error of its arithmetic alone.
+``--mean-over-std``: each channel's mean over its standard deviation (0.25 by default): a
+rounded mean shifts every normalised value of its channel alike, by its error over the
+standard deviation, which grows with this ratio.
 """
 
 from __future__ import annotations
@@ -72,7 +75,8 @@ def cell(dtype: torch.dtype, count: int, ratio: float, args: argparse.Namespace,
         gamma = size * torch.randn(args.channels, generator=gen).sign()
         signs = torch.randn(args.channels, generator=gen).sign()
         beta = ratio * size * (signs.abs() if beta_sign else signs)
-        x = (torch.randn(shape, generator=gen, dtype=torch.float64) * 2 + 0.5).to(dtype)
+        x = ((torch.randn(shape, generator=gen, dtype=torch.float64) + args.mean_over_std)
+             * 2).to(dtype)
         dy = torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype)
         ratios, _ = ratios_to_bound(x, dy, gamma, beta, activation,
                                     SLOPES.get(activation, 0.01), replicas,
@@ -94,6 +98,7 @@ def main() -> None:
     parser.add_argument("--ratios", nargs="+", type=float, default=list(RATIOS))
     parser.add_argument("--trials", type=int, default=4)
     parser.add_argument("--channels", type=int, default=32)
+    parser.add_argument("--mean-over-std", type=float, default=0.25)
     results.add_arguments(parser)
     args = parser.parse_args()
     import encoding_syncbn
@@ -121,7 +126,7 @@ def main() -> None:
              f"ulp of the channel's largest |dx|)), against a long-double reference; per cell "
              f"the largest over {args.trials} generated layers of {args.channels} channels "
              f"(activation, 1-4 replicas, |gamma| in [0.1, 10] (ELU: [0.1, 1], beta >= 0), "
-             f"data drawn), in brackets the "
+             f"data drawn, mean / std {args.mean_over_std:g}), in brackets the "
              f"share of channels over 1; columns |beta| / |gamma|. "
              + (f"In place, rule {args.rule}." if args.inplace == "on" else "inplace=False."))
     print(notes + "\n\n" + table)

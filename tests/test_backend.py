@@ -96,7 +96,9 @@ class _Counting:
 @pytest.mark.parametrize("inplace", [False, True])
 def test_a_backend_runs_the_layer(monkeypatch, inplace):
     """A backend is one object: in its place, every op of the layer (forward and backward, in
-    place or not) goes through it, with the torch backend's results."""
+    place or not) goes through it, with the torch backend's results. (Out of place, a float64
+    backward reduces, then corrects the sums for the mean's error, then takes dx:
+    ``functional._mean_offset``.)"""
     torch.manual_seed(0)
     # 200 values a channel: float64 below MIN_FLOAT64_REBUILT_COUNT takes its input gradient in
     # double-double, outside the backend.
@@ -117,8 +119,10 @@ def test_a_backend_runs_the_layer(monkeypatch, inplace):
     counting = _Counting()
     monkeypatch.setattr(kernels, "reference_ops", lambda: counting)
     torch.testing.assert_close(run(), expected, rtol=0, atol=0)
-    assert counting.calls == {"batch_stats": 1, "normalize_act": 1, "batch_backward": 1,
-                              "normalize_running": 1}
+    backward = ({"batch_backward": 1} if inplace
+                else {"backward_reduce": 1, "backward_dx": 1})
+    assert counting.calls == {"batch_stats": 1, "normalize_act": 1, "normalize_running": 1,
+                              **backward}
 
 
 def test_unknown_backend_names_are_refused():

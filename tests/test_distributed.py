@@ -23,6 +23,7 @@ import shutil
 import tempfile
 import time
 import traceback
+import warnings
 from collections import Counter
 from multiprocessing.connection import wait
 from pathlib import Path
@@ -34,6 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from helpers.rebuild_error import EPS, gradient_ratios
 from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 from reference import activate
@@ -498,6 +500,54 @@ def scenario_few_values_float64(ctx):
     case()
 
 
+def scenario_far_from_zero_float64(ctx):
+    """Float64 over 1024 to 2048 values a channel whose mean lies 10^2.5 to 10^4 standard
+    deviations from 0 (``few_values._off_centre_case``), in place or not, on uneven ranks
+    with 1-2 DataParallel replicas in each (the same cases in every rank): every rank's
+    input gradient within the README's bound (``helpers.rebuild_error``). Each rank's rounded
+    mean shifts every normalised value of the group unless the ranks gather their means'
+    errors with their means (``distributed._MergeAcrossProcesses``)."""
+    world = ctx["world"]
+
+    @settings(max_examples=4, deadline=None, derandomize=True, database=None,
+              phases=[Phase.generate])  # no shrinking: the ranks must draw alike
+    @given(activation=st.sampled_from(["identity", "leaky_relu", "elu"]),
+           inplace=st.booleans(), replicas=st.integers(1, 2), decades=st.floats(2.5, 4.0),
+           data=st.data())
+    def case(activation, inplace, replicas, decades, data):
+        side, channels = 4, 2 * few_values.BOUND_CHANNELS
+        samples = data.draw(st.integers(1024 // side**2, 2048 // side**2), label="samples")
+        gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16), label="seed"))
+        offset = 10.0 ** torch.empty(channels, dtype=torch.float64).uniform_(
+            decades - 0.5, decades, generator=gen)
+        shape, x, dy, gamma, beta = few_values._off_centre_case(
+            gen, (samples, channels, side, side), offset, activation)
+        cuts = sorted(data.draw(st.lists(st.integers(1, samples - 1), min_size=world - 1,
+                                         max_size=world - 1, unique=True), label="cuts"))
+        batches = [end - start for start, end in zip([0, *cuts], [*cuts, samples])]
+        mine = _offsets(batches)[dist.get_rank()]
+        slope = few_values.SLOPES.get(activation, 0.01)
+        layer = SyncBatchNorm(channels, eps=EPS, activation=activation, slope=slope,
+                              inplace=inplace, dtype=torch.float64)
+        with torch.no_grad():
+            layer.weight.copy_(gamma)
+            layer.bias.copy_(beta)
+        model = SimulatedDataParallel(layer, replicas) if replicas > 1 else layer
+        leaf = x[mine].clone().requires_grad_()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the out-of-place fallback's warning, where it runs
+            out = model(leaf * 1)
+        (grad,) = torch.autograd.grad(out, leaf, dy[mine])
+        grads = [None] * world
+        dist.all_gather_object(grads, grad)
+        ratios = gradient_ratios(torch.cat(grads), x, dy, gamma, beta, activation, slope)
+        few_values._assert_within_bound(ratios, gamma, beta,
+                                        f"{activation} inplace={inplace} {batches} "
+                                        f"x{replicas} mean/std 1e{decades:.2g} {shape}")
+
+    case()
+
+
 def scenario_double_backward(ctx):
     """A gradient penalty through a layer synchronised across processes: a clear error on
     every rank (before any collective of that backward), never a silently wrong graph."""
@@ -514,7 +564,7 @@ def scenario_double_backward(ctx):
 
 SCENARIOS = {
     2: ["uneven", "empty_rank", "replicas", "collective_count", "solo_group", "ddp",
-        "double_backward", "compiled_ddp", "few_values_float64"],
+        "double_backward", "compiled_ddp", "few_values_float64", "far_from_zero_float64"],
     3: ["uneven", "empty_rank", "replicas", "collective_count", "subgroup", "ddp_subgroup",
         "inplace_abn", "few_values_float64"],
 }

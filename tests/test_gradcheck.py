@@ -82,7 +82,7 @@ def synced_in_one_thread(x, w, b, config, split, other_ranks=None):
     cross-process step)."""
     pieces = [piece.clone() for piece in x.split(split)]  # clones: in place is allowed
     contributions = [replica_stats(piece) for piece in pieces]
-    mean, m2, invstd = merge_replicas(contributions, 1e-3)
+    mean, m2, invstd, _ = merge_replicas(contributions, 1e-3)
     if other_ranks is not None:
         means, m2s, counts = other_ranks
         own_count = sum(c.count for c in contributions)

@@ -162,9 +162,9 @@ def test_across_processes_only_the_sync_class_merges(monkeypatch):
     its group: seen through the layer's one door to the cross-process merge."""
     gathered = []
 
-    def merge_across_processes(mean, m2, count, eps, group, batch=None):
+    def merge_across_processes(mean, m2, count, eps, group, batch=None, error=None):
         gathered.append(group)
-        return mean, m2, (m2 / count + eps).rsqrt(), count
+        return mean, m2, (m2 / count + eps).rsqrt(), count, error
 
     monkeypatch.setattr(distributed, "is_active", lambda group=None: True)
     monkeypatch.setattr(distributed, "merge_across_processes", merge_across_processes)

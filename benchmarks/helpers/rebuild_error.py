@@ -10,6 +10,7 @@ significand on x86): 40 bits beyond float32, 11 beyond float64, which a channel'
 from __future__ import annotations
 
 import warnings
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -33,6 +34,10 @@ def exact_input_gradient(x: torch.Tensor, dy: torch.Tensor, gamma: torch.Tensor,
     b = beta.double().numpy().astype(wide).reshape(1, -1, 1, 1)
     dims = (0, 2, 3)
     centred = x - x.mean(axis=dims, keepdims=True)
+    # The mean's own rounding, about 2^-64 of it, would shift every xhat by that over the
+    # standard deviation (an ulp of float64's at a mean of 2^11 standard deviations): x -
+    # mean is exact in long double, and its mean corrects it.
+    centred -= centred.mean(axis=dims, keepdims=True)
     invstd = 1 / np.sqrt((centred * centred).mean(axis=dims, keepdims=True) + wide(EPS))
     xhat = centred * invstd
     z = w * xhat + b
@@ -47,11 +52,15 @@ def exact_input_gradient(x: torch.Tensor, dy: torch.Tensor, gamma: torch.Tensor,
     return w * invstd * (dz - dz.mean(axis=dims, keepdims=True) - xhat * m)
 
 
-def input_gradient(norm: nn.Module, x: torch.Tensor, dy: torch.Tensor, replicas: int,
-                   activation: str, slope: float) -> tuple[torch.Tensor, bool]:
+def input_gradient(norm: nn.Module, x: torch.Tensor, dy: torch.Tensor,
+                   replicas: int | Sequence[int], activation: str, slope: float
+                   ) -> tuple[torch.Tensor, bool]:
     """dx of ``norm`` (+ the activation, unless it fuses one) over ``replicas`` simulated
-    DataParallel replicas, and whether its output was written over its input (in place)."""
-    model = SimulatedDataParallel(norm, replicas) if replicas > 1 else norm
+    DataParallel replicas (a sequence: nested calls, outermost first), and whether its output
+    was written over its input (in place)."""
+    model = norm
+    for count in reversed([replicas] if isinstance(replicas, int) else replicas):
+        model = SimulatedDataParallel(model, count) if count > 1 else model
     leaf = x.clone().requires_grad_()
     h = leaf * 1
     with warnings.catch_warnings():
@@ -62,24 +71,35 @@ def input_gradient(norm: nn.Module, x: torch.Tensor, dy: torch.Tensor, replicas:
     elif activation == "elu" and not isinstance(norm, SyncBatchNorm):
         out = F.elu(out, slope)
     # Over replicas the output is gathered (a new tensor): in place is judged on the layer.
-    in_place = replicas == 1 and out.data_ptr() == h.data_ptr()
+    in_place = model is norm and out.data_ptr() == h.data_ptr()
     out.backward(dy)
     return leaf.grad, in_place
 
 
 def ratios_to_bound(x: torch.Tensor, dy: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor,
-                    activation: str, slope: float, replicas: int, inplace: bool = True
-                    ) -> tuple[torch.Tensor, bool]:
+                    activation: str, slope: float, replicas: int | Sequence[int],
+                    inplace: bool = True) -> tuple[torch.Tensor, bool]:
     """Per channel, the layer's dx error over the bound (above 1: the bound fails), and
-    whether its output was written over its input (single replica; else False)."""
-    dtype, channels = x.dtype, x.shape[1]
-    twin = nn.BatchNorm2d(channels, eps=EPS, dtype=dtype)
-    layer = SyncBatchNorm(channels, eps=EPS, activation=activation, slope=slope, inplace=inplace,
-                          dtype=dtype)
-    for norm in (twin, layer):
-        with torch.no_grad():
-            norm.weight.copy_(gamma)
-            norm.bias.copy_(beta)
+    whether its output was written over its input (single replica; else False);
+    ``replicas``: as ``input_gradient``'s."""
+    layer = SyncBatchNorm(x.shape[1], eps=EPS, activation=activation, slope=slope,
+                          inplace=inplace, dtype=x.dtype)
+    with torch.no_grad():
+        layer.weight.copy_(gamma)
+        layer.bias.copy_(beta)
+    ours, in_place = input_gradient(layer, x, dy, replicas, activation, slope)
+    return gradient_ratios(ours, x, dy, gamma, beta, activation, slope), in_place
+
+
+def gradient_ratios(ours: torch.Tensor, x: torch.Tensor, dy: torch.Tensor, gamma: torch.Tensor,
+                    beta: torch.Tensor, activation: str, slope: float) -> torch.Tensor:
+    """Per channel, the error of ``ours`` (an input gradient of BatchNorm + the activation on
+    the whole batch ``x``, however the layer took it) over the bound."""
+    dtype = x.dtype
+    twin = nn.BatchNorm2d(x.shape[1], eps=EPS, dtype=dtype)
+    with torch.no_grad():
+        twin.weight.copy_(gamma)
+        twin.bias.copy_(beta)
     exact = exact_input_gradient(x, dy, gamma.to(dtype), beta.to(dtype), activation, slope)
     dims = (0, 2, 3)
     size = np.abs(exact).max(axis=dims)
@@ -87,10 +107,9 @@ def ratios_to_bound(x: torch.Tensor, dy: torch.Tensor, gamma: torch.Tensor, beta
     def error(got: torch.Tensor) -> np.ndarray:
         return np.abs(got.double().numpy().astype(np.longdouble) - exact).max(axis=dims)
 
-    ours, in_place = input_gradient(layer, x, dy, replicas, activation, slope)
     theirs, _ = input_gradient(twin, x, dy, 1, activation, slope)
     half_ulp = torch.finfo(dtype).eps / 2
     allowed = BOUND * np.maximum(error(theirs), half_ulp * size)
     # A gradient ~0 in every channel (a layer whose dz is 0): an absolute floor.
     allowed = np.maximum(allowed, 1e-3 * half_ulp * size.max() + 1e-300)
-    return torch.from_numpy((error(ours) / allowed).astype(np.float64)), in_place
+    return torch.from_numpy((error(ours) / allowed).astype(np.float64))

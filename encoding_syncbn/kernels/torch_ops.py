@@ -254,23 +254,56 @@ def _float64_m2(piece: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
 
 def _float64_slab_stats(slabs) -> tuple[torch.Tensor, torch.Tensor]:
     """``(mean, M2)`` of float64 slabs: each slab's mean and ``_float64_m2``, merged as
-    Chan's (``sync.stats``), the M2 terms added in double-double: as precise as one slab's,
-    for the few passes a slab of ``_float64_m2``."""
-    counts, means, m2s = [], [], []
+    Chan's (``sync.stats``) with the slab means' errors, the M2 terms added in
+    double-double: as precise as one slab's, for the few passes a slab of ``_float64_m2``.
+
+    Why the errors: a slab's rounded mean m_i costs M2 ``2 n_i (m_i - mean) e_i`` (e_i: its
+    error); far from zero (|mean| a thousand standard deviations) that is several ulps of
+    M2, and invstd carries half of it into every element's gradient."""
+    counts, means, m2s, errors = [], [], [], []
     for (slab,) in slabs:
         mean = slab.mean(dim=(0, 1))
         counts.append(slab.numel() // slab.shape[-1])
         means.append(mean)
         m2s.append(_float64_m2(slab, mean))
+        if len(slabs) > 1:  # each x - mean is exact near the mean (``residual_mean``)
+            errors.append((slab - mean).mean(dim=(0, 1)))
     if len(slabs) == 1:
         return means[0], m2s[0]
     column = torch.tensor(counts, dtype=torch.float64, device=means[0].device).unsqueeze(1)
     means = torch.stack(means)
     mean = (means * column).sum(0) / sum(counts)
-    deviation = means - mean
+    deviation = means - mean + torch.stack(errors)
+    deviation -= (deviation * column).sum(0) / sum(counts)
     terms = torch.stack(m2s).addcmul_(deviation * column, deviation).t()
     high, low = double_double.channel_sum((terms, torch.zeros_like(terms)))
     return mean, (high + low).view(-1)
+
+
+def residual_mean(x: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
+    """Per channel, ``mean(x - mean)`` of ``x`` (N, C, *) around its own rounded (C,) mean:
+    the mean's error, to be added to it, in ``mean``'s dtype.
+
+    Why: a rounded mean shifts every normalised value by its error times invstd, the same in
+    every element of a channel, and the backward's sums do not average that out; with |mean|
+    a thousand standard deviations that is hundreds of ulps of xhat (float64 has no wider
+    dtype to take the mean in). Each ``x - mean`` is exact where x lies within a factor 2 of
+    the mean (Sterbenz), which is where the shift is large; the sum rounds at the size of
+    the deviations, far below the mean's ulp."""
+    channels = x.shape[1]
+    count = x.numel() // channels if channels else 0
+    if count == 0:
+        return torch.zeros_like(mean)
+    if torch.compiler.is_compiling():  # traced (custom ops' path): Dynamo takes no out= walk
+        centred = x - mean.view(1, channels, *([1] * (x.dim() - 2)))
+        return centred.mean(dim=[0, *range(2, x.dim())])
+    slabs = _pieces(_in_rows_layout(x))
+    scratch = torch.empty_like(slabs[0][0], dtype=mean.dtype)
+    total = torch.zeros_like(mean)
+    for (slab,) in slabs:
+        deviation = torch.sub(slab, mean, out=_fitted(scratch, slab))
+        total += deviation.sum(dim=_reduced_dims(deviation))
+    return total.div_(count)
 
 
 def float64_invstd(m2: torch.Tensor, count: float, eps: float) -> torch.Tensor:

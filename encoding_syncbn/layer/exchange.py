@@ -44,7 +44,7 @@ class Exchange:
     """
 
     __slots__ = ("slot", "eps", "process_group", "across_processes", "running", "label",
-                 "own", "mean", "invstd", "total")
+                 "own", "mean", "invstd", "total", "offset")
 
     def __init__(self, slot: ReplicaSlot | None, eps: float, process_group: Any,
                  across_processes: bool, running: RunningStats | None, label: str) -> None:
@@ -59,19 +59,21 @@ class Exchange:
         """Send the statistics of ``x`` (``replica_stats``) to the master, get the global
         ``(mean, invstd, count)`` back."""
         own = replica_stats(x)
-        mean, invstd, total = self._share(self.slot, own)
+        mean, invstd, total, offset = self._share(self.slot, own)
         self.own, self.mean, self.invstd, self.total = own, mean, invstd, total
-        return Exchanged(mean, invstd, total, own.link)
+        self.offset = offset
+        return Exchanged(mean, invstd, total, own.link, offset)
 
     def _share(self, slot: ReplicaSlot | None, contribution: ReplicaStats | SubBatch
-               ) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """The global ``(mean, invstd, count)``, ``contribution`` (this replica's statistics,
-        or those of the replicas of a call nested in this one) met with the others of
-        ``slot``'s group."""
+               ) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor | None]:
+        """The global ``(mean, invstd, count, offset)`` (``offset``: the mean's error in units
+        of xhat, ``functional._mean_offset``; None: not known), ``contribution`` (this
+        replica's statistics, or those of the replicas of a call nested in this one) met with
+        the others of ``slot``'s group."""
         if slot is None or not slot.synced:
-            mean, m2, invstd, total = self._merge([contribution])
+            mean, m2, invstd, total, offset = self._merge([contribution])
             track_batch(self.running, mean, m2, total)
-            return mean, invstd, total
+            return mean, invstd, total, offset
         group, rank = slot.group, slot.rank
         call = group.begin_call(rank)
         handed = _handed(contribution, contribution.mean)
@@ -79,53 +81,59 @@ class Exchange:
             return _received(group.exchange(rank, call, handed))
         contributions = [_received(c) for c in group.gather(call, handed)]
         if slot.parent is None:
-            mean, m2, invstd, total = self._merge(contributions)
+            mean, m2, invstd, total, offset = self._merge(contributions)
             track_batch(self.running, mean, m2, total)
         else:  # a nested call: its replicas' statistics go on as its replica's in the outer one
             try:
-                mean, m2, _, total = _merged(contributions, self.eps)
-                mean, invstd, total = self._share(
-                    slot.parent, SubBatch(mean, m2, total, _links(contributions)))
+                mean, m2, _, total, error = _merged(contributions, self.eps)
+                mean, invstd, total, offset = self._share(
+                    slot.parent, SubBatch(mean, m2, total, _links(contributions), error))
             except BaseException as error:  # the outer call's replicas stop waiting for it
                 slot.parent.group.fail(slot.parent.rank, error)
                 raise
         answers = []
         for c in contributions:
-            answer = (on_device(mean, c.mean.device), on_device(invstd, c.mean.device), total)
+            answer = (on_device(mean, c.mean.device), on_device(invstd, c.mean.device), total,
+                      None if offset is None else on_device(offset, c.mean.device))
             answers.append(_handed(answer, answer[0]))
         group.scatter(call, answers)
-        return mean, invstd, total
+        return mean, invstd, total, offset
 
     def _merge(self, contributions: list[ReplicaStats | SubBatch]):
         """Master: merge every replica's (and process's) statistics.
 
-        Returns the global ``(mean, M2, invstd, count)``.
+        Returns the global ``(mean, M2, invstd, count, offset)`` (``_share``).
         """
-        mean, m2, invstd, total = _merged(contributions, self.eps)
+        mean, m2, invstd, total, error = _merged(contributions, self.eps)
         batch = WholeBatch.of(_links(contributions), total, self.eps, mean.device,
                               self.across_processes,
                               any(isinstance(c, SubBatch) for c in contributions))
         if self.across_processes:
-            mean, m2, invstd, total = distributed.merge_across_processes(
-                mean, m2, total, self.eps, self.process_group, batch
+            mean, m2, invstd, total, error = distributed.merge_across_processes(
+                mean, m2, total, self.eps, self.process_group, batch, error
             )
         if total == 1:
             raise ValueError(
                 f"{self.label}: expected more than 1 value per channel when training, got 1 "
                 "over the whole synchronised batch"
             )
-        return mean, m2, invstd, total
+        # The mean's error in units of xhat, as ``functional._mean_offset`` takes it: no
+        # function of x autograd should see (nor a checkpoint count among its saved tensors).
+        offset = None if error is None else error * invstd.detach()
+        return mean, m2, invstd, total, offset
 
 
 class SubBatch(NamedTuple):
     """The statistics of a nested call's replicas, merged by its master: what it brings to
     the outer call's merge in its replica's place (differentiable: their graph leads to the
-    replicas' inputs), and its replicas' links (for ``WholeBatch``)."""
+    replicas' inputs), its replicas' links (for ``WholeBatch``) and its mean's error (the
+    exact mean less it, not differentiable; None: not known, ``functional.merge_replicas``)."""
 
     mean: torch.Tensor
     m2: torch.Tensor
     count: int
     links: tuple[_Link, ...] = ()
+    error: torch.Tensor | None = None
 
 
 def _links(contributions: list[ReplicaStats | SubBatch]) -> tuple[_Link, ...]:
@@ -135,8 +143,10 @@ def _links(contributions: list[ReplicaStats | SubBatch]) -> tuple[_Link, ...]:
 
 
 def _merged(contributions: list[ReplicaStats | SubBatch], eps: float
-            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-    """``(mean, M2, invstd, count)`` of the contributions, on the first one's device.
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, torch.Tensor | None]:
+    """``(mean, M2, invstd, count, error)`` of the contributions, on the first one's device
+    (``error``: the merged mean's, where every contribution brings its own, as float64
+    statistics do: ``functional.merge_replicas``, ``SubBatch.error``; else None).
 
     The replicas' by ``merge_replicas`` (whose backward writes their input gradients); nested
     calls' merged statistics, if any, then join them in Chan's merge in differentiable ATen
@@ -148,18 +158,21 @@ def _merged(contributions: list[ReplicaStats | SubBatch], eps: float
     parts = [c for c in contributions if isinstance(c, SubBatch)]
     total = sum(c.count for c in contributions)
     if replicas:
-        mean, m2, invstd = merge_replicas(replicas, eps)
+        mean, m2, invstd, error = merge_replicas(replicas, eps)
         if not parts:
-            return mean, m2, invstd, total
-        parts.append(SubBatch(mean, m2, sum(c.count for c in replicas)))
+            return mean, m2, invstd, total, error
+        parts.append(SubBatch(mean, m2, sum(c.count for c in replicas), (), error))
     device, dtype, wide = contributions[0].mean.device, contributions[0].mean.dtype, torch.float64
+    errors = (None if any(p.error is None for p in parts)
+              else [on_device(p.error, device) for p in parts])
     with torch.autograd.graph.saved_tensors_hooks(_kept, _kept):
         merged = stats.chan_merge(
             [on_device(p.mean, device).to(wide) for p in parts],
             [on_device(p.m2, device).to(wide) for p in parts],
-            stats.counts_of([p.count for p in parts], device, wide), eps,
+            stats.counts_of([p.count for p in parts], device, wide), eps, errors,
         )
-        return merged.mean.to(dtype), merged.m2.to(dtype), merged.invstd.to(dtype), total
+        return (merged.mean.to(dtype), merged.m2.to(dtype), merged.invstd.to(dtype), total,
+                merged.error)
 
 
 def _kept(tensor: torch.Tensor) -> torch.Tensor:

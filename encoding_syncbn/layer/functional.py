@@ -87,6 +87,11 @@ class _Saved(NamedTuple):
     bias: torch.Tensor
     kept_channels: torch.Tensor | None  # None: no channel kept aside
     kept_input: torch.Tensor | None  # their input
+    # What ``(x - mean) * invstd`` exceeds the exact xhat by: the float64 mean's rounding
+    # (``_mean_offset``); None: nothing to correct.
+    offset: torch.Tensor | None = None
+    # The bias the forward normalised with: ``bias - weight * offset`` (``_shifted_bias``).
+    shifted_bias: torch.Tensor | None = None
 
 
 class _Link:
@@ -134,16 +139,48 @@ def _keeps_input(kept_channels: torch.Tensor | None) -> bool:
 
 
 def _normalize(ctx, x, mean, invstd, weight, bias, config: ActConfig, kept_channels,
-               backend: Backend | None = None) -> torch.Tensor:
+               backend: Backend | None = None, offset: torch.Tensor | None = None
+               ) -> torch.Tensor:
     """Run the forward pass with the statistics ``(mean, invstd)``, in place or not, and save
     what backward needs; ``backend``: the one the caller looked up for ``x`` (None: look it
-    up)."""
+    up); ``offset``: the mean's error in units of xhat (``_mean_offset``; None: none)."""
     kept, out = _keep_aside(x, kept_channels), _output(x, config)
+    shifted = bias if offset is None else _shifted_bias(weight, bias, offset)
     (backend or _ops(x, mean.dtype)).normalize_act(
-        x, NormParams(mean, invstd, weight, bias, config.activation, config.activation_param), out
-    )
-    _save(ctx, x, out, weight, bias, config, kept, mean, invstd)
+        x, NormParams(mean, invstd, weight, shifted, config.activation, config.activation_param),
+        out)
+    _save(ctx, x, out, weight, bias, config, kept, mean, invstd, offset, shifted)
     return out
+
+
+def _mean_offset(x: torch.Tensor, mean: torch.Tensor, invstd: torch.Tensor
+                 ) -> torch.Tensor | None:
+    """Per channel, what ``(x - mean) * invstd`` exceeds the exact xhat by in a float64 call:
+    the rounded mean's error (``torch_ops.residual_mean``) times invstd; None in narrower
+    statistics dtypes, whose mean is accumulated in float64 and rounded once to a dtype far
+    coarser than its error.
+
+    Why: the error is the same in every element of a channel, so the backward's sums carry
+    it unaveraged: over n values dx errs by about it over sqrt(n) (relative), and ELU's
+    slope by all of it. With |mean| / std = 1000 it is hundreds of ulps of xhat, and
+    nn.BatchNorm2d's own mean errs as much, by other luck: the README's bound (3x its error)
+    then fails in a few channels in a hundred. The forward normalises with the bias shifted
+    by it (``_shifted_bias``), so z is right to its rounding; xhat rebuilt from that output
+    is right too, and xhat taken from x is corrected in the backward's per-channel sums and
+    coefficients (``_exact_xhat_sums``, ``_on_exact_xhat``): no element pass of its own."""
+    if mean.dtype != torch.float64:
+        return None
+    with torch.no_grad():
+        return torch_ops.residual_mean(x, mean).mul_(invstd)
+
+
+def _shifted_bias(weight: torch.Tensor, bias: torch.Tensor, offset: torch.Tensor
+                  ) -> torch.Tensor:
+    """``bias - weight * offset``: the bias that makes ``(x - mean) * invstd * weight + bias``
+    the exact pre-activation, to a rounding of the bias (the same in every element, and at
+    most an ulp of the bias, where the mean's error is up to hundreds)."""
+    with torch.no_grad():
+        return torch.addcmul(bias, weight, offset, value=-1.0)
 
 
 def _normalize_running(ctx, x, running_mean, running_var, eps: float, weight, bias,
@@ -213,13 +250,15 @@ def _output(x: torch.Tensor, config: ActConfig) -> torch.Tensor:
     return x if config.inplace else torch.empty_like(x)
 
 
-def _save(ctx, x, out, weight, bias, config: ActConfig, kept: tuple, mean, invstd) -> None:
+def _save(ctx, x, out, weight, bias, config: ActConfig, kept: tuple, mean, invstd,
+          offset: torch.Tensor | None = None, shifted_bias: torch.Tensor | None = None
+          ) -> None:
     if config.inplace:
         ctx.mark_dirty(x)
     ctx.save_for_backward(out if config.inplace else x, weight, bias, *kept)
     # Per-channel vectors nothing writes to: kept as they are, without a saved tensor's pack
     # and unpack at every call (BatchNormAct takes them as no input of its own).
-    ctx.config, ctx.stats = config, (mean, invstd)
+    ctx.config, ctx.stats = config, (mean, invstd, offset, shifted_bias)
 
 
 def _unpack(ctx) -> _Saved:
@@ -234,11 +273,13 @@ def _unpack(ctx) -> _Saved:
         if "modified by an inplace operation" not in str(error):
             raise
         raise RuntimeError(_modified_message(ctx.config, str(error))) from error
-    mean, invstd = ctx.stats
+    mean, invstd, offset, shifted_bias = ctx.stats
     if len(saved) == 3:  # no channel kept aside (see _normalize)
-        return _Saved(saved[0], mean, invstd, saved[1], saved[2], None, None)
+        return _Saved(saved[0], mean, invstd, saved[1], saved[2], None, None, offset,
+                      shifted_bias)
     tensor, weight, bias, kept_channels, kept_input = saved
-    return _Saved(tensor, mean, invstd, weight, bias, kept_channels, kept_input)
+    return _Saved(tensor, mean, invstd, weight, bias, kept_channels, kept_input, offset,
+                  shifted_bias)
 
 
 def _modified_message(config: ActConfig, torch_message: str) -> str:
@@ -262,14 +303,39 @@ def _kept_args(saved: _Saved, grad_output: torch.Tensor, config: ActConfig):
     """The ``reference_ops`` arguments that recompute the channels kept aside from their input
     (which is saved: ``saved_is_output=False``)."""
     idx = saved.kept_channels
-    params = NormParams(saved.mean[idx], saved.invstd[idx], saved.weight[idx], saved.bias[idx],
+    bias = saved.bias if saved.offset is None else saved.shifted_bias
+    params = NormParams(saved.mean[idx], saved.invstd[idx], saved.weight[idx], bias[idx],
                         config.activation, config.activation_param)
     return saved.kept_input, grad_output.index_select(1, idx), params
 
 
 def _params(saved: _Saved, config: ActConfig) -> NormParams:
-    return NormParams(saved.mean, saved.invstd, saved.weight, saved.bias, config.activation,
+    """The backend's per-channel vectors for ``saved``: from the input, the bias the forward
+    normalised with; rebuilding xhat from the output, the layer's bias (``_mean_offset``)."""
+    bias = saved.bias if _from_output(saved, config) else saved.shifted_bias
+    return NormParams(saved.mean, saved.invstd, saved.weight, bias, config.activation,
                       config.activation_param)
+
+
+def _from_output(saved: _Saved, config: ActConfig) -> bool:
+    """Whether the backward's xhat is exact as it comes: rebuilt from the output (or from the
+    input with no mean offset), so that no sum or coefficient needs ``_mean_offset``'s
+    correction."""
+    return config.inplace or saved.offset is None
+
+
+def _exact_xhat_sums(sum_dz: torch.Tensor, sum_dz_xhat: torch.Tensor, offset: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sums over xhat taken from the input, ``xhat + offset``, as over the exact xhat:
+    ``sum(dz * xhat) = sum(dz * (xhat + offset)) - offset * sum(dz)``."""
+    return sum_dz, torch.addcmul(sum_dz_xhat, offset, sum_dz, value=-1.0)
+
+
+def _on_exact_xhat(coefs: DxCoefs, offset: torch.Tensor) -> DxCoefs:
+    """Coefficients of the exact xhat applied to ``xhat + offset``: ``coef_xhat * xhat =
+    coef_xhat * (xhat + offset) - coef_xhat * offset``."""
+    return DxCoefs(coefs.dz, coefs.xhat, torch.addcmul(coefs.const, coefs.xhat, offset,
+                                                       value=-1.0))
 
 
 def _reduce(saved: _Saved, grad_output: torch.Tensor, config: ActConfig, params: NormParams,
@@ -278,6 +344,8 @@ def _reduce(saved: _Saved, grad_output: torch.Tensor, config: ActConfig, params:
     ``backend``: the one looked up for ``saved.tensor`` (both made once per backward)."""
     sums = backend.backward_reduce(saved.tensor, grad_output, params,
                                    saved_is_output=config.inplace)
+    if not _from_output(saved, config):
+        sums = _exact_xhat_sums(*sums, saved.offset)
     return _exact_kept_sums(saved, grad_output, config, *sums)
 
 
@@ -288,6 +356,9 @@ def _exact_kept_sums(saved: _Saved, grad_output: torch.Tensor, config: ActConfig
         exact_dz, exact_dz_xhat = reference_ops().backward_reduce(
             *_kept_args(saved, grad_output, config), saved_is_output=False
         )
+        if saved.offset is not None:
+            exact_dz, exact_dz_xhat = _exact_xhat_sums(exact_dz, exact_dz_xhat,
+                                                       saved.offset[saved.kept_channels])
         sum_dz = sum_dz.index_copy(0, saved.kept_channels, exact_dz)
         sum_dz_xhat = sum_dz_xhat.index_copy(0, saved.kept_channels, exact_dz_xhat)
     return sum_dz, sum_dz_xhat
@@ -297,8 +368,10 @@ def _input_grad(saved: _Saved, grad_output, config: ActConfig, coefs: DxCoefs | 
                 params: NormParams, backend: Backend):
     """``dx = coefs.dz * dz + coefs.xhat * xhat + coefs.const`` in one pass (``BatchSums``:
     the backend derives the coefficients); ``params`` and ``backend`` as ``_reduce``."""
-    dx = backend.backward_dx(saved.tensor, grad_output, params,
-                             saved_is_output=config.inplace, coefs=coefs)
+    dx = backend.backward_dx(
+        saved.tensor, grad_output, params, saved_is_output=config.inplace,
+        coefs=(coefs if _from_output(saved, config)
+               else _on_exact_xhat(dx_coefs(params, coefs), saved.offset)))
     _exact_kept_dx(dx, saved, grad_output, config, params, coefs)
     return dx
 
@@ -308,10 +381,11 @@ def _exact_kept_dx(dx: torch.Tensor, saved: _Saved, grad_output: torch.Tensor,
     """Write into ``dx`` the channels kept aside, recomputed from their input."""
     idx = saved.kept_channels
     if idx is not None:
+        kept_coefs = DxCoefs(*(c[idx] for c in dx_coefs(params, coefs)))
+        if saved.offset is not None:
+            kept_coefs = _on_exact_xhat(kept_coefs, saved.offset[idx])
         exact = reference_ops().backward_dx(
-            *_kept_args(saved, grad_output, config), saved_is_output=False,
-            coefs=DxCoefs(*(c[idx] for c in dx_coefs(params, coefs))),
-        )
+            *_kept_args(saved, grad_output, config), saved_is_output=False, coefs=kept_coefs)
         dx.index_copy_(1, idx, exact)
 
 
@@ -365,13 +439,13 @@ class BatchNormAct(torch.autograd.Function):
     overwrites a view may not return a second tensor.)
 
     The rest of the call comes as one argument, ``call``: ``(mean, invstd, count, config,
-    kept_channels, eps, backend)`` (``apply`` handles each of its arguments in Python, and
-    backward answers a gradient slot for each).
+    kept_channels, eps, backend, offset)`` (``apply`` handles each of its arguments in
+    Python, and backward answers a gradient slot for each; ``offset``: ``_mean_offset``).
     """
 
     @staticmethod
     def forward(ctx, x, weight, bias, call: tuple):
-        mean, invstd, ctx.count, config, kept_channels, ctx.eps, backend = call
+        mean, invstd, ctx.count, config, kept_channels, ctx.eps, backend, offset = call
         ctx.backend = backend
         # Saved-tensor hooks may hand backward the caller's own output (see
         # ``compat.saved_output_is_sole``): then backward never writes over it; nor in a
@@ -379,7 +453,8 @@ class BatchNormAct(torch.autograd.Function):
         # that would write over it.
         ctx.unhooked = (backend.scratches_saved and not torch.compiler.is_compiling()
                         and not compat.saved_tensor_hooks_may_be_active())
-        return _normalize(ctx, x, mean, invstd, weight, bias, config, kept_channels, backend)
+        return _normalize(ctx, x, mean, invstd, weight, bias, config, kept_channels, backend,
+                          offset)
 
     @staticmethod
     def backward(ctx, grad_output):
@@ -412,6 +487,13 @@ class BatchNormAct(torch.autograd.Function):
         # of every other channel reads only its own sums). An output that nothing reads after
         # this backward is the call's scratch: the backend may rebuild the input over it
         # instead of into a full-size temporary (the channels kept aside read their own input).
+        if not _from_output(saved, config):
+            # xhat from the input, off by the mean's error: corrected in the sums and the
+            # coefficients between the two passes, which the fused call does not separate.
+            sum_dz, sum_dz_xhat = _reduce(saved, grad_output, config, params, backend)
+            grad_input = _input_grad(saved, grad_output, config,
+                                     BatchSums(sum_dz, sum_dz_xhat, ctx.count), params, backend)
+            return (grad_input, *_param_grads(needs[1], needs[2], sum_dz, sum_dz_xhat), None)
         overwrite = (config.inplace and ctx.unhooked
                      and compat.saved_output_is_sole(saved.tensor))
         grad_input, sum_dz, sum_dz_xhat = backend.batch_backward(
@@ -434,13 +516,14 @@ class NormAct(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, mean, invstd, weight, bias, config: ActConfig, link: _Link | None,
-                kept_channels):
+                kept_channels, offset: torch.Tensor | None = None):
         ctx.link = link
-        return _normalize(ctx, x, mean, invstd, weight, bias, config, kept_channels)
+        return _normalize(ctx, x, mean, invstd, weight, bias, config, kept_channels,
+                          offset=offset)
 
     @staticmethod
     def backward(ctx, grad_output):
-        return (*_norm_act_grads(ctx, grad_output), None, None, None)
+        return (*_norm_act_grads(ctx, grad_output), None, None, None, None)
 
 
 def _norm_act_grads(ctx, grad_output) -> tuple:
@@ -556,6 +639,8 @@ class ReplicaStats(NamedTuple):
     count: int
     link: _Link
     precise_mean: torch.Tensor | None = None
+    # float64 statistics: the error of ``mean`` (``torch_ops.residual_mean``); else None.
+    mean_error: torch.Tensor | None = None
 
 
 class Exchanged(NamedTuple):
@@ -569,6 +654,8 @@ class Exchanged(NamedTuple):
     invstd: torch.Tensor
     total: int
     link: _Link | None
+    # The global mean's error in units of xhat (``_mean_offset``); None: not known.
+    offset: torch.Tensor | None = None
 
 
 def replica_stats(x: torch.Tensor) -> ReplicaStats:
@@ -583,11 +670,13 @@ def replica_stats(x: torch.Tensor) -> ReplicaStats:
     """
     with torch.no_grad():
         mean, m2, count = local_channel_stats(x, ops_for(x))
-        precise_mean = None
+        precise_mean = mean_error = None
         if mean.dtype == torch.float32 and x.dtype == torch.float32 and count > 0:
             dims = [0, *range(2, x.dim())]
             precise_mean = x.sum(dim=dims, dtype=torch.float64).div_(count)
-    return ReplicaStats(x, mean, m2, count, _Link(x.dtype), precise_mean)
+        if mean.dtype == torch.float64:
+            mean_error = torch_ops.residual_mean(x, mean)
+    return ReplicaStats(x, mean, m2, count, _Link(x.dtype), precise_mean, mean_error)
 
 
 def local_channel_stats(x: torch.Tensor, backend: Backend
@@ -600,11 +689,13 @@ def local_channel_stats(x: torch.Tensor, backend: Backend
 
 
 # MergeReplicas.forward's arguments before the replicas' inputs.
-_MERGE_LEADING_ARGS = 5
+_MERGE_LEADING_ARGS = 6
 
 
 class MergeReplicas(torch.autograd.Function):
-    """``(x_1..x_k) -> (mean[C], M2[C], invstd[C])`` of their union (``stats.chan_merge``).
+    """``(x_1..x_k) -> (mean[C], M2[C], invstd[C], error[C])`` of their union
+    (``stats.chan_merge``; ``error``: the merged mean's, the exact mean less it, where the
+    replicas bring theirs, ``errors``, in float64, else None; not differentiable).
 
     The statistics come precomputed (``means``, ``m2s``, on the merge's device); the inputs
     are there so that autograd brings the merge's backward each replica's input gradient to
@@ -614,23 +705,29 @@ class MergeReplicas(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, counts: stats._Counts, eps: float, links: list[_Link],
-                means: list[torch.Tensor], m2s: list[torch.Tensor], *xs: torch.Tensor):
+                means: list[torch.Tensor], m2s: list[torch.Tensor],
+                errors: list[torch.Tensor] | None, *xs: torch.Tensor):
         # In float64 (see replica_stats), returned in the replicas' statistics dtype.
-        merged = stats.chan_merge(means, m2s, counts, eps)
+        merged = stats.chan_merge(means, m2s, counts, eps, errors)
         dtype = computes_in(xs[0].dtype, int(counts.total), xs[0].device)
         mean, m2, invstd = (t.to(dtype) for t in merged[:3])
+        # The merged mean's error (``_mean_offset``): no function of x autograd should see.
+        error = None
+        if merged.error is not None and dtype == torch.float64:
+            error = merged.error
+            ctx.mark_non_differentiable(error)
         ctx.links, ctx.total = links, counts.total
         # For a backward that recomputes the merge (see _merge_backward_composite).
         ctx.counts, ctx.eps, ctx.means, ctx.m2s = counts, eps, means, m2s
         ctx.inputs = None
         # Detached aliases: an output kept on its own ctx would close a reference cycle
         # through its grad_fn that Python's collector cannot see, keeping the whole graph.
-        ctx.mean, ctx.invstd = mean.detach(), invstd.detach()
+        ctx.mean, ctx.invstd, ctx.error = mean.detach(), invstd.detach(), error
         ctx.set_materialize_grads(False)
-        return mean, m2, invstd
+        return mean, m2, invstd, error
 
     @staticmethod
-    def backward(ctx, grad_mean, grad_m2, grad_invstd):
+    def backward(ctx, grad_mean, grad_m2, grad_invstd, _grad_error):
         needed = ctx.needs_input_grad[_MERGE_LEADING_ARGS:]
         create_graph = torch.is_grad_enabled()
         # A float64 call over few values: every replica's input gradient in double-double,
@@ -668,7 +765,7 @@ class MergeReplicas(torch.autograd.Function):
             device = saved.mean.device
             if device not in coefficients:
                 coefficients[device] = _through_statistics(
-                    grad_mean, grad_m2, ctx.mean, ctx.total, saved
+                    grad_mean, grad_m2, ctx.mean, ctx.total, saved, ctx.error
                 )
             grads[i] = _input_grad(saved, link.grad_output, link.config,
                                    DxCoefs(link.scale, *coefficients[device]),
@@ -742,7 +839,8 @@ def _merge_backward_composite(ctx, grad_mean, grad_m2, grad_invstd, recomputed: 
     return grads
 
 
-def _through_statistics(grad_mean, grad_m2, mean, total: float, saved: _Saved):
+def _through_statistics(grad_mean, grad_m2, mean, total: float, saved: _Saved,
+                        error: torch.Tensor | None = None):
     """``(coef_xhat, coef_const)`` on ``saved``'s device, for the statistics' part of dx::
 
         g_mean / n + 2 g_M2 (x - mean) = coef_xhat * xhat + coef_const,
@@ -750,8 +848,10 @@ def _through_statistics(grad_mean, grad_m2, mean, total: float, saved: _Saved):
         coef_xhat = 2 g_M2 / saved.invstd,  coef_const = g_mean / n + 2 g_M2 (saved.mean - mean)
 
     ``saved`` holds the statistics the replica normalised with: the merged ones, unless a
-    cross-process merge followed this one. Tensor-tensor calls: ATen first copies a Python
-    number operand (``g * 2``) into a tensor, which costs more than the arithmetic.
+    cross-process merge or a nested call's outer one followed this one. ``error``: ``mean``'s
+    (``merge_replicas``; None: not known), with the xhat and means taken exact
+    (``_mean_gap``). Tensor-tensor calls: ATen first copies a Python number operand
+    (``g * 2``) into a tensor, which costs more than the arithmetic.
     """
     device = saved.mean.device
     if grad_m2 is None:
@@ -760,24 +860,45 @@ def _through_statistics(grad_mean, grad_m2, mean, total: float, saved: _Saved):
         grad_m2 = on_device(grad_m2, device)
         twice_grad_m2 = grad_m2 + grad_m2
         coef_xhat = twice_grad_m2 / saved.invstd
-        coef_const = twice_grad_m2 * (saved.mean - on_device(mean, device))
+        coef_const = twice_grad_m2 * _mean_gap(saved, mean, error)
     if grad_mean is not None:
         coef_const = torch.add(coef_const, on_device(grad_mean, device),
                                alpha=1 / max(total, 1.0))
     return coef_xhat, coef_const
 
 
+def _mean_gap(saved: _Saved, mean: torch.Tensor, error: torch.Tensor | None
+              ) -> torch.Tensor:
+    """The exact mean ``saved`` normalised with less the exact ``mean`` (``error``: its
+    error), on ``saved``'s device: ``saved.mean - mean`` plus their errors where both are
+    known (``_mean_offset``).
+
+    Why: where a later merge gave the replica other statistics (a nested call's outer merge,
+    the processes'), the two means round apart, and the gap multiplies 2 g_M2 in every
+    element of the channel: at |mean| a thousand standard deviations, hundreds of ulps of
+    that term."""
+    device = saved.mean.device
+    gap = saved.mean - on_device(mean, device)
+    if saved.offset is None or error is None:
+        return gap
+    return gap.add_(saved.offset / saved.invstd).sub_(on_device(error, device))
+
+
 def merge_replicas(replicas: Sequence[ReplicaStats], eps: float
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The merged ``(mean, M2, invstd)`` of ``replicas``, on the first one's device, in their
-    statistics dtype; merged in float64 (per-channel vectors: cheap)."""
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The merged ``(mean, M2, invstd, error)`` of ``replicas``, on the first one's device,
+    in their statistics dtype; merged in float64 (per-channel vectors: cheap). ``error``:
+    the merged mean's (the exact mean less it: ``_mean_offset``), where every replica brings
+    its own (``ReplicaStats.mean_error``); else None."""
     device, wide = replicas[0].mean.device, torch.float64
     counts = stats.counts_of([r.count for r in replicas], device, wide)
+    errors = (None if any(r.mean_error is None for r in replicas)
+              else [on_device(r.mean_error, device) for r in replicas])
     return MergeReplicas.apply(
         counts, eps, [r.link for r in replicas],
         [on_device(r.mean if r.precise_mean is None else r.precise_mean, device).to(wide)
          for r in replicas],
-        [on_device(r.m2, device).to(wide) for r in replicas],
+        [on_device(r.m2, device).to(wide) for r in replicas], errors,
         *(r.x for r in replicas),
     )
 
@@ -813,13 +934,16 @@ def batch_norm_act(
         count = x.numel() // x.shape[1]
     wide = computes_in(x.dtype, count, x.device)
     backend = _ops(x, wide)
-    mean, invstd, flags = backend.batch_stats(_widened(x, wide), eps, running, check)
+    widened = _widened(x, wide)
+    mean, invstd, flags = backend.batch_stats(widened, eps, running, check)
     kept = None
     if config.inplace:
         if channels_aside is None:
             channels_aside = ChannelsAside()
         kept = channels_aside.index(weight, bias, recomputing, flags)
-    return BatchNormAct.apply(x, weight, bias, (mean, invstd, count, config, kept, eps, backend))
+    offset = _mean_offset(widened, mean, invstd)
+    return BatchNormAct.apply(x, weight, bias,
+                              (mean, invstd, count, config, kept, eps, backend, offset))
 
 
 def synced_batch_norm_act(
@@ -838,13 +962,14 @@ def synced_batch_norm_act(
     (``RecomputeCache.replay``). ``config`` and ``kept``: as ``inplace_policy.plan_call``
     decided them.
     """
-    mean, invstd, total, link = exchange(x)
+    mean, invstd, total, link, offset = exchange(x)
     if link is not None:
         link.total = total
     if config.inplace:
         config = inplace_policy.for_count(config, total, x.dtype)
         kept = kept if config.inplace else None
-    return NormAct.apply(x, mean, invstd, weight, bias, config, link, kept)
+    return NormAct.apply(x, mean, invstd, weight, bias, config, link, kept,
+                         None if offset is None else on_device(offset, x.device))
 
 
 def normalize_running(

@@ -494,7 +494,7 @@ class SyncBatchNorm(_BatchNorm):
             out = synced_batch_norm_act(x, weight, bias, plan.config, exchange, plan.kept)
             if not recomputing:
                 self._recompute_cache.remember(exchange.own, exchange.mean, exchange.invstd,
-                                             exchange.total)
+                                             exchange.total, exchange.offset)
         else:
             out = batch_norm_act(x, weight, bias, self.eps, plan.config, running,
                                  self._channels_aside, recomputing, count, plan.check)

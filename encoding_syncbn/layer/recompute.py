@@ -22,9 +22,9 @@ CACHE_SIZE = 64
 
 
 class SyncedCall(NamedTuple):
-    """A synchronised call's local and global statistics and global count, for recomputation,
-    and the ops that computed the local ones (a recompute must compare statistics of the same
-    backend)."""
+    """A synchronised call's local and global statistics, global count and mean offset
+    (``Exchanged.offset``), for recomputation, and the ops that computed the local ones (a
+    recompute must compare statistics of the same backend)."""
 
     ops: Any
     local_mean: torch.Tensor
@@ -33,6 +33,7 @@ class SyncedCall(NamedTuple):
     invstd: torch.Tensor
     total: int
     grad_enabled: bool
+    offset: torch.Tensor | None
 
 
 class RecomputeCache:
@@ -44,13 +45,13 @@ class RecomputeCache:
         self._calls: deque[SyncedCall] = deque(maxlen=CACHE_SIZE)
 
     def remember(self, own: ReplicaStats, mean: torch.Tensor, invstd: torch.Tensor,
-                 total: int) -> None:
+                 total: int, offset: torch.Tensor | None) -> None:
         """Keep a synchronised call that may be recomputed (``may_be_recomputed``)."""
         if may_be_recomputed():
             self._calls.append(
                 SyncedCall(
                     ops_for(own.x), own.mean, own.m2, mean.detach(), invstd.detach(), total,
-                    torch.is_grad_enabled(),
+                    torch.is_grad_enabled(), offset,
                 )
             )
 
@@ -75,7 +76,7 @@ class RecomputeCache:
                         "reentrant mode rebuilds each replica's graph apart, so gradients "
                         "cannot flow between replicas; use use_reentrant=False"
                     )
-                return Exchanged(call.mean, call.invstd, call.total, None)
+                return Exchanged(call.mean, call.invstd, call.total, None, call.offset)
         raise RuntimeError(
             "SyncBatchNorm: a recomputation (checkpoint) found no synchronised call with the "
             "same input statistics; the checkpointed function must be deterministic"

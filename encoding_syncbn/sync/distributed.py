@@ -4,7 +4,8 @@ After the master replica of each process has merged its replicas' statistics, it
 ``(mean, M2, count)`` per rank of the process group and merges those again with Chan's
 formula. Gathering and merging are one autograd Function, whose backward all-reduces the 2C
 gradients of the merged statistics and applies its own rank's Jacobian: one collective
-forward (W rows of 2C+1), one backward (2C values, whatever the world size), per layer call.
+forward (W rows of 2C+1; 3C+1 in float64, with the means' errors), one backward (2C values,
+whatever the world size), per layer call.
 A rank with an empty batch takes part with count 0 and gets zero gradients. A float64 call
 over fewer than ``MIN_FLOAT64_REBUILT_COUNT`` values a channel in the whole group gathers every
 rank's inputs and output gradients in backward instead, for its input gradient in
@@ -44,10 +45,15 @@ def is_active(process_group: Any = None) -> bool:
 
 
 class _MergeAcrossProcesses(torch.autograd.Function):
-    """``(mean[C], M2[C], count) -> (mean[C], M2[C], invstd[C], counts[W])`` of the whole group.
+    """``(mean[C], M2[C], count) -> (mean[C], M2[C], invstd[C], counts[W], error[C])`` of the
+    whole group.
 
     Forward: one all_gather of every rank's ``(mean, M2, count)`` (float64: counts exact up to
-    2^53), then Chan's merge (``stats.chan_merge``), the same on every rank. Backward: every
+    2^53), then Chan's merge (``stats.chan_merge``), the same on every rank. Float64
+    statistics gather each rank's mean's error too (``error``: the exact mean less ``mean``;
+    zeros where not known) and merge them with the means: a rank's rounded mean shifts every
+    normalised value of the group (``layer.functional._mean_offset``), and ``error`` is the
+    merged mean's (None in narrower dtypes; not differentiable). Backward: every
     rank computed the same function of the same gathered rows, so the gradient of the total
     loss with respect to the merged statistics is the sum over ranks of each rank's: one
     all_reduce of 2C values ``(g_mean, g_M2)`` (g_M2 folds in invstd's gradient, a function of
@@ -63,10 +69,13 @@ class _MergeAcrossProcesses(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, mean: torch.Tensor, m2: torch.Tensor, count: int, eps: float,
-                process_group: Any, batch: Any):
+                process_group: Any, batch: Any, error: torch.Tensor | None):
         channels = mean.numel()
+        # The same layout in every rank: the dtype is the layer's.
+        with_errors = mean.dtype == torch.float64
+        errors = [] if not with_errors else [torch.zeros_like(mean) if error is None else error]
         packed = torch.cat(
-            [mean.double(), m2.double(), mean.new_tensor([count], dtype=torch.float64)]
+            [mean.double(), m2.double(), *errors, mean.new_tensor([count], dtype=torch.float64)]
         )
         world = dist.get_world_size(process_group)
         rows = [torch.empty_like(packed) for _ in range(world)]
@@ -79,8 +88,9 @@ class _MergeAcrossProcesses(torch.autograd.Function):
         rank = dist.get_rank(process_group)
         merged = stats.chan_merge(
             gathered[:, :channels].to(mean.dtype).unbind(0),
-            gathered[:, channels:-1].to(mean.dtype).unbind(0),
+            gathered[:, channels:2 * channels].to(mean.dtype).unbind(0),
             stats.counts_of(host_counts, mean.device, mean.dtype), eps,
+            gathered[:, 2 * channels:-1].unbind(0) if with_errors else None,
         )
         total = float(sum(host_counts))
         ctx.process_group, ctx.total, ctx.count = process_group, total, host_counts[rank]
@@ -88,11 +98,13 @@ class _MergeAcrossProcesses(torch.autograd.Function):
         # Detached: see functional.MergeReplicas.
         ctx.deviation, ctx.invstd = merged.deviation[rank], merged.invstd.detach()
         ctx.mark_non_differentiable(counts)
+        if merged.error is not None:
+            ctx.mark_non_differentiable(merged.error)
         ctx.set_materialize_grads(False)
-        return merged.mean, merged.m2, merged.invstd, counts
+        return merged.mean, merged.m2, merged.invstd, counts, merged.error
 
     @staticmethod
-    def backward(ctx, grad_mean, grad_m2, grad_invstd, _grad_counts):
+    def backward(ctx, grad_mean, grad_m2, grad_invstd, _grad_counts, _grad_error):
         if torch.is_grad_enabled():
             # all_reduce is invisible to autograd: a graph built here would be silently wrong.
             raise RuntimeError(
@@ -105,7 +117,7 @@ class _MergeAcrossProcesses(torch.autograd.Function):
                 and _gathered_whole_batch(ctx)):
             # Every replica's input gradient is taken: the merges' backward reads no
             # gradient of the statistics.
-            return zeros, zeros, None, None, None, None
+            return zeros, zeros, None, None, None, None, None
         grad_m2 = stats.total_grad_m2(grad_m2, grad_invstd, ctx.invstd, ctx.total)
         packed = torch.cat([zeros if grad_mean is None else grad_mean,
                             zeros if grad_m2 is None else grad_m2])
@@ -114,7 +126,7 @@ class _MergeAcrossProcesses(torch.autograd.Function):
         share = ctx.count / max(ctx.total, 1.0)
         grad_own_mean = torch.addcmul(grad_mean * share, ctx.deviation, grad_m2,
                                       value=2.0 * ctx.count)
-        return grad_own_mean, grad_m2, None, None, None, None
+        return grad_own_mean, grad_m2, None, None, None, None, None
 
 
 def _gathered_whole_batch(ctx) -> bool:
@@ -148,14 +160,16 @@ def _gathered_whole_batch(ctx) -> bool:
 
 def merge_across_processes(
     mean: torch.Tensor, m2: torch.Tensor, count: int, eps: float, process_group: Any = None,
-    batch: Any = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-    """The whole group's ``(mean, M2, invstd, count)`` from this rank's, differentiable.
-    ``batch``: this process's replicas' ``layer.whole_batch.WholeBatch``, where their input
-    gradients may come from every rank's inputs at once (None: never)."""
-    mean, m2, invstd, counts = _MergeAcrossProcesses.apply(mean, m2, count, eps, process_group,
-                                                           batch)
-    return mean, m2, invstd, int(counts.sum())
+    batch: Any = None, error: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, torch.Tensor | None]:
+    """The whole group's ``(mean, M2, invstd, count, error)`` from this rank's, differentiable
+    but for ``error`` (the mean's: the exact mean less it, float64 statistics only;
+    ``_MergeAcrossProcesses``). ``batch``: this process's replicas'
+    ``layer.whole_batch.WholeBatch``, where their input gradients may come from every rank's
+    inputs at once (None: never)."""
+    mean, m2, invstd, counts, error = _MergeAcrossProcesses.apply(
+        mean, m2, count, eps, process_group, batch, error)
+    return mean, m2, invstd, int(counts.sum()), error
 
 
 def merge_traced(mean: torch.Tensor, m2: torch.Tensor, count: int, eps: float,

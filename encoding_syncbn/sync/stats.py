@@ -15,6 +15,12 @@ Weighted by count, so uneven splits give the statistics of the whole batch, and 
     d M2_i = g_M2
 
 The layer's merges (``functional``, ``exchange``, ``distributed``) are built from these pieces.
+
+Given each group's mean error e_i (the exact mean less m_i: float64 means, whose rounding
+shifts every normalised value), the merged mean's is ``E = sum_i (n_i / n) (m_i - mean + e_i)``
+and the deviations in M2 are the exact means', ``m_i - mean + e_i - E``: a group's rounded
+mean would otherwise cost M2 ``2 n_i (m_i - mean) e_i``, about its relative error over the
+group's sqrt(n_i) standard deviations.
 """
 
 from __future__ import annotations
@@ -66,21 +72,32 @@ def _constant(value: float, device: torch.device, dtype: torch.dtype) -> torch.T
 
 
 class Merged(NamedTuple):
-    """The merge's results, and each group's ``m_i - mean`` (``(k, C)``) for its backward."""
+    """The merge's results, each group's ``m_i - mean`` (``(k, C)``) for its backward (the
+    exact means', ``m_i - mean + e_i - E``, where the groups brought their errors), and the
+    merged mean's error (None: the groups brought none)."""
 
     mean: torch.Tensor
     m2: torch.Tensor
     invstd: torch.Tensor
     deviation: torch.Tensor
+    error: torch.Tensor | None = None
 
 
 def chan_merge(means: Sequence[torch.Tensor], m2s: Sequence[torch.Tensor], counts: _Counts,
-               eps: float) -> Merged:
-    """The formulas of the module docstring, on k (C,) means and M2s (no autograd)."""
+               eps: float, errors: Sequence[torch.Tensor] | None = None) -> Merged:
+    """The formulas of the module docstring, on k (C,) means and M2s (no autograd);
+    ``errors``: the means' errors e_i, where known."""
     means, m2s = torch.stack(tuple(means)), torch.stack(tuple(m2s))
     mean = (means * counts.shares).sum(0)
     deviation = means - mean
-    m2 = torch.addcmul(m2s, deviation * counts.column, deviation).sum(0)
+    error = None
+    if errors is None:
+        exact_deviation = deviation
+    else:
+        exact_deviation = deviation + torch.stack(tuple(errors))
+        error = (exact_deviation * counts.shares).sum(0)
+        exact_deviation = exact_deviation - error
+    m2 = torch.addcmul(m2s, exact_deviation * counts.column, exact_deviation).sum(0)
     if isinstance(counts.total, torch.Tensor):  # traced: n stays on the device
         invstd = (m2 / counts.total.clamp_min(1.0) + eps).rsqrt()
     elif m2.dtype == torch.float64:
@@ -89,7 +106,7 @@ def chan_merge(means: Sequence[torch.Tensor], m2s: Sequence[torch.Tensor], count
         invstd = torch.add(
             _constant(eps, m2.device, m2.dtype), m2, alpha=1 / max(counts.total, 1.0)
         ).rsqrt_()
-    return Merged(mean, m2, invstd, deviation)
+    return Merged(mean, m2, invstd, exact_deviation, None if error is None else error.detach())
 
 
 def total_grad_m2(grad_m2: torch.Tensor | None, grad_invstd: torch.Tensor | None,
