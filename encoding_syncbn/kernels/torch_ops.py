@@ -173,11 +173,11 @@ def _reduced_dims(piece: torch.Tensor) -> list[int]:
 def channel_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Per-channel ``(mean, M2, count)`` with ``M2 = sum((x - mean)^2)``.
 
-    One slab: the mean, and ATen's Welford variance, which accumulates float32 and half
-    inputs in double on the CPU; a float64 input has no wider accumulator, and Welford's
-    updates then round M2 by up to tens of ulps where the centred sum of squares rounds by a
-    few: float64 takes that sum (the input gradient scales with invstd, so its rounding
-    decides how the gradient compares with nn.BatchNorm2d's).
+    One slab: float32 and half inputs as ``_one_slab_moments``; a float64 input has no wider
+    accumulator, and Welford's updates then round M2 by up to tens of ulps where the centred
+    sum of squares rounds by a few: float64 takes its mean and that sum (the input gradient
+    scales with invstd, so its rounding decides how the gradient compares with
+    nn.BatchNorm2d's).
     Larger, on the CPU: around a shift ``K``, the first slab's mean, in one ATen call where
     the input suits it (``_fused_stats``), else in one pass in the statistics dtype over the
     deviations ``d = x - K`` (``_shifted_stats``), unless that pass finds ``K`` further than a
@@ -193,11 +193,9 @@ def channel_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
         return mean, torch.zeros_like(mean), 0
     if x.numel() <= _slab_elements(x):
         wide, dims = as_dtype(x, acc), [0, *range(2, x.dim())]
-        # The mean on its own, as BatchNorm takes it (an inf input gives an inf mean, where
-        # the Welford mean of var_mean is NaN).
-        mean = wide.mean(dim=dims)
         if acc != torch.float64:
-            return mean, wide.var(dim=dims, correction=0).mul_(count), count
+            return (*_one_slab_moments(wide, dims, count), count)
+        mean = wide.mean(dim=dims)
         return mean, _float64_m2(_channel_last(wide), mean), count
     rows = _as_rows(_in_rows_layout(x))
     if acc == torch.float64:
@@ -214,6 +212,26 @@ def channel_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
         if shifted is not None:
             return (*shifted, count)
     return (*_centred_stats(rows, slabs, scratch, count), count)
+
+
+def _one_slab_moments(wide: torch.Tensor, dims: list[int], count: int
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(mean, M2)`` of a float32 tensor of one slab (half inputs widened to it).
+
+    On the CPU in one ATen call, ``var_mean``, whose Welford updates accumulate float32 in
+    double: the mean rounded once, as nn.BatchNorm2d's. Why: a mean summed in float32 errs
+    by several of its ulps, and a mean's error shifts every normalised value of its channel
+    alike, by the error over the standard deviation (hundreds of ulps of xhat at |mean| a
+    thousand standard deviations), which the backward's sums carry unaveraged. Welford's
+    mean of an infinite value is NaN where BatchNorm's is inf: such channels (read on the
+    host: no pass over x where every mean is finite) take ``mean``'s. On other devices ATen
+    accumulates in float32, as nn.BatchNorm2d does there: ``mean`` and ``var``."""
+    if not wide.is_cpu:
+        return wide.mean(dim=dims), wide.var(dim=dims, correction=0).mul_(count)
+    variance, mean = torch.var_mean(wide, dim=dims, correction=0)
+    if type(mean) is torch.Tensor and np.isnan(_host(mean)).any():
+        mean = torch.where(mean.isnan(), wide.mean(dim=dims), mean)
+    return mean, variance.mul_(count)
 
 
 #: Squares ``_float64_m2`` adds in one ATen sum before the exact part of its sum.
@@ -445,12 +463,16 @@ def _shifted_stats(slabs, scratch: torch.Tensor, shift: torch.Tensor, count: int
 def _centred_stats(rows: torch.Tensor, slabs, scratch: torch.Tensor, count: int
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(mean, M2)`` in two passes over x (``rows``: its ``(A, C, B)`` view, cut in
-    ``slabs``) in the statistics dtype: the sum, then the centred squares, corrected by the
-    centred sum (``sum(c^2) - sum(c)^2 / n``, exact for a rounded mean)."""
+    ``slabs``) in the statistics dtype: the sum, then the deviations ``c`` from its mean and
+    their squares. The mean's error (an fp32 sum's) would add n * error^2 to M2 and shift
+    every normalised value of its channel alike (``_one_slab_moments``): the centred sum
+    takes it out of both, ``M2 = sum(c^2) - sum(c)^2 / n`` and the mean ``+ sum(c) / n`` in
+    float64, rounded once (an infinite mean, BatchNorm's, stays as it is)."""
     mean = rows.sum(dim=(0, 2), dtype=scratch.dtype).div_(count)
     centred_sum, m2 = _sums_around(slabs, scratch, mean)
-    # The mean's error (an fp32 sum's, or its rounding) would add n * error^2 to M2.
-    return mean, m2.addcmul_(centred_sum, centred_sum, value=-1.0 / count)
+    corrected = (centred_sum.to(widest_dtype(mean.device)) / count).add_(mean).to(mean.dtype)
+    return (torch.where(centred_sum.isfinite(), corrected, mean),
+            m2.addcmul_(centred_sum, centred_sum, value=-1.0 / count))
 
 
 @torch.no_grad()
