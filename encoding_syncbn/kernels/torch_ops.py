@@ -36,7 +36,7 @@ import math
 import numpy as np
 import torch
 
-from .. import activations, compat
+from .. import activations
 from . import double_double
 from .backend import (
     BatchSums,
@@ -168,6 +168,18 @@ def _target_for(out: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
 def _reduced_dims(piece: torch.Tensor) -> list[int]:
     """Every dim of a channel-last piece but the channel's."""
     return list(range(piece.dim() - 1))
+
+
+def _add_piece(total: torch.Tensor | None, piece: torch.Tensor) -> torch.Tensor:
+    """``total + piece`` for a walk's per-channel sums: the first piece's sum as it is, then
+    the sum in float64 (where the device has it; ``as_dtype`` rounds it back once at the
+    end). Why: added one after another in float32, hundreds of pieces' sums would err by as
+    many roundings of the total, where each piece's own sum (ATen's cascade) errs by a few of
+    its own."""
+    if total is None:
+        return piece
+    wide = widest_dtype(piece.device)
+    return (total if total.dtype == wide else total.to(wide)).add_(piece)
 
 
 def channel_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -307,11 +319,11 @@ def residual_mean(x: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
         return torch.zeros_like(mean)
     slabs = _pieces(_in_rows_layout(x))
     scratch = torch.empty_like(slabs[0][0], dtype=mean.dtype)
-    total = torch.zeros_like(mean)
+    total = None
     for (slab,) in slabs:
         deviation = torch.sub(slab, mean, out=_fitted(scratch, slab))
-        total += deviation.sum(dim=_reduced_dims(deviation))
-    return total.div_(count)
+        total = _add_piece(total, deviation.sum(dim=_reduced_dims(deviation)))
+    return as_dtype(total, mean.dtype).div_(count)
 
 
 def float64_invstd(m2: torch.Tensor, count: float, eps: float) -> torch.Tensor:
@@ -332,13 +344,13 @@ def float64_invstd(m2: torch.Tensor, count: float, eps: float) -> torch.Tensor:
 def _sums_around(slabs, scratch: torch.Tensor, shift: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per channel, ``(sum(d), sum(d^2))`` of the deviations ``d = x - shift`` over the slabs,
-    in the statistics dtype."""
-    total, squares = torch.zeros_like(shift), torch.zeros_like(shift)
+    in the statistics dtype (the slabs' sums added as ``_add_piece``)."""
+    total = squares = None
     for (slab,) in slabs:
         deviation = torch.sub(slab, shift, out=_fitted(scratch, slab))
-        total += deviation.sum(dim=(0, 1))
-        squares += deviation.mul_(deviation).sum(dim=(0, 1))
-    return total, squares
+        total = _add_piece(total, deviation.sum(dim=(0, 1)))
+        squares = _add_piece(squares, deviation.mul_(deviation).sum(dim=(0, 1)))
+    return as_dtype(total, shift.dtype), as_dtype(squares, shift.dtype)
 
 
 def _first_slab(rows: torch.Tensor) -> torch.Tensor:
@@ -655,11 +667,12 @@ def _in_xhat_units(v: torch.Tensor, params: NormParams, saved_is_output: bool
                    ) -> torch.Tensor:
     """The per-channel ``v`` times ``xhat / centred`` (see ``_centred_dz``): ``1 / weight``
     where xhat is rebuilt from the output, ``invstd`` where it comes from the input; taken
-    in float64 and rounded once (a (C,) vector: its roundings would reach every element)."""
+    in float64 and rounded once to the statistics dtype (a (C,) vector: its roundings would
+    reach every element)."""
     wide = widest_dtype(v.device)
     unit = (params.weight.to(wide).reciprocal() if saved_is_output
             else params.invstd.to(wide))
-    return (v.to(wide) * unit).to(v.dtype)
+    return (v.to(wide) * unit).to(params.mean.dtype)
 
 
 def _backward_pieces(saved, dy, params: NormParams, saved_is_output: bool, *outs):
@@ -695,16 +708,13 @@ def backward_reduce(saved: torch.Tensor, dy: torch.Tensor, params: NormParams,
     if saved.numel() == 0:
         return torch.zeros_like(params.mean), torch.zeros_like(params.mean)
     saved = _in_rows_layout(saved)
-    sums = None
+    sum_dz = sum_dz_centred = None
     for centred, dz in _backward_pieces(saved, dy, params, saved_is_output):
         dims = _reduced_dims(dz)
-        piece_sums = dz.sum(dim=dims), centred.mul_(dz).sum(dim=dims)
-        if sums is None:
-            sums = piece_sums
-        else:
-            compat.foreach_add_(sums, piece_sums)
-    sum_dz, sum_dz_centred = sums
-    return sum_dz, _in_xhat_units(sum_dz_centred, params, saved_is_output)
+        sum_dz = _add_piece(sum_dz, dz.sum(dim=dims))
+        sum_dz_centred = _add_piece(sum_dz_centred, centred.mul_(dz).sum(dim=dims))
+    return (as_dtype(sum_dz, params.mean.dtype),
+            _in_xhat_units(sum_dz_centred, params, saved_is_output))
 
 
 def _channels_without_xhat_term(coef_xhat: torch.Tensor) -> torch.Tensor | bool:
