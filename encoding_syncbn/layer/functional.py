@@ -185,9 +185,11 @@ FAR_MEAN = 8.0
 
 def _far_from_zero(mean: torch.Tensor, invstd: torch.Tensor) -> bool:
     """Whether some channel's mean lies further than ``FAR_MEAN`` standard deviations from 0,
-    read on the host where the statistics are CPU tensors with values; elsewhere False (the
-    read would wait for the device: a GPU's float32 statistics keep their rounded mean)."""
-    if not mean.is_cpu or type(mean) is not torch.Tensor or type(invstd) is not torch.Tensor:
+    read on the host where the statistics are CPU tensors with values, outside a compiled
+    graph; elsewhere False (the read would wait for the device, or break the graph: a GPU's
+    or a compiled call's float32 statistics keep their rounded mean)."""
+    if (torch.compiler.is_compiling() or not mean.is_cpu or type(mean) is not torch.Tensor
+            or type(invstd) is not torch.Tensor):
         return False
     far = np.abs(mean.detach().numpy()) * invstd.detach().numpy() > FAR_MEAN
     return bool(far.any())
