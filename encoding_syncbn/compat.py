@@ -232,16 +232,6 @@ dispatch_modes: Callable[[], int] = getattr(torch._C, "_len_torch_dispatch_stack
                                             _no_dispatch_modes)
 
 
-def foreach_add_(targets: list[torch.Tensor], values: list[torch.Tensor]) -> None:
-    """``targets[i] += values[i]`` for every i, in one fused call where torch has it."""
-    fused = getattr(torch, "_foreach_add_", None)
-    if fused is not None:
-        fused(targets, values)
-        return
-    for target, value in zip(targets, values):
-        target.add_(value)
-
-
 # ---- Triton -----------------------------------------------------------------------------
 
 def triton_interpreting() -> bool:

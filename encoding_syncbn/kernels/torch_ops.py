@@ -36,7 +36,7 @@ import math
 import numpy as np
 import torch
 
-from .. import activations, compat
+from .. import activations
 from . import double_double
 from .backend import (
     BatchSums,
@@ -170,14 +170,26 @@ def _reduced_dims(piece: torch.Tensor) -> list[int]:
     return list(range(piece.dim() - 1))
 
 
+def _add_piece(total: torch.Tensor | None, piece: torch.Tensor) -> torch.Tensor:
+    """``total + piece`` for a walk's per-channel sums: the first piece's sum as it is, then
+    the sum in float64 (where the device has it; ``as_dtype`` rounds it back once at the
+    end). Why: added one after another in float32, hundreds of pieces' sums would err by as
+    many roundings of the total, where each piece's own sum (ATen's cascade) errs by a few of
+    its own."""
+    if total is None:
+        return piece
+    wide = widest_dtype(piece.device)
+    return (total if total.dtype == wide else total.to(wide)).add_(piece)
+
+
 def channel_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Per-channel ``(mean, M2, count)`` with ``M2 = sum((x - mean)^2)``.
 
-    One slab: the mean, and ATen's Welford variance, which accumulates float32 and half
-    inputs in double on the CPU; a float64 input has no wider accumulator, and Welford's
-    updates then round M2 by up to tens of ulps where the centred sum of squares rounds by a
-    few: float64 takes that sum (the input gradient scales with invstd, so its rounding
-    decides how the gradient compares with nn.BatchNorm2d's).
+    One slab: float32 and half inputs as ``_one_slab_moments``; a float64 input has no wider
+    accumulator, and Welford's updates then round M2 by up to tens of ulps where the centred
+    sum of squares rounds by a few: float64 takes its mean and that sum (the input gradient
+    scales with invstd, so its rounding decides how the gradient compares with
+    nn.BatchNorm2d's).
     Larger, on the CPU: around a shift ``K``, the first slab's mean, in one ATen call where
     the input suits it (``_fused_stats``), else in one pass in the statistics dtype over the
     deviations ``d = x - K`` (``_shifted_stats``), unless that pass finds ``K`` further than a
@@ -193,11 +205,9 @@ def channel_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
         return mean, torch.zeros_like(mean), 0
     if x.numel() <= _slab_elements(x):
         wide, dims = as_dtype(x, acc), [0, *range(2, x.dim())]
-        # The mean on its own, as BatchNorm takes it (an inf input gives an inf mean, where
-        # the Welford mean of var_mean is NaN).
-        mean = wide.mean(dim=dims)
         if acc != torch.float64:
-            return mean, wide.var(dim=dims, correction=0).mul_(count), count
+            return (*_one_slab_moments(wide, dims, count), count)
+        mean = wide.mean(dim=dims)
         return mean, _float64_m2(_channel_last(wide), mean), count
     rows = _as_rows(_in_rows_layout(x))
     if acc == torch.float64:
@@ -214,6 +224,26 @@ def channel_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
         if shifted is not None:
             return (*shifted, count)
     return (*_centred_stats(rows, slabs, scratch, count), count)
+
+
+def _one_slab_moments(wide: torch.Tensor, dims: list[int], count: int
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(mean, M2)`` of a float32 tensor of one slab (half inputs widened to it).
+
+    On the CPU in one ATen call, ``var_mean``, whose Welford updates accumulate float32 in
+    double: the mean rounded once, as nn.BatchNorm2d's. Why: a mean summed in float32 errs
+    by several of its ulps, and a mean's error shifts every normalised value of its channel
+    alike, by the error over the standard deviation (hundreds of ulps of xhat at |mean| a
+    thousand standard deviations), which the backward's sums carry unaveraged. Welford's
+    mean of an infinite value is NaN where BatchNorm's is inf: such channels (read on the
+    host: no pass over x where every mean is finite) take ``mean``'s. On other devices ATen
+    accumulates in float32, as nn.BatchNorm2d does there: ``mean`` and ``var``."""
+    if not wide.is_cpu:
+        return wide.mean(dim=dims), wide.var(dim=dims, correction=0).mul_(count)
+    variance, mean = torch.var_mean(wide, dim=dims, correction=0)
+    if type(mean) is torch.Tensor and np.isnan(_host(mean)).any():
+        mean = torch.where(mean.isnan(), wide.mean(dim=dims), mean)
+    return mean, variance.mul_(count)
 
 
 #: Squares ``_float64_m2`` adds in one ATen sum before the exact part of its sum.
@@ -299,11 +329,11 @@ def residual_mean(x: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
         return centred.mean(dim=[0, *range(2, x.dim())])
     slabs = _pieces(_in_rows_layout(x))
     scratch = torch.empty_like(slabs[0][0], dtype=mean.dtype)
-    total = torch.zeros_like(mean)
+    total = None
     for (slab,) in slabs:
         deviation = torch.sub(slab, mean, out=_fitted(scratch, slab))
-        total += deviation.sum(dim=_reduced_dims(deviation))
-    return total.div_(count)
+        total = _add_piece(total, deviation.sum(dim=_reduced_dims(deviation)))
+    return as_dtype(total, mean.dtype).div_(count)
 
 
 def float64_invstd(m2: torch.Tensor, count: float, eps: float) -> torch.Tensor:
@@ -324,13 +354,13 @@ def float64_invstd(m2: torch.Tensor, count: float, eps: float) -> torch.Tensor:
 def _sums_around(slabs, scratch: torch.Tensor, shift: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per channel, ``(sum(d), sum(d^2))`` of the deviations ``d = x - shift`` over the slabs,
-    in the statistics dtype."""
-    total, squares = torch.zeros_like(shift), torch.zeros_like(shift)
+    in the statistics dtype (the slabs' sums added as ``_add_piece``)."""
+    total = squares = None
     for (slab,) in slabs:
         deviation = torch.sub(slab, shift, out=_fitted(scratch, slab))
-        total += deviation.sum(dim=(0, 1))
-        squares += deviation.mul_(deviation).sum(dim=(0, 1))
-    return total, squares
+        total = _add_piece(total, deviation.sum(dim=(0, 1)))
+        squares = _add_piece(squares, deviation.mul_(deviation).sum(dim=(0, 1)))
+    return as_dtype(total, shift.dtype), as_dtype(squares, shift.dtype)
 
 
 def _first_slab(rows: torch.Tensor) -> torch.Tensor:
@@ -458,12 +488,16 @@ def _shifted_stats(slabs, scratch: torch.Tensor, shift: torch.Tensor, count: int
 def _centred_stats(rows: torch.Tensor, slabs, scratch: torch.Tensor, count: int
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(mean, M2)`` in two passes over x (``rows``: its ``(A, C, B)`` view, cut in
-    ``slabs``) in the statistics dtype: the sum, then the centred squares, corrected by the
-    centred sum (``sum(c^2) - sum(c)^2 / n``, exact for a rounded mean)."""
+    ``slabs``) in the statistics dtype: the sum, then the deviations ``c`` from its mean and
+    their squares. The mean's error (an fp32 sum's) would add n * error^2 to M2 and shift
+    every normalised value of its channel alike (``_one_slab_moments``): the centred sum
+    takes it out of both, ``M2 = sum(c^2) - sum(c)^2 / n`` and the mean ``+ sum(c) / n`` in
+    float64, rounded once (an infinite mean, BatchNorm's, stays as it is)."""
     mean = rows.sum(dim=(0, 2), dtype=scratch.dtype).div_(count)
     centred_sum, m2 = _sums_around(slabs, scratch, mean)
-    # The mean's error (an fp32 sum's, or its rounding) would add n * error^2 to M2.
-    return mean, m2.addcmul_(centred_sum, centred_sum, value=-1.0 / count)
+    corrected = (centred_sum.to(widest_dtype(mean.device)) / count).add_(mean).to(mean.dtype)
+    return (torch.where(centred_sum.isfinite(), corrected, mean),
+            m2.addcmul_(centred_sum, centred_sum, value=-1.0 / count))
 
 
 @torch.no_grad()
@@ -646,11 +680,12 @@ def _in_xhat_units(v: torch.Tensor, params: NormParams, saved_is_output: bool
                    ) -> torch.Tensor:
     """The per-channel ``v`` times ``xhat / centred`` (see ``_centred_dz``): ``1 / weight``
     where xhat is rebuilt from the output, ``invstd`` where it comes from the input; taken
-    in float64 and rounded once (a (C,) vector: its roundings would reach every element)."""
+    in float64 and rounded once to the statistics dtype (a (C,) vector: its roundings would
+    reach every element)."""
     wide = widest_dtype(v.device)
     unit = (params.weight.to(wide).reciprocal() if saved_is_output
             else params.invstd.to(wide))
-    return (v.to(wide) * unit).to(v.dtype)
+    return (v.to(wide) * unit).to(params.mean.dtype)
 
 
 def _backward_pieces(saved, dy, params: NormParams, saved_is_output: bool, *outs):
@@ -686,16 +721,13 @@ def backward_reduce(saved: torch.Tensor, dy: torch.Tensor, params: NormParams,
     if saved.numel() == 0:
         return torch.zeros_like(params.mean), torch.zeros_like(params.mean)
     saved = _in_rows_layout(saved)
-    sums = None
+    sum_dz = sum_dz_centred = None
     for centred, dz in _backward_pieces(saved, dy, params, saved_is_output):
         dims = _reduced_dims(dz)
-        piece_sums = dz.sum(dim=dims), centred.mul_(dz).sum(dim=dims)
-        if sums is None:
-            sums = piece_sums
-        else:
-            compat.foreach_add_(sums, piece_sums)
-    sum_dz, sum_dz_centred = sums
-    return sum_dz, _in_xhat_units(sum_dz_centred, params, saved_is_output)
+        sum_dz = _add_piece(sum_dz, dz.sum(dim=dims))
+        sum_dz_centred = _add_piece(sum_dz_centred, centred.mul_(dz).sum(dim=dims))
+    return (as_dtype(sum_dz, params.mean.dtype),
+            _in_xhat_units(sum_dz_centred, params, saved_is_output))
 
 
 def _channels_without_xhat_term(coef_xhat: torch.Tensor) -> torch.Tensor | bool:

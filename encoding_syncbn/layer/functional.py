@@ -46,6 +46,7 @@ import functools
 from collections.abc import Sequence
 from typing import Callable, NamedTuple
 
+import numpy as np
 import torch
 
 from .. import activations, compat
@@ -155,23 +156,43 @@ def _normalize(ctx, x, mean, invstd, weight, bias, config: ActConfig, kept_chann
 
 def _mean_offset(x: torch.Tensor, mean: torch.Tensor, invstd: torch.Tensor
                  ) -> torch.Tensor | None:
-    """Per channel, what ``(x - mean) * invstd`` exceeds the exact xhat by in a float64 call:
-    the rounded mean's error (``torch_ops.residual_mean``) times invstd; None in narrower
-    statistics dtypes, whose mean is accumulated in float64 and rounded once to a dtype far
-    coarser than its error.
+    """Per channel, what ``(x - mean) * invstd`` exceeds the exact xhat by: the rounded
+    mean's error (``torch_ops.residual_mean``) times invstd; None where it does not count:
+    float32 statistics (of float32 and half inputs) within ``FAR_MEAN`` standard deviations
+    of 0 (``_far_from_zero``).
 
     Why: the error is the same in every element of a channel, so the backward's sums carry
     it unaveraged: over n values dx errs by about it over sqrt(n) (relative), and ELU's
     slope by all of it. With |mean| / std = 1000 it is hundreds of ulps of xhat, and
     nn.BatchNorm2d's own mean errs as much, by other luck: the README's bound (3x its error)
-    then fails in a few channels in a hundred. The forward normalises with the bias shifted
+    then fails in a few channels in a hundred (in float32, ELU's in one in ten, though the
+    mean is rounded once, as nn.BatchNorm2d's). The forward normalises with the bias shifted
     by it (``_shifted_bias``), so z is right to its rounding; xhat rebuilt from that output
     is right too, and xhat taken from x is corrected in the backward's per-channel sums and
-    coefficients (``_exact_xhat_sums``, ``_on_exact_xhat``): no element pass of its own."""
-    if mean.dtype != torch.float64:
+    coefficients (``_exact_xhat_sums``, ``_on_exact_xhat``): no element pass of its own. Its
+    cost is ``residual_mean``'s read of x (float32: only far from 0)."""
+    if mean.dtype != torch.float64 and not _far_from_zero(mean, invstd):
         return None
     with torch.no_grad():
         return torch_ops.residual_mean(x, mean).mul_(invstd)
+
+
+#: Standard deviations from 0 beyond which a float32 mean's rounding (half its ulp, up to
+#: ``FAR_MEAN`` eps standard deviations) is taken out of xhat: a few ulps of xhat at the most
+#: below it, where the gradient's own roundings are as large.
+FAR_MEAN = 8.0
+
+
+def _far_from_zero(mean: torch.Tensor, invstd: torch.Tensor) -> bool:
+    """Whether some channel's mean lies further than ``FAR_MEAN`` standard deviations from 0,
+    read on the host where the statistics are CPU tensors with values, outside a compiled
+    graph; elsewhere False (the read would wait for the device, or break the graph: a GPU's
+    or a compiled call's float32 statistics keep their rounded mean)."""
+    if (torch.compiler.is_compiling() or not mean.is_cpu or type(mean) is not torch.Tensor
+            or type(invstd) is not torch.Tensor):
+        return False
+    far = np.abs(mean.detach().numpy()) * invstd.detach().numpy() > FAR_MEAN
+    return bool(far.any())
 
 
 def _shifted_bias(weight: torch.Tensor, bias: torch.Tensor, offset: torch.Tensor
@@ -695,7 +716,8 @@ _MERGE_LEADING_ARGS = 6
 class MergeReplicas(torch.autograd.Function):
     """``(x_1..x_k) -> (mean[C], M2[C], invstd[C], error[C])`` of their union
     (``stats.chan_merge``; ``error``: the merged mean's, the exact mean less it, where the
-    replicas bring theirs, ``errors``, in float64, else None; not differentiable).
+    replicas bring theirs, ``errors``, in float64, or bring float32 inputs' means in float64
+    far from 0 (``_far_from_zero``), else None; not differentiable).
 
     The statistics come precomputed (``means``, ``m2s``, on the merge's device); the inputs
     are there so that autograd brings the merge's backward each replica's input gradient to
@@ -715,6 +737,12 @@ class MergeReplicas(torch.autograd.Function):
         error = None
         if merged.error is not None and dtype == torch.float64:
             error = merged.error
+        elif xs[0].dtype == torch.float32 and dtype == torch.float32 and _far_from_zero(
+                merged.mean, merged.invstd):
+            # float32 replicas bring their means in float64 (``replica_stats``): the merged
+            # mean's error is its rounding to float32.
+            error = (merged.mean - mean.to(merged.mean.dtype)).to(dtype)
+        if error is not None:
             ctx.mark_non_differentiable(error)
         ctx.links, ctx.total = links, counts.total
         # For a backward that recomputes the merge (see _merge_backward_composite).
