@@ -27,7 +27,6 @@ import argparse
 import contextlib
 import functools
 import time
-import weakref
 
 from helpers import results
 
@@ -51,10 +50,9 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     import torch
+    from helpers.peak_storage import PeakStorage
     from helpers.timing import median_iqr, take_turns
     from torch import nn
-    from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils._pytree import tree_flatten
 
     from encoding_syncbn import SyncBatchNorm
     from encoding_syncbn.layer import inplace_policy
@@ -66,30 +64,6 @@ def main() -> None:
     def own_arithmetic(dtype: torch.dtype, count: int, inplace: bool) -> bool:
         return shipped(dtype, count, inplace) and count < inplace_policy.MIN_OWN_PRECISION_COUNT
 
-    class BackwardPeak(TorchDispatchMode):
-        """The most bytes of storages made inside the mode alive at once."""
-
-        def __init__(self) -> None:
-            super().__init__()
-            self.live: dict[int, int] = {}
-            self.now = self.peak = 0
-
-        def _freed(self, key: int) -> None:
-            self.now -= self.live.pop(key)
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            for t in tree_flatten(out)[0]:
-                if isinstance(t, torch.Tensor):
-                    storage = t.untyped_storage()
-                    key = storage.data_ptr()
-                    if storage.nbytes() and key not in self.live:
-                        self.live[key] = storage.nbytes()
-                        self.now += storage.nbytes()
-                        self.peak = max(self.peak, self.now)
-                        weakref.finalize(storage, self._freed, key)
-            return out
-
     def model(variant: str, channels: int, replicas: int) -> nn.Module:
         if variant == "nn.BatchNorm2d":
             net = nn.Sequential(nn.BatchNorm2d(channels, dtype=torch.float64),
@@ -99,7 +73,7 @@ def main() -> None:
         return SimulatedDataParallel(net, replicas) if replicas > 1 else net
 
     def step(variant: str, net: nn.Module, x: torch.Tensor, dy: torch.Tensor,
-             peak: BackwardPeak | None = None) -> tuple[float]:
+             peak: PeakStorage | None = None) -> tuple[float]:
         """Seconds of one training step of ``variant``; ``peak``: its backward counted."""
         inplace_policy.takes_double_double_gradient = (
             own_arithmetic if variant == "float64" else shipped)
@@ -127,7 +101,7 @@ def main() -> None:
             for v in variants:
                 row.append(median_iqr([1e3 * m[0] for m in measured[v]], 2))
         for v in variants:
-            peak = BackwardPeak()
+            peak = PeakStorage()
             step(v, model(v, shape[1], 1), x, dy, peak)
             row.append(f"{peak.peak / (x.numel() * x.element_size()):.1f}")
         rows.append(row)

@@ -4,16 +4,14 @@ finite and its error term representable (no underflow), the largest magnitudes i
 
 from __future__ import annotations
 
-import weakref
 from fractions import Fraction
 from unittest import mock
 
 import pytest
 import torch
+from helpers.peak_storage import PeakStorage
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from encoding_syncbn.kernels import double_double
 
@@ -116,31 +114,6 @@ def test_blocks_of_channels_give_the_whole_batch_gradient(shape, activation, spe
         assert torch.equal(_bits(one), _bits(other))
 
 
-class _PeakBytes(TorchDispatchMode):
-    """The most bytes of storages made inside the mode alive at once, ``inputs``' storages
-    (which its views share) not counted."""
-
-    def __init__(self, *inputs: torch.Tensor) -> None:
-        super().__init__()
-        self.live = {t.untyped_storage().data_ptr(): 0 for t in inputs}
-        self.now = self.peak = 0
-
-    def _freed(self, key: int) -> None:
-        self.now -= self.live.pop(key)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes():
-                storage = t.untyped_storage()
-                if storage.data_ptr() not in self.live:
-                    self.live[storage.data_ptr()] = storage.nbytes()
-                    self.now += storage.nbytes()
-                    self.peak = max(self.peak, self.now)
-                    weakref.finalize(storage, self._freed, storage.data_ptr())
-        return out
-
-
 @pytest.mark.parametrize("activation", ["leaky_relu", "gelu"])
 def test_transient_memory_is_a_block_of_channels(activation):
     """Beside the gradient it returns, ``batch_backward`` keeps the temporaries of one block
@@ -149,7 +122,7 @@ def test_transient_memory_is_a_block_of_channels(activation):
     args = (x, torch.randn_like(x), torch.rand(64, dtype=torch.float64),
             torch.randn(64, dtype=torch.float64), 1e-5, activation, 0.01)
     block = 256  # 1/32 of the input: two channels of 128 values
-    peak = _PeakBytes(*args[:4])
+    peak = PeakStorage(*args[:4])
     with mock.patch.object(double_double, "_BLOCK_ELEMENTS", block), peak:
         double_double.batch_backward(*args)
     input_bytes = x.numel() * x.element_size()
