@@ -121,10 +121,10 @@ SLAB_STATISTICS = 7 - 1
 # - backward, training: dz, z and dx; where nothing holds the output, dz and dx (z is
 #   rebuilt over y).
 # - backward_reduce: the walk's three scratch buffers (one piece each; whole tensors on one
-#   slab); backward_dx: those and dx.
+#   slab); backward_dx: dx and two of those (its centred term is written into dx's piece).
 FRESH = {"forward": 0, "forward, far from 0": 1, "training backward": 3,
          "training backward, output dropped": 2, "backward_reduce": 3,
-         "backward_dx, xhat term": 4, "backward_dx, no xhat term": 4}
+         "backward_dx, xhat term": 3, "backward_dx, no xhat term": 3}
 
 
 @pytest.fixture(params=["whole", "slabs"])

@@ -651,7 +651,8 @@ def _centred_dz(saved, dy, mean, scale, bias, activation: str, activation_param:
     aux)``, buffers of the piece's shape in the statistics dtype, with ``centred = xhat /
     unit`` for the per-channel ``unit`` of ``_in_xhat_units``: ``z - bias`` rebuilt from the
     output, or ``x - mean``. The unit is applied to the per-channel sums and coefficients
-    instead, not to every element (``scale``: ``weight * invstd``).
+    instead, not to every element (``scale``: ``weight * invstd``). ``aux`` is None where
+    neither a widened piece nor the output's inverse uses it (``_scratch``).
 
     ``dz`` and the inverse are the activation's definition (``activations.py``). Half-precision
     pieces are widened first (ATen's activation backwards compute in their inputs' dtype).
@@ -693,7 +694,8 @@ def _backward_pieces(saved, dy, params: NormParams, saved_is_output: bool, *outs
     (``centred``: see ``_centred_dz``).
 
     ``saved`` must be one slab or have an ``(A, C, B)`` view, and ``outs`` its layout. The
-    ``(centred, dz)`` of a piece are valid until the next one is yielded.
+    ``(centred, dz)`` of a piece are valid until the next one is yielded. Where the first of
+    ``outs`` has the statistics dtype, ``centred`` is written into its piece (``_scratch``).
     """
     mean, invstd, weight, bias, activation, activation_param = params
     if saved_is_output and activations.ACTIVATIONS[activation].inverse is None:
@@ -704,15 +706,33 @@ def _backward_pieces(saved, dy, params: NormParams, saved_is_output: bool, *outs
         # One copy of dy into saved's layout, so that both walk in step.
         dy = torch.empty_like(saved, dtype=dy.dtype).copy_(dy)
     pieces = _pieces(saved, dy, *outs)
-    # In the pieces' own layout (a transposed view for slabs): mixed layouts would stop
-    # TensorIterator from walking the memory in order.
-    scratch = [torch.empty_like(pieces[0][0], dtype=mean.dtype) for _ in range(3)]
+    into_out = bool(outs) and outs[0].dtype == mean.dtype
+    scratch = _scratch(pieces[0][0], dy, mean.dtype, saved_is_output, into_out)
     scale = None if saved_is_output else weight * invstd
     for s, d, *out_pieces in pieces:
-        buffers = [_fitted(b, s) for b in scratch]
+        buffers = [None if b is None else _fitted(b, s) for b in scratch]
+        if into_out:
+            buffers[0] = out_pieces[0]
         yield (*_centred_dz(s, d, mean, scale, bias, activation, activation_param, saved_is_output,
                             buffers),
                *out_pieces)
+
+
+def _scratch(piece: torch.Tensor, dy: torch.Tensor, dtype: torch.dtype, saved_is_output: bool,
+             into_out: bool) -> list[torch.Tensor | None]:
+    """The buffers ``(centred, dz, aux)`` of a backward walk whose first piece is ``piece``
+    (``_centred_dz``), in ``dtype``; None for those it needs not: ``centred`` where it goes
+    into the output's piece (``into_out``: dx, whose terms are then summed over it), ``aux``
+    where nothing is widened into it and no inverse of the output may use it. Why: on one
+    slab each buffer is as large as the input, and the fused backward that
+    ``batch_backward`` runs elsewhere keeps only dz beside dx.
+
+    In the pieces' own layout (a transposed view for slabs): mixed layouts would stop
+    TensorIterator from walking the memory in order."""
+    widen = piece.dtype != dtype or dy.dtype != dtype
+    return [None if into_out else torch.empty_like(piece, dtype=dtype),
+            torch.empty_like(piece, dtype=dtype),
+            torch.empty_like(piece, dtype=dtype) if widen or saved_is_output else None]
 
 
 def backward_reduce(saved: torch.Tensor, dy: torch.Tensor, params: NormParams,
