@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import os
+import types
 from typing import Any, Callable
 
 import torch
@@ -264,15 +265,58 @@ def cuobjdump_path() -> str:
 _COMPILED_LAUNCH_RELEASES = ((3, 6), (3, 7), (3, 8), (3, 9))
 
 
+def _release(version: str) -> tuple[int, ...] | None:
+    try:
+        return tuple(int(part) for part in version.split(".")[:2])
+    except ValueError:
+        return None
+
+
 def compiled_launch_release(version: str) -> bool:
     """Whether Triton ``version`` launches its compiled kernels as the direct launch of
     ``kernels/triton/launch.py`` repeats (a release it was read in); a later one takes Triton's
     public launch until checked."""
-    try:
-        release = tuple(int(part) for part in version.split(".")[:2])
-    except ValueError:
-        return False
-    return release in _COMPILED_LAUNCH_RELEASES
+    return _release(version) in _COMPILED_LAUNCH_RELEASES
+
+
+# Releases whose NVIDIA launcher (``CudaLauncher.__call__``, backends/nvidia/driver.py) calls
+# its C launch, for a kernel with no scratch memory (both scratch pointers then None), no
+# tensor descriptor and no GSan, with ``(grid_0, grid_1, grid_2, stream, function,
+# launch_cooperative_grid, launch_pdl, ...)`` and then: where True, ``(kernel_metadata,
+# launch_metadata, enter_hook, exit_hook, global_scratch, profile_scratch, arg_annotations,
+# kernel_signature, args)``, the arguments as one tuple; where False, ``(global_scratch,
+# profile_scratch, kernel_metadata, launch_metadata, enter_hook, exit_hook, *args)``.
+_C_LAUNCH_PACKS_ARGUMENTS = {(3, 6): False, (3, 9): True}
+
+
+def triton_c_launch_release(version: str) -> bool:
+    """Whether Triton ``version``'s NVIDIA launcher was read for its C launch
+    (``_C_LAUNCH_PACKS_ARGUMENTS``)."""
+    return _release(version) in _C_LAUNCH_PACKS_ARGUMENTS
+
+
+def triton_direct_launch(version: str, kernel: Any) -> tuple[Callable[..., None], tuple, bool]:
+    """How a launch calls Triton ``version``'s compiled ``kernel`` with no launch metadata and
+    no hooks: ``(launch, leading, packed)``, to be called as ``launch(grid_0, grid_1, grid_2,
+    stream, *leading, args)`` where ``packed``, else ``launch(grid_0, grid_1, grid_2, stream,
+    *leading, *args)``, ``args`` all of the kernel's parameters in order.
+
+    Triton's C launch itself where this release's NVIDIA launcher was read
+    (``_C_LAUNCH_PACKS_ARGUMENTS``) and the kernel needs nothing the Python launcher around it
+    adds (scratch memory, tensor descriptors, GSan); else that launcher, ``kernel.run``."""
+    launcher = kernel.run
+    packed = _C_LAUNCH_PACKS_ARGUMENTS.get(_release(version))
+    c_launch = getattr(launcher, "launch", None)
+    if (packed is None or type(launcher).__name__ != "CudaLauncher"
+            or type(c_launch) is not types.BuiltinFunctionType
+            or launcher.global_scratch_size or launcher.profile_scratch_size
+            or getattr(launcher, "gsan_enabled", False)):
+        return launcher, (kernel.function, kernel.packed_metadata, None, None, None), False
+    flags = (kernel.function, launcher.launch_cooperative_grid, launcher.launch_pdl)
+    if packed:
+        return c_launch, (*flags, kernel.packed_metadata, None, None, None, None, None,
+                          launcher.arg_annotations, launcher.kernel_signature), True
+    return c_launch, (*flags, None, None, kernel.packed_metadata, None, None, None), False
 
 
 def triton_launch_knobs() -> Any | None:

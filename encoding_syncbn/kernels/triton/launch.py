@@ -9,7 +9,9 @@ tensor's dtype and 16-byte alignment, each integer's value, each other argument'
 constexprs, warps and device; where the planner names the memoised plan that fixes all but
 the tensors, ``Launch.token``, by that and the dtypes of the tensors it does not fix, once
 they all lie on 16 bytes),
-and later launches of it call it with the arguments in the order Triton binds them. Triton's
+and later launches of it call it with the arguments in the order Triton binds them: its C
+launch itself where the Python launcher around it adds nothing these kernels use (scratch
+memory, tensor descriptors, GSan) in a release read (``compat.triton_direct_launch``). Triton's
 public launch still takes every launch
 
 - the first of each specialisation (it compiles or finds the kernel, and loads it);
@@ -38,9 +40,10 @@ class _Compiled(NamedTuple):
     """A specialisation's compiled kernel and what its launch passes besides the arguments."""
 
     kernel: Any  # Triton's CompiledKernel (kept: it owns the loaded module)
-    run: Callable[..., None]  # its launcher
-    function: int
-    packed_metadata: Any
+    # Its launch, and how it is called (``compat.triton_direct_launch``).
+    launch: Callable[..., None]
+    leading: tuple
+    packed: bool
     constexprs: tuple  # the values of the parameters after the planned arguments, in order
     device: int  # as Triton's driver numbers it
     stream: Callable[[int], int]  # Triton's driver's current-stream query
@@ -89,8 +92,12 @@ def launch_all(launches: Sequence[Launch], device_index: int | None) -> None:
         if stream is None:
             stream = compiled.stream(compiled.device)
         grid = planned.grid
-        compiled.run(grid[0], grid[1], 1, stream, compiled.function, compiled.packed_metadata,
-                     None, None, None, *planned.args, *compiled.constexprs)
+        if compiled.packed:
+            compiled.launch(grid[0], grid[1], 1, stream, *compiled.leading,
+                            (*planned.args, *compiled.constexprs))
+        else:
+            compiled.launch(grid[0], grid[1], 1, stream, *compiled.leading, *planned.args,
+                            *compiled.constexprs)
 
 
 def public(planned: Launch) -> Any:
@@ -200,6 +207,7 @@ def _is_tensor_class(cls: type) -> bool:
 
 def _remember(key: tuple, planned: Launch, kernel: Any) -> None:
     """Keep the compiled ``kernel`` of ``planned``'s first launch for the launches after it."""
+    import triton
     from triton.runtime import driver
 
     if len(_COMPILED) >= _MAX_COMPILED:
@@ -208,5 +216,5 @@ def _remember(key: tuple, planned: Launch, kernel: Any) -> None:
     bound.apply_defaults()
     rest = tuple(bound.arguments.values())[len(planned.args):]
     active = driver.active
-    _COMPILED[key] = _Compiled(kernel, kernel.run, kernel.function, kernel.packed_metadata, rest,
-                               active.get_current_device(), active.get_current_stream)
+    _COMPILED[key] = _Compiled(kernel, *compat.triton_direct_launch(triton.__version__, kernel),
+                               rest, active.get_current_device(), active.get_current_stream)
