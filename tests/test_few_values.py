@@ -814,6 +814,46 @@ def test_float64_bound_on_inputs_far_from_zero_through_nested_calls(activation, 
                          f"{nesting} mean/std 1e{decades:.2g} {shape}")
 
 
+def along_xhat(x: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """An output gradient half along x's normalised values, ``xhat + noise`` (as a squared
+    loss on a layer's output gives in part), drawn from ``gen``."""
+    dims = [0, *range(2, x.dim())]
+    centred = x - x.mean(dims, keepdim=True)
+    xhat = centred / centred.square().mean(dims, keepdim=True).sqrt()
+    return xhat + torch.randn(x.shape, generator=gen, dtype=x.dtype)
+
+
+@settings(max_examples=6, deadline=None, derandomize=True)
+@given(
+    activation=st.sampled_from(["identity", "leaky_relu", "elu"]),
+    inplace=st.booleans(),
+    nesting=st.sampled_from([(2, 2), (2, 3), (3, 2)]),
+    samples=st.integers(MIN_FLOAT64_REBUILT_COUNT // 16 + 1, 16),
+    decades=st.floats(2.5, 4.0),
+    data=st.data(),
+)
+def test_float64_bound_far_from_zero_with_gradients_along_xhat_through_nested_calls(
+        activation, inplace, nesting, samples, decades, data):
+    """``test_float64_bound_on_inputs_far_from_zero_through_nested_calls`` with an output
+    gradient half along the normalised input (``along_xhat``) over 112 to 256 values a
+    channel: ``sum(dz * xhat) / n``, and with it g_M2, is of the order of dz there (random
+    dy: 1 / sqrt(n) of it), so an error in the gap between a nested call's mean and the
+    outer one (each rounded by up to half an ulp of |mean|, hundreds to thousands of
+    standard deviations) reaches every element of the channel at hundreds of ulps of the
+    gradient. The replicas' backward takes the gap between the exact means
+    (``functional._mean_gap``)."""
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16), label="seed"))
+    offset = 10.0 ** torch.empty(BOUND_CHANNELS * 2, dtype=torch.float64).uniform_(
+        decades - 0.5, decades, generator=gen)
+    shape, x, _, gamma, beta = _off_centre_case(gen, (samples, BOUND_CHANNELS * 2, 4, 4),
+                                                offset, activation)
+    dy = along_xhat(x, gen)
+    ratios, _ = ratios_to_bound(x, dy, gamma, beta, activation, SLOPES.get(activation, 0.01),
+                                replicas=nesting, inplace=inplace)
+    _assert_within_bound(ratios, gamma, beta, f"{activation} inplace={inplace} nested "
+                         f"{nesting} mean/std 1e{decades:.2g} dy along xhat {shape}")
+
+
 @settings(max_examples=8, deadline=None, derandomize=True)
 @given(
     activation=st.sampled_from(["identity", "leaky_relu", "elu"]),
