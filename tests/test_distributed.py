@@ -506,22 +506,29 @@ def scenario_far_from_zero_float64(ctx):
     with 1-2 DataParallel replicas in each (the same cases in every rank): every rank's
     input gradient within the README's bound (``helpers.rebuild_error``). Each rank's rounded
     mean shifts every normalised value of the group unless the ranks gather their means'
-    errors with their means (``distributed._MergeAcrossProcesses``)."""
+    errors with their means (``distributed._MergeAcrossProcesses``). ``along``: over 112 to
+    256 values a channel, an output gradient half along xhat (``few_values.along_xhat``), where
+    the gap between a replica's merged mean and the ranks' is taken exact
+    (``functional._mean_gap``)."""
     world = ctx["world"]
 
     @settings(max_examples=4, deadline=None, derandomize=True, database=None,
               phases=[Phase.generate])  # no shrinking: the ranks must draw alike
     @given(activation=st.sampled_from(["identity", "leaky_relu", "elu"]),
            inplace=st.booleans(), replicas=st.integers(1, 2), decades=st.floats(2.5, 4.0),
-           data=st.data())
-    def case(activation, inplace, replicas, decades, data):
+           along=st.booleans(), data=st.data())
+    def case(activation, inplace, replicas, decades, along, data):
         side, channels = 4, 2 * few_values.BOUND_CHANNELS
-        samples = data.draw(st.integers(1024 // side**2, 2048 // side**2), label="samples")
+        fewest, most = (112, 256) if along else (1024, 2048)
+        samples = data.draw(st.integers(-(-fewest // side**2), most // side**2),
+                            label="samples")
         gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16), label="seed"))
         offset = 10.0 ** torch.empty(channels, dtype=torch.float64).uniform_(
             decades - 0.5, decades, generator=gen)
         shape, x, dy, gamma, beta = few_values._off_centre_case(
             gen, (samples, channels, side, side), offset, activation)
+        if along:
+            dy = few_values.along_xhat(x, gen)
         cuts = sorted(data.draw(st.lists(st.integers(1, samples - 1), min_size=world - 1,
                                          max_size=world - 1, unique=True), label="cuts"))
         batches = [end - start for start, end in zip([0, *cuts], [*cuts, samples])]
@@ -543,7 +550,8 @@ def scenario_far_from_zero_float64(ctx):
         ratios = gradient_ratios(torch.cat(grads), x, dy, gamma, beta, activation, slope)
         few_values._assert_within_bound(ratios, gamma, beta,
                                         f"{activation} inplace={inplace} {batches} "
-                                        f"x{replicas} mean/std 1e{decades:.2g} {shape}")
+                                        f"x{replicas} mean/std 1e{decades:.2g} along={along} "
+                                        f"{shape}")
 
     case()
 

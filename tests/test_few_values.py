@@ -436,17 +436,41 @@ def test_float64_bound_in_a_create_graph_backward(activation, replicas, spatial,
                          f"{activation} x{replicas} create_graph {shape}")
 
 
+def _grads_after_a_create_graph_backward(layer: SyncBatchNorm, wrapped: int | Sequence[int],
+                                         x: torch.Tensor, dy: torch.Tensor,
+                                         create_graph: bool = False
+                                         ) -> tuple[torch.Tensor, ...]:
+    """A gradient penalty's pattern, with ``layer`` in simulated DataParallel wrappers
+    (``_wrapped``): after a create_graph backward of ``dy``, the input gradients of the loss
+    ``(out * dy).sum()`` alone, of a penalty on the first gradient alone, and of the two
+    together; ``create_graph``: of the loss's and the sum's backward passes."""
+    leaf = x.clone().requires_grad_()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the out-of-place fallback's warning
+        out = _wrapped(layer, wrapped)(leaf * 1)
+    (first,) = torch.autograd.grad(out, leaf, dy, create_graph=True)
+    weights = torch.randn(x.shape, generator=torch.Generator().manual_seed(x.shape[0]),
+                          dtype=torch.float64)
+    penalty = (first * weights).sum().square()
+    (ours,) = torch.autograd.grad(out, leaf, dy, retain_graph=True, create_graph=create_graph)
+    (penalty_grad,) = torch.autograd.grad(penalty, leaf, retain_graph=True)
+    (both,) = torch.autograd.grad((out * dy).sum() + penalty, leaf, create_graph=create_graph)
+    assert ours.requires_grad == both.requires_grad == create_graph
+    return ours.detach(), penalty_grad, both.detach()
+
+
 @pytest.mark.parametrize("create_graph", [False, True])
 @settings(max_examples=12, deadline=None, derandomize=True)
-@given(**SYNCHRONISED_FEW_VALUE_CASES)
+@given(**SYNCHRONISED_FEW_VALUE_CASES, nested=st.sampled_from([(), (), (2,), (3,), (2, 2)]))
 def test_float64_bound_after_a_create_graph_backward(create_graph, activation, replicas,
-                                                     spatial, data):
+                                                     spatial, data, nested):
     """A gradient penalty's pattern over 2-4 simulated DataParallel replicas and 3 to ``FEW``
-    values a channel: after a create_graph backward, a backward of the loss alone gives an
-    input gradient within the float64 bound, and one of the loss plus a penalty on the first
-    gradient gives the sum of the two apart (rounded once more): the penalty's part reaches
-    the merge through the first backward's graph, and comes apart from the loss's, which is
-    taken in double-double (``functional._ReadInGraph``, ``layer/whole_batch.py``).
+    values a channel, in nested calls of ``nested`` replicas inside each of them: after a
+    create_graph backward, a backward of the loss alone gives an input gradient within the
+    float64 bound, and one of the loss plus a penalty on the first gradient gives the sum of
+    the two apart (rounded once more): the penalty's part reaches the merges through the
+    first backward's graph, and comes apart from the loss's, which is taken in double-double
+    (``functional._ReadInGraph``, ``functional.MergeParts``, ``layer/whole_batch.py``).
     ``create_graph``: those backward passes are create_graph ones too (their values so; their
     graphs autograd's)."""
     shape, gamma, beta, x, dy = bound_case(activation, replicas, spatial, data, most=FEW)
@@ -455,21 +479,11 @@ def test_float64_bound_after_a_create_graph_backward(create_graph, activation, r
     with torch.no_grad():
         layer.weight.copy_(gamma)
         layer.bias.copy_(beta)
-    leaf = x.clone().requires_grad_()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the out-of-place fallback's warning
-        out = _wrapped(layer, replicas)(leaf * 1)
-    (first,) = torch.autograd.grad(out, leaf, dy, create_graph=True)
-    weights = torch.randn(shape, generator=torch.Generator().manual_seed(shape[0]),
-                          dtype=torch.float64)
-    penalty = (first * weights).sum().square()
-    (ours,) = torch.autograd.grad(out, leaf, dy, retain_graph=True, create_graph=create_graph)
-    (penalty_grad,) = torch.autograd.grad(penalty, leaf, retain_graph=True)
-    (both,) = torch.autograd.grad((out * dy).sum() + penalty, leaf, create_graph=create_graph)
-    assert ours.requires_grad == both.requires_grad == create_graph
-    ours, both = ours.detach(), both.detach()
+    wrapped = [replicas, *nested]
+    ours, penalty_grad, both = _grads_after_a_create_graph_backward(layer, wrapped, x, dy,
+                                                                    create_graph)
     theirs = _input_grads(x, dy, gamma, beta, activation, 1, (torch.float64,))[1]
-    what = f"{activation} x{replicas} {shape}"
+    what = f"{activation} {wrapped} {shape}"
     assert_float64_bound(ours, theirs, x, dy, gamma, beta, activation, what)
     # The penalty's part, computed in float64 apart and with the loss's, in another order:
     # their roundings differ by a few ulps of the channel's largest gradients.
@@ -492,15 +506,16 @@ MANY_VALUES = 96 * 1024
 SCREEN = 0.5
 
 
-def many_channels_case(activation: str, replicas: int, spatial: tuple[int, int], data):
-    """``bound_case`` over ``MIN_OWN_PRECISION_COUNT`` to ``FEW`` values a channel (half the
+def many_channels_case(activation: str, replicas: int, spatial: tuple[int, int], data,
+                       most: int = FEW):
+    """``bound_case`` over ``MIN_OWN_PRECISION_COUNT`` to ``most`` values a channel (half the
     time up to 44, where float64's own arithmetic fails most often) with ``MANY_VALUES``
     values in all, gammas (|gamma| log-uniform in [0.1, 10], ELU [0.1, 1]) and betas (|beta| up to
     2 |gamma|; ELU's >= 0) drawn from a seed: too many for hypothesis to draw one by one."""
     per_sample = spatial[0] * spatial[1]
     fewest = max(replicas, -(-MIN_OWN_PRECISION_COUNT // per_sample))
     batch = data.draw(st.one_of(st.integers(fewest, max(fewest, 44 // per_sample)),
-                                st.integers(fewest, FEW // per_sample)), label="batch")
+                                st.integers(fewest, most // per_sample)), label="batch")
     gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16), label="seed"))
     channels = MANY_VALUES // (batch * per_sample)
     largest = 1.0 if activation == "elu" else 10.0
@@ -582,6 +597,40 @@ def test_float64_bound_over_many_channels_below_the_rebuilt_count(path, activati
         assert_float64_bound(ours[:, near], theirs[:, near], x[:, near], dy[:, near],
                              gamma[near], beta[near], activation,
                              f"{activation} {path} {wrapped} {shape}")
+
+
+@one_backend  # the gradient is ATen's double-double on every backend
+@settings(max_examples=6, deadline=None, derandomize=True)
+@given(
+    activation=st.sampled_from(["leaky_relu", "relu"]),
+    nesting=st.sampled_from([(2, 2), (3, 2), (2, 3)]),
+    spatial=st.sampled_from([(1, 1), (1, 2), (2, 2)]),
+    data=st.data(),
+)
+def test_float64_bound_over_many_channels_after_a_create_graph_backward_nested(
+        activation, nesting, spatial, data):
+    """``test_float64_bound_over_many_channels_below_the_rebuilt_count`` for a backward after
+    a create_graph one (a gradient penalty's pattern, ``_grads_after_a_create_graph_backward``)
+    with the layer in nested simulated DataParallel calls: the loss's input gradient is
+    double-double's there too, the first backward's graph reading the nested merges'
+    statistics apart (``functional.MergeParts``). Over ``MIN_OWN_PRECISION_COUNT`` to 44
+    values a channel, where float64's own arithmetic exceeds the bound in about one channel
+    of 1,500 (identity's more rarely)."""
+    shape, gamma, beta, x, dy = many_channels_case(activation, nesting[0], spatial, data,
+                                                   most=44)
+    layer = SyncBatchNorm(shape[1], activation=activation, slope=SLOPES.get(activation, 0.01),
+                          dtype=torch.float64)
+    with torch.no_grad():
+        layer.weight.copy_(gamma)
+        layer.bias.copy_(beta)
+    ours = _grads_after_a_create_graph_backward(layer, nesting, x, dy)[0]
+    theirs = _input_grads(x, dy, gamma, beta, activation, 1, (torch.float64,))[1]
+    near = (_long_double_ratios(ours, theirs, x, dy, gamma, beta, activation) > SCREEN)
+    near = near.nonzero().flatten()
+    if near.numel():
+        assert_float64_bound(ours[:, near], theirs[:, near], x[:, near], dy[:, near],
+                             gamma[near], beta[near], activation,
+                             f"{activation} after create_graph {nesting} {shape}")
 
 
 # The smooth activations whose float64 derivative is double-double through (silu's from exp,
@@ -763,6 +812,46 @@ def test_float64_bound_on_inputs_far_from_zero_through_nested_calls(activation, 
                                 replicas=nesting, inplace=inplace)
     _assert_within_bound(ratios, gamma, beta, f"{activation} inplace={inplace} nested "
                          f"{nesting} mean/std 1e{decades:.2g} {shape}")
+
+
+def along_xhat(x: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """An output gradient half along x's normalised values, ``xhat + noise`` (as a squared
+    loss on a layer's output gives in part), drawn from ``gen``."""
+    dims = [0, *range(2, x.dim())]
+    centred = x - x.mean(dims, keepdim=True)
+    xhat = centred / centred.square().mean(dims, keepdim=True).sqrt()
+    return xhat + torch.randn(x.shape, generator=gen, dtype=x.dtype)
+
+
+@settings(max_examples=6, deadline=None, derandomize=True)
+@given(
+    activation=st.sampled_from(["identity", "leaky_relu", "elu"]),
+    inplace=st.booleans(),
+    nesting=st.sampled_from([(2, 2), (2, 3), (3, 2)]),
+    samples=st.integers(MIN_FLOAT64_REBUILT_COUNT // 16 + 1, 16),
+    decades=st.floats(2.5, 4.0),
+    data=st.data(),
+)
+def test_float64_bound_far_from_zero_with_gradients_along_xhat_through_nested_calls(
+        activation, inplace, nesting, samples, decades, data):
+    """``test_float64_bound_on_inputs_far_from_zero_through_nested_calls`` with an output
+    gradient half along the normalised input (``along_xhat``) over 112 to 256 values a
+    channel: ``sum(dz * xhat) / n``, and with it g_M2, is of the order of dz there (random
+    dy: 1 / sqrt(n) of it), so an error in the gap between a nested call's mean and the
+    outer one (each rounded by up to half an ulp of |mean|, hundreds to thousands of
+    standard deviations) reaches every element of the channel at hundreds of ulps of the
+    gradient. The replicas' backward takes the gap between the exact means
+    (``functional._mean_gap``)."""
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16), label="seed"))
+    offset = 10.0 ** torch.empty(BOUND_CHANNELS * 2, dtype=torch.float64).uniform_(
+        decades - 0.5, decades, generator=gen)
+    shape, x, _, gamma, beta = _off_centre_case(gen, (samples, BOUND_CHANNELS * 2, 4, 4),
+                                                offset, activation)
+    dy = along_xhat(x, gen)
+    ratios, _ = ratios_to_bound(x, dy, gamma, beta, activation, SLOPES.get(activation, 0.01),
+                                replicas=nesting, inplace=inplace)
+    _assert_within_bound(ratios, gamma, beta, f"{activation} inplace={inplace} nested "
+                         f"{nesting} mean/std 1e{decades:.2g} dy along xhat {shape}")
 
 
 @settings(max_examples=8, deadline=None, derandomize=True)

@@ -159,17 +159,19 @@ def test_layer_across_simulated_replicas_differentiates_twice_over_few_values(ac
 
 
 @pytest.mark.parametrize("activation", ["leaky_relu", "elu"])
+@pytest.mark.parametrize("nested", [False, True])
 def test_layer_across_simulated_replicas_differentiates_a_later_create_graph_backward(
-        activation):
+        activation, nested):
     """After a create_graph backward, a second one of the loss plus a penalty on the first
-    gradient (float64, few values a channel, across replicas): its value from double-double
-    with the penalty's part read apart (``functional._ReadInGraph``), its graph autograd's;
-    its derivative is that graph's."""
+    gradient (float64, few values a channel, across replicas; ``nested``: in 2 nested calls
+    of 2): its value from double-double with the penalty's part read apart
+    (``functional._ReadInGraph``, ``functional.MergeParts``), its graph autograd's; its
+    derivative is that graph's."""
     layer = SyncBatchNorm(3, activation=activation, slope=0.3, eps=1e-3,
                           inplace=False).double()
     with torch.no_grad():
         layer.weight.copy_(torch.tensor([1.3, -0.6, 0.2]))
-    model = SimulatedDataParallel(layer, 2)
+    model = SimulatedDataParallel(SimulatedDataParallel(layer, 2) if nested else layer, 2)
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(5, 3, 2, dtype=torch.float64, generator=gen, requires_grad=True)
     dy, weights = (torch.randn(5, 3, 2, dtype=torch.float64, generator=gen) for _ in range(2))

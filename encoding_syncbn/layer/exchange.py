@@ -16,13 +16,14 @@ from typing import Any, NamedTuple
 import torch
 
 from ..kernels import RunningStats
-from ..sync import distributed, stats
+from ..sync import distributed
 from ..sync.replicas import ReplicaSlot
 from ..sync.streams import stream_event, wait_for
 from .functional import (
     Exchanged,
     ReplicaStats,
     _Link,
+    merge_parts,
     merge_replicas,
     on_device,
     replica_stats,
@@ -106,8 +107,7 @@ class Exchange:
         """
         mean, m2, invstd, total, error = _merged(contributions, self.eps)
         batch = WholeBatch.of(_links(contributions), total, self.eps, mean.device,
-                              self.across_processes,
-                              any(isinstance(c, SubBatch) for c in contributions))
+                              self.across_processes)
         if self.across_processes:
             mean, m2, invstd, total, error = distributed.merge_across_processes(
                 mean, m2, total, self.eps, self.process_group, batch, error
@@ -149,10 +149,9 @@ def _merged(contributions: list[ReplicaStats | SubBatch], eps: float
     statistics do: ``functional.merge_replicas``, ``SubBatch.error``; else None).
 
     The replicas' by ``merge_replicas`` (whose backward writes their input gradients); nested
-    calls' merged statistics, if any, then join them in Chan's merge in differentiable ATen
-    ops, under saved-tensor hooks of their own: a checkpoint around the master's call must not
-    take those tensors for its region's, as its recomputation replays the layer without a
-    merge.
+    calls' merged statistics, if any, then join them in ``merge_parts``, under saved-tensor
+    hooks of their own: a checkpoint around the master's call must not take those tensors for
+    its region's, as its recomputation replays the layer without a merge.
     """
     replicas = [c for c in contributions if isinstance(c, ReplicaStats)]
     parts = [c for c in contributions if isinstance(c, SubBatch)]
@@ -161,18 +160,17 @@ def _merged(contributions: list[ReplicaStats | SubBatch], eps: float
         mean, m2, invstd, error = merge_replicas(replicas, eps)
         if not parts:
             return mean, m2, invstd, total, error
-        parts.append(SubBatch(mean, m2, sum(c.count for c in replicas), (), error))
+        parts.append(SubBatch(mean, m2, sum(c.count for c in replicas),
+                              tuple(r.link for r in replicas), error))
     device, dtype, wide = contributions[0].mean.device, contributions[0].mean.dtype, torch.float64
     errors = (None if any(p.error is None for p in parts)
               else [on_device(p.error, device) for p in parts])
     with torch.autograd.graph.saved_tensors_hooks(_kept, _kept):
-        merged = stats.chan_merge(
+        mean, m2, invstd, error = merge_parts(
             [on_device(p.mean, device).to(wide) for p in parts],
             [on_device(p.m2, device).to(wide) for p in parts],
-            stats.counts_of([p.count for p in parts], device, wide), eps, errors,
-        )
-        return (merged.mean.to(dtype), merged.m2.to(dtype), merged.invstd.to(dtype), total,
-                merged.error)
+            [p.count for p in parts], [p.links for p in parts], eps, errors)
+        return mean.to(dtype), m2.to(dtype), invstd.to(dtype), total, error
 
 
 def _kept(tensor: torch.Tensor) -> torch.Tensor:

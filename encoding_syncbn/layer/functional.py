@@ -99,16 +99,16 @@ class _Link:
     """Hands what ``NormAct.backward`` read to ``MergeReplicas.backward`` of the same call."""
 
     __slots__ = ("dtype", "saved", "grad_output", "config", "scale", "ready", "total",
-                 "graphed", "batch", "exact_grad", "direct_grad", "read_grads")
+                 "parts", "batch", "exact_grad", "direct_grad", "read_grads")
 
     def __init__(self, dtype: torch.dtype) -> None:
         self.dtype = dtype  # the replica's input's
         # The values a channel the replica normalised over (every replica and rank); None:
         # not yet known (see ``synced_batch_norm_act``).
         self.total: int | None = None
-        # Whether a create_graph backward of the replica's NormAct built a graph reading the
-        # merged statistics: a later one's gradients reach the merge through it too.
-        self.graphed = False
+        # The parts of nested calls' merges the replica's statistics went into
+        # (``MergeParts``).
+        self.parts: list[Part] = []
         # The call's replicas, where their input gradients may come in double-double at once
         # (``whole_batch``); None: never.
         self.batch: WholeBatch | None = None
@@ -565,11 +565,9 @@ def _norm_act_grads(ctx, grad_output) -> tuple:
             if ctx.needs_input_grad[0]:
                 link.saved, link.config = saved, config
                 link.ready = stream_event(saved.tensor)
-                if link.batch is not None and not (link.graphed and link.batch.nested):
+                if link.batch is not None:
                     # The merge returns the whole gradient's value, exact where it can be
-                    # (``_exactly``): this one keeps its graph, at value 0. (After a
-                    # create_graph pass through a nested call, the gradients reaching its
-                    # merges through that graph are not all read: ``whole_batch``.)
+                    # (``_exactly``): this one keeps its graph, at value 0.
                     link.grad_output = grad_output.detach()
                     if grads[0] is None:
                         link.direct_grad = torch.zeros_like(saved.tensor)
@@ -577,7 +575,6 @@ def _norm_act_grads(ctx, grad_output) -> tuple:
                         link.direct_grad = grads[0].detach()
                         grads[0] = _exactly(grads[0], 0.0)
                 compat.queue_backward_callback(link.clear)
-            link.graphed = True
         return tuple(grads)
     backend, params = _ops(saved.tensor, saved.mean.dtype), _params(saved, config)
     sum_dz, sum_dz_xhat = _reduce(saved, grad_output, config, params, backend)
@@ -929,6 +926,128 @@ def merge_replicas(replicas: Sequence[ReplicaStats], eps: float
         [on_device(r.m2, device).to(wide) for r in replicas], errors,
         *(r.x for r in replicas),
     )
+
+
+class Part:
+    """One part of a nested calls' merge (``MergeParts``): a nested call's merged statistics,
+    or those of the replicas merged beside them. Holds what its input gradient through
+    ``(mean, M2)`` needs, and the gradients of them that a backward brings through an earlier
+    create_graph backward's graph (``_ReadParts``; None: none)."""
+
+    __slots__ = ("count", "mean", "read_grads")
+
+    def __init__(self, count: int, mean: torch.Tensor) -> None:
+        self.count = count
+        self.mean = mean  # detached
+        self.read_grads: tuple[torch.Tensor | None, torch.Tensor | None] | None = None
+
+    def read(self, grad_mean: torch.Tensor | None, grad_m2: torch.Tensor | None) -> None:
+        """Add the gradients one ``_ReadParts`` node brought; they last to the end of the
+        backward pass."""
+        read = [None if g is None else g.detach() for g in (grad_mean, grad_m2)]
+        if self.read_grads is not None:  # read by the graphs of several backward passes
+            read = [a if b is None else b if a is None else a + b
+                    for a, b in zip(read, self.read_grads)]
+        self.read_grads = tuple(read)
+        compat.queue_backward_callback(self.clear)
+
+    def clear(self) -> None:
+        self.read_grads = None
+
+    def input_grad(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The gradient, at ``x`` (one replica's input, a share of the part's values), of
+        the read gradients (``read_grads``): ``g_mean / n + 2 g_M2 (x - mean)``, n the part's
+        count; None: none read."""
+        if self.read_grads is None:
+            return None
+        grad_mean, grad_m2 = (None if g is None else _channel_view(on_device(g, x.device), x)
+                              for g in self.read_grads)
+        grad = torch.zeros_like(x)
+        if grad_mean is not None:
+            grad += grad_mean / self.count
+        if grad_m2 is not None:
+            grad += 2 * grad_m2 * (x - _channel_view(on_device(self.mean, x.device), x))
+        return grad
+
+
+class MergeParts(torch.autograd.Function):
+    """``(mean_1..mean_k, M2_1..M2_k) -> (mean, M2, invstd, error)`` of nested calls' merged
+    statistics (``stats.chan_merge``, as ``MergeReplicas``; ``errors``: the parts' mean
+    errors, or None).
+
+    A Function, not ATen ops, for a float64 call's double-double input gradient
+    (``whole_batch``) after a create_graph backward: that backward's graph reads the parts'
+    statistics through ``_ReadParts`` alone, which records what a later backward brings them
+    that way (a gradient penalty's share); the share that comes through the merge's outputs
+    the merge's own backward passes on, and ``whole_batch`` takes it from the replicas'
+    inputs and dy. In ATen ops the two would reach the parts summed.
+    """
+
+    @staticmethod
+    def forward(ctx, counts: stats._Counts, eps: float, errors: list[torch.Tensor] | None,
+                parts: list[Part], *means_and_m2s: torch.Tensor):
+        k = len(parts)
+        merged = stats.chan_merge(means_and_m2s[:k], means_and_m2s[k:], counts, eps, errors)
+        if merged.error is not None:
+            ctx.mark_non_differentiable(merged.error)
+        ctx.save_for_backward(*means_and_m2s)
+        ctx.counts, ctx.eps, ctx.errors, ctx.parts = counts, eps, errors, parts
+        ctx.set_materialize_grads(False)
+        return merged.mean, merged.m2, merged.invstd, merged.error
+
+    @staticmethod
+    def backward(ctx, grad_mean, grad_m2, grad_invstd, _grad_error):
+        create_graph, k = torch.is_grad_enabled(), len(ctx.parts)
+        inputs = ctx.saved_tensors
+        with torch.enable_grad():
+            sources = (_ReadParts.apply(ctx.parts, *inputs) if create_graph
+                       else [t.detach().requires_grad_() for t in inputs])
+            merged = stats.chan_merge(sources[:k], sources[k:], ctx.counts, ctx.eps,
+                                      ctx.errors)
+            pairs = [(out, grad) for out, grad in zip(merged[:3], (grad_mean, grad_m2,
+                                                                   grad_invstd))
+                     if grad is not None]
+            grads = (torch.autograd.grad([o for o, _ in pairs], sources,
+                                         [g for _, g in pairs], create_graph=create_graph,
+                                         allow_unused=True)
+                     if pairs else (None,) * len(sources))
+        return (None,) * 4 + tuple(grads)
+
+
+class _ReadParts(torch.autograd.Function):
+    """The parts' ``(mean_1..mean_k, M2_1..M2_k)`` as a create_graph backward of
+    ``MergeParts`` reads them (identity): its backward records in each ``Part`` the
+    gradients a later backward brings them through that graph, and passes them on."""
+
+    @staticmethod
+    def forward(ctx, parts: list[Part], *means_and_m2s: torch.Tensor):
+        ctx.parts = parts
+        ctx.set_materialize_grads(False)
+        return tuple(t.view_as(t) for t in means_and_m2s)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        k = len(ctx.parts)
+        for part, grad_mean, grad_m2 in zip(ctx.parts, grads[:k], grads[k:]):
+            part.read(grad_mean, grad_m2)
+        return (None, *grads)
+
+
+def merge_parts(means: Sequence[torch.Tensor], m2s: Sequence[torch.Tensor],
+                counts: Sequence[int], links: Sequence[Sequence[_Link]], eps: float,
+                errors: list[torch.Tensor] | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The merged ``(mean, M2, invstd, error)`` of nested calls' statistics (and of the
+    replicas merged beside them), float64, on the first mean's device (``error``: the merged
+    mean's, where ``errors`` gives the parts'); ``links[j]``, the replicas behind part j,
+    learn their part (``_Link.parts``)."""
+    device = means[0].device
+    parts = [Part(count, mean.detach()) for count, mean in zip(counts, means)]
+    for part, part_links in zip(parts, links):
+        for link in part_links:
+            link.parts.append(part)
+    return MergeParts.apply(stats.counts_of(list(counts), device, torch.float64), eps, errors,
+                            parts, *means, *m2s)
 
 
 def on_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -25,8 +25,9 @@ here (``functional._exactly``). In a backward after one (with create_graph or no
 penalty's gradients reach the merged statistics through its graph as well as the replicas'
 NormActs: ``functional._ReadInGraph`` records them in the links, and the gradient is the
 NormActs' part from the inputs and dy, plus the penalty's through the statistics
-(``_through_statistics``, float64). A nested call's merges join in ATen ops whose graph reads
-their statistics past ``_ReadInGraph``: there it is not taken after a create_graph backward.
+(``_through_statistics``, float64). Nested calls' merges (``functional.MergeParts``) record
+likewise what the penalty brings their parts' statistics (``functional.Part``), and each merge
+adds its replicas' share of that (``Part.input_grad``).
 """
 
 from __future__ import annotations
@@ -49,24 +50,21 @@ _Link = Any
 class WholeBatch:
     """The links of every replica of one synchronised call in this process."""
 
-    __slots__ = ("links", "eps", "device", "across_processes", "nested", "_lock")
+    __slots__ = ("links", "eps", "device", "across_processes", "_lock")
 
     def __init__(self, links: Sequence[_Link], eps: float, device: torch.device,
-                 across_processes: bool, nested: bool) -> None:
+                 across_processes: bool) -> None:
         self.links = list(links)
         self.eps = eps
         self.device = device  # the master's: where the replicas' values are joined
         self.across_processes = across_processes
-        # Whether nested calls' merges join in Chan's merge in ATen ops (``exchange``): the
-        # graph of a create_graph backward through them reads the merges' statistics too.
-        self.nested = nested
         self._lock = threading.Lock()
         for link in self.links:
             link.batch = self
 
     @classmethod
     def of(cls, links: Sequence[_Link], count: int, eps: float, device: torch.device,
-           across_processes: bool, nested: bool) -> WholeBatch | None:
+           across_processes: bool) -> WholeBatch | None:
         """The batch of ``links``, over ``count`` values a channel in this process, or None
         where its input gradients never come here: not float64, or already
         ``MIN_FLOAT64_REBUILT_COUNT`` values (the global count, known after the merge, is at
@@ -74,7 +72,7 @@ class WholeBatch:
         if not inplace_policy.takes_double_double_gradient(links[0].dtype, count,
                                                            inplace=False):
             return None
-        return cls(links, eps, device, across_processes, nested)
+        return cls(links, eps, device, across_processes)
 
     def wanted(self, total: int) -> bool:
         """Whether a call over ``total`` values a channel in every process takes its input
@@ -85,15 +83,12 @@ class WholeBatch:
                                                            inplace=False)
 
     def _filled(self, create_graph: bool) -> bool:
-        """Whether every replica left its input and dy, and every gradient reaching the
-        merges besides the replicas' NormActs' is known (``_Link.read_grads``): after a
-        create_graph backward, where no nested call joined (``nested``; under create_graph the
-        NormActs tell, ``_Link.direct_grad``)."""
+        """Whether every replica left its input and dy (under create_graph, the value of its
+        NormAct's gradient too, ``_Link.direct_grad``)."""
         total = self.links[0].total
         return all(
             link.saved is not None and link.grad_output is not None and link.total == total
-            and (link.direct_grad is not None if create_graph
-                 else not (link.graphed and self.nested))
+            and (link.direct_grad is not None or not create_graph)
             and inplace_policy.takes_double_double_gradient(link.saved.tensor.dtype, total,
                                                             link.config.inplace)
             for link in self.links)
@@ -175,6 +170,14 @@ class WholeBatch:
                 if rows is not None:
                     self.take(*rows, 0)
             found = [link.exact_grad for link in links]
-        if any(grad is None for grad in found):
-            return None
+            if any(grad is None for grad in found):
+                return None
+            # The parts' reads are complete here, not in the first merge to ask: autograd
+            # runs every ``_ReadParts`` node reading a part's statistics before the merge
+            # they came from, not before another part's.
+            for i, link in enumerate(links):
+                for part in link.parts:
+                    share = part.input_grad(link.saved.tensor)
+                    if share is not None:
+                        found[i] = found[i] + share
         return found  # type: ignore[return-value]
