@@ -23,6 +23,7 @@ from .functional import (
     Exchanged,
     ReplicaStats,
     _Link,
+    far_from_zero,
     merge_replicas,
     on_device,
     replica_stats,
@@ -117,9 +118,13 @@ class Exchange:
                 f"{self.label}: expected more than 1 value per channel when training, got 1 "
                 "over the whole synchronised batch"
             )
-        # The mean's error in units of xhat, as ``functional._mean_offset`` takes it: no
-        # function of x autograd should see (nor a checkpoint count among its saved tensors).
-        offset = None if error is None else error * invstd.detach()
+        # The mean's error in units of xhat, as ``functional._mean_offset`` takes it (float32:
+        # only far from 0, as there): no function of x autograd should see (nor a checkpoint
+        # count among its saved tensors).
+        offset = None
+        if error is not None and (mean.dtype == torch.float64
+                                  or far_from_zero(mean.detach(), invstd.detach())):
+            offset = error * invstd.detach()
         return mean, m2, invstd, total, offset
 
 
@@ -164,15 +169,16 @@ def _merged(contributions: list[ReplicaStats | SubBatch], eps: float
         parts.append(SubBatch(mean, m2, sum(c.count for c in replicas), (), error))
     device, dtype, wide = contributions[0].mean.device, contributions[0].mean.dtype, torch.float64
     errors = (None if any(p.error is None for p in parts)
-              else [on_device(p.error, device) for p in parts])
+              else [on_device(p.error, device).to(wide) for p in parts])
     with torch.autograd.graph.saved_tensors_hooks(_kept, _kept):
         merged = stats.chan_merge(
             [on_device(p.mean, device).to(wide) for p in parts],
             [on_device(p.m2, device).to(wide) for p in parts],
             stats.counts_of([p.count for p in parts], device, wide), eps, errors,
         )
-        return (merged.mean.to(dtype), merged.m2.to(dtype), merged.invstd.to(dtype), total,
-                merged.error)
+        mean = merged.mean.to(dtype)
+        return (mean, merged.m2.to(dtype), merged.invstd.to(dtype), total,
+                stats.rounded_error(merged, mean))
 
 
 def _kept(tensor: torch.Tensor) -> torch.Tensor:
