@@ -582,24 +582,24 @@ def test_export_after_a_compiled_step_computes_the_formula():
 
 @settings(max_examples=6, deadline=None, derandomize=True)
 @given(
-    compiler=st.sampled_from(["aot_eager", "inductor"]),
     activation=st.sampled_from(["identity", "leaky_relu", "elu"]),
     inplace=st.booleans(),
     decades=st.floats(2.5, 4.0),
     data=st.data(),
 )
-def test_compiled_float64_bound_on_inputs_far_from_zero(compiler, activation, inplace,
-                                                        decades, data):
+def test_compiled_float64_bound_on_inputs_far_from_zero(activation, inplace, decades, data):
     """``test_few_values.test_float64_bound_on_inputs_far_from_zero`` compiled (the formula,
-    under aot_eager and Inductor): over 1024 to 2048 values a channel whose mean lies 10^2.5
-    to 10^4 standard deviations from 0, the input gradient within the README's bound (3x
-    nn.BatchNorm2d's error, long-double reference), out of place and in place (its second
-    call, once the layer has counted the channels it keeps aside). The graph takes the mean's
-    rounding out of xhat (``layer/compiled_mean.py``): else it shifts every xhat of a
-    channel alike, hundreds of ulps at 10^3, which the backward's sums carry unaveraged."""
+    under aot_eager: Inductor compiles each generated shape for minutes on this machine;
+    ``few_values_precision.py --compile inductor`` measures it): over 1024 to 2048 values a
+    channel whose mean lies 10^2.5 to 10^4 standard deviations from 0, the input gradient
+    within the README's bound (3x nn.BatchNorm2d's error, long-double reference), out of
+    place and in place (its second call, once the layer has counted the channels it keeps
+    aside). The graph takes the mean's rounding out of xhat (``layer/compiled_mean.py``):
+    else it shifts every xhat of a channel alike, hundreds of ulps at 10^3, which the
+    backward's sums carry unaveraged."""
     shape, x, dy, gamma, beta = few_values._far_from_zero_case(data, decades, activation)
     ratios, _ = ratios_to_bound(x, dy, gamma, beta, activation,
                                 few_values.SLOPES.get(activation, 0.01), replicas=1,
-                                inplace=inplace, compiler=compiler)
-    few_values._assert_within_bound(ratios, gamma, beta, f"{compiler} {activation} "
-                                    f"inplace={inplace} mean/std 1e{decades:.2g} {shape}")
+                                inplace=inplace, compiler="aot_eager")
+    few_values._assert_within_bound(ratios, gamma, beta, f"{activation} inplace={inplace} "
+                                    f"mean/std 1e{decades:.2g} {shape}")
