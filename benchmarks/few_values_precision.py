@@ -133,12 +133,12 @@ def main() -> None:
     notes = (f"In-place dx error over the README's bound (3 max(nn.BatchNorm2d's error, half an "
              f"ulp of the channel's largest |dx|)), against a long-double reference; per cell "
              f"the largest over {args.trials} generated layers of {args.channels} channels "
-             f"(activation, 1-4 replicas, |gamma| in [0.1, 10] (ELU: [0.1, 1], beta >= 0), "
+             f"(activation, {'1 replica' if args.compile else '1-4 replicas'}, "
+             f"|gamma| in [0.1, 10] (ELU: [0.1, 1], beta >= 0), "
              f"data drawn, mean / std {args.mean_over_std:g}), in brackets the "
              f"share of channels over 1; columns |beta| / |gamma|. "
              + (f"In place, rule {args.rule}." if args.inplace == "on" else "inplace=False.")
-             + (f" Under torch.compile(backend={args.compile!r}), one replica." if args.compile
-                else ""))
+             + (f" Under torch.compile(backend={args.compile!r})." if args.compile else ""))
     print(notes + "\n\n" + table)
     variant = f"rule {args.rule}" if args.inplace == "on" else "inplace=False"
     if args.compile:
