@@ -367,7 +367,7 @@ class SyncBatchNorm(_BatchNorm):
                 # ``compiled_inplace``; float64 takes its mean's error out: ``compiled_mean``.
                 kept = (compiled_inplace.keep_aside(self, x, x.numel() // self.num_features)
                         if compiled else None)
-                if compiled and acc == torch.float64:  # the mean's error out: ``compiled_mean``
+                if compiled and acc == torch.float64:
                     batch = compiled_mean.batch_stats(x, self.eps)
                     if self.training:
                         track(batch.mean, batch.m2, count)
