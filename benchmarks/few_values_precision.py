@@ -2,7 +2,7 @@
 a channel and |beta| / |gamma|, in float32 and float64.
 
     python benchmarks/few_values_precision.py [--rule off | --inplace off] [--backend triton]
-        [--mean-over-std M] [--record]
+        [--mean-over-std M] [--compile inductor] [--record]
 
 The bound (README, Limits): per channel, dx's error <= 3 max(nn.BatchNorm2d + the activation's
 error in the same dtype, half an ulp of the channel's largest |dx|), errors against an exact
@@ -24,7 +24,8 @@ count rule, every channel with |gamma| > 1e-3 max(1, |beta|) rebuilt; a call ove
 rounded mean shifts every normalised value of its channel alike, by its error over the
 standard deviation, which grows with this ratio. Elements whose z lies within its rounding of
 the activation's kink are moved off it first (helpers/rebuild_error.py's ``off_kink``: there
-the slope is a draw of the roundings, nn.BatchNorm2d's too).
+the slope is a draw of the roundings, nn.BatchNorm2d's too). ``--compile``: the layer under
+``torch.compile`` (its formula in ATen ops), measured at its second call, on one replica.
 """
 
 from __future__ import annotations
@@ -68,7 +69,8 @@ def cell(dtype: torch.dtype, count: int, ratio: float, args: argparse.Namespace,
     for _ in range(args.trials):
         pick = torch.randint(0, 1 << 30, (2,), generator=gen).tolist()
         activation = ACTIVATIONS[pick[0] % len(ACTIVATIONS)]
-        replicas = 1 + pick[1] % min(4, shape[0])
+        # Compiled, a synchronised call runs the eager layer (``modules.COMPILE_AS_FORMULA``).
+        replicas = 1 if args.compile else 1 + pick[1] % min(4, shape[0])
         # ELU's inverse amplifies the output's rounding by exp(-z): kept to z >= -1 - 3|gamma|
         # (its deep saturation is a limit of its own, README).
         largest, beta_sign = (1.0, 1.0) if activation == "elu" else (10.0, None)
@@ -83,7 +85,7 @@ def cell(dtype: torch.dtype, count: int, ratio: float, args: argparse.Namespace,
         x = off_kink(x, gamma.to(dtype), beta.to(dtype), activation)
         ratios, _ = ratios_to_bound(x, dy, gamma, beta, activation,
                                     SLOPES.get(activation, 0.01), replicas,
-                                    args.inplace == "on")
+                                    args.inplace == "on", args.compile)
         worst = max(worst, float(ratios.max()))
         over += int((ratios > 1).sum())
         total += ratios.numel()
@@ -102,6 +104,9 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=4)
     parser.add_argument("--channels", type=int, default=32)
     parser.add_argument("--mean-over-std", type=float, default=0.25)
+    parser.add_argument("--compile", metavar="BACKEND",
+                        help="run the layer under torch.compile with this backend (inductor, "
+                             "aot_eager), one replica")
     results.add_arguments(parser)
     args = parser.parse_args()
     import encoding_syncbn
@@ -128,12 +133,16 @@ def main() -> None:
     notes = (f"In-place dx error over the README's bound (3 max(nn.BatchNorm2d's error, half an "
              f"ulp of the channel's largest |dx|)), against a long-double reference; per cell "
              f"the largest over {args.trials} generated layers of {args.channels} channels "
-             f"(activation, 1-4 replicas, |gamma| in [0.1, 10] (ELU: [0.1, 1], beta >= 0), "
+             f"(activation, {'1 replica' if args.compile else '1-4 replicas'}, "
+             f"|gamma| in [0.1, 10] (ELU: [0.1, 1], beta >= 0), "
              f"data drawn, mean / std {args.mean_over_std:g}), in brackets the "
              f"share of channels over 1; columns |beta| / |gamma|. "
-             + (f"In place, rule {args.rule}." if args.inplace == "on" else "inplace=False."))
+             + (f"In place, rule {args.rule}." if args.inplace == "on" else "inplace=False.")
+             + (f" Under torch.compile(backend={args.compile!r})." if args.compile else ""))
     print(notes + "\n\n" + table)
     variant = f"rule {args.rule}" if args.inplace == "on" else "inplace=False"
+    if args.compile:
+        variant += f", compiled by {args.compile}"
     results.record(args, f"few_values_precision.py ({args.backend}, {variant})", table, notes)
 
 

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from helpers.rebuild_error import EPS, gradient_ratios
+from helpers.rebuild_error import EPS, gradient_ratios, off_kink
 from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 from reference import activate
@@ -502,7 +502,7 @@ def scenario_few_values_float64(ctx):
 
 def scenario_far_from_zero_float64(ctx):
     """Float64 over 1024 to 2048 values a channel whose mean lies 10^2.5 to 10^4 standard
-    deviations from 0 (``few_values._off_centre_case``), in place or not, on uneven ranks
+    deviations from 0 (``few_values._far_from_zero_case``), in place or not, on uneven ranks
     with 1-2 DataParallel replicas in each (the same cases in every rank): every rank's
     input gradient within the README's bound (``helpers.rebuild_error``). Each rank's rounded
     mean shifts every normalised value of the group unless the ranks gather their means'
@@ -510,32 +510,43 @@ def scenario_far_from_zero_float64(ctx):
     256 values a channel, an output gradient half along xhat (``few_values.along_xhat``), where
     the gap between a replica's merged mean and the ranks' is taken exact
     (``functional._mean_gap``)."""
-    world = ctx["world"]
+    _far_from_zero_scenario(ctx["world"], torch.float64, 2.5, st.booleans())
 
+
+def scenario_far_from_zero_float32(ctx):
+    """``scenario_far_from_zero_float64`` in float32, means 10 to 10^4 standard deviations
+    from 0, output gradients as drawn: each rank's float32 mean goes to the gather with its
+    rounding, the ranks merge in float64, and the merged mean's rounding to float32 is taken
+    out of xhat (``functional._mean_offset``). Elements within their rounding of the
+    activation's kink are moved off it (``off_kink``, as
+    ``few_values.test_float32_bound_on_inputs_far_from_zero`` does)."""
+    _far_from_zero_scenario(ctx["world"], torch.float32, 1.0, st.just(False))
+
+
+def _far_from_zero_scenario(world: int, dtype: torch.dtype, fewest_decades: float,
+                            along_xhat: st.SearchStrategy[bool]) -> None:
     @settings(max_examples=4, deadline=None, derandomize=True, database=None,
               phases=[Phase.generate])  # no shrinking: the ranks must draw alike
     @given(activation=st.sampled_from(["identity", "leaky_relu", "elu"]),
-           inplace=st.booleans(), replicas=st.integers(1, 2), decades=st.floats(2.5, 4.0),
-           along=st.booleans(), data=st.data())
+           inplace=st.booleans(), replicas=st.integers(1, 2),
+           decades=st.floats(fewest_decades, 4.0), along=along_xhat, data=st.data())
     def case(activation, inplace, replicas, decades, along, data):
-        side, channels = 4, 2 * few_values.BOUND_CHANNELS
-        fewest, most = (112, 256) if along else (1024, 2048)
-        samples = data.draw(st.integers(-(-fewest // side**2), most // side**2),
-                            label="samples")
-        gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16), label="seed"))
-        offset = 10.0 ** torch.empty(channels, dtype=torch.float64).uniform_(
-            decades - 0.5, decades, generator=gen)
-        shape, x, dy, gamma, beta = few_values._off_centre_case(
-            gen, (samples, channels, side, side), offset, activation)
+        values = (112, 256) if along else (1024, 2048)
+        shape, x, dy, gamma, beta = few_values._far_from_zero_case(data, decades, activation,
+                                                                  values)
         if along:
+            gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16), label="dy"))
             dy = few_values.along_xhat(x, gen)
+        x, dy, gamma, beta = (t.to(dtype) for t in (x, dy, gamma, beta))
+        x = off_kink(x, gamma, beta, activation)
+        samples, channels = shape[:2]
         cuts = sorted(data.draw(st.lists(st.integers(1, samples - 1), min_size=world - 1,
                                          max_size=world - 1, unique=True), label="cuts"))
         batches = [end - start for start, end in zip([0, *cuts], [*cuts, samples])]
         mine = _offsets(batches)[dist.get_rank()]
         slope = few_values.SLOPES.get(activation, 0.01)
         layer = SyncBatchNorm(channels, eps=EPS, activation=activation, slope=slope,
-                              inplace=inplace, dtype=torch.float64)
+                              inplace=inplace, dtype=dtype)
         with torch.no_grad():
             layer.weight.copy_(gamma)
             layer.bias.copy_(beta)
@@ -572,7 +583,8 @@ def scenario_double_backward(ctx):
 
 SCENARIOS = {
     2: ["uneven", "empty_rank", "replicas", "collective_count", "solo_group", "ddp",
-        "double_backward", "compiled_ddp", "few_values_float64", "far_from_zero_float64"],
+        "double_backward", "compiled_ddp", "few_values_float64", "far_from_zero_float64",
+        "far_from_zero_float32"],
     3: ["uneven", "empty_rank", "replicas", "collective_count", "subgroup", "ddp_subgroup",
         "inplace_abn", "few_values_float64"],
 }

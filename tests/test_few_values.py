@@ -756,11 +756,14 @@ def test_float64_bound_over_thousands_of_values_off_centre(activation, side, far
     _assert_within_bound(ratios, gamma, beta, f"{activation} far={far} {shape}")
 
 
-def _far_from_zero_case(data, decades: float, activation: str):
-    """A (samples, 2 BOUND_CHANNELS, 4, 4) float64 case of 1024 to 2048 values a channel whose
-    channels' means lie 10^(decades - 1/2) to 10^decades standard deviations from 0."""
+def _far_from_zero_case(data, decades: float, activation: str,
+                        values: tuple[int, int] = (1024, 2048)):
+    """A (samples, 2 BOUND_CHANNELS, 4, 4) float64 case of ``values`` (fewest, most) values a
+    channel whose channels' means lie 10^(decades - 1/2) to 10^decades standard deviations
+    from 0."""
     side = 4
-    samples = data.draw(st.integers(1024 // side**2, 2048 // side**2), label="samples")
+    samples = data.draw(st.integers(-(-values[0] // side**2), values[1] // side**2),
+                        label="samples")
     channels = BOUND_CHANNELS * 2
     gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16), label="seed"))
     offset = 10.0 ** torch.empty(channels, dtype=torch.float64).uniform_(
@@ -881,3 +884,26 @@ def test_float32_bound_on_inputs_far_from_zero(activation, inplace, replicas, de
                                 replicas=replicas, inplace=inplace)
     _assert_within_bound(ratios, gamma, beta, f"{activation} inplace={inplace} x{replicas} "
                          f"mean/std 1e{decades:.2g} {shape}")
+
+
+@settings(max_examples=6, deadline=None, derandomize=True)
+@given(
+    activation=st.sampled_from(["identity", "leaky_relu", "elu"]),
+    inplace=st.booleans(),
+    nesting=st.sampled_from([(2, 2), (2, 3), (3, 2)]),
+    decades=st.floats(1.0, 4.0),
+    data=st.data(),
+)
+def test_float32_bound_on_inputs_far_from_zero_through_nested_calls(activation, inplace,
+                                                                    nesting, decades, data):
+    """``test_float32_bound_on_inputs_far_from_zero`` with the layer in nested simulated
+    DataParallel calls: a nested call's merged float32 mean goes on to the outer merge with
+    its rounding (``functional.MergeReplicas``), and the outer merge's float32 mean takes its
+    own rounding out (``exchange._merged``)."""
+    shape, x, dy, gamma, beta = _far_from_zero_case(data, decades, activation)
+    x, dy, gamma, beta = x.float(), dy.float(), gamma.float(), beta.float()
+    x = off_kink(x, gamma, beta, activation)
+    ratios, _ = ratios_to_bound(x, dy, gamma, beta, activation, SLOPES.get(activation, 0.01),
+                                replicas=nesting, inplace=inplace)
+    _assert_within_bound(ratios, gamma, beta, f"{activation} inplace={inplace} nested "
+                         f"{nesting} mean/std 1e{decades:.2g} {shape}")

@@ -171,7 +171,7 @@ class StubLaunches:
 
     def __init__(self, triton_ops) -> None:
         from encoding_syncbn.kernels.triton.plan import Target
-        from encoding_syncbn.layer import functional
+        from encoding_syncbn.layer import exchange, functional
 
         # kernels.ops_for hands a CPU tensor to the Triton backend only where its kernels are
         # interpreted (this flag, which nothing else reads): told so, it routes CPU tensors to
@@ -187,7 +187,7 @@ class StubLaunches:
         # A GPU's statistics are device tensors, which the far-from-zero check does not read
         # (it would wait for the device); here they are CPU tensors no kernel wrote, whose
         # garbage would send every call down the CPU's extra pass over x.
-        functional._far_from_zero = lambda mean, invstd: False
+        functional.far_from_zero = exchange.far_from_zero = lambda mean, invstd: False
 
     def _launch(self, planned, device) -> None:
         """The launches, then what no kernel wrote and the layer reads: the small-gamma flags

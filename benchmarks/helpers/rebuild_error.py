@@ -112,14 +112,22 @@ def exact_input_gradient(x: torch.Tensor, dy: torch.Tensor, gamma: torch.Tensor,
 
 
 def input_gradient(norm: nn.Module, x: torch.Tensor, dy: torch.Tensor,
-                   replicas: int | Sequence[int], activation: str, slope: float
-                   ) -> tuple[torch.Tensor, bool]:
+                   replicas: int | Sequence[int], activation: str, slope: float,
+                   compiler: str | None = None) -> tuple[torch.Tensor, bool]:
     """dx of ``norm`` (+ the activation, unless it fuses one) over ``replicas`` simulated
     DataParallel replicas (a sequence: nested calls, outermost first), and whether its output
-    was written over its input (in place)."""
+    was written over its input (in place). ``compiler``: a ``torch.compile`` backend the
+    model runs under (its second call, after the one an in-place layer counts in: see
+    ``layer/compiled_inplace.py``); None: eager."""
     model = norm
     for count in reversed([replicas] if isinstance(replicas, int) else replicas):
         model = SimulatedDataParallel(model, count) if count > 1 else model
+    if compiler is not None:
+        torch._dynamo.reset()
+        model = torch.compile(model, backend=compiler)
+        model(x.clone()).backward(dy)
+        for param in norm.parameters():
+            param.grad = None
     leaf = x.clone().requires_grad_()
     h = leaf * 1
     with warnings.catch_warnings():
@@ -137,16 +145,17 @@ def input_gradient(norm: nn.Module, x: torch.Tensor, dy: torch.Tensor,
 
 def ratios_to_bound(x: torch.Tensor, dy: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor,
                     activation: str, slope: float, replicas: int | Sequence[int],
-                    inplace: bool = True) -> tuple[torch.Tensor, bool]:
+                    inplace: bool = True, compiler: str | None = None
+                    ) -> tuple[torch.Tensor, bool]:
     """Per channel, the layer's dx error over the bound (above 1: the bound fails), and
     whether its output was written over its input (single replica; else False);
-    ``replicas``: as ``input_gradient``'s."""
+    ``replicas``, ``compiler``: as ``input_gradient``'s."""
     layer = SyncBatchNorm(x.shape[1], eps=EPS, activation=activation, slope=slope,
                           inplace=inplace, dtype=x.dtype)
     with torch.no_grad():
         layer.weight.copy_(gamma)
         layer.bias.copy_(beta)
-    ours, in_place = input_gradient(layer, x, dy, replicas, activation, slope)
+    ours, in_place = input_gradient(layer, x, dy, replicas, activation, slope, compiler)
     return gradient_ratios(ours, x, dy, gamma, beta, activation, slope), in_place
 
 

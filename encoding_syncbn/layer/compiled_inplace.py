@@ -41,7 +41,7 @@ import weakref
 import torch
 
 from .. import activations
-from . import inplace_policy
+from . import compiled_mean, inplace_policy
 from .inplace_policy import gamma_limit, small_gamma_mask
 
 #: Whether a compiled in-place call keeps only its output (False: it runs out of place, as
@@ -160,19 +160,20 @@ def keep_aside(layer: torch.nn.Module, x: torch.Tensor, count: int | None) -> in
 
 
 def norm_act(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, mean: torch.Tensor,
-             var: torch.Tensor, eps: float, batch: bool, kept: int, activation: str,
-             slope: float) -> torch.Tensor:
-    """``act((x - mean) / sqrt(var + eps) * weight + bias)``, keeping for backward the output
-    and the input of ``kept`` channels: those whose gamma the output cannot be inverted
-    through, first (``inplace_policy.small_gamma_mask``).
-    ``batch``: ``(mean, var)`` are x's own statistics (their gradient is part of x's); else
-    constants (the running statistics). The statistics come detached."""
+             invstd: torch.Tensor, offset: torch.Tensor | None, batch: bool, kept: int,
+             activation: str, slope: float) -> torch.Tensor:
+    """``act((x - mean) * invstd * weight + bias)``, keeping for backward the output and the
+    input of ``kept`` channels: those whose gamma the output cannot be inverted through,
+    first (``inplace_policy.small_gamma_mask``).
+    ``batch``: ``(mean, invstd)`` are x's own statistics (their gradient is part of x's),
+    ``offset`` their mean's error in units of xhat (``compiled_mean.BatchStats``; None: not
+    taken); else constants (the running statistics). The statistics come detached."""
     index = None
     if kept:
         flags = small_gamma_mask(weight.detach(), bias.detach(), gamma_limit())
         index = torch.topk(flags.to(torch.int32), kept, sorted=False).indices
-    invstd = torch.rsqrt(var + eps)
-    return RebuiltNormAct.apply(x, weight, bias, mean, invstd, index, batch, activation, slope)
+    return RebuiltNormAct.apply(x, weight, bias, mean, invstd, offset, index, batch, activation,
+                                slope)
 
 
 def _channel_view(v: torch.Tensor, dims: int) -> torch.Tensor:
@@ -182,8 +183,10 @@ def _channel_view(v: torch.Tensor, dims: int) -> torch.Tensor:
 class RebuiltNormAct(torch.autograd.Function):
     """``(x, w, b) -> y = act((x - mean) * invstd * w + b)``, keeping y (and the input of the
     channels ``index``) for backward, where ``z = act^-1(y)`` and ``xhat = (z - b) / w``;
-    the other channels' ``xhat`` comes from their input. Traced by Dynamo into the compiled
-    graph (forward and backward in ATen ops, for Inductor to fuse).
+    the other channels' ``xhat`` comes from their input. ``offset``: the mean's error in
+    units of xhat (``compiled_mean.BatchStats``; None: none), taken out of z through the bias,
+    and out of the kept channels' xhat. Traced by Dynamo into the compiled graph (forward
+    and backward in ATen ops, for Inductor to fuse).
 
     Inductor computes per-channel arithmetic inside the element loops that read it (a
     quotient or a root then costs a division an element), unless the value is a graph output
@@ -192,20 +195,21 @@ class RebuiltNormAct(torch.autograd.Function):
     the sums, ``xhat * w * invstd`` is ``(z - b) * invstd``, and ``/ n`` is ``* (1 / n)``."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, mean, invstd, index, batch: bool, activation: str,
-                slope: float):
+    def forward(ctx, x, weight, bias, mean, invstd, offset, index, batch: bool,
+                activation: str, slope: float):
         v = lambda t: _channel_view(t, x.dim())  # noqa: E731
         scale = invstd * weight
-        z = (x.to(mean.dtype) - v(mean)) * v(scale) + v(bias)
+        shifted = bias if offset is None else compiled_mean.shifted_bias(weight, bias, offset)
+        z = (x.to(mean.dtype) - v(mean)) * v(scale) + v(shifted)
         y = activations.ACTIVATIONS[activation].forward(z, slope).to(x.dtype)
         kept_input = None if index is None else x.index_select(1, index)
-        ctx.save_for_backward(y, weight, bias, mean, invstd, scale, index, kept_input)
+        ctx.save_for_backward(y, weight, bias, mean, invstd, scale, offset, index, kept_input)
         ctx.batch, ctx.activation, ctx.slope = batch, activation, slope
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        y, weight, bias, mean, invstd, scale, index, kept_input = ctx.saved_tensors
+        y, weight, bias, mean, invstd, scale, offset, index, kept_input = ctx.saved_tensors
         acc, dims = mean.dtype, y.dim()
         v = lambda t: _channel_view(t, dims)  # noqa: E731
         reduced = [0, *range(2, dims)]
@@ -220,6 +224,8 @@ class RebuiltNormAct(torch.autograd.Function):
         kept_dx = None
         if index is not None:  # the channels kept aside, from their input
             kept_xhat = (kept_input.to(acc) - v(mean[index])) * v(invstd[index])
+            if offset is not None:
+                kept_xhat = kept_xhat - v(offset[index])
             kept_dz = dy_acc.index_select(1, index)
             if definition.derivative is not None:
                 kept_z = kept_xhat * v(weight[index]) + v(bias[index])
@@ -242,4 +248,4 @@ class RebuiltNormAct(torch.autograd.Function):
         if kept_dx is not None:
             dx = dx.index_copy(1, index, kept_dx * v(scale[index]))
         return (dx.to(dy.dtype), sum_dz_xhat.to(weight.dtype), sum_dz.to(bias.dtype),
-                None, None, None, None, None, None)
+                None, None, None, None, None, None, None)

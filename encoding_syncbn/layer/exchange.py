@@ -16,13 +16,14 @@ from typing import Any, NamedTuple
 import torch
 
 from ..kernels import RunningStats
-from ..sync import distributed
+from ..sync import distributed, stats
 from ..sync.replicas import ReplicaSlot
 from ..sync.streams import stream_event, wait_for
 from .functional import (
     Exchanged,
     ReplicaStats,
     _Link,
+    far_from_zero,
     merge_parts,
     merge_replicas,
     on_device,
@@ -117,9 +118,13 @@ class Exchange:
                 f"{self.label}: expected more than 1 value per channel when training, got 1 "
                 "over the whole synchronised batch"
             )
-        # The mean's error in units of xhat, as ``functional._mean_offset`` takes it: no
-        # function of x autograd should see (nor a checkpoint count among its saved tensors).
-        offset = None if error is None else error * invstd.detach()
+        # The mean's error in units of xhat, as ``functional._mean_offset`` takes it (float32:
+        # only far from 0, as there): no function of x autograd should see (nor a checkpoint
+        # count among its saved tensors).
+        offset = None
+        if error is not None and (mean.dtype == torch.float64
+                                  or far_from_zero(mean.detach(), invstd.detach())):
+            offset = error * invstd.detach()
         return mean, m2, invstd, total, offset
 
 
@@ -164,13 +169,15 @@ def _merged(contributions: list[ReplicaStats | SubBatch], eps: float
                               tuple(r.link for r in replicas), error))
     device, dtype, wide = contributions[0].mean.device, contributions[0].mean.dtype, torch.float64
     errors = (None if any(p.error is None for p in parts)
-              else [on_device(p.error, device) for p in parts])
+              else [on_device(p.error, device).to(wide) for p in parts])
     with torch.autograd.graph.saved_tensors_hooks(_kept, _kept):
         mean, m2, invstd, error = merge_parts(
             [on_device(p.mean, device).to(wide) for p in parts],
             [on_device(p.m2, device).to(wide) for p in parts],
             [p.count for p in parts], [p.links for p in parts], eps, errors)
-        return mean.to(dtype), m2.to(dtype), invstd.to(dtype), total, error
+        rounded = mean.to(dtype)
+        return (rounded, m2.to(dtype), invstd.to(dtype), total,
+                stats.rounded_error(mean, error, rounded))
 
 
 def _kept(tensor: torch.Tensor) -> torch.Tensor:

@@ -159,7 +159,7 @@ def _mean_offset(x: torch.Tensor, mean: torch.Tensor, invstd: torch.Tensor
     """Per channel, what ``(x - mean) * invstd`` exceeds the exact xhat by: the rounded
     mean's error (``torch_ops.residual_mean``) times invstd; None where it does not count:
     float32 statistics (of float32 and half inputs) within ``FAR_MEAN`` standard deviations
-    of 0 (``_far_from_zero``).
+    of 0 (``far_from_zero``).
 
     Why: the error is the same in every element of a channel, so the backward's sums carry
     it unaveraged: over n values dx errs by about it over sqrt(n) (relative), and ELU's
@@ -171,7 +171,7 @@ def _mean_offset(x: torch.Tensor, mean: torch.Tensor, invstd: torch.Tensor
     is right too, and xhat taken from x is corrected in the backward's per-channel sums and
     coefficients (``_exact_xhat_sums``, ``_on_exact_xhat``): no element pass of its own. Its
     cost is ``residual_mean``'s read of x (float32: only far from 0)."""
-    if mean.dtype != torch.float64 and not _far_from_zero(mean, invstd):
+    if mean.dtype != torch.float64 and not far_from_zero(mean, invstd):
         return None
     with torch.no_grad():
         return torch_ops.residual_mean(x, mean).mul_(invstd)
@@ -183,7 +183,7 @@ def _mean_offset(x: torch.Tensor, mean: torch.Tensor, invstd: torch.Tensor
 FAR_MEAN = 8.0
 
 
-def _far_from_zero(mean: torch.Tensor, invstd: torch.Tensor) -> bool:
+def far_from_zero(mean: torch.Tensor, invstd: torch.Tensor) -> bool:
     """Whether some channel's mean lies further than ``FAR_MEAN`` standard deviations from 0,
     read on the host where the statistics are CPU tensors with values, outside a compiled
     graph; elsewhere False (the read would wait for the device, or break the graph: a GPU's
@@ -713,8 +713,8 @@ _MERGE_LEADING_ARGS = 6
 class MergeReplicas(torch.autograd.Function):
     """``(x_1..x_k) -> (mean[C], M2[C], invstd[C], error[C])`` of their union
     (``stats.chan_merge``; ``error``: the merged mean's, the exact mean less it, where the
-    replicas bring theirs, ``errors``, in float64, or bring float32 inputs' means in float64
-    far from 0 (``_far_from_zero``), else None; not differentiable).
+    replicas bring theirs, ``errors``, in float64, or bring float32 inputs' means in float64,
+    else None; not differentiable).
 
     The statistics come precomputed (``means``, ``m2s``, on the merge's device); the inputs
     are there so that autograd brings the merge's backward each replica's input gradient to
@@ -734,10 +734,11 @@ class MergeReplicas(torch.autograd.Function):
         error = None
         if merged.error is not None and dtype == torch.float64:
             error = merged.error
-        elif xs[0].dtype == torch.float32 and dtype == torch.float32 and _far_from_zero(
-                merged.mean, merged.invstd):
+        elif xs[0].dtype == torch.float32 and dtype == torch.float32:
             # float32 replicas bring their means in float64 (``replica_stats``): the merged
-            # mean's error is its rounding to float32.
+            # mean's error is its rounding to float32. Always known, for a merge that follows
+            # (a nested call's outer one, the processes'); the replicas take it out of xhat
+            # only far from 0 (``exchange.Exchange._merge``).
             error = (merged.mean - mean.to(merged.mean.dtype)).to(dtype)
         if error is not None:
             ctx.mark_non_differentiable(error)
@@ -914,7 +915,8 @@ def merge_replicas(replicas: Sequence[ReplicaStats], eps: float
     """The merged ``(mean, M2, invstd, error)`` of ``replicas``, on the first one's device,
     in their statistics dtype; merged in float64 (per-channel vectors: cheap). ``error``:
     the merged mean's (the exact mean less it: ``_mean_offset``), where every replica brings
-    its own (``ReplicaStats.mean_error``); else None."""
+    its own (``ReplicaStats.mean_error``) or its float32 input's mean in float64
+    (``ReplicaStats.precise_mean``); else None."""
     device, wide = replicas[0].mean.device, torch.float64
     counts = stats.counts_of([r.count for r in replicas], device, wide)
     errors = (None if any(r.mean_error is None for r in replicas)

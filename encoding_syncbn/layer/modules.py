@@ -19,7 +19,7 @@ from ..kernels import RunningStats, channel_vector, torch_ops
 from ..sync import distributed, replicas
 from ..sync.group import ReplicaGroup
 from ..sync.replicas import ReplicaSlot
-from . import compiled_inplace, inplace_policy, recompute, tracing
+from . import compiled_inplace, compiled_mean, inplace_policy, recompute, tracing
 from .exchange import Exchange
 from .functional import (
     batch_norm_act,
@@ -364,16 +364,28 @@ class SyncBatchNorm(_BatchNorm):
                 # compiled plain net (the statistics' own formula below costs more there).
                 # Eagerly (torch.func, export) ATen's CPU kernel would compute
                 # x * scale + shift, which a large mean cancels. In place: see
-                # ``compiled_inplace``.
+                # ``compiled_inplace``; float64 takes its mean's error out: ``compiled_mean``.
                 kept = (compiled_inplace.keep_aside(self, x, x.numel() // self.num_features)
                         if compiled else None)
+                if compiled and acc == torch.float64:
+                    batch = compiled_mean.batch_stats(x, self.eps)
+                    if self.training:
+                        track(batch.mean, batch.m2, count)
+                    if kept is not None:
+                        return compiled_inplace.norm_act(
+                            x, weight, bias, batch.mean, batch.invstd, batch.offset, True, kept,
+                            self.activation, self.slope)
+                    return compiled_mean.InputNormAct.apply(
+                        x, weight, bias, batch.mean, batch.invstd, batch.offset,
+                        self.activation, self.slope)
                 if self.training or kept is not None:
                     with torch.no_grad():
                         var, mean = torch.var_mean(x.to(acc), dims, correction=0)
                 if self.training:
                     track(mean, var * count, count)
                 if kept is not None:
-                    return compiled_inplace.norm_act(x, weight, bias, mean, var, self.eps, True,
+                    return compiled_inplace.norm_act(x, weight, bias, mean,
+                                                     torch.rsqrt(var + self.eps), None, True,
                                                      kept, self.activation, self.slope)
                 z = torch.nn.functional.batch_norm(x.to(acc), None, None, weight, bias, True,
                                                    0.0, self.eps)
@@ -386,8 +398,9 @@ class SyncBatchNorm(_BatchNorm):
             mean, var = self.running_mean.to(acc), self.running_var.to(acc)
             kept = compiled_inplace.keep_aside(self, x, None) if compiled else None
             if kept is not None:
-                return compiled_inplace.norm_act(x, weight, bias, mean, var, self.eps, False,
-                                                 kept, self.activation, self.slope)
+                return compiled_inplace.norm_act(x, weight, bias, mean,
+                                                 torch.rsqrt(var + self.eps), None, False, kept,
+                                                 self.activation, self.slope)
         config = ActConfig(self.activation, self.slope, False, self._label())
         return norm_act_composite(config)(x, mean, torch.rsqrt(var + self.eps), weight, bias)
 

@@ -4,7 +4,7 @@ After the master replica of each process has merged its replicas' statistics, it
 ``(mean, M2, count)`` per rank of the process group and merges those again with Chan's
 formula. Gathering and merging are one autograd Function, whose backward all-reduces the 2C
 gradients of the merged statistics and applies its own rank's Jacobian: one collective
-forward (W rows of 2C+1; 3C+1 in float64, with the means' errors), one backward (2C values,
+forward (W rows of 3C+1: the means' errors too), one backward (2C values,
 whatever the world size), per layer call.
 A rank with an empty batch takes part with count 0 and gets zero gradients. A float64 call
 over fewer than ``MIN_FLOAT64_REBUILT_COUNT`` values a channel in the whole group gathers every
@@ -49,11 +49,12 @@ class _MergeAcrossProcesses(torch.autograd.Function):
     whole group.
 
     Forward: one all_gather of every rank's ``(mean, M2, count)`` (float64: counts exact up to
-    2^53), then Chan's merge (``stats.chan_merge``), the same on every rank. Float64
-    statistics gather each rank's mean's error too (``error``: the exact mean less ``mean``;
-    zeros where not known) and merge them with the means: a rank's rounded mean shifts every
-    normalised value of the group (``layer.functional._mean_offset``), and ``error`` is the
-    merged mean's (None in narrower dtypes; not differentiable). Backward: every
+    2^53), then Chan's merge (``stats.chan_merge``) in float64, the same on every rank. The
+    ranks gather each one's mean's error too (``error``: the exact mean less ``mean``; zeros
+    where not known) and merge them with the means: a rank's rounded mean shifts every
+    normalised value of the group (``layer.functional._mean_offset``), and the M2 terms of
+    float32 means rounded apart cost M2 their rounding over the deviations. ``error`` is the
+    merged mean's, rounded to the statistics' dtype included (not differentiable). Backward: every
     rank computed the same function of the same gathered rows, so the gradient of the total
     loss with respect to the merged statistics is the sum over ranks of each rank's: one
     all_reduce of 2C values ``(g_mean, g_M2)`` (g_M2 folds in invstd's gradient, a function of
@@ -70,13 +71,10 @@ class _MergeAcrossProcesses(torch.autograd.Function):
     @staticmethod
     def forward(ctx, mean: torch.Tensor, m2: torch.Tensor, count: int, eps: float,
                 process_group: Any, batch: Any, error: torch.Tensor | None):
-        channels = mean.numel()
-        # The same layout in every rank: the dtype is the layer's.
-        with_errors = mean.dtype == torch.float64
-        errors = [] if not with_errors else [torch.zeros_like(mean) if error is None else error]
-        packed = torch.cat(
-            [mean.double(), m2.double(), *errors, mean.new_tensor([count], dtype=torch.float64)]
-        )
+        channels, wide = mean.numel(), torch.float64
+        packed = torch.cat([mean.to(wide), m2.to(wide),
+                            torch.zeros_like(mean, dtype=wide) if error is None else error.to(wide),
+                            mean.new_tensor([count], dtype=wide)])
         world = dist.get_world_size(process_group)
         rows = [torch.empty_like(packed) for _ in range(world)]
         dist.all_gather(rows, packed, group=process_group)
@@ -87,21 +85,21 @@ class _MergeAcrossProcesses(torch.autograd.Function):
         host_counts = [int(c) for c in counts.tolist()]
         rank = dist.get_rank(process_group)
         merged = stats.chan_merge(
-            gathered[:, :channels].to(mean.dtype).unbind(0),
-            gathered[:, channels:2 * channels].to(mean.dtype).unbind(0),
-            stats.counts_of(host_counts, mean.device, mean.dtype), eps,
-            gathered[:, 2 * channels:-1].unbind(0) if with_errors else None,
+            gathered[:, :channels].unbind(0), gathered[:, channels:2 * channels].unbind(0),
+            stats.counts_of(host_counts, mean.device, wide), eps,
+            gathered[:, 2 * channels:-1].unbind(0),
         )
+        dtype = mean.dtype
+        merged_mean, invstd = merged.mean.to(dtype), merged.invstd.to(dtype)
+        error = stats.rounded_error(merged.mean, merged.error, merged_mean)
         total = float(sum(host_counts))
         ctx.process_group, ctx.total, ctx.count = process_group, total, host_counts[rank]
         ctx.counts, ctx.rank, ctx.batch = host_counts, rank, batch
         # Detached: see functional.MergeReplicas.
-        ctx.deviation, ctx.invstd = merged.deviation[rank], merged.invstd.detach()
-        ctx.mark_non_differentiable(counts)
-        if merged.error is not None:
-            ctx.mark_non_differentiable(merged.error)
+        ctx.deviation, ctx.invstd = merged.deviation[rank], invstd.detach()
+        ctx.mark_non_differentiable(counts, error)
         ctx.set_materialize_grads(False)
-        return merged.mean, merged.m2, merged.invstd, counts, merged.error
+        return merged_mean, merged.m2.to(dtype), invstd, counts, error
 
     @staticmethod
     def backward(ctx, grad_mean, grad_m2, grad_invstd, _grad_counts, _grad_error):
@@ -119,14 +117,18 @@ class _MergeAcrossProcesses(torch.autograd.Function):
             # gradient of the statistics.
             return zeros, zeros, None, None, None, None, None
         grad_m2 = stats.total_grad_m2(grad_m2, grad_invstd, ctx.invstd, ctx.total)
+        # In float64 in every rank: a rank of few values computes its statistics in float64
+        # where the others' are float32 (``functional.computes_in`` judges each process's
+        # count), and the collective needs one layout.
         packed = torch.cat([zeros if grad_mean is None else grad_mean,
-                            zeros if grad_m2 is None else grad_m2])
+                            zeros if grad_m2 is None else grad_m2]).to(torch.float64)
         dist.all_reduce(packed, group=ctx.process_group)
         grad_mean, grad_m2 = packed.chunk(2)
         share = ctx.count / max(ctx.total, 1.0)
         grad_own_mean = torch.addcmul(grad_mean * share, ctx.deviation, grad_m2,
                                       value=2.0 * ctx.count)
-        return grad_own_mean, grad_m2, None, None, None, None, None
+        dtype = ctx.invstd.dtype
+        return grad_own_mean.to(dtype), grad_m2.to(dtype), None, None, None, None, None
 
 
 def _gathered_whole_batch(ctx) -> bool:
@@ -163,10 +165,9 @@ def merge_across_processes(
     batch: Any = None, error: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, torch.Tensor | None]:
     """The whole group's ``(mean, M2, invstd, count, error)`` from this rank's, differentiable
-    but for ``error`` (the mean's: the exact mean less it, float64 statistics only;
-    ``_MergeAcrossProcesses``). ``batch``: this process's replicas'
-    ``layer.whole_batch.WholeBatch``, where their input gradients may come from every rank's
-    inputs at once (None: never)."""
+    but for ``error`` (the mean's: the exact mean less it; ``_MergeAcrossProcesses``).
+    ``batch``: this process's replicas' ``layer.whole_batch.WholeBatch``, where their input
+    gradients may come from every rank's inputs at once (None: never)."""
     mean, m2, invstd, counts, error = _MergeAcrossProcesses.apply(
         mean, m2, count, eps, process_group, batch, error)
     return mean, m2, invstd, int(counts.sum()), error

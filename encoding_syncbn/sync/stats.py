@@ -109,6 +109,18 @@ def chan_merge(means: Sequence[torch.Tensor], m2s: Sequence[torch.Tensor], count
     return Merged(mean, m2, invstd, exact_deviation, None if error is None else error.detach())
 
 
+def rounded_error(merged_mean: torch.Tensor, error: torch.Tensor | None, mean: torch.Tensor
+                  ) -> torch.Tensor | None:
+    """The error of ``mean``, ``merged_mean`` rounded to a narrower dtype (float32
+    statistics, merged in float64), in ``mean``'s dtype: that rounding plus the merged
+    mean's own ``error`` (None where the groups brought none)."""
+    if error is None:
+        return None
+    if mean.dtype == merged_mean.dtype:
+        return error
+    return (merged_mean - mean.to(merged_mean.dtype)).add_(error).to(mean.dtype)
+
+
 def total_grad_m2(grad_m2: torch.Tensor | None, grad_invstd: torch.Tensor | None,
                   invstd: torch.Tensor, total: float) -> torch.Tensor | None:
     """g_M2: the gradient reaching M2 directly and through invstd (None if neither does)."""
