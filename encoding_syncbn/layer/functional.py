@@ -616,14 +616,19 @@ class _ReadInGraph(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_mean, grad_invstd):
-        link = ctx.link
-        read = [None if g is None else g.detach() for g in (grad_mean, grad_invstd)]
-        if link.read_grads is not None:  # read by the graphs of several backward passes
-            read = [a if b is None else b if a is None else a + b
-                    for a, b in zip(read, link.read_grads)]
-        link.read_grads = tuple(read)
-        compat.queue_backward_callback(link.clear)
+        _record_read(ctx.link, grad_mean, grad_invstd)
         return grad_mean, grad_invstd, None
+
+
+def _record_read(holder: _Link | Part, *grads: torch.Tensor | None) -> None:
+    """Add the gradients a reading node brought to ``holder.read_grads``, where they last to
+    the end of the backward pass (``holder.clear`` queued)."""
+    read = [None if g is None else g.detach() for g in grads]
+    if holder.read_grads is not None:  # read by the graphs of several backward passes
+        read = [a if b is None else b if a is None else a + b
+                for a, b in zip(read, holder.read_grads)]
+    holder.read_grads = tuple(read)
+    compat.queue_backward_callback(holder.clear)
 
 
 class RunningNormAct(torch.autograd.Function):
@@ -943,16 +948,6 @@ class Part:
         self.mean = mean  # detached
         self.read_grads: tuple[torch.Tensor | None, torch.Tensor | None] | None = None
 
-    def read(self, grad_mean: torch.Tensor | None, grad_m2: torch.Tensor | None) -> None:
-        """Add the gradients one ``_ReadParts`` node brought; they last to the end of the
-        backward pass."""
-        read = [None if g is None else g.detach() for g in (grad_mean, grad_m2)]
-        if self.read_grads is not None:  # read by the graphs of several backward passes
-            read = [a if b is None else b if a is None else a + b
-                    for a, b in zip(read, self.read_grads)]
-        self.read_grads = tuple(read)
-        compat.queue_backward_callback(self.clear)
-
     def clear(self) -> None:
         self.read_grads = None
 
@@ -1031,7 +1026,7 @@ class _ReadParts(torch.autograd.Function):
     def backward(ctx, *grads):
         k = len(ctx.parts)
         for part, grad_mean, grad_m2 in zip(ctx.parts, grads[:k], grads[k:]):
-            part.read(grad_mean, grad_m2)
+            _record_read(part, grad_mean, grad_m2)
         return (None, *grads)
 
 
