@@ -771,6 +771,22 @@ def _far_from_zero_case(data, decades: float, activation: str,
     return _off_centre_case(gen, (samples, channels, side, side), offset, activation)
 
 
+
+def _assert_bound_far_from_zero(data, decades: float, activation: str, inplace: bool,
+                                replicas: int | tuple[int, ...], dtype: torch.dtype) -> None:
+    """The README bound on a ``_far_from_zero_case`` in ``dtype`` over ``replicas``
+    simulated DataParallel replicas (a tuple: nested calls). Narrower than float64, elements
+    whose z lies within its rounding of the kink are first moved off it (``off_kink``:
+    there the slope is a draw of the roundings, nn.BatchNorm2d's too)."""
+    shape, x, dy, gamma, beta = _far_from_zero_case(data, decades, activation)
+    if dtype != torch.float64:
+        x, dy, gamma, beta = (t.to(dtype) for t in (x, dy, gamma, beta))
+        x = off_kink(x, gamma, beta, activation)
+    ratios, _ = ratios_to_bound(x, dy, gamma, beta, activation, SLOPES.get(activation, 0.01),
+                                replicas=replicas, inplace=inplace)
+    _assert_within_bound(ratios, gamma, beta, f"{activation} inplace={inplace} {dtype} "
+                         f"replicas {replicas} mean/std 1e{decades:.2g} {shape}")
+
 @settings(max_examples=6, deadline=None, derandomize=True)
 @given(
     activation=st.sampled_from(["identity", "leaky_relu", "elu"]),
@@ -788,11 +804,7 @@ def test_float64_bound_on_inputs_far_from_zero(activation, inplace, replicas, de
     nn.BatchNorm2d's own mean does by other luck; and the merge's deviations of the replicas'
     rounded means cost M2 about as much. The layer normalises with the mean's error taken
     out (``functional._mean_offset``; merged, ``stats.chan_merge``)."""
-    shape, x, dy, gamma, beta = _far_from_zero_case(data, decades, activation)
-    ratios, _ = ratios_to_bound(x, dy, gamma, beta, activation, SLOPES.get(activation, 0.01),
-                                replicas=replicas, inplace=inplace)
-    _assert_within_bound(ratios, gamma, beta, f"{activation} inplace={inplace} x{replicas} "
-                         f"mean/std 1e{decades:.2g} {shape}")
+    _assert_bound_far_from_zero(data, decades, activation, inplace, replicas, torch.float64)
 
 
 @settings(max_examples=4, deadline=None, derandomize=True)
@@ -810,11 +822,7 @@ def test_float64_bound_on_inputs_far_from_zero_through_nested_calls(activation, 
     error (``exchange.SubBatch``), and the replicas' backward takes the gap between their
     nested call's mean and the outer one exact (``functional._mean_gap``); either rounded
     shifts every element's gradient alike."""
-    shape, x, dy, gamma, beta = _far_from_zero_case(data, decades, activation)
-    ratios, _ = ratios_to_bound(x, dy, gamma, beta, activation, SLOPES.get(activation, 0.01),
-                                replicas=nesting, inplace=inplace)
-    _assert_within_bound(ratios, gamma, beta, f"{activation} inplace={inplace} nested "
-                         f"{nesting} mean/std 1e{decades:.2g} {shape}")
+    _assert_bound_far_from_zero(data, decades, activation, inplace, nesting, torch.float64)
 
 
 def along_xhat(x: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
@@ -877,13 +885,7 @@ def test_float32_bound_on_inputs_far_from_zero(activation, inplace, replicas, de
     float64 merged mean). Elements whose z lies within its rounding of the kink are moved
     off it (``off_kink``: there the slope is a draw of the roundings, nn.BatchNorm2d's
     too)."""
-    shape, x, dy, gamma, beta = _far_from_zero_case(data, decades, activation)
-    x, dy, gamma, beta = x.float(), dy.float(), gamma.float(), beta.float()
-    x = off_kink(x, gamma, beta, activation)
-    ratios, _ = ratios_to_bound(x, dy, gamma, beta, activation, SLOPES.get(activation, 0.01),
-                                replicas=replicas, inplace=inplace)
-    _assert_within_bound(ratios, gamma, beta, f"{activation} inplace={inplace} x{replicas} "
-                         f"mean/std 1e{decades:.2g} {shape}")
+    _assert_bound_far_from_zero(data, decades, activation, inplace, replicas, torch.float32)
 
 
 @settings(max_examples=6, deadline=None, derandomize=True)
@@ -900,10 +902,4 @@ def test_float32_bound_on_inputs_far_from_zero_through_nested_calls(activation, 
     DataParallel calls: a nested call's merged float32 mean goes on to the outer merge with
     its rounding (``functional.MergeReplicas``), and the outer merge's float32 mean takes its
     own rounding out (``exchange._merged``)."""
-    shape, x, dy, gamma, beta = _far_from_zero_case(data, decades, activation)
-    x, dy, gamma, beta = x.float(), dy.float(), gamma.float(), beta.float()
-    x = off_kink(x, gamma, beta, activation)
-    ratios, _ = ratios_to_bound(x, dy, gamma, beta, activation, SLOPES.get(activation, 0.01),
-                                replicas=nesting, inplace=inplace)
-    _assert_within_bound(ratios, gamma, beta, f"{activation} inplace={inplace} nested "
-                         f"{nesting} mean/std 1e{decades:.2g} {shape}")
+    _assert_bound_far_from_zero(data, decades, activation, inplace, nesting, torch.float32)
