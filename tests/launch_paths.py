@@ -81,25 +81,24 @@ def _parameter_sizes(compiled) -> list[int]:
     return [8 if t.startswith("*") else _SIZES[t] for t in types] + _SCRATCH
 
 
-def main() -> None:
-    runs = [0]
-    public_run = JITFunction.run
+def _count_calls(owner: type, name: str) -> list[int]:
+    """Count the calls of ``owner.name`` from now on, in the one-item list returned."""
+    calls = [0]
+    original = getattr(owner, name)
 
     def counted(self, *args, **kwargs):
-        runs[0] += 1
-        return public_run(self, *args, **kwargs)
+        calls[0] += 1
+        return original(self, *args, **kwargs)
 
-    JITFunction.run = counted
+    setattr(owner, name, counted)
+    return calls
+
+
+def main() -> None:
+    runs = _count_calls(JITFunction, "run")
     # Triton's Python launcher around its C launch: a direct launch passes it by where
     # ``compat.triton_direct_launch`` knows this release's.
-    wrapped = [0]
-    launcher_call = CudaLauncher.__call__
-
-    def counted_launcher(self, *args, **kwargs):
-        wrapped[0] += 1
-        return launcher_call(self, *args, **kwargs)
-
-    CudaLauncher.__call__ = counted_launcher
+    wrapped = _count_calls(CudaLauncher, "__call__")
     cases = []  # (label, launch, the aligned launch it is a misaligned twin of)
     for planned in _chosen():
         name = planned.kernel.fn.__name__
