@@ -2,7 +2,7 @@
 a channel and |beta| / |gamma|, in float32 and float64.
 
     python benchmarks/few_values_precision.py [--rule off | --inplace off] [--backend triton]
-        [--mean-over-std M] [--compile inductor] [--record]
+        [--mean-over-std M] [--dy-along-xhat NOISE] [--compile inductor] [--record]
 
 The bound (README, Limits): per channel, dx's error <= 3 max(nn.BatchNorm2d + the activation's
 error in the same dtype, half an ulp of the channel's largest |dx|), errors against an exact
@@ -24,8 +24,12 @@ count rule, every channel with |gamma| > 1e-3 max(1, |beta|) rebuilt; a call ove
 rounded mean shifts every normalised value of its channel alike, by its error over the
 standard deviation, which grows with this ratio. Elements whose z lies within its rounding of
 the activation's kink are moved off it first (helpers/rebuild_error.py's ``off_kink``: there
-the slope is a draw of the roundings, nn.BatchNorm2d's too). ``--compile``: the layer under
-``torch.compile`` (its formula in ATen ops), measured at its second call, on one replica.
+the slope is a draw of the roundings, nn.BatchNorm2d's too). ``--dy-along-xhat``: output
+gradients ``xhat + NOISE * N(0, 1)`` (as a squared loss on the layer's output gives) instead of
+``N(0, 1)``: the exact input gradient is then a difference of terms about 1 / NOISE times its
+size, whose roundings the bound, relative to |dx|, does not allow for (README, Limits).
+``--compile``: the layer under ``torch.compile`` (its formula in ATen ops), measured at its
+second call, on one replica.
 """
 
 from __future__ import annotations
@@ -81,7 +85,13 @@ def cell(dtype: torch.dtype, count: int, ratio: float, args: argparse.Namespace,
         beta = ratio * size * (signs.abs() if beta_sign else signs)
         x = ((torch.randn(shape, generator=gen, dtype=torch.float64) + args.mean_over_std)
              * 2).to(dtype)
-        dy = torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype)
+        dy = torch.randn(shape, generator=gen, dtype=torch.float64)
+        if args.dy_along_xhat is not None:
+            wide = x.double()
+            dims = [0, 2, 3]
+            xhat = (wide - wide.mean(dims, keepdim=True)) / wide.std(dims, keepdim=True)
+            dy = xhat + args.dy_along_xhat * dy
+        dy = dy.to(dtype)
         x = off_kink(x, gamma.to(dtype), beta.to(dtype), activation)
         ratios, _ = ratios_to_bound(x, dy, gamma, beta, activation,
                                     SLOPES.get(activation, 0.01), replicas,
@@ -104,6 +114,8 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=4)
     parser.add_argument("--channels", type=int, default=32)
     parser.add_argument("--mean-over-std", type=float, default=0.25)
+    parser.add_argument("--dy-along-xhat", type=float, metavar="NOISE",
+                        help="output gradients xhat + NOISE * N(0, 1) (default: N(0, 1))")
     parser.add_argument("--compile", metavar="BACKEND",
                         help="run the layer under torch.compile with this backend (inductor, "
                              "aot_eager), one replica")
@@ -135,14 +147,19 @@ def main() -> None:
              f"the largest over {args.trials} generated layers of {args.channels} channels "
              f"(activation, {'1 replica' if args.compile else '1-4 replicas'}, "
              f"|gamma| in [0.1, 10] (ELU: [0.1, 1], beta >= 0), "
-             f"data drawn, mean / std {args.mean_over_std:g}), in brackets the "
-             f"share of channels over 1; columns |beta| / |gamma|. "
+             f"data drawn, mean / std {args.mean_over_std:g}"
+             + ("" if args.dy_along_xhat is None else
+                f", dy = xhat + {args.dy_along_xhat:g} N(0, 1)")
+             + "), in brackets the "
+             "share of channels over 1; columns |beta| / |gamma|. "
              + (f"In place, rule {args.rule}." if args.inplace == "on" else "inplace=False.")
              + (f" Under torch.compile(backend={args.compile!r})." if args.compile else ""))
     print(notes + "\n\n" + table)
     variant = f"rule {args.rule}" if args.inplace == "on" else "inplace=False"
     if args.compile:
         variant += f", compiled by {args.compile}"
+    if args.dy_along_xhat is not None:
+        variant += f", dy along xhat (noise {args.dy_along_xhat:g})"
     results.record(args, f"few_values_precision.py ({args.backend}, {variant})", table, notes)
 
 

@@ -903,3 +903,32 @@ def test_float32_bound_on_inputs_far_from_zero_through_nested_calls(activation, 
     its rounding (``functional.MergeReplicas``), and the outer merge's float32 mean takes its
     own rounding out (``exchange._merged``)."""
     _assert_bound_far_from_zero(data, decades, activation, inplace, nesting, torch.float32)
+
+
+@settings(max_examples=8, deadline=None, derandomize=True)
+@given(
+    activation=st.sampled_from(["identity", "leaky_relu", "elu"]),
+    inplace=st.booleans(),
+    replicas=st.integers(1, 2),
+    side=st.sampled_from([1, 4, 8]),
+    data=st.data(),
+)
+def test_float32_bound_over_hundreds_of_values(activation, inplace, replicas, side, data):
+    """The bound in float32 over 64 to 1024 values a channel (above the counts kept out of
+    place or widened), in place and out of place, on inputs within a standard deviation of
+    0, one or two simulated DataParallel replicas. Every element of dx takes the per-channel
+    coefficients ``w * invstd``, ``-w * invstd * mean(dz * xhat)`` and ``-w * invstd *
+    mean(dz)``: each rounded once (float64's exact ``w * invstd``, then rounded to float32,
+    ``backend.dx_coefs`` and the Triton kernel alike), not through float32 products."""
+    samples = data.draw(st.integers(-(-64 // side**2), 1024 // side**2), label="samples")
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16), label="seed"))
+    offset = torch.empty(BOUND_CHANNELS * 2, dtype=torch.float64).uniform_(0.0, 1.0,
+                                                                           generator=gen)
+    shape, x, dy, gamma, beta = _off_centre_case(gen, (samples, len(offset), side, side),
+                                                 offset, activation)
+    x, dy, gamma, beta = (t.float() for t in (x, dy, gamma, beta))
+    x = off_kink(x, gamma, beta, activation)
+    ratios, _ = ratios_to_bound(x, dy, gamma, beta, activation, SLOPES.get(activation, 0.01),
+                                replicas=replicas, inplace=inplace)
+    _assert_within_bound(ratios, gamma, beta, f"{activation} inplace={inplace} x{replicas} "
+                         f"{shape}")

@@ -97,9 +97,13 @@ def dx_coefs(params: NormParams, coefs: DxCoefs | BatchSums) -> DxCoefs:
         return coefs
     if coefs.sum_dz.dtype == torch.float64:
         return _float64_dx_coefs(params, coefs)
-    scale = params.weight * params.invstd
+    # Taken in float64 and rounded once each (``w * invstd`` is exact there): every element
+    # of dx takes them, unaveraged.
+    wide, dtype = torch.float64, coefs.sum_dz.dtype
+    scale = params.weight.to(wide) * params.invstd.to(wide)
     per_element = scale * (-1.0 / coefs.count)
-    return DxCoefs(scale, per_element * coefs.sum_dz_xhat, per_element * coefs.sum_dz)
+    return DxCoefs(scale.to(dtype), (per_element * coefs.sum_dz_xhat.to(wide)).to(dtype),
+                   (per_element * coefs.sum_dz.to(wide)).to(dtype))
 
 
 def _float64_dx_coefs(params: NormParams, sums: BatchSums) -> DxCoefs:

@@ -49,6 +49,17 @@ def _double_coefs(weight, invstd, sum_dz_xhat, sum_dz, neg_inv_count):
 
 
 @triton.jit
+def _wide_coefs(weight, invstd, sum_dz_xhat, sum_dz, neg_inv_count, ACC: tl.constexpr):
+    """float32's ``(scale, p * sum(dz * xhat), p * sum(dz))`` (``_double_coefs``' order),
+    taken in float64 and rounded once each, as ``backend.dx_coefs`` takes them: ``w *
+    invstd`` is exact there, and every element of dx takes them, unaveraged."""
+    scale = weight.to(tl.float64) * invstd.to(tl.float64)
+    p = scale * neg_inv_count
+    return (scale.to(ACC), (p * sum_dz_xhat.to(tl.float64)).to(ACC),
+            (p * sum_dz.to(tl.float64)).to(ACC))
+
+
+@triton.jit
 def _backward_dx_kernel(saved_ptr, dy_ptr, dx_ptr, mean_ptr, invstd_ptr, weight_ptr, bias_ptr,
                         coef_dz_ptr, coef_xhat_ptr, coef_const_ptr, neg_inv_count: tl.float64,
                         activation_param: tl.float64, N, C, S, R, CS, tiles, tiles_s,
@@ -79,10 +90,8 @@ def _backward_dx_kernel(saved_ptr, dy_ptr, dx_ptr, mean_ptr, invstd_ptr, weight_
             coef_dz, coef_xhat, coef_const = _double_coefs(weight, invstd, coef_xhat,
                                                            coef_const, neg_inv_count)
         else:
-            coef_dz = weight * invstd
-            per_element = coef_dz * tl.full([], neg_inv_count, ACC)
-            coef_xhat = per_element * coef_xhat
-            coef_const = per_element * coef_const
+            coef_dz, coef_xhat, coef_const = _wide_coefs(weight, invstd, coef_xhat, coef_const,
+                                                         neg_inv_count, ACC)
     else:
         coef_dz = load_channel(coef_dz_ptr, c0, C, CHANNELS_LAST, CHANNEL_ROWS, BLOCK_A, BLOCK_B)
     no_xhat_term = coef_xhat == 0.0
@@ -94,11 +103,9 @@ def _backward_dx_kernel(saved_ptr, dy_ptr, dx_ptr, mean_ptr, invstd_ptr, weight_
         xhat, dz = tile_xhat_dz(saved_ptr, dy_ptr, base + local, mask, mean, invstd, weight,
                                 bias, param, ACTIVATION, SAVED_IS_OUTPUT, ACC)
         # A zero coef_xhat (constant statistics) drops the xhat term: NaN * 0 is no NaN of dx.
-        if DOUBLE:  # two roundings, on a GPU and in the interpreter alike
-            dx = tl.fma(dz, coef_dz,
-                        tl.where(no_xhat_term, coef_const, tl.fma(xhat, coef_xhat, coef_const)))
-        else:
-            dx = (dz * coef_dz + tl.where(no_xhat_term, 0.0, xhat * coef_xhat)) + coef_const
+        # Two roundings, on a GPU and in the interpreter alike.
+        dx = tl.fma(dz, coef_dz,
+                    tl.where(no_xhat_term, coef_const, tl.fma(xhat, coef_xhat, coef_const)))
         tl.store(dx_ptr + base + local, dx.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
