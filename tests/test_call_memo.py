@@ -91,16 +91,19 @@ def _call(layer, x, dy, swap):
     return result, x.grad, grads, [None if r is None else r.clone() for r in running]
 
 
-@settings(max_examples=24, deadline=None, derandomize=True)
+@settings(max_examples=30, deadline=None, derandomize=True)
 @given(change=st.sampled_from(sorted(CHANGES)), context=st.sampled_from(sorted(CONTEXTS)),
        dtype=st.sampled_from([torch.float64, torch.float32]), swap=st.booleans(),
-       activation=st.sampled_from(["leaky_relu", "identity", "none"]))
-def test_a_repeat_call_matches_a_first_call(change, context, dtype, swap, activation):
+       activation=st.sampled_from(["leaky_relu", "identity", "none"]), training=st.booleans())
+def test_a_repeat_call_matches_a_first_call(change, context, dtype, swap, activation, training):
     gen = torch.Generator().manual_seed(0)
     layer = SyncBatchNorm(3, activation=activation, slope=0.1, dtype=torch.float64)
     with torch.no_grad():
         layer.weight.copy_(torch.tensor([1.5, -0.7, 0.8]))
         layer.bias.copy_(torch.tensor([0.1, 0.2, -0.3]))
+        layer.running_mean.copy_(torch.tensor([0.3, -0.2, 0.1]))
+        layer.running_var.copy_(torch.tensor([0.5, 2.0, 1.5]))
+    layer.train(training)
     twin = copy.deepcopy(layer)
     x0, x1 = (torch.randn(SHAPE, dtype=dtype, generator=gen) for _ in range(2))
     dy = torch.randn(SHAPE, dtype=dtype, generator=gen)

@@ -3,14 +3,16 @@
 A call of one replica that is not synchronised (its own batch's statistics, or the running
 ones) checks its input (rank, channels, dtype, values a channel) and decides, before any
 launch, how it runs: in training or with the running statistics, over how many values a
-channel, and whether its key lets it run in place (``inplace_policy.in_place_by_key``). All of
-that follows from the input's shape, dtype and device and from the layer's own attributes, as
-long as the call runs eagerly with nothing around it that changes its path (a quiet call,
-``CallMemo.fits``). So
-``SyncBatchNorm`` keeps what its last such call decided (``CallMemo``) and a call with the same
-key, while quiet, goes straight to what each call must still do: read the parameters and
+channel, in which dtype, and whether its key lets it run in place
+(``inplace_policy.in_place_by_key``). All of that follows from the input's shape, dtype and
+device and from the layer's own attributes, as long as the call runs eagerly with nothing
+around it that changes its path (a quiet call, ``CallMemo.fits``). So ``SyncBatchNorm`` keeps
+what its last such call decided (``CallMemo``), and a quiet call of the same key goes straight
+to what each call must still do (``SyncBatchNorm._repeat_call``): read the parameters and
 running statistics (a parametrization computes them, ``functional_call`` swaps them), ask
 whether this tensor may be overwritten and which channels keep their input aside, and launch.
+A key whose values a channel are too few for the input's own precision
+(``functional.computes_in``) keeps no memo.
 
 The memo holds no tensor: nothing it holds goes stale when a tensor's values, or which tensor
 the layer holds, change. The layer drops it whenever one of its attributes is assigned or
