@@ -122,6 +122,16 @@ def inside_backward() -> bool:
     return _graph_task_id()() != -1
 
 
+def eager_untraced() -> bool:
+    """Whether a call runs with no ``torch.func`` transform, ``torch.jit.trace`` or
+    ``torch.export`` recording it, outside a backward pass (``transformed_or_jit_traced``,
+    ``exporting`` and ``inside_backward`` all False), asked in one call: the layer's memo asks
+    it at every call (``layer/call_memo.py``). Eagerly only: its caller asks
+    ``torch.compiler.is_compiling()`` first, which Dynamo folds."""
+    return not (_transforms_active() or _jit_tracing() or exporting()
+                or _graph_task_id()() != -1)
+
+
 @functools.cache
 def _top_saved_tensor_hooks() -> Callable[[bool], Any] | None:
     return getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)

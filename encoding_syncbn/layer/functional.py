@@ -145,7 +145,8 @@ def _normalize(ctx, x, mean, invstd, weight, bias, config: ActConfig, kept_chann
     """Run the forward pass with the statistics ``(mean, invstd)``, in place or not, and save
     what backward needs; ``backend``: the one the caller looked up for ``x`` (None: look it
     up); ``offset``: the mean's error in units of xhat (``_mean_offset``; None: none)."""
-    kept, out = _keep_aside(x, kept_channels), _output(x, config)
+    kept = () if kept_channels is None else _keep_aside(x, kept_channels)
+    out = _output(x, config)
     shifted = bias if offset is None else _shifted_bias(weight, bias, offset)
     (backend or _ops(x, mean.dtype)).normalize_act(
         x, NormParams(mean, invstd, weight, shifted, config.activation, config.activation_param),
@@ -188,8 +189,8 @@ def far_from_zero(mean: torch.Tensor, invstd: torch.Tensor) -> bool:
     read on the host where the statistics are CPU tensors with values, outside a compiled
     graph; elsewhere False (the read would wait for the device, or break the graph: a GPU's
     or a compiled call's float32 statistics keep their rounded mean)."""
-    if (torch.compiler.is_compiling() or not mean.is_cpu or type(mean) is not torch.Tensor
-            or type(invstd) is not torch.Tensor):
+    if (not mean.is_cpu or type(mean) is not torch.Tensor or type(invstd) is not torch.Tensor
+            or torch.compiler.is_compiling()):
         return False
     far = np.abs(mean.detach().numpy()) * invstd.detach().numpy() > FAR_MEAN
     return bool(far.any())
@@ -208,7 +209,8 @@ def _normalize_running(ctx, x, running_mean, running_var, eps: float, weight, bi
                        config: ActConfig, kept_channels) -> torch.Tensor:
     """``_normalize`` with the running statistics: the backend's ``normalize_running``
     derives ``(mean, invstd)`` from them in the same pass, and backward reads those."""
-    kept, out = _keep_aside(x, kept_channels), _output(x, config)
+    kept = () if kept_channels is None else _keep_aside(x, kept_channels)
+    out = _output(x, config)
     mean, invstd = ops_for(x).normalize_running(x, RunningParams(
         running_mean, running_var, eps, weight, bias, config.activation,
         config.activation_param), out)
@@ -1077,8 +1079,20 @@ def batch_norm_act(
     if count is None:
         count = x.numel() // x.shape[1]
     wide = computes_in(x.dtype, count, x.device)
-    backend = _ops(x, wide)
-    widened = _widened(x, wide)
+    return widened_batch_norm_act(x, _widened(x, wide), _ops(x, wide), weight, bias, eps,
+                                  config, running, channels_aside, recomputing, count, check)
+
+
+def widened_batch_norm_act(
+    x: torch.Tensor, widened: torch.Tensor, backend: Backend, weight: torch.Tensor,
+    bias: torch.Tensor, eps: float, config: ActConfig, running: RunningStats | None,
+    channels_aside: ChannelsAside | None, recomputing: bool, count: int,
+    check: GammaCheck | None,
+) -> torch.Tensor:
+    """``batch_norm_act`` once the call's dtype is chosen: ``widened``, x as its statistics
+    read it (``_widened``), and ``backend``, the ops computing in that dtype (``_ops``); a
+    repeat call whose key computes in x's own statistics dtype knows both without asking
+    (``call_memo``)."""
     mean, invstd, flags = backend.batch_stats(widened, eps, running, check)
     kept = None
     if config.inplace:

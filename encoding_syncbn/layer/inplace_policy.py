@@ -334,7 +334,7 @@ class ChannelsAside:
     original call used.
     """
 
-    __slots__ = ("found", "known", "_host", "_ready", "_pinned")
+    __slots__ = ("found", "known", "_host", "_ready", "_pinned", "_check")
 
     def __init__(self, found: tuple[int, ...] | None = None) -> None:
         self.found = found
@@ -346,6 +346,8 @@ class ChannelsAside:
         self._ready: torch.cuda.Event | None = None
         # Reused from call to call (one answer is on its way at a time).
         self._pinned: torch.Tensor | None = None
+        # The last call's check, for the calls with the same parameters.
+        self._check: GammaCheck | None = None
 
     @classmethod
     def read_now(cls, weight: torch.Tensor | None, bias: torch.Tensor | None) -> ChannelsAside:
@@ -366,7 +368,10 @@ class ChannelsAside:
         if (self.found is not None or self._host is not None
                 or self._frozen(weight, recomputing)):
             return None
-        return GammaCheck(weight, bias, gamma_limit(with_margin=True))
+        check = self._check
+        if check is None or check.weight is not weight or check.bias is not bias:
+            check = self._check = GammaCheck(weight, bias, gamma_limit(with_margin=True))
+        return check
 
     def index(self, weight: torch.Tensor, bias: torch.Tensor, recomputing: bool = False,
               flags: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -633,6 +638,15 @@ class CallPlan(NamedTuple):
     check: GammaCheck | None = None
 
 
+def in_place_by_key(config: ActConfig, dtype: torch.dtype, count: int | None) -> bool:
+    """Whether a call of an in-place layer configured as ``config`` may run in place as far as
+    its input's dtype and its values a channel tell (``count``: as ``plan_call``'s): the part
+    of ``plan_call``'s decision that is the same for every call of one key
+    (``call_memo``)."""
+    return (stays_in_place(config.activation, dtype)
+            and (count is None or rebuilds_from_count(count, dtype)))
+
+
 def plan_call(config: ActConfig, x: torch.Tensor, warned: list[bool],
               channels_aside: ChannelsAside, weight: torch.Tensor, bias: torch.Tensor, *,
               count: int | None = None, recomputing: bool = False) -> CallPlan:
@@ -661,11 +675,24 @@ def plan_call(config: ActConfig, x: torch.Tensor, warned: list[bool],
         return CallPlan(config)
     if checking():
         before_write(x, config.layer)
-    if (torch.compiler.is_compiling() or not can_overwrite(x, warned)
-            or not stays_in_place(config.activation, x.dtype)
-            or (count is not None and not rebuilds_from_count(count, x.dtype))):
+    if torch.compiler.is_compiling():
         return CallPlan(config._replace(inplace=False))
-    if count is not None:
+    return plan_overwrite(config, x, warned, channels_aside, weight, bias,
+                          in_place_by_key(config, x.dtype, count), count is not None,
+                          recomputing)
+
+
+def plan_overwrite(config: ActConfig, x: torch.Tensor, warned: list[bool],
+                   channels_aside: ChannelsAside, weight: torch.Tensor, bias: torch.Tensor,
+                   by_key: bool, own_batch: bool, recomputing: bool = False) -> CallPlan:
+    """``plan_call`` of an in-place layer's call outside ``torch.compile`` and the misuse
+    checks, whose key lets it run in place or not (``by_key``: ``in_place_by_key``):
+    whether ``x`` may be overwritten, and the channels kept aside, or their check where
+    ``own_batch`` (a training call on x's own batch). A repeat call asks this alone
+    (``call_memo``)."""
+    if not can_overwrite(x, warned) or not by_key:
+        return CallPlan(config._replace(inplace=False))
+    if own_batch:
         return CallPlan(config, check=channels_aside.check(weight, bias, recomputing))
     return CallPlan(config, kept=channels_aside.index(weight, bias, recomputing))
 

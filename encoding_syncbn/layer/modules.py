@@ -15,18 +15,21 @@ from torch.nn.utils import parametrize
 
 from .. import activations, compat
 from ..activations import ActConfig
-from ..kernels import RunningStats, channel_vector, torch_ops
+from ..kernels import RunningStats, channel_vector, ops_for, torch_ops
 from ..sync import distributed, replicas
 from ..sync.group import ReplicaGroup
 from ..sync.replicas import ReplicaSlot
 from . import compiled_inplace, compiled_mean, inplace_policy, recompute, tracing
+from .call_memo import CallMemo
 from .exchange import Exchange
 from .functional import (
     batch_norm_act,
+    computes_in,
     norm_act_composite,
     normalize_running,
     synced_batch_norm_act,
     track_batch,
+    widened_batch_norm_act,
 )
 from .inplace_policy import ChannelsAside
 from .recompute import RecomputeCache
@@ -53,7 +56,7 @@ COMPILE_AS_FORMULA = True
 
 # Attributes that only make sense for the live object: dropped by pickle and deepcopy.
 _TRANSIENT = ("_open_group", "_replica_slot", "_recompute_cache", "_replicas_channels_aside",
-              "_channels_aside", "_warned_out_of_place", "_config",
+              "_channels_aside", "_warned_out_of_place", "_config", "_call_memo",
               *compiled_inplace.TRANSIENT)
 
 
@@ -167,6 +170,9 @@ class SyncBatchNorm(_BatchNorm):
         self._warned_out_of_place: list[bool] = [False]
         self._config = self._make_config()
         compiled_inplace.watch(self)
+        # The last unsynchronised call's checks and decisions, for the calls of its key
+        # (``call_memo``); None: none kept. Dropped at every assignment (``__setattr__``).
+        self._call_memo: CallMemo | None = None
 
     def __setattr__(self, name: str, value: Any) -> None:
         """Assigning ``activation``, ``slope``, ``inplace``, ``eps`` or ``momentum`` after
@@ -185,10 +191,16 @@ class SyncBatchNorm(_BatchNorm):
             inplace_policy.resolve_inplace(self._label(), options["activation"], options["slope"],
                                            options["inplace"], self._compute_dtype())
         super().__setattr__(name, value)
+        if name != "_call_memo":  # the decisions kept may follow from any attribute
+            self.__dict__["_call_memo"] = None
         if name in _CONFIG_SOURCES and "_config" in self.__dict__:
             self._config = self._make_config()
         if name in ("weight", "bias", "inplace") and "_config" in self.__dict__:
             compiled_inplace.watch(self)
+
+    def __delattr__(self, name: str) -> None:
+        super().__delattr__(name)
+        self.__dict__["_call_memo"] = None  # a parametrization's or a pruning's removal
 
     def _make_config(self) -> ActConfig:
         """The layer's ``ActConfig``: made when one of its sources is assigned, not in each
@@ -246,6 +258,7 @@ class SyncBatchNorm(_BatchNorm):
 
     def _apply(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> SyncBatchNorm:
         super()._apply(fn, *args, **kwargs)
+        self.__dict__["_call_memo"] = None  # another device or dtype, outside __setattr__
         compiled_inplace.watch(self)  # the parameters may have moved off the CPU, or onto it
         return self
 
@@ -292,7 +305,12 @@ class SyncBatchNorm(_BatchNorm):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         """One call, in one of three ways: recorded as one node of the graph ``torch.fx``
         traces; computed in ATen ops where a capture or a transform records it
-        (``_forward_in_aten_ops``); else run (``_forward``)."""
+        (``_forward_in_aten_ops``); else run (``_forward``), or, where the last call's checks
+        and decisions hold for this one, run as that call decided (``_repeat_call``)."""
+        if not torch.compiler.is_compiling():  # Dynamo never reads the memo (no guard on it)
+            memo = self._call_memo
+            if memo is not None and memo.fits(input):
+                return self._repeat_call(input, memo)
         if not isinstance(input, torch.Tensor) and tracing.is_fx_proxy(input):
             return tracing.fx_leaf_call(self, self._label(), input)
         if tracing.in_aten_ops():
@@ -511,10 +529,49 @@ class SyncBatchNorm(_BatchNorm):
         else:
             out = batch_norm_act(x, weight, bias, self.eps, plan.config, running,
                                  self._channels_aside, recomputing, count, plan.check)
+        if not (synced or recomputing or compiling or slot is not None or self._group_open()
+                or (count is not None
+                    and computes_in(x.dtype, count, x.device) != torch_ops.stats_dtype(x.dtype))):
+            self.__dict__["_call_memo"] = CallMemo(
+                x.shape, x.dtype, x.device, evaluating, count,
+                inplace_policy.in_place_by_key(self._config, x.dtype, count))
         # ``out is x``: written in place (not a fallback out of place).
         if out is x and inplace_policy.checking():
             return inplace_policy.after_write(x, out, self._label())
         return out
+
+    def _repeat_call(self, x: torch.Tensor, memo: CallMemo) -> torch.Tensor:
+        """A call of the key of the last unsynchronised call, which ``memo`` holds the checks
+        and decisions of (``call_memo``): what may differ between calls of one key is done
+        again (the parameters and running statistics read, whether this tensor may be
+        overwritten, the channels kept aside), then the call runs as ``_forward`` runs it.
+        Where the running statistics came or went (``functional_call`` swaps them) or the
+        processes now synchronise: ``_forward``, from the start."""
+        running_mean = self.running_mean
+        evaluating = not self.training and running_mean is not None
+        if evaluating is not memo.evaluating or (not evaluating and self.sync
+                                                 and self._syncs_processes()):
+            return self._forward(x, None)
+        x = compat.unwrap_if_dead(x)
+        params = self.weight, self.bias  # read once: a parametrized weight is computed at each read
+        self._check_device(x, running_mean, params[0])
+        weight, bias = self._affine_params(*params, x)
+        config, kept, check = self._config, None, None
+        if config.inplace:
+            config, kept, check = inplace_policy.plan_overwrite(
+                config, x, self._warned_out_of_place, self._channels_aside, weight, bias,
+                memo.in_place, not evaluating)
+        if evaluating:
+            return normalize_running(x, running_mean, self.running_var, self.eps, weight, bias,
+                                     config, kept)
+        # The key computes in x's own statistics dtype (or keeps no memo): x as it is.
+        return widened_batch_norm_act(x, x, ops_for(x), weight, bias, self.eps, config,
+                                      self._running(running_mean), self._channels_aside, False,
+                                      memo.count, check)
+
+    def _group_open(self) -> bool:
+        """Whether ``replicate()`` made a group of this layer's replicas that is still alive."""
+        return self._open_group is not None and self._open_group() is not None
 
     def _synced(self, slot: ReplicaSlot | None) -> bool:
         """Whether this call takes its batch statistics over several replicas or processes."""

@@ -1,0 +1,54 @@
+"""A layer call's checks and decisions, kept for the calls after it with the same key.
+
+A call of one replica that is not synchronised (its own batch's statistics, or the running
+ones) checks its input (rank, channels, dtype, values a channel) and decides, before any
+launch, how it runs: in training or with the running statistics, over how many values a
+channel, in which dtype, and whether its key lets it run in place
+(``inplace_policy.in_place_by_key``). All of that follows from the input's shape, dtype and
+device and from the layer's own attributes, as long as the call runs eagerly with nothing
+around it that changes its path (a quiet call, ``CallMemo.fits``). So ``SyncBatchNorm`` keeps
+what its last such call decided (``CallMemo``), and a quiet call of the same key goes straight
+to what each call must still do (``SyncBatchNorm._repeat_call``): read the parameters and
+running statistics (a parametrization computes them, ``functional_call`` swaps them), ask
+whether this tensor may be overwritten and which channels keep their input aside, and launch.
+A key whose values a channel are too few for the input's own precision
+(``functional.computes_in``) keeps no memo.
+
+The memo holds no tensor: nothing it holds goes stale when a tensor's values, or which tensor
+the layer holds, change. The layer drops it whenever one of its attributes is assigned or
+deleted (``train()``/``eval()``, ``activation``, ``inplace``, ``replicate()``'s replica slot, a
+pruning hook's weight, a parametrization's class), its tensors are converted (``_apply``:
+``to()``, ``half()``) and when it is unpickled or copied; a call of a new key is checked in
+full, and leaves the memo as it was where it fails.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from .. import compat
+from . import inplace_policy, tracing
+
+
+class CallMemo(NamedTuple):
+    """What a call of one key decided: the key (the input's ``shape``, ``dtype``, ``device``),
+    its mode (``evaluating``: with the running statistics), its values a channel (``count``;
+    None: evaluating) and whether the key lets it run in place (``in_place``)."""
+
+    shape: torch.Size
+    dtype: torch.dtype
+    device: torch.device
+    evaluating: bool
+    count: int | None
+    in_place: bool
+
+    def fits(self, x: object) -> bool:
+        """Whether a call on ``x`` now, outside ``torch.compile`` (the caller asks first), may
+        take these decisions: a plain tensor of the key, in a quiet call: nothing around it
+        that changes its path (not captured or transformed, ``tracing.in_aten_ops``; not a
+        checkpoint's recomputation inside backward; without the in-place misuse checks)."""
+        return (type(x) is torch.Tensor and x.shape == self.shape and x.dtype == self.dtype
+                and x.device == self.device and compat.eager_untraced()
+                and not tracing.in_forward_ad() and not inplace_policy.checking())
