@@ -347,13 +347,23 @@ class SyncBatchNorm(_BatchNorm):
         dims = [0, *range(2, x.dim())]
         if merged:
             count = x.numel() // self.num_features
-            if count:  # in float64, as the merge: a float32 mean would round the merge's M2
+            # In float64, as the merge: a float32 mean would round the merge's M2. A float64
+            # call brings its mean's error too (``compiled_mean.rank_stats``; an empty batch
+            # takes part with zeros, count 0) and normalises with the merged mean's taken
+            # out, through the bias (``compiled_mean.shifted_bias``; invstd differentiable).
+            error = None
+            if acc == torch.float64:
+                mean, m2, error = compiled_mean.rank_stats(x)
+            elif count:
                 var, mean = torch.var_mean(x.to(torch.float64), dims, correction=0)
-            else:  # an empty batch takes part with count 0
-                var = mean = x.new_zeros(self.num_features, dtype=torch.float64)
-            mean, m2, invstd, count = distributed.merge_traced(
-                mean, var * count, count, self.eps, self.process_group)
+                m2 = var * count
+            else:
+                m2 = mean = x.new_zeros(self.num_features, dtype=torch.float64)
+            mean, m2, invstd, count, error = distributed.merge_traced(
+                mean, m2, count, self.eps, self.process_group, error)
             track(mean.detach(), m2.detach(), count)
+            if acc == torch.float64:
+                bias = compiled_mean.shifted_bias(weight, bias, error * invstd)
             return norm_act_composite(ActConfig(self.activation, self.slope, False))(
                 x, mean.to(acc), invstd.to(acc), weight, bias)
         if self.training or self.running_mean is None:  # the batch's own statistics
