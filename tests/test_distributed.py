@@ -545,6 +545,14 @@ def scenario_compiled_far_from_zero_float64(ctx):
     _far_from_zero_scenario(ctx["world"], torch.float64, 1.0, st.booleans(), "aot_eager")
 
 
+def scenario_compiled_far_from_zero_float32(ctx):
+    """``scenario_compiled_far_from_zero_float64`` in float32, output gradients as drawn: the
+    merged float64 mean's rounding to float32 is taken out through the bias, per channel (a
+    float32 mean rounded apart from nn.BatchNorm2d's shifts every xhat of its channel alike,
+    which ELU's slope carries)."""
+    _far_from_zero_scenario(ctx["world"], torch.float32, 1.0, st.just(False), "aot_eager")
+
+
 def _far_from_zero_scenario(world: int, dtype: torch.dtype, fewest_decades: float,
                             along_xhat: st.SearchStrategy[bool],
                             compiler: str | None = None) -> None:
@@ -712,7 +720,8 @@ def scenario_double_backward(ctx):
 SCENARIOS = {
     2: ["uneven", "empty_rank", "replicas", "collective_count", "solo_group", "ddp",
         "double_backward", "compiled_ddp", "few_values_float64", "far_from_zero_float64",
-        "far_from_zero_float32", "compiled_far_from_zero_float64", "mixed_precision_ranks"],
+        "far_from_zero_float32", "compiled_far_from_zero_float64",
+        "compiled_far_from_zero_float32", "mixed_precision_ranks"],
     3: ["uneven", "empty_rank", "replicas", "collective_count", "subgroup", "ddp_subgroup",
         "inplace_abn", "few_values_float64", "mixed_precision_ranks"],
 }

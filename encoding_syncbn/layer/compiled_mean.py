@@ -11,10 +11,12 @@ place, ``compiled_inplace.RebuiltNormAct``): no element pass of its own. Merged 
 processes (``distributed.merge_traced``), each rank brings its mean's error to the gather
 (``rank_stats``) and the formula shifts the bias by the merged mean's (``shifted_bias``).
 
-float32 compiled calls keep their rounded mean: its error is at most half an ulp of the
-mean, a few ulps of xhat within ``functional.FAR_MEAN`` standard deviations of 0, and the
-correction would cost the compiled net a read of x at every call, where the eager layer
-pays it only far from 0 (a host read a graph cannot make).
+float32 compiled calls in one process keep their rounded mean: its error is at most half an
+ulp of the mean, a few ulps of xhat within ``functional.FAR_MEAN`` standard deviations of 0,
+and the correction would cost the compiled net a read of x at every call, where the eager
+layer pays it only far from 0 (a host read a graph cannot make). Merged across processes the
+mean is rounded to float32 from the merged float64 one, apart from nn.BatchNorm2d's, and its
+rounding is known per channel: the formula takes it out with the error, at no read of x.
 """
 
 from __future__ import annotations
