@@ -29,13 +29,20 @@ from multiprocessing.connection import wait
 from pathlib import Path
 
 import gloo_group
+import numpy as np
 import pytest
 import test_few_values as few_values
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from helpers.rebuild_error import EPS, gradient_ratios, off_kink
+from helpers.rebuild_error import (
+    EPS,
+    exact_input_gradient,
+    exact_output_and_parameter_gradients,
+    gradient_ratios,
+    off_kink,
+)
 from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 from reference import activate
@@ -43,6 +50,10 @@ from torch import nn
 
 import encoding_syncbn
 from encoding_syncbn import SyncBatchNorm, compat, convert_inplace_abn, convert_sync_batchnorm
+from encoding_syncbn.layer.inplace_policy import (
+    MIN_FLOAT64_REBUILT_COUNT,
+    MIN_OWN_PRECISION_COUNT,
+)
 from encoding_syncbn.testing import SimulatedDataParallel
 
 C = 4
@@ -523,12 +534,35 @@ def scenario_far_from_zero_float32(ctx):
     _far_from_zero_scenario(ctx["world"], torch.float32, 1.0, st.just(False))
 
 
+def scenario_compiled_far_from_zero_float64(ctx):
+    """``scenario_far_from_zero_float64`` through ``DDP(torch.compile(layer))`` (aot_eager),
+    means 10 to 10^4 standard deviations from 0: the layer is traced as its formula with the
+    ranks' merge in functional collectives (``distributed.merge_traced``). Each rank gathers
+    its mean's error with its mean (``compiled_mean.rank_stats``, whose M2 differentiates
+    into exact deviations), and the formula normalises with the merged mean's error taken
+    out through the bias (``compiled_mean.shifted_bias``): a rounded float64 mean shifts
+    every xhat of its channel alike, hundreds of ulps at 10^3."""
+    _far_from_zero_scenario(ctx["world"], torch.float64, 1.0, st.booleans(), "aot_eager")
+
+
+def scenario_compiled_far_from_zero_float32(ctx):
+    """``scenario_compiled_far_from_zero_float64`` in float32, output gradients as drawn: the
+    merged float64 mean's rounding to float32 is taken out through the bias, per channel (a
+    float32 mean rounded apart from nn.BatchNorm2d's shifts every xhat of its channel alike,
+    which ELU's slope carries)."""
+    _far_from_zero_scenario(ctx["world"], torch.float32, 1.0, st.just(False), "aot_eager")
+
+
 def _far_from_zero_scenario(world: int, dtype: torch.dtype, fewest_decades: float,
-                            along_xhat: st.SearchStrategy[bool]) -> None:
-    @settings(max_examples=4, deadline=None, derandomize=True, database=None,
-              phases=[Phase.generate])  # no shrinking: the ranks must draw alike
+                            along_xhat: st.SearchStrategy[bool],
+                            compiler: str | None = None) -> None:
+    """``compiler``: a ``torch.compile`` backend the layer runs under, wrapped in DDP, one
+    replica a rank (None: eager, 1-2 simulated DataParallel replicas a rank)."""
+    @settings(max_examples=4 if compiler is None else 6, deadline=None, derandomize=True,
+              database=None, phases=[Phase.generate])  # no shrinking: the ranks draw alike
     @given(activation=st.sampled_from(["identity", "leaky_relu", "elu"]),
-           inplace=st.booleans(), replicas=st.integers(1, 2),
+           inplace=st.booleans(),
+           replicas=st.integers(1, 2) if compiler is None else st.just(1),
            decades=st.floats(fewest_decades, 4.0), along=along_xhat, data=st.data())
     def case(activation, inplace, replicas, decades, along, data):
         values = (112, 256) if along else (1024, 2048)
@@ -551,20 +585,122 @@ def _far_from_zero_scenario(world: int, dtype: torch.dtype, fewest_decades: floa
             layer.weight.copy_(gamma)
             layer.bias.copy_(beta)
         model = SimulatedDataParallel(layer, replicas) if replicas > 1 else layer
+        if compiler is not None:
+            torch._dynamo.reset()
+            model = nn.parallel.DistributedDataParallel(torch.compile(layer, backend=compiler))
         leaf = x[mine].clone().requires_grad_()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the out-of-place fallback's warning, where it runs
             out = model(leaf * 1)
-        (grad,) = torch.autograd.grad(out, leaf, dy[mine])
+        out.backward(dy[mine])  # DDP's reducer waits for the parameters' gradients
         grads = [None] * world
-        dist.all_gather_object(grads, grad)
+        dist.all_gather_object(grads, leaf.grad)
         ratios = gradient_ratios(torch.cat(grads), x, dy, gamma, beta, activation, slope)
         few_values._assert_within_bound(ratios, gamma, beta,
                                         f"{activation} inplace={inplace} {batches} "
                                         f"x{replicas} mean/std 1e{decades:.2g} along={along} "
-                                        f"{shape}")
+                                        f"compiler={compiler} {shape}")
 
     case()
+
+
+def scenario_mixed_precision_ranks(ctx):
+    """Uneven ranks of which some take their statistics in float64 and the others do not:
+    an fp32, fp16 or bf16 call computes in float64 on a rank of fewer than
+    ``MIN_OWN_PRECISION_COUNT`` values a channel (``functional.computes_in`` judges each
+    process's count) and in float32 on the others, so every rank gathers float64 rows of one
+    layout (``distributed._MergeAcrossProcesses``) and all-reduces float64 gradients; fp64 on
+    either side of ``MIN_FLOAT64_REBUILT_COUNT``. In place or not, half inputs into float32
+    parameters: each rank's output and input gradient and the ranks' summed weight and bias
+    gradients within the README's bound (``_assert_bound_on_the_whole_batch``)."""
+    world = ctx["world"]
+
+    @settings(max_examples=10, deadline=None, derandomize=True, database=None,
+              phases=[Phase.generate])  # no shrinking: the ranks must draw alike
+    @given(dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16,
+                                  torch.float64]),
+           activation=st.sampled_from(["identity", "leaky_relu", "elu"]),
+           inplace=st.booleans(), spatial=st.sampled_from([(1, 1), (2, 2), (3, 1)]),
+           few=st.lists(st.booleans(), min_size=world, max_size=world).filter(
+               lambda few: any(few) and not all(few)),
+           data=st.data())
+    def case(dtype, activation, inplace, spatial, few, data):
+        limit = MIN_FLOAT64_REBUILT_COUNT if dtype == torch.float64 else MIN_OWN_PRECISION_COUNT
+        per_sample = spatial[0] * spatial[1]
+        fewest, most = -(-2 // per_sample), (limit - 1) // per_sample
+        batches = [data.draw(st.integers(fewest, most) if under else
+                             st.integers(most + 1, (limit + 40) // per_sample),
+                             label="batch") for under in few]
+        shape = (sum(batches), C * 2, *spatial)
+        gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16), label="seed"))
+        # ELU: |gamma| <= 1 and beta >= 0, z above about -4 (``few_values.bound_case``).
+        largest = 1.0 if activation == "elu" else 10.0
+        gamma = (torch.empty(shape[1]).uniform_(0.1, largest, generator=gen)
+                 * torch.randn(shape[1], generator=gen).sign())
+        beta = gamma.abs() * torch.empty(shape[1]).uniform_(-3.0, 3.0, generator=gen)
+        if activation == "elu":
+            beta = beta.abs()
+        x = (torch.randn(shape, generator=gen, dtype=torch.float64) * 2 + 0.5).to(dtype)
+        dy = torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype)
+        params = torch.float64 if dtype == torch.float64 else torch.float32
+        slope = SLOPES.get(activation, 0.01)
+        layer = SyncBatchNorm(shape[1], activation=activation, slope=slope, inplace=inplace,
+                              dtype=params)
+        twin = nn.BatchNorm2d(shape[1], dtype=params)
+        for norm in (layer, twin):
+            with torch.no_grad():
+                norm.weight.copy_(gamma)
+                norm.bias.copy_(beta)
+        mine = _offsets(batches)[dist.get_rank()]
+        leaf = x[mine].clone().requires_grad_()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the out-of-place fallback's warning, where it runs
+            out = layer(leaf * 1)
+        assert out.dtype == dtype
+        out.backward(dy[mine])
+        pieces = [None] * world
+        dist.all_gather_object(pieces, (out.detach(), leaf.grad))
+        ours = [torch.cat([piece[i] for piece in pieces]) for i in range(2)]
+        summed = torch.stack([layer.weight.grad, layer.bias.grad]).double()
+        dist.all_reduce(summed)
+        leaf = x.clone().requires_grad_()
+        theirs = activate(twin(leaf), activation, slope)
+        theirs.backward(dy)
+        _assert_bound_on_the_whole_batch(
+            (*ours, *summed), (theirs.detach(), leaf.grad, twin.weight.grad, twin.bias.grad),
+            x, dy, gamma, beta, activation, world,
+            f"{dtype} {activation} inplace={inplace} {batches} {shape}")
+
+    case()
+
+
+def _assert_bound_on_the_whole_batch(ours, theirs, x, dy, gamma, beta, activation: str,
+                                     world: int, what: str) -> None:
+    """``ours`` and ``theirs`` (nn.BatchNorm2d + the activation on the whole batch, in x's
+    precision): ``(y, dx, dw, db)``. Per channel, ours' error against the long-double
+    reference (``helpers.rebuild_error``) within 3x the larger of theirs and half an ulp of
+    x's dtype at the value's size (y: the largest of z's terms; dx: the channel's largest
+    |dx|; dw, db: the root of their terms' squares, ``test_half_precision``'s rule, rounded
+    once a rank and once in the sum of the ranks' dw and db)."""
+    slope = SLOPES.get(activation, 0.01)
+    y, dw, db, y_size, dw_size, db_size = exact_output_and_parameter_gradients(
+        x, dy, gamma, beta, activation, slope)
+    dx = exact_input_gradient(x, dy, gamma, beta, activation, slope)
+    half_ulp = torch.finfo(x.dtype).eps / 2
+    dims = (0, 2, 3)
+    for name, got, torch_got, exact, size, roundings in (
+            ("y", ours[0], theirs[0], y, y_size, 1),
+            ("dx", ours[1], theirs[1], dx, np.abs(dx).max(axis=dims), 1),
+            ("dw", ours[2], theirs[2], dw, dw_size, world + 1),
+            ("db", ours[3], theirs[3], db, db_size, world + 1)):
+        def error(value, exact=exact):
+            error = np.abs(value.detach().double().numpy().astype(np.longdouble) - exact)
+            return error.max(axis=dims) if error.ndim > 1 else error
+        allowed = 3.0 * np.maximum(error(torch_got), roundings * half_ulp * size)
+        # A value ~0 in every channel: an absolute floor.
+        allowed = np.maximum(allowed, 1e-3 * half_ulp * size.max() + 1e-300)
+        ratio = torch.from_numpy((error(got) / allowed).astype(np.float64))
+        few_values._assert_within_bound(ratio, gamma, beta, f"{what} {name}")
 
 
 def scenario_double_backward(ctx):
@@ -584,9 +720,10 @@ def scenario_double_backward(ctx):
 SCENARIOS = {
     2: ["uneven", "empty_rank", "replicas", "collective_count", "solo_group", "ddp",
         "double_backward", "compiled_ddp", "few_values_float64", "far_from_zero_float64",
-        "far_from_zero_float32"],
+        "far_from_zero_float32", "compiled_far_from_zero_float64",
+        "compiled_far_from_zero_float32", "mixed_precision_ranks"],
     3: ["uneven", "empty_rank", "replicas", "collective_count", "subgroup", "ddp_subgroup",
-        "inplace_abn", "few_values_float64"],
+        "inplace_abn", "few_values_float64", "mixed_precision_ranks"],
 }
 
 

@@ -91,6 +91,43 @@ def off_kink(x: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor, activatio
     raise RuntimeError(f"elements still near the kink after {KINK_ROUNDS} rounds")
 
 
+def _exact_slope(z: np.ndarray, activation: str, slope: float) -> np.ndarray:
+    """act'(z) of leaky_relu, ELU or identity, in long double."""
+    wide = np.longdouble
+    if activation == "leaky_relu":
+        return np.where(z > 0, wide(1), wide(slope))
+    if activation == "elu":
+        return np.where(z > 0, wide(1), wide(slope) * np.exp(np.minimum(z, 0)))
+    return np.ones_like(z)
+
+
+def exact_output_and_parameter_gradients(x: torch.Tensor, dy: torch.Tensor,
+                                         gamma: torch.Tensor, beta: torch.Tensor,
+                                         activation: str, slope: float
+                                         ) -> tuple[np.ndarray, ...]:
+    """``(y, dw, db)`` of training-mode BatchNorm (biased variance, ``EPS``) + leaky_relu, ELU
+    or identity on the whole (N, C, H, W) batch, in long double, and the sizes of their terms
+    per channel: the largest ``|gamma * xhat| + |beta|`` (z's terms, whatever cancels in z),
+    and the roots of ``sum((dz * xhat)^2)`` and ``sum(dz^2)`` (how large such a sum is,
+    whatever cancels in it)."""
+    xhat, _, z = _exact_pre_activation(x, gamma, beta)
+    wide = np.longdouble
+    if activation == "leaky_relu":
+        y = np.where(z > 0, z, wide(slope) * z)
+    elif activation == "elu":
+        y = np.where(z > 0, z, wide(slope) * np.expm1(np.minimum(z, 0)))
+    else:
+        y = z
+    dz = dy.double().numpy().astype(wide) * _exact_slope(z, activation, slope)
+    dims = (0, 2, 3)
+    terms = dz * xhat
+    w = gamma.double().numpy().astype(wide).reshape(1, -1, 1, 1)
+    b = beta.double().numpy().astype(wide).reshape(1, -1, 1, 1)
+    return (y, terms.sum(axis=dims), dz.sum(axis=dims),
+            (np.abs(w * xhat) + np.abs(b)).max(axis=dims),
+            np.sqrt((terms * terms).sum(axis=dims)), np.sqrt((dz * dz).sum(axis=dims)))
+
+
 def exact_input_gradient(x: torch.Tensor, dy: torch.Tensor, gamma: torch.Tensor,
                          beta: torch.Tensor, activation: str, slope: float) -> np.ndarray:
     """dx of training-mode BatchNorm (biased variance, ``EPS``) + the activation on the whole
@@ -100,13 +137,7 @@ def exact_input_gradient(x: torch.Tensor, dy: torch.Tensor, gamma: torch.Tensor,
     w = gamma.double().numpy().astype(wide).reshape(1, -1, 1, 1)
     dims = (0, 2, 3)
     xhat, invstd, z = _exact_pre_activation(x, gamma, beta)
-    if activation == "leaky_relu":
-        slope_of_z = np.where(z > 0, wide(1), wide(slope))
-    elif activation == "elu":
-        slope_of_z = np.where(z > 0, wide(1), wide(slope) * np.exp(np.minimum(z, 0)))
-    else:
-        slope_of_z = np.ones_like(z)
-    dz = dy * slope_of_z
+    dz = dy * _exact_slope(z, activation, slope)
     m = (dz * xhat).mean(axis=dims, keepdims=True)
     return w * invstd * (dz - dz.mean(axis=dims, keepdims=True) - xhat * m)
 

@@ -7,12 +7,16 @@ standard deviations. Compiled, the layer's formula (``modules.SyncBatchNorm._for
 the same in ATen ops, with no host read and no value-dependent Python: ``batch_stats`` takes
 the error beside M2, in the pass over ``x - mean`` that M2 needs; the forward normalises with
 the bias shifted by it, and the backward corrects its per-channel sums (``InputNormAct``; in
-place, ``compiled_inplace.RebuiltNormAct``): no element pass of its own.
+place, ``compiled_inplace.RebuiltNormAct``): no element pass of its own. Merged across
+processes (``distributed.merge_traced``), each rank brings its mean's error to the gather
+(``rank_stats``) and the formula shifts the bias by the merged mean's (``shifted_bias``).
 
-float32 compiled calls keep their rounded mean: its error is at most half an ulp of the
-mean, a few ulps of xhat within ``functional.FAR_MEAN`` standard deviations of 0, and the
-correction would cost the compiled net a read of x at every call, where the eager layer
-pays it only far from 0 (a host read a graph cannot make).
+float32 compiled calls in one process keep their rounded mean: its error is at most half an
+ulp of the mean, a few ulps of xhat within ``functional.FAR_MEAN`` standard deviations of 0,
+and the correction would cost the compiled net a read of x at every call, where the eager
+layer pays it only far from 0 (a host read a graph cannot make). Merged across processes the
+mean is rounded to float32 from the merged float64 one, apart from nn.BatchNorm2d's, and its
+rounding is known per channel: the formula takes it out with the error, at no read of x.
 """
 
 from __future__ import annotations
@@ -55,6 +59,25 @@ def batch_stats(x: torch.Tensor, eps: float) -> BatchStats:
         error, m2 = centred.sum(dims) * per_value, centred.square().sum(dims)
         invstd = torch_ops.float64_invstd(m2, count, eps)
         return BatchStats(mean, m2, invstd, error * invstd)
+
+
+def rank_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(mean, M2, error)`` of x in float64 for a merge across processes traced into the
+    graph (``distributed.merge_traced``): mean and M2 differentiable, the mean's error
+    (``batch_stats``) detached.
+
+    M2 sums the squares of ``(x - mean) - error``, the exact deviations, so that its gradient
+    ``2 (x - mean - error)`` carries no rounded mean: ``2 error`` in every element of a
+    channel would reach every element's input gradient alike, through g_M2."""
+    dims = [0, *range(2, x.dim())]
+    per_value = 1.0 / max(x.numel() // x.shape[1], 1)
+    wide = x.to(torch.float64)
+    mean = wide.sum(dims) * per_value
+    with torch.no_grad():
+        error = (wide - _channel_view(mean, x.dim())).sum(dims) * per_value
+    # Detached: d M2 / d mean is -2 sum(x - exact mean), 0.
+    centred = (wide - _channel_view(mean.detach(), x.dim())) - _channel_view(error, x.dim())
+    return mean, centred.square().sum(dims), error
 
 
 def shifted_bias(weight: torch.Tensor, bias: torch.Tensor, offset: torch.Tensor

@@ -16,7 +16,7 @@ from torch.nn.utils import parametrize
 from .. import activations, compat
 from ..activations import ActConfig
 from ..kernels import RunningStats, channel_vector, ops_for, torch_ops
-from ..sync import distributed, replicas
+from ..sync import distributed, replicas, stats
 from ..sync.group import ReplicaGroup
 from ..sync.replicas import ReplicaSlot
 from . import compiled_inplace, compiled_mean, inplace_policy, recompute, tracing
@@ -365,15 +365,28 @@ class SyncBatchNorm(_BatchNorm):
         dims = [0, *range(2, x.dim())]
         if merged:
             count = x.numel() // self.num_features
-            if count:  # in float64, as the merge: a float32 mean would round the merge's M2
+            # In float64, as the merge: a float32 mean would round the merge's M2. A float64
+            # call brings its mean's error too (``compiled_mean.rank_stats``; an empty batch
+            # takes part with zeros, count 0). The call normalises with the merged mean's
+            # error and its rounding to the statistics' dtype taken out, through the bias
+            # (``compiled_mean.shifted_bias``; invstd differentiable): per-channel values,
+            # no read of x (a float32 one-process call keeps its rounded mean for that read).
+            error = None
+            if acc == torch.float64:
+                mean, m2, error = compiled_mean.rank_stats(x)
+            elif count:
                 var, mean = torch.var_mean(x.to(torch.float64), dims, correction=0)
-            else:  # an empty batch takes part with count 0
-                var = mean = x.new_zeros(self.num_features, dtype=torch.float64)
-            mean, m2, invstd, count = distributed.merge_traced(
-                mean, var * count, count, self.eps, self.process_group)
+                m2 = var * count
+            else:
+                m2 = mean = x.new_zeros(self.num_features, dtype=torch.float64)
+            mean, m2, invstd, count, error = distributed.merge_traced(
+                mean, m2, count, self.eps, self.process_group, error)
             track(mean.detach(), m2.detach(), count)
+            rounded, invstd = mean.to(acc), invstd.to(acc)
+            error = stats.rounded_error(mean.detach(), error, rounded.detach())
             return norm_act_composite(ActConfig(self.activation, self.slope, False))(
-                x, mean.to(acc), invstd.to(acc), weight, bias)
+                x, rounded, invstd, weight,
+                compiled_mean.shifted_bias(weight, bias, error * invstd))
         if self.training or self.running_mean is None:  # the batch's own statistics
             count = self._training_count(x) if self.training else 0
             if torch.compiler.is_compiling():

@@ -174,22 +174,27 @@ def merge_across_processes(
 
 
 def merge_traced(mean: torch.Tensor, m2: torch.Tensor, count: int, eps: float,
-                 process_group: Any = None
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                 process_group: Any = None, error: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                            torch.Tensor]:
     """``merge_across_processes`` as a compiled graph traces it: the group's ``(mean, M2,
-    invstd, count)``, the count a 0-dim tensor (no host read). One all_gather of functional
-    collectives (float64 rows of ``(mean, M2, count)``), differentiable: autograd's backward
-    of the gather is one reduce_scatter of the rows' gradients, and of the merge, Chan's
-    Jacobian (``stats.chan_merge`` in differentiable ops)."""
+    invstd, count, error)`` in float64, the count a 0-dim tensor (no host read), ``error``
+    the merged mean's (detached; ``error`` in: this rank's mean's, None: zeros). One
+    all_gather of functional collectives (float64 rows of ``(mean, M2, error, count)``, as
+    ``_MergeAcrossProcesses`` gathers), differentiable: autograd's backward of the gather is
+    one reduce_scatter of the rows' gradients, and of the merge, Chan's Jacobian
+    (``stats.chan_merge`` in differentiable ops, its deviations the exact means')."""
     from torch.distributed import _functional_collectives as functional
 
-    channels = mean.numel()
-    packed = torch.cat([mean.double(), m2.double(),
-                        mean.new_full((1,), count, dtype=torch.float64)])
+    channels, wide = mean.numel(), torch.float64
+    known = torch.zeros_like(mean, dtype=wide) if error is None else error.detach().to(wide)
+    packed = torch.cat([mean.to(wide), m2.to(wide), known,
+                        mean.new_full((1,), count, dtype=wide)])
     group = dist.group.WORLD if process_group is None else process_group
     rows = functional.all_gather_tensor_autograd(packed, gather_dim=0, group=group)
     rows = rows.view(dist.get_world_size(group), -1)
     counts = stats.counts_of_column(rows[:, -1:])
-    merged = stats.chan_merge(rows[:, :channels].unbind(0), rows[:, channels:-1].unbind(0),
-                              counts, eps)
-    return merged.mean, merged.m2, merged.invstd, counts.total
+    merged = stats.chan_merge(rows[:, :channels].unbind(0),
+                              rows[:, channels:2 * channels].unbind(0), counts, eps,
+                              rows[:, 2 * channels:-1].detach().unbind(0))
+    return merged.mean, merged.m2, merged.invstd, counts.total, merged.error
