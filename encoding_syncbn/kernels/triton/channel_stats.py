@@ -318,13 +318,39 @@ def plan_batch_stats(x: torch.Tensor, eps: float, running_mean: torch.Tensor | N
     """``batch_stats`` in one launch, whatever the split: ``(mean, invstd, small)``; ``small``
     has C uint8 flags given a ``weight``, else no element (None: an empty x, nothing to
     launch). An absent tensor is passed as ``mean``, which its constexpr keeps unread."""
-    plan = _batch_stats_plan(x.shape, x.stride(), x.dtype, target, tile, eps,
-                             running_mean.dtype if running_mean is not None else None,
-                             batches is not None, momentum, weight is not None, gamma_limit)
+    plan = batch_stats_plan(x, eps, running_mean, batches, momentum, weight, gamma_limit,
+                            target, tile)
     if plan is None:
         return None
     if plan.copy:
         x = x.contiguous()
+    args, result = batch_stats_args(plan, x, running_mean, running_var, batches, weight, bias)
+    return [batch_stats_launch(plan, args)], result
+
+
+def batch_stats_plan(x: torch.Tensor, eps: float, running_mean: torch.Tensor | None,
+                     batches: torch.Tensor | None, momentum: float | None,
+                     weight: torch.Tensor | None, gamma_limit: float, target: Target,
+                     tile: Tile | None = None) -> _BatchStatsPlan | None:
+    """``batch_stats``' memoised plan on ``x`` (None: an empty x)."""
+    return _batch_stats_plan(x.shape, x.stride(), x.dtype, target, tile, eps,
+                             running_mean.dtype if running_mean is not None else None,
+                             batches is not None, momentum, weight is not None, gamma_limit)
+
+
+def batch_stats_launch(plan: _BatchStatsPlan, args: tuple) -> Launch:
+    """The launch of ``plan`` with ``args`` (:func:`batch_stats_args`)."""
+    return Launch(_batch_stats_kernel, plan.grid, args, plan.constexprs, plan.num_warps,
+                  plan.token, plan.fixed)
+
+
+def batch_stats_args(plan: _BatchStatsPlan, x: torch.Tensor, running_mean: torch.Tensor | None,
+                     running_var: torch.Tensor | None, batches: torch.Tensor | None,
+                     weight: torch.Tensor | None, bias: torch.Tensor | None
+                     ) -> tuple[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """The statistics kernel's arguments as ``plan`` plans them on ``x`` (prepared: the
+    contiguous copy where ``plan.copy``), with the outputs it allocates: ``(mean, invstd,
+    small)``. An absent tensor is passed as ``mean``, which its constexpr keeps unread."""
     mean = x.new_empty(plan.channels, dtype=plan.acc)
     invstd = torch.empty_like(mean)
     small = mean.new_empty(plan.flags, dtype=torch.uint8)
@@ -336,8 +362,6 @@ def plan_batch_stats(x: torch.Tensor, eps: float, running_mean: torch.Tensor | N
     if not plan.check:
         weight = bias = mean
     count, eps, keep, momentum, var_alpha, limit = plan.scalars
-    args = (x, part, split_counters(x.device, plan.counters), mean, invstd, count, eps,
+    return (x, part, split_counters(x.device, plan.counters), mean, invstd, count, eps,
             running_mean, running_var, batches, keep, momentum, var_alpha, weight, bias, small,
-            limit, *plan.args)
-    return [Launch(_batch_stats_kernel, plan.grid, args, plan.constexprs, plan.num_warps,
-                   plan.token, plan.fixed)], (mean, invstd, small)
+            limit, *plan.args), (mean, invstd, small)
