@@ -95,6 +95,14 @@ _BATCH_BACKWARD = prepared_memo()
 
 def _batch_stats(x: torch.Tensor, eps: float, running: RunningStats | None,
                  check: GammaCheck | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    mean, invstd, small = _eager_batch_stats(x, eps, running, check)
+    return mean, invstd, small if small is not None else mean.new_empty(0, dtype=torch.uint8)
+
+
+def _eager_batch_stats(x: torch.Tensor, eps: float, running: RunningStats | None,
+                       check: GammaCheck | None
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``Backend.batch_stats``: the small-gamma flags None without ``check``."""
     device = x.device
     if running is None:
         running_mean = running_var = batches = momentum = running_key = None
@@ -118,8 +126,7 @@ def _batch_stats(x: torch.Tensor, eps: float, running: RunningStats | None,
         x, eps, running_mean, batches, momentum, weight, gamma_limit, launch_target(device))
     if plan is None:  # empty: no launch, the reference's answer (per-channel vectors only)
         mean, invstd, small = torch_ops.batch_stats(x, eps, running, check)
-        return mean, invstd, (small.to(torch.uint8) if small is not None
-                              else mean.new_empty(0, dtype=torch.uint8))
+        return mean, invstd, (small.to(torch.uint8) if small is not None else None)
     if plan.copy:
         x = x.contiguous()
     args, result = batch_stats_args(plan, x, running_mean, running_var, batches, weight, bias)
@@ -131,10 +138,16 @@ def _batch_stats(x: torch.Tensor, eps: float, running: RunningStats | None,
     if strided:
         running.mean.copy_(running_mean)
         running.var.copy_(running_var)
-    return result
+    return result if check is not None else (*result[:2], None)
 
 
 def _normalize_act(x: torch.Tensor, params: NormParams, out: torch.Tensor) -> None:
+    _eager_normalize_act(x, params, out)
+
+
+def _eager_normalize_act(x: torch.Tensor, params: NormParams, out: torch.Tensor
+                         ) -> torch.Tensor:
+    """``Backend.normalize_act``: ``out``, written."""
     device = x.device
     mean, invstd, weight, bias, activation, activation_param = params
     key = (x.shape, x.stride(), x.dtype, device, activation, activation_param, mean.dtype,
@@ -144,7 +157,7 @@ def _normalize_act(x: torch.Tensor, params: NormParams, out: torch.Tensor) -> No
     plan = prepared.plan if prepared is not None else normalize_act_plan(
         x, params, launch_target(device))
     if plan is None:  # empty: no launch
-        return
+        return out
     args = normalize_act_args(plan, x, params, out)
     if prepared is None or not launch_prepared(prepared, device, args):
         launches = [normalize_act_launch(plan, args)]
@@ -154,6 +167,7 @@ def _normalize_act(x: torch.Tensor, params: NormParams, out: torch.Tensor) -> No
     dst = args[1]
     if dst is not out:
         out.copy_(dst)
+    return out
 
 
 def _normalize_running(x: torch.Tensor, running: RunningParams,
@@ -223,6 +237,16 @@ def _batch_stats_fake(x: torch.Tensor, eps: float, running: RunningStats | None,
     return mean, invstd, x.new_empty(x.shape[1] if check is not None else 0, dtype=torch.uint8)
 
 
+class _EagerOps(OpsBackend):
+    """The eager route, whose training-step ops are the functions above themselves, in
+    ``Backend``'s shapes: no frame of ``OpsBackend``'s between a layer and their launches (the
+    table keeps the shapes of custom ops, for the registered ops)."""
+
+    batch_stats = staticmethod(_eager_batch_stats)
+    normalize_act = staticmethod(_eager_normalize_act)
+    batch_backward = staticmethod(_batch_backward)
+
+
 OPS = {
     "channel_stats": Op(_channel_stats, channel_vectors),
     "batch_stats": Op(_batch_stats, _batch_stats_fake,
@@ -242,8 +266,8 @@ OPS = {
 #: ``invstd`` in its launch, which also writes the ``(mean, invstd)`` it used;
 #: ``backward_dx`` from ``BatchSums`` derives the coefficients in the kernel. The kernels
 #: record no autograd history: no grad mode to switch.
-EAGER = OpsBackend("triton", implementations(OPS), batch_backward=_batch_backward,
-                   records_history=False)
+EAGER = _EagerOps("triton", implementations(OPS), batch_backward=_batch_backward,
+                  records_history=False)
 #: The registered ops: what tracers see (see :func:`backend_for`).
 TRACED = OpsBackend("triton", register(OPS))
 
