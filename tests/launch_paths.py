@@ -169,6 +169,19 @@ def _prepared_launches(runs: list[int]) -> dict:
     return found
 
 
+def _lone_dx() -> Launch:
+    """``backward_dx`` from the sums of ``_batch_backward``'s reduction, alone, on meta
+    tensors of its geometry."""
+    from encoding_syncbn.kernels.backend import BatchSums, NormParams
+    from encoding_syncbn.kernels.triton.backward_dx import plan_backward_dx
+
+    x = torch.empty((4, 16, 8, 8), dtype=torch.float16, device="meta")
+    params = NormParams(*(torch.empty(16, device="meta") for _ in range(4)), "leaky_relu", 0.01)
+    sums = BatchSums(torch.empty(16, device="meta"), torch.empty(16, device="meta"), 256)
+    return plan_backward_dx(x, torch.empty_like(x), params, True, sums,
+                            Target(False, stub_driver.H100_SMS))[0][0]
+
+
 def _parameter_sizes(compiled) -> list[int]:
     types = [t for t in compiled.src.signature.values() if t != "constexpr"]
     return [8 if t.startswith("*") else _SIZES[t] for t in types] + _SCRATCH
@@ -236,6 +249,13 @@ def main() -> None:
     launch.launch_all(pair, None)
     found["following_launch_direct"] = (pair[1].follows and runs[0] == before
                                         and STUB.launches() == launched + 2)
+    # A lone dx launch from the same plan's sums reads the tensors the following one fixes:
+    # off 16 bytes, it gets a kernel of its own.
+    lone = [_on_cpu(_lone_dx(), misaligned) for misaligned in (False, True)]
+    for planned in lone:
+        launch.launch(planned, None)
+    found["lone_dx_misaligned_apart"] = (launch.compiled_for(lone[0], None)
+                                         is not launch.compiled_for(lone[1], None))
 
     found["prepared"] = _prepared_launches(runs)
 

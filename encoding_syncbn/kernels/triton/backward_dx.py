@@ -161,6 +161,11 @@ def _dx_launch(plan: OpPlan, constexprs: dict, token: object, fixed: tuple[int, 
                   fixed, follows)
 
 
+# The token of dx's launch following the reduction: its own, apart from a lone dx launch
+# from sums (``(token, True)``), whose key reads the tensors this one's fixes.
+_FOLLOWING = "follows"
+
+
 class _BackwardPlans(NamedTuple):
     reduce: OpPlan
     dx: OpPlan
@@ -181,7 +186,8 @@ def _batch_backward_plans(sizes: tuple[int, ...], strides: tuple[int, ...], dtyp
                   for reduction in (True, False))
     if reduce is None:
         return None
-    return _BackwardPlans(reduce, dx, _dx_constexprs(dx, from_sums=True), (dx.token, True))
+    return _BackwardPlans(reduce, dx, _dx_constexprs(dx, from_sums=True),
+                          (dx.token, _FOLLOWING))
 
 
 def plan_batch_backward(saved: torch.Tensor, dy: torch.Tensor, params: NormParams,
