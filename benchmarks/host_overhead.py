@@ -52,8 +52,9 @@ the floor's stack has the same links, so "own" does not include them.
 Prints, per shape, the host microseconds of the forward, the backward and their sum, the
 floor's and the bare ops' sums and what is above each, of our sum the part spent inside the
 Triton backend's ops (planning, allocating outputs, launching) and of that the part inside the
-launches (Triton's launcher, from ``kernel[grid](...)`` to the stubbed driver call; both timed
-in a separate pass with the ops wrapped, so the other columns carry no timer), the launches
+launches (from the ops' launch functions, ``_run`` and ``launch_prepared``, to the stubbed
+driver call: the direct launches and, where taken, Triton's public one; both timed in a
+separate pass with the ops wrapped, so the other columns carry no timer), the launches
 (counted by the stand-in driver) and the ATen ops outside the backend's ops per
 forward+backward; then the stacked figures. On the CPU the ops' part includes
 ``torch.empty_like`` of dx. On a GPU that comes from the caching allocator in a few us; on the
@@ -172,7 +173,7 @@ def _time_in_ops(triton_ops, launcher, layers, links, make_input, dy, iters, rep
     spent = dict.fromkeys([*BACKEND_OPS, LAUNCHES], 0.0)
     direct = triton_ops.EAGER
     plain = {name: getattr(direct, name) for name in BACKEND_OPS}
-    run = launcher.run
+    run, run_prepared = launcher.run, launcher.run_prepared
 
     def timed(name, op):
         def call(*args, **kwargs):
@@ -186,6 +187,7 @@ def _time_in_ops(triton_ops, launcher, layers, links, make_input, dy, iters, rep
     for name, op in plain.items():
         setattr(direct, name, timed(name, op))
     launcher.run = timed(LAUNCHES, run)
+    launcher.run_prepared = timed(LAUNCHES, run_prepared)
     try:
         best = None
         for _ in range(repeats):
@@ -198,7 +200,7 @@ def _time_in_ops(triton_ops, launcher, layers, links, make_input, dy, iters, rep
     finally:
         for name in plain:  # the class's methods again
             delattr(direct, name)
-        launcher.run = run
+        launcher.run, launcher.run_prepared = run, run_prepared
     return sum(best[name] for name in BACKEND_OPS), best
 
 
@@ -268,8 +270,9 @@ def per_call(args: argparse.Namespace) -> None:
         "calls the backend's three ops and nothing else (the same launches); 'own': ours "
         "minus the floor; 'above bare': ours minus the bare ops, what the layer's own Python "
         "adds to its ops. 'in the ops': the part inside the Triton backend's ops (dx's "
-        "allocation included); 'launching': the part of that inside the launches (Triton's "
-        "launcher from kernel[grid](...) to the stubbed driver call; in the ops' column too). "
+        "allocation included); 'launching': the part of that inside the launches (from the "
+        "ops' launch functions, _run and launch_prepared, to the stubbed driver call; in the "
+        "ops' column too). "
         "ATen ops: outside the backend's ops. The stacked figures are per layer of "
         f"a chain with one backward() a step. Allocator: {args.allocator} ("
         + ("glibc keeps freed blocks, as a GPU's caching allocator does" if args.allocator ==

@@ -76,6 +76,112 @@ def _batch_backward() -> list[Launch]:
                                Target(False, stub_driver.H100_SMS))[0]
 
 
+def _hot_ops(x: torch.Tensor) -> dict:
+    """Per hot op of ``ops`` (those with prepared launches): its call on ``x`` (CPU, planned for
+    a 132-SM sm_90), its memo, and what rebuilds its launches' arguments and ``Launch``es from a
+    prepared plan as the op builds them."""
+    from encoding_syncbn.kernels.backend import GammaCheck, NormParams, RunningStats
+    from encoding_syncbn.kernels.triton import backward_dx, channel_stats, normalize_act, ops
+
+    channels = x.shape[1]
+    weight, bias = torch.ones(channels), torch.zeros(channels)
+    running = RunningStats(torch.zeros(channels), torch.ones(channels),
+                           torch.zeros((), dtype=torch.long), 0.1)
+    check = GammaCheck(weight, bias, 0.016)
+    params = NormParams(torch.zeros(channels), torch.ones(channels), weight, bias,
+                        "leaky_relu", 0.01)
+    dy, count = torch.zeros_like(x), x.numel() // channels
+
+    def stats(plan):
+        args, _ = channel_stats.batch_stats_args(plan, x, *running[:3], weight, bias)
+        return (args,), [channel_stats.batch_stats_launch(plan, args)]
+
+    def normalize(plan):
+        args = normalize_act.normalize_act_args(plan, x, params, x)
+        return (args,), [normalize_act.normalize_act_launch(plan, args)]
+
+    def backward(plans):
+        reduce, dx, _ = backward_dx.batch_backward_args(plans, x, dy, params, count)
+        return (reduce, dx), backward_dx.batch_backward_launches(plans, reduce, dx)
+
+    return {
+        "batch_stats": (lambda: ops._batch_stats(x, 1e-5, running, check), ops._BATCH_STATS,
+                        stats),
+        "normalize_act": (lambda: ops._normalize_act(x, params, x), ops._NORMALIZE_ACT,
+                          normalize),
+        "batch_backward": (lambda: ops._batch_backward(x, dy, params, True, count),
+                           ops._BATCH_BACKWARD, backward),
+    }
+
+
+def _prepared_launches(runs: list[int]) -> dict:
+    """The hot ops' prepared launches (``launch.Prepared``): from an op's second call on, its
+    launches are direct (no public launch, each reaching the driver), each handing the driver
+    what Triton's public launch of the same arguments does; an input off 16 bytes takes the
+    public launch; a changed shape, stride or dtype gets a plan of its own, and the memo stays
+    within its bound."""
+    from encoding_syncbn.kernels.triton import ops
+
+    ops.launch_target = lambda device: Target(False, stub_driver.H100_SMS)
+    x = torch.zeros((4, 16, 8, 8), dtype=torch.float16)
+    found = {"not_direct": [], "different": [], "not_prepared": []}
+    for name, (call, memo, rebuild) in _hot_ops(x).items():
+        call()  # the first: public, then prepared
+        before, launched = runs[0], STUB.launches()
+        call()
+        if len(memo) != 1:
+            found["not_prepared"].append(name)
+            continue
+        prepared = next(iter(memo.values()))
+        if runs[0] != before or STUB.launches() != launched + len(prepared.direct):
+            found["not_direct"].append(name)
+        args, launches = rebuild(prepared.plan)
+        for direct, direct_args, planned in zip(prepared.direct, args, launches):
+            sizes = _parameter_sizes(launch.public(planned))
+            STUB.record(sizes)
+            launch.public(planned)
+            public = STUB.recorded()
+            STUB.record(sizes)
+            direct(direct_args)
+            if STUB.recorded() != public:
+                found["different"].append(name)
+    # An input off 16 bytes, its key's otherwise: Triton's public launch (its own kernel).
+    misaligned = torch.zeros(x.numel() + 1, dtype=x.dtype)[1:].view(x.shape)
+    before = runs[0]
+    _hot_ops(misaligned)["batch_stats"][0]()
+    found["misaligned_public"] = runs[0] == before + 1
+    # The memo's key: another shape, stride or dtype is planned apart, each its own entry.
+    memo = ops._BATCH_STATS
+    plans = {id(prepared.plan) for prepared in memo.values()}
+    others = [torch.zeros((4, 16, 8, 4), dtype=torch.float16),
+              x.to(memory_format=torch.channels_last), x.float()]
+    for other in others:
+        _hot_ops(other)["batch_stats"][0]()
+        plans.update(id(prepared.plan) for prepared in memo.values())
+    found["new_plans"] = len(plans) == len(memo) == 1 + len(others)
+    bound, launch._MAX_PREPARED = launch._MAX_PREPARED, 2
+    try:
+        for other in (x[:2], x[:3]):
+            _hot_ops(other)["batch_stats"][0]()
+        found["bounded"] = 0 < len(memo) <= 2
+    finally:
+        launch._MAX_PREPARED = bound
+    return found
+
+
+def _lone_dx() -> Launch:
+    """``backward_dx`` from the sums of ``_batch_backward``'s reduction, alone, on meta
+    tensors of its geometry."""
+    from encoding_syncbn.kernels.backend import BatchSums, NormParams
+    from encoding_syncbn.kernels.triton.backward_dx import plan_backward_dx
+
+    x = torch.empty((4, 16, 8, 8), dtype=torch.float16, device="meta")
+    params = NormParams(*(torch.empty(16, device="meta") for _ in range(4)), "leaky_relu", 0.01)
+    sums = BatchSums(torch.empty(16, device="meta"), torch.empty(16, device="meta"), 256)
+    return plan_backward_dx(x, torch.empty_like(x), params, True, sums,
+                            Target(False, stub_driver.H100_SMS))[0][0]
+
+
 def _parameter_sizes(compiled) -> list[int]:
     types = [t for t in compiled.src.signature.values() if t != "constexpr"]
     return [8 if t.startswith("*") else _SIZES[t] for t in types] + _SCRATCH
@@ -143,6 +249,15 @@ def main() -> None:
     launch.launch_all(pair, None)
     found["following_launch_direct"] = (pair[1].follows and runs[0] == before
                                         and STUB.launches() == launched + 2)
+    # A lone dx launch from the same plan's sums reads the tensors the following one fixes:
+    # off 16 bytes, it gets a kernel of its own.
+    lone = [_on_cpu(_lone_dx(), misaligned) for misaligned in (False, True)]
+    for planned in lone:
+        launch.launch(planned, None)
+    found["lone_dx_misaligned_apart"] = (launch.compiled_for(lone[0], None)
+                                         is not launch.compiled_for(lone[1], None))
+
+    found["prepared"] = _prepared_launches(runs)
 
     # A launch hook sees every launch: with one set, launches take the public path again.
     planned = cases[0][1]

@@ -31,7 +31,12 @@ def test_direct_and_public_launches_hand_the_driver_the_same_arguments():
     and parameter bytes; the second launch of a specialisation is direct (on a release whose
     launcher was read, to Triton's C launch, past its Python launcher), a misaligned tensor
     gets a kernel of its own, an op's launch that follows another of its launches is direct
-    from its second call on too, a launch hook turns the public path back on, and forgetting the
+    from its second call on too while a lone launch of the same dx kernel off 16 bytes gets a
+    kernel of its own, the hot ops' prepared launches (``launch.Prepared``) are
+    direct from an op's second call on and hand the driver what the public launch of the same
+    arguments does, an input off 16 bytes takes the public launch, a changed shape, stride or
+    dtype gets a plan of its own and their memo stays
+    within its bound, a launch hook turns the public path back on, and forgetting the
     plans after a planning constant changed (``forget_plans`` of
     benchmarks/helpers/plans.py, which plan_sweep.py calls) forgets the compiled kernels."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -50,8 +55,14 @@ def test_direct_and_public_launches_hand_the_driver_the_same_arguments():
     for problem in problems:
         assert found[problem] == [], (problem, found)
     assert found["following_launch_direct"], found
+    assert found["lone_dx_misaligned_apart"], found
     assert found["hooked_launch_public"] and found["unhooked_launch_direct"], found
     assert found["forgotten_with_plans"], found
+    prepared = found["prepared"]
+    for problem in ("not_direct", "different", "not_prepared"):
+        assert prepared[problem] == [], (problem, prepared)
+    assert prepared["misaligned_public"], prepared
+    assert prepared["new_plans"] and prepared["bounded"], prepared
 
 
 @pytest.mark.parametrize("version,known", [

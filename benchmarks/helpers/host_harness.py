@@ -166,8 +166,9 @@ def steps(layers, links, make_input, dy, iters):
 
 class StubLaunches:
     """The Triton backend on CPU tensors, planned for an H100 and launched through Triton's
-    launcher onto the stand-in driver (``stub_driver.activate()`` first). ``run`` is the
-    backend's own launch function, which a timer may wrap."""
+    launcher onto the stand-in driver (``stub_driver.activate()`` first). ``run`` and
+    ``run_prepared`` are the backend's own launch functions (``Launch``es; an op's prepared
+    launches, ``launch.launch_prepared``), which a timer may wrap."""
 
     def __init__(self, triton_ops) -> None:
         from encoding_syncbn.kernels.triton.plan import Target
@@ -179,11 +180,11 @@ class StubLaunches:
         triton_ops.INTERPRET = True
         h100 = Target(False, H100_SMS)
         triton_ops.launch_target = lambda device: h100  # the real one is memoised per device
-        self.run = triton_ops._run
+        self.run, self.run_prepared = triton_ops._run, triton_ops.launch_prepared
         # id(kernel) -> its flags argument's index (a JITFunction's own hash is its cache
         # key, taken under a lock: a cost of the harness, not of the layer)
         self._flags: dict[int, int | None] = {}
-        triton_ops._run = self._launch
+        triton_ops._run, triton_ops.launch_prepared = self._launch, self._launch_prepared
         # A GPU's statistics are device tensors, which the far-from-zero check does not read
         # (it would wait for the device); here they are CPU tensors no kernel wrote, whose
         # garbage would send every call down the CPU's extra pass over x.
@@ -194,11 +195,21 @@ class StubLaunches:
         (an argument ``small_ptr``), cleared as a check that found no small gamma leaves them."""
         self.run(planned, device)
         for launch in planned:
-            kernel = launch.kernel
-            index = self._flags.get(id(kernel), -1)
-            if index == -1:
-                names = kernel.arg_names
-                index = self._flags[id(kernel)] = (names.index("small_ptr")
-                                                   if "small_ptr" in names else None)
-            if index is not None:
-                launch.args[index].zero_()
+            self._clear_flags(launch.kernel, launch.args)
+
+    def _launch_prepared(self, prepared, device, *launch_args) -> bool:
+        """As :meth:`_launch`, for an op's prepared launches."""
+        launched = self.run_prepared(prepared, device, *launch_args)
+        if launched:
+            for kernel, args in zip(prepared.kernels, launch_args):
+                self._clear_flags(kernel, args)
+        return launched
+
+    def _clear_flags(self, kernel, args) -> None:
+        index = self._flags.get(id(kernel), -1)
+        if index == -1:
+            names = kernel.arg_names
+            index = self._flags[id(kernel)] = (names.index("small_ptr")
+                                               if "small_ptr" in names else None)
+        if index is not None:
+            args[index].zero_()

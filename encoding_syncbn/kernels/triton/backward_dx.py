@@ -10,7 +10,7 @@ import triton.language as tl
 
 from ..backend import BatchSums, DxCoefs, NormParams
 from . import double_double as dd
-from .backward_reduce import reduce_launches
+from .backward_reduce import reduce_args, reduce_launch
 from .plan import (
     Launch,
     OpPlan,
@@ -129,9 +129,10 @@ def plan_backward_dx(saved: torch.Tensor, dy: torch.Tensor, params: NormParams,
         count = 0
     from_sums = count > 0
     constexprs = _dx_constexprs(plan, from_sums)
+    args = _dx_args(plan, saved, dy, dx, params[:4], coefs,
+                    -1.0 / count if from_sums else 0.0)
     return [_dx_launch(plan, constexprs, (plan.token, from_sums),
-                       _DX_FROM_SUMS_FIXED if from_sums else _DX_FIXED, saved, dy, dx,
-                       params[:4], coefs, -1.0 / count if from_sums else 0.0)], dx
+                       _DX_FROM_SUMS_FIXED if from_sums else _DX_FIXED, args)], dx
 
 
 def _dx_constexprs(plan: OpPlan, from_sums: bool) -> dict:
@@ -148,19 +149,28 @@ _DX_FROM_SUMS_FIXED = (2, 7)
 _DX_FOLLOWING_FIXED = tuple(range(10))
 
 
+def _dx_args(plan: OpPlan, saved: torch.Tensor, dy: torch.Tensor, dx: torch.Tensor,
+             params: tuple[torch.Tensor, ...], coefs: tuple[torch.Tensor, ...],
+             neg_inv_count: float) -> tuple:
+    """The dx kernel's arguments as ``plan`` plans them, on ``saved`` and ``dy`` as it
+    launches on them, into ``dx``; ``params``: (mean, invstd, weight, bias), ``coefs``:
+    (coef_dz, coef_xhat, coef_const), or from sums (unread, sum(dz * xhat), sum(dz)) with
+    ``neg_inv_count`` ``-1 / count`` (else unread)."""
+    return (saved, dy, dx, *params, *coefs, neg_inv_count, plan.activation_param, *plan.args)
+
+
 def _dx_launch(plan: OpPlan, constexprs: dict, token: object, fixed: tuple[int, ...],
-               saved: torch.Tensor, dy: torch.Tensor, dx: torch.Tensor,
-               params: tuple[torch.Tensor, ...], coefs: tuple[torch.Tensor, ...],
-               neg_inv_count: float, follows: bool = False) -> Launch:
-    """The dx kernel's launch as ``plan`` plans it (``constexprs``: the plan's and
-    ``FROM_SUMS``; ``token``, ``fixed`` and ``follows``: ``Launch``'s), on ``saved`` and
-    ``dy`` as it launches on them, into ``dx``; ``params``: (mean, invstd, weight, bias),
-    ``coefs``: (coef_dz, coef_xhat, coef_const), or from sums (unread, sum(dz * xhat),
-    sum(dz)) with ``neg_inv_count`` ``-1 / count`` (else unread)."""
-    return Launch(_backward_dx_kernel, plan.grid,
-                  (saved, dy, dx, *params, *coefs, neg_inv_count, plan.activation_param,
-                   *plan.args),
-                  constexprs, plan.num_warps, token, fixed, follows)
+               args: tuple, follows: bool = False) -> Launch:
+    """The dx kernel's launch as ``plan`` plans it with ``args`` (:func:`_dx_args`;
+    ``constexprs``: the plan's and ``FROM_SUMS``; ``token``, ``fixed`` and ``follows``:
+    ``Launch``'s)."""
+    return Launch(_backward_dx_kernel, plan.grid, args, constexprs, plan.num_warps, token,
+                  fixed, follows)
+
+
+# The token of dx's launch following the reduction: its own, apart from a lone dx launch
+# from sums (``(token, True)``), whose key reads the tensors this one's fixes.
+_FOLLOWING = "follows"
 
 
 class _BackwardPlans(NamedTuple):
@@ -183,7 +193,8 @@ def _batch_backward_plans(sizes: tuple[int, ...], strides: tuple[int, ...], dtyp
                   for reduction in (True, False))
     if reduce is None:
         return None
-    return _BackwardPlans(reduce, dx, _dx_constexprs(dx, from_sums=True), (dx.token, True))
+    return _BackwardPlans(reduce, dx, _dx_constexprs(dx, from_sums=True),
+                          (dx.token, _FOLLOWING))
 
 
 def plan_batch_backward(saved: torch.Tensor, dy: torch.Tensor, params: NormParams,
@@ -194,22 +205,43 @@ def plan_batch_backward(saved: torch.Tensor, dy: torch.Tensor, params: NormParam
     """``batch_backward``: the reduction, then dx from its sums (``FROM_SUMS``, ``count``
     elements a channel), planned by one lookup; ``(dx, sum_dz, sum_dz_xhat)`` (None: an empty
     input, nothing to launch)."""
-    strides = saved.stride()
-    plans = _batch_backward_plans(saved.shape, strides, saved.dtype, target, tile,
-                                  params.activation, params.activation_param,
-                                  bool(saved_is_output))
+    plans = batch_backward_plans(saved, params, saved_is_output, target, tile)
     if plans is None:
         return None
-    reduce, dx_plan, dx_constexprs, dx_token = plans
+    reduce, dx, result = batch_backward_args(plans, saved, dy, params, count)
+    return batch_backward_launches(plans, reduce, dx), result
+
+
+def batch_backward_plans(saved: torch.Tensor, params: NormParams, saved_is_output: bool,
+                         target: Target, tile: Tile | None = None) -> _BackwardPlans | None:
+    """``batch_backward``'s memoised plans on ``saved`` (None: an empty input)."""
+    return _batch_backward_plans(saved.shape, saved.stride(), saved.dtype, target, tile,
+                                 params.activation, params.activation_param,
+                                 bool(saved_is_output))
+
+
+def batch_backward_args(plans: _BackwardPlans, saved: torch.Tensor, dy: torch.Tensor,
+                        params: NormParams, count: int
+                        ) -> tuple[tuple, tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """The reduction's and dx's arguments as ``plans`` plan them, with the outputs they
+    allocate: ``(dx, sum_dz, sum_dz_xhat)``."""
+    reduce = plans.reduce
     dx = empty_dx(saved, not reduce.copy)
-    if reduce.copy:  # launched on a contiguous copy: its strides
-        saved = prepared_input(saved, reduce)
-        strides = saved.stride()
+    saved = prepared_input(saved, reduce)  # launched on a contiguous copy where planned so
+    strides = saved.stride()
     if dy.stride() != strides:  # (``in_layout``'s first test, without its call)
         dy = in_layout(dy, strides, reduce.geo.channels_last)
     vectors = params[:4]
-    launches, (sum_dz, sum_dz_xhat) = reduce_launches(reduce, saved, dy, *vectors)
-    launches.append(_dx_launch(dx_plan, dx_constexprs, dx_token, _DX_FOLLOWING_FIXED, saved,
-                               dy, dx, vectors, (params.weight, sum_dz_xhat, sum_dz),
-                               -1.0 / count, follows=True))
-    return launches, (dx, sum_dz, sum_dz_xhat)
+    reduce_args_, (sum_dz, sum_dz_xhat) = reduce_args(reduce, saved, dy, *vectors)
+    dx_args = _dx_args(plans.dx, saved, dy, dx, vectors, (params.weight, sum_dz_xhat, sum_dz),
+                       -1.0 / count)
+    return reduce_args_, dx_args, (dx, sum_dz, sum_dz_xhat)
+
+
+def batch_backward_launches(plans: _BackwardPlans, reduce_args: tuple, dx_args: tuple
+                            ) -> list[Launch]:
+    """The reduction's launch, then dx's following it, with their arguments
+    (:func:`batch_backward_args`)."""
+    return [reduce_launch(plans.reduce, reduce_args),
+            _dx_launch(plans.dx, plans.dx_constexprs, plans.dx_token, _DX_FOLLOWING_FIXED,
+                       dx_args, follows=True)]

@@ -127,7 +127,8 @@ def plan_backward_reduce(saved: torch.Tensor, dy: torch.Tensor, mean: torch.Tens
         return None
     saved = prepared_input(saved, plan)
     dy = in_layout(dy, saved.stride(), plan.geo.channels_last)
-    return reduce_launches(plan, saved, dy, mean, invstd, weight, bias)
+    args, sums = reduce_args(plan, saved, dy, mean, invstd, weight, bias)
+    return [reduce_launch(plan, args)], sums
 
 
 # The reduction's arguments its planner allocates or keeps: its sums, and the stream's partials
@@ -136,11 +137,11 @@ def plan_backward_reduce(saved: torch.Tensor, dy: torch.Tensor, mean: torch.Tens
 _REDUCE_FIXED = (6, 7, 8, 9)
 
 
-def reduce_launches(plan: OpPlan, saved: torch.Tensor, dy: torch.Tensor, mean: torch.Tensor,
-                    invstd: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
-                    ) -> tuple[list[Launch], tuple[torch.Tensor, torch.Tensor]]:
-    """The reduction's launch as ``plan`` plans it, on ``saved`` and ``dy`` as it launches on
-    them (prepared, in the planned layout), and its ``(sum_dz, sum_dz_xhat)``."""
+def reduce_args(plan: OpPlan, saved: torch.Tensor, dy: torch.Tensor, mean: torch.Tensor,
+                invstd: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
+                ) -> tuple[tuple, tuple[torch.Tensor, torch.Tensor]]:
+    """The reduction's arguments as ``plan`` plans them, on ``saved`` and ``dy`` as it
+    launches on them (prepared, in the planned layout), and its ``(sum_dz, sum_dz_xhat)``."""
     acc, splits, c = plan.acc, plan.grid[1], plan.geo.c
     sum_dz = saved.new_empty(c, dtype=acc)
     sum_dz_xhat = saved.new_empty(c, dtype=acc)
@@ -148,9 +149,12 @@ def reduce_launches(plan: OpPlan, saved: torch.Tensor, dy: torch.Tensor, mean: t
     # unread.
     counters, part = split_buffers(saved.device, c, acc,
                                    partial_planes(acc) * splits * c if splits > 1 else 0)
-    reduce = Launch(_backward_reduce_kernel, plan.grid,
-                    (saved, dy, mean, invstd, weight, bias, sum_dz, sum_dz_xhat,
-                     sum_dz if part is None else part, counters, plan.activation_param,
-                     *plan.args),
-                    plan.constexprs, plan.num_warps, plan.token, _REDUCE_FIXED)
-    return [reduce], (sum_dz, sum_dz_xhat)
+    return (saved, dy, mean, invstd, weight, bias, sum_dz, sum_dz_xhat,
+            sum_dz if part is None else part, counters, plan.activation_param,
+            *plan.args), (sum_dz, sum_dz_xhat)
+
+
+def reduce_launch(plan: OpPlan, args: tuple) -> Launch:
+    """The reduction's launch as ``plan`` plans it, with ``args`` (:func:`reduce_args`)."""
+    return Launch(_backward_reduce_kernel, plan.grid, args, plan.constexprs, plan.num_warps,
+                  plan.token, _REDUCE_FIXED)

@@ -11,7 +11,7 @@ import triton.language as tl
 
 from . import double_double as dd
 from .finalize_stats import FinishPlan, finish_batch_stats, finish_plan
-from .partials import merge_split, merge_split_double, partial_planes, split_counters
+from .partials import merge_split, merge_split_double, partial_planes, split_buffers
 from .plan import (
     Launch,
     Target,
@@ -221,8 +221,9 @@ def _batch_stats_kernel(x_ptr, part_ptr, counter_ptr, mean_ptr, invstd_ptr, coun
                            RUNNING, COUNTER, CUMULATIVE, CHECK, ACC, RUN_ACC)
 
 
-# The statistics kernels' arguments allocated by their planners: part, counters, mean and M2
-# or invstd (``Launch.fixed``).
+# The statistics kernels' arguments their planners allocate or keep: part and counters (the
+# stream's, ``partials.split_buffers``: buffers of their own, of the plan's dtypes), mean and
+# M2 or invstd (``Launch.fixed``).
 _CHANNEL_STATS_FIXED = (1, 2, 3, 4)
 # batch_stats': those, the small-gamma flags, and where absent (passed as ``mean``, unread)
 # the running buffers, the counter and the parameters.
@@ -250,12 +251,13 @@ def plan_channel_stats(x: torch.Tensor, target: Target, tile: Tile | None = None
     mean = x.new_empty(plan.geo.c, dtype=plan.acc)
     m2 = torch.empty_like(mean)
     # Split: a plane of splits * C partial sums for each of the sums' parts (float64: high
-    # and low); else ``mean``, unread. One counter a channel.
+    # and low), in the stream's buffer; else ``mean``, unread. One counter a channel.
     splits = plan.grid[1]
-    part = (x.new_empty(partial_planes(plan.acc) * splits * plan.geo.c, dtype=plan.acc)
-            if splits > 1 else mean)
-    counters = split_counters(x.device, plan.geo.c)
-    return [Launch(_channel_stats_kernel, plan.grid, (x, part, counters, mean, m2, *plan.args),
+    counters, part = split_buffers(x.device, plan.geo.c, plan.acc,
+                                   partial_planes(plan.acc) * splits * plan.geo.c
+                                   if splits > 1 else 0)
+    return [Launch(_channel_stats_kernel, plan.grid,
+                   (x, mean if part is None else part, counters, mean, m2, *plan.args),
                    plan.constexprs, plan.num_warps, plan.token, _CHANNEL_STATS_FIXED)], (mean, m2)
 
 
@@ -266,7 +268,7 @@ class _BatchStatsPlan(NamedTuple):
     copy: bool  # launched on a contiguous copy of x (``OpPlan.copy``)
     channels: int
     acc: torch.dtype  # the statistics dtype
-    part: int  # elements of the split partials' buffer (0: not split, ``mean`` passed unread)
+    part: int  # the split partials' elements (0: not split, ``mean`` passed unread)
     counters: int  # the channels' counters and the cumulative average's (``partials``)
     flags: int  # the small-gamma flags it writes: C with the check, else none
     scalars: tuple  # (count, eps, keep, momentum, var_alpha, gamma_limit)
@@ -318,17 +320,43 @@ def plan_batch_stats(x: torch.Tensor, eps: float, running_mean: torch.Tensor | N
     """``batch_stats`` in one launch, whatever the split: ``(mean, invstd, small)``; ``small``
     has C uint8 flags given a ``weight``, else no element (None: an empty x, nothing to
     launch). An absent tensor is passed as ``mean``, which its constexpr keeps unread."""
-    plan = _batch_stats_plan(x.shape, x.stride(), x.dtype, target, tile, eps,
-                             running_mean.dtype if running_mean is not None else None,
-                             batches is not None, momentum, weight is not None, gamma_limit)
+    plan = batch_stats_plan(x, eps, running_mean, batches, momentum, weight, gamma_limit,
+                            target, tile)
     if plan is None:
         return None
     if plan.copy:
         x = x.contiguous()
+    args, result = batch_stats_args(plan, x, running_mean, running_var, batches, weight, bias)
+    return [batch_stats_launch(plan, args)], result
+
+
+def batch_stats_plan(x: torch.Tensor, eps: float, running_mean: torch.Tensor | None,
+                     batches: torch.Tensor | None, momentum: float | None,
+                     weight: torch.Tensor | None, gamma_limit: float, target: Target,
+                     tile: Tile | None = None) -> _BatchStatsPlan | None:
+    """``batch_stats``' memoised plan on ``x`` (None: an empty x)."""
+    return _batch_stats_plan(x.shape, x.stride(), x.dtype, target, tile, eps,
+                             running_mean.dtype if running_mean is not None else None,
+                             batches is not None, momentum, weight is not None, gamma_limit)
+
+
+def batch_stats_launch(plan: _BatchStatsPlan, args: tuple) -> Launch:
+    """The launch of ``plan`` with ``args`` (:func:`batch_stats_args`)."""
+    return Launch(_batch_stats_kernel, plan.grid, args, plan.constexprs, plan.num_warps,
+                  plan.token, plan.fixed)
+
+
+def batch_stats_args(plan: _BatchStatsPlan, x: torch.Tensor, running_mean: torch.Tensor | None,
+                     running_var: torch.Tensor | None, batches: torch.Tensor | None,
+                     weight: torch.Tensor | None, bias: torch.Tensor | None
+                     ) -> tuple[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """The statistics kernel's arguments as ``plan`` plans them on ``x`` (prepared: the
+    contiguous copy where ``plan.copy``), with the outputs it allocates: ``(mean, invstd,
+    small)``. An absent tensor is passed as ``mean``, which its constexpr keeps unread."""
     mean = x.new_empty(plan.channels, dtype=plan.acc)
     invstd = torch.empty_like(mean)
     small = mean.new_empty(plan.flags, dtype=torch.uint8)
-    part = x.new_empty(plan.part, dtype=plan.acc) if plan.part else mean
+    counters, part = split_buffers(x.device, plan.counters, plan.acc, plan.part)
     if not plan.running:
         running_mean = running_var = mean
     if not plan.counter:
@@ -336,8 +364,6 @@ def plan_batch_stats(x: torch.Tensor, eps: float, running_mean: torch.Tensor | N
     if not plan.check:
         weight = bias = mean
     count, eps, keep, momentum, var_alpha, limit = plan.scalars
-    args = (x, part, split_counters(x.device, plan.counters), mean, invstd, count, eps,
+    return (x, mean if part is None else part, counters, mean, invstd, count, eps,
             running_mean, running_var, batches, keep, momentum, var_alpha, weight, bias, small,
-            limit, *plan.args)
-    return [Launch(_batch_stats_kernel, plan.grid, args, plan.constexprs, plan.num_warps,
-                   plan.token, plan.fixed)], (mean, invstd, small)
+            limit, *plan.args), (mean, invstd, small)

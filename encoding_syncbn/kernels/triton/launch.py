@@ -100,6 +100,104 @@ def launch_all(launches: Sequence[Launch], device_index: int | None) -> None:
                             *compiled.constexprs)
 
 
+class Prepared(NamedTuple):
+    """An op's launches for one key of its memo (:func:`prepared_memo`), once each has been
+    launched through Triton's public path: the op's memoised ``plan`` and each launch's
+    direct launch (:func:`prepare`).
+
+    The key is the op's: whatever fixes its plan and everything Triton specialises its
+    launches on but where their tensors lie (sizes, strides, dtypes of every tensor its
+    launches do not allocate, the device, the options). A repeat call of the op builds its
+    launches' arguments and hands them to :func:`launch_prepared`: no plan lookup, no launch
+    key, no ``Launch``."""
+
+    plan: Any
+    direct: tuple[Callable[[tuple], None], ...]
+    kernels: tuple  # each launch's JITFunction
+    # Per launch with tensors its token does not fix: its index and what picks them.
+    keyed: tuple[tuple[int, Callable[[tuple], tuple]], ...]
+    # Each launch's kernel's pre-run hooks (``JITFunction.pre_run_hooks``, the list itself,
+    # which hooks are added to): they see every launch.
+    pre_run_hooks: tuple[list, ...]
+
+
+# Every op's memo of its prepared launches by its key (a dict: its ``get`` is the op's one
+# lookup a call): forgotten with the compiled kernels they call, and each all at once past the
+# bound (plans change with shapes: a long-running process must not grow it without end).
+_PREPARED_MEMOS: list[dict] = []
+_MAX_PREPARED = 1024
+
+
+def prepared_memo() -> dict:
+    """A new op's memo of :class:`Prepared` launches by its key (filled by :func:`prepare`,
+    cleared by :func:`forget_compiled`)."""
+    memo: dict = {}
+    _PREPARED_MEMOS.append(memo)
+    return memo
+
+
+def prepare(memo: dict, key: tuple, plan: Any, launches: Sequence[Launch],
+            device_index: int | None) -> None:
+    """Remember in ``memo`` under ``key`` the direct launches of ``launches``, just launched
+    (:func:`launch_all`) as ``plan`` plans them, where each has a compiled kernel kept under
+    its plan token's key (its tensors on 16 bytes: what :func:`launch_prepared` then asks of
+    a repeat call's); nothing under the interpreter, an unknown Triton, or a launch keyed by
+    every argument."""
+    if _knobs is None or _knobs is _UNRESOLVED:  # every launch public: nothing kept
+        return
+    direct, keyed, before = [], [], None
+    for index, planned in enumerate(launches):
+        before = _token_key(planned, device_index, before)
+        compiled = None if before is None else _COMPILED.get(before)
+        if compiled is None:
+            return
+        direct.append(_direct(compiled, planned.grid))
+        pick = _TENSOR_PICKERS[(id(planned.kernel), planned.token)]
+        if pick(planned.args):
+            keyed.append((index, pick))
+    if len(memo) >= _MAX_PREPARED:
+        memo.clear()
+    kernels = tuple(planned.kernel for planned in launches)
+    memo[key] = Prepared(plan, tuple(direct), kernels, tuple(keyed),
+                         tuple(kernel.pre_run_hooks for kernel in kernels))
+
+
+def _direct(compiled: _Compiled, grid: tuple[int, int]) -> Callable[[tuple], None]:
+    """The direct launch of ``compiled`` on ``grid``, called with the planned arguments."""
+    launch, leading, constexprs = compiled.launch, compiled.leading, compiled.constexprs
+    device, stream = compiled.device, compiled.stream
+    blocks, splits = grid
+    if compiled.packed:
+        def direct(args: tuple) -> None:
+            launch(blocks, splits, 1, stream(device), *leading, (*args, *constexprs))
+    else:
+        def direct(args: tuple) -> None:
+            launch(blocks, splits, 1, stream(device), *leading, *args, *constexprs)
+    return direct
+
+
+def launch_prepared(prepared: Prepared, device: torch.device, *launch_args: tuple) -> bool:
+    """Launch ``prepared``'s launches directly, each with its arguments of ``launch_args``
+    (the planned ones, as its ``Launch`` would hold them), where they may be taken: no launch
+    hook set (hooks see every launch), ``device`` the current one (Triton launches there; a
+    DataParallel replica's thread has switched to its own) and the tensors their keys read
+    on 16 bytes (what Triton specialises pointers on, and :func:`prepare` found). False:
+    nothing launched, the caller launches through :func:`launch_all`."""
+    knobs = _knobs
+    enter, leave = knobs.launch_enter_hook, knobs.launch_exit_hook
+    if (getattr(enter, "calls", enter) or getattr(leave, "calls", leave)
+            or knobs.add_stages_inspection_hook is not None
+            or any(prepared.pre_run_hooks)
+            or device.type == "cuda" and device.index != torch.cuda.current_device()):
+        return False
+    for index, pick in prepared.keyed:
+        if functools.reduce(operator.or_, map(_data_ptr, pick(launch_args[index])), 0) & 15:
+            return False
+    for direct, args in zip(prepared.direct, launch_args):
+        direct(args)
+    return True
+
+
 def public(planned: Launch) -> Any:
     """Launch ``planned`` through Triton's public launch; its compiled kernel (None from the
     interpreter)."""
@@ -112,6 +210,8 @@ def forget_compiled() -> None:
     again, which compiles (or finds) each kernel with the compile options then set."""
     _COMPILED.clear()
     _TENSOR_PICKERS.clear()
+    for memo in _PREPARED_MEMOS:
+        memo.clear()
 
 
 def compiled_for(planned: Launch, device_index: int | None) -> Any | None:
@@ -144,16 +244,25 @@ def _key(planned: Launch, device_index: int | None, before: tuple | None = None)
     not fix (``Launch.fixed``; it fixes the rest), and ``before``, the key of the launch
     before it in its op's launches (None: the first), which holds those of a launch that
     ``follows`` it; else from every argument (:func:`_argument_key`)."""
+    key = _token_key(planned, device_index, before)
+    return key if key is not None else _argument_key(planned, device_index)
+
+
+def _token_key(planned: Launch, device_index: int | None, before: tuple | None) -> tuple | None:
+    """:func:`_key` from ``planned``'s plan token; None where it has none, where it
+    ``follows`` no launch (``before`` None), or where a tensor it does not fix is off 16
+    bytes."""
     token = planned.token
-    if token is not None and (before is not None or not planned.follows):
-        kernel = id(planned.kernel)
-        pick = _TENSOR_PICKERS.get((kernel, token))
-        if pick is None:
-            pick = _tensor_picker(planned, kernel)
-        tensors = pick(planned.args)
-        if not functools.reduce(operator.or_, map(_data_ptr, tensors), 0) & 15:
-            return (kernel, token, device_index, before, *map(_dtype_of, tensors))
-    return _argument_key(planned, device_index)
+    if token is None or (before is None and planned.follows):
+        return None
+    kernel = id(planned.kernel)
+    pick = _TENSOR_PICKERS.get((kernel, token))
+    if pick is None:
+        pick = _tensor_picker(planned, kernel)
+    tensors = pick(planned.args)
+    if functools.reduce(operator.or_, map(_data_ptr, tensors), 0) & 15:
+        return None
+    return (kernel, token, device_index, before, *map(_dtype_of, tensors))
 
 
 def _tensor_picker(planned: Launch, kernel: int) -> Callable[[tuple], tuple]:

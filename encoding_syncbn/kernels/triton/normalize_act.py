@@ -106,6 +106,7 @@ def _destination(x: torch.Tensor, out: torch.Tensor, plan: OpPlan) -> torch.Tens
 # normalize_act in place: its output, x itself (or x's contiguous copy), read by the key as its
 # input (``Launch.fixed``).
 _IN_PLACE_FIXED = (1,)
+_INTO_OUT = "out"
 
 
 def plan_normalize_act(x: torch.Tensor, params: NormParams, out: torch.Tensor, target: Target,
@@ -113,21 +114,40 @@ def plan_normalize_act(x: torch.Tensor, params: NormParams, out: torch.Tensor, t
     """Plan into ``out`` when it lies like (the possibly copied) x, else into a temporary that
     the caller copies to ``out`` (returned as the tensor the kernel writes); None: an empty x,
     nothing to launch."""
-    plan = plan_op(x, target, reduction=False, tile=tile, activation=params.activation,
-                   activation_param=params.activation_param)
+    plan = normalize_act_plan(x, params, target, tile)
     if plan is None:
         return None
-    if out is x:  # in place, the usual call: x as it is
-        dst = x = prepared_input(x, plan)
-        fixed = _IN_PLACE_FIXED
-    else:
-        x = prepared_input(x, plan)
-        dst = _destination(x, out, plan)
-        fixed = ()
-    launch = Launch(_normalize_act_kernel, plan.grid,
-                    (x, dst, *params[:4], plan.activation_param, *plan.args),
-                    plan.constexprs, plan.num_warps, plan.token, fixed)
-    return [launch], dst
+    args = normalize_act_args(plan, x, params, out)
+    return [normalize_act_launch(plan, args)], args[1]
+
+
+def normalize_act_plan(x: torch.Tensor, params: NormParams, target: Target,
+                       tile: Tile | None = None) -> OpPlan | None:
+    """``normalize_act``'s memoised plan on ``x`` (None: an empty x)."""
+    return plan_op(x, target, reduction=False, tile=tile, activation=params.activation,
+                   activation_param=params.activation_param)
+
+
+def normalize_act_args(plan: OpPlan, x: torch.Tensor, params: NormParams,
+                       out: torch.Tensor) -> tuple:
+    """The kernel's arguments as ``plan`` plans them: x (its contiguous copy where
+    ``plan.copy``) and the tensor it writes, ``out`` (in place: x as launched) where that
+    lies like x, else a temporary (``_destination``)."""
+    in_place = out is x
+    x = prepared_input(x, plan)
+    dst = x if in_place else _destination(x, out, plan)
+    return (x, dst, *params[:4], plan.activation_param, *plan.args)
+
+
+def normalize_act_launch(plan: OpPlan, args: tuple) -> Launch:
+    """The launch of ``plan`` with ``args`` (:func:`normalize_act_args`)."""
+    if args[1] is args[0]:
+        return Launch(_normalize_act_kernel, plan.grid, args, plan.constexprs, plan.num_warps,
+                      plan.token, _IN_PLACE_FIXED)
+    # Into another tensor: a token of its own, for the key reads it (a token fixes the
+    # tensors its launches' keys read).
+    return Launch(_normalize_act_kernel, plan.grid, args, plan.constexprs, plan.num_warps,
+                  (plan.token, _INTO_OUT))
 
 
 # normalize_running's arguments allocated by its planner: the mean and invstd it writes

@@ -13,11 +13,26 @@ from .. import torch_ops
 from ..backend import BatchSums, DxCoefs, GammaCheck, NormParams, RunningParams, RunningStats
 from ..custom_ops import Op, OpsBackend, channel_vectors, implementations, register
 from ..torch_ops import stats_dtype
-from .backward_dx import plan_backward_dx, plan_batch_backward
+from .backward_dx import (
+    batch_backward_args,
+    batch_backward_launches,
+    batch_backward_plans,
+    plan_backward_dx,
+)
 from .backward_reduce import plan_backward_reduce
-from .channel_stats import plan_batch_stats, plan_channel_stats
-from .launch import launch_all
-from .normalize_act import plan_normalize_act, plan_normalize_running
+from .channel_stats import (
+    batch_stats_args,
+    batch_stats_launch,
+    batch_stats_plan,
+    plan_channel_stats,
+)
+from .launch import launch_all, launch_prepared, prepare, prepared_memo
+from .normalize_act import (
+    normalize_act_args,
+    normalize_act_launch,
+    normalize_act_plan,
+    plan_normalize_running,
+)
 from .partials import reset_counters
 from .plan import INTERPRET as INTERPRET
 from .plan import Launch, empty_dx, geometry_of, launch_target
@@ -72,38 +87,87 @@ def _channel_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return result
 
 
+# Each hot op's prepared launches (``launch.Prepared``), by its key.
+_BATCH_STATS = prepared_memo()
+_NORMALIZE_ACT = prepared_memo()
+_BATCH_BACKWARD = prepared_memo()
+
+
 def _batch_stats(x: torch.Tensor, eps: float, running: RunningStats | None,
                  check: GammaCheck | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    running_mean, running_var, batches, momentum = running or (None, None, None, None)
-    weight, bias, gamma_limit = check or (None, None, 0.0)
-    strided = running_mean is not None and not (running_mean.is_contiguous()
-                                                and running_var.is_contiguous())
-    if strided:  # the kernel writes contiguous vectors: strided buffers updated through copies
-        running_mean, running_var = running_mean.contiguous(), running_var.contiguous()
+    mean, invstd, small = _eager_batch_stats(x, eps, running, check)
+    return mean, invstd, small if small is not None else mean.new_empty(0, dtype=torch.uint8)
+
+
+def _eager_batch_stats(x: torch.Tensor, eps: float, running: RunningStats | None,
+                       check: GammaCheck | None
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``Backend.batch_stats``: the small-gamma flags None without ``check``."""
     device = x.device
-    planned = plan_batch_stats(x, eps, running_mean, running_var, batches, momentum, weight,
-                               bias, gamma_limit, launch_target(device))
-    if planned is None:  # empty: no launch, the reference's answer (per-channel vectors only)
+    if running is None:
+        running_mean = running_var = batches = momentum = running_key = None
+        strided = False
+    else:
+        running_mean, running_var, batches, momentum = running
+        running_key = (running_mean.dtype, running_var.dtype,
+                       None if batches is None else batches.dtype, momentum)
+        strided = not (running_mean.is_contiguous() and running_var.is_contiguous())
+        if strided:  # the kernel writes contiguous vectors: strided buffers updated by copies
+            running_mean, running_var = running_mean.contiguous(), running_var.contiguous()
+    if check is None:
+        weight = bias = check_key = None
+        gamma_limit = 0.0
+    else:
+        weight, bias, gamma_limit = check
+        check_key = (weight.dtype, bias.dtype, gamma_limit)
+    key = (x.shape, x.stride(), x.dtype, device, eps, running_key, check_key)
+    prepared = _BATCH_STATS.get(key)
+    plan = prepared.plan if prepared is not None else batch_stats_plan(
+        x, eps, running_mean, batches, momentum, weight, gamma_limit, launch_target(device))
+    if plan is None:  # empty: no launch, the reference's answer (per-channel vectors only)
         mean, invstd, small = torch_ops.batch_stats(x, eps, running, check)
-        return mean, invstd, (small.to(torch.uint8) if small is not None
-                              else mean.new_empty(0, dtype=torch.uint8))
-    launches, result = planned
-    _run(launches, device)
+        return mean, invstd, (small.to(torch.uint8) if small is not None else None)
+    if plan.copy:
+        x = x.contiguous()
+    args, result = batch_stats_args(plan, x, running_mean, running_var, batches, weight, bias)
+    if prepared is None or not launch_prepared(prepared, device, args):
+        launches = [batch_stats_launch(plan, args)]
+        _run(launches, device)
+        if prepared is None:
+            prepare(_BATCH_STATS, key, plan, launches, device.index)
     if strided:
         running.mean.copy_(running_mean)
         running.var.copy_(running_var)
-    return result
+    return result if check is not None else (*result[:2], None)
 
 
 def _normalize_act(x: torch.Tensor, params: NormParams, out: torch.Tensor) -> None:
+    _eager_normalize_act(x, params, out)
+
+
+def _eager_normalize_act(x: torch.Tensor, params: NormParams, out: torch.Tensor
+                         ) -> torch.Tensor:
+    """``Backend.normalize_act``: ``out``, written."""
     device = x.device
-    planned = plan_normalize_act(x, params, out, launch_target(device))
-    if planned is None:  # empty: no launch
-        return
-    launches, dst = planned
-    _run(launches, device)
+    mean, invstd, weight, bias, activation, activation_param = params
+    key = (x.shape, x.stride(), x.dtype, device, activation, activation_param, mean.dtype,
+           invstd.dtype, weight.dtype, bias.dtype,
+           None if out is x else (out.shape, out.stride(), out.dtype))
+    prepared = _NORMALIZE_ACT.get(key)
+    plan = prepared.plan if prepared is not None else normalize_act_plan(
+        x, params, launch_target(device))
+    if plan is None:  # empty: no launch
+        return out
+    args = normalize_act_args(plan, x, params, out)
+    if prepared is None or not launch_prepared(prepared, device, args):
+        launches = [normalize_act_launch(plan, args)]
+        _run(launches, device)
+        if prepared is None:
+            prepare(_NORMALIZE_ACT, key, plan, launches, device.index)
+    dst = args[1]
     if dst is not out:
         out.copy_(dst)
+    return out
 
 
 def _normalize_running(x: torch.Tensor, running: RunningParams,
@@ -149,12 +213,20 @@ def _batch_backward(saved: torch.Tensor, dy: torch.Tensor, params: NormParams,
     nothing (the backend does not ``scratches_saved``): the kernels rebuild the input in
     registers, with no full-size scratch to spare."""
     device = saved.device
-    planned = plan_batch_backward(saved, dy, params, bool(saved_is_output), int(count),
-                                  launch_target(device))
-    if planned is None:  # empty: no launch
+    mean, invstd, weight, bias, activation, activation_param = params
+    key = (saved.shape, saved.stride(), saved.dtype, device, activation, activation_param,
+           saved_is_output, dy.dtype, mean.dtype, invstd.dtype, weight.dtype, bias.dtype)
+    prepared = _BATCH_BACKWARD.get(key)
+    plans = prepared.plan if prepared is not None else batch_backward_plans(
+        saved, params, saved_is_output, launch_target(device))
+    if plans is None:  # empty: no launch
         return _empty_dx(saved), *_zero_vectors(saved)
-    launches, result = planned
-    _run(launches, device)
+    reduce_args, dx_args, result = batch_backward_args(plans, saved, dy, params, int(count))
+    if prepared is None or not launch_prepared(prepared, device, reduce_args, dx_args):
+        launches = batch_backward_launches(plans, reduce_args, dx_args)
+        _run(launches, device)
+        if prepared is None:
+            prepare(_BATCH_BACKWARD, key, plans, launches, device.index)
     return result
 
 
@@ -163,6 +235,16 @@ def _batch_stats_fake(x: torch.Tensor, eps: float, running: RunningStats | None,
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     mean, invstd = channel_vectors(x)
     return mean, invstd, x.new_empty(x.shape[1] if check is not None else 0, dtype=torch.uint8)
+
+
+class _EagerOps(OpsBackend):
+    """The eager route, whose training-step ops are the functions above themselves, in
+    ``Backend``'s shapes: no frame of ``OpsBackend``'s between a layer and their launches (the
+    table keeps the shapes of custom ops, for the registered ops)."""
+
+    batch_stats = staticmethod(_eager_batch_stats)
+    normalize_act = staticmethod(_eager_normalize_act)
+    batch_backward = staticmethod(_batch_backward)
 
 
 OPS = {
@@ -184,8 +266,8 @@ OPS = {
 #: ``invstd`` in its launch, which also writes the ``(mean, invstd)`` it used;
 #: ``backward_dx`` from ``BatchSums`` derives the coefficients in the kernel. The kernels
 #: record no autograd history: no grad mode to switch.
-EAGER = OpsBackend("triton", implementations(OPS), batch_backward=_batch_backward,
-                   records_history=False)
+EAGER = _EagerOps("triton", implementations(OPS), batch_backward=_batch_backward,
+                  records_history=False)
 #: The registered ops: what tracers see (see :func:`backend_for`).
 TRACED = OpsBackend("triton", register(OPS))
 
