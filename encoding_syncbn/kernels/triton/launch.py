@@ -168,8 +168,10 @@ def _direct(compiled: _Compiled, grid: tuple[int, int]) -> Callable[[tuple], Non
     device, stream = compiled.device, compiled.stream
     blocks, splits = grid
     if compiled.packed:
+        # ``args + constexprs``: one concatenation, where ``(*args, *constexprs)`` builds a
+        # list first.
         def direct(args: tuple) -> None:
-            launch(blocks, splits, 1, stream(device), *leading, (*args, *constexprs))
+            launch(blocks, splits, 1, stream(device), *leading, args + constexprs)
     else:
         def direct(args: tuple) -> None:
             launch(blocks, splits, 1, stream(device), *leading, *args, *constexprs)
