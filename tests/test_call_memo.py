@@ -63,6 +63,10 @@ CHANGES = {
     "pruned weight": lambda layer: prune.l1_unstructured(layer, "weight", amount=0.4),
     "no running statistics": lambda layer: (setattr(layer, "running_mean", None),
                                             setattr(layer, "running_var", None)),
+    # Into the layer's dicts, with no assignment: the memo stays, the next call reads them.
+    "weight registered anew": lambda layer: layer.register_parameter(
+        "weight", torch.nn.Parameter(layer.weight.detach() * 0.5)),
+    "count taken out": lambda layer: layer._buffers.pop("num_batches_tracked"),
 }
 
 # Around the repeat call: (name, context manager factory).
@@ -197,11 +201,14 @@ def test_a_repeat_call_runs_a_counted_number_of_the_layers_functions():
     package = modules.__file__.rsplit("/", 2)[0]  # .../encoding_syncbn
     kernels = package + "/kernels/"
     counted: list[str] = []
+    module_reads = []
 
     def profile(frame, event, arg):
         name = frame.f_code.co_filename
         if event == "call" and name.startswith(package) and not name.startswith(kernels):
             counted.append(f"{name.rsplit('/', 1)[-1]}:{frame.f_code.co_name}")
+        if event == "call" and frame.f_code is torch.nn.Module.__getattr__.__code__:
+            module_reads.append(frame.f_locals.get("name"))
 
     source = x.clone().requires_grad_() * 1
     sys.setprofile(profile)
@@ -211,3 +218,6 @@ def test_a_repeat_call_runs_a_counted_number_of_the_layers_functions():
         sys.setprofile(None)
     assert "modules.py:_forward" not in counted  # the checks were not run again
     assert len(counted) <= REPEAT_CALL_FUNCTIONS, counted
+    # The parameters and running statistics read from the layer's dicts (``_state``), not
+    # through nn.Module's __getattr__, which raises and catches an AttributeError each.
+    assert module_reads == []

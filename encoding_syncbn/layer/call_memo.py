@@ -35,7 +35,8 @@ from . import inplace_policy, tracing
 class CallMemo(NamedTuple):
     """What a call of one key decided: the key (the input's ``shape``, ``dtype``, ``device``),
     its mode (``evaluating``: with the running statistics), its values a channel (``count``;
-    None: evaluating) and whether the key lets it run in place (``in_place``)."""
+    None: evaluating), whether the key lets it run in place (``in_place``) and where the
+    layer's tensors are read (``plain_state``)."""
 
     shape: torch.Size
     dtype: torch.dtype
@@ -43,6 +44,10 @@ class CallMemo(NamedTuple):
     evaluating: bool
     count: int | None
     in_place: bool
+    # Whether the layer's parameters and running statistics lie plainly in its
+    # ``_parameters`` and ``_buffers``, for a repeat call to read them there
+    # (``SyncBatchNorm._plain_state``).
+    plain_state: bool
 
     def fits(self, x: object) -> bool:
         """Whether a call on ``x`` now, outside ``torch.compile`` (the caller asks first), may

@@ -448,8 +448,12 @@ class ChannelsAside:
 
         Through numpy, not torch: ``nonzero`` or ``tolist`` here would be host reads that a
         training step must not dispatch (on a GPU they sync with the device; this tensor is
-        already on the host, but the step's no-sync test cannot tell them apart)."""
-        return tuple(flags.numpy().nonzero()[0].tolist())
+        already on the host, but the step's no-sync test cannot tell them apart). All bytes
+        zero, the usual answer, is told from the bytes alone (all values are zero then)."""
+        values = flags.numpy()
+        if values.tobytes().count(0) == values.nbytes:
+            return ()
+        return tuple(values.nonzero()[0].tolist())
 
 
 def small_gamma_channels(weight: torch.Tensor | None, bias: torch.Tensor | None

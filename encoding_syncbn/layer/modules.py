@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import numbers
+import operator
 import warnings
 import weakref
 from collections.abc import Callable
@@ -53,6 +54,13 @@ _CONFIG_SOURCES = (*_ACTIVATION_OPTIONS, "_label_text")
 #: in-place call keeps only its output for backward (``compiled_inplace``).
 #: ``benchmarks/bench_compile.py`` measures both.
 COMPILE_AS_FORMULA = True
+
+# The layer's parameters and running statistics (buffers), as a call reads them (``_state``),
+# and what reads them from ``_parameters`` and ``_buffers``.
+_PARAMETERS = ("weight", "bias")
+_RUNNING = ("running_mean", "running_var", "num_batches_tracked")
+_PARAMETERS_OF = operator.itemgetter(*_PARAMETERS)
+_RUNNING_OF = operator.itemgetter(*_RUNNING)
 
 # Attributes that only make sense for the live object: dropped by pickle and deepcopy.
 _TRANSIENT = ("_open_group", "_replica_slot", "_recompute_cache", "_replicas_channels_aside",
@@ -441,7 +449,7 @@ class SyncBatchNorm(_BatchNorm):
         which cannot be folded into the buffers: refused with them untouched (the update
         itself would fail after scaling them). (Under ``grad`` torch refuses the write back,
         the first write, as it refuses ``nn.BatchNorm``'s update.)"""
-        running = self._running(self.running_mean)
+        running = self._running(*self._state(False)[2:])
         if running is None:
             return
         staged = RunningStats(running.mean.clone(), running.var.clone(),
@@ -494,16 +502,16 @@ class SyncBatchNorm(_BatchNorm):
         if dim < 2 or x.shape[1] != self.num_features or x.dtype not in torch_ops.INPUT_DTYPES:
             self._check_input(x)  # raises, saying what is wrong
         self._last_input_dim[0] = dim
-        params = self.weight, self.bias  # read once: a parametrized weight is computed at each read
-        running_mean = self.running_mean
-        self._check_device(x, running_mean, params[0])
-        weight, bias = self._affine_params(*params, x)
+        weight, bias, running_mean, running_var, batches = self._state(False)
+        self._check_device(x, running_mean, weight)
+        weight, bias = self._affine_params(weight, bias, x)
         evaluating = not self.training and running_mean is not None
         # Asked only for batch statistics: evaluation with running statistics never asks
         # autograd (its private API untouched).
         recomputing = not evaluating and recompute.inside_backward()
         synced = not evaluating and self._synced(slot)
-        running = self._running(running_mean) if self.training and not recomputing else None
+        running = (self._running(running_mean, running_var, batches)
+                   if self.training and not recomputing else None)
         count = None
         if not evaluating and not synced:  # this replica's batch alone
             count = self._training_count(x)
@@ -527,7 +535,7 @@ class SyncBatchNorm(_BatchNorm):
             # The backend derives invstd in the same pass, and keeps copies of the statistics
             # for the backward: a training forward, load_state_dict or a buffer broadcast may
             # change the buffers before it.
-            out = normalize_running(x, running_mean, self.running_var, self.eps, weight, bias,
+            out = normalize_running(x, running_mean, running_var, self.eps, weight, bias,
                                     plan.config, plan.kept)
         elif synced:
             # The master folds the merged statistics into the running ones; each replica
@@ -547,7 +555,8 @@ class SyncBatchNorm(_BatchNorm):
                     and computes_in(x.dtype, count, x.device) != torch_ops.stats_dtype(x.dtype))):
             self.__dict__["_call_memo"] = CallMemo(
                 x.shape, x.dtype, x.device, evaluating, count,
-                inplace_policy.in_place_by_key(self._config, x.dtype, count))
+                inplace_policy.in_place_by_key(self._config, x.dtype, count),
+                self._plain_state())
         # ``out is x``: written in place (not a fallback out of place).
         if out is x and inplace_policy.checking():
             return inplace_policy.after_write(x, out, self._label())
@@ -560,27 +569,56 @@ class SyncBatchNorm(_BatchNorm):
         overwritten, the channels kept aside), then the call runs as ``_forward`` runs it.
         Where the running statistics came or went (``functional_call`` swaps them) or the
         processes now synchronise: ``_forward``, from the start."""
-        running_mean = self.running_mean
+        try:
+            if memo.plain_state:  # as ``_state`` reads them, without a call of its own
+                weight, bias = _PARAMETERS_OF(self._parameters)
+                running_mean, running_var, batches = _RUNNING_OF(self._buffers)
+            else:
+                weight, bias, running_mean, running_var, batches = self._state(False)
+        except KeyError:  # a tensor taken out of its dict behind the layer's back
+            return self._forward(x, None)
         evaluating = not self.training and running_mean is not None
         if evaluating is not memo.evaluating or (not evaluating and self.sync
                                                  and self._syncs_processes()):
             return self._forward(x, None)
         x = compat.unwrap_if_dead(x)
-        params = self.weight, self.bias  # read once: a parametrized weight is computed at each read
-        self._check_device(x, running_mean, params[0])
-        weight, bias = self._affine_params(*params, x)
+        self._check_device(x, running_mean, weight)
+        weight, bias = self._affine_params(weight, bias, x)
         config, kept, check = self._config, None, None
         if config.inplace:
             config, kept, check = inplace_policy.plan_overwrite(
                 config, x, self._warned_out_of_place, self._channels_aside, weight, bias,
                 memo.in_place, not evaluating)
         if evaluating:
-            return normalize_running(x, running_mean, self.running_var, self.eps, weight, bias,
+            return normalize_running(x, running_mean, running_var, self.eps, weight, bias,
                                      config, kept)
         # The key computes in x's own statistics dtype (or keeps no memo): x as it is.
         return widened_batch_norm_act(x, x, ops_for(x), weight, bias, self.eps, config,
-                                      self._running(running_mean), self._channels_aside, False,
-                                      memo.count, check)
+                                      self._running(running_mean, running_var, batches),
+                                      self._channels_aside, False, memo.count, check)
+
+    def _state(self, plain: bool) -> tuple[torch.Tensor | None, ...]:
+        """The layer's weight, bias, running mean, running variance and batch count, each read
+        once (a parametrization computes its tensor at each read). ``plain``
+        (``CallMemo.plain_state``): straight from ``_parameters`` and ``_buffers``, without
+        nn.Module's ``__getattr__``, which raises and catches an AttributeError at each read;
+        a KeyError where one is no longer there."""
+        if plain:
+            return (*_PARAMETERS_OF(self._parameters), *_RUNNING_OF(self._buffers))
+        return (self.weight, self.bias, self.running_mean, self.running_var,
+                getattr(self, "num_batches_tracked", None))  # a count is optional
+
+    def _plain_state(self) -> bool:
+        """Whether each of the tensors ``_state`` reads is its entry in ``_parameters`` (weight,
+        bias) or ``_buffers`` (the running statistics) as nn.Module's ``__getattr__`` finds
+        it: no class attribute (a parametrization's property) and no instance attribute (a
+        pruning's weight) stands for it. Only an assignment or a deletion, which drop the
+        memo, changes that (a parametrization assigns the layer's class)."""
+        cls, attributes, params = type(self), self.__dict__, self._parameters
+        return (all(name not in attributes and not hasattr(cls, name)
+                    for name in (*_PARAMETERS, *_RUNNING))
+                and all(name in params for name in _PARAMETERS)
+                and all(name in self._buffers and name not in params for name in _RUNNING))
 
     def _group_open(self) -> bool:
         """Whether ``replicate()`` made a group of this layer's replicas that is still alive."""
@@ -628,13 +666,13 @@ class SyncBatchNorm(_BatchNorm):
             )
         return count
 
-    def _running(self, mean: torch.Tensor | None) -> RunningStats | None:
-        """The running statistics a training call updates (None: not tracked); ``mean``: the
-        layer's ``running_mean``, as the caller read it (each buffer is read once a call:
-        nn.Module's ``__getattr__`` raises and catches an AttributeError at every read)."""
+    def _running(self, mean: torch.Tensor | None, var: torch.Tensor | None,
+                 batches: torch.Tensor | None) -> RunningStats | None:
+        """The running statistics a training call updates (None: not tracked), from the
+        layer's buffers as the caller read them (``_state``)."""
         if not self.track_running_stats or mean is None:
             return None
-        return RunningStats(mean, self.running_var, self.num_batches_tracked, self.momentum)
+        return RunningStats(mean, var, batches, self.momentum)
 
     @property
     def last_input_dim(self) -> int | None:

@@ -148,7 +148,7 @@ def reduce_args(plan: OpPlan, saved: torch.Tensor, dy: torch.Tensor, mean: torch
     launches on them (prepared, in the planned layout), and its ``(sum_dz, sum_dz_xhat)``."""
     acc, splits, c = plan.acc, plan.grid[1], plan.geo.c
     sum_dz = saved.new_empty(c, dtype=acc)
-    sum_dz_xhat = saved.new_empty(c, dtype=acc)
+    sum_dz_xhat = torch.empty_like(sum_dz)  # fewer arguments to parse than new_empty's
     # Split: the planes of partial sums (``partial_planes``), in the stream's buffer; else
     # unread.
     counters, part = split_buffers(saved.device, c,

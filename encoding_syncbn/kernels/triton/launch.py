@@ -114,8 +114,8 @@ class Prepared(NamedTuple):
     plan: Any
     direct: tuple[Callable[[tuple], None], ...]
     kernels: tuple  # each launch's JITFunction
-    # Per launch with tensors its token does not fix: its index and what picks them.
-    keyed: tuple[tuple[int, Callable[[tuple], tuple]], ...]
+    # Per launch with tensors its token does not fix: its index and their positions.
+    keyed: tuple[tuple[int, tuple[int, ...]], ...]
     # Each launch's kernel's pre-run hooks (``JITFunction.pre_run_hooks``, the list itself,
     # which hooks are added to): they see every launch.
     pre_run_hooks: tuple[list, ...]
@@ -152,9 +152,9 @@ def prepare(memo: dict, key: tuple, plan: Any, launches: Sequence[Launch],
         if compiled is None:
             return
         direct.append(_direct(compiled, planned.grid))
-        pick = _TENSOR_PICKERS[(id(planned.kernel), planned.token)]
-        if pick(planned.args):
-            keyed.append((index, pick))
+        positions = _TENSOR_PICKERS[(id(planned.kernel), planned.token)][1]
+        if positions:
+            keyed.append((index, positions))
     if len(memo) >= _MAX_PREPARED:
         memo.clear()
     kernels = tuple(planned.kernel for planned in launches)
@@ -168,8 +168,10 @@ def _direct(compiled: _Compiled, grid: tuple[int, int]) -> Callable[[tuple], Non
     device, stream = compiled.device, compiled.stream
     blocks, splits = grid
     if compiled.packed:
+        # ``args + constexprs``: one concatenation, where ``(*args, *constexprs)`` builds a
+        # list first.
         def direct(args: tuple) -> None:
-            launch(blocks, splits, 1, stream(device), *leading, (*args, *constexprs))
+            launch(blocks, splits, 1, stream(device), *leading, args + constexprs)
     else:
         def direct(args: tuple) -> None:
             launch(blocks, splits, 1, stream(device), *leading, *args, *constexprs)
@@ -188,11 +190,14 @@ def launch_prepared(prepared: Prepared, device: torch.device, *launch_args: tupl
     if (getattr(enter, "calls", enter) or getattr(leave, "calls", leave)
             or knobs.add_stages_inspection_hook is not None
             or any(prepared.pre_run_hooks)
-            or device.type == "cuda" and device.index != torch.cuda.current_device()):
+            # (a GPU's tensors alone carry a device index: ``device.type`` builds a string)
+            or device.index is not None and device.index != torch.cuda.current_device()):
         return False
-    for index, pick in prepared.keyed:
-        if functools.reduce(operator.or_, map(_data_ptr, pick(launch_args[index])), 0) & 15:
-            return False
+    for index, positions in prepared.keyed:
+        args = launch_args[index]
+        for position in positions:
+            if args[position].data_ptr() & 15:
+                return False
     for direct, args in zip(prepared.direct, launch_args):
         direct(args)
     return True
@@ -232,8 +237,9 @@ def _resolve_knobs() -> Any:
 _TENSOR_CLASSES: set[type] = {torch.Tensor}
 
 # Per kernel and plan token (``Launch.token``): what picks the launch's tensors from its
-# arguments (where they lie is the token's to fix). Forgotten with the compiled kernels.
-_TENSOR_PICKERS: dict[tuple, Callable[[tuple], tuple]] = {}
+# arguments (where they lie is the token's to fix), and their positions. Forgotten with the
+# compiled kernels.
+_TENSOR_PICKERS: dict[tuple, tuple[Callable[[tuple], tuple], tuple[int, ...]]] = {}
 _data_ptr = torch.Tensor.data_ptr
 _dtype_of = operator.attrgetter("dtype")
 
@@ -256,9 +262,8 @@ def _token_key(planned: Launch, device_index: int | None, before: tuple | None) 
     if token is None or (before is None and planned.follows):
         return None
     kernel = id(planned.kernel)
-    pick = _TENSOR_PICKERS.get((kernel, token))
-    if pick is None:
-        pick = _tensor_picker(planned, kernel)
+    found = _TENSOR_PICKERS.get((kernel, token))
+    pick = found[0] if found is not None else _tensor_picker(planned, kernel)
     tensors = pick(planned.args)
     if functools.reduce(operator.or_, map(_data_ptr, tensors), 0) & 15:
         return None
@@ -280,7 +285,7 @@ def _tensor_picker(planned: Launch, kernel: int) -> Callable[[tuple], tuple]:
         pick = operator.itemgetter(*positions)
     if len(_TENSOR_PICKERS) >= _MAX_COMPILED:
         _TENSOR_PICKERS.clear()
-    _TENSOR_PICKERS[(kernel, planned.token)] = pick
+    _TENSOR_PICKERS[(kernel, planned.token)] = pick, tuple(positions)
     return pick
 
 

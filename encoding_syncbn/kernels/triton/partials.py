@@ -145,7 +145,9 @@ def split_buffers(device: torch.device, count: int, partials: int
     reused from launch to launch on ``device``'s current stream, found by one lookup of the
     stream. float64 whatever the reduction's dtype: programs' partial sums are merged in
     float64 and rounded once."""
-    stream = compat.current_stream_handle(device.index) if device.type == "cuda" else 0
+    # A GPU's tensors alone carry a device index (``device.type`` builds a string).
+    index = device.index
+    stream = 0 if index is None else compat.current_stream_handle(index)
     key = (device, stream)
     found = _counters.get(key)
     if found is None or found[1] < count:
