@@ -684,9 +684,22 @@ def _in_xhat_units(v: torch.Tensor, params: NormParams, saved_is_output: bool
     in float64 and rounded once to the statistics dtype (a (C,) vector: its roundings would
     reach every element)."""
     wide = widest_dtype(v.device)
-    unit = (params.weight.to(wide).reciprocal() if saved_is_output
-            else params.invstd.to(wide))
+    if not saved_is_output:
+        unit = params.invstd.to(wide)
+    elif params.mean.dtype == wide:
+        unit = params.weight.to(wide).reciprocal()
+    else:
+        unit = output_weight(params.weight, params.invstd).reciprocal_()
     return (v.to(wide) * unit).to(params.mean.dtype)
+
+
+def output_weight(weight: torch.Tensor, invstd: torch.Tensor) -> torch.Tensor:
+    """``fl(invstd * weight) / invstd`` in float64, for per-channel vectors narrower than
+    it: the weight the output's ``z - bias`` carries xhat with. The forward scales by the
+    rounded product (``normalize_act``), a per-channel factor of up to half an ulp that every
+    rebuilt xhat of the channel shares and that the xhat term of dx would take twice."""
+    wide = widest_dtype(weight.device)
+    return (invstd * weight).to(wide) / invstd.to(wide)
 
 
 def _backward_pieces(saved, dy, params: NormParams, saved_is_output: bool, *outs):
@@ -885,9 +898,15 @@ def _along_xhat_in_float64(z: torch.Tensor, dz: torch.Tensor, params: NormParams
         z, dz = z.index_select(1, channels), dz.index_select(1, channels)
         vectors = [t.index_select(0, channels) for t in vectors]
     wide = widest_dtype(z.device)
-    wide_params = NormParams(*(t.to(wide) for t in vectors), "identity", 0.0)
-    sums = backward_reduce(z, dz, wide_params, True)
-    wide_dx = backward_dx(z, dz, wide_params, True, BatchSums(*sums, count))
+    mean, invstd, weight, bias = (t.to(wide) for t in vectors)
+    # xhat in the unit the output carries it in; dx's coefficients with the weight itself.
+    rebuilt = NormParams(mean, invstd, output_weight(vectors[2], vectors[1]), bias,
+                         "identity", 0.0)
+    sums = backward_reduce(z, dz, rebuilt, True)
+    scale = weight * invstd
+    per_element = scale * (-1.0 / count)
+    wide_dx = backward_dx(z, dz, rebuilt, True,
+                          DxCoefs(scale, per_element * sums[1], per_element * sums[0]))
     for target, value in ((dx, wide_dx), (sum_dz, sums[0]), (sum_dz_xhat, sums[1])):
         dim = 0 if target.dim() == 1 else 1
         if channels is True:
