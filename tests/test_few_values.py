@@ -29,8 +29,10 @@ from torch import nn
 
 from encoding_syncbn import SyncBatchNorm
 from encoding_syncbn.layer.inplace_policy import (
+    MARGIN,
     MIN_FLOAT64_REBUILT_COUNT,
     MIN_OWN_PRECISION_COUNT,
+    MIN_REBUILT_COUNT,
     rebuilds_from_count,
 )
 from encoding_syncbn.testing import SimulatedDataParallel
@@ -829,13 +831,14 @@ def test_float64_bound_on_inputs_far_from_zero_through_nested_calls(activation, 
     _assert_bound_far_from_zero(data, decades, activation, inplace, nesting, torch.float64)
 
 
-def along_xhat(x: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
-    """An output gradient half along x's normalised values, ``xhat + noise`` (as a squared
-    loss on a layer's output gives in part), drawn from ``gen``."""
+def along_xhat(x: torch.Tensor, gen: torch.Generator, noise: float = 1.0) -> torch.Tensor:
+    """An output gradient along x's normalised values, ``xhat + noise * N(0, 1)`` (as a
+    squared loss on a layer's output gives in part; half along xhat at noise 1), drawn from
+    ``gen``."""
     dims = [0, *range(2, x.dim())]
     centred = x - x.mean(dims, keepdim=True)
     xhat = centred / centred.square().mean(dims, keepdim=True).sqrt()
-    return xhat + torch.randn(x.shape, generator=gen, dtype=x.dtype)
+    return xhat + noise * torch.randn(x.shape, generator=gen, dtype=x.dtype)
 
 
 @settings(max_examples=6, deadline=None, derandomize=True)
@@ -941,3 +944,55 @@ def test_float32_bound_over_hundreds_of_values(activation, inplace, replicas, si
     _assert_within_bound(ratios, gamma, beta, f"{activation} inplace={inplace} x{replicas} "
                          f"{shape}")
 
+
+@settings(max_examples=30, deadline=None, derandomize=True)
+@given(
+    dtype=st.sampled_from(WIDE),
+    noise=st.sampled_from([0.1, 1.0, None]),
+    side=st.sampled_from([1, 4]),
+    data=st.data(),
+)
+def test_bound_with_output_gradients_along_xhat(dtype, noise, side, data):
+    """The bound with output gradients along the normalised input (``along_xhat``, noise 0.1 and
+    1; None: independent of it) over 23 to 1024 values a channel, in place and out (float32: in
+    place, one replica), on inputs within a standard deviation of 0, gammas and betas in the
+    in-place range (|beta| < |gamma| / ``inplace_policy.MARGIN``). dx is then a difference of
+    terms up to ten times its size, and the bound allows nn.BatchNorm2d's typical error relative
+    to the xhat term's size (``allowed_errors``). In place in float32, ATen's fused backward on
+    the rebuilt z would round ``1 / weight``'s square into the xhat term, and float32's
+    roundings of terms several times |dx| would reach every element: such channels take their
+    gradient in float64 (``torch_ops._along_xhat_in_float64``).
+
+    Not met yet in float32, and not drawn here (README, Limits): out of place, where
+    nn.BatchNorm2d's own backward on our statistics exceeds it by up to 1.5x (the float32
+    invstd's rounding, up to half an ulp, reaches the xhat term twice; nn.BatchNorm2d's
+    typical error is about an ulp of it); over 2-4 replicas (the same, and float32's walk
+    over pieces: up to 1.5x); and ELU in place (its inverse multiplies the output's rounding
+    by exp(-z): up to 1.6x)."""
+    wide = dtype == torch.float64
+    activation = data.draw(st.sampled_from(["identity", "leaky_relu", "elu"] if wide
+                                           else ["identity", "leaky_relu"]), label="activation")
+    replicas = data.draw(st.integers(1, 4 if wide else 1), label="replicas")
+    inplace = data.draw(st.booleans(), label="inplace") if wide else True
+    fewest = max(replicas, -(-MIN_REBUILT_COUNT // side**2))
+    samples = data.draw(st.integers(fewest, 64), label="samples")
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16), label="seed"))
+    channels = BOUND_CHANNELS * 4
+    largest = 1.0 if activation == "elu" else 10.0
+    size = torch.empty(channels, dtype=torch.float64).uniform_(
+        math.log(0.1), math.log(largest), generator=gen).exp()
+    gamma = size * torch.randn(channels, generator=gen, dtype=torch.float64).sign()
+    ratio = torch.empty(channels, dtype=torch.float64).uniform_(
+        -1.0 / MARGIN, 1.0 / MARGIN, generator=gen) * 0.99
+    beta = size * (ratio.abs() if activation == "elu" else ratio)
+    shape = (samples, channels, side, side)
+    x = (torch.randn(shape, generator=gen, dtype=torch.float64) + 0.25) * 2
+    dy = (torch.randn(shape, generator=gen, dtype=torch.float64) if noise is None
+          else along_xhat(x, gen, noise))
+    x, dy, gamma, beta = (t.to(dtype) for t in (x, dy, gamma, beta))
+    if not wide:
+        x = off_kink(x, gamma, beta, activation)
+    ratios, _ = ratios_to_bound(x, dy, gamma, beta, activation, SLOPES.get(activation, 0.01),
+                                replicas=replicas, inplace=inplace)
+    _assert_within_bound(ratios, gamma, beta, f"{dtype} {activation} inplace={inplace} "
+                         f"x{replicas} dy noise {noise} {shape}")
