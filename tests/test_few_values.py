@@ -996,3 +996,47 @@ def test_bound_with_output_gradients_along_xhat(dtype, noise, side, data):
                                 replicas=replicas, inplace=inplace)
     _assert_within_bound(ratios, gamma, beta, f"{dtype} {activation} inplace={inplace} "
                          f"x{replicas} dy noise {noise} {shape}")
+
+
+@one_backend  # torch_ops' own retake
+@settings(max_examples=8, deadline=None, derandomize=True)
+@given(activation=st.sampled_from(["identity", "leaky_relu", "elu"]),
+       along=st.lists(st.booleans(), min_size=2, max_size=8), data=st.data())
+def test_float64_retake_along_xhat_by_mask_as_by_indices(activation, along, data):
+    """Off the CPU the channels along xhat come as a mask and every channel is taken again
+    in float64 (``torch_ops._channels_along_xhat``): it gives the gradient and sums the
+    indices give, bit for bit (run here on the CPU with the mask forced)."""
+    from encoding_syncbn.kernels import torch_ops
+    from encoding_syncbn.kernels.backend import NormParams
+
+    channels = len(along)
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16), label="seed"))
+    shape = (data.draw(st.integers(3, 40), label="samples"), channels, 2, 3)
+    xhat = torch.randn(shape, generator=gen)
+    dy = torch.randn(shape, generator=gen) + 4 * xhat * torch.tensor(along).view(-1, 1, 1)
+    gamma = torch.rand(channels, generator=gen) + 0.5
+    beta = (torch.rand(channels, generator=gen) - 0.5) * gamma
+    params = NormParams(torch.zeros(channels), torch.rand(channels, generator=gen) + 0.5, gamma,
+                        beta, activation, SLOPES.get(activation, 0.01))
+    y = activate(xhat * gamma.view(-1, 1, 1) + beta.view(-1, 1, 1), activation,
+                 SLOPES.get(activation, 0.01))
+    count = y.numel() // channels
+    by_indices = torch_ops.batch_backward(y.clone(), dy, params, True, count)
+    found = torch_ops._channels_along_xhat
+    as_mask = []
+
+    def mask(dz, sum_dz_xhat, count):
+        flags = torch.zeros(channels, dtype=torch.bool)
+        picked = found(dz, sum_dz_xhat, count)
+        flags[slice(None) if picked is True else [] if picked is False else picked] = True
+        as_mask.append(flags)
+        return flags
+
+    torch_ops._channels_along_xhat = mask
+    try:
+        by_mask = torch_ops.batch_backward(y.clone(), dy, params, True, count)
+    finally:
+        torch_ops._channels_along_xhat = found
+    assert as_mask[0].any() or not any(along)
+    for got, want in zip(by_mask, by_indices):
+        assert torch.equal(got, want)

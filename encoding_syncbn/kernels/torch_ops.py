@@ -680,7 +680,8 @@ def _centred_dz(saved, dy, mean, scale, bias, activation: str, activation_param:
 def _in_xhat_units(v: torch.Tensor, params: NormParams, saved_is_output: bool
                    ) -> torch.Tensor:
     """The per-channel ``v`` times ``xhat / centred`` (see ``_centred_dz``): ``1 / weight``
-    where xhat is rebuilt from the output, ``invstd`` where it comes from the input; taken
+    where xhat is rebuilt from the output (narrower than float64: ``1 / _output_weight``),
+    ``invstd`` where it comes from the input; taken
     in float64 and rounded once to the statistics dtype (a (C,) vector: its roundings would
     reach every element)."""
     wide = widest_dtype(v.device)
@@ -689,11 +690,11 @@ def _in_xhat_units(v: torch.Tensor, params: NormParams, saved_is_output: bool
     elif params.mean.dtype == wide:
         unit = params.weight.to(wide).reciprocal()
     else:
-        unit = output_weight(params.weight, params.invstd).reciprocal_()
+        unit = _output_weight(params.weight, params.invstd).reciprocal_()
     return (v.to(wide) * unit).to(params.mean.dtype)
 
 
-def output_weight(weight: torch.Tensor, invstd: torch.Tensor) -> torch.Tensor:
+def _output_weight(weight: torch.Tensor, invstd: torch.Tensor) -> torch.Tensor:
     """``fl(invstd * weight) / invstd`` in float64, for per-channel vectors narrower than
     it: the weight the output's ``z - bias`` carries xhat with. The forward scales by the
     rounded product (``normalize_act``), a per-channel factor of up to half an ulp that every
@@ -888,7 +889,9 @@ def _along_xhat_in_float64(z: torch.Tensor, dz: torch.Tensor, params: NormParams
     channels ``_channels_along_xhat`` finds, from the rebuilt pre-activation ``z`` and its
     gradient ``dz``: the walk over pieces (``backward_reduce``, ``backward_dx``) on ``z`` as an
     identity layer's output, with the per-channel vectors in float64, so that xhat = (z -
-    bias) / weight, the sums and every element's terms round once, at float64's precision."""
+    bias) / ``_output_weight``, the sums and every element's terms round once, at float64's
+    precision. On devices other than the CPU every channel is taken again, and the mask
+    picks (no wait for the device to read it)."""
     channels = _channels_along_xhat(dz, sum_dz_xhat, count)
     if channels is False:
         return
@@ -900,7 +903,7 @@ def _along_xhat_in_float64(z: torch.Tensor, dz: torch.Tensor, params: NormParams
     wide = widest_dtype(z.device)
     mean, invstd, weight, bias = (t.to(wide) for t in vectors)
     # xhat in the unit the output carries it in; dx's coefficients with the weight itself.
-    rebuilt = NormParams(mean, invstd, output_weight(vectors[2], vectors[1]), bias,
+    rebuilt = NormParams(mean, invstd, _output_weight(vectors[2], vectors[1]), bias,
                          "identity", 0.0)
     sums = backward_reduce(z, dz, rebuilt, True)
     scale = weight * invstd
