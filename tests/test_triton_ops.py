@@ -14,6 +14,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from hypothesis import example, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
@@ -993,6 +994,38 @@ def test_reductions_planned_for_a_gpu_merge_many_partials(shape, fmt, monkeypatc
                                          False)
     for got, want in zip(sums, ref_sums):
         assert_close(got, want.float(), torch.float32, sum_terms=x[:, 0].numel())
+
+
+@settings(max_examples=12, deadline=None, derandomize=True)
+@given(shape=st.sampled_from([(16, 32, 8, 8), (2, 32, 8, 8), (8, 64, 16, 16), (4, 24, 8, 8),
+                              (64, 8, 16, 16), (761, 5, 1, 1)]),
+       fmt=st.sampled_from(["nchw", "last"]), dtype=st.sampled_from([torch.float32,
+                                                                      torch.float16]),
+       gpu_tiles=st.booleans(), seed=st.integers(0, 2**16))
+def test_float32_statistics_round_once(shape, fmt, dtype, gpu_tiles, seed):
+    """float32 statistics (of float32 and half inputs) as precise as a sum in float64 rounded
+    once, as ATen's CPU BatchNorm takes them: invstd within 0.75 eps of the exact one (its
+    own rounding and M2's), the mean within half an ulp plus a tenth of an eps of a standard
+    deviation, with the tiles planned for a 132-SM GPU (lanes summing several values, split
+    over programs) and for the interpreter. Sums across a tile or the split in float32 miss
+    both (the input gradient carries invstd's error twice, the mean's in every xhat)."""
+    x = make_input(shape, dtype, fmt, seed=seed)
+    target = P.Target(False, 132) if gpu_tiles else P.launch_target(x.device)
+    launches, (mean, invstd, _) = TS.plan_batch_stats(x, 1e-5, None, None, None, None, None,
+                                                      None, 0.0, target)
+    triton_ops._run(launches, x.device)
+    exact = x.cpu().double().numpy().astype(np.longdouble).swapaxes(0, 1).reshape(shape[1], -1)
+    exact_mean = exact.mean(axis=1)
+    exact_std = np.sqrt(((exact - exact_mean[:, None]) ** 2).mean(axis=1))
+    exact_invstd = 1 / np.sqrt(exact_std ** 2 + np.longdouble(1e-5))
+    eps = np.longdouble(torch.finfo(torch.float32).eps)
+    got_mean, got_invstd = (t.cpu().double().numpy().astype(np.longdouble)
+                            for t in (mean, invstd))
+    invstd_error = np.abs(got_invstd / exact_invstd - 1) / eps
+    half_ulp = np.spacing(np.abs(exact_mean).astype(np.float32)).astype(np.longdouble) / 2
+    mean_error = np.abs(got_mean - exact_mean) / (half_ulp + eps * exact_std / 10)
+    assert invstd_error.max() <= 0.75, f"invstd: {float(invstd_error.max()):.2f} eps"
+    assert mean_error.max() <= 1.0, f"mean: {float(mean_error.max()):.2f}x the bound"
 
 
 @pytest.mark.parametrize("fmt", ["nchw", "last"])

@@ -59,9 +59,13 @@ def _backward_reduce_kernel(saved_ptr, dy_ptr, mean_ptr, invstd_ptr, weight_ptr,
                             ACC: tl.constexpr, SPLIT: tl.constexpr, BLOCK_P: tl.constexpr):
     """sum(dz) and sum(dz * xhat) per channel over this program's tiles -> ``sum_dz``,
     ``sum_dz_xhat``. ``SPLIT``: each program stores its sums in row pid_1 of the [2, splits,
-    C] buffer ``part`` (float64: [4, splits, C]), and the last of a channel block to finish
-    sums the rows in index order (``partials``). float64, which has no wider dtype to sum
-    in: dz * xhat exact (``_exact_dz_xhat``), both sums in double-double, rounded once."""
+    C] float64 buffer ``part`` (float64 inputs: [4, splits, C]), and the last of a channel
+    block to finish sums the rows in index order (``partials``). The lanes sum in ACC, their
+    sums across the tile and the split in float64, rounded once to ACC, as the channel
+    statistics (``channel_stats._block_stats``; ATen's BatchNorm backward sums float32 in
+    float64 on the CPU): with dz along xhat, sum(dz * xhat) sets the xhat term of every
+    element of dx. float64, which has no wider dtype to sum in: dz * xhat exact
+    (``_exact_dz_xhat``), both sums in double-double, rounded once."""
     C, S, CS = aligned_rows(C, S, CS, CHANNELS_LAST, ALIGN)
     c0 = channel_block(CHANNELS_LAST, CHANNEL_ROWS, BLOCK_A, BLOCK_B)
     mean, invstd, weight, bias = load_norm_params(mean_ptr, invstd_ptr, weight_ptr, bias_ptr,
@@ -106,13 +110,13 @@ def _backward_reduce_kernel(saved_ptr, dy_ptr, mean_ptr, invstd_ptr, weight_ptr,
         sum_dz = sum_dz + sum_dz_lo
         sum_dz_xhat = sum_dz_xhat + sum_dz_xhat_lo
     else:
-        sum_dz = channel_sums(acc_dz, CHANNELS_LAST, CHANNEL_ROWS)
-        sum_dz_xhat = channel_sums(acc_dz_xhat, CHANNELS_LAST, CHANNEL_ROWS)
+        sum_dz = channel_sums(acc_dz.to(tl.float64), CHANNELS_LAST, CHANNEL_ROWS)
+        sum_dz_xhat = channel_sums(acc_dz_xhat.to(tl.float64), CHANNELS_LAST, CHANNEL_ROWS)
         sum_dz, sum_dz_xhat, finishing = merge_split(sum_dz, sum_dz_xhat, part_ptr,
                                                      counter_ptr + c0, c, C, SPLIT, BLOCK_P)
     if finishing:
-        tl.store(sum_dz_ptr + c, sum_dz, mask=c < C)
-        tl.store(sum_dz_xhat_ptr + c, sum_dz_xhat, mask=c < C)
+        tl.store(sum_dz_ptr + c, sum_dz.to(ACC), mask=c < C)
+        tl.store(sum_dz_xhat_ptr + c, sum_dz_xhat.to(ACC), mask=c < C)
 
 
 def plan_backward_reduce(saved: torch.Tensor, dy: torch.Tensor, mean: torch.Tensor,
@@ -132,7 +136,7 @@ def plan_backward_reduce(saved: torch.Tensor, dy: torch.Tensor, mean: torch.Tens
 
 
 # The reduction's arguments its planner allocates or keeps: its sums, and the stream's partials
-# and counters (``partials.split_buffers``: buffers of their own, of the plan's dtypes)
+# and counters (``partials.split_buffers``: buffers of their own, part in float64)
 # (``Launch.fixed``).
 _REDUCE_FIXED = (6, 7, 8, 9)
 
@@ -147,7 +151,7 @@ def reduce_args(plan: OpPlan, saved: torch.Tensor, dy: torch.Tensor, mean: torch
     sum_dz_xhat = saved.new_empty(c, dtype=acc)
     # Split: the planes of partial sums (``partial_planes``), in the stream's buffer; else
     # unread.
-    counters, part = split_buffers(saved.device, c, acc,
+    counters, part = split_buffers(saved.device, c,
                                    partial_planes(acc) * splits * c if splits > 1 else 0)
     return (saved, dy, mean, invstd, weight, bias, sum_dz, sum_dz_xhat,
             sum_dz if part is None else part, counters, plan.activation_param,

@@ -98,11 +98,18 @@ def _block_stats(x_ptr, part_ptr, counter_ptr, N, C, S, R, CS, tiles, tiles_s, t
     subtraction, an add and a fused multiply-add. K is rounded to x's dtype and masked lanes
     load it: their d is 0. Infinities: K = 0 then, or the sums turn inf / NaN, giving
     BatchNorm's mean (inf, or NaN for both signs) and a NaN M2.
+    The lanes sum in ACC; their sums across the tile and the split, and the moments, in
+    float64, mean and M2 each rounded once to ACC (``batch_stats`` finishes from the M2
+    that ``channel_stats`` stores, as the synchronised layer does).
+    Why: each lane sums few values, and their roundings average out over the lanes, but
+    float32 sums over a whole tile and split, and float32 moments, would err by several
+    roundings in invstd and the mean where nn.BatchNorm2d's (and the torch backend's) err by
+    one, and the input gradient carries invstd's error twice.
     float64, which has no wider dtype to sum in: d and d^2 exact (d + e, p + q), summed in
     double-double, mean and M2 rounded once (:func:`_double_moments`).
     ``SPLIT``: the channel block's tiles are split over the programs of grid axis 1; each
-    stores its two sums in row pid_1 of the [2, splits, C] buffer ``part`` (float64: [4,
-    splits, C], each sum's high and low parts) and the last to
+    stores its two sums in row pid_1 of the [2, splits, C] float64 buffer ``part`` (float64
+    inputs: [4, splits, C], each sum's high and low parts) and the last to
     finish adds the rows up in index order (``partials``): only it is ``finishing``.
     """
     C, S, CS = aligned_rows(C, S, CS, CHANNELS_LAST, ALIGN)
@@ -170,15 +177,17 @@ def _block_stats(x_ptr, part_ptr, counter_ptr, N, C, S, R, CS, tiles, tiles_s, t
                                               counter_ptr + tl.program_id(0), c, C, R,
                                               CHANNELS_LAST, CHANNEL_ROWS, SPLIT, BLOCK_P)
     else:
-        sum_d = channel_sums(s1, CHANNELS_LAST, CHANNEL_ROWS)
-        sum_d2 = channel_sums(s2, CHANNELS_LAST, CHANNEL_ROWS)
+        sum_d = channel_sums(s1.to(tl.float64), CHANNELS_LAST, CHANNEL_ROWS)
+        sum_d2 = channel_sums(s2.to(tl.float64), CHANNELS_LAST, CHANNEL_ROWS)
         sum_d, sum_d2, finishing = merge_split(sum_d, sum_d2, part_ptr,
                                                counter_ptr + tl.program_id(0), c, C, SPLIT,
                                                BLOCK_P)
-        n = R.to(ACC)
-        mean = as_block_vector(k, CHANNELS_LAST, CHANNEL_ROWS) + sum_d / n
+        n = R.to(tl.float64)
+        mean = (as_block_vector(k, CHANNELS_LAST, CHANNEL_ROWS).to(tl.float64)
+                + sum_d / n).to(ACC)
         # Rounding may leave a constant channel's M2 a hair below 0 (NaN stays NaN).
-        m2 = tl.maximum(sum_d2 - sum_d * (sum_d / n), 0.0, propagate_nan=tl.PropagateNan.ALL)
+        m2 = tl.maximum(sum_d2 - sum_d * (sum_d / n), 0.0,
+                        propagate_nan=tl.PropagateNan.ALL).to(ACC)
     return c, mean, m2, finishing
 
 
@@ -222,7 +231,7 @@ def _batch_stats_kernel(x_ptr, part_ptr, counter_ptr, mean_ptr, invstd_ptr, coun
 
 
 # The statistics kernels' arguments their planners allocate or keep: part and counters (the
-# stream's, ``partials.split_buffers``: buffers of their own, of the plan's dtypes), mean and
+# stream's, ``partials.split_buffers``: buffers of their own, part in float64), mean and
 # M2 or invstd (``Launch.fixed``).
 _CHANNEL_STATS_FIXED = (1, 2, 3, 4)
 # batch_stats': those, the small-gamma flags, and where absent (passed as ``mean``, unread)
@@ -253,9 +262,8 @@ def plan_channel_stats(x: torch.Tensor, target: Target, tile: Tile | None = None
     # Split: a plane of splits * C partial sums for each of the sums' parts (float64: high
     # and low), in the stream's buffer; else ``mean``, unread. One counter a channel.
     splits = plan.grid[1]
-    counters, part = split_buffers(x.device, plan.geo.c, plan.acc,
-                                   partial_planes(plan.acc) * splits * plan.geo.c
-                                   if splits > 1 else 0)
+    counters, part = split_buffers(x.device, plan.geo.c, partial_planes(plan.acc) * splits
+                                   * plan.geo.c if splits > 1 else 0)
     return [Launch(_channel_stats_kernel, plan.grid,
                    (x, mean if part is None else part, counters, mean, m2, *plan.args),
                    plan.constexprs, plan.num_warps, plan.token, _CHANNEL_STATS_FIXED)], (mean, m2)
@@ -356,7 +364,7 @@ def batch_stats_args(plan: _BatchStatsPlan, x: torch.Tensor, running_mean: torch
     mean = x.new_empty(plan.channels, dtype=plan.acc)
     invstd = torch.empty_like(mean)
     small = mean.new_empty(plan.flags, dtype=torch.uint8)
-    counters, part = split_buffers(x.device, plan.counters, plan.acc, plan.part)
+    counters, part = split_buffers(x.device, plan.counters, plan.part)
     if not plan.running:
         running_mean = running_var = mean
     if not plan.counter:

@@ -1,9 +1,9 @@
 """Split reductions: a channel block's programs each write a partial result, and the last of
 them to finish merges the partials, in the same launch.
 
-Each program stores its row of the ``[planes, splits, C]`` partial buffer, then increments its
-channel block's counter (acquire-release, after a
-barrier: every thread's stores come before it). The program that finds ``splits - 1`` there is
+Each program stores its row of the ``[planes, splits, C]`` float64 partial buffer, then
+increments its channel block's counter (acquire-release, after a barrier: every thread's stores
+come before it). The program that finds ``splits - 1`` there is
 the last: the acquire makes every other program's row visible to it; it merges the rows in
 index order (the same bits whatever order the programs finished in) and sets the counter back
 to 0 for the next launch. The counters live in one int32 buffer per device and stream
@@ -33,9 +33,9 @@ def merge_split(sum_a, sum_b, part_ptr, block_counter_ptr, c, C, SPLIT: tl.const
     across the loop anyway, and the block index kept live there too spills; the statistics
     kernels the other way round).
 
-    The protocol is the module's, on rows pid_1 of the [2, splits, C] buffer ``part``; the last
-    program adds the rows up BLOCK_P at a time, reading past the L1 cache (``.cg``: other
-    programs wrote them).
+    The protocol is the module's, on rows pid_1 of the [2, splits, C] float64 buffer
+    ``part``; the last program adds the rows up BLOCK_P at a time, reading past the L1 cache
+    (``.cg``: other programs wrote them).
     """
     if SPLIT:
         splits = tl.num_programs(1)
@@ -123,10 +123,10 @@ def partial_planes(acc: torch.dtype) -> int:
 _MIN_COUNTERS = 4096
 
 # Per device and stream, each buffer with its size (no call into torch to ask it): the
-# counters, and the partials' buffers by dtype. Launches on one stream run one after another,
+# counters, and the partials' buffer. Launches on one stream run one after another,
 # and a launch reads no partial row another wrote: the rows are scratch of one launch.
 _counters: dict[tuple[torch.device, int], tuple[torch.Tensor, int]] = {}
-_partials: dict[tuple[torch.device, int, torch.dtype], tuple[torch.Tensor, int]] = {}
+_partials: dict[tuple[torch.device, int], tuple[torch.Tensor, int]] = {}
 # Buffers outgrown: kept, for a captured CUDA graph may still address them.
 _outgrown: list[torch.Tensor] = []
 _lock = threading.Lock()
@@ -135,15 +135,16 @@ _lock = threading.Lock()
 def split_counters(device: torch.device, count: int) -> torch.Tensor:
     """At least ``count`` zeroed int32 counters for launches on ``device``'s current stream,
     reused from launch to launch (each launch leaves them at 0)."""
-    return split_buffers(device, count, torch.int32, 0)[0]
+    return split_buffers(device, count, 0)[0]
 
 
-def split_buffers(device: torch.device, count: int, dtype: torch.dtype, partials: int
+def split_buffers(device: torch.device, count: int, partials: int
                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``split_counters(device, count)`` and, for a split reduction, a buffer of at least
-    ``partials`` elements of ``dtype`` for its partial rows (None where ``partials`` is 0):
-    both reused from launch to launch on ``device``'s current stream, found by one lookup of
-    the stream."""
+    """``split_counters(device, count)`` and, for a split reduction, a float64 buffer of at
+    least ``partials`` elements for its partial rows (None where ``partials`` is 0): both
+    reused from launch to launch on ``device``'s current stream, found by one lookup of the
+    stream. float64 whatever the reduction's dtype: programs' partial sums are merged in
+    float64 and rounded once."""
     stream = compat.current_stream_handle(device.index) if device.type == "cuda" else 0
     key = (device, stream)
     found = _counters.get(key)
@@ -151,10 +152,9 @@ def split_buffers(device: torch.device, count: int, dtype: torch.dtype, partials
         found = _grown(_counters, key, count, torch.int32, device, zeroed=True)
     if not partials:
         return found[0], None
-    key = (device, stream, dtype)
     rows = _partials.get(key)
     if rows is None or rows[1] < partials:
-        rows = _grown(_partials, key, partials, dtype, device, zeroed=False)
+        rows = _grown(_partials, key, partials, torch.float64, device, zeroed=False)
     return found[0], rows[0]
 
 

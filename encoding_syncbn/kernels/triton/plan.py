@@ -69,7 +69,8 @@ _INTERPRET_PROGRAMS = 16
 _MAX_SPLITS = 65535
 _INT32_MAX = 2**31 - 1
 # Merging a split reduction's partials: [rows, channels of the block] a step, rows up to
-# this many, and no more lanes than a tile has (fp64's registers).
+# this many, and half the lanes a tile has: the partials are float64 (``partials``), so
+# that the merge's accumulators take no more registers than the loop's.
 _MAX_MERGE_ROWS = 256
 
 class Tile(NamedTuple):
@@ -334,7 +335,7 @@ def _split_constexprs(geo: _Geometry, tile: Tile, splits: int) -> dict:
     """A reduction's: whether its channel blocks are split over programs (``SPLIT``: the last
     to finish merges the partials, ``partials``), and the partial rows merged a step."""
     rows = min(_MAX_MERGE_ROWS,
-               max(1, tile.block_a * tile.block_b // _program_channels(geo, tile)))
+               max(1, tile.block_a * tile.block_b // (2 * _program_channels(geo, tile))))
     return {"SPLIT": splits > 1, "BLOCK_P": rows}
 
 
