@@ -6,7 +6,7 @@ a channel and |beta| / |gamma|, in float32 and float64.
 
 The bound (README, Limits): per channel, dx's error <= 3 max(nn.BatchNorm2d + the activation's
 error in the same dtype, half an ulp of the channel's largest |dx|, tau A), errors against an
-exact (long double) reference, A the size of dx's xhat term and tau nn.BatchNorm2d's median
+exact (long double) reference, A the size of dx's xhat term and tau nn.BatchNorm2d's largest
 error relative to max(|dx|, A) over the layer's channels (helpers/rebuild_error.py's
 ``allowed_errors``). In place, backward rebuilds the input from
 the rounded output, an error of up to half an ulp times |xhat| + |beta| / |gamma|, which few
@@ -146,7 +146,7 @@ def main() -> None:
     table = "\n\n".join(tables)
     notes = (f"In-place dx error over the README's bound (3 max(nn.BatchNorm2d's error, half an "
              f"ulp of the channel's largest |dx|, tau A: A the size of dx's xhat term, tau "
-             f"nn.BatchNorm2d's median error relative to max(|dx|, A) over the layer's "
+             f"nn.BatchNorm2d's largest error relative to max(|dx|, A) over the layer's "
              f"channels)), against a long-double reference; per cell "
              f"the largest over {args.trials} generated layers of {args.channels} channels "
              f"(activation, {'1 replica' if args.compile else '1-4 replicas'}, "

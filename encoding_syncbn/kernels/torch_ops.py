@@ -680,27 +680,13 @@ def _centred_dz(saved, dy, mean, scale, bias, activation: str, activation_param:
 def _in_xhat_units(v: torch.Tensor, params: NormParams, saved_is_output: bool
                    ) -> torch.Tensor:
     """The per-channel ``v`` times ``xhat / centred`` (see ``_centred_dz``): ``1 / weight``
-    where xhat is rebuilt from the output (narrower than float64: ``1 / _output_weight``),
-    ``invstd`` where it comes from the input; taken
+    where xhat is rebuilt from the output, ``invstd`` where it comes from the input; taken
     in float64 and rounded once to the statistics dtype (a (C,) vector: its roundings would
     reach every element)."""
     wide = widest_dtype(v.device)
-    if not saved_is_output:
-        unit = params.invstd.to(wide)
-    elif params.mean.dtype == wide:
-        unit = params.weight.to(wide).reciprocal()
-    else:
-        unit = _output_weight(params.weight, params.invstd).reciprocal_()
+    unit = (params.weight.to(wide).reciprocal() if saved_is_output
+            else params.invstd.to(wide))
     return (v.to(wide) * unit).to(params.mean.dtype)
-
-
-def _output_weight(weight: torch.Tensor, invstd: torch.Tensor) -> torch.Tensor:
-    """``fl(invstd * weight) / invstd`` in float64, for per-channel vectors narrower than
-    it: the weight the output's ``z - bias`` carries xhat with. The forward scales by the
-    rounded product (``normalize_act``), a per-channel factor of up to half an ulp that every
-    rebuilt xhat of the channel shares and that the xhat term of dx would take twice."""
-    wide = widest_dtype(weight.device)
-    return (invstd * weight).to(wide) / invstd.to(wide)
 
 
 def _backward_pieces(saved, dy, params: NormParams, saved_is_output: bool, *outs):
@@ -849,78 +835,6 @@ def _rebuilt_weight(weight: torch.Tensor, invstd: torch.Tensor, unit: torch.Tens
     return high + low
 
 
-#: The correlation of dz with xhat over a channel, ``|mean(dz * xhat)| / sqrt(mean(dz^2))``,
-#: above which a rebuilt float32 channel's input gradient is taken in float64
-#: (``_along_xhat_in_float64``): there dx's xhat term is about |dx| or larger (an output gradient
-#: along the layer's output, as a squared loss gives), and float32 roundings of it, and of
-#: ``1 / weight``'s square where ATen's backward takes xhat from the rebuilt z, reach every
-#: element at several ulps of |dx|. Ordinary output gradients correlate about ``1 / sqrt(n)``.
-ALONG_XHAT = 0.25
-#: The values a channel (whole leading samples) that ``mean(dz^2)`` is estimated over for
-#: ``ALONG_XHAT``: a pass over all of dz would cost about what ATen's fused backward does.
-ALONG_XHAT_SAMPLE = 1024
-
-
-def _channels_along_xhat(dz: torch.Tensor, sum_dz_xhat: torch.Tensor, count: int
-                         ) -> torch.Tensor | bool:
-    """The channels whose dz correlates with xhat above ``ALONG_XHAT`` (``mean(xhat^2)`` is
-    1), ``mean(dz^2)`` taken over the first ``ALONG_XHAT_SAMPLE`` values a channel: False
-    where none, True where all, else their indices, read as ``_channels_without_xhat_term``
-    reads its flags (host memory through numpy); on other devices a (C,) mask (no wait for
-    the device)."""
-    per_sample = max(1, dz[:1].numel() // max(1, dz.shape[1]))
-    sample = dz[:-(-ALONG_XHAT_SAMPLE // per_sample)]
-    dims = [0, *range(2, dz.dim())]
-    square = torch.linalg.vector_norm(sample, dim=dims).square_()
-    threshold = ALONG_XHAT * ALONG_XHAT * count * count / (sample.numel() // dz.shape[1])
-    along = sum_dz_xhat.square() > square.mul_(threshold)
-    if not along.is_cpu or type(along) is not torch.Tensor:
-        return along
-    flags = along.numpy()
-    if flags.all() or not flags.any():
-        return bool(flags.all())
-    return torch.from_numpy(flags.nonzero()[0])
-
-
-def _along_xhat_in_float64(z: torch.Tensor, dz: torch.Tensor, params: NormParams, count: int,
-                           dx: torch.Tensor, sum_dz: torch.Tensor, sum_dz_xhat: torch.Tensor
-                           ) -> None:
-    """Take ``dx`` and the sums again in float64 (each rounded once to their dtype) in the
-    channels ``_channels_along_xhat`` finds, from the rebuilt pre-activation ``z`` and its
-    gradient ``dz``: the walk over pieces (``backward_reduce``, ``backward_dx``) on ``z`` as an
-    identity layer's output, with the per-channel vectors in float64, so that xhat = (z -
-    bias) / ``_output_weight``, the sums and every element's terms round once, at float64's
-    precision. On devices other than the CPU every channel is taken again, and the mask
-    picks (no wait for the device to read it)."""
-    channels = _channels_along_xhat(dz, sum_dz_xhat, count)
-    if channels is False:
-        return
-    vectors = params[:4]
-    picked = type(channels) is torch.Tensor and channels.dtype != torch.bool
-    if picked:
-        z, dz = z.index_select(1, channels), dz.index_select(1, channels)
-        vectors = [t.index_select(0, channels) for t in vectors]
-    wide = widest_dtype(z.device)
-    mean, invstd, weight, bias = (t.to(wide) for t in vectors)
-    # xhat in the unit the output carries it in; dx's coefficients with the weight itself.
-    rebuilt = NormParams(mean, invstd, _output_weight(vectors[2], vectors[1]), bias,
-                         "identity", 0.0)
-    sums = backward_reduce(z, dz, rebuilt, True)
-    scale = weight * invstd
-    per_element = scale * (-1.0 / count)
-    wide_dx = backward_dx(z, dz, rebuilt, True,
-                          DxCoefs(scale, per_element * sums[1], per_element * sums[0]))
-    for target, value in ((dx, wide_dx), (sum_dz, sums[0]), (sum_dz_xhat, sums[1])):
-        dim = 0 if target.dim() == 1 else 1
-        if channels is True:
-            target.copy_(value)
-        elif picked:
-            target.index_copy_(dim, channels, value.to(target.dtype))
-        else:
-            mask = channels.view(-1, *([1] * (target.dim() - 2))) if dim else channels
-            torch.where(mask, value.to(target.dtype), target, out=target)
-
-
 def batch_backward(saved: torch.Tensor, dy: torch.Tensor, params: NormParams,
                    saved_is_output: bool, count: int, overwrite_saved: bool = False
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -966,6 +880,4 @@ def batch_backward(saved: torch.Tensor, dy: torch.Tensor, params: NormParams,
         centre, unit, bn_weight = mean, invstd, weight
     dx, sum_dz_xhat, sum_dz = torch.ops.aten.native_batch_norm_backward(
         dz, z, bn_weight, None, None, centre, unit, True, 0.0, [True, True, True])
-    if saved_is_output and mean.dtype != widest_dtype(mean.device):
-        _along_xhat_in_float64(z, dz, params, count, dx, sum_dz, sum_dz_xhat)
     return dx, sum_dz, sum_dz_xhat
