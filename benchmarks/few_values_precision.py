@@ -5,8 +5,10 @@ a channel and |beta| / |gamma|, in float32 and float64.
         [--mean-over-std M] [--dy-along-xhat NOISE] [--compile inductor] [--record]
 
 The bound (README, Limits): per channel, dx's error <= 3 max(nn.BatchNorm2d + the activation's
-error in the same dtype, half an ulp of the channel's largest |dx|), errors against an exact
-(long double) reference (helpers/rebuild_error.py). In place, backward rebuilds the input from
+error in the same dtype, half an ulp of the channel's largest |dx|, tau A), errors against an
+exact (long double) reference, A the size of dx's xhat term and tau nn.BatchNorm2d's largest
+error relative to max(|dx|, A) over the layer's channels (helpers/rebuild_error.py's
+``allowed_errors``). In place, backward rebuilds the input from
 the rounded output, an error of up to half an ulp times |xhat| + |beta| / |gamma|, which few
 values a channel do not average out.
 
@@ -27,7 +29,7 @@ the activation's kink are moved off it first (helpers/rebuild_error.py's ``off_k
 the slope is a draw of the roundings, nn.BatchNorm2d's too). ``--dy-along-xhat``: output
 gradients ``xhat + NOISE * N(0, 1)`` (as a squared loss on the layer's output gives) instead of
 ``N(0, 1)``: the exact input gradient is then a difference of terms about 1 / NOISE times its
-size, whose roundings the bound, relative to |dx|, does not allow for (README, Limits).
+size, whose roundings the bound allows for through ``tau A`` (README, Limits).
 ``--compile``: the layer under ``torch.compile`` (its formula in ATen ops), measured at its
 second call, on one replica.
 """
@@ -143,7 +145,9 @@ def main() -> None:
                           ["values a channel"] + [f"b/g {r:g}" for r in args.ratios], rows))
     table = "\n\n".join(tables)
     notes = (f"In-place dx error over the README's bound (3 max(nn.BatchNorm2d's error, half an "
-             f"ulp of the channel's largest |dx|)), against a long-double reference; per cell "
+             f"ulp of the channel's largest |dx|, tau A: A the size of dx's xhat term, tau "
+             f"nn.BatchNorm2d's largest error relative to max(|dx|, A) over the layer's "
+             f"channels)), against a long-double reference; per cell "
              f"the largest over {args.trials} generated layers of {args.channels} channels "
              f"(activation, {'1 replica' if args.compile else '1-4 replicas'}, "
              f"|gamma| in [0.1, 10] (ELU: [0.1, 1], beta >= 0), "

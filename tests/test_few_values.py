@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 from backends import each_backend, one_backend
-from helpers.rebuild_error import off_kink, ratios_to_bound
+from helpers.rebuild_error import allowed_errors, exact_input_gradient, off_kink, ratios_to_bound
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from reference import SLOPES, SMOOTH_ACTIVATIONS, activate, assert_close
@@ -29,8 +29,10 @@ from torch import nn
 
 from encoding_syncbn import SyncBatchNorm
 from encoding_syncbn.layer.inplace_policy import (
+    MARGIN,
     MIN_FLOAT64_REBUILT_COUNT,
     MIN_OWN_PRECISION_COUNT,
+    MIN_REBUILT_COUNT,
     rebuilds_from_count,
 )
 from encoding_syncbn.testing import SimulatedDataParallel
@@ -156,16 +158,17 @@ def test_checkpoint_recomputes_a_few_values_call_out_of_place(dtype, count):
             assert_close(got, want, dtype)
 
 
-def _bound_ratios(ours: torch.Tensor, theirs: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
-    """Per channel, ``ours``' largest error against ``exact`` over the README's bound: 3x the
-    larger of ``theirs``' (nn.BatchNorm2d's in the same dtype) and half an ulp of the
-    channel's largest |dx| (an absolute floor where every channel's dx is ~0)."""
+def _bound_ratios(ours: torch.Tensor, theirs: torch.Tensor, exact: torch.Tensor,
+                  xhat_term: np.ndarray) -> torch.Tensor:
+    """Per channel, ``ours``' largest error against ``exact`` over the README's bound
+    (``allowed_errors``: 3x the largest of ``theirs``' error, nn.BatchNorm2d's in the same
+    dtype, half an ulp of the channel's largest |dx| and nn.BatchNorm2d's typical relative
+    error times ``xhat_term``, the size of dx's xhat term)."""
     dims = [0, *range(2, exact.dim())]
-    size = exact.abs().amax(dims)
-    half_ulp = torch.finfo(ours.dtype).eps / 2
-    allowed = 3.0 * torch.maximum((theirs.double() - exact).abs().amax(dims), half_ulp * size)
-    allowed = allowed.clamp_min(1e-3 * half_ulp * float(size.max()) + 1e-30)
-    return (ours.double() - exact).abs().amax(dims) / allowed
+    their_error = (theirs.double() - exact).abs().amax(dims)
+    allowed = allowed_errors(their_error.numpy(), exact.abs().amax(dims).numpy(), ours.dtype,
+                             xhat_term)
+    return (ours.double() - exact).abs().amax(dims) / torch.from_numpy(allowed)
 
 
 # Channels a generated layer has: the bound's failures are a chance per channel.
@@ -271,7 +274,9 @@ def test_float32_input_gradient_within_three_times_batchnorms_error(activation, 
     x, dy = x.float(), dy.float()
     grads = _input_grads(x, dy, gamma, beta, activation, replicas,
                          (torch.float32, torch.float64))
-    _assert_within_bound(_bound_ratios(*grads), gamma, beta,
+    _, xhat_term = exact_input_gradient(x, dy, gamma, beta, activation,
+                                        SLOPES.get(activation, 0.01))
+    _assert_within_bound(_bound_ratios(*grads, xhat_term), gamma, beta,
                          f"{activation} x{replicas} {shape}")
 
 
@@ -294,15 +299,17 @@ def _smooth_derivative(activation: str, z):
 
 def _exact_errors(grads: Sequence[torch.Tensor], x: torch.Tensor, dy: torch.Tensor,
                   gamma: torch.Tensor, beta: torch.Tensor, activation: str
-                  ) -> tuple[list[torch.Tensor], torch.Tensor]:
+                  ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
     """Per channel, each of ``grads``' largest error against the exact input gradient of
-    training-mode BatchNorm (eps 1e-5) + the activation, and the exact gradient's largest
-    |dx|, computed with ``REFERENCE_BITS`` bits (mpmath)."""
+    training-mode BatchNorm (eps 1e-5) + the activation, the exact gradient's largest |dx|
+    and the size of its xhat term (``allowed_errors``), computed with ``REFERENCE_BITS``
+    bits (mpmath)."""
     import mpmath
 
     slope = mpmath.mpf(SLOPES.get(activation, 0.01))
     errors = [torch.zeros(x.shape[1], dtype=torch.float64) for _ in grads]
     size = torch.zeros(x.shape[1], dtype=torch.float64)
+    xhat_term = torch.zeros(x.shape[1], dtype=torch.float64)
     with mpmath.workprec(REFERENCE_BITS):
         for c in range(x.shape[1]):
             values = [mpmath.mpf(v) for v in x[:, c].flatten().tolist()]
@@ -329,10 +336,11 @@ def _exact_errors(grads: Sequence[torch.Tensor], x: torch.Tensor, dy: torch.Tens
             mean_dz_xhat = mpmath.fsum(d * h for d, h in zip(dz, xhat)) / n
             exact = [w * invstd * (d - mean_dz - h * mean_dz_xhat) for d, h in zip(dz, xhat)]
             size[c] = float(max(abs(e) for e in exact))
+            xhat_term[c] = float(abs(w * invstd * mean_dz_xhat) * max(abs(h) for h in xhat))
             for grad, error in zip(grads, errors):
                 got = grad[:, c].flatten().tolist()
                 error[c] = float(max(abs(mpmath.mpf(g) - e) for g, e in zip(got, exact)))
-    return errors, size
+    return errors, size, xhat_term
 
 
 @settings(max_examples=12, deadline=None, derandomize=True)
@@ -380,16 +388,15 @@ def test_float64_bound_out_of_place_below_the_rebuild(activation, replicas, spat
 def assert_float64_bound(ours: torch.Tensor, theirs: torch.Tensor, x: torch.Tensor,
                          dy: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor,
                          activation: str, what: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each channel of the float64 input gradient ``ours`` within 3x the error of ``theirs``
-    (nn.BatchNorm2d + the activation's) or of half an ulp of its largest |dx|, both against
-    the exact one (``_exact_errors``). Returns, per channel, ours' largest error and the exact
+    """Each channel of the float64 input gradient ``ours`` within the README's bound
+    (``allowed_errors``) of ``theirs`` (nn.BatchNorm2d + the activation's), both against the
+    exact one (``_exact_errors``). Returns, per channel, ours' largest error and the exact
     gradient's largest |dx|."""
-    (our_error, their_error), size = _exact_errors((ours, theirs), x, dy, gamma, beta,
-                                                   activation)
-    half_ulp = torch.finfo(torch.float64).eps / 2
-    allowed = 3.0 * torch.maximum(their_error, half_ulp * size)
-    allowed = allowed.clamp_min(1e-3 * half_ulp * float(size.max()) + 1e-300)
-    _assert_within_bound(our_error / allowed, gamma, beta, what)
+    (our_error, their_error), size, xhat_term = _exact_errors((ours, theirs), x, dy, gamma,
+                                                              beta, activation)
+    allowed = allowed_errors(their_error.numpy(), size.numpy(), torch.float64,
+                             xhat_term.numpy())
+    _assert_within_bound(our_error / torch.from_numpy(allowed), gamma, beta, what)
     return our_error, size
 
 
@@ -552,16 +559,15 @@ def _long_double_ratios(ours: torch.Tensor, theirs: torch.Tensor, x: torch.Tenso
              "leaky_relu": np.full_like(z, slope),
              "elu": slope * np.exp(np.minimum(z, 0))}[activation]
     dz = grads * np.where(z > 0, wide(1), below)
-    exact = w * invstd * (dz - dz.mean(axis=dims, keepdims=True)
-                          - xhat * (dz * xhat).mean(axis=dims, keepdims=True))
+    m = (dz * xhat).mean(axis=dims, keepdims=True)
+    exact = w * invstd * (dz - dz.mean(axis=dims, keepdims=True) - xhat * m)
     size = np.abs(exact).max(axis=dims)
+    xhat_term = (np.abs(w * invstd * m) * np.abs(xhat).max(axis=dims, keepdims=True)).reshape(-1)
 
     def error(grad: torch.Tensor) -> np.ndarray:
         return np.abs(grad.numpy().astype(wide) - exact).max(axis=dims)
 
-    half_ulp = torch.finfo(torch.float64).eps / 2
-    allowed = 3.0 * np.maximum(error(theirs), half_ulp * size)
-    allowed = np.maximum(allowed, 1e-3 * half_ulp * size.max() + 1e-300)
+    allowed = allowed_errors(error(theirs), size, torch.float64, xhat_term)
     return torch.from_numpy((error(ours) / allowed).astype(np.float64))
 
 
@@ -825,13 +831,14 @@ def test_float64_bound_on_inputs_far_from_zero_through_nested_calls(activation, 
     _assert_bound_far_from_zero(data, decades, activation, inplace, nesting, torch.float64)
 
 
-def along_xhat(x: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
-    """An output gradient half along x's normalised values, ``xhat + noise`` (as a squared
-    loss on a layer's output gives in part), drawn from ``gen``."""
+def along_xhat(x: torch.Tensor, gen: torch.Generator, noise: float = 1.0) -> torch.Tensor:
+    """An output gradient along x's normalised values, ``xhat + noise * N(0, 1)`` (as a
+    squared loss on a layer's output gives in part; half along xhat at noise 1), drawn from
+    ``gen``."""
     dims = [0, *range(2, x.dim())]
     centred = x - x.mean(dims, keepdim=True)
     xhat = centred / centred.square().mean(dims, keepdim=True).sqrt()
-    return xhat + torch.randn(x.shape, generator=gen, dtype=x.dtype)
+    return xhat + noise * torch.randn(x.shape, generator=gen, dtype=x.dtype)
 
 
 @settings(max_examples=6, deadline=None, derandomize=True)
@@ -932,3 +939,46 @@ def test_float32_bound_over_hundreds_of_values(activation, inplace, replicas, si
                                 replicas=replicas, inplace=inplace)
     _assert_within_bound(ratios, gamma, beta, f"{activation} inplace={inplace} x{replicas} "
                          f"{shape}")
+
+
+@settings(max_examples=30, deadline=None, derandomize=True)
+@given(
+    dtype=st.sampled_from(WIDE),
+    noise=st.sampled_from([0.1, 1.0, None]),
+    side=st.sampled_from([1, 4]),
+    data=st.data(),
+)
+def test_bound_with_output_gradients_along_xhat(dtype, noise, side, data):
+    """The bound with output gradients along the normalised input (``along_xhat``, noise 0.1 and
+    1; None: independent of it) over 23 to 1024 values a channel, in place and out, 1-4
+    replicas, on inputs within a standard deviation of 0, gammas and betas in the in-place
+    range (|beta| < |gamma| / ``inplace_policy.MARGIN``). dx is then a difference of terms up
+    to ten times its size, and the bound allows nn.BatchNorm2d's largest error in the layer
+    relative to the terms' size (``allowed_errors``)."""
+    wide = dtype == torch.float64
+    activation = data.draw(st.sampled_from(["identity", "leaky_relu", "elu"]),
+                           label="activation")
+    replicas = data.draw(st.integers(1, 4), label="replicas")
+    inplace = data.draw(st.booleans(), label="inplace")
+    fewest = max(replicas, -(-MIN_REBUILT_COUNT // side**2))
+    samples = data.draw(st.integers(fewest, 64), label="samples")
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16), label="seed"))
+    channels = BOUND_CHANNELS * 4
+    largest = 1.0 if activation == "elu" else 10.0
+    size = torch.empty(channels, dtype=torch.float64).uniform_(
+        math.log(0.1), math.log(largest), generator=gen).exp()
+    gamma = size * torch.randn(channels, generator=gen, dtype=torch.float64).sign()
+    ratio = torch.empty(channels, dtype=torch.float64).uniform_(
+        -1.0 / MARGIN, 1.0 / MARGIN, generator=gen) * 0.99
+    beta = size * (ratio.abs() if activation == "elu" else ratio)
+    shape = (samples, channels, side, side)
+    x = (torch.randn(shape, generator=gen, dtype=torch.float64) + 0.25) * 2
+    dy = (torch.randn(shape, generator=gen, dtype=torch.float64) if noise is None
+          else along_xhat(x, gen, noise))
+    x, dy, gamma, beta = (t.to(dtype) for t in (x, dy, gamma, beta))
+    if not wide:
+        x = off_kink(x, gamma, beta, activation)
+    ratios, _ = ratios_to_bound(x, dy, gamma, beta, activation, SLOPES.get(activation, 0.01),
+                                replicas=replicas, inplace=inplace)
+    _assert_within_bound(ratios, gamma, beta, f"{dtype} {activation} inplace={inplace} "
+                         f"x{replicas} dy noise {noise} {shape}")
