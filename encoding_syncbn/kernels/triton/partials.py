@@ -49,16 +49,15 @@ def merge_split(sum_a, sum_b, part_ptr, block_counter_ptr, c, C, SPLIT: tl.const
         if finishing:
             c2 = c[None, :]
             p = tl.arange(0, BLOCK_P)[:, None]
-            acc_a = tl.zeros([BLOCK_P, c.shape[0]], sum_a.dtype)
-            acc_b = tl.zeros([BLOCK_P, c.shape[0]], sum_b.dtype)
+            sum_a = tl.zeros([c.shape[0]], sum_a.dtype)
+            sum_b = tl.zeros([c.shape[0]], sum_b.dtype)
             for p0 in range(0, splits, BLOCK_P):
                 mask = (p0 + p < splits) & (c2 < C)
                 offs = (p0 + p) * C + c2
-                acc_a += tl.load(part_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg")
-                acc_b += tl.load(part_ptr + plane + offs, mask=mask, other=0.0,
-                                 cache_modifier=".cg")
-            sum_a = tl.sum(acc_a, 0)
-            sum_b = tl.sum(acc_b, 0)
+                sum_a += tl.sum(tl.load(part_ptr + offs, mask=mask, other=0.0,
+                                        cache_modifier=".cg"), 0)
+                sum_b += tl.sum(tl.load(part_ptr + plane + offs, mask=mask, other=0.0,
+                                        cache_modifier=".cg"), 0)
             tl.store(block_counter_ptr, 0)
     else:
         finishing = True
