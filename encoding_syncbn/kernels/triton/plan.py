@@ -70,7 +70,8 @@ _MAX_SPLITS = 65535
 _INT32_MAX = 2**31 - 1
 # Merging a split reduction's partials: [rows, channels of the block] a step, rows up to
 # this many, and half the lanes a tile has: the partials are float64 (``partials``), so
-# that the merge's accumulators take no more registers than the loop's.
+# that a step's two planes take no more registers than the loop's lane accumulators (each
+# step's rows are summed at once).
 _MAX_MERGE_ROWS = 256
 
 class Tile(NamedTuple):
