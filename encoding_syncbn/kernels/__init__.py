@@ -30,8 +30,8 @@ from .backend import (
 from .torch_backend import COMPILED, TORCH
 
 __all__ = ["Backend", "BatchSums", "DxCoefs", "GammaCheck", "NormParams", "RunningParams",
-           "RunningStats", "channel_vector", "dx_coefs", "get_backend", "ops_for", "reference_ops",
-           "set_backend"]
+           "RunningStats", "channel_vector", "dx_coefs", "get_backend", "key_ops", "ops_for",
+           "reference_ops", "set_backend"]
 
 BACKENDS = ("auto", "torch", "triton")
 BACKEND_ENV = "ENCODING_SYNCBN_BACKEND"
@@ -84,6 +84,16 @@ def _load_triton() -> ModuleType | None:
 def triton_available() -> bool:
     """Whether the Triton kernels import here."""
     return _load_triton() is not None
+
+
+def key_ops(backend: Backend) -> Backend:
+    """``backend`` as the calls of one layer key use it (``layer.call_memo``): the Triton
+    kernels' eager ops as a ``TrainingStep`` of their own, which keeps each op's launches for
+    the calls after it; any other backend as it is."""
+    triton_ops = _triton_ops
+    if triton_ops is not None and backend is triton_ops.EAGER:
+        return triton_ops.TrainingStep()
+    return backend
 
 
 def reference_ops() -> Backend:

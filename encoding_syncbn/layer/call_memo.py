@@ -29,14 +29,16 @@ from typing import NamedTuple
 import torch
 
 from .. import compat
+from ..kernels import Backend
 from . import inplace_policy, tracing
 
 
 class CallMemo(NamedTuple):
     """What a call of one key decided: the key (the input's ``shape``, ``dtype``, ``device``),
     its mode (``evaluating``: with the running statistics), its values a channel (``count``;
-    None: evaluating), whether the key lets it run in place (``in_place``) and where the
-    layer's tensors are read (``plain_state``)."""
+    None: evaluating), whether the key lets it run in place (``in_place``), where the
+    layer's tensors are read (``plain_state``) and the ops a training call runs
+    (``key_ops``)."""
 
     shape: torch.Size
     dtype: torch.dtype
@@ -48,6 +50,11 @@ class CallMemo(NamedTuple):
     # ``_parameters`` and ``_buffers``, for a repeat call to read them there
     # (``SyncBatchNorm._plain_state``).
     plain_state: bool
+    # A training call's backend (``kernels.ops_for``), and the same as the key's calls use it
+    # while it is the backend chosen (``kernels.key_ops``: the Triton kernels keep their
+    # launches for them); None: evaluating.
+    backend: Backend | None
+    key_ops: Backend | None
 
     def fits(self, x: object) -> bool:
         """Whether a call on ``x`` now, outside ``torch.compile`` (the caller asks first), may

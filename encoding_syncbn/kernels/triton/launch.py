@@ -127,6 +127,10 @@ class Prepared(NamedTuple):
 _PREPARED_MEMOS: list[dict] = []
 _MAX_PREPARED = 1024
 
+#: How many times every compiled kernel kept was forgotten (:func:`forget_compiled`): a holder
+#: of ``Prepared`` launches outside the memos (``training_step``) drops them when it changes.
+generation = 0
+
 
 def prepared_memo() -> dict:
     """A new op's memo of :class:`Prepared` launches by its key (filled by :func:`prepare`,
@@ -213,6 +217,8 @@ def public(planned: Launch) -> Any:
 def forget_compiled() -> None:
     """Forget every compiled kernel kept: later launches take Triton's public launch first
     again, which compiles (or finds) each kernel with the compile options then set."""
+    global generation
+    generation += 1
     _COMPILED.clear()
     _TENSOR_PICKERS.clear()
     for memo in _PREPARED_MEMOS:

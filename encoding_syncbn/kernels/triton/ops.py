@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from typing import NamedTuple
 
 import torch
 
@@ -13,6 +14,7 @@ from .. import torch_ops
 from ..backend import BatchSums, DxCoefs, GammaCheck, NormParams, RunningParams, RunningStats
 from ..custom_ops import Op, OpsBackend, channel_vectors, implementations, register
 from ..torch_ops import stats_dtype
+from . import launch
 from .backward_dx import (
     batch_backward_args,
     batch_backward_launches,
@@ -26,7 +28,7 @@ from .channel_stats import (
     batch_stats_plan,
     plan_channel_stats,
 )
-from .launch import launch_all, launch_prepared, prepare, prepared_memo
+from .launch import Prepared, launch_all, launch_prepared, prepare, prepared_memo
 from .normalize_act import (
     normalize_act_args,
     normalize_act_launch,
@@ -100,28 +102,29 @@ def _batch_stats(x: torch.Tensor, eps: float, running: RunningStats | None,
 
 
 def _eager_batch_stats(x: torch.Tensor, eps: float, running: RunningStats | None,
-                       check: GammaCheck | None
+                       check: GammaCheck | None, prepared: Prepared | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """``Backend.batch_stats``: the small-gamma flags None without ``check``."""
+    """``Backend.batch_stats``: the small-gamma flags None without ``check``; ``prepared``:
+    the launches of the call's key where the caller knows them (``TrainingStep``), else
+    looked up."""
     device = x.device
     if running is None:
-        running_mean = running_var = batches = momentum = running_key = None
+        running_mean = running_var = batches = momentum = None
         strided = False
     else:
         running_mean, running_var, batches, momentum = running
-        running_key = (running_mean.dtype, running_var.dtype,
-                       None if batches is None else batches.dtype, momentum)
         strided = not (running_mean.is_contiguous() and running_var.is_contiguous())
         if strided:  # the kernel writes contiguous vectors: strided buffers updated by copies
             running_mean, running_var = running_mean.contiguous(), running_var.contiguous()
     if check is None:
-        weight = bias = check_key = None
+        weight = bias = None
         gamma_limit = 0.0
     else:
         weight, bias, gamma_limit = check
-        check_key = (weight.dtype, bias.dtype, gamma_limit)
-    key = (x.shape, x.stride(), x.dtype, device, eps, running_key, check_key)
-    prepared = _BATCH_STATS.get(key)
+    key = None
+    if prepared is None:
+        key = batch_stats_key(x, eps, running, check)
+        prepared = _BATCH_STATS.get(key)
     plan = prepared.plan if prepared is not None else batch_stats_plan(
         x, eps, running_mean, batches, momentum, weight, gamma_limit, launch_target(device))
     if plan is None:  # empty: no launch, the reference's answer (per-channel vectors only)
@@ -133,7 +136,7 @@ def _eager_batch_stats(x: torch.Tensor, eps: float, running: RunningStats | None
     if prepared is None or not launch_prepared(prepared, device, args):
         launches = [batch_stats_launch(plan, args)]
         _run(launches, device)
-        if prepared is None:
+        if prepared is None:  # (looked up, by ``key``)
             prepare(_BATCH_STATS, key, plan, launches, device.index)
     if strided:
         running.mean.copy_(running_mean)
@@ -141,19 +144,28 @@ def _eager_batch_stats(x: torch.Tensor, eps: float, running: RunningStats | None
     return result if check is not None else (*result[:2], None)
 
 
+def batch_stats_key(x: torch.Tensor, eps: float, running: RunningStats | None,
+                    check: GammaCheck | None) -> tuple:
+    """What fixes ``batch_stats``' plan and launches on ``x``: its key in the op's memo."""
+    running_key = None if running is None else (
+        running.mean.dtype, running.var.dtype,
+        None if running.batches is None else running.batches.dtype, running.momentum)
+    check_key = None if check is None else (check.weight.dtype, check.bias.dtype, check.limit)
+    return (x.shape, x.stride(), x.dtype, x.device, eps, running_key, check_key)
+
+
 def _normalize_act(x: torch.Tensor, params: NormParams, out: torch.Tensor) -> None:
     _eager_normalize_act(x, params, out)
 
 
-def _eager_normalize_act(x: torch.Tensor, params: NormParams, out: torch.Tensor
-                         ) -> torch.Tensor:
-    """``Backend.normalize_act``: ``out``, written."""
+def _eager_normalize_act(x: torch.Tensor, params: NormParams, out: torch.Tensor,
+                         prepared: Prepared | None = None) -> torch.Tensor:
+    """``Backend.normalize_act``: ``out``, written; ``prepared`` as ``_eager_batch_stats``'."""
     device = x.device
-    mean, invstd, weight, bias, activation, activation_param = params
-    key = (x.shape, x.stride(), x.dtype, device, activation, activation_param, mean.dtype,
-           invstd.dtype, weight.dtype, bias.dtype,
-           None if out is x else (out.shape, out.stride(), out.dtype))
-    prepared = _NORMALIZE_ACT.get(key)
+    key = None
+    if prepared is None:
+        key = normalize_act_key(x, params, out)
+        prepared = _NORMALIZE_ACT.get(key)
     plan = prepared.plan if prepared is not None else normalize_act_plan(
         x, params, launch_target(device))
     if plan is None:  # empty: no launch
@@ -162,12 +174,20 @@ def _eager_normalize_act(x: torch.Tensor, params: NormParams, out: torch.Tensor
     if prepared is None or not launch_prepared(prepared, device, args):
         launches = [normalize_act_launch(plan, args)]
         _run(launches, device)
-        if prepared is None:
+        if prepared is None:  # (looked up, by ``key``)
             prepare(_NORMALIZE_ACT, key, plan, launches, device.index)
     dst = args[1]
     if dst is not out:
         out.copy_(dst)
     return out
+
+
+def normalize_act_key(x: torch.Tensor, params: NormParams, out: torch.Tensor) -> tuple:
+    """What fixes ``normalize_act``'s plan and launch: its key in the op's memo."""
+    mean, invstd, weight, bias, activation, activation_param = params
+    return (x.shape, x.stride(), x.dtype, x.device, activation, activation_param, mean.dtype,
+            invstd.dtype, weight.dtype, bias.dtype,
+            None if out is x else (out.shape, out.stride(), out.dtype))
 
 
 def _normalize_running(x: torch.Tensor, running: RunningParams,
@@ -206,17 +226,18 @@ def _backward_dx(saved: torch.Tensor, dy: torch.Tensor, params: NormParams,
 
 
 def _batch_backward(saved: torch.Tensor, dy: torch.Tensor, params: NormParams,
-                    saved_is_output: bool, count: int, overwrite_saved: bool = False
+                    saved_is_output: bool, count: int, overwrite_saved: bool = False,
+                    prepared: Prepared | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``backward_reduce``, then ``backward_dx`` from its ``BatchSums``: ``(dx, sum_dz,
     sum_dz_xhat)``, in two launches planned by one lookup. ``overwrite_saved`` changes
     nothing (the backend does not ``scratches_saved``): the kernels rebuild the input in
-    registers, with no full-size scratch to spare."""
+    registers, with no full-size scratch to spare. ``prepared`` as ``_eager_batch_stats``'."""
     device = saved.device
-    mean, invstd, weight, bias, activation, activation_param = params
-    key = (saved.shape, saved.stride(), saved.dtype, device, activation, activation_param,
-           saved_is_output, dy.dtype, mean.dtype, invstd.dtype, weight.dtype, bias.dtype)
-    prepared = _BATCH_BACKWARD.get(key)
+    key = None
+    if prepared is None:
+        key = batch_backward_key(saved, dy, params, saved_is_output)
+        prepared = _BATCH_BACKWARD.get(key)
     plans = prepared.plan if prepared is not None else batch_backward_plans(
         saved, params, saved_is_output, launch_target(device))
     if plans is None:  # empty: no launch
@@ -225,9 +246,18 @@ def _batch_backward(saved: torch.Tensor, dy: torch.Tensor, params: NormParams,
     if prepared is None or not launch_prepared(prepared, device, reduce_args, dx_args):
         launches = batch_backward_launches(plans, reduce_args, dx_args)
         _run(launches, device)
-        if prepared is None:
+        if prepared is None:  # (looked up, by ``key``)
             prepare(_BATCH_BACKWARD, key, plans, launches, device.index)
     return result
+
+
+def batch_backward_key(saved: torch.Tensor, dy: torch.Tensor, params: NormParams,
+                       saved_is_output: bool) -> tuple:
+    """What fixes ``batch_backward``'s plans and launches: its key in the op's memo."""
+    mean, invstd, weight, bias, activation, activation_param = params
+    return (saved.shape, saved.stride(), saved.dtype, saved.device, activation,
+            activation_param, saved_is_output, dy.dtype, mean.dtype, invstd.dtype,
+            weight.dtype, bias.dtype)
 
 
 def _batch_stats_fake(x: torch.Tensor, eps: float, running: RunningStats | None,
@@ -245,6 +275,85 @@ class _EagerOps(OpsBackend):
     batch_stats = staticmethod(_eager_batch_stats)
     normalize_act = staticmethod(_eager_normalize_act)
     batch_backward = staticmethod(_batch_backward)
+
+
+class _Known(NamedTuple):
+    """An op's launches kept by a ``TrainingStep``: the part of their key a call of the
+    step's layer key may change (``variant``), the ``Prepared`` launches found under the whole
+    key (None: none there), and ``launch.generation`` when they were found."""
+
+    variant: tuple
+    prepared: Prepared | None
+    generation: int
+
+
+_UNKNOWN = _Known((), None, -1)
+
+
+class TrainingStep:
+    """The eager ops for the training calls of one layer key (``layer.call_memo``), each op
+    with the launches of its last call kept.
+
+    Each op of :data:`EAGER` builds its key from every argument that fixes its launches and
+    looks them up (``launch.Prepared``), on every call: a key of shapes, strides, dtypes, a
+    device and options, hashed, which costs a layer call about as much as a launch. The calls
+    of one layer key share its larger part: x's shape, dtype and device, the layer's options
+    (eps, momentum, activation), the per-channel vectors in x's statistics dtype (weight and
+    bias as the layer hands them, the statistics as ``batch_stats`` gives them). What they may
+    still change is each op's ``variant``: the strides, whether it runs in place, the running
+    statistics' dtypes and whether they and the small-gamma check are there. A call whose
+    variant is the op's last one hands the op the launches kept; any other looks them up,
+    and they are kept with its variant. Launches are kept no longer than the compiled kernels
+    they call (``launch.generation``). The other ops are :data:`EAGER`'s."""
+
+    __slots__ = ("name", "scratches_saved", "channel_stats", "normalize_running",
+                 "backward_reduce", "backward_dx", "_stats", "_normalize", "_backward")
+
+    def __init__(self) -> None:
+        for name in ("name", "scratches_saved", "channel_stats", "normalize_running",
+                     "backward_reduce", "backward_dx"):
+            setattr(self, name, getattr(EAGER, name))
+        self._stats = self._normalize = self._backward = _UNKNOWN
+
+    def batch_stats(self, x: torch.Tensor, eps: float, running: RunningStats | None,
+                    check: GammaCheck | None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        variant = (x.stride(), eps, check is None, running is None or (
+            running.mean.dtype, running.var.dtype,
+            running.batches is None or running.batches.dtype, running.momentum))
+        known = self._stats
+        if known.variant == variant and known.generation == launch.generation:
+            return _eager_batch_stats(x, eps, running, check, known.prepared)
+        result = _eager_batch_stats(x, eps, running, check)
+        self._stats = _Known(variant, _BATCH_STATS.get(batch_stats_key(x, eps, running, check)),
+                             launch.generation)
+        return result
+
+    def normalize_act(self, x: torch.Tensor, params: NormParams, out: torch.Tensor
+                      ) -> torch.Tensor:
+        variant = (x.stride(), params.activation, params.activation_param,
+                   out is x or (out.stride(), out.dtype))
+        known = self._normalize
+        if known.variant == variant and known.generation == launch.generation:
+            return _eager_normalize_act(x, params, out, known.prepared)
+        result = _eager_normalize_act(x, params, out)
+        self._normalize = _Known(variant, _NORMALIZE_ACT.get(normalize_act_key(x, params, out)),
+                                 launch.generation)
+        return result
+
+    def batch_backward(self, saved: torch.Tensor, dy: torch.Tensor, params: NormParams,
+                       saved_is_output: bool, count: int, overwrite_saved: bool = False
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        variant = (saved.stride(), dy.dtype, params.activation, params.activation_param,
+                   saved_is_output)
+        known = self._backward
+        if known.variant == variant and known.generation == launch.generation:
+            return _batch_backward(saved, dy, params, saved_is_output, count, overwrite_saved,
+                                   known.prepared)
+        result = _batch_backward(saved, dy, params, saved_is_output, count, overwrite_saved)
+        self._backward = _Known(variant, _BATCH_BACKWARD.get(
+            batch_backward_key(saved, dy, params, saved_is_output)), launch.generation)
+        return result
 
 
 OPS = {
