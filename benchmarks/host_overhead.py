@@ -127,7 +127,7 @@ WARM_STEPS = 40
 HARNESSES = ("ours", "bare", "floor")
 
 
-def measure(triton_ops, launcher, stub, shape, dtype, channels_last, iters, repeats, stack):
+def measure(triton_ops, stub, shape, dtype, channels_last, iters, repeats, stack):
     """Per shape: ours and the floor, one layer and ``stack`` chained, in turns; the part in
     the backend's ops and in their launches; launches and ATen ops per call."""
     channels = shape[1]
@@ -163,17 +163,20 @@ def measure(triton_ops, launcher, stub, shape, dtype, channels_last, iters, repe
             per_layer = (fwd * 1e6 / len(layers), bwd * 1e6 / len(layers))
             if sum(per_layer) < sum(best[name]):
                 best[name] = per_layer
-    return best, _time_in_ops(triton_ops, launcher, ours[:1], links, make_input, dy, iters,
+    return best, _time_in_ops(triton_ops, ours[:1], links, make_input, dy, iters,
                               repeats), (per_call_launches, counter.ops)
 
 
-def _time_in_ops(triton_ops, launcher, layers, links, make_input, dy, iters, repeats):
+def _time_in_ops(triton_ops, layers, links, make_input, dy, iters, repeats):
     """Microseconds per call inside the backend's ops (a pass of its own, ops wrapped): the
     fastest repeat's total, each op's part of it, and the part inside the launches."""
     spent = dict.fromkeys([*BACKEND_OPS, LAUNCHES], 0.0)
     direct = triton_ops.EAGER
     plain = {name: getattr(direct, name) for name in BACKEND_OPS}
-    run, run_prepared = launcher.run, launcher.run_prepared
+    run, run_prepared = triton_ops._run, triton_ops.launch_prepared
+    # The ops as a layer key's calls run them: a ``TrainingStep``'s methods.
+    step = triton_ops.TrainingStep
+    step_ops = {name: vars(step)[name] for name in BACKEND_OPS}
 
     def timed(name, op):
         def call(*args, **kwargs):
@@ -186,8 +189,10 @@ def _time_in_ops(triton_ops, launcher, layers, links, make_input, dy, iters, rep
 
     for name, op in plain.items():
         setattr(direct, name, timed(name, op))
-    launcher.run = timed(LAUNCHES, run)
-    launcher.run_prepared = timed(LAUNCHES, run_prepared)
+    for name, op in step_ops.items():
+        setattr(step, name, timed(name, op))
+    triton_ops._run = timed(LAUNCHES, run)
+    triton_ops.launch_prepared = timed(LAUNCHES, run_prepared)
     try:
         best = None
         for _ in range(repeats):
@@ -200,7 +205,9 @@ def _time_in_ops(triton_ops, launcher, layers, links, make_input, dy, iters, rep
     finally:
         for name in plain:  # the class's methods again
             delattr(direct, name)
-        launcher.run, launcher.run_prepared = run, run_prepared
+        for name, op in step_ops.items():
+            setattr(step, name, op)
+        triton_ops._run, triton_ops.launch_prepared = run, run_prepared
     return sum(best[name] for name in BACKEND_OPS), best
 
 
@@ -213,7 +220,7 @@ def per_call(args: argparse.Namespace) -> None:
 
     torch.set_num_threads(1)
     encoding_syncbn.set_backend("triton")
-    launcher = host_harness.StubLaunches(triton_ops)
+    host_harness.StubLaunches(triton_ops)
     header = ["shape", "dtype", "layout", "fwd us", "bwd us", "total us", "floor us",
               "bare ops us", "own us", "above bare us", "in the ops us", "launching us",
               "launches", "ATen ops"]
@@ -224,7 +231,7 @@ def per_call(args: argparse.Namespace) -> None:
     rows, stack_rows, op_rows, first = [], [], [], None
     for shape, dtype, channels_last in SHAPES[:args.shapes]:
         best, (in_ops, per_op), (launches, ops) = measure(
-            triton_ops, launcher, stub, shape, dtype, channels_last, args.iters, args.repeats,
+            triton_ops, stub, shape, dtype, channels_last, args.iters, args.repeats,
             args.stack)
         fwd, bwd = best["ours"]
         total, floor, bare = fwd + bwd, sum(best["floor"]), sum(best["bare"])
@@ -288,18 +295,18 @@ def planned_launches():
 
     shape, dtype, _ = SHAPES[0]
     encoding_syncbn.set_backend("triton")
-    launcher = host_harness.StubLaunches(triton_ops)
-    recorded, run = [], launcher.run
+    host_harness.StubLaunches(triton_ops)
+    recorded, run = [], triton_ops._run
 
     def record(planned, device):
         recorded.extend(planned)
         run(planned, device)
 
-    launcher.run = record
+    triton_ops._run = record
     layer = SyncBatchNorm(shape[1], activation="leaky_relu")
     like = torch.empty(shape, dtype=dtype, requires_grad=True)
     layer(host_harness.Fresh.apply(like, False)).backward(torch.empty(shape, dtype=dtype))
-    launcher.run = run
+    triton_ops._run = run
     return recorded
 
 

@@ -3,9 +3,10 @@ H100 and launched through Triton's own launcher onto the stand-in driver
 (``helpers/stub_driver.py``), and the layers it is compared with.
 
 ``StubLaunches`` routes the backend's launches there and clears the small-gamma flags no kernel
-writes; ``FloorLayer`` is what any in-place layer's autograd costs (an empty in-place
-Function), ``BareLayer`` the backend's three ops and nothing else; ``steps`` times layers
-chained with ``Link`` between them, each step's input a ``Fresh`` non-leaf tensor;
+writes where the layer reads them; ``FloorLayer`` is what any in-place layer's autograd costs
+(an empty in-place Function), ``BareLayer`` the backend's three ops and nothing else;
+``steps`` times layers chained with ``Link`` between them, each step's input a ``Fresh``
+non-leaf tensor;
 ``CountAten`` counts the ATen ops outside the backend's; ``cache_freed_memory`` makes glibc
 keep freed blocks, as a GPU's caching allocator does.
 """
@@ -166,13 +167,20 @@ def steps(layers, links, make_input, dy, iters):
 
 class StubLaunches:
     """The Triton backend on CPU tensors, planned for an H100 and launched through Triton's
-    launcher onto the stand-in driver (``stub_driver.activate()`` first). ``run`` and
-    ``run_prepared`` are the backend's own launch functions (``Launch``es; an op's prepared
-    launches, ``launch.launch_prepared``), which a timer may wrap."""
+    launcher onto the stand-in driver (``stub_driver.activate()`` first).
+
+    No kernel runs, so the small-gamma flags the statistics kernel would write stay as the
+    allocator left them; the layer reads them where its channels kept aside take this call's
+    check (``ChannelsAside.index``), and there they are zeroed, as a check that finds no small
+    gamma leaves them (one ``zero_`` a call): no wrapper around the ops' launches, so the
+    harness adds no Python frame between the ops and Triton's launcher. A timer may wrap the
+    backend's launch functions, ``triton_ops._run`` (``Launch``es) and
+    ``triton_ops.launch_prepared`` (an op's prepared launches)."""
 
     def __init__(self, triton_ops) -> None:
         from encoding_syncbn.kernels.triton.plan import Target
         from encoding_syncbn.layer import exchange, functional
+        from encoding_syncbn.layer.inplace_policy import ChannelsAside
 
         # kernels.ops_for hands a CPU tensor to the Triton backend only where its kernels are
         # interpreted (this flag, which nothing else reads): told so, it routes CPU tensors to
@@ -180,36 +188,16 @@ class StubLaunches:
         triton_ops.INTERPRET = True
         h100 = Target(False, H100_SMS)
         triton_ops.launch_target = lambda device: h100  # the real one is memoised per device
-        self.run, self.run_prepared = triton_ops._run, triton_ops.launch_prepared
-        # id(kernel) -> its flags argument's index (a JITFunction's own hash is its cache
-        # key, taken under a lock: a cost of the harness, not of the layer)
-        self._flags: dict[int, int | None] = {}
-        triton_ops._run, triton_ops.launch_prepared = self._launch, self._launch_prepared
         # A GPU's statistics are device tensors, which the far-from-zero check does not read
         # (it would wait for the device); here they are CPU tensors no kernel wrote, whose
         # garbage would send every call down the CPU's extra pass over x.
         functional.far_from_zero = exchange.far_from_zero = lambda mean, invstd: False
+        index = ChannelsAside.index
+        if not getattr(index, "zeroes_flags", False):
+            def zeroed_index(self, weight, bias, recomputing=False, flags=None):
+                if flags is not None:
+                    flags.zero_()
+                return index(self, weight, bias, recomputing, flags)
 
-    def _launch(self, planned, device) -> None:
-        """The launches, then what no kernel wrote and the layer reads: the small-gamma flags
-        (an argument ``small_ptr``), cleared as a check that found no small gamma leaves them."""
-        self.run(planned, device)
-        for launch in planned:
-            self._clear_flags(launch.kernel, launch.args)
-
-    def _launch_prepared(self, prepared, device, *launch_args) -> bool:
-        """As :meth:`_launch`, for an op's prepared launches."""
-        launched = self.run_prepared(prepared, device, *launch_args)
-        if launched:
-            for kernel, args in zip(prepared.kernels, launch_args):
-                self._clear_flags(kernel, args)
-        return launched
-
-    def _clear_flags(self, kernel, args) -> None:
-        index = self._flags.get(id(kernel), -1)
-        if index == -1:
-            names = kernel.arg_names
-            index = self._flags[id(kernel)] = (names.index("small_ptr")
-                                               if "small_ptr" in names else None)
-        if index is not None:
-            args[index].zero_()
+            zeroed_index.zeroes_flags = True
+            ChannelsAside.index = zeroed_index

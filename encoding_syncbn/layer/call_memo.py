@@ -29,7 +29,7 @@ from typing import NamedTuple
 import torch
 
 from .. import compat
-from ..kernels import Backend
+from ..kernels import Backend, get_backend, ops_for
 from . import inplace_policy, tracing
 
 
@@ -50,11 +50,19 @@ class CallMemo(NamedTuple):
     # ``_parameters`` and ``_buffers``, for a repeat call to read them there
     # (``SyncBatchNorm._plain_state``).
     plain_state: bool
-    # A training call's backend (``kernels.ops_for``), and the same as the key's calls use it
-    # while it is the backend chosen (``kernels.key_ops``: the Triton kernels keep their
-    # launches for them); None: evaluating.
-    backend: Backend | None
+    # The ops a training call of the key runs while the backend chosen when the memo was
+    # made (``backend``, ``kernels.get_backend``) is still chosen and no dispatch mode is
+    # active: ``kernels.key_ops`` of ``kernels.ops_for``'s answer (the Triton kernels keep
+    # their launches for the key's calls), which follows from those alone for an input of the
+    # key outside ``torch.compile``; None: evaluating, or made under a dispatch mode.
+    backend: str
     key_ops: Backend | None
+
+    def ops(self, x: torch.Tensor) -> Backend:
+        """The ops of a training call on ``x`` (a call that ``fits``)."""
+        if self.key_ops is None or get_backend() != self.backend or compat.dispatch_modes():
+            return ops_for(x)
+        return self.key_ops
 
     def fits(self, x: object) -> bool:
         """Whether a call on ``x`` now, outside ``torch.compile`` (the caller asks first), may

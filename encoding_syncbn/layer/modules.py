@@ -16,7 +16,7 @@ from torch.nn.utils import parametrize
 
 from .. import activations, compat
 from ..activations import ActConfig
-from ..kernels import RunningStats, channel_vector, key_ops, ops_for, torch_ops
+from ..kernels import RunningStats, channel_vector, get_backend, key_ops, ops_for, torch_ops
 from ..sync import distributed, replicas, stats
 from ..sync.group import ReplicaGroup
 from ..sync.replicas import ReplicaSlot
@@ -553,11 +553,11 @@ class SyncBatchNorm(_BatchNorm):
         if not (synced or recomputing or compiling or slot is not None or self._group_open()
                 or (count is not None
                     and computes_in(x.dtype, count, x.device) != torch_ops.stats_dtype(x.dtype))):
-            backend = None if evaluating else ops_for(x)
             self.__dict__["_call_memo"] = CallMemo(
                 x.shape, x.dtype, x.device, evaluating, count,
                 inplace_policy.in_place_by_key(self._config, x.dtype, count),
-                self._plain_state(), backend, None if evaluating else key_ops(backend))
+                self._plain_state(), get_backend(),
+                None if evaluating or compat.dispatch_modes() else key_ops(ops_for(x)))
         # ``out is x``: written in place (not a fallback out of place).
         if out is x and inplace_policy.checking():
             return inplace_policy.after_write(x, out, self._label())
@@ -594,10 +594,7 @@ class SyncBatchNorm(_BatchNorm):
             return normalize_running(x, running_mean, running_var, self.eps, weight, bias,
                                      config, kept)
         # The key computes in x's own statistics dtype (or keeps no memo): x as it is.
-        backend = ops_for(x)
-        if backend is memo.backend:
-            backend = memo.key_ops
-        return widened_batch_norm_act(x, x, backend, weight, bias, self.eps, config,
+        return widened_batch_norm_act(x, x, memo.ops(x), weight, bias, self.eps, config,
                                       self._running(running_mean, running_var, batches),
                                       self._channels_aside, False, memo.count, check)
 

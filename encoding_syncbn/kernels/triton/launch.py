@@ -113,7 +113,6 @@ class Prepared(NamedTuple):
 
     plan: Any
     direct: tuple[Callable[[tuple], None], ...]
-    kernels: tuple  # each launch's JITFunction
     # Per launch with tensors its token does not fix: its index and their positions.
     keyed: tuple[tuple[int, tuple[int, ...]], ...]
     # Each launch's kernel's pre-run hooks (``JITFunction.pre_run_hooks``, the list itself,
@@ -161,9 +160,8 @@ def prepare(memo: dict, key: tuple, plan: Any, launches: Sequence[Launch],
             keyed.append((index, positions))
     if len(memo) >= _MAX_PREPARED:
         memo.clear()
-    kernels = tuple(planned.kernel for planned in launches)
-    memo[key] = Prepared(plan, tuple(direct), kernels, tuple(keyed),
-                         tuple(kernel.pre_run_hooks for kernel in kernels))
+    memo[key] = Prepared(plan, tuple(direct), tuple(keyed),
+                         tuple(planned.kernel.pre_run_hooks for planned in launches))
 
 
 def _direct(compiled: _Compiled, grid: tuple[int, int]) -> Callable[[tuple], None]:
