@@ -142,7 +142,9 @@ def _prepared_launches(runs: list[int]) -> dict:
             launch.public(planned)
             public = STUB.recorded()
             STUB.record(sizes)
-            direct(direct_args)
+            alone = prepared._replace(direct=(direct,), keyed=(), pre_run_hooks=([],))
+            if not launch.launch_prepared(alone, x.device, direct_args):
+                found["not_direct"].append(name)
             if STUB.recorded() != public:
                 found["different"].append(name)
     # An input off 16 bytes, its key's otherwise: Triton's public launch (its own kernel).
@@ -167,6 +169,39 @@ def _prepared_launches(runs: list[int]) -> dict:
     finally:
         launch._MAX_PREPARED = bound
     return found
+
+
+def _step_launches(runs: list[int]) -> list[str]:
+    """The hot ops through a layer key's ``TrainingStep`` (``kernels.key_ops``), each called
+    anew on a fresh step: from each op's second call on, its launches are direct, each
+    reaching the driver. The ops whose were not."""
+    from encoding_syncbn.kernels import key_ops
+    from encoding_syncbn.kernels.backend import GammaCheck, NormParams, RunningStats
+    from encoding_syncbn.kernels.triton import ops
+
+    x = torch.zeros((4, 16, 8, 8), dtype=torch.float16)
+    channels = x.shape[1]
+    weight, bias = torch.ones(channels), torch.zeros(channels)
+    running = RunningStats(torch.zeros(channels), torch.ones(channels),
+                           torch.zeros((), dtype=torch.long), 0.1)
+    params = NormParams(torch.zeros(channels), torch.ones(channels), weight, bias,
+                        "leaky_relu", 0.01)
+    step = key_ops(ops.EAGER)
+    calls = {
+        "batch_stats": (lambda: step.batch_stats(x, 1e-5, running,
+                                                 GammaCheck(weight, bias, 0.016)), 1),
+        "normalize_act": (lambda: step.normalize_act(x, params, x), 1),
+        "batch_backward": (lambda: step.batch_backward(x, torch.zeros_like(x), params, True,
+                                                       x.numel() // channels), 2),
+    }
+    not_direct = []
+    for name, (call, launches) in calls.items():
+        call()  # public, or found in the op's memo: the step keeps it
+        before, launched = runs[0], STUB.launches()
+        call()
+        if runs[0] != before or STUB.launches() != launched + launches:
+            not_direct.append(name)
+    return not_direct
 
 
 def _lone_dx() -> Launch:
@@ -258,6 +293,7 @@ def main() -> None:
                                          is not launch.compiled_for(lone[1], None))
 
     found["prepared"] = _prepared_launches(runs)
+    found["step_not_direct"] = _step_launches(runs)
 
     # A launch hook sees every launch: with one set, launches take the public path again.
     planned = cases[0][1]

@@ -100,6 +100,19 @@ def launch_all(launches: Sequence[Launch], device_index: int | None) -> None:
                             *compiled.constexprs)
 
 
+class _Direct(NamedTuple):
+    """A compiled kernel's launch on one grid, called as ``launch(blocks, splits, 1, stream,
+    *leading, args + constexprs)`` where ``packed``, else ``launch(blocks, splits, 1, stream,
+    *leading, *args, *constexprs)`` (``compat.triton_direct_launch``)."""
+
+    launch: Callable[..., None]
+    blocks: int
+    splits: int
+    leading: tuple
+    constexprs: tuple
+    packed: bool
+
+
 class Prepared(NamedTuple):
     """An op's launches for one key of its memo (:func:`prepared_memo`), once each has been
     launched through Triton's public path: the op's memoised ``plan`` and each launch's
@@ -112,12 +125,16 @@ class Prepared(NamedTuple):
     key, no ``Launch``."""
 
     plan: Any
-    direct: tuple[Callable[[tuple], None], ...]
+    direct: tuple[_Direct, ...]
     # Per launch with tensors its token does not fix: its index and their positions.
     keyed: tuple[tuple[int, tuple[int, ...]], ...]
     # Each launch's kernel's pre-run hooks (``JITFunction.pre_run_hooks``, the list itself,
     # which hooks are added to): they see every launch.
     pre_run_hooks: tuple[list, ...]
+    # The device the kernels are loaded on (as Triton's driver numbers it) and Triton's
+    # driver's current-stream query: one op's launches run on one device and stream.
+    device: int
+    stream: Callable[[int], int]
 
 
 # Every op's memo of its prepared launches by its key (a dict: its ``get`` is the op's one
@@ -154,30 +171,16 @@ def prepare(memo: dict, key: tuple, plan: Any, launches: Sequence[Launch],
         compiled = None if before is None else _COMPILED.get(before)
         if compiled is None:
             return
-        direct.append(_direct(compiled, planned.grid))
+        direct.append(_Direct(compiled.launch, *planned.grid, compiled.leading,
+                              compiled.constexprs, compiled.packed))
         positions = _TENSOR_PICKERS[(id(planned.kernel), planned.token)][1]
         if positions:
             keyed.append((index, positions))
     if len(memo) >= _MAX_PREPARED:
         memo.clear()
     memo[key] = Prepared(plan, tuple(direct), tuple(keyed),
-                         tuple(planned.kernel.pre_run_hooks for planned in launches))
-
-
-def _direct(compiled: _Compiled, grid: tuple[int, int]) -> Callable[[tuple], None]:
-    """The direct launch of ``compiled`` on ``grid``, called with the planned arguments."""
-    launch, leading, constexprs = compiled.launch, compiled.leading, compiled.constexprs
-    device, stream = compiled.device, compiled.stream
-    blocks, splits = grid
-    if compiled.packed:
-        # ``args + constexprs``: one concatenation, where ``(*args, *constexprs)`` builds a
-        # list first.
-        def direct(args: tuple) -> None:
-            launch(blocks, splits, 1, stream(device), *leading, args + constexprs)
-    else:
-        def direct(args: tuple) -> None:
-            launch(blocks, splits, 1, stream(device), *leading, *args, *constexprs)
-    return direct
+                         tuple(planned.kernel.pre_run_hooks for planned in launches),
+                         compiled.device, compiled.stream)
 
 
 def launch_prepared(prepared: Prepared, device: torch.device, *launch_args: tuple) -> bool:
@@ -200,8 +203,15 @@ def launch_prepared(prepared: Prepared, device: torch.device, *launch_args: tupl
         for position in positions:
             if args[position].data_ptr() & 15:
                 return False
-    for direct, args in zip(prepared.direct, launch_args):
-        direct(args)
+    stream = prepared.stream(prepared.device)
+    for (launch, blocks, splits, leading, constexprs, packed), args in zip(prepared.direct,
+                                                                           launch_args):
+        if packed:
+            # ``args + constexprs``: one concatenation, where ``(*args, *constexprs)`` builds
+            # a list first.
+            launch(blocks, splits, 1, stream, *leading, args + constexprs)
+        else:
+            launch(blocks, splits, 1, stream, *leading, *args, *constexprs)
     return True
 
 
