@@ -221,3 +221,34 @@ def test_a_repeat_call_runs_a_counted_number_of_the_layers_functions():
     # The parameters and running statistics read from the layer's dicts (``_state``), not
     # through nn.Module's __getattr__, which raises and catches an AttributeError each.
     assert module_reads == []
+
+
+def test_a_repeat_call_asks_for_its_ops_only_when_the_choice_may_have_changed(monkeypatch):
+    """A repeat call runs the ops its memo keeps while the backend chosen is the memo's and no
+    dispatch mode is active; otherwise it asks ``ops_for`` as a first call does."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Passing(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    asked = []
+    ops_for = modules.ops_for
+    monkeypatch.setattr(modules, "ops_for", lambda x: asked.append(1) or ops_for(x))
+    layer = SyncBatchNorm(3, activation="leaky_relu")
+    x = torch.randn(SHAPE)
+    chosen = encoding_syncbn.get_backend()
+    layer(x * 1)
+    asked.clear()
+    layer(x * 1)
+    assert asked == []
+    with Passing():
+        layer(x * 1)
+    assert asked == [1]
+    other = "auto" if chosen != "auto" else "torch"
+    encoding_syncbn.set_backend(other)
+    try:
+        layer(x * 1)
+    finally:
+        encoding_syncbn.set_backend(chosen)
+    assert asked == [1, 1]

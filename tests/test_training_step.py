@@ -1,12 +1,15 @@
-"""A layer key's ``TrainingStep`` hands each Triton op the launches the op's own lookup would find
-for the call, whatever changed since the last call (strides, in place or not, running
-statistics, the check), and nothing once the compiled kernels are forgotten.
+"""A layer key's ``TrainingStep`` hands each Triton op (or launches itself) the launches the op's
+own lookup would find for the call, whatever changed since the last call (strides, in place or
+not, running statistics, the check), and nothing once the compiled kernels are forgotten;
+where it launches them itself, with the arguments the op's builders make.
 
 Under the interpreter no op keeps launches (``launch.prepare`` keeps nothing there), so each op
 is replaced by a stand-in that records the launches it is handed and, as the real op does on a
-lookup that finds none, keeps a token of its own under the call's key in the op's memo. The
-numbers the layer computes through the step are the tests of the layer on the Triton backend
-(its repeat calls run through it: ``test_call_memo``).
+lookup that finds none, keeps launches of its own under the call's key in the op's memo, with
+the plan the planner makes; ``launch_prepared`` by one that records what it is handed. What
+the step's launches compute is the layer's tests on the Triton backend (its repeat calls run
+through it: ``test_call_memo``) and, launched for real on the stand-in driver, the same bytes
+as Triton's public launch (``test_launch``).
 """
 
 from __future__ import annotations
@@ -34,8 +37,9 @@ OPS = {
 
 @contextlib.contextmanager
 def _ops_standing_in():
-    """The Triton ops module with each op replaced by a stand-in, and ``handed``: per call,
-    (op, what it was handed, what its memo held under the call's key as it ran)."""
+    """The Triton ops module with each op replaced by a stand-in, and ``launch_prepared`` by one
+    that launches nothing, and ``handed``: per op call through the step, (op, the launches
+    the op or ``launch_prepared`` was handed, the arguments ``launch_prepared`` was handed)."""
     from encoding_syncbn.kernels.triton import ops
 
     handed = []
@@ -45,6 +49,12 @@ def _ops_standing_in():
             patch.setattr(ops, function, _stand_in(name, memo, getattr(ops, key_name),
                                                    arguments, keyed, handed))
             memo.clear()
+
+        def launch_prepared(prepared, device, *args):
+            handed.append((None, prepared, args))
+            return True
+
+        patch.setattr(ops, "launch_prepared", launch_prepared)
         try:
             yield ops, handed
         finally:
@@ -53,15 +63,38 @@ def _ops_standing_in():
 
 
 def _stand_in(name, memo, key_of, arguments, keyed, handed):
+    """``name``'s op: records what it is handed and, as the real op does on a lookup that
+    finds nothing, keeps launches of its own under the call's key: their plan the op's, as
+    the planner makes it."""
     def op(*args):
         prepared = args[arguments] if len(args) > arguments else None
-        key = key_of(*args[:keyed])
-        handed.append((name, prepared, memo.get(key)))
+        handed.append((name, prepared, None))
         if prepared is None:
-            memo.setdefault(key, object())  # what the real op's first launch of a key keeps
+            memo.setdefault(key_of(*args[:keyed]), _prepared(name, *args[:keyed]))
         return None
 
     return op
+
+
+def _prepared(name, *args):
+    from encoding_syncbn.kernels.triton import backward_dx, channel_stats, launch, normalize_act
+    from encoding_syncbn.kernels.triton.plan import launch_target
+
+    target = launch_target(args[0].device)
+    if name == "batch_stats":
+        x, eps, running, check = args
+        plan = channel_stats.batch_stats_plan(
+            x, eps, None if running is None else running.mean,
+            None if running is None else running.batches,
+            None if running is None else running.momentum,
+            None if check is None else check.weight, 0.0 if check is None else check.limit,
+            target)
+    elif name == "normalize_act":
+        plan = normalize_act.normalize_act_plan(args[0], args[1], target)
+    else:
+        saved, _, params, saved_is_output = args
+        plan = backward_dx.batch_backward_plans(saved, params, saved_is_output, target)
+    return launch.Prepared(plan, (), (), (), 0, None)
 
 
 def _x(channels_last: bool) -> torch.Tensor:
@@ -84,6 +117,7 @@ FIELDS = {
     "in_place": st.booleans(),
     "activation": st.sampled_from([("leaky_relu", 0.01), ("leaky_relu", 0.2), ("elu", 1.0)]),
     "dy_dtype": st.sampled_from([torch.float32, torch.float64]),
+    "dy_like_x": st.booleans(),  # else contiguous
 }
 FIRST = st.fixed_dictionaries(FIELDS)
 # Between calls: one field changed (what a variant must notice), or the compiled kernels
@@ -94,30 +128,88 @@ CHANGE = st.sampled_from([*sorted(FIELDS), FORGET]).flatmap(
 
 
 def _run(step, op, call):
-    """Call ``op`` on ``step`` with the arguments ``call`` describes."""
+    """Call ``op`` on ``step`` with the arguments ``call`` describes: the arguments of the op's
+    key, what the step answered, and what builds the launches' arguments and the op's answer
+    from its plan for them as the op does."""
+    from encoding_syncbn.kernels.triton import backward_dx, channel_stats, normalize_act
+
     x = _x(call["channels_last"])
     vector = torch.zeros(SHAPE[1])
     if op == "batch_stats":
         running = None
         if call["running"]:
+            # (a cumulative average, momentum None, needs the counter)
+            counted = call["counted"] or call["momentum"] is None
             running = RunningStats(torch.zeros(SHAPE[1], dtype=call["mean_dtype"]),
                                    torch.ones(SHAPE[1], dtype=call["var_dtype"]),
-                                   torch.zeros((), dtype=torch.long) if call["counted"] else None,
+                                   torch.zeros((), dtype=torch.long) if counted else None,
                                    call["momentum"])
         check = GammaCheck(vector, vector, 0.5) if call["check"] else None
-        step.batch_stats(x, call["eps"], running, check)
-        return
+        result = step.batch_stats(x, call["eps"], running, check)
+        buffers = (None,) * 3 if running is None else running[:3]
+        vectors = (None, None) if check is None else check[:2]
+
+        def build(plan):
+            args, (mean, invstd, small) = channel_stats.batch_stats_args(plan, x, *buffers,
+                                                                         *vectors)
+            return (args,), (mean, invstd, small if check is not None else None)
+
+        return (x, call["eps"], running, check), result, build
     params = NormParams(vector, vector, vector, vector, *call["activation"])
     if op == "normalize_act":
-        step.normalize_act(x, params, x if call["in_place"] else torch.empty_like(x))
-        return
-    step.batch_backward(x, torch.zeros(SHAPE, dtype=call["dy_dtype"]), params,
-                        call["in_place"], x.numel() // SHAPE[1])
+        out = x if call["in_place"] else torch.empty_like(x)
+        result = step.normalize_act(x, params, out)
+        return (x, params, out), (result,), lambda plan: (
+            (normalize_act.normalize_act_args(plan, x, params, out),), (out,))
+    dy = (torch.zeros_like(x, dtype=call["dy_dtype"]) if call["dy_like_x"]
+          else torch.zeros(SHAPE, dtype=call["dy_dtype"]))
+    count = x.numel() // SHAPE[1]
+    result = step.batch_backward(x, dy, params, call["in_place"], count)
+
+    def build(plans):
+        reduce, dx, outputs = backward_dx.batch_backward_args(plans, x, dy, params, count)
+        return (reduce, dx), outputs
+
+    return (x, dy, params, call["in_place"]), result, build
+
+
+def _places(tensors: tuple, args: tuple) -> list:
+    """Where each of ``tensors`` first appears among the launches' ``args`` (None: it is
+    None)."""
+    flat = [arg for launch_args in args for arg in launch_args]
+    return [None if t is None else next(i for i, arg in enumerate(flat) if arg is t)
+            for t in tensors]
+
+
+def _same_arguments(launched: tuple, built: tuple) -> bool:
+    """Whether the step's launches' arguments are the builders': each the same object, or
+    both allocated by the call alike (shape, strides, dtype) and repeated at the same
+    places; every other argument equal, of one type."""
+    for got, want in zip(launched, built, strict=True):
+        if len(got) != len(want):
+            return False
+        first_got, first_want = {}, {}
+        for i, (a, b) in enumerate(zip(got, want)):
+            if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+                fresh = a is not b
+                if fresh and not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+                                  and (a.shape, a.stride(), a.dtype)
+                                  == (b.shape, b.stride(), b.dtype)):
+                    return False
+                if first_got.setdefault(id(a), i) != first_want.setdefault(id(b), i):
+                    return False
+            elif type(a) is not type(b) or a != b:
+                return False
+    return True
 
 
 @settings(max_examples=100, deadline=None, derandomize=True)
 @given(first=FIRST, changes=st.lists(CHANGE, max_size=12))
 def test_each_op_is_handed_its_own_keys_launches(first, changes):
+    """Each op call through the step hands the op, or launches itself, what the op's own
+    lookup finds under the call's key, or nothing (the op looks it up); a second call of the
+    same arguments has it at once. Where the step launches itself, with the arguments the
+    op's builders make."""
     from encoding_syncbn.kernels.triton import launch
 
     with _ops_standing_in() as (ops, handed):
@@ -129,13 +221,17 @@ def test_each_op_is_handed_its_own_keys_launches(first, changes):
                 launch.forget_compiled()
             elif field is not None:
                 call[field] = value
-            for op in OPS:
-                before = len(handed)
-                _run(step, op, call)
-                _run(step, op, call)  # the same again: its key's launches handed at once
-                (_, first, found), (_, second, found_again) = handed[before:]
-                assert first is None or first is found  # None: the op looks them up itself
-                assert second is found_again is not None
+            for op, (_, memo_name, key_name, *_) in OPS.items():
+                for again in (False, True):  # the second: its key's launches at once
+                    before = len(handed)
+                    key_args, result, build = _run(step, op, call)
+                    ((launcher, prepared, args),) = handed[before:]
+                    found = getattr(ops, memo_name).get(getattr(ops, key_name)(*key_args))
+                    assert prepared is found or prepared is None and not again
+                    if launcher is None:  # launched by the step itself
+                        built, outputs = build(prepared.plan)
+                        assert _same_arguments(args, built)
+                        assert _places(result, args) == _places(outputs, built)
 
 
 def test_other_backends_run_as_they_are():

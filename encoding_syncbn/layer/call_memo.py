@@ -29,7 +29,7 @@ from typing import NamedTuple
 import torch
 
 from .. import compat
-from ..kernels import Backend, get_backend, ops_for
+from ..kernels import Backend
 from . import inplace_policy, tracing
 
 
@@ -57,12 +57,6 @@ class CallMemo(NamedTuple):
     # key outside ``torch.compile``; None: evaluating, or made under a dispatch mode.
     backend: str
     key_ops: Backend | None
-
-    def ops(self, x: torch.Tensor) -> Backend:
-        """The ops of a training call on ``x`` (a call that ``fits``)."""
-        if self.key_ops is None or get_backend() != self.backend or compat.dispatch_modes():
-            return ops_for(x)
-        return self.key_ops
 
     def fits(self, x: object) -> bool:
         """Whether a call on ``x`` now, outside ``torch.compile`` (the caller asks first), may

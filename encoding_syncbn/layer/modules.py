@@ -594,7 +594,10 @@ class SyncBatchNorm(_BatchNorm):
             return normalize_running(x, running_mean, running_var, self.eps, weight, bias,
                                      config, kept)
         # The key computes in x's own statistics dtype (or keeps no memo): x as it is.
-        return widened_batch_norm_act(x, x, memo.ops(x), weight, bias, self.eps, config,
+        ops = memo.key_ops
+        if ops is None or get_backend() != memo.backend or compat.dispatch_modes():
+            ops = ops_for(x)
+        return widened_batch_norm_act(x, x, ops, weight, bias, self.eps, config,
                                       self._running(running_mean, running_var, batches),
                                       self._channels_aside, False, memo.count, check)
 

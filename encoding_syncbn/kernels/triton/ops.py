@@ -35,7 +35,7 @@ from .normalize_act import (
     normalize_act_plan,
     plan_normalize_running,
 )
-from .partials import reset_counters
+from .partials import partial_planes, reset_counters, split_buffers
 from .plan import INTERPRET as INTERPRET
 from .plan import Launch, empty_dx, geometry_of, launch_target
 
@@ -296,15 +296,22 @@ class TrainingStep:
 
     Each op of :data:`EAGER` builds its key from every argument that fixes its launches and
     looks them up (``launch.Prepared``), on every call: a key of shapes, strides, dtypes, a
-    device and options, hashed, which costs a layer call about as much as a launch. The calls
-    of one layer key share its larger part: x's shape, dtype and device, the layer's options
-    (eps, momentum, activation), the per-channel vectors in x's statistics dtype (weight and
-    bias as the layer hands them, the statistics as ``batch_stats`` gives them). What they may
-    still change is each op's ``variant``: the strides, whether it runs in place, the running
-    statistics' dtypes and whether they and the small-gamma check are there. A call whose
-    variant is the op's last one hands the op the launches kept; any other looks them up,
-    and they are kept with its variant. Launches are kept no longer than the compiled kernels
-    they call (``launch.generation``). The other ops are :data:`EAGER`'s."""
+    device and options, hashed. The calls of one layer key share its larger part: x's shape,
+    dtype and device, the layer's options (eps, momentum, activation), the per-channel
+    vectors in x's statistics dtype (weight and bias as the layer hands them, the statistics
+    as ``batch_stats`` gives them). What they may still change is each op's ``variant``: the
+    strides, whether it runs in place, the running statistics' dtypes and whether they and
+    the small-gamma check are there. A call whose variant is the op's last one hands the op
+    the launches kept; any other looks them up, and they are kept with its variant. Launches
+    are kept no longer than the compiled kernels they call (``launch.generation``).
+
+    Where the usual call of an op has launches kept (a dense input, in place, contiguous
+    running statistics, dy laid out as the saved tensor), the step builds their arguments and
+    launches them itself: the op's own steps, as its argument builders (``batch_stats_args``,
+    ``normalize_act_args``, ``batch_backward_args``) and the op take them, in one Python frame
+    where those take five to ten (each a microsecond of a layer call's host time); the test
+    of the step holds each to its builder. Any other call goes through the op. The other ops
+    are :data:`EAGER`'s."""
 
     __slots__ = ("name", "scratches_saved", "channel_stats", "normalize_running",
                  "backward_reduce", "backward_dx", "_stats", "_normalize", "_backward")
@@ -322,38 +329,92 @@ class TrainingStep:
             running.mean.dtype, running.var.dtype,
             running.batches is None or running.batches.dtype, running.momentum))
         known = self._stats
-        if known.variant == variant and known.generation == launch.generation:
-            return _eager_batch_stats(x, eps, running, check, known.prepared)
-        result = _eager_batch_stats(x, eps, running, check)
-        self._stats = _Known(variant, _BATCH_STATS.get(batch_stats_key(x, eps, running, check)),
-                             launch.generation)
-        return result
+        if known.variant != variant or known.generation != launch.generation:
+            result = _eager_batch_stats(x, eps, running, check)
+            self._stats = _Known(variant, _BATCH_STATS.get(
+                batch_stats_key(x, eps, running, check)), launch.generation)
+            return result
+        prepared = known.prepared
+        if running is None:
+            running_mean = running_var = batches = None
+        else:
+            running_mean, running_var, batches, _ = running
+        if (prepared is None or prepared.plan.copy or running is not None
+                and not (running_mean.is_contiguous() and running_var.is_contiguous())):
+            return _eager_batch_stats(x, eps, running, check, prepared)
+        plan = prepared.plan
+        mean = x.new_empty(plan.channels, dtype=plan.acc)
+        invstd = torch.empty_like(mean)
+        small = mean.new_empty(plan.flags, dtype=torch.uint8)
+        device = x.device
+        counters, part = split_buffers(device, plan.counters, plan.part)
+        if not plan.running:
+            running_mean = running_var = mean
+        if not plan.counter:
+            batches = mean
+        weight, bias = (check.weight, check.bias) if plan.check else (mean, mean)
+        count, eps, keep, momentum, var_alpha, limit = plan.scalars
+        args = (x, mean if part is None else part, counters, mean, invstd, count, eps,
+                running_mean, running_var, batches, keep, momentum, var_alpha, weight, bias,
+                small, limit, *plan.args)
+        if not launch_prepared(prepared, device, args):
+            _run([batch_stats_launch(plan, args)], device)
+        return mean, invstd, (small if check is not None else None)
 
     def normalize_act(self, x: torch.Tensor, params: NormParams, out: torch.Tensor
                       ) -> torch.Tensor:
         variant = (x.stride(), params.activation, params.activation_param,
                    out is x or (out.stride(), out.dtype))
         known = self._normalize
-        if known.variant == variant and known.generation == launch.generation:
-            return _eager_normalize_act(x, params, out, known.prepared)
-        result = _eager_normalize_act(x, params, out)
-        self._normalize = _Known(variant, _NORMALIZE_ACT.get(normalize_act_key(x, params, out)),
-                                 launch.generation)
-        return result
+        if known.variant != variant or known.generation != launch.generation:
+            result = _eager_normalize_act(x, params, out)
+            self._normalize = _Known(variant, _NORMALIZE_ACT.get(
+                normalize_act_key(x, params, out)), launch.generation)
+            return result
+        prepared = known.prepared
+        if prepared is None or out is not x or prepared.plan.copy:
+            return _eager_normalize_act(x, params, out, prepared)
+        plan = prepared.plan
+        args = (x, x, *params[:4], plan.activation_param, *plan.args)
+        device = x.device
+        if not launch_prepared(prepared, device, args):
+            _run([normalize_act_launch(plan, args)], device)
+        return out
 
     def batch_backward(self, saved: torch.Tensor, dy: torch.Tensor, params: NormParams,
                        saved_is_output: bool, count: int, overwrite_saved: bool = False
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        variant = (saved.stride(), dy.dtype, params.activation, params.activation_param,
+        strides = saved.stride()
+        variant = (strides, dy.dtype, params.activation, params.activation_param,
                    saved_is_output)
         known = self._backward
-        if known.variant == variant and known.generation == launch.generation:
+        if known.variant != variant or known.generation != launch.generation:
+            result = _batch_backward(saved, dy, params, saved_is_output, count, overwrite_saved)
+            self._backward = _Known(variant, _BATCH_BACKWARD.get(
+                batch_backward_key(saved, dy, params, saved_is_output)), launch.generation)
+            return result
+        prepared = known.prepared
+        if prepared is None or prepared.plan.reduce.copy or dy.stride() != strides:
             return _batch_backward(saved, dy, params, saved_is_output, count, overwrite_saved,
-                                   known.prepared)
-        result = _batch_backward(saved, dy, params, saved_is_output, count, overwrite_saved)
-        self._backward = _Known(variant, _BATCH_BACKWARD.get(
-            batch_backward_key(saved, dy, params, saved_is_output)), launch.generation)
-        return result
+                                   prepared)
+        plans = prepared.plan
+        reduce, dx_plan = plans.reduce, plans.dx
+        dx = torch.empty_like(saved)  # (``empty_dx`` of a dense tensor)
+        acc, splits, channels = reduce.acc, reduce.grid[1], reduce.geo.c
+        sum_dz = saved.new_empty(channels, dtype=acc)
+        sum_dz_xhat = torch.empty_like(sum_dz)
+        device = saved.device
+        counters, part = split_buffers(
+            device, channels, partial_planes(acc) * splits * channels if splits > 1 else 0)
+        mean, invstd, weight, bias = params[:4]
+        reduce_args = (saved, dy, mean, invstd, weight, bias, sum_dz, sum_dz_xhat,
+                       sum_dz if part is None else part, counters, reduce.activation_param,
+                       *reduce.args)
+        dx_args = (saved, dy, dx, mean, invstd, weight, bias, weight, sum_dz_xhat, sum_dz,
+                   -1.0 / int(count), dx_plan.activation_param, *dx_plan.args)
+        if not launch_prepared(prepared, device, reduce_args, dx_args):
+            _run(batch_backward_launches(plans, reduce_args, dx_args), device)
+        return dx, sum_dz, sum_dz_xhat
 
 
 OPS = {
