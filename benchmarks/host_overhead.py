@@ -16,16 +16,18 @@ which is the one thing stubbed: ``helpers/stub_driver.py`` builds a stand-in ``l
 answers as an H100 and whose launch returns at once (what it leaves out: the driver's own
 work inside the launch, a few us a launch on a real one). So what is timed is everything the
 host does for a layer call but the driver's inside of each launch. No kernel runs: the
-small-gamma flags the layer reads back are zeroed after the launch that would write them (one
-``zero_`` a call, counted, as it is in the bare ops' harness below; uninitialised, they would
-keep random channels aside). The input is a fresh uninitialised non-leaf tensor per call (made
-outside the timed region; nothing reads its values).
+small-gamma flags the layer reads back are zeroed where it reads them (one ``zero_`` a call,
+counted; uninitialised, they would keep random channels aside). The layer is as on a GPU: the
+hook that a layer on CPU parameters runs after each backward (counting the channels a
+compiled in-place layer keeps aside) is removed (``host_harness.as_on_a_gpu``). The input is
+a fresh uninitialised non-leaf tensor per call (made outside the timed region; nothing reads
+its values).
 
 The package's Triton backend takes CPU tensors only under Triton's interpreter. This script
 patches that check on its side (``StubLaunches`` of ``helpers/host_harness.py``: the backend's
 ``INTERPRET`` flag, which only that check reads, is set, so CPU tensors reach the compiled
-kernels' launches; Triton itself runs with ``TRITON_INTERPRET=0``), and the ops' ``_run`` is
-wrapped to clear the flags; the package is unchanged for its users.
+kernels' launches; Triton itself runs with ``TRITON_INTERPRET=0``), and the layer's reading
+of the flags is wrapped to clear them; the package is unchanged for its users.
 
 Times are this thread's CPU time (``time.thread_time``; CPU backward runs on the calling
 thread): on a shared machine the time spent waiting for a core is not counted, but contention
@@ -140,7 +142,8 @@ def measure(triton_ops, stub, shape, dtype, channels_last, iters, repeats, stack
         return host_harness.Fresh.apply(like, channels_last)
 
     # float32 parameters, as under AMP.
-    ours = [SyncBatchNorm(channels, activation="leaky_relu") for _ in range(stack)]
+    ours = [host_harness.as_on_a_gpu(SyncBatchNorm(channels, activation="leaky_relu"))
+            for _ in range(stack)]
     floor = [host_harness.FloorLayer(channels) for _ in range(stack)]
     bare = [host_harness.BareLayer(channels, triton_ops.EAGER) for _ in range(stack)]
     variants = {
@@ -390,7 +393,8 @@ def counted_steps(harness: str, steps: int) -> None:
     host_harness.StubLaunches(triton_ops)
     shape, dtype, _ = SHAPES[0]
     channels = shape[1]
-    module = {"ours": lambda: SyncBatchNorm(channels, activation="leaky_relu"),
+    module = {"ours": lambda: host_harness.as_on_a_gpu(
+                  SyncBatchNorm(channels, activation="leaky_relu")),
               "bare": lambda: host_harness.BareLayer(channels, triton_ops.EAGER),
               "floor": lambda: host_harness.FloorLayer(channels)}[harness]()
     like = torch.empty(shape, dtype=dtype, requires_grad=True)

@@ -165,6 +165,21 @@ def steps(layers, links, make_input, dy, iters):
     return fwd / iters, bwd / iters
 
 
+def as_on_a_gpu(layer: torch.nn.Module) -> torch.nn.Module:
+    """``layer`` (an in-place ``SyncBatchNorm`` on CPU parameters) as it is on a GPU: without
+    the hook that counts, after each backward that accumulates its weight's gradient, the
+    channels a compiled in-place layer keeps aside (``layer/compiled_inplace.watch``
+    registers it only for CPU parameters, which it reads where they lie). A GPU's layer runs
+    no Python hook in its backward; this harness's layers would run one."""
+    from encoding_syncbn.layer import compiled_inplace
+
+    handle = layer.__dict__.get(compiled_inplace._HANDLE)
+    if handle is not None:
+        handle.remove()
+        layer.__dict__[compiled_inplace._HANDLE] = None
+    return layer
+
+
 class StubLaunches:
     """The Triton backend on CPU tensors, planned for an H100 and launched through Triton's
     launcher onto the stand-in driver (``stub_driver.activate()`` first).
