@@ -177,9 +177,10 @@ def _time_in_ops(triton_ops, layers, links, make_input, dy, iters, repeats):
     direct = triton_ops.EAGER
     plain = {name: getattr(direct, name) for name in BACKEND_OPS}
     run, run_prepared = triton_ops._run, triton_ops.launch_prepared
-    # The ops as a layer key's calls run them: a ``TrainingStep``'s methods.
-    step = triton_ops.TrainingStep
-    step_ops = {name: vars(step)[name] for name in BACKEND_OPS}
+    # The ops as a layer key's calls run them: a ``TrainingStep``'s methods (a checkout
+    # without one, compared with this one's harness, calls the backend's).
+    step = getattr(triton_ops, "TrainingStep", None)
+    step_ops = {} if step is None else {name: vars(step)[name] for name in BACKEND_OPS}
 
     def timed(name, op):
         def call(*args, **kwargs):
