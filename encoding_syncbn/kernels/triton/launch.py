@@ -144,7 +144,7 @@ _PREPARED_MEMOS: list[dict] = []
 _MAX_PREPARED = 1024
 
 #: How many times every compiled kernel kept was forgotten (:func:`forget_compiled`): a holder
-#: of ``Prepared`` launches outside the memos (``training_step``) drops them when it changes.
+#: of ``Prepared`` launches outside the memos (``ops.TrainingStep``) drops them when it changes.
 generation = 0
 
 
