@@ -476,11 +476,20 @@ class BatchNormAct(torch.autograd.Function):
         # that would write over it.
         ctx.unhooked = (backend.scratches_saved and not torch.compiler.is_compiling()
                         and not compat.saved_tensor_hooks_may_be_active())
+        # The usual call, whose backward is one backend call on what it saved as it lies (see
+        # ``_usual_backward``): in place, nothing kept aside, no mean offset, in the input's
+        # own precision.
+        ctx.usual = (config.inplace and kept_channels is None and offset is None
+                     and not inplace_policy.takes_double_double_gradient(x.dtype, ctx.count,
+                                                                         True))
         return _normalize(ctx, x, mean, invstd, weight, bias, config, kept_channels, backend,
                           offset)
 
     @staticmethod
     def backward(ctx, grad_output):
+        if (ctx.usual and ctx.needs_input_grad[0] and not torch.is_grad_enabled()
+                and not torch.compiler.is_compiling() and not compat.dispatch_modes()):
+            return _usual_backward(ctx, grad_output)
         saved = _unpack(ctx)
         if torch.is_grad_enabled():  # create_graph: the batch's statistics recomputed too
             config = ctx.config
@@ -528,6 +537,27 @@ class BatchNormAct(torch.autograd.Function):
             _exact_kept_dx(grad_input, saved, grad_output, config, params,
                             BatchSums(sum_dz, sum_dz_xhat, ctx.count))
         return (grad_input, *_param_grads(needs[1], needs[2], sum_dz, sum_dz_xhat), None)
+
+
+def _usual_backward(ctx, grad_output) -> tuple:
+    """``BatchNormAct.backward`` of the usual call (``ctx.usual``) outside a create_graph
+    backward, a tracer and a dispatch mode, where the input's gradient is asked: what the
+    general branch does there (``_unpack``, ``_params`` from the output, one
+    ``batch_backward``, ``_param_grads``), read straight from what ``_save`` saved, with no
+    helper of the general branch in between (each a Python frame at every call)."""
+    try:
+        y, weight, bias = ctx.saved_tensors
+    except RuntimeError:
+        _unpack(ctx)  # raises, naming the layer and the fix where y was modified
+        raise
+    config, (mean, invstd, _, _) = ctx.config, ctx.stats
+    grad_input, sum_dz, sum_dz_xhat = ctx.backend.batch_backward(
+        y, grad_output, NormParams(mean, invstd, weight, bias, config.activation,
+                                   config.activation_param),
+        saved_is_output=True, count=ctx.count,
+        overwrite_saved=ctx.unhooked and compat.saved_output_is_sole(y))
+    needs = ctx.needs_input_grad
+    return (grad_input, sum_dz_xhat if needs[1] else None, sum_dz if needs[2] else None, None)
 
 
 class NormAct(torch.autograd.Function):
