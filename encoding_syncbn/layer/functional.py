@@ -482,6 +482,11 @@ class BatchNormAct(torch.autograd.Function):
         ctx.usual = (config.inplace and kept_channels is None and offset is None
                      and not inplace_policy.takes_double_double_gradient(x.dtype, ctx.count,
                                                                          True))
+        if ctx.usual:  # ``_normalize`` of it: written over x, nothing kept aside nor shifted
+            backend.normalize_act(x, NormParams(mean, invstd, weight, bias, config.activation,
+                                                config.activation_param), x)
+            _save(ctx, x, x, weight, bias, config, (), mean, invstd, None, bias)
+            return x
         return _normalize(ctx, x, mean, invstd, weight, bias, config, kept_channels, backend,
                           offset)
 
