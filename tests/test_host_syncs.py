@@ -13,7 +13,7 @@ import contextlib
 import pytest
 import torch
 import torch.nn.functional as F
-from backends import each_backend
+from backends import each_backend, one_backend
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from reference import activate
@@ -194,3 +194,63 @@ def test_flags_of_any_dtype_and_layout_are_read(flags, dtype, step):
         index = channels.index(weight, torch.zeros_like(weight), weight.dtype, flags=offered)
         assert ([] if index is None else index.tolist()) == [
             i for i, flag in enumerate(offered_flags) if flag]
+
+
+class _LateCopy:
+    """Offered flags on their way to the host as on a GPU (``ChannelsAside._offer``: a copy to
+    pinned memory and an event): landed where the test says, or once waited for."""
+
+    def __init__(self, landing: dict) -> None:
+        self.landing, self.waited = landing, False
+
+    def synchronize(self) -> None:
+        self.waited = True
+
+    def query(self) -> bool:
+        return self.waited or self.landing["now"]
+
+
+@contextlib.contextmanager
+def late_copies():
+    """``ChannelsAside`` with its offered flags landing on the host when ``landing["now"]``
+    says (read at each poll), as copies from a GPU do: the flags as offered, copied."""
+    from encoding_syncbn.layer.inplace_policy import ChannelsAside
+
+    landing = {"now": False}
+
+    def offer(self, small):
+        self._host, self._ready = small.clone(), _LateCopy(landing)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(ChannelsAside, "_offer", offer)
+        yield landing
+
+
+@one_backend  # the layer's bookkeeping, the same on every backend
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(calls=st.lists(st.tuples(st.booleans(), st.lists(st.booleans(), min_size=4,
+                                                         max_size=4)), min_size=1, max_size=10))
+def test_each_call_checks_while_an_answer_is_on_its_way(calls):
+    """On a GPU a call's small-gamma flags reach the host calls later. Every training call
+    runs the check all the same (a layer's statistics launch stays the same from call to
+    call), flags offered while an earlier answer is on its way are dropped (its copy stays
+    where it lands), and each call keeps aside the newest answer that has landed: the first
+    call's at once (it waits for it), the others' as their copies land. ``calls``: per call,
+    whether the answer on its way has landed when the call polls, and the flags its check
+    writes."""
+    from encoding_syncbn.layer.inplace_policy import ChannelsAside
+
+    channels = ChannelsAside()
+    weight, bias = torch.ones(4), torch.zeros(4)
+    on_its_way = known = None
+    with late_copies() as landing:
+        for lands, flags in calls:
+            landing["now"] = lands
+            check = channels.check(weight, bias)
+            assert check is not None and check.weight is weight and check.bias is bias
+            kept = channels.index(weight, bias, flags=torch.tensor(flags, dtype=torch.uint8))
+            if on_its_way is None:
+                on_its_way = [i for i, flag in enumerate(flags) if flag]
+            if known is None or lands:
+                known, on_its_way = on_its_way, None
+            assert ([] if kept is None else kept.tolist()) == known

@@ -238,3 +238,50 @@ def test_other_backends_run_as_they_are():
     from encoding_syncbn.kernels import reference_ops
 
     assert key_ops(reference_ops()) is reference_ops()
+
+
+def test_a_layers_statistics_launch_is_looked_up_once_while_its_flags_land_late(monkeypatch):
+    """On a GPU an in-place layer's small-gamma flags reach the host calls after the check
+    that wrote them (``ChannelsAside``). Its training calls hand the statistics op the same
+    variant all the same: the step looks the op's launches up at its first call only, as on
+    the CPU, where each call reads its own flags at once."""
+    import encoding_syncbn
+    from encoding_syncbn import SyncBatchNorm
+    from encoding_syncbn.kernels.triton import ops
+    from encoding_syncbn.layer.inplace_policy import ChannelsAside
+
+    class LateCopy:  # a copy that lands at the poll after the call that made it
+        def __init__(self):
+            self.polled = 0
+
+        def synchronize(self):
+            self.polled = 1
+
+        def query(self):
+            self.polled += 1
+            return self.polled > 1
+
+    def offer(self, small):
+        self._host, self._ready = small.clone(), LateCopy()
+
+    calls = []  # per call of the op: whether it was handed a check, and kept launches
+
+    def batch_stats(*args, op=ops._eager_batch_stats):
+        calls.append((args[3] is not None, len(args) > 4))
+        return op(*args)
+
+    monkeypatch.setattr(ChannelsAside, "_offer", offer)
+    monkeypatch.setattr(ops, "_eager_batch_stats", batch_stats)
+    encoding_syncbn.set_backend("triton")
+    try:
+        layer = SyncBatchNorm(4, activation="leaky_relu")
+        for _ in range(6):
+            leaf = torch.randn(8, 4, 4, 4, requires_grad=True)
+            layer(leaf * 1).sum().backward()
+    finally:
+        encoding_syncbn.set_backend("auto")
+    step = layer._call_memo.key_ops
+    assert isinstance(step, ops.TrainingStep) and step._stats.variant[2] is False
+    # The repeat calls' (the layer's first call plans its own): one lookup, then the kept
+    # launches, each call with its check.
+    assert calls == [(True, False)] + [(True, True)] * 4

@@ -321,14 +321,14 @@ class ChannelsAside:
 
     ``index`` gives the layer's autograd Function their indices, chosen by the parameters of
     the call. They are known in advance where ``replicate()`` read them for the replicas
-    (``found``). Else reading them from the
-    current parameters would cost a device sync per call (``nonzero``); instead each call
-    checks the parameters on the device (single replica: in the launch that finishes the batch
-    statistics, see ``check``) and copies the flags to (pinned) host memory without waiting;
-    a call uses the newest answer whose copy is done (on the CPU: its own), and only a layer's
-    first call on a GPU waits for one. That check keeps aside every channel up to ``MARGIN``
-    times the limit, so an answer a few calls old still covers a channel whose |beta| /
-    |gamma| grew past the limit since, unless it grew more than that.
+    (``found``). Else reading them from the current parameters would cost a device sync per
+    call (``nonzero``); instead each call checks the parameters on the device (single
+    replica: in the launch that finishes the batch statistics, see ``check``) and copies the
+    flags to (pinned) host memory without waiting, unless an earlier call's are still on their
+    way; a call uses the newest answer whose copy is done (on the CPU: its own), and only a
+    layer's first call on a GPU waits for one. That check keeps aside every channel up to
+    ``MARGIN`` times the limit, so an answer a few calls old still covers a channel whose
+    |beta| / |gamma| grew past the limit since, unless it grew more than that.
 
     ``recomputing`` (a checkpoint's recomputation of a call): the call keeps the answer the
     original call used.
@@ -362,11 +362,13 @@ class ChannelsAside:
     def check(self, weight: torch.Tensor, bias: torch.Tensor, recomputing: bool = False
               ) -> GammaCheck | None:
         """The check for the backend to run in this call (in the launch that finishes the
-        batch statistics; its flags then go to ``index``), or None where no new answer is
-        wanted: the channels are found in advance, one is on its way, or the call keeps its
-        answer (never asked while compiling, as ``index``)."""
-        if (self.found is not None or self._host is not None
-                or self._frozen(weight, recomputing)):
+        batch statistics; its flags then go to ``index``), or None where the call takes no
+        new answer: the channels are found in advance, or the call keeps its answer (never
+        asked while compiling, as ``index``). While an answer is on its way the check runs
+        all the same and ``index`` drops its flags: a layer's training calls launch alike
+        whenever the copies land (one set of launches kept, ``TrainingStep``), at the cost
+        of a few bytes the launch writes."""
+        if self.found is not None or self._frozen(weight, recomputing):
             return None
         check = self._check
         if check is None or check.weight is not weight or check.bias is not bias:
@@ -396,10 +398,12 @@ class ChannelsAside:
 
     def _channels(self, weight: torch.Tensor, bias: torch.Tensor, recomputing: bool,
                   flags: torch.Tensor | None) -> tuple[int, ...]:
-        """The newest answer, ``flags`` (this call's check) offered first. Without a check
-        offered, the parameters are checked here, in ATen calls."""
+        """The newest answer, ``flags`` (this call's check) offered first unless one is on
+        its way (its copy is not reused before it lands). Without a check offered, the
+        parameters are checked here, in ATen calls."""
         if flags is not None:
-            self._offer(flags)
+            if self._host is None:
+                self._offer(flags)
         elif self._frozen(weight, recomputing):
             return self.known
         elif self._host is None:
