@@ -477,11 +477,9 @@ class BatchNormAct(torch.autograd.Function):
         ctx.unhooked = (backend.scratches_saved and not torch.compiler.is_compiling()
                         and not compat.saved_tensor_hooks_may_be_active())
         # The usual call, whose backward is one backend call on what it saved as it lies (see
-        # ``_usual_backward``): in place, nothing kept aside, no mean offset, in the input's
-        # own precision.
-        ctx.usual = (config.inplace and kept_channels is None and offset is None
-                     and not inplace_policy.takes_double_double_gradient(x.dtype, ctx.count,
-                                                                         True))
+        # ``_usual_backward``): in place, nothing kept aside, no mean offset. (In place, the
+        # gradient is never taken in double-double: ``takes_double_double_gradient``.)
+        ctx.usual = config.inplace and kept_channels is None and offset is None
         if ctx.usual:  # ``_normalize`` of it: written over x, nothing kept aside nor shifted
             backend.normalize_act(x, NormParams(mean, invstd, weight, bias, config.activation,
                                                 config.activation_param), x)

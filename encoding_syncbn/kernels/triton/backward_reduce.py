@@ -9,7 +9,7 @@ import triton.language as tl
 
 from . import double_double as dd
 from .activations import xhat_dz
-from .partials import merge_split, merge_split_double, partial_planes, split_buffers
+from .partials import merge_split, merge_split_double, split_buffers
 from .plan import (
     Launch,
     OpPlan,
@@ -146,13 +146,11 @@ def reduce_args(plan: OpPlan, saved: torch.Tensor, dy: torch.Tensor, mean: torch
                 ) -> tuple[tuple, tuple[torch.Tensor, torch.Tensor]]:
     """The reduction's arguments as ``plan`` plans them, on ``saved`` and ``dy`` as it
     launches on them (prepared, in the planned layout), and its ``(sum_dz, sum_dz_xhat)``."""
-    acc, splits, c = plan.acc, plan.grid[1], plan.geo.c
-    sum_dz = saved.new_empty(c, dtype=acc)
+    c = plan.geo.c
+    sum_dz = saved.new_empty(c, dtype=plan.acc)
     sum_dz_xhat = torch.empty_like(sum_dz)  # fewer arguments to parse than new_empty's
-    # Split: the planes of partial sums (``partial_planes``), in the stream's buffer; else
-    # unread.
-    counters, part = split_buffers(saved.device, c,
-                                   partial_planes(acc) * splits * c if splits > 1 else 0)
+    # Split: the planes of partial sums, in the stream's buffer; else unread.
+    counters, part = split_buffers(saved.device, c, plan.part)
     return (saved, dy, mean, invstd, weight, bias, sum_dz, sum_dz_xhat,
             sum_dz if part is None else part, counters, plan.activation_param,
             *plan.args), (sum_dz, sum_dz_xhat)

@@ -11,7 +11,7 @@ import triton.language as tl
 
 from . import double_double as dd
 from .finalize_stats import FinishPlan, finish_batch_stats, finish_plan
-from .partials import merge_split, merge_split_double, partial_planes, split_buffers
+from .partials import merge_split, merge_split_double, split_buffers
 from .plan import (
     Launch,
     Target,
@@ -261,9 +261,7 @@ def plan_channel_stats(x: torch.Tensor, target: Target, tile: Tile | None = None
     m2 = torch.empty_like(mean)
     # Split: a plane of splits * C partial sums for each of the sums' parts (float64: high
     # and low), in the stream's buffer; else ``mean``, unread. One counter a channel.
-    splits = plan.grid[1]
-    counters, part = split_buffers(x.device, plan.geo.c, partial_planes(plan.acc) * splits
-                                   * plan.geo.c if splits > 1 else 0)
+    counters, part = split_buffers(x.device, plan.geo.c, plan.part)
     return [Launch(_channel_stats_kernel, plan.grid,
                    (x, mean if part is None else part, counters, mean, m2, *plan.args),
                    plan.constexprs, plan.num_warps, plan.token, _CHANNEL_STATS_FIXED)], (mean, m2)
@@ -307,11 +305,9 @@ def _batch_stats_plan(sizes: tuple[int, ...], strides: tuple[int, ...], dtype: t
     finish = finish_plan(stats.acc, geo.c, geo.n * geo.s, eps, running_dtype,
                          has_counter=has_counter, momentum=momentum, check=check,
                          gamma_limit=gamma_limit)
-    splits = stats.grid[1]
     flags = finish.constexprs
-    part = partial_planes(stats.acc) * splits * geo.c if splits > 1 else 0
     # One counter after the channels': the cumulative average's finished blocks.
-    return _BatchStatsPlan(stats.copy, geo.c, stats.acc, part,
+    return _BatchStatsPlan(stats.copy, geo.c, stats.acc, stats.part,
                            geo.c + 1, finish.flags, finish.scalars, flags["RUNNING"],
                            flags["COUNTER"], flags["CHECK"], stats.grid, stats.args,
                            {**stats.constexprs, **finish.constexprs}, stats.num_warps, object(),

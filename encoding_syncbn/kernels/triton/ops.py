@@ -35,7 +35,7 @@ from .normalize_act import (
     normalize_act_plan,
     plan_normalize_running,
 )
-from .partials import partial_planes, reset_counters, split_buffers
+from .partials import reset_counters, split_buffers
 from .plan import INTERPRET as INTERPRET
 from .plan import Launch, empty_dx, geometry_of, launch_target
 
@@ -400,12 +400,11 @@ class TrainingStep:
         plans = prepared.plan
         reduce, dx_plan = plans.reduce, plans.dx
         dx = torch.empty_like(saved)  # (``empty_dx`` of a dense tensor)
-        acc, splits, channels = reduce.acc, reduce.grid[1], reduce.geo.c
-        sum_dz = saved.new_empty(channels, dtype=acc)
+        channels = reduce.geo.c
+        sum_dz = saved.new_empty(channels, dtype=reduce.acc)
         sum_dz_xhat = torch.empty_like(sum_dz)
         device = saved.device
-        counters, part = split_buffers(
-            device, channels, partial_planes(acc) * splits * channels if splits > 1 else 0)
+        counters, part = split_buffers(device, channels, reduce.part)
         mean, invstd, weight, bias = params[:4]
         reduce_args = (saved, dy, mean, invstd, weight, bias, sum_dz, sum_dz_xhat,
                        sum_dz if part is None else part, counters, reduce.activation_param,

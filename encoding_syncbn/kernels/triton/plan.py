@@ -16,6 +16,7 @@ import triton.language as tl
 from ... import compat
 from ...activations import ACTIVATIONS
 from ..torch_ops import INPUT_DTYPES, stats_dtype
+from .partials import partial_planes
 
 #: Whether kernels run in Triton's CPU interpreter (fixed when ``triton.jit`` wrapped them).
 INTERPRET: bool = compat.triton_interpreting()
@@ -347,6 +348,9 @@ class OpPlan(NamedTuple):
     geo: _Geometry
     acc: torch.dtype  # the statistics dtype
     grid: tuple[int, int]
+    # A split reduction's partial sums: their elements in the stream's float64 buffer
+    # (``partials.split_buffers``); 0: not a split reduction.
+    part: int
     args: tuple[int, ...]  # the kernels' geometry arguments, as _plan_tiles
     constexprs: dict
     num_warps: int
@@ -406,9 +410,12 @@ def plan_op_memo(sizes: tuple[int, ...], strides: tuple[int, ...], dtype: torch.
         geo = layout(sizes, _contiguous_strides(sizes))
     tile, grid, args = _plan_tiles(geo, dtype, target, reduction, tile)
     constexprs.update(_tile_constexprs(geo, tile, dtype))
+    acc, part = stats_dtype(dtype), 0
     if reduction:
         constexprs.update(_split_constexprs(geo, tile, grid[1]))
-    return OpPlan(copy, geo, stats_dtype(dtype), grid, args, constexprs,
+        if grid[1] > 1:
+            part = partial_planes(acc) * grid[1] * geo.c
+    return OpPlan(copy, geo, acc, grid, part, args, constexprs,
                   _num_warps(dtype, channels_last=geo.channels_last), float(activation_param),
                   object())
 
