@@ -76,14 +76,20 @@ _functorch_level: Callable[[], int | None] = getattr(
 _jit_tracing: Callable[[], bool] = getattr(torch._C, "_is_tracing", None) or torch.jit.is_tracing
 
 
-def exporting() -> bool:
-    """Whether ``torch.export`` traces the call: torch.compiler's flag, read as it lies.
+#: Whether ``torch.export`` traces the call: torch.compiler's flag, read as it lies (in a C
+#: call: no Python frame at each layer call); the public function where this torch has no flag.
+#:
+#: Not ``torch.compiler.is_exporting()`` where the flag is there: before torch 2.13 Dynamo
+#: answers that call with True inside any ``torch.compile``, which would refuse every compiled
+#: training layer as an export; the flag itself is set by ``torch.export`` alone.
+exporting: Callable[[], bool] = (
+    functools.partial(getattr, torch.compiler, "_is_exporting_flag")
+    if hasattr(torch.compiler, "_is_exporting_flag") else torch.compiler.is_exporting)
 
-    Not ``torch.compiler.is_exporting()``: before torch 2.13 Dynamo answers that call with
-    True inside any ``torch.compile``, which would refuse every compiled training layer as an
-    export; the flag itself is set by ``torch.export`` alone."""
-    flag = getattr(torch.compiler, "_is_exporting_flag", None)
-    return torch.compiler.is_exporting() if flag is None else flag
+#: The innermost open ``torch.autograd.forward_ad.dual_level`` (-1: none), read in a C call;
+#: -1 where this torch keeps no such level.
+forward_ad_level: Callable[[], int] = functools.partial(
+    getattr, torch.autograd.forward_ad, "_current_level", -1)
 
 
 def transformed_or_jit_traced() -> bool:
@@ -123,13 +129,14 @@ def inside_backward() -> bool:
 
 
 def eager_untraced() -> bool:
-    """Whether a call runs with no ``torch.func`` transform, ``torch.jit.trace`` or
-    ``torch.export`` recording it, outside a backward pass (``transformed_or_jit_traced``,
-    ``exporting`` and ``inside_backward`` all False), asked in one call: the layer's memo asks
-    it at every call (``layer/call_memo.py``). Eagerly only: its caller asks
-    ``torch.compiler.is_compiling()`` first, which Dynamo folds."""
+    """Whether a call runs with no ``torch.func`` transform, ``torch.jit.trace``,
+    ``torch.export`` or forward-mode AD recording it, outside a backward pass
+    (``transformed_or_jit_traced``, ``exporting``, ``inside_backward`` all False and no
+    ``forward_ad_level``), asked in one Python call: the layer's memo asks it at every call
+    (``layer/call_memo.py``). Eagerly only: its caller asks ``torch.compiler.is_compiling()``
+    first, which Dynamo folds."""
     return not (_transforms_active() or _jit_tracing() or exporting()
-                or _graph_task_id()() != -1)
+                or _graph_task_id()() != -1 or forward_ad_level() >= 0)
 
 
 @functools.cache

@@ -30,7 +30,7 @@ import torch
 
 from .. import compat
 from ..kernels import Backend
-from . import inplace_policy, tracing
+from . import inplace_policy
 
 
 class CallMemo(NamedTuple):
@@ -65,4 +65,4 @@ class CallMemo(NamedTuple):
         checkpoint's recomputation inside backward; without the in-place misuse checks)."""
         return (type(x) is torch.Tensor and x.shape == self.shape and x.dtype == self.dtype
                 and x.device == self.device and compat.eager_untraced()
-                and not tracing.in_forward_ad() and not inplace_policy.checking())
+                and not inplace_policy.checking())

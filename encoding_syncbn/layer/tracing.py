@@ -29,7 +29,6 @@ registered custom ops: the Triton kernels stay):
 from __future__ import annotations
 
 import torch
-from torch.autograd import forward_ad
 
 from .. import compat
 
@@ -65,7 +64,7 @@ def fx_leaf_call(layer: torch.nn.Module, label: str, proxy: torch.fx.Proxy) -> t
 def in_forward_ad() -> bool:
     """Whether a ``torch.autograd.forward_ad.dual_level`` is open (its dual tensors may reach
     the layer as its input or its parameters)."""
-    return getattr(forward_ad, "_current_level", -1) >= 0
+    return compat.forward_ad_level() >= 0
 
 
 def in_aten_ops() -> bool:
