@@ -92,7 +92,10 @@ once without valgrind (the kernels compiled, or found in Triton's cache). Both c
 instructions) with the garbage collector off: the same code then counts the same to within a
 few thousand instructions a step, where timed runs scatter by 1-2 us. An import or an
 environment variable more moves the count by up to ~4k (memory layout); compare counts made
-alike. Needs valgrind on PATH.
+alike. Needs valgrind on PATH. With ``--by-function`` both runs are callgrind's, and the
+table gives besides each harness's total the instructions a step of Triton's C launcher, the
+allocations (``torch.empty``, ``empty_like``, ``new_empty``) and autograd's C parts, each with
+everything it calls (they nest): where a step's instructions go (needs callgrind_annotate).
 """
 
 from __future__ import annotations
@@ -104,6 +107,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 
 import torch
@@ -409,39 +413,93 @@ def _counted_command(harness: str, steps: int) -> list[str]:
     return [sys.executable, os.path.abspath(__file__), "--counted", harness, str(steps)]
 
 
-def _process_instructions(harness: str, steps: int) -> int:
-    """Instructions of the whole process running ``steps`` steps after the warm ones."""
+# --by-function: the C functions whose instructions (theirs and their callees') a step are
+# reported, by callgrind's name of each. They nest: the launches and allocations of a backward
+# are inside its Python nodes, and those inside the engine.
+BY_FUNCTION = (
+    ("Triton's C launcher", "launchKernel"),
+    ("torch.empty", "torch::autograd::THPVariable_empty("),
+    ("torch.empty_like", "torch::autograd::THPVariable_empty_like("),
+    ("Tensor.new_empty", "torch::autograd::THPVariable_new_empty("),
+    ("Function.apply in C (its forward inside)", "(anonymous namespace)::THPFunction_apply("),
+    ("backward's Python nodes", "torch::autograd::PyNode::apply("),
+    ("backward() in C (the engine)", "THPEngine_run_backward("),
+)
+
+
+def _process_instructions(harness: str, steps: int, by_function: bool = False
+                          ) -> dict[str, int]:
+    """Instructions of the whole process running ``steps`` steps after the warm ones
+    (``"total"``), and with ``by_function`` those of each of :data:`BY_FUNCTION`, under
+    callgrind instead of cachegrind."""
     env = {**os.environ, "PYTHONHASHSEED": "0", "OPENBLAS_NUM_THREADS": "1",
            "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(
-        ["valgrind", "--tool=cachegrind", "--cache-sim=no", "--cachegrind-out-file=/dev/null",
-         *_counted_command(harness, steps)], env=env, capture_output=True, text=True,
-        check=False)
-    found = re.search(r"I\s+refs:\s+([\d,]+)", done.stderr)
-    if done.returncode != 0 or found is None:
-        raise SystemExit(f"valgrind run of {harness!r} failed:\n{done.stderr[-2000:]}")
-    return int(found.group(1).replace(",", ""))
+    with tempfile.TemporaryDirectory() as scratch:
+        out = os.path.join(scratch, "out") if by_function else "/dev/null"
+        tool = (["--tool=callgrind", f"--callgrind-out-file={out}"] if by_function else
+                ["--tool=cachegrind", "--cache-sim=no", f"--cachegrind-out-file={out}"])
+        done = subprocess.run(["valgrind", *tool, *_counted_command(harness, steps)], env=env,
+                              capture_output=True, text=True, check=False)
+        found = re.search(r"I\s+refs:\s+([\d,]+)", done.stderr)
+        if done.returncode != 0 or found is None:
+            raise SystemExit(f"valgrind run of {harness!r} failed:\n{done.stderr[-2000:]}")
+        counts = {"total": int(found.group(1).replace(",", ""))}
+        if by_function:
+            annotated = subprocess.run(
+                ["callgrind_annotate", "--inclusive=yes", "--threshold=100", out],
+                capture_output=True, text=True, check=True).stdout
+            counts.update(_inclusive_counts(annotated))
+    return counts
+
+
+def _inclusive_counts(annotated: str) -> dict[str, int]:
+    """Per :data:`BY_FUNCTION` label, the instructions ``callgrind_annotate --inclusive=yes``
+    gives its function (0 where it does not appear): its line whose name starts with the
+    function's (a recursive call's own line, ``name'2``, is inside the first)."""
+    counts = dict.fromkeys((label for label, _ in BY_FUNCTION), 0)
+    for line in annotated.splitlines():
+        found = re.match(r"\s*([\d,]+)\s+(?:\([^)]*\)\s+)?\S*?:(\S.*)$", line)
+        if found is None:
+            continue
+        name = found.group(2)
+        for label, function in BY_FUNCTION:
+            if name.startswith(function) and not counts[label]:
+                counts[label] = int(found.group(1).replace(",", ""))
+    return counts
 
 
 def instructions(args: argparse.Namespace) -> None:
     """--instructions: each harness's instructions a step, counted under valgrind."""
     if shutil.which("valgrind") is None:
         raise SystemExit("valgrind is not on PATH: --instructions needs it")
-    rows = []
+    if args.by_function and shutil.which("callgrind_annotate") is None:
+        raise SystemExit("callgrind_annotate is not on PATH: --by-function needs it")
+    per_step = {}
     for harness in args.harnesses:
         # Natively first: the kernels compiled (or found in Triton's cache) outside valgrind.
         subprocess.run(_counted_command(harness, 0), check=True)
-        per_step = (_process_instructions(harness, args.steps)
-                    - _process_instructions(harness, 0)) / args.steps
-        rows.append([harness, round(per_step / 1000, 1)])
-        print(f"{harness}: {per_step / 1000:.1f}k instructions a step", flush=True)
-    table = results.markdown_table(["harness", "k instructions a step"], rows)
+        longer, warm = (_process_instructions(harness, steps, args.by_function)
+                        for steps in (args.steps, 0))
+        per_step[harness] = {name: (longer[name] - warm[name]) / args.steps for name in longer}
+        print(f"{harness}: {per_step[harness]['total'] / 1000:.1f}k instructions a step",
+              flush=True)
+    if args.by_function:
+        names = ["total", *(label for label, _ in BY_FUNCTION)]
+        table = results.markdown_table(
+            ["instructions a step (k), with callees", *args.harnesses],
+            [[name, *(round(per_step[h][name] / 1000, 1) for h in args.harnesses)]
+             for name in names])
+    else:
+        table = results.markdown_table(
+            ["harness", "k instructions a step"],
+            [[h, round(per_step[h]["total"] / 1000, 1)] for h in args.harnesses])
     print(table)
     results.record(args, "host_overhead.py --instructions (cpu)", table, notes=(
         f"Instructions per forward+backward of one layer, {SHAPES[0][0]} float16 NCHW, on the "
         "Triton path, every launch through Triton's launcher to a stubbed cuLaunchKernelEx "
         "(benchmarks/helpers/host_harness.py), counted by valgrind's "
-        f"cachegrind: a run of {WARM_STEPS} + {args.steps} steps minus one of {WARM_STEPS}, "
+        f"{'callgrind' if args.by_function else 'cachegrind'}: a run of {WARM_STEPS} + "
+        f"{args.steps} steps minus one of {WARM_STEPS}, "
         "divided by the steps. PYTHONHASHSEED=0, OpenBLAS single-threaded, no garbage "
         "collection during the steps."))
 
@@ -472,6 +530,10 @@ def main():
                         help="--instructions: steps counted beyond the warm ones (default 1000)")
     parser.add_argument("--harnesses", nargs="+", choices=HARNESSES, default=list(HARNESSES),
                         help="--instructions: which harnesses to count (default all)")
+    parser.add_argument("--by-function", action="store_true",
+                        help="--instructions: count under callgrind and also give the "
+                             "instructions a step of the launcher, the allocations and "
+                             "autograd's C parts (with their callees)")
     parser.add_argument("--counted", nargs=2, metavar=("HARNESS", "STEPS"),
                         help=argparse.SUPPRESS)
     results.add_arguments(parser)

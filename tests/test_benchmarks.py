@@ -44,6 +44,26 @@ def test_host_overhead_times_each_launch_of_a_call():
     assert figures["launcher_us_per_call"] > 0 and figures["public_launcher_us_per_call"] > 0
 
 
+def test_host_overhead_reads_each_function_of_callgrinds_annotation():
+    """``--instructions --by-function`` reads the inclusive count of each function it reports
+    from ``callgrind_annotate``'s lines (a C++ name's own colons, a recursive call's line,
+    percentages or none), and 0 for one the run never called."""
+    import host_overhead
+
+    annotated = "\n".join([
+        "--------------------------------------------------------------------------------",
+        "Ir                     file:function",
+        "1,234,567 (12.00%)  ???:launchKernel [/root/.triton/cache/x/cuda_utils.so]",
+        "  765,432 ( 7.00%)  ???:launchKernel'2 [/root/.triton/cache/x/cuda_utils.so]",
+        "   98,765  ???:torch::autograd::PyNode::apply(std::vector<at::Tensor> &&) [/t.so]",
+        "   54,321 ( 0.50%)  /build/Objects/call.c:_PyObject_Call [/lib/libpython3.11.so]",
+    ])
+    counts = host_overhead._inclusive_counts(annotated)
+    assert counts == {label: {"launchKernel": 1234567, "torch::autograd::PyNode::apply(": 98765
+                              }.get(function, 0)
+                      for label, function in host_overhead.BY_FUNCTION}
+
+
 # What .ci/gpu's parts may take: its default budget (GPU_BUDGET_S) less the few seconds its
 # start (nvidia-smi, the version line) takes before the first step.
 GPU_PART_SECONDS = 470
