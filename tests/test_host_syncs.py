@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from backends import each_backend, one_backend
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
+from late_copies import late_copies
 from reference import activate
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -194,36 +195,6 @@ def test_flags_of_any_dtype_and_layout_are_read(flags, dtype, step):
         index = channels.index(weight, torch.zeros_like(weight), weight.dtype, flags=offered)
         assert ([] if index is None else index.tolist()) == [
             i for i, flag in enumerate(offered_flags) if flag]
-
-
-class _LateCopy:
-    """Offered flags on their way to the host as on a GPU (``ChannelsAside._offer``: a copy to
-    pinned memory and an event): landed where the test says, or once waited for."""
-
-    def __init__(self, landing: dict) -> None:
-        self.landing, self.waited = landing, False
-
-    def synchronize(self) -> None:
-        self.waited = True
-
-    def query(self) -> bool:
-        return self.waited or self.landing["now"]
-
-
-@contextlib.contextmanager
-def late_copies():
-    """``ChannelsAside`` with its offered flags landing on the host when ``landing["now"]``
-    says (read at each poll), as copies from a GPU do: the flags as offered, copied."""
-    from encoding_syncbn.layer.inplace_policy import ChannelsAside
-
-    landing = {"now": False}
-
-    def offer(self, small):
-        self._host, self._ready = small.clone(), _LateCopy(landing)
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(ChannelsAside, "_offer", offer)
-        yield landing
 
 
 @one_backend  # the layer's bookkeeping, the same on every backend

@@ -20,6 +20,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from late_copies import late_copies
 
 from encoding_syncbn.kernels import GammaCheck, NormParams, RunningStats, key_ops, triton_available
 
@@ -248,21 +249,6 @@ def test_a_layers_statistics_launch_is_looked_up_once_while_its_flags_land_late(
     import encoding_syncbn
     from encoding_syncbn import SyncBatchNorm
     from encoding_syncbn.kernels.triton import ops
-    from encoding_syncbn.layer.inplace_policy import ChannelsAside
-
-    class LateCopy:  # a copy that lands at the poll after the call that made it
-        def __init__(self):
-            self.polled = 0
-
-        def synchronize(self):
-            self.polled = 1
-
-        def query(self):
-            self.polled += 1
-            return self.polled > 1
-
-    def offer(self, small):
-        self._host, self._ready = small.clone(), LateCopy()
 
     calls = []  # per call of the op: whether it was handed a check, and kept launches
 
@@ -270,14 +256,16 @@ def test_a_layers_statistics_launch_is_looked_up_once_while_its_flags_land_late(
         calls.append((args[3] is not None, len(args) > 4))
         return op(*args)
 
-    monkeypatch.setattr(ChannelsAside, "_offer", offer)
     monkeypatch.setattr(ops, "_eager_batch_stats", batch_stats)
     encoding_syncbn.set_backend("triton")
     try:
         layer = SyncBatchNorm(4, activation="leaky_relu")
-        for _ in range(6):
-            leaf = torch.randn(8, 4, 4, 4, requires_grad=True)
-            layer(leaf * 1).sum().backward()
+        with late_copies() as landing:
+            for call in range(6):
+                # A copy lands at the poll of the call after the one that made it.
+                landing["now"] = call % 2 == 0
+                leaf = torch.randn(8, 4, 4, 4, requires_grad=True)
+                layer(leaf * 1).sum().backward()
     finally:
         encoding_syncbn.set_backend("auto")
     step = layer._call_memo.key_ops
