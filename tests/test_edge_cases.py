@@ -486,6 +486,35 @@ def test_input_on_another_device_is_refused_before_anything_changes(options, lay
         assert torch.equal(given, x)
 
 
+@settings(max_examples=24, deadline=None, derandomize=True)
+@given(options=_LAYER_OPTIONS, data=st.data())
+def test_a_tensor_of_the_layer_on_another_device_is_refused_at_a_repeat_call(options, data):
+    """One of the layer's tensors swapped behind its back for one on another device (here the
+    meta device; on a GPU, a CPU tensor where the Triton kernels take each address as it is),
+    between two calls of one key: the repeat call is refused before anything is read or
+    written, naming the layer, the tensor and both devices; every other tensor and the input
+    as they were."""
+    if not options["affine"] and not options["track_running_stats"]:
+        return  # no tensor to move
+    layer = _layer_from(options, "cpu")
+    x = torch.randn(6, 4, 3, 2, dtype=DT)
+    layer(x.clone())  # the key's first call: its decisions kept for the repeat calls
+    names = [name for name, _ in [*layer.named_parameters(), *layer.named_buffers()]]
+    moved = data.draw(st.sampled_from(names))
+    owner = layer._parameters if moved in layer._parameters else layer._buffers
+    tensor = owner[moved]
+    on_meta = tensor.detach().to("meta")
+    owner[moved] = nn.Parameter(on_meta) if isinstance(tensor, nn.Parameter) else on_meta
+    before = _state(layer)
+    given = x.clone()
+    with pytest.raises(RuntimeError) as info:
+        layer(given)
+    for words in (f"{moved} on meta", "the input's device cpu", "SyncBatchNorm(4"):
+        assert words in str(info.value), str(info.value)
+    _assert_unchanged(layer, before)
+    assert torch.equal(given, x)
+
+
 @pytest.mark.parametrize("momentum", [0.1, None])
 @pytest.mark.parametrize("activation,inplace", [("none", False), ("leaky_relu", True)])
 def test_vmap_over_a_tracking_training_layer_leaves_the_buffers(momentum, activation, inplace):

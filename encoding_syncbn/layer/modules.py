@@ -353,7 +353,7 @@ class SyncBatchNorm(_BatchNorm):
                 self._check_input(x)
         else:  # torch.export (whose strict tracer cannot trace the warnings' filters)
             self._check_input(x)
-        self._check_device(x, self.running_mean, self.weight)
+        self._check_device(x, self._state(False))
         weight, bias = self._affine_params(self.weight, self.bias, x)
         if self.training and self._synced(self._replica_slot):
             tracing.refuse_synced_transform(self._label())
@@ -502,8 +502,9 @@ class SyncBatchNorm(_BatchNorm):
         if dim < 2 or x.shape[1] != self.num_features or x.dtype not in torch_ops.INPUT_DTYPES:
             self._check_input(x)  # raises, saying what is wrong
         self._last_input_dim[0] = dim
-        weight, bias, running_mean, running_var, batches = self._state(False)
-        self._check_device(x, running_mean, weight)
+        state = self._state(False)
+        self._check_device(x, state)
+        weight, bias, running_mean, running_var, batches = state
         weight, bias = self._affine_params(weight, bias, x)
         evaluating = not self.training and running_mean is not None
         # Asked only for batch statistics: evaluation with running statistics never asks
@@ -583,7 +584,7 @@ class SyncBatchNorm(_BatchNorm):
                                                  and self._syncs_processes()):
             return self._forward(x, None)
         x = compat.unwrap_if_dead(x)
-        self._check_device(x, running_mean, weight)
+        self._check_device(x, (weight, bias, running_mean, running_var, batches))
         weight, bias = self._affine_params(weight, bias, x)
         config, kept, check = self._config, None, None
         if config.inplace:
@@ -632,18 +633,29 @@ class SyncBatchNorm(_BatchNorm):
         """Whether this call takes its batch statistics over several replicas or processes."""
         return self.sync and ((slot is not None and slot.synced) or self._syncs_processes())
 
-    def _check_device(self, x: torch.Tensor, running_mean: torch.Tensor | None,
-                      weight: torch.Tensor | None) -> None:
-        """An input on another device than the layer's state (a running statistic, else the
-        weight), refused before anything is read or written."""
-        state = running_mean if running_mean is not None else weight
-        if state is None or x.device == state.device:
-            return
-        raise RuntimeError(
-            f"{self._label()}: expected input on device {state.device} like the layer's "
-            f"parameters and running statistics, got input on device {x.device}; move the "
-            "input or the layer (layer.to(device))"
-        )
+    def _check_device(self, x: torch.Tensor, state: tuple[torch.Tensor | None, ...]) -> None:
+        """An input on another device than any of the layer's tensors (``state``, as
+        ``_state`` reads them), refused before anything is read or written: the Triton
+        kernels' repeat launches take each tensor's address as it is, with no check of their
+        own of where it points (``TrainingStep``)."""
+        device = x.device
+        for tensor in state:
+            if tensor is not None and tensor.device != device:
+                raise RuntimeError(self._device_message(x, state))
+
+    def _device_message(self, x: torch.Tensor, state: tuple[torch.Tensor | None, ...]) -> str:
+        devices = {name: tensor.device for name, tensor in zip((*_PARAMETERS, *_RUNNING), state)
+                   if tensor is not None}
+        if len(set(devices.values())) == 1:
+            (device,) = set(devices.values())
+            return (f"{self._label()}: expected input on device {device} like the layer's "
+                    f"parameters and running statistics, got input on device {x.device}; move "
+                    "the input or the layer (layer.to(device))")
+        elsewhere = ", ".join(f"{name} on {device}" for name, device in devices.items()
+                              if device != x.device)
+        return (f"{self._label()}: expected the layer's parameters and running statistics on "
+                f"the input's device {x.device}, got {elsewhere}; move the layer "
+                f"(layer.to({str(x.device)!r}))")
 
     @staticmethod
     def _checked_by_every_replica(slot: ReplicaSlot, x: torch.Tensor, count: int) -> None:
