@@ -54,11 +54,11 @@ the floor's stack has the same links, so "own" does not include them.
 Prints, per shape, the host microseconds of the forward, the backward and their sum, the
 floor's and the bare ops' sums and what is above each, of our sum the part spent inside the
 Triton backend's ops (planning, allocating outputs, launching) and of that the part inside the
-launches (from the ops' launch functions, ``_run`` and ``launch_prepared``, to the stubbed
-driver call: the direct launches and, where taken, Triton's public one; both timed in a
-separate pass with the ops wrapped, so the other columns carry no timer), the launches
-(counted by the stand-in driver) and the ATen ops outside the backend's ops per
-forward+backward; then the stacked figures. On the CPU the ops' part includes
+launches (from the ops' launch functions, ``_run``, ``launch_prepared`` and
+``launch_direct``, to the stubbed driver call: the direct launches and, where taken, Triton's
+public one; both timed in a separate pass with the ops wrapped, so the other columns carry
+no timer), the launches (counted by the stand-in driver) and the ATen ops outside the
+backend's ops per forward+backward; then the stacked figures. On the CPU the ops' part includes
 ``torch.empty_like`` of dx. On a GPU that comes from the caching allocator in a few us; on the
 CPU glibc serves a block that large with an mmap, and frees it with an munmap (together some
 30-60 us a call here, none of it the layer's doing). So by default (``--allocator cached``)
@@ -126,8 +126,12 @@ H100_SMS = stub_driver.H100_SMS
 # The Triton backend's ops the layer calls (``triton_ops.EAGER``'s methods), timed for the "in
 # the ops" column.
 BACKEND_OPS = ("batch_stats", "normalize_act", "batch_backward")
-# The part of the ops' time inside their launches (Triton's launcher, the driver's call).
+# The part of the ops' time inside their launches (Triton's launcher, the driver's call),
+# timed from the ops' launch functions: of ``Launch``es, an op's prepared launches, and those
+# with each tensor as its address (``TrainingStep``'s). None calls another of them through
+# the ops module, so no launch is timed twice.
 LAUNCHES = "launches"
+LAUNCHERS = ("_run", "launch_prepared", "launch_direct")
 # --instructions: the steps run before the counted ones, and the harnesses it may count.
 WARM_STEPS = 40
 HARNESSES = ("ours", "bare", "floor")
@@ -180,7 +184,9 @@ def _time_in_ops(triton_ops, layers, links, make_input, dy, iters, repeats):
     spent = dict.fromkeys([*BACKEND_OPS, LAUNCHES], 0.0)
     direct = triton_ops.EAGER
     plain = {name: getattr(direct, name) for name in BACKEND_OPS}
-    run, run_prepared = triton_ops._run, triton_ops.launch_prepared
+    # The ops' launch functions this checkout has (an older one lacks ``launch_direct``).
+    launchers = {name: getattr(triton_ops, name) for name in LAUNCHERS
+                 if hasattr(triton_ops, name)}
     # The ops as a layer key's calls run them: a ``TrainingStep``'s methods (a checkout
     # without one, compared with this one's harness, calls the backend's).
     step = getattr(triton_ops, "TrainingStep", None)
@@ -199,8 +205,8 @@ def _time_in_ops(triton_ops, layers, links, make_input, dy, iters, repeats):
         setattr(direct, name, timed(name, op))
     for name, op in step_ops.items():
         setattr(step, name, timed(name, op))
-    triton_ops._run = timed(LAUNCHES, run)
-    triton_ops.launch_prepared = timed(LAUNCHES, run_prepared)
+    for name, launcher in launchers.items():
+        setattr(triton_ops, name, timed(LAUNCHES, launcher))
     try:
         best = None
         for _ in range(repeats):
@@ -215,7 +221,8 @@ def _time_in_ops(triton_ops, layers, links, make_input, dy, iters, repeats):
             delattr(direct, name)
         for name, op in step_ops.items():
             setattr(step, name, op)
-        triton_ops._run, triton_ops.launch_prepared = run, run_prepared
+        for name, launcher in launchers.items():
+            setattr(triton_ops, name, launcher)
     return sum(best[name] for name in BACKEND_OPS), best
 
 
@@ -286,7 +293,8 @@ def per_call(args: argparse.Namespace) -> None:
         "minus the floor; 'above bare': ours minus the bare ops, what the layer's own Python "
         "adds to its ops. 'in the ops': the part inside the Triton backend's ops (dx's "
         "allocation included); 'launching': the part of that inside the launches (from the "
-        "ops' launch functions, _run and launch_prepared, to the stubbed driver call; in the "
+        "ops' launch functions, _run, launch_prepared and launch_direct, to the stubbed "
+        "driver call; in the "
         "ops' column too). "
         "ATen ops: outside the backend's ops. The stacked figures are per layer of "
         f"a chain with one backward() a step. Allocator: {args.allocator} ("

@@ -124,7 +124,8 @@ def _prepared_launches(runs: list[int]) -> dict:
 
     ops.launch_target = lambda device: Target(False, stub_driver.H100_SMS)
     x = torch.zeros((4, 16, 8, 8), dtype=torch.float16)
-    found = {"not_direct": [], "different": [], "not_prepared": []}
+    found = {"not_direct": [], "different": [], "addresses_different": [],
+             "not_prepared": []}
     for name, (call, memo, rebuild) in _hot_ops(x).items():
         call()  # the first: public, then prepared
         before, launched = runs[0], STUB.launches()
@@ -147,6 +148,14 @@ def _prepared_launches(runs: list[int]) -> dict:
                 found["not_direct"].append(name)
             if STUB.recorded() != public:
                 found["different"].append(name)
+            # Each tensor as its address (what ``TrainingStep`` hands): the same bytes.
+            STUB.record(sizes)
+            addresses = tuple(arg.data_ptr() if isinstance(arg, torch.Tensor) else arg
+                              for arg in direct_args)
+            if not launch.launch_direct(alone, x.device, addresses):
+                found["not_direct"].append(name)
+            if STUB.recorded() != public:
+                found["addresses_different"].append(name)
     # An input off 16 bytes, its key's otherwise: Triton's public launch (its own kernel).
     misaligned = torch.zeros(x.numel() + 1, dtype=x.dtype)[1:].view(x.shape)
     before = runs[0]

@@ -59,7 +59,7 @@ def test_direct_and_public_launches_hand_the_driver_the_same_arguments():
     assert found["hooked_launch_public"] and found["unhooked_launch_direct"], found
     assert found["forgotten_with_plans"], found
     prepared = found["prepared"]
-    for problem in ("not_direct", "different", "not_prepared"):
+    for problem in ("not_direct", "different", "addresses_different", "not_prepared"):
         assert prepared[problem] == [], (problem, prepared)
     assert prepared["misaligned_public"], prepared
     assert prepared["new_plans"] and prepared["bounded"], prepared

@@ -6,7 +6,7 @@ where it launches them itself, with the arguments the op's builders make.
 Under the interpreter no op keeps launches (``launch.prepare`` keeps nothing there), so each op
 is replaced by a stand-in that records the launches it is handed and, as the real op does on a
 lookup that finds none, keeps launches of its own under the call's key in the op's memo, with
-the plan the planner makes; ``launch_prepared`` by one that records what it is handed. What
+the plan the planner makes; ``launch_direct`` by one that records what it is handed. What
 the step's launches compute is the layer's tests on the Triton backend (its repeat calls run
 through it: ``test_call_memo``) and, launched for real on the stand-in driver, the same bytes
 as Triton's public launch (``test_launch``).
@@ -38,9 +38,9 @@ OPS = {
 
 @contextlib.contextmanager
 def _ops_standing_in():
-    """The Triton ops module with each op replaced by a stand-in, and ``launch_prepared`` by one
+    """The Triton ops module with each op replaced by a stand-in, and ``launch_direct`` by one
     that launches nothing, and ``handed``: per op call through the step, (op, the launches
-    the op or ``launch_prepared`` was handed, the arguments ``launch_prepared`` was handed)."""
+    the op or ``launch_direct`` was handed, the arguments ``launch_direct`` was handed)."""
     from encoding_syncbn.kernels.triton import ops
 
     handed = []
@@ -51,11 +51,11 @@ def _ops_standing_in():
                                                    arguments, keyed, handed))
             memo.clear()
 
-        def launch_prepared(prepared, device, *args):
+        def launch_direct(prepared, device, *args):
             handed.append((None, prepared, args))
             return True
 
-        patch.setattr(ops, "launch_prepared", launch_prepared)
+        patch.setattr(ops, "launch_direct", launch_direct)
         try:
             yield ops, handed
         finally:
@@ -135,7 +135,8 @@ def _run(step, op, call):
     from encoding_syncbn.kernels.triton import backward_dx, channel_stats, normalize_act
 
     x = _x(call["channels_last"])
-    vector = torch.zeros(SHAPE[1])
+    # Each per-channel vector a tensor of its own: the step's launches take their addresses.
+    mean, invstd, weight, bias = (torch.zeros(SHAPE[1]) for _ in range(4))
     if op == "batch_stats":
         running = None
         if call["running"]:
@@ -145,7 +146,7 @@ def _run(step, op, call):
                                    torch.ones(SHAPE[1], dtype=call["var_dtype"]),
                                    torch.zeros((), dtype=torch.long) if counted else None,
                                    call["momentum"])
-        check = GammaCheck(vector, vector, 0.5) if call["check"] else None
+        check = GammaCheck(weight, bias, 0.5) if call["check"] else None
         result = step.batch_stats(x, call["eps"], running, check)
         buffers = (None,) * 3 if running is None else running[:3]
         vectors = (None, None) if check is None else check[:2]
@@ -156,7 +157,7 @@ def _run(step, op, call):
             return (args,), (mean, invstd, small if check is not None else None)
 
         return (x, call["eps"], running, check), result, build
-    params = NormParams(vector, vector, vector, vector, *call["activation"])
+    params = NormParams(mean, invstd, weight, bias, *call["activation"])
     if op == "normalize_act":
         out = x if call["in_place"] else torch.empty_like(x)
         result = step.normalize_act(x, params, out)
@@ -174,30 +175,24 @@ def _run(step, op, call):
     return (x, dy, params, call["in_place"]), result, build
 
 
-def _places(tensors: tuple, args: tuple) -> list:
-    """Where each of ``tensors`` first appears among the launches' ``args`` (None: it is
-    None)."""
-    flat = [arg for launch_args in args for arg in launch_args]
-    return [None if t is None else next(i for i, arg in enumerate(flat) if arg is t)
-            for t in tensors]
-
-
-def _same_arguments(launched: tuple, built: tuple) -> bool:
-    """Whether the step's launches' arguments are the builders': each the same object, or
-    both allocated by the call alike (shape, strides, dtype) and repeated at the same
-    places; every other argument equal, of one type."""
+def _same_arguments(launched: tuple, built: tuple, result: tuple, outputs: tuple) -> bool:
+    """Whether the step's launches' arguments are the builders', each tensor as its address
+    (``launch.launch_direct``): the same tensor's, or where the builders allocate one of the
+    op's outputs, the address of the step's output in its place, which is allocated alike
+    (shape, strides, dtype); every other argument equal, of one type."""
+    fresh = {}
+    for mine, theirs in zip(result, outputs, strict=True):
+        if theirs is not None:
+            if (mine.shape, mine.stride(), mine.dtype) != (theirs.shape, theirs.stride(),
+                                                            theirs.dtype):
+                return False
+            fresh[id(theirs)] = mine
     for got, want in zip(launched, built, strict=True):
         if len(got) != len(want):
             return False
-        first_got, first_want = {}, {}
-        for i, (a, b) in enumerate(zip(got, want)):
-            if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-                fresh = a is not b
-                if fresh and not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
-                                  and (a.shape, a.stride(), a.dtype)
-                                  == (b.shape, b.stride(), b.dtype)):
-                    return False
-                if first_got.setdefault(id(a), i) != first_want.setdefault(id(b), i):
+        for a, b in zip(got, want):
+            if isinstance(b, torch.Tensor):
+                if type(a) is not int or a != fresh.get(id(b), b).data_ptr():
                     return False
             elif type(a) is not type(b) or a != b:
                 return False
@@ -231,8 +226,7 @@ def test_each_op_is_handed_its_own_keys_launches(first, changes):
                     assert prepared is found or prepared is None and not again
                     if launcher is None:  # launched by the step itself
                         built, outputs = build(prepared.plan)
-                        assert _same_arguments(args, built)
-                        assert _places(result, args) == _places(outputs, built)
+                        assert _same_arguments(args, built, result, outputs)
 
 
 def test_other_backends_run_as_they_are():

@@ -189,8 +189,9 @@ class StubLaunches:
     check (``ChannelsAside.index``), and there they are zeroed, as a check that finds no small
     gamma leaves them (one ``zero_`` a call): no wrapper around the ops' launches, so the
     harness adds no Python frame between the ops and Triton's launcher. A timer may wrap the
-    backend's launch functions, ``triton_ops._run`` (``Launch``es) and
-    ``triton_ops.launch_prepared`` (an op's prepared launches)."""
+    backend's launch functions, ``triton_ops._run`` (``Launch``es),
+    ``triton_ops.launch_prepared`` (an op's prepared launches) and ``triton_ops.launch_direct``
+    (those with each tensor as its address)."""
 
     def __init__(self, triton_ops) -> None:
         from encoding_syncbn.kernels.triton.plan import Target

@@ -185,11 +185,29 @@ def prepare(memo: dict, key: tuple, plan: Any, launches: Sequence[Launch],
 
 def launch_prepared(prepared: Prepared, device: torch.device, *launch_args: tuple) -> bool:
     """Launch ``prepared``'s launches directly, each with its arguments of ``launch_args``
-    (the planned ones, as its ``Launch`` would hold them), where they may be taken: no launch
-    hook set (hooks see every launch), ``device`` the current one (Triton launches there; a
-    DataParallel replica's thread has switched to its own) and the tensors their keys read
-    on 16 bytes (what Triton specialises pointers on, and :func:`prepare` found). False:
-    nothing launched, the caller launches through :func:`launch_all`."""
+    (the planned ones, as its ``Launch`` would hold them), where they may be taken: the
+    tensors their keys read on 16 bytes (what Triton specialises pointers on, and
+    :func:`prepare` found), and as :func:`launch_direct` takes them. False: nothing launched,
+    the caller launches through :func:`launch_all`."""
+    for index, positions in prepared.keyed:
+        args = launch_args[index]
+        for position in positions:
+            if args[position].data_ptr() & 15:
+                return False
+    return launch_direct(prepared, device, *launch_args)
+
+
+def launch_direct(prepared: Prepared, device: torch.device, *launch_args: tuple) -> bool:
+    """Launch ``prepared``'s launches directly, each with its arguments of ``launch_args``,
+    where they may be taken: no launch hook set (hooks see every launch) and ``device`` the
+    current one (Triton launches there; a DataParallel replica's thread has switched to its
+    own). False: nothing launched.
+
+    A tensor's place may hold its address instead (``data_ptr()``, an int), which Triton's C
+    launch takes as it is: no ``data_ptr()`` call of its own and no driver query of where
+    the address points, the query that refuses a CPU tensor. So the caller vouches for what
+    the keys do not: each address it hands on 16 bytes where its key does not fix it
+    (``Prepared.keyed``), and on the launch's device."""
     knobs = _knobs
     enter, leave = knobs.launch_enter_hook, knobs.launch_exit_hook
     if (getattr(enter, "calls", enter) or getattr(leave, "calls", leave)
@@ -198,11 +216,6 @@ def launch_prepared(prepared: Prepared, device: torch.device, *launch_args: tupl
             # (a GPU's tensors alone carry a device index: ``device.type`` builds a string)
             or device.index is not None and device.index != torch.cuda.current_device()):
         return False
-    for index, positions in prepared.keyed:
-        args = launch_args[index]
-        for position in positions:
-            if args[position].data_ptr() & 15:
-                return False
     stream = prepared.stream(prepared.device)
     for (launch, blocks, splits, leading, constexprs, packed), args in zip(prepared.direct,
                                                                            launch_args):

@@ -28,7 +28,14 @@ from .channel_stats import (
     batch_stats_plan,
     plan_channel_stats,
 )
-from .launch import Prepared, launch_all, launch_prepared, prepare, prepared_memo
+from .launch import (
+    Prepared,
+    launch_all,
+    launch_direct,
+    launch_prepared,
+    prepare,
+    prepared_memo,
+)
 from .normalize_act import (
     normalize_act_args,
     normalize_act_launch,
@@ -311,7 +318,16 @@ class TrainingStep:
     ``normalize_act_args``, ``batch_backward_args``) and the op take them, in one Python frame
     where those take five to ten (each a microsecond of a layer call's host time); the test
     of the step holds each to its builder. Any other call goes through the op. The other ops
-    are :data:`EAGER`'s."""
+    are :data:`EAGER`'s.
+
+    The step hands its launches each tensor's address, asked once however many arguments
+    take it (``launch.launch_direct``: Triton's launch would ask each argument's and query
+    the driver where it points), and so vouches for each: on 16 bytes where the key does
+    not fix it (checked here; any off it launches through the op's public path), and on x's
+    device. For that it relies on its callers, the layer's autograd Functions: the layer
+    checks each of its parameters and running statistics against x at every call
+    (``SyncBatchNorm._check_device``), autograd checks the device of the gradient it hands
+    backward, and the statistics are this step's own outputs."""
 
     __slots__ = ("name", "scratches_saved", "channel_stats", "normalize_running",
                  "backward_reduce", "backward_dx", "_stats", "_normalize", "_backward")
@@ -348,17 +364,26 @@ class TrainingStep:
         small = mean.new_empty(plan.flags, dtype=torch.uint8)
         device = x.device
         counters, part = split_buffers(device, plan.counters, plan.part)
+        # An absent tensor is passed as ``mean``, which its constexpr keeps unread.
         if not plan.running:
             running_mean = running_var = mean
         if not plan.counter:
             batches = mean
         weight, bias = (check.weight, check.bias) if plan.check else (mean, mean)
+        at_x, at_mean = x.data_ptr(), mean.data_ptr()
+        at_running_mean, at_running_var = running_mean.data_ptr(), running_var.data_ptr()
+        at_batches, at_weight, at_bias = batches.data_ptr(), weight.data_ptr(), bias.data_ptr()
         count, eps, keep, momentum, var_alpha, limit = plan.scalars
-        args = (x, mean if part is None else part, counters, mean, invstd, count, eps,
+        if ((at_x | at_running_mean | at_running_var | at_batches | at_weight | at_bias) & 15
+                or not launch_direct(prepared, device, (
+                    at_x, at_mean if part is None else part.data_ptr(), counters.data_ptr(),
+                    at_mean, invstd.data_ptr(), count, eps, at_running_mean, at_running_var,
+                    at_batches, keep, momentum, var_alpha, at_weight, at_bias,
+                    small.data_ptr(), limit, *plan.args))):
+            _run([batch_stats_launch(plan, (
+                x, mean if part is None else part, counters, mean, invstd, count, eps,
                 running_mean, running_var, batches, keep, momentum, var_alpha, weight, bias,
-                small, limit, *plan.args)
-        if not launch_prepared(prepared, device, args):
-            _run([batch_stats_launch(plan, args)], device)
+                small, limit, *plan.args))], device)
         return mean, invstd, (small if check is not None else None)
 
     def normalize_act(self, x: torch.Tensor, params: NormParams, out: torch.Tensor
@@ -375,10 +400,16 @@ class TrainingStep:
         if prepared is None or out is not x or prepared.plan.copy:
             return _eager_normalize_act(x, params, out, prepared)
         plan = prepared.plan
-        args = (x, x, *params[:4], plan.activation_param, *plan.args)
+        mean, invstd, weight, bias = params[:4]
+        at_x, at_mean, at_invstd = x.data_ptr(), mean.data_ptr(), invstd.data_ptr()
+        at_weight, at_bias = weight.data_ptr(), bias.data_ptr()
         device = x.device
-        if not launch_prepared(prepared, device, args):
-            _run([normalize_act_launch(plan, args)], device)
+        if ((at_x | at_mean | at_invstd | at_weight | at_bias) & 15
+                or not launch_direct(prepared, device, (
+                    at_x, at_x, at_mean, at_invstd, at_weight, at_bias, plan.activation_param,
+                    *plan.args))):
+            _run([normalize_act_launch(plan, (x, x, mean, invstd, weight, bias,
+                                              plan.activation_param, *plan.args))], device)
         return out
 
     def batch_backward(self, saved: torch.Tensor, dy: torch.Tensor, params: NormParams,
@@ -406,13 +437,27 @@ class TrainingStep:
         device = saved.device
         counters, part = split_buffers(device, channels, reduce.part)
         mean, invstd, weight, bias = params[:4]
-        reduce_args = (saved, dy, mean, invstd, weight, bias, sum_dz, sum_dz_xhat,
-                       sum_dz if part is None else part, counters, reduce.activation_param,
-                       *reduce.args)
-        dx_args = (saved, dy, dx, mean, invstd, weight, bias, weight, sum_dz_xhat, sum_dz,
-                   -1.0 / int(count), dx_plan.activation_param, *dx_plan.args)
-        if not launch_prepared(prepared, device, reduce_args, dx_args):
-            _run(batch_backward_launches(plans, reduce_args, dx_args), device)
+        at_saved, at_dy, at_mean, at_invstd = (saved.data_ptr(), dy.data_ptr(), mean.data_ptr(),
+                                               invstd.data_ptr())
+        at_weight, at_bias = weight.data_ptr(), bias.data_ptr()
+        at_sum_dz, at_sum_dz_xhat = sum_dz.data_ptr(), sum_dz_xhat.data_ptr()
+        neg_inv_count = -1.0 / int(count)
+        if ((at_saved | at_dy | at_mean | at_invstd | at_weight | at_bias) & 15
+                or not launch_direct(
+                    prepared, device,
+                    (at_saved, at_dy, at_mean, at_invstd, at_weight, at_bias, at_sum_dz,
+                     at_sum_dz_xhat, at_sum_dz if part is None else part.data_ptr(),
+                     counters.data_ptr(), reduce.activation_param, *reduce.args),
+                    (at_saved, at_dy, dx.data_ptr(), at_mean, at_invstd, at_weight, at_bias,
+                     at_weight, at_sum_dz_xhat, at_sum_dz, neg_inv_count,
+                     dx_plan.activation_param, *dx_plan.args))):
+            _run(batch_backward_launches(
+                plans,
+                (saved, dy, mean, invstd, weight, bias, sum_dz, sum_dz_xhat,
+                 sum_dz if part is None else part, counters, reduce.activation_param,
+                 *reduce.args),
+                (saved, dy, dx, mean, invstd, weight, bias, weight, sum_dz_xhat, sum_dz,
+                 neg_inv_count, dx_plan.activation_param, *dx_plan.args)), device)
         return dx, sum_dz, sum_dz_xhat
 
 
