@@ -353,8 +353,9 @@ class SyncBatchNorm(_BatchNorm):
                 self._check_input(x)
         else:  # torch.export (whose strict tracer cannot trace the warnings' filters)
             self._check_input(x)
-        self._check_device(x, self._state(False))
-        weight, bias = self._affine_params(self.weight, self.bias, x)
+        state = self._state(False)
+        self._check_device(x, state)
+        weight, bias = self._affine_params(*state[:2], x)
         if self.training and self._synced(self._replica_slot):
             tracing.refuse_synced_transform(self._label())
         return self._formula(x, weight, bias, self._track_batch_staged)
