@@ -181,36 +181,52 @@ def _prepared_launches(runs: list[int]) -> dict:
 
 
 def _step_launches(runs: list[int]) -> list[str]:
-    """The hot ops through a layer key's ``TrainingStep`` (``kernels.key_ops``), each called
-    anew on a fresh step: from each op's second call on, its launches are direct, each
-    reaching the driver. The ops whose were not."""
-    from encoding_syncbn.kernels import key_ops
+    """The hot ops through a layer key's ``TrainingStep`` (what ``kernels.key_ops`` makes of
+    the eager ops once the Triton backend is loaded), each called anew on a fresh step: from
+    each op's second call on, its launches are direct, each reaching the driver; a call of
+    the same variant on an input off 16 bytes goes to the op (its launches reach the driver,
+    none by the step's direct launch of the aligned kernels). The problems: an op whose
+    launches were not direct (its name), or whose misaligned call was not the op's
+    (``"<op> misaligned"``)."""
     from encoding_syncbn.kernels.backend import GammaCheck, NormParams, RunningStats
     from encoding_syncbn.kernels.triton import ops
 
     x = torch.zeros((4, 16, 8, 8), dtype=torch.float16)
+    misaligned = torch.zeros(x.numel() + 1, dtype=x.dtype)[1:].view(x.shape)
     channels = x.shape[1]
     weight, bias = torch.ones(channels), torch.zeros(channels)
     running = RunningStats(torch.zeros(channels), torch.ones(channels),
                            torch.zeros((), dtype=torch.long), 0.1)
     params = NormParams(torch.zeros(channels), torch.ones(channels), weight, bias,
                         "leaky_relu", 0.01)
-    step = key_ops(ops.EAGER)
+    step = ops.TrainingStep()
+    direct, launch_direct = [0], ops.launch_direct
+
+    def counted(*args):
+        direct[0] += 1
+        return launch_direct(*args)
+
+    ops.launch_direct = counted
     calls = {
-        "batch_stats": (lambda: step.batch_stats(x, 1e-5, running,
-                                                 GammaCheck(weight, bias, 0.016)), 1),
-        "normalize_act": (lambda: step.normalize_act(x, params, x), 1),
-        "batch_backward": (lambda: step.batch_backward(x, torch.zeros_like(x), params, True,
-                                                       x.numel() // channels), 2),
+        "batch_stats": (lambda x: step.batch_stats(x, 1e-5, running,
+                                                   GammaCheck(weight, bias, 0.016)), 1),
+        "normalize_act": (lambda x: step.normalize_act(x, params, x), 1),
+        "batch_backward": (lambda x: step.batch_backward(x, torch.zeros_like(x), params, True,
+                                                         x.numel() // channels), 2),
     }
-    not_direct = []
+    problems = []
     for name, (call, launches) in calls.items():
-        call()  # public, or found in the op's memo: the step keeps it
+        call(x)  # public, or found in the op's memo: the step keeps it
         before, launched = runs[0], STUB.launches()
-        call()
+        call(x)
         if runs[0] != before or STUB.launches() != launched + launches:
-            not_direct.append(name)
-    return not_direct
+            problems.append(name)
+        before, launched = direct[0], STUB.launches()
+        call(misaligned)
+        if direct[0] != before or STUB.launches() != launched + launches:
+            problems.append(f"{name} misaligned")
+    ops.launch_direct = launch_direct
+    return problems
 
 
 def _lone_dx() -> Launch:
@@ -302,7 +318,7 @@ def main() -> None:
                                          is not launch.compiled_for(lone[1], None))
 
     found["prepared"] = _prepared_launches(runs)
-    found["step_not_direct"] = _step_launches(runs)
+    found["step_problems"] = _step_launches(runs)
 
     # A launch hook sees every launch: with one set, launches take the public path again.
     planned = cases[0][1]
