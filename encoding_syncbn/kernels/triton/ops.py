@@ -323,11 +323,14 @@ class TrainingStep:
     The step hands its launches each tensor's address, asked once however many arguments
     take it (``launch.launch_direct``: Triton's launch would ask each argument's and query
     the driver where it points), and so vouches for each: on 16 bytes where the key does
-    not fix it (checked here; any off it launches through the op's public path), and on x's
-    device. For that it relies on its callers, the layer's autograd Functions: the layer
-    checks each of its parameters and running statistics against x at every call
-    (``SyncBatchNorm._check_device``), autograd checks the device of the gradient it hands
-    backward, and the statistics are this step's own outputs."""
+    not fix it (checked here), and on x's device. For the device it relies on its callers,
+    the layer's autograd Functions: the layer checks each of its parameters and running
+    statistics against x at every call (``SyncBatchNorm._check_device``), autograd checks
+    the device of the gradient it hands backward, and the statistics are this step's own
+    outputs. Where an address is off 16 bytes, or the direct launch is not taken (a launch
+    hook, another current device), the step hands the call to the op, which builds its own
+    arguments and launches through Triton's public path (the outputs the step allocated go
+    unused)."""
 
     __slots__ = ("name", "scratches_saved", "channel_stats", "normalize_running",
                  "backward_reduce", "backward_dx", "_stats", "_normalize", "_backward")
@@ -380,10 +383,7 @@ class TrainingStep:
                     at_mean, invstd.data_ptr(), count, eps, at_running_mean, at_running_var,
                     at_batches, keep, momentum, var_alpha, at_weight, at_bias,
                     small.data_ptr(), limit, *plan.args))):
-            _run([batch_stats_launch(plan, (
-                x, mean if part is None else part, counters, mean, invstd, count, eps,
-                running_mean, running_var, batches, keep, momentum, var_alpha, weight, bias,
-                small, limit, *plan.args))], device)
+            return _eager_batch_stats(x, eps, running, check, prepared)
         return mean, invstd, (small if check is not None else None)
 
     def normalize_act(self, x: torch.Tensor, params: NormParams, out: torch.Tensor
@@ -408,8 +408,7 @@ class TrainingStep:
                 or not launch_direct(prepared, device, (
                     at_x, at_x, at_mean, at_invstd, at_weight, at_bias, plan.activation_param,
                     *plan.args))):
-            _run([normalize_act_launch(plan, (x, x, mean, invstd, weight, bias,
-                                              plan.activation_param, *plan.args))], device)
+            return _eager_normalize_act(x, params, out, prepared)
         return out
 
     def batch_backward(self, saved: torch.Tensor, dy: torch.Tensor, params: NormParams,
@@ -441,7 +440,6 @@ class TrainingStep:
                                                invstd.data_ptr())
         at_weight, at_bias = weight.data_ptr(), bias.data_ptr()
         at_sum_dz, at_sum_dz_xhat = sum_dz.data_ptr(), sum_dz_xhat.data_ptr()
-        neg_inv_count = -1.0 / int(count)
         if ((at_saved | at_dy | at_mean | at_invstd | at_weight | at_bias) & 15
                 or not launch_direct(
                     prepared, device,
@@ -449,15 +447,10 @@ class TrainingStep:
                      at_sum_dz_xhat, at_sum_dz if part is None else part.data_ptr(),
                      counters.data_ptr(), reduce.activation_param, *reduce.args),
                     (at_saved, at_dy, dx.data_ptr(), at_mean, at_invstd, at_weight, at_bias,
-                     at_weight, at_sum_dz_xhat, at_sum_dz, neg_inv_count,
+                     at_weight, at_sum_dz_xhat, at_sum_dz, -1.0 / int(count),
                      dx_plan.activation_param, *dx_plan.args))):
-            _run(batch_backward_launches(
-                plans,
-                (saved, dy, mean, invstd, weight, bias, sum_dz, sum_dz_xhat,
-                 sum_dz if part is None else part, counters, reduce.activation_param,
-                 *reduce.args),
-                (saved, dy, dx, mean, invstd, weight, bias, weight, sum_dz_xhat, sum_dz,
-                 neg_inv_count, dx_plan.activation_param, *dx_plan.args)), device)
+            return _batch_backward(saved, dy, params, saved_is_output, count, overwrite_saved,
+                                   prepared)
         return dx, sum_dz, sum_dz_xhat
 
 
