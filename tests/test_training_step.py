@@ -267,3 +267,66 @@ def test_a_layers_statistics_launch_is_looked_up_once_while_its_flags_land_late(
     # The repeat calls' (the layer's first call plans its own): one lookup, then the kept
     # launches, each call with its check.
     assert calls == [(True, False)] + [(True, True)] * 4
+
+
+def test_the_flags_are_one_buffer_of_the_steps():
+    """The small-gamma flags the step's statistics launch writes lie in one buffer of the
+    step's, the flags of each call with a check (written whole by each launch: the next
+    test); without a check, none, and the launch is handed the address the builder's empty
+    tensor has, 0."""
+    call = {"channels_last": False, "eps": 1e-5, "running": True, "mean_dtype": torch.float32,
+            "var_dtype": torch.float32, "counted": True, "momentum": 0.1}
+    flags, addresses = [], []
+    with _ops_standing_in() as (ops, handed):
+        step = key_ops(ops.EAGER)
+        # Each first call of a variant goes to the op (which answers None here).
+        for check in (True, True, True, False, False):
+            call["check"] = check
+            _, result, _ = _run(step, "batch_stats", call)
+            ((launcher, _, args),) = handed[-1:]
+            if launcher is None:  # launched by the step itself
+                flags.append(result[2])
+                addresses.append(args[0][15])
+    buffer = flags[0]
+    assert flags[1] is buffer and flags[2] is None and buffer.shape == (SHAPE[1],)
+    assert addresses == [buffer.data_ptr(), buffer.data_ptr(), 0]
+
+
+@pytest.mark.parametrize("shape, channels_last, gpu", [
+    ((2, 4, 3, 3), False, False), ((3, 5, 7, 2), True, False), ((4, 6, 1, 1), False, False),
+    ((8, 3, 40, 40), False, True), ((9, 70, 5, 7), True, True),
+])
+def test_each_statistics_launch_writes_every_flag(shape, channels_last, gpu):
+    """Every flag, whatever the buffer held: the step hands each call's launch the buffer the
+    last call's flags lie in. Checked with every byte set before the launch, one program a
+    block of channels or (``gpu``: planned for a GPU's tiles and SMs) split over programs,
+    whose last writes the flags."""
+    from helpers.plans import forget_plans
+
+    from encoding_syncbn.kernels.triton import channel_stats, ops
+    from encoding_syncbn.kernels.triton import plan as P
+    from encoding_syncbn.layer.inplace_policy import gamma_limit, small_gamma_mask
+
+    x = torch.randn(shape)
+    if channels_last:
+        x = x.to(memory_format=torch.channels_last)
+    channels = shape[1]
+    weight = torch.linspace(-2.0, 2.0, channels)  # |gamma| small against beta in some
+    bias = torch.ones(channels)
+    limit = gamma_limit(with_margin=True)
+    with pytest.MonkeyPatch.context() as patch:
+        if gpu:
+            patch.setattr(P, "_INTERPRET_TILE_ELEMS", P._GPU_TILE_ELEMS)
+        forget_plans()
+        try:
+            target = P.Target(False, 132) if gpu else P.launch_target(x.device)
+            launches, (_, _, small) = channel_stats.plan_batch_stats(
+                x, 1e-5, None, None, None, None, weight, bias, limit, target)
+            assert launches[0].grid[1] > 1 or not gpu  # split over programs
+            small.fill_(255)
+            ops._run(launches, x.device)
+        finally:
+            forget_plans()
+    expected = small_gamma_mask(weight, bias, limit)
+    assert expected.any() and not expected.all()
+    assert (small != 0).tolist() == expected.tolist()

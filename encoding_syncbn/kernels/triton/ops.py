@@ -330,16 +330,27 @@ class TrainingStep:
     outputs. Where an address is off 16 bytes, or the direct launch is not taken (a launch
     hook, another current device), the step hands the call to the op, which builds its own
     arguments and launches through Triton's public path (the outputs the step allocated go
-    unused)."""
+    unused).
+
+    The small-gamma flags of the step's statistics launches lie in one buffer of its own,
+    which each launch writes whole: they are scratch of the call, which the layer reads at
+    once on the CPU and on a GPU copies to the host in stream order behind the launch
+    (``ChannelsAside``), before the next call's launch writes them again. (A next call on
+    another stream may write some while the copy reads them: that answer then holds the
+    newer flags of some channels, each flag a whole byte of one call's check.) What a buffer
+    per call would cost is an allocation and its free at every call."""
 
     __slots__ = ("name", "scratches_saved", "channel_stats", "normalize_running",
-                 "backward_reduce", "backward_dx", "_stats", "_normalize", "_backward")
+                 "backward_reduce", "backward_dx", "_stats", "_normalize", "_backward",
+                 "_flags")
 
     def __init__(self) -> None:
         for name in ("name", "scratches_saved", "channel_stats", "normalize_running",
                      "backward_reduce", "backward_dx"):
             setattr(self, name, getattr(EAGER, name))
         self._stats = self._normalize = self._backward = _UNKNOWN
+        # The small-gamma flags' buffer, written whole by each call (see the docstring).
+        self._flags: torch.Tensor | None = None
 
     def batch_stats(self, x: torch.Tensor, eps: float, running: RunningStats | None,
                     check: GammaCheck | None
@@ -364,7 +375,6 @@ class TrainingStep:
         plan = prepared.plan
         mean = x.new_empty(plan.channels, dtype=plan.acc)
         invstd = torch.empty_like(mean)
-        small = mean.new_empty(plan.flags, dtype=torch.uint8)
         device = x.device
         counters, part = split_buffers(device, plan.counters, plan.part)
         # An absent tensor is passed as ``mean``, which its constexpr keeps unread.
@@ -372,7 +382,14 @@ class TrainingStep:
             running_mean = running_var = mean
         if not plan.counter:
             batches = mean
-        weight, bias = (check.weight, check.bias) if plan.check else (mean, mean)
+        if plan.check:
+            weight, bias, small = check.weight, check.bias, self._flags
+            if small is None:  # (the layer key fixes x's device and channels)
+                small = self._flags = mean.new_empty(plan.flags, dtype=torch.uint8)
+            at_small = small.data_ptr()
+        else:  # no flags: the builder's empty tensor, whose address is 0 (unread)
+            weight = bias = mean
+            small, at_small = None, 0
         at_x, at_mean = x.data_ptr(), mean.data_ptr()
         at_running_mean, at_running_var = running_mean.data_ptr(), running_var.data_ptr()
         at_batches, at_weight, at_bias = batches.data_ptr(), weight.data_ptr(), bias.data_ptr()
@@ -382,9 +399,9 @@ class TrainingStep:
                     at_x, at_mean if part is None else part.data_ptr(), counters.data_ptr(),
                     at_mean, invstd.data_ptr(), count, eps, at_running_mean, at_running_var,
                     at_batches, keep, momentum, var_alpha, at_weight, at_bias,
-                    small.data_ptr(), limit, *plan.args))):
+                    at_small, limit, *plan.args))):
             return _eager_batch_stats(x, eps, running, check, prepared)
-        return mean, invstd, (small if check is not None else None)
+        return mean, invstd, small
 
     def normalize_act(self, x: torch.Tensor, params: NormParams, out: torch.Tensor
                       ) -> torch.Tensor:
