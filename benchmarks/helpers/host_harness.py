@@ -187,8 +187,10 @@ class StubLaunches:
     No kernel runs, so the small-gamma flags the statistics kernel would write stay as the
     allocator left them; the layer reads them where its channels kept aside take this call's
     check (``ChannelsAside.index``), and there they are zeroed, as a check that finds no small
-    gamma leaves them (one ``zero_`` a call): no wrapper around the ops' launches, so the
-    harness adds no Python frame between the ops and Triton's launcher. A timer may wrap the
+    gamma leaves them, once per buffer (one ``zero_``; a training step's flags lie in one
+    buffer of its own, which only the kernel would write, the ops' own calls allocate theirs
+    at each call): no wrapper around the ops' launches, so the harness adds no Python frame
+    between the ops and Triton's launcher. A timer may wrap the
     backend's launch functions, ``triton_ops._run`` (``Launch``es),
     ``triton_ops.launch_prepared`` (an op's prepared launches) and ``triton_ops.launch_direct``
     (those with each tensor as its address)."""
@@ -210,9 +212,12 @@ class StubLaunches:
         functional.far_from_zero = exchange.far_from_zero = lambda mean, invstd: False
         index = ChannelsAside.index
         if not getattr(index, "zeroes_flags", False):
+            zeroed = [None]  # the flags zeroed last (held: no other tensor takes its id)
+
             def zeroed_index(self, weight, bias, recomputing=False, flags=None):
-                if flags is not None:
+                if flags is not None and flags is not zeroed[0]:
                     flags.zero_()
+                    zeroed[0] = flags
                 return index(self, weight, bias, recomputing, flags)
 
             zeroed_index.zeroes_flags = True
