@@ -601,3 +601,29 @@ def test_input_on_another_device_is_refused_on_gpu(backend, training, layer_on, 
     for key, value in layer.state_dict().items():
         assert torch.equal(value, before[key]), key
     assert torch.equal(given, x)
+
+
+def test_a_small_gamma_comes_and_goes_over_repeat_calls_on_gpu(device="cuda"):
+    """An in-place layer's repeat training calls (its training step's, whose small-gamma flags
+    lie in one buffer that each launch writes whole) keep a channel aside once its gamma falls
+    below the limit and stop once it rises again: each answer a later call's flags, none
+    left from an earlier one. (On a GPU an answer lands at the call after the one that wrote
+    it: three calls a phase, the device synchronised after each.)"""
+    layer = SyncBatchNorm(6, activation="leaky_relu").to(device)
+    x = torch.randn(4, 6, 5, 5, device=device)
+
+    def kept_after_three_calls():
+        for _ in range(3):
+            layer(x.clone().requires_grad_() * 1).sum().backward()
+            if device == "cuda":
+                torch.cuda.synchronize()
+        return layer._channels_aside.known
+
+    assert kept_after_three_calls() == ()
+    with torch.no_grad():
+        layer.weight[2] = 1e-6
+    assert kept_after_three_calls() == (2,)
+    with torch.no_grad():
+        layer.weight[2] = 1.0
+    assert kept_after_three_calls() == ()
+    assert layer._call_memo is not None  # the phases' calls were repeat calls
