@@ -15,15 +15,13 @@ its C launcher extracts and checks each argument and calls the driver's ``cuLaun
 which is the one thing stubbed: ``helpers/stub_driver.py`` builds a stand-in ``libcuda.so.1`` that
 answers as an H100 and whose launch returns at once (what it leaves out: the driver's own
 work inside the launch, a few us a launch on a real one). So what is timed is everything the
-host does for a layer call but the driver's inside of each launch. No kernel runs: the
-small-gamma flags the layer reads back are zeroed where it reads them (one ``zero_`` a buffer:
-the training step's repeat calls write theirs into one; uninitialised, they would keep random
-channels aside; the other ops allocate theirs at each call, each zeroed, counted). The layer is
-as on a GPU: the
-hook that a layer on CPU parameters runs after each backward (counting the channels a
-compiled in-place layer keeps aside) is removed (``host_harness.as_on_a_gpu``). The input is
-a fresh uninitialised non-leaf tensor per call (made outside the timed region; nothing reads
-its values).
+host does for a layer call but the driver's inside of each launch. No kernel runs: the small-gamma
+flags the layer reads back are zeroed where it reads them (one ``zero_`` a buffer: the training
+step's repeat calls write theirs into one; uninitialised, they would keep random channels aside;
+the other ops allocate theirs at each call, each zeroed, counted). The layer is as on a GPU: the
+hook that a layer on CPU parameters runs after each backward (counting the channels a compiled
+in-place layer keeps aside) is removed (``host_harness.as_on_a_gpu``). The input is a fresh
+uninitialised non-leaf tensor per call (made outside the timed region; nothing reads its values).
 
 The package's Triton backend takes CPU tensors only under Triton's interpreter. This script
 patches that check on its side (``StubLaunches`` of ``helpers/host_harness.py``: the backend's

@@ -185,15 +185,14 @@ class StubLaunches:
     launcher onto the stand-in driver (``stub_driver.activate()`` first).
 
     No kernel runs, so the small-gamma flags the statistics kernel would write stay as the
-    allocator left them; the layer reads them where its channels kept aside take this call's
-    check (``ChannelsAside.index``), and there they are zeroed, as a check that finds no small
-    gamma leaves them, once per buffer (one ``zero_``; a training step's flags lie in one
-    buffer of its own, which only the kernel would write, the ops' own calls allocate theirs
-    at each call): no wrapper around the ops' launches, so the harness adds no Python frame
-    between the ops and Triton's launcher. A timer may wrap the
-    backend's launch functions, ``triton_ops._run`` (``Launch``es),
-    ``triton_ops.launch_prepared`` (an op's prepared launches) and ``triton_ops.launch_direct``
-    (those with each tensor as its address)."""
+    allocator left them; the layer reads them where its channels kept aside take this call's check
+    (``ChannelsAside.index``), and there they are zeroed, as a check that finds no small gamma
+    leaves them, once per buffer (one ``zero_``; a training step's flags lie in one buffer of its
+    own, which only the kernel would write, the ops' own calls allocate theirs at each call): no
+    wrapper around the ops' launches, so the harness adds no Python frame between the ops and
+    Triton's launcher. A timer may wrap the backend's launch functions, ``triton_ops._run``
+    (``Launch``es), ``triton_ops.launch_prepared`` (an op's prepared launches) and
+    ``triton_ops.launch_direct`` (those with each tensor as its address)."""
 
     def __init__(self, triton_ops) -> None:
         from encoding_syncbn.kernels.triton.plan import Target
