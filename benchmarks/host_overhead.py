@@ -16,12 +16,17 @@ which is the one thing stubbed: ``helpers/stub_driver.py`` builds a stand-in ``l
 answers as an H100 and whose launch returns at once (what it leaves out: the driver's own
 work inside the launch, a few us a launch on a real one). So what is timed is everything the
 host does for a layer call but the driver's inside of each launch. No kernel runs: the small-gamma
-flags the layer reads back are zeroed where it reads them (one ``zero_`` a buffer: the training
-step's repeat calls write theirs into one; uninitialised, they would keep random channels aside;
-the other ops allocate theirs at each call, each zeroed, counted). The layer is as on a GPU: the
-hook that a layer on CPU parameters runs after each backward (counting the channels a compiled
-in-place layer keeps aside) is removed (``host_harness.as_on_a_gpu``). The input is a fresh
-uninitialised non-leaf tensor per call (made outside the timed region; nothing reads its values).
+flags the layer reads back are zeroed (uninitialised, they would keep random channels aside): in
+the warm-up calls where the layer reads them, once a buffer (the training step's repeat calls
+write theirs into one), and for the timed calls nowhere on their path (``StubLaunches.settled``:
+the timed calls are checked to have kept no channel aside); and the CPU treats denormal floats as
+zero, for every harness alike: the weight's and bias's gradients, which no kernel writes, hold
+allocator leftovers that autograd adds into ``.grad``, denormals among them, each addition a
+microcode assist on the CPU where a GPU's is a launch whose cost no value changes. The layer is
+as on a GPU: the hook that a layer on CPU parameters runs after each backward (counting the
+channels a compiled in-place layer keeps aside) is removed (``host_harness.as_on_a_gpu``). The
+input is a fresh uninitialised non-leaf tensor per call (made outside the timed region; nothing
+reads its values).
 
 The package's Triton backend takes CPU tensors only under Triton's interpreter. This script
 patches that check on its side (``StubLaunches`` of ``helpers/host_harness.py``: the backend's
@@ -137,7 +142,7 @@ WARM_STEPS = 40
 HARNESSES = ("ours", "bare", "floor")
 
 
-def measure(triton_ops, stub, shape, dtype, channels_last, iters, repeats, stack):
+def measure(triton_ops, stub, stub_launches, shape, dtype, channels_last, iters, repeats, stack):
     """Per shape: ours and the floor, one layer and ``stack`` chained, in turns; the part in
     the backend's ops and in their launches; launches and ATen ops per call."""
     channels = shape[1]
@@ -168,14 +173,15 @@ def measure(triton_ops, stub, shape, dtype, channels_last, iters, repeats, stack
     with host_harness.CountAten() as counter:
         host_harness.steps(ours[:1], links, make_input, dy, 1)
     best = {name: (float("inf"), float("inf")) for name in variants}
-    for _ in range(repeats):  # in turns: each variant sees the machine as the others do
-        for name, (layers, n) in variants.items():
-            fwd, bwd = host_harness.steps(layers, links, make_input, dy, n)
-            per_layer = (fwd * 1e6 / len(layers), bwd * 1e6 / len(layers))
-            if sum(per_layer) < sum(best[name]):
-                best[name] = per_layer
-    return best, _time_in_ops(triton_ops, ours[:1], links, make_input, dy, iters,
-                              repeats), (per_call_launches, counter.ops)
+    with stub_launches.settled(ours):
+        for _ in range(repeats):  # in turns: each variant sees the machine as the others do
+            for name, (layers, n) in variants.items():
+                fwd, bwd = host_harness.steps(layers, links, make_input, dy, n)
+                per_layer = (fwd * 1e6 / len(layers), bwd * 1e6 / len(layers))
+                if sum(per_layer) < sum(best[name]):
+                    best[name] = per_layer
+        in_ops = _time_in_ops(triton_ops, ours[:1], links, make_input, dy, iters, repeats)
+    return best, in_ops, (per_call_launches, counter.ops)
 
 
 def _time_in_ops(triton_ops, layers, links, make_input, dy, iters, repeats):
@@ -235,7 +241,7 @@ def per_call(args: argparse.Namespace) -> None:
 
     torch.set_num_threads(1)
     encoding_syncbn.set_backend("triton")
-    host_harness.StubLaunches(triton_ops)
+    stub_launches = host_harness.StubLaunches(triton_ops)
     header = ["shape", "dtype", "layout", "fwd us", "bwd us", "total us", "floor us",
               "bare ops us", "own us", "above bare us", "in the ops us", "launching us",
               "launches", "ATen ops"]
@@ -246,8 +252,8 @@ def per_call(args: argparse.Namespace) -> None:
     rows, stack_rows, op_rows, first = [], [], [], None
     for shape, dtype, channels_last in SHAPES[:args.shapes]:
         best, (in_ops, per_op), (launches, ops) = measure(
-            triton_ops, stub, shape, dtype, channels_last, args.iters, args.repeats,
-            args.stack)
+            triton_ops, stub, stub_launches, shape, dtype, channels_last, args.iters,
+            args.repeats, args.stack)
         fwd, bwd = best["ours"]
         total, floor, bare = fwd + bwd, sum(best["floor"]), sum(best["bare"])
         stacked, stacked_floor, stacked_bare = (
@@ -403,7 +409,7 @@ def counted_steps(harness: str, steps: int) -> None:
 
     torch.set_num_threads(1)
     encoding_syncbn.set_backend("triton")
-    host_harness.StubLaunches(triton_ops)
+    stub_launches = host_harness.StubLaunches(triton_ops)
     shape, dtype, _ = SHAPES[0]
     channels = shape[1]
     module = {"ours": lambda: host_harness.as_on_a_gpu(
@@ -413,8 +419,13 @@ def counted_steps(harness: str, steps: int) -> None:
     like = torch.empty(shape, dtype=dtype, requires_grad=True)
     dy = torch.empty(shape, dtype=dtype)
     gc.disable()
-    host_harness.steps([module], None, lambda: host_harness.Fresh.apply(like, False), dy,
-                       WARM_STEPS + steps)
+
+    def make_input():
+        return host_harness.Fresh.apply(like, False)
+
+    host_harness.steps([module], None, make_input, dy, WARM_STEPS)
+    with stub_launches.settled([module]):
+        host_harness.steps([module], None, make_input, dy, steps)
 
 
 def _counted_command(harness: str, steps: int) -> list[str]:

@@ -13,6 +13,7 @@ keep freed blocks, as a GPU's caching allocator does.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import time
@@ -188,11 +189,18 @@ class StubLaunches:
     allocator left them; the layer reads them where its channels kept aside take this call's check
     (``ChannelsAside.index``), and there they are zeroed, as a check that finds no small gamma
     leaves them, once per buffer (one ``zero_``; a training step's flags lie in one buffer of its
-    own, which only the kernel would write, the ops' own calls allocate theirs at each call): no
-    wrapper around the ops' launches, so the harness adds no Python frame between the ops and
-    Triton's launcher. A timer may wrap the backend's launch functions, ``triton_ops._run``
-    (``Launch``es), ``triton_ops.launch_prepared`` (an op's prepared launches) and
-    ``triton_ops.launch_direct`` (those with each tensor as its address)."""
+    own, which only the kernel would write, the ops' own calls allocate theirs at each call).
+    Timed calls run without that wrapper (``settled``): the harness adds no Python frame to a
+    layer call, nor between the ops and Triton's launcher. A timer may wrap the backend's launch
+    functions, ``triton_ops._run`` (``Launch``es), ``triton_ops.launch_prepared`` (an op's
+    prepared launches) and ``triton_ops.launch_direct`` (those with each tensor as its address).
+
+    The gradients the backward kernels would write (of the weight and bias) hold what the
+    allocator left too, which autograd adds into ``.grad`` on the CPU: among those bytes,
+    denormal floats (a heap pointer's upper half is one), whose every addition costs the CPU a
+    microcode assist. A GPU's accumulation is a launch, whose host cost does not depend on the
+    values, so the CPU here treats denormals as zero (``torch.set_flush_denormal``), for every
+    harness alike."""
 
     def __init__(self, triton_ops) -> None:
         from encoding_syncbn.kernels.triton.plan import Target
@@ -203,21 +211,58 @@ class StubLaunches:
         # interpreted (this flag, which nothing else reads): told so, it routes CPU tensors to
         # the compiled kernels' launches.
         triton_ops.INTERPRET = True
+        self._triton_ops = triton_ops
         h100 = Target(False, H100_SMS)
         triton_ops.launch_target = lambda device: h100  # the real one is memoised per device
         # A GPU's statistics are device tensors, which the far-from-zero check does not read
         # (it would wait for the device); here they are CPU tensors no kernel wrote, whose
         # garbage would send every call down the CPU's extra pass over x.
         functional.far_from_zero = exchange.far_from_zero = lambda mean, invstd: False
+        if not torch.set_flush_denormal(True):
+            raise SystemExit("this CPU cannot flush denormals: the gradients no kernel writes "
+                             "would make autograd's accumulation slow by their values")
         index = ChannelsAside.index
-        if not getattr(index, "zeroes_flags", False):
-            zeroed = [None]  # the flags zeroed last (held: no other tensor takes its id)
+        if getattr(index, "zeroes_flags", False):  # a StubLaunches made before this one
+            self._index, self._zeroed_index = index.unwrapped, index
+            return
+        zeroed = [None]  # the flags zeroed last (held: no other tensor takes its id)
 
-            def zeroed_index(self, weight, bias, recomputing=False, flags=None):
-                if flags is not None and flags is not zeroed[0]:
-                    flags.zero_()
-                    zeroed[0] = flags
-                return index(self, weight, bias, recomputing, flags)
+        def zeroed_index(self, weight, bias, recomputing=False, flags=None):
+            if flags is not None and flags is not zeroed[0]:
+                flags.zero_()
+                zeroed[0] = flags
+            return index(self, weight, bias, recomputing, flags)
 
-            zeroed_index.zeroes_flags = True
-            ChannelsAside.index = zeroed_index
+        zeroed_index.zeroes_flags, zeroed_index.unwrapped = True, index
+        self._index, self._zeroed_index = index, zeroed_index
+        ChannelsAside.index = zeroed_index
+
+    @contextlib.contextmanager
+    def settled(self, layers):
+        """Timed calls of ``layers`` (warmed up), whose flags need no zeroing at each call:
+        ``ChannelsAside.index`` unwrapped. Each layer's training step launches its statistics
+        into its one flags buffer, zeroed by a warm-up call; a call that falls back to the ops'
+        own launches (none should) allocates fresh flags, which the harness zeroes where the
+        ops hand them out, off the step's path. Checked on the way out: no layer kept a
+        channel aside."""
+        from encoding_syncbn.layer.inplace_policy import ChannelsAside
+
+        ops = self._triton_ops
+        eager_batch_stats = ops._eager_batch_stats
+
+        def zeroed_batch_stats(*args):
+            mean, invstd, flags = eager_batch_stats(*args)
+            if flags is not None:
+                flags.zero_()
+            return mean, invstd, flags
+
+        ChannelsAside.index, ops._eager_batch_stats = self._index, zeroed_batch_stats
+        try:
+            yield
+        finally:
+            ChannelsAside.index, ops._eager_batch_stats = self._zeroed_index, eager_batch_stats
+        for layer in layers:
+            aside = getattr(layer, "_channels_aside", None)
+            if aside is not None and aside.known:
+                raise SystemExit(f"a timed call kept channels {aside.known} aside: it read "
+                                 "flags no warm-up call zeroed")
