@@ -192,9 +192,54 @@ def test_flags_of_any_dtype_and_layout_are_read(flags, dtype, step):
         padded[::step] = torch.tensor(offered_flags)
         offered = padded.to(dtype)[::step]
         weight = torch.ones(len(offered_flags))
-        index = channels.index(weight, torch.zeros_like(weight), weight.dtype, flags=offered)
+        index = channels.index(weight, torch.zeros_like(weight), flags=offered)
         assert ([] if index is None else index.tolist()) == [
             i for i, flag in enumerate(offered_flags) if flag]
+
+
+@one_backend  # the layer's bookkeeping, the same on every backend
+@settings(max_examples=25, deadline=None)
+@given(
+    calls=st.lists(st.lists(st.integers(0, 2), min_size=5, max_size=5), min_size=1,
+                   max_size=6),
+    dtype=st.sampled_from([torch.bool, torch.uint8, torch.float32]),
+)
+def test_a_reused_flags_buffer_is_read_anew_at_each_call(calls, dtype):
+    """A layer's calls hand ``ChannelsAside`` one flags buffer that each rewrites (a training
+    step's on the CPU, the layer's pinned copy on a GPU): each call keeps aside what the
+    buffer holds then, never an earlier call's flags."""
+    from encoding_syncbn.layer.inplace_policy import ChannelsAside
+
+    channels = ChannelsAside()
+    buffer = torch.zeros(5, dtype=dtype)
+    weight = torch.ones(5)
+    for flags in calls:
+        buffer.copy_(torch.tensor(flags))
+        index = channels.index(weight, torch.zeros_like(weight), flags=buffer)
+        assert ([] if index is None else index.tolist()) == [
+            i for i, flag in enumerate(flags) if flag]
+
+
+def test_a_small_gamma_comes_and_goes_over_repeat_calls():
+    """An in-place layer's repeat training calls (on the Triton backend its training step's,
+    whose small-gamma flags lie in one buffer that each call writes whole) keep a channel
+    aside once its gamma falls below the limit, and stop once it rises again."""
+    layer = SyncBatchNorm(6, activation="leaky_relu")
+    x = torch.randn(4, 6, 5, 5)
+
+    def kept_after_two_calls():
+        for _ in range(2):
+            layer(x.clone().requires_grad_() * 1).sum().backward()
+        return layer._channels_aside.known
+
+    assert kept_after_two_calls() == ()
+    with torch.no_grad():
+        layer.weight[2] = 1e-6
+    assert kept_after_two_calls() == (2,)
+    with torch.no_grad():
+        layer.weight[2] = 1.0
+    assert kept_after_two_calls() == ()
+    assert layer._call_memo is not None  # the phases' calls were repeat calls
 
 
 @one_backend  # the layer's bookkeeping, the same on every backend

@@ -43,6 +43,7 @@ import warnings
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 
 from .. import activations, compat
@@ -334,7 +335,7 @@ class ChannelsAside:
     original call used.
     """
 
-    __slots__ = ("found", "known", "_host", "_ready", "_pinned", "_check")
+    __slots__ = ("found", "known", "_host", "_ready", "_pinned", "_check", "_viewed", "_view")
 
     def __init__(self, found: tuple[int, ...] | None = None) -> None:
         self.found = found
@@ -348,6 +349,9 @@ class ChannelsAside:
         self._pinned: torch.Tensor | None = None
         # The last call's check, for the calls with the same parameters.
         self._check: GammaCheck | None = None
+        # The flags read last, and a view of their bytes (``_read``).
+        self._viewed: torch.Tensor | None = None
+        self._view: memoryview | None = None
 
     @classmethod
     def read_now(cls, weight: torch.Tensor | None, bias: torch.Tensor | None) -> ChannelsAside:
@@ -445,19 +449,27 @@ class ChannelsAside:
         # The copy's end: the host polls it (``_channels``), no other stream waits for it.
         self._host, self._ready = pinned, stream_event(small)
 
-    @staticmethod
-    def _read(flags: torch.Tensor) -> tuple[int, ...]:
+    def _read(self, flags: torch.Tensor) -> tuple[int, ...]:
         """The indices of the nonzero flags of ``flags``, a (C,) tensor in host memory, of
         any dtype and strides.
 
         Through numpy, not torch: ``nonzero`` or ``tolist`` here would be host reads that a
         training step must not dispatch (on a GPU they sync with the device; this tensor is
         already on the host, but the step's no-sync test cannot tell them apart). All bytes
-        zero, the usual answer, is told from the bytes alone (all values are zero then)."""
-        values = flags.numpy()
-        if values.tobytes().count(0) == values.nbytes:
+        zero, the usual answer, is told from the bytes alone (all values are zero then).
+
+        A layer's calls hand it one buffer call after call (a training step's flags on the
+        CPU, the layer's pinned copy on a GPU), written anew by each: its view is kept
+        (``_view`` of ``_viewed``, held so that no other tensor takes its place), and a call
+        reads the bytes it holds, where making the numpy array of the tensor again would cost
+        more host time than the rest of the read."""
+        view = self._view
+        if self._viewed is not flags:
+            view = self._view = memoryview(flags.numpy())
+            self._viewed = flags
+        if view.tobytes().count(0) == view.nbytes:
             return ()
-        return tuple(values.nonzero()[0].tolist())
+        return tuple(np.asarray(view).nonzero()[0].tolist())
 
 
 def small_gamma_channels(weight: torch.Tensor | None, bias: torch.Tensor | None
