@@ -14,6 +14,7 @@ never share a counter at the same time, nor a partials' buffer (:func:`split_buf
 from __future__ import annotations
 
 import threading
+from typing import NamedTuple
 
 import torch
 import triton
@@ -121,11 +122,21 @@ def partial_planes(acc: torch.dtype) -> int:
 # Counters per buffer at least: a layer of up to this many channels needs no larger one.
 _MIN_COUNTERS = 4096
 
-# Per device and stream, each buffer with its size (no call into torch to ask it): the
-# counters, and the partials' buffer. Launches on one stream run one after another,
-# and a launch reads no partial row another wrote: the rows are scratch of one launch.
-_counters: dict[tuple[torch.device, int], tuple[torch.Tensor, int]] = {}
-_partials: dict[tuple[torch.device, int], tuple[torch.Tensor, int]] = {}
+
+class _Buffers(NamedTuple):
+    """A stream's buffers, each with its size (no call into torch to ask it): the counters,
+    and the partials' buffer (None until a split reduction asks for one)."""
+
+    counters: torch.Tensor
+    counters_size: int
+    partials: torch.Tensor | None
+    partials_size: int
+
+
+# Per device and stream, its buffers: found by one lookup at every launch. Launches on one
+# stream run one after another, and a launch reads no partial row another wrote: the rows
+# are scratch of one launch.
+_buffers: dict[tuple[torch.device, int], _Buffers] = {}
 # Buffers outgrown: kept, for a captured CUDA graph may still address them.
 _outgrown: list[torch.Tensor] = []
 _lock = threading.Lock()
@@ -146,30 +157,31 @@ def split_buffers(device: torch.device, count: int, partials: int
     float64 and rounded once."""
     # A GPU's tensors alone carry a device index (``device.type`` builds a string).
     index = device.index
-    stream = 0 if index is None else compat.current_stream_handle(index)
-    key = (device, stream)
-    found = _counters.get(key)
-    if found is None or found[1] < count:
-        found = _grown(_counters, key, count, torch.int32, device, zeroed=True)
-    if not partials:
-        return found[0], None
-    rows = _partials.get(key)
-    if rows is None or rows[1] < partials:
-        rows = _grown(_partials, key, partials, torch.float64, device, zeroed=False)
-    return found[0], rows[0]
+    key = (device, 0 if index is None else compat.current_stream_handle(index))
+    found = _buffers.get(key)
+    if found is None or found[1] < count or found[3] < partials:
+        found = _grown(key, count, partials)
+    return found[0], found[2] if partials else None
 
 
-def _grown(buffers: dict, key: tuple, size: int, dtype: torch.dtype, device: torch.device, *,
-           zeroed: bool) -> tuple[torch.Tensor, int]:
-    """``buffers[key]``, replaced by one of at least ``size`` elements where it is smaller."""
+def _grown(key: tuple[torch.device, int], count: int, partials: int) -> _Buffers:
+    """``_buffers[key]``, each of its buffers replaced by a larger one where it is smaller
+    than asked (the counters zeroed)."""
+    device = key[0]
     with _lock:
-        found = buffers.get(key)
-        if found is None or found[1] < size:
-            if found is not None:
-                _outgrown.append(found[0])
-            size = max(size, _MIN_COUNTERS)
-            make = torch.zeros if zeroed else torch.empty
-            found = buffers[key] = make(size, dtype=dtype, device=device), size
+        found = _buffers.get(key)
+        counters, counters_size, rows, rows_size = found or (None, 0, None, 0)
+        if counters_size < count:
+            if counters is not None:
+                _outgrown.append(counters)
+            counters_size = max(count, _MIN_COUNTERS)
+            counters = torch.zeros(counters_size, dtype=torch.int32, device=device)
+        if rows_size < partials:
+            if rows is not None:
+                _outgrown.append(rows)
+            rows_size = max(partials, _MIN_COUNTERS)
+            rows = torch.empty(rows_size, dtype=torch.float64, device=device)
+        found = _buffers[key] = _Buffers(counters, counters_size, rows, rows_size)
     return found
 
 
@@ -177,5 +189,5 @@ def reset_counters() -> None:
     """Zero every counter buffer: after a launch that did not finish (an interpreted kernel
     that raised), a counter may hold the arrivals of programs whose block never merged."""
     with _lock:
-        for buffer, _ in _counters.values():
-            buffer.zero_()
+        for buffers in _buffers.values():
+            buffers.counters.zero_()
