@@ -18,14 +18,19 @@ BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 pytest.importorskip("triton")
 
 
-def _last_json_line(script: str, *args: str) -> dict:
-    # The checkout's package, not whichever one is installed.
+def _run(script: str, *args: str) -> str:
+    """``script``'s output, run with ``args`` on the checkout's package (not whichever one is
+    installed); it must succeed."""
     path = os.pathsep.join(filter(None, [str(BENCHMARKS.parent), os.environ.get("PYTHONPATH")]))
     result = subprocess.run([sys.executable, str(BENCHMARKS / script), *args],
                             capture_output=True, text=True, cwd=BENCHMARKS,
                             env={**os.environ, "PYTHONPATH": path})
     assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    return result.stdout
+
+
+def _last_json_line(script: str, *args: str) -> dict:
+    return json.loads(_run(script, *args).strip().splitlines()[-1])
 
 
 def test_host_overhead_counts_the_launcher_inside_the_ops():
@@ -42,6 +47,14 @@ def test_host_overhead_times_each_launch_of_a_call():
                               "1")
     assert figures["launches"] == 4
     assert figures["launcher_us_per_call"] > 0 and figures["public_launcher_us_per_call"] > 0
+
+
+@pytest.mark.parametrize("harness", ["ours", "bare", "floor"])
+def test_host_overhead_runs_each_counted_harness_with_and_without_steps(harness):
+    """``--instructions`` subtracts a run of the warm steps alone from one with more: each
+    harness runs both ways (valgrind, which counts them, is not needed to run them)."""
+    for steps in ("0", "2"):
+        _run("host_overhead.py", "--counted", harness, steps)
 
 
 def test_host_overhead_reads_each_function_of_callgrinds_annotation():
