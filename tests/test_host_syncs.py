@@ -183,7 +183,8 @@ def test_flags_of_any_dtype_and_layout_are_read(flags, dtype, step):
     """``ChannelsAside`` reads offered flags as bytes where they lie: flags a backend
     hands it in another dtype (a wider int, float) or strided are read as what they say, not as
     their raw bytes (the channels kept aside are the nonzero flags, and only those); from one call
-    to the next, flags of another length too (its reader is kept per length)."""
+    to the next, another buffer, of another length too (the view it keeps is of the last
+    buffer it read: a new one is viewed anew)."""
     from encoding_syncbn.layer.inplace_policy import ChannelsAside
 
     channels = ChannelsAside()
