@@ -44,8 +44,9 @@ input dirty, saves it with weight and bias, and in backward returns the incoming
 two per-channel gradients made in advance, which autograd accumulates as it does ours). What
 is above the floor ("own") is the layer's own host time; the floor is what PyTorch's autograd
 costs any in-place layer here. A third harness, also in turns, splits "own" in two: the bare
-ops (``BareLayer``: an in-place autograd Function that calls the backend's three ops, the same
-launches with the same arguments as the layer's, through the same launcher, and nothing else),
+ops (``BareLayer``: an in-place autograd Function that calls the backend's three ops as the
+layer's repeat calls run them, the same launches with the same arguments launched the same way
+(checked), and nothing else),
 above which is what the layer's own Python adds ("above bare": module call, input checks,
 configuration, the channels kept aside, the wrappers around the ops).
 
@@ -170,6 +171,12 @@ def measure(triton_ops, stub, stub_launches, shape, dtype, channels_last, iters,
     before = stub.launches()
     host_harness.steps(ours[:1], links, make_input, dy, 1)
     per_call_launches = stub.launches() - before
+    # "Above bare" is the layer's own Python only where the bare ops launch as its calls do.
+    paths = {name: host_harness.launch_paths(triton_ops, lambda layers=layers: host_harness.steps(
+                 layers, links, make_input, dy, 1))
+             for name, layers in (("ours", ours[:1]), ("bare", bare[:1]))}
+    if paths["bare"] != paths["ours"]:
+        raise SystemExit(f"the bare ops launch otherwise than the layer's call: {paths}")
     with host_harness.CountAten() as counter:
         host_harness.steps(ours[:1], links, make_input, dy, 1)
     best = {name: (float("inf"), float("inf")) for name in variants}

@@ -7,8 +7,8 @@ writes where the layer reads them; ``FloorLayer`` is what any in-place layer's a
 (an empty in-place Function), ``BareLayer`` the backend's three ops and nothing else;
 ``steps`` times layers chained with ``Link`` between them, each step's input a ``Fresh``
 non-leaf tensor;
-``CountAten`` counts the ATen ops outside the backend's; ``cache_freed_memory`` makes glibc
-keep freed blocks, as a GPU's caching allocator does.
+``CountAten`` counts the ATen ops outside the backend's, ``launch_paths`` the ways its launches
+go; ``cache_freed_memory`` makes glibc keep freed blocks, as a GPU's caching allocator does.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import time
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from encoding_syncbn.kernels import GammaCheck, NormParams, RunningStats
+from encoding_syncbn.kernels import GammaCheck, NormParams, RunningStats, key_ops
 
 from .stub_driver import H100_SMS
 
@@ -88,10 +88,10 @@ class EmptyInPlace(torch.autograd.Function):
 class BareOps(torch.autograd.Function):
     """The backend's ops and nothing else: an in-place autograd Function whose forward
     calls ``batch_stats`` (running statistics and the small-gamma check included, as the
-    layer's) and ``normalize_act``, and whose backward calls ``batch_backward``: the same six
-    launches with the same arguments as the layer's, none of its checks, configuration or
-    bookkeeping. Above the floor, what the ops cost; below the layer, what the layer's own
-    Python adds."""
+    layer's) and ``normalize_act``, and whose backward calls ``batch_backward``: the same
+    launches with the same arguments as the layer's, made the same way (``BareLayer.ops``),
+    none of its checks, configuration or bookkeeping. Above the floor, what the ops cost;
+    below the layer, what the layer's own Python adds."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, layer):
@@ -114,11 +114,16 @@ class BareOps(torch.autograd.Function):
 
 
 class BareLayer(torch.nn.Module):
-    def __init__(self, channels: int, ops) -> None:
+    """``BareOps`` on ``backend``'s ops as the layer's repeat calls of one key run them
+    (``kernels.key_ops``: the Triton kernels' eager ops as a ``TrainingStep`` of this layer's
+    own, which launches each op's kept launches with the tensors' addresses), not the ops'
+    own calls, which build each op's key and look its launches up at every call."""
+
+    def __init__(self, channels: int, backend) -> None:
         super().__init__()
         self.weight = torch.nn.Parameter(torch.ones(channels))
         self.bias = torch.nn.Parameter(torch.zeros(channels))
-        self.ops, self.eps, self.slope = ops, 1e-5, 0.01
+        self.ops, self.eps, self.slope = key_ops(backend), 1e-5, 0.01
         self.running = RunningStats(torch.zeros(channels), torch.ones(channels),
                                     torch.zeros((), dtype=torch.long), 0.1)
         self.check = GammaCheck(self.weight.detach(), self.bias.detach(), 0.016)
@@ -147,6 +152,33 @@ class CountAten(TorchDispatchMode):
         if func.namespace != "encoding_syncbn":
             self.ops += 1
         return func(*args, **(kwargs or {}))
+
+
+# The Triton backend's launch functions, each a way a launch goes: with the tensors'
+# addresses (a layer key's kept launches, ``TrainingStep``), an op's kept launches with its
+# tensors (``launch_prepared``), planned (``_run``). None calls another through the ops module.
+LAUNCH_PATHS = ("launch_direct", "launch_prepared", "_run")
+
+
+def launch_paths(triton_ops, step) -> dict[str, int]:
+    """How many times ``step()`` calls each of :data:`LAUNCH_PATHS`."""
+    calls = dict.fromkeys(LAUNCH_PATHS, 0)
+    launchers = {name: getattr(triton_ops, name) for name in LAUNCH_PATHS}
+
+    def counted(name, launcher):
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return launcher(*args, **kwargs)
+        return call
+
+    for name, launcher in launchers.items():
+        setattr(triton_ops, name, counted(name, launcher))
+    try:
+        step()
+    finally:
+        for name, launcher in launchers.items():
+            setattr(triton_ops, name, launcher)
+    return calls
 
 
 def steps(layers, links, make_input, dy, iters):
