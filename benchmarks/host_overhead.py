@@ -133,11 +133,8 @@ H100_SMS = stub_driver.H100_SMS
 # the ops" column.
 BACKEND_OPS = ("batch_stats", "normalize_act", "batch_backward")
 # The part of the ops' time inside their launches (Triton's launcher, the driver's call),
-# timed from the ops' launch functions: of ``Launch``es, an op's prepared launches, and those
-# with each tensor as its address (``TrainingStep``'s). None calls another of them through
-# the ops module, so no launch is timed twice.
+# timed from the ops' launch functions (``host_harness.LAUNCHERS``): no launch timed twice.
 LAUNCHES = "launches"
-LAUNCHERS = ("_run", "launch_prepared", "launch_direct")
 # --instructions: the steps run before the counted ones, and the harnesses it may count.
 WARM_STEPS = 40
 HARNESSES = ("ours", "bare", "floor")
@@ -197,9 +194,7 @@ def _time_in_ops(triton_ops, layers, links, make_input, dy, iters, repeats):
     spent = dict.fromkeys([*BACKEND_OPS, LAUNCHES], 0.0)
     direct = triton_ops.EAGER
     plain = {name: getattr(direct, name) for name in BACKEND_OPS}
-    # The ops' launch functions this checkout has (an older one lacks ``launch_direct``).
-    launchers = {name: getattr(triton_ops, name) for name in LAUNCHERS
-                 if hasattr(triton_ops, name)}
+    launchers = host_harness.launchers_of(triton_ops)
     # The ops as a layer key's calls run them: a ``TrainingStep``'s methods (a checkout
     # without one, compared with this one's harness, calls the backend's).
     step = getattr(triton_ops, "TrainingStep", None)

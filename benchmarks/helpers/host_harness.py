@@ -17,6 +17,7 @@ import contextlib
 import ctypes
 import ctypes.util
 import time
+from collections.abc import Callable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -154,16 +155,23 @@ class CountAten(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-# The Triton backend's launch functions, each a way a launch goes: with the tensors'
-# addresses (a layer key's kept launches, ``TrainingStep``), an op's kept launches with its
-# tensors (``launch_prepared``), planned (``_run``). None calls another through the ops module.
-LAUNCH_PATHS = ("launch_direct", "launch_prepared", "_run")
+# The Triton backend's launch functions, each a way a launch goes: ``Launch``es (``_run``), an
+# op's prepared launches with its tensors (``launch_prepared``), and those with each tensor as
+# its address (``launch_direct``: a layer key's ``TrainingStep``). None calls another of them
+# through the ops module: a wrapper around each sees each launch once.
+LAUNCHERS = ("_run", "launch_prepared", "launch_direct")
+
+
+def launchers_of(triton_ops) -> dict[str, Callable]:
+    """The :data:`LAUNCHERS` this checkout's ops module has (an older one lacks
+    ``launch_direct``), by name."""
+    return {name: getattr(triton_ops, name) for name in LAUNCHERS if hasattr(triton_ops, name)}
 
 
 def launch_paths(triton_ops, step) -> dict[str, int]:
-    """How many times ``step()`` calls each of :data:`LAUNCH_PATHS`."""
-    calls = dict.fromkeys(LAUNCH_PATHS, 0)
-    launchers = {name: getattr(triton_ops, name) for name in LAUNCH_PATHS}
+    """How many times ``step()`` calls each of the backend's launch functions."""
+    launchers = launchers_of(triton_ops)
+    calls = dict.fromkeys(launchers, 0)
 
     def counted(name, launcher):
         def call(*args, **kwargs):
