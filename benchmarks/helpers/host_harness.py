@@ -231,9 +231,8 @@ class StubLaunches:
     leaves them, once per buffer (one ``zero_``; a training step's flags lie in one buffer of its
     own, which only the kernel would write, the ops' own calls allocate theirs at each call).
     Timed calls run without that wrapper (``settled``): the harness adds no Python frame to a
-    layer call, nor between the ops and Triton's launcher. A timer may wrap the backend's launch
-    functions, ``triton_ops._run`` (``Launch``es), ``triton_ops.launch_prepared`` (an op's
-    prepared launches) and ``triton_ops.launch_direct`` (those with each tensor as its address).
+    layer call, nor between the ops and Triton's launcher. A timer or a counter may wrap the
+    backend's launch functions (:data:`LAUNCHERS`).
 
     The gradients the backward kernels would write (of the weight and bias) hold what the
     allocator left too, which autograd adds into ``.grad`` on the CPU: among those bytes,
