@@ -18,6 +18,7 @@ import copy
 import pickle
 import sys
 import warnings
+from unittest import mock
 
 import pytest
 import torch
@@ -28,7 +29,9 @@ from torch.nn.utils import parametrize, prune
 
 import encoding_syncbn
 from encoding_syncbn import SyncBatchNorm
+from encoding_syncbn.inplace_abn import ABN, InPlaceABN
 from encoding_syncbn.layer import modules
+from encoding_syncbn.sync import distributed
 
 pytestmark = each_backend
 
@@ -79,6 +82,17 @@ CONTEXTS = {
 }
 
 
+# The layer: (name, make(activation) -> layer). mapillary's classes override the hooks a repeat
+# call runs (``_affine_params``: |w| + eps; ``_syncs_processes``: per process).
+LAYERS = {
+    "SyncBatchNorm": lambda activation: SyncBatchNorm(3, activation=activation, slope=0.1,
+                                                      dtype=torch.float64),
+    "InPlaceABN": lambda activation: InPlaceABN(3, activation=activation, activation_param=0.1,
+                                                dtype=torch.float64),
+    "ABN": lambda activation: ABN(3, activation=activation, activation_param=0.1,
+                                  dtype=torch.float64),
+}
+
 # The second call's input, of the first's shape: (name, make(x) -> tensor the layer gets).
 # Whether it may be overwritten, and how its kernels are laid out, is decided afresh at each
 # call (``inplace_policy.can_overwrite``, ``TrainingStep``'s variants).
@@ -117,21 +131,24 @@ def _call(layer, x, dy, swap, kind="fresh"):
             after, [str(w.message) for w in caught])
 
 
-@settings(max_examples=40, deadline=None, derandomize=True)
-@given(change=st.sampled_from(sorted(CHANGES)), context=st.sampled_from(sorted(CONTEXTS)),
-       dtype=st.sampled_from([torch.float64, torch.float32]), swap=st.booleans(),
-       activation=st.sampled_from(["leaky_relu", "identity", "none"]), training=st.booleans(),
-       kind=st.sampled_from(sorted(INPUTS)))
-def test_a_repeat_call_matches_a_first_call(change, context, dtype, swap, activation, training,
-                                            kind):
-    gen = torch.Generator().manual_seed(0)
-    layer = SyncBatchNorm(3, activation=activation, slope=0.1, dtype=torch.float64)
+def _made(cls, activation):
+    """A layer of ``cls`` (``LAYERS``) with parameters and running statistics of every sign."""
+    if cls != "SyncBatchNorm" and activation == "none":
+        activation = "identity"  # mapillary's name
+    layer = LAYERS[cls](activation)
     with torch.no_grad():
         layer.weight.copy_(torch.tensor([1.5, -0.7, 0.8]))
         layer.bias.copy_(torch.tensor([0.1, 0.2, -0.3]))
         layer.running_mean.copy_(torch.tensor([0.3, -0.2, 0.1]))
         layer.running_var.copy_(torch.tensor([0.5, 2.0, 1.5]))
-    layer.train(training)
+    return layer
+
+
+def _first_then_repeat(layer, change, context, dtype, swap, kind):
+    """``layer`` and a twin called once, changed, and called again on the same input (the
+    twin's memo dropped before): both second calls' results, or None where the change was
+    refused."""
+    gen = torch.Generator().manual_seed(0)
     twin = copy.deepcopy(layer)
     x0, x1 = (torch.randn(SHAPE, dtype=dtype, generator=gen) for _ in range(2))
     dy = torch.randn(SHAPE, dtype=dtype, generator=gen)
@@ -141,14 +158,16 @@ def test_a_repeat_call_matches_a_first_call(change, context, dtype, swap, activa
         try:
             CHANGES[change](one)
         except ValueError:
-            return  # refused by the layer (an in-place elu at a slope it cannot invert)
+            return None  # refused by the layer (an in-place elu at a slope it cannot invert)
         for p in one.parameters():
             p.grad = None
     twin.sync = twin.sync  # an assignment: the twin runs its next call from its checks
     assert twin._call_memo is None
     with CONTEXTS[context]():
-        got = _call(layer, x1, dy, swap, kind)
-        want = _call(twin, x1, dy, swap, kind)
+        return _call(layer, x1, dy, swap, kind), _call(twin, x1, dy, swap, kind)
+
+
+def _assert_same(got, want):
     assert got[5] == want[5]  # the same warnings (an input it cannot overwrite)
     for a, b in zip((*got[:2], *got[2], *got[3], got[4]),
                     (*want[:2], *want[2], *want[3], want[4])):
@@ -156,6 +175,44 @@ def test_a_repeat_call_matches_a_first_call(change, context, dtype, swap, activa
             assert a is b
         else:
             torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(change=st.sampled_from(sorted(CHANGES)), context=st.sampled_from(sorted(CONTEXTS)),
+       dtype=st.sampled_from([torch.float64, torch.float32]), swap=st.booleans(),
+       activation=st.sampled_from(["leaky_relu", "identity", "none"]), training=st.booleans(),
+       kind=st.sampled_from(sorted(INPUTS)))
+def test_a_repeat_call_matches_a_first_call(change, context, dtype, swap, activation, training,
+                                            kind):
+    layer = _made("SyncBatchNorm", activation)
+    layer.train(training)
+    calls = _first_then_repeat(layer, change, context, dtype, swap, kind)
+    if calls is not None:
+        _assert_same(*calls)
+
+
+@settings(max_examples=20, deadline=None, derandomize=True)
+@given(cls=st.sampled_from(sorted(LAYERS)), kind=st.sampled_from(sorted(INPUTS)),
+       dtype=st.sampled_from([torch.float64, torch.float32]),
+       activation=st.sampled_from(["leaky_relu", "identity", "none"]), training=st.booleans())
+def test_a_repeat_call_of_each_class_runs_its_hooks(cls, kind, dtype, activation, training):
+    """mapillary's classes through the repeat call itself (nothing changed, nothing around
+    the call): their hooks as a first call runs them, ``_affine_params`` (|w| + eps) and
+    ``_syncs_processes`` (per process: with a process group up, ABN and InPlaceABN still
+    take the repeat call, where ``SyncBatchNorm`` would synchronise)."""
+    layer = _made(cls, activation)
+    layer.train(training)
+    forward = modules.SyncBatchNorm._forward
+    full = []
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(mock.patch.object(
+            modules.SyncBatchNorm, "_forward", autospec=True,
+            side_effect=lambda *args: full.append(args[0]) or forward(*args)))
+        if cls != "SyncBatchNorm":
+            stack.enter_context(mock.patch.object(distributed, "is_active", return_value=True))
+        got, want = _first_then_repeat(layer, "nothing", "plain", dtype, False, kind)
+    assert layer not in full[1:]  # the second call went through the repeat call alone
+    _assert_same(got, want)
 
 
 @one_backend  # the refusals come before any backend is asked
