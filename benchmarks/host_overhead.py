@@ -46,9 +46,9 @@ is above the floor ("own") is the layer's own host time; the floor is what PyTor
 costs any in-place layer here. A third harness, also in turns, splits "own" in two: the bare
 ops (``BareLayer``: an in-place autograd Function that calls the backend's three ops as the
 layer's repeat calls run them, the same launches with the same arguments launched the same way
-(checked), and nothing else),
-above which is what the layer's own Python adds ("above bare": module call, input checks,
-configuration, the channels kept aside, the wrappers around the ops).
+(checked), and nothing else), above which is what the layer's own Python adds ("above bare":
+module call, input checks, configuration, the channels kept aside, the wrappers around the
+ops).
 
 Two harnesses: one layer, whose backward is a whole ``backward()`` call (the engine's start
 included, as the issue's figure is defined), and ``--stack`` layers chained in one graph with
