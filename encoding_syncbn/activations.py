@@ -248,3 +248,9 @@ class ActConfig(NamedTuple):
     activation_param: float
     inplace: bool
     layer: str = "SyncBatchNorm"
+
+    def out_of_place(self) -> ActConfig:
+        """This configuration, computing into a new tensor. Field by field, not ``_replace``:
+        Dynamo (torch 2.11) rebuilds ``_replace``'s result short of its fields after a graph
+        break, and reading one fails there."""
+        return ActConfig(self.activation, self.activation_param, False, self.layer)

@@ -696,7 +696,7 @@ def plan_call(config: ActConfig, x: torch.Tensor, warned: list[bool],
     if checking():
         before_write(x, config.layer)
     if torch.compiler.is_compiling():
-        return CallPlan(config._replace(inplace=False))
+        return CallPlan(config.out_of_place())
     return plan_overwrite(config, x, warned, channels_aside, weight, bias,
                           in_place_by_key(config, x.dtype, count), count is not None,
                           recomputing)
@@ -711,7 +711,7 @@ def plan_overwrite(config: ActConfig, x: torch.Tensor, warned: list[bool],
     ``own_batch`` (a training call on x's own batch). A repeat call asks this alone
     (``call_memo``)."""
     if not can_overwrite(x, warned) or not by_key:
-        return CallPlan(config._replace(inplace=False))
+        return CallPlan(config.out_of_place())
     if own_batch:
         return CallPlan(config, check=channels_aside.check(weight, bias, recomputing))
     return CallPlan(config, kept=channels_aside.index(weight, bias, recomputing))
@@ -722,5 +722,5 @@ def for_count(config: ActConfig, count: int, dtype: torch.dtype) -> ActConfig:
     ``count`` values a channel: out of place where that is too few to rebuild the input from
     the output (``rebuilds_from_count``)."""
     if config.inplace and not rebuilds_from_count(count, dtype):
-        return config._replace(inplace=False)
+        return config.out_of_place()
     return config
