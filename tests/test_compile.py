@@ -14,9 +14,12 @@ them: tested against nn.BatchNorm2d + the activation, and by what the graph save
 from __future__ import annotations
 
 import copy
+import json
 import math
 import os
 import re
+import subprocess
+import sys
 import warnings
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -35,7 +38,7 @@ from torch._dynamo.backends.common import aot_autograd  # noqa: E402
 import encoding_syncbn  # noqa: E402
 from encoding_syncbn import SyncBatchNorm, convert_inplace_abn, convert_sync_batchnorm  # noqa: E402
 from encoding_syncbn.kernels import torch_ops  # noqa: E402
-from encoding_syncbn.layer import compiled_inplace, inplace_policy, modules  # noqa: E402
+from encoding_syncbn.layer import compiled_inplace, functional, inplace_policy, modules  # noqa: E402
 
 C = 4
 
@@ -205,6 +208,65 @@ def test_compiled_layer_on_a_leaf_input_is_one_graph():
     explained = torch._dynamo.explain(layer)(x)
     assert (explained.graph_count, explained.graph_break_count) == (1, 0), \
         explained.break_reasons
+
+
+# A fresh process's first layer call, compiled on the custom ops' path: the call needs the
+# kernels' module there, and importing it inside the trace breaks the graph.
+_FIRST_CALL = """
+import json, sys, torch
+torch.backends.cuda.is_built = lambda: sys.argv[1] == "gpu build"
+import encoding_syncbn
+from encoding_syncbn import kernels
+from encoding_syncbn.layer import modules
+modules.COMPILE_AS_FORMULA = False
+layer = encoding_syncbn.SyncBatchNorm(4, activation="leaky_relu", inplace=True)
+explained = torch._dynamo.explain(layer)(torch.randn(2, 4, 5) * 1)
+print(json.dumps([kernels._triton_ops is not None, explained.graph_count,
+                  explained.graph_break_count]))
+"""
+
+
+@pytest.mark.parametrize(("backend", "build", "imported"), [
+    ("triton", "cpu build", True), ("auto", "gpu build", True), ("auto", "cpu build", False),
+    ("torch", "gpu build", False)])
+def test_first_compiled_call_of_a_process_is_one_graph(backend, build, imported):
+    """Where the backend chosen at import may take the Triton kernels (asked for, or "auto"
+    in a torch built for GPUs), they import with the package, and a process's first call,
+    compiled, is one graph; elsewhere the package does not import Triton."""
+    pytest.importorskip("triton")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, ENCODING_SYNCBN_BACKEND=backend, TRITON_INTERPRET="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+    proc = subprocess.run([sys.executable, "-c", _FIRST_CALL, build], capture_output=True,
+                          text=True, env=env, timeout=300, cwd=root)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.splitlines()[-1]) == [imported, 1, 0]
+
+
+def test_a_graph_break_inside_a_compiled_in_place_call():
+    """A compiled in-place call that a graph break splits between its plan and its ops (a
+    user's torch may fail to trace any step of it) computes what the eager call does: the
+    configuration planned before the break is read after it (Dynamo of torch 2.11 rebuilds a
+    NamedTuple's ``_replace`` short of its fields there)."""
+    widened = functional._widened
+
+    def broken(x, dtype):
+        torch._dynamo.graph_break()
+        return widened(x, dtype)
+
+    torch.manual_seed(3)
+    layer = make_layer("leaky_relu", True)
+    layer.inplace = True
+    x, dy = torch.randn(4, C, 5, dtype=torch.float64), torch.randn(4, C, 5).double()
+    eager = step(copy.deepcopy(layer), x, dy)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(modules, "COMPILE_AS_FORMULA", False)
+        patch.setattr(functional, "_widened", broken)
+        explained = torch._dynamo.explain(copy.deepcopy(layer))(x * 1)
+        assert explained.graph_break_count == 1, explained.break_reasons
+        torch._dynamo.reset()
+        compiled = step(torch.compile(layer, backend="aot_eager"), x, dy)
+    assert_same(eager, compiled)
 
 
 def test_compiled_model_all_gammas_zero(each_backend):

@@ -10,7 +10,11 @@ largest shapes' float64 references would take minutes on the CPU), the layers wi
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -386,6 +390,33 @@ def test_compiled_single_replica_layer(activation):
     expected.backward(dy)
     torch.testing.assert_close(x.grad, ref_x.grad, rtol=1e-3, atol=1e-3)
     torch.testing.assert_close(layer.weight.grad, w.grad, rtol=1e-3, atol=1e-3)
+
+
+# A fresh process with the default backend: its first layer call, compiled on the custom ops'
+# path (a DataParallel replica's), needs the kernels' module.
+_FIRST_CALL = """
+import json, torch
+import encoding_syncbn
+from encoding_syncbn.layer import modules
+modules.COMPILE_AS_FORMULA = False
+model = encoding_syncbn.convert_inplace_abn(torch.nn.Sequential(
+    torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.LeakyReLU(0.01)))
+explained = torch._dynamo.explain(model.cuda())(torch.randn(2, 3, 8, 8, device="cuda"))
+print(json.dumps([explained.graph_count, explained.graph_break_count]))
+"""
+
+
+def test_first_compiled_call_of_a_process_on_gpu_is_one_graph():
+    """The kernels imported with the package ("auto", a torch built for GPUs), not inside the
+    first compiled call's trace, which they would break."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "ENCODING_SYNCBN_BACKEND"}
+    env.update(TRITON_INTERPRET="0",
+               PYTHONPATH=os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")])))
+    proc = subprocess.run([sys.executable, "-c", _FIRST_CALL], capture_output=True, text=True,
+                          env=env, timeout=300, cwd=root)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.splitlines()[-1]) == [1, 0]
 
 
 class _OnOwnStream(nn.Module):

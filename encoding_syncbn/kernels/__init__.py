@@ -86,6 +86,14 @@ def triton_available() -> bool:
     return _load_triton() is not None
 
 
+def _imports_triton_with_the_package(name: str) -> bool:
+    """Whether the kernels import with the package under the backend ``name``: where it may
+    take them (``"auto"`` in a torch built for GPUs). Imported at a first call instead, they
+    would be imported inside ``torch.compile``'s trace where that call is compiled, which
+    breaks the graph there."""
+    return name == "triton" or (name == "auto" and torch.backends.cuda.is_built())
+
+
 def key_ops(backend: Backend) -> Backend:
     """``backend`` as the calls of one layer key use it (``layer.call_memo``): the Triton
     kernels' eager ops as a ``TrainingStep`` of their own, which keeps each op's launches for
@@ -133,3 +141,7 @@ def ops_for(x: torch.Tensor) -> Backend:
         "runs only under Triton's interpreter (set TRITON_INTERPRET=1 before triton is "
         "imported), or choose set_backend('torch')"
     )
+
+
+if _imports_triton_with_the_package(_backend):
+    _load_triton()
