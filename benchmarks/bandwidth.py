@@ -23,6 +23,7 @@ import sys
 
 import torch
 from helpers import results
+from helpers.launches import counted_launches
 
 SHAPES = [
     ((8, 256, 128, 128), torch.float16, False),
@@ -71,22 +72,10 @@ def _ops(T, x, dy, vec, out):
 
 
 def _launches(fn) -> int:
-    """The Triton launches of one call of ``fn``, counted where the ops hand their planned
-    launches over (``ops._run``: either way of launching follows it)."""
-    from encoding_syncbn.kernels.triton import ops as T
-
-    run, count = T._run, [0]
-
-    def counted(launches, device):
-        count[0] += len(launches)
-        return run(launches, device)
-
-    T._run = counted
-    try:
+    """The Triton launches of one call of ``fn`` (``helpers.launches``: by every path)."""
+    with counted_launches() as names:
         fn()
-    finally:
-        T._run = run
-    return count[0]
+    return len(names)
 
 
 # GPU cycles of a spin kernel queued before each timed call (~2.5 ms at 2 GHz): the host plans

@@ -19,6 +19,7 @@ _ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(_ROOT), str(_ROOT / "benchmarks"), str(_ROOT / "tools")]
 
 from helpers import stub_driver  # noqa: E402
+from helpers.launches import counted_launches  # noqa: E402
 from helpers.plans import forget_plans  # noqa: E402
 
 STUB = stub_driver.activate()
@@ -229,6 +230,46 @@ def _step_launches(runs: list[int]) -> list[str]:
     return problems
 
 
+def _uncounted_launches(runs: list[int]) -> list[str]:
+    """``counted_launches`` (benchmarks/helpers/launches.py) around each hot op's calls, by
+    the op and by a ``TrainingStep``, the first (public) and a repeat (direct): the problems,
+    a call whose count is not its kernels' names or not the launches the driver saw, and a
+    repeat call not direct (its launch not the one the count must see)."""
+    from encoding_syncbn.kernels.backend import GammaCheck, NormParams, RunningStats
+    from encoding_syncbn.kernels.triton import ops
+
+    x = torch.zeros((4, 8, 8, 4), dtype=torch.float16)  # a key no other check planned
+    channels = x.shape[1]
+    weight, bias = torch.ones(channels), torch.zeros(channels)
+    running = RunningStats(torch.zeros(channels), torch.ones(channels),
+                           torch.zeros((), dtype=torch.long), 0.1)
+    params = NormParams(torch.zeros(channels), torch.ones(channels), weight, bias,
+                        "leaky_relu", 0.01)
+    step = ops.TrainingStep()
+    by_step = {
+        "batch_stats": lambda: step.batch_stats(x, 1e-5, running,
+                                                GammaCheck(weight, bias, 0.016)),
+        "normalize_act": lambda: step.normalize_act(x, params, x),
+        "batch_backward": lambda: step.batch_backward(x, torch.zeros_like(x), params, True,
+                                                      x.numel() // channels),
+    }
+    kernels = {"batch_stats": ["_batch_stats_kernel"],
+               "normalize_act": ["_normalize_act_kernel"],
+               "batch_backward": ["_backward_reduce_kernel", "_backward_dx_kernel"]}
+    problems = []
+    for name, (by_op, _, _) in _hot_ops(x).items():
+        for way, call in (("op", by_op), ("step", by_step[name])):
+            for repeat in (False, True):
+                before, launched = runs[0], STUB.launches()
+                with counted_launches() as names:
+                    call()
+                if names != kernels[name] or STUB.launches() != launched + len(names):
+                    problems.append(f"{name} by the {way}: counted {names}")
+                if repeat and runs[0] != before:
+                    problems.append(f"{name} by the {way}: repeat not direct")
+    return problems
+
+
 def _lone_dx() -> Launch:
     """``backward_dx`` from the sums of ``_batch_backward``'s reduction, alone, on meta
     tensors of its geometry."""
@@ -319,6 +360,7 @@ def main() -> None:
 
     found["prepared"] = _prepared_launches(runs)
     found["step_problems"] = _step_launches(runs)
+    found["uncounted"] = _uncounted_launches(runs)
 
     # A launch hook sees every launch: with one set, launches take the public path again.
     planned = cases[0][1]

@@ -64,6 +64,7 @@ def test_direct_and_public_launches_hand_the_driver_the_same_arguments():
     assert prepared["misaligned_public"], prepared
     assert prepared["new_plans"] and prepared["bounded"], prepared
     assert found["step_problems"] == [], found
+    assert found["uncounted"] == [], found
 
 
 @pytest.mark.parametrize("version,known", [

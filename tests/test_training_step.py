@@ -95,7 +95,7 @@ def _prepared(name, *args):
     else:
         saved, _, params, saved_is_output = args
         plan = backward_dx.batch_backward_plans(saved, params, saved_is_output, target)
-    return launch.Prepared(plan, (), (), (), 0, None)
+    return launch.Prepared(plan, (), (), (), 0, None, ())
 
 
 def _x(channels_last: bool) -> torch.Tensor:

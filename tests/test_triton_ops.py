@@ -4,7 +4,6 @@ pytest imports every test module into one process: the interpreter switch must b
 environment before anything imports triton, hence the first statements below.
 """
 
-import contextlib
 import json
 import math
 import os
@@ -25,6 +24,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from flat_ops import REFERENCE as R  # noqa: E402
 from flat_ops import triton_ops as flat_triton_ops  # noqa: E402
+from helpers.launches import counted_launches  # noqa: E402
 from helpers.plans import forget_plans  # noqa: E402
 
 from encoding_syncbn.activations import elu_inverse_floor  # noqa: E402
@@ -1122,25 +1122,6 @@ def test_eager_calls_skip_the_dispatcher_and_tracers_still_see_the_ops():
 # ------------------------------------------------------------------------------------------
 # Launches per layer call
 # ------------------------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def counted_launches():
-    """The names of the Triton kernels launched inside the block, in order: counted where the
-    ops hand their planned launches over (``ops._run``), which both of its ways of launching
-    (Triton's public launch, the compiled kernel directly) and the interpreter follow."""
-    names = []
-    run = triton_ops._run
-
-    def counted(launches, device):
-        names.extend(launch.kernel.fn.__name__ for launch in launches)
-        return run(launches, device)
-
-    triton_ops._run = counted
-    try:
-        yield names
-    finally:
-        triton_ops._run = run
 
 
 # (shape, layout, split): reductions split over programs and not, each tiling of the

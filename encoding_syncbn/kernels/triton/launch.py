@@ -135,6 +135,8 @@ class Prepared(NamedTuple):
     # driver's current-stream query: one op's launches run on one device and stream.
     device: int
     stream: Callable[[int], int]
+    # Each launch's kernel's name: what a count of the launches reads (they name no kernel).
+    kernels: tuple[str, ...]
 
 
 # Every op's memo of its prepared launches by its key (a dict: its ``get`` is the op's one
@@ -180,7 +182,8 @@ def prepare(memo: dict, key: tuple, plan: Any, launches: Sequence[Launch],
         memo.clear()
     memo[key] = Prepared(plan, tuple(direct), tuple(keyed),
                          tuple(planned.kernel.pre_run_hooks for planned in launches),
-                         compiled.device, compiled.stream)
+                         compiled.device, compiled.stream,
+                         tuple(planned.kernel.fn.__name__ for planned in launches))
 
 
 def launch_prepared(prepared: Prepared, device: torch.device, *launch_args: tuple) -> bool:
