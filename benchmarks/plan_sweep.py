@@ -1,15 +1,15 @@
 """Each Triton op's GPU time under other launch-planner constants: what to tune, measured.
 
-    python benchmarks/plan_sweep.py [--repeats 30]
+    python benchmarks/plan_sweep.py [--repeats 30] [--shapes 0 1] [--configs NAME ...]
 
-For the shapes of ``bandwidth.py``'s first rows, the four passes over one activation (as there)
-timed with the planner's constants as shipped and with one or two of them changed: elements a
-tile (``_GPU_TILE_ELEMS``), warps a program (``_NUM_WARPS``, NCHW, and
-``_NUM_WARPS_CHANNELS_LAST``), programs an SM for reductions and elementwise passes, the
-register ceiling the kernels compile with (``COMPILE_OPTIONS``:
-ptxas under 255 registers uses more than it picks alone, so fewer programs fit an SM).
-Median of ``--repeats`` calls timed as there, in us, and each configuration's four passes
-summed. Needs a CUDA GPU. Prints its table (``--record``: into benchmarks/RESULTS.md too).
+For shapes of ``bandwidth.py``'s table (``--shapes``: their indices, the first two by default),
+the passes over one activation (as there) timed with the planner's constants as shipped and
+with one or two of them changed: elements a tile (``_GPU_TILE_ELEMS``), warps a program
+(``_NUM_WARPS``, NCHW, and ``_NUM_WARPS_CHANNELS_LAST``), programs an SM for reductions and
+elementwise passes, the register ceiling the kernels compile with (``COMPILE_OPTIONS``: ptxas
+under 255 registers uses more than it picks alone, so fewer programs fit an SM). Median of
+``--repeats`` calls timed as there, in us, and each configuration's passes summed.
+Needs a CUDA GPU. Prints its table (``--record``: into benchmarks/RESULTS.md too).
 """
 
 from __future__ import annotations
@@ -33,6 +33,10 @@ CONFIGS = {
     "tile 4096": {"_GPU_TILE_ELEMS": 4096},
     "tile 4096, 4 warps": {"_GPU_TILE_ELEMS": 4096, "_NUM_WARPS": 4,
                            "_NUM_WARPS_CHANNELS_LAST": 4},
+    # Fewer programs split a channel block's reduction fewer ways: a shorter merge of their
+    # partials by the last to finish, which reads them one step after another.
+    "reductions 1 a SM": {"_REDUCE_PROGRAMS_PER_SM": 1},
+    "reductions 2 a SM": {"_REDUCE_PROGRAMS_PER_SM": 2},
     "reductions 8 a SM": {"_REDUCE_PROGRAMS_PER_SM": 8},
     "reductions 16 a SM": {"_REDUCE_PROGRAMS_PER_SM": 16},
     "4 warps, reductions 16 a SM": {"_NUM_WARPS": 4, "_NUM_WARPS_CHANNELS_LAST": 4,
@@ -55,6 +59,10 @@ def _set(plan, name: str, value) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--shapes", type=int, nargs="+", default=[0, 1],
+                        choices=range(len(SHAPES)), help="indices into bandwidth.py's SHAPES")
+    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS),
+                        metavar="NAME", help="configurations to time (default: all)")
     results.add_arguments(parser)
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -63,14 +71,15 @@ def main() -> int:
     from encoding_syncbn.kernels.triton import ops as T
     from encoding_syncbn.kernels.triton import plan
 
+    configs = {label: CONFIGS[label] for label in args.configs}
     shipped = {name: copy.copy(getattr(plan, name))
                for config in CONFIGS.values() for name in config}
     rows = []
-    for shape, dtype, channels_last in SHAPES[:2]:
+    for shape, dtype, channels_last in (SHAPES[index] for index in args.shapes):
         x, dy, vec = _inputs(shape, dtype, channels_last)
         ops = _ops(T, x, dy, vec, torch.empty_like(x))
         layout = "channels_last" if channels_last else "nchw"
-        for label, config in CONFIGS.items():
+        for label, config in configs.items():
             for name, value in {**shipped, **config}.items():
                 _set(plan, name, value)
             forget_plans()
@@ -82,7 +91,10 @@ def main() -> int:
     table = results.markdown_table(["input", "planner", *ops, "sum"], rows)
     print(table)
     gpu = torch.cuda.get_device_name()
-    results.record(args, f"plan_sweep.py ({gpu})", table, gpu=gpu, notes=(
+    # A subset's table goes into a section of its own, not over the whole sweep's.
+    subset = "" if args.shapes == [0, 1] and len(configs) == len(CONFIGS) else (
+        f", shapes {' '.join(map(str, args.shapes))}, {len(configs)} configurations")
+    results.record(args, f"plan_sweep.py ({gpu}{subset})", table, gpu=gpu, notes=(
         f"us per call, median of {args.repeats} (CUDA events behind a spin kernel), "
         f"leaky_relu, in place; the planner as shipped: tile "
         f"{shipped.get('_GPU_TILE_ELEMS')} elements, "
