@@ -10,6 +10,7 @@ CPU tensors of the same dtypes (16-byte aligned), and per kernel one more with i
 one element off alignment (Triton specialises on it).
 """
 
+import functools
 import json
 import sys
 from pathlib import Path
@@ -181,6 +182,31 @@ def _prepared_launches(runs: list[int]) -> dict:
     return found
 
 
+# Each hot op's kernels, in launch order.
+_HOT_KERNELS = {"batch_stats": ["_batch_stats_kernel"],
+                "normalize_act": ["_normalize_act_kernel"],
+                "batch_backward": ["_backward_reduce_kernel", "_backward_dx_kernel"]}
+
+
+def _by_step(step, channels: int) -> dict:
+    """Per hot op, its call through the ``TrainingStep`` ``step`` on an input (CPU, float16)
+    of ``channels`` channels, as a training in-place layer calls it."""
+    from encoding_syncbn.kernels.backend import GammaCheck, NormParams, RunningStats
+
+    weight, bias = torch.ones(channels), torch.zeros(channels)
+    running = RunningStats(torch.zeros(channels), torch.ones(channels),
+                           torch.zeros((), dtype=torch.long), 0.1)
+    params = NormParams(torch.zeros(channels), torch.ones(channels), weight, bias,
+                        "leaky_relu", 0.01)
+    return {
+        "batch_stats": lambda x: step.batch_stats(x, 1e-5, running,
+                                                  GammaCheck(weight, bias, 0.016)),
+        "normalize_act": lambda x: step.normalize_act(x, params, x),
+        "batch_backward": lambda x: step.batch_backward(x, torch.zeros_like(x), params, True,
+                                                        x.numel() // channels),
+    }
+
+
 def _step_launches(runs: list[int]) -> list[str]:
     """The hot ops through a layer key's ``TrainingStep`` (what ``kernels.key_ops`` makes of
     the eager ops once the Triton backend is loaded), each called anew on a fresh step: from
@@ -189,18 +215,10 @@ def _step_launches(runs: list[int]) -> list[str]:
     none by the step's direct launch of the aligned kernels). The problems: an op whose
     launches were not direct (its name), or whose misaligned call was not the op's
     (``"<op> misaligned"``)."""
-    from encoding_syncbn.kernels.backend import GammaCheck, NormParams, RunningStats
     from encoding_syncbn.kernels.triton import ops
 
     x = torch.zeros((4, 16, 8, 8), dtype=torch.float16)
     misaligned = torch.zeros(x.numel() + 1, dtype=x.dtype)[1:].view(x.shape)
-    channels = x.shape[1]
-    weight, bias = torch.ones(channels), torch.zeros(channels)
-    running = RunningStats(torch.zeros(channels), torch.ones(channels),
-                           torch.zeros((), dtype=torch.long), 0.1)
-    params = NormParams(torch.zeros(channels), torch.ones(channels), weight, bias,
-                        "leaky_relu", 0.01)
-    step = ops.TrainingStep()
     direct, launch_direct = [0], ops.launch_direct
 
     def counted(*args):
@@ -208,15 +226,9 @@ def _step_launches(runs: list[int]) -> list[str]:
         return launch_direct(*args)
 
     ops.launch_direct = counted
-    calls = {
-        "batch_stats": (lambda x: step.batch_stats(x, 1e-5, running,
-                                                   GammaCheck(weight, bias, 0.016)), 1),
-        "normalize_act": (lambda x: step.normalize_act(x, params, x), 1),
-        "batch_backward": (lambda x: step.batch_backward(x, torch.zeros_like(x), params, True,
-                                                         x.numel() // channels), 2),
-    }
     problems = []
-    for name, (call, launches) in calls.items():
+    for name, call in _by_step(ops.TrainingStep(), x.shape[1]).items():
+        launches = len(_HOT_KERNELS[name])
         call(x)  # public, or found in the op's memo: the step keeps it
         before, launched = runs[0], STUB.launches()
         call(x)
@@ -235,35 +247,18 @@ def _uncounted_launches(runs: list[int]) -> list[str]:
     the op and by a ``TrainingStep``, the first (public) and a repeat (direct): the problems,
     a call whose count is not its kernels' names or not the launches the driver saw, and a
     repeat call not direct (its launch not the one the count must see)."""
-    from encoding_syncbn.kernels.backend import GammaCheck, NormParams, RunningStats
     from encoding_syncbn.kernels.triton import ops
 
     x = torch.zeros((4, 8, 8, 4), dtype=torch.float16)  # a key no other check planned
-    channels = x.shape[1]
-    weight, bias = torch.ones(channels), torch.zeros(channels)
-    running = RunningStats(torch.zeros(channels), torch.ones(channels),
-                           torch.zeros((), dtype=torch.long), 0.1)
-    params = NormParams(torch.zeros(channels), torch.ones(channels), weight, bias,
-                        "leaky_relu", 0.01)
-    step = ops.TrainingStep()
-    by_step = {
-        "batch_stats": lambda: step.batch_stats(x, 1e-5, running,
-                                                GammaCheck(weight, bias, 0.016)),
-        "normalize_act": lambda: step.normalize_act(x, params, x),
-        "batch_backward": lambda: step.batch_backward(x, torch.zeros_like(x), params, True,
-                                                      x.numel() // channels),
-    }
-    kernels = {"batch_stats": ["_batch_stats_kernel"],
-               "normalize_act": ["_normalize_act_kernel"],
-               "batch_backward": ["_backward_reduce_kernel", "_backward_dx_kernel"]}
+    by_step = _by_step(ops.TrainingStep(), x.shape[1])
     problems = []
     for name, (by_op, _, _) in _hot_ops(x).items():
-        for way, call in (("op", by_op), ("step", by_step[name])):
+        for way, call in (("op", by_op), ("step", functools.partial(by_step[name], x))):
             for repeat in (False, True):
                 before, launched = runs[0], STUB.launches()
                 with counted_launches() as names:
                     call()
-                if names != kernels[name] or STUB.launches() != launched + len(names):
+                if names != _HOT_KERNELS[name] or STUB.launches() != launched + len(names):
                     problems.append(f"{name} by the {way}: counted {names}")
                 if repeat and runs[0] != before:
                     problems.append(f"{name} by the {way}: repeat not direct")
