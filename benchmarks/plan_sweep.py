@@ -6,9 +6,10 @@ For shapes of ``bandwidth.py``'s table (``--shapes``: their indices, the first t
 the passes over one activation (as there) timed with the planner's constants as shipped and
 with one or two of them changed: elements a tile (``_GPU_TILE_ELEMS``), warps a program
 (``_NUM_WARPS``, NCHW, and ``_NUM_WARPS_CHANNELS_LAST``), programs an SM for reductions and
-elementwise passes, the register ceiling the kernels compile with (``COMPILE_OPTIONS``: ptxas
-under 255 registers uses more than it picks alone, so fewer programs fit an SM). Median of
-``--repeats`` calls timed as there, in us, and each configuration's passes summed.
+elementwise passes, the rows a step of a split reduction's merge, the register ceiling the
+kernels compile with (``COMPILE_OPTIONS``: ptxas under 255 registers uses more than it picks
+alone, so fewer programs fit an SM). Median of ``--repeats`` calls timed as there, in us, and
+each configuration's passes summed.
 Needs a CUDA GPU. Prints its table (``--record``: into benchmarks/RESULTS.md too).
 """
 
@@ -37,6 +38,8 @@ CONFIGS = {
     # partials by the last to finish, which reads them one step after another.
     "reductions 1 a SM": {"_REDUCE_PROGRAMS_PER_SM": 1},
     "reductions 2 a SM": {"_REDUCE_PROGRAMS_PER_SM": 2},
+    # The merge in steps of a tile's lanes, not half: half as many steps, more registers.
+    "merge steps of a tile": {"_MERGE_STEP_SHARE": 1},
     "reductions 8 a SM": {"_REDUCE_PROGRAMS_PER_SM": 8},
     "reductions 16 a SM": {"_REDUCE_PROGRAMS_PER_SM": 16},
     "4 warps, reductions 16 a SM": {"_NUM_WARPS": 4, "_NUM_WARPS_CHANNELS_LAST": 4,

@@ -70,10 +70,11 @@ _INTERPRET_PROGRAMS = 16
 _MAX_SPLITS = 65535
 _INT32_MAX = 2**31 - 1
 # Merging a split reduction's partials: [rows, channels of the block] a step, rows up to
-# this many, and half the lanes a tile has: the partials are float64 (``partials``), so
-# that a step's two planes take no more registers than the loop's lane accumulators (each
-# step's rows are summed at once).
+# this many, and the lanes a tile has over ``_MERGE_STEP_SHARE``: half, as the partials are
+# float64 (``partials``), so that a step's two planes take no more registers than the loop's
+# lane accumulators (each step's rows are summed at once).
 _MAX_MERGE_ROWS = 256
+_MERGE_STEP_SHARE = 2
 
 class Tile(NamedTuple):
     """Tile shape: [block_a images, channels or rows, block_b positions or channels]
@@ -336,8 +337,8 @@ def _tile_constexprs(geo: _Geometry, tile: Tile, dtype: torch.dtype) -> dict:
 def _split_constexprs(geo: _Geometry, tile: Tile, splits: int) -> dict:
     """A reduction's: whether its channel blocks are split over programs (``SPLIT``: the last
     to finish merges the partials, ``partials``), and the partial rows merged a step."""
-    rows = min(_MAX_MERGE_ROWS,
-               max(1, tile.block_a * tile.block_b // (2 * _program_channels(geo, tile))))
+    rows = min(_MAX_MERGE_ROWS, max(1, tile.block_a * tile.block_b
+                                    // (_MERGE_STEP_SHARE * _program_channels(geo, tile))))
     return {"SPLIT": splits > 1, "BLOCK_P": rows}
 
 
