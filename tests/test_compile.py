@@ -14,12 +14,9 @@ them: tested against nn.BatchNorm2d + the activation, and by what the graph save
 from __future__ import annotations
 
 import copy
-import json
 import math
 import os
 import re
-import subprocess
-import sys
 import warnings
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -27,6 +24,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest  # noqa: E402
 import test_few_values as few_values  # noqa: E402
 import torch  # noqa: E402
+from fresh_python import run_fresh  # noqa: E402
 from functorch.compile import make_boxed_func, min_cut_rematerialization_partition  # noqa: E402
 from helpers.rebuild_error import ratios_to_bound  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
@@ -234,13 +232,9 @@ def test_first_compiled_call_of_a_process_is_one_graph(backend, build, imported)
     in a torch built for GPUs), they import with the package, and a process's first call,
     compiled, is one graph; elsewhere the package does not import Triton."""
     pytest.importorskip("triton")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, ENCODING_SYNCBN_BACKEND=backend, TRITON_INTERPRET="1",
-               PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
-    proc = subprocess.run([sys.executable, "-c", _FIRST_CALL, build], capture_output=True,
-                          text=True, env=env, timeout=300, cwd=root)
-    assert proc.returncode == 0, proc.stderr
-    assert json.loads(proc.stdout.splitlines()[-1]) == [imported, 1, 0]
+    found = run_fresh(_FIRST_CALL, build,
+                      env={"ENCODING_SYNCBN_BACKEND": backend, "TRITON_INTERPRET": "1"})
+    assert found == [imported, 1, 0]
 
 
 def test_a_graph_break_inside_a_compiled_in_place_call():

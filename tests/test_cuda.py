@@ -10,17 +10,14 @@ largest shapes' float64 references would take minutes on the CPU), the layers wi
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 from flat_ops import REFERENCE as R
 from flat_ops import triton_ops as flat_triton_ops
+from fresh_python import run_fresh
 from reference import NONFINITE, activate, check_nonfinite_gradients
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -409,14 +406,9 @@ print(json.dumps([explained.graph_count, explained.graph_break_count]))
 def test_first_compiled_call_of_a_process_on_gpu_is_one_graph():
     """The kernels imported with the package ("auto", a torch built for GPUs), not inside the
     first compiled call's trace, which they would break."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {k: v for k, v in os.environ.items() if k != "ENCODING_SYNCBN_BACKEND"}
-    env.update(TRITON_INTERPRET="0",
-               PYTHONPATH=os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")])))
-    proc = subprocess.run([sys.executable, "-c", _FIRST_CALL], capture_output=True, text=True,
-                          env=env, timeout=300, cwd=root)
-    assert proc.returncode == 0, proc.stderr
-    assert json.loads(proc.stdout.splitlines()[-1]) == [1, 0]
+    found = run_fresh(_FIRST_CALL, env={"ENCODING_SYNCBN_BACKEND": None,
+                                        "TRITON_INTERPRET": "0"})
+    assert found == [1, 0]
 
 
 class _OnOwnStream(nn.Module):

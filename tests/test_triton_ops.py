@@ -4,7 +4,6 @@ pytest imports every test module into one process: the interpreter switch must b
 environment before anything imports triton, hence the first statements below.
 """
 
-import json
 import math
 import os
 
@@ -24,6 +23,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from flat_ops import REFERENCE as R  # noqa: E402
 from flat_ops import triton_ops as flat_triton_ops  # noqa: E402
+from fresh_python import run_fresh  # noqa: E402
 from helpers.launches import counted_launches  # noqa: E402
 from helpers.plans import forget_plans  # noqa: E402
 
@@ -1228,12 +1228,7 @@ def test_check_pairs_cover_every_planned_pair_of_choices():
     """CI's representative set (``--pairs``): every pair of argument typings that some planned
     specialisation of a kernel makes occurs in a chosen one of that kernel; the set is a small
     part of the whole, and planning every shape twice does not grow it."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", _COVERAGE_SCRIPT], capture_output=True,
-                          text=True, env=env, timeout=300,
-                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    found = json.loads(proc.stdout.splitlines()[-1])
+    found = run_fresh(_COVERAGE_SCRIPT, env={"TRITON_INTERPRET": None})
     assert found["covered"] and found["planned"] and found["twice"], found
     assert found["kernels"] == 6
     assert found["chosen"] * 10 < found["all"], found
