@@ -6,10 +6,10 @@ For shapes of ``bandwidth.py``'s table (``--shapes``: their indices, the first t
 the passes over one activation (as there) timed with the planner's constants as shipped and
 with one or two of them changed: elements a tile (``_GPU_TILE_ELEMS``), warps a program
 (``_NUM_WARPS``, NCHW, and ``_NUM_WARPS_CHANNELS_LAST``), programs an SM for reductions and
-elementwise passes, the rows a step of a split reduction's merge, the register ceiling the
-kernels compile with (``COMPILE_OPTIONS``: ptxas under 255 registers uses more than it picks
-alone, so fewer programs fit an SM). Median of ``--repeats`` calls timed as there, in us, and
-each configuration's passes summed.
+elementwise passes, the rows a step of a split reduction's merge and its merge in two levels,
+the register ceiling the kernels compile with (``COMPILE_OPTIONS``: ptxas under 255 registers
+uses more than it picks alone, so fewer programs fit an SM). Median of ``--repeats`` calls
+timed as there, in us, and each configuration's passes summed.
 Needs a CUDA GPU. Prints its table (``--record``: into benchmarks/RESULTS.md too).
 """
 
@@ -40,6 +40,10 @@ CONFIGS = {
     "reductions 2 a SM": {"_REDUCE_PROGRAMS_PER_SM": 2},
     # The merge in steps of a tile's lanes, not half: half as many steps, more registers.
     "merge steps of a tile": {"_MERGE_STEP_SHARE": 1},
+    # The merge in two levels: each group of a step's rows by its last program, then the
+    # groups' rows by the last group (``partials.merge_split``): a few steps in a row where
+    # one program takes tens.
+    "merge in groups": {"_MERGE_IN_GROUPS": True},
     "reductions 8 a SM": {"_REDUCE_PROGRAMS_PER_SM": 8},
     "reductions 16 a SM": {"_REDUCE_PROGRAMS_PER_SM": 16},
     "4 warps, reductions 16 a SM": {"_NUM_WARPS": 4, "_NUM_WARPS_CHANNELS_LAST": 4,

@@ -425,20 +425,32 @@ def test_backward_half(fmt, dtype, activation, saved_is_output):
 @given(c=st.sampled_from([1, 2, 5, 64, 100]), fmt=st.sampled_from(["nchw", "last"]),
        dtype=st.sampled_from([torch.float16, torch.bfloat16, torch.float32, torch.float64]),
        variant=st.sampled_from(VARIANTS), sms=st.sampled_from([None, 1, 8, 132]),
-       seed=st.integers(0, 2**16))
-@example(c=2, fmt="last", dtype=torch.float32, variant=("leaky_relu", True), sms=132, seed=0)
-@example(c=300, fmt="nchw", dtype=torch.float16, variant=("elu", True), sms=132, seed=1)
-def test_backward_planned_for_any_target(c, fmt, dtype, variant, sms, seed):
+       groups=st.booleans(), seed=st.integers(0, 2**16))
+@example(c=2, fmt="last", dtype=torch.float32, variant=("leaky_relu", True), sms=132,
+         groups=False, seed=0)
+@example(c=300, fmt="nchw", dtype=torch.float16, variant=("elu", True), sms=132, groups=False,
+         seed=1)
+# Split more ways than a merge step takes (71 programs, 64 rows a step): two levels.
+@example(c=5, fmt="last", dtype=torch.float16, variant=("elu", False), sms=132, groups=True,
+         seed=2)
+def test_backward_planned_for_any_target(c, fmt, dtype, variant, sms, groups, seed):
     """The backward reduction and dx, planned as for the interpreter (``sms`` None) or for a
     GPU of 1-132 SMs: split over programs or not, the partial buffer's two planes merged in one
-    step or several (few channels get many rows), against the reference."""
-    # Few channels get many rows (float64's GPU tiles are 2 rows: 12 images give 6 tiles).
-    rows = 12 if dtype == torch.float64 and sms is not None else 60
+    step or several (few channels get many rows), in one level or in groups, against the
+    reference."""
+    # Few channels get many rows (float64's GPU tiles are 2 rows: 12 images give 6 tiles), more
+    # where the merge may take groups.
+    rows = 12 if dtype == torch.float64 and sms is not None else 200 if groups else 60
     shape = (rows, c, 5, 9) if c < 16 else (2, c, 3, 5)
     with pytest.MonkeyPatch.context() as patch:
         if sms is not None:
             patch.setattr(triton_ops, "launch_target", lambda device: P.Target(False, sms))
-        _check_backward(shape, fmt, dtype, *variant, seed=seed)
+        patch.setattr(P, "_MERGE_IN_GROUPS", groups)
+        forget_plans()
+        try:
+            _check_backward(shape, fmt, dtype, *variant, seed=seed)
+        finally:
+            forget_plans()
 
 
 # SiLU and GELU (out of place only: saved x). Few cases: the interpreter is slow.
@@ -955,13 +967,19 @@ def test_batch_stats_merges_split_partials(fmt):
     check_batch_stats(x, running, *make_params(shape[1], torch.float32)[2:], 0.016, None)
 
 
-@pytest.mark.parametrize("shape,fmt", [((64, 1, 32, 32), "nchw"), ((256, 3, 9, 9), "last")])
-def test_reductions_planned_for_a_gpu_merge_many_partials(shape, fmt, monkeypatch):
+@pytest.mark.parametrize("groups", [False, True], ids=["one-level", "groups"])
+@pytest.mark.parametrize("shape,fmt", [((64, 1, 30, 30), "nchw"), ((250, 3, 9, 9), "last")])
+def test_reductions_planned_for_a_gpu_merge_many_partials(shape, fmt, groups, monkeypatch):
     """Planned for a 132-SM GPU (small tiles, a few programs per SM), few channels split over
     more programs than a merge step takes (BLOCK_P rows, made small here): every merge by the
-    last program (statistics, batch statistics, the backward sums) loops over several steps.
-    Run here by the interpreter (or the GPU)."""
+    last program (statistics, batch statistics, the backward sums) loops over several steps,
+    or (``groups``) each group's last merges its rows and the last group the groups' rows,
+    the last group with fewer rows than a step. Every counter is back at 0 after them. Run
+    here by the interpreter (or the GPU)."""
+    from encoding_syncbn.kernels.triton.partials import split_counters
+
     monkeypatch.setattr(P, "_MAX_MERGE_ROWS", 8)
+    monkeypatch.setattr(P, "_MERGE_IN_GROUPS", groups)
     forget_plans()
     x = make_input(shape, torch.float32, fmt)
     c, target = shape[1], P.Target(False, 132)
@@ -975,8 +993,12 @@ def test_reductions_planned_for_a_gpu_merge_many_partials(shape, fmt, monkeypatc
         reduce, sums = TB.plan_backward_reduce(x, x, *params, "leaky_relu", 0.1, False, target)
         for launches in (stats, fused, reduce):
             assert len(launches) == 1
-            assert launches[0].grid[1] > 2 * launches[0].constexprs["BLOCK_P"]
+            (launch,) = launches
+            rows = launch.constexprs["BLOCK_P"]
+            assert launch.grid[1] > 2 * rows and launch.constexprs["GROUPS"] == groups
+            assert launch.grid[1] % rows != 0  # a last group smaller than the others
             triton_ops._run(launches, x.device)
+        assert not split_counters(x.device, 1).any()
     finally:
         monkeypatch.undo()
         forget_plans()
@@ -995,24 +1017,36 @@ def test_reductions_planned_for_a_gpu_merge_many_partials(shape, fmt, monkeypatc
         assert_close(got, want.float(), torch.float32, sum_terms=x[:, 0].numel())
 
 
-@settings(max_examples=12, deadline=None, derandomize=True)
+@settings(max_examples=16, deadline=None, derandomize=True)
 @given(shape=st.sampled_from([(16, 32, 8, 8), (2, 32, 8, 8), (8, 64, 16, 16), (4, 24, 8, 8),
                               (64, 8, 16, 16), (761, 5, 1, 1)]),
        fmt=st.sampled_from(["nchw", "last"]), dtype=st.sampled_from([torch.float32,
                                                                       torch.float16]),
-       gpu_tiles=st.booleans(), seed=st.integers(0, 2**16))
-def test_float32_statistics_round_once(shape, fmt, dtype, gpu_tiles, seed):
+       gpu_tiles=st.booleans(), groups=st.booleans(), seed=st.integers(0, 2**16))
+# Split more ways than a merge step takes, for the merge in groups to take two levels.
+@example(shape=(8, 64, 16, 16), fmt="last", dtype=torch.float32, gpu_tiles=True, groups=True,
+         seed=1)
+@example(shape=(64, 8, 16, 16), fmt="last", dtype=torch.float16, gpu_tiles=True, groups=True,
+         seed=2)
+def test_float32_statistics_round_once(shape, fmt, dtype, gpu_tiles, groups, seed):
     """float32 statistics (of float32 and half inputs) as precise as a sum in float64 rounded
     once, as ATen's CPU BatchNorm takes them: invstd within 0.75 eps of the exact one (its
     own rounding and M2's), the mean within half an ulp plus a tenth of an eps of a standard
     deviation, with the tiles planned for a 132-SM GPU (lanes summing several values, split
-    over programs) and for the interpreter. Sums across a tile or the split in float32 miss
-    both (the input gradient carries invstd's error twice, the mean's in every xhat)."""
+    over programs, merged in one level or in groups) and for the interpreter. Sums across a
+    tile or the split in float32 miss both (the input gradient carries invstd's error twice,
+    the mean's in every xhat)."""
     x = make_input(shape, dtype, fmt, seed=seed)
     target = P.Target(False, 132) if gpu_tiles else P.launch_target(x.device)
-    launches, (mean, invstd, _) = TS.plan_batch_stats(x, 1e-5, None, None, None, None, None,
-                                                      None, 0.0, target)
-    triton_ops._run(launches, x.device)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(P, "_MERGE_IN_GROUPS", groups)
+        forget_plans()
+        try:
+            launches, (mean, invstd, _) = TS.plan_batch_stats(
+                x, 1e-5, None, None, None, None, None, None, 0.0, target)
+            triton_ops._run(launches, x.device)
+        finally:
+            forget_plans()
     # float64's reference errs far below float32's eps: exact at these bounds.
     exact_mean, exact_m2, count = reference_stats(x)
     exact_std = (exact_m2 / count).sqrt()

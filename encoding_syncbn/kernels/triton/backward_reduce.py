@@ -56,7 +56,8 @@ def _backward_reduce_kernel(saved_ptr, dy_ptr, mean_ptr, invstd_ptr, weight_ptr,
                             ACTIVATION: tl.constexpr, SAVED_IS_OUTPUT: tl.constexpr,
                             CHANNELS_LAST: tl.constexpr, CHANNEL_ROWS: tl.constexpr,
                             BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, ALIGN: tl.constexpr,
-                            ACC: tl.constexpr, SPLIT: tl.constexpr, BLOCK_P: tl.constexpr):
+                            ACC: tl.constexpr, SPLIT: tl.constexpr, BLOCK_P: tl.constexpr,
+                            GROUPS: tl.constexpr):
     """sum(dz) and sum(dz * xhat) per channel over this program's tiles -> ``sum_dz``,
     ``sum_dz_xhat``. ``SPLIT``: each program stores its sums in row pid_1 of the [2, splits,
     C] float64 buffer ``part`` (float64 inputs: [4, splits, C]), and the last of a channel
@@ -113,7 +114,8 @@ def _backward_reduce_kernel(saved_ptr, dy_ptr, mean_ptr, invstd_ptr, weight_ptr,
         sum_dz = channel_sums(acc_dz.to(tl.float64), CHANNELS_LAST, CHANNEL_ROWS)
         sum_dz_xhat = channel_sums(acc_dz_xhat.to(tl.float64), CHANNELS_LAST, CHANNEL_ROWS)
         sum_dz, sum_dz_xhat, finishing = merge_split(sum_dz, sum_dz_xhat, part_ptr,
-                                                     counter_ptr + c0, c, C, SPLIT, BLOCK_P)
+                                                     counter_ptr + c0, counter_ptr, c, C, SPLIT,
+                                                     BLOCK_P, GROUPS)
     if finishing:
         tl.store(sum_dz_ptr + c, sum_dz.to(ACC), mask=c < C)
         tl.store(sum_dz_xhat_ptr + c, sum_dz_xhat.to(ACC), mask=c < C)
@@ -150,7 +152,7 @@ def reduce_args(plan: OpPlan, saved: torch.Tensor, dy: torch.Tensor, mean: torch
     sum_dz = saved.new_empty(c, dtype=plan.acc)
     sum_dz_xhat = torch.empty_like(sum_dz)  # fewer arguments to parse than new_empty's
     # Split: the planes of partial sums, in the stream's buffer; else unread.
-    counters, part = split_buffers(saved.device, c, plan.part)
+    counters, part = split_buffers(saved.device, plan.counters, plan.part)
     return (saved, dy, mean, invstd, weight, bias, sum_dz, sum_dz_xhat,
             sum_dz if part is None else part, counters, plan.activation_param,
             *plan.args), (sum_dz, sum_dz_xhat)

@@ -82,7 +82,7 @@ def _double_moments(s1, s1_lo, s2, s2_lo, k, part_ptr, block_counter_ptr, c, C, 
 def _block_stats(x_ptr, part_ptr, counter_ptr, N, C, S, R, CS, tiles, tiles_s, tiles_per_prog,
                  CHANNELS_LAST: tl.constexpr, CHANNEL_ROWS: tl.constexpr, BLOCK_A: tl.constexpr,
                  BLOCK_B: tl.constexpr, ALIGN: tl.constexpr, ACC: tl.constexpr,
-                 SPLIT: tl.constexpr, BLOCK_P: tl.constexpr):
+                 SPLIT: tl.constexpr, BLOCK_P: tl.constexpr, GROUPS: tl.constexpr):
     """``(c, mean, M2, finishing)``: this program's channels ``c`` (a block: ``block_channels``)
     and, where ``finishing``, their (mean, M2) over the batch.
 
@@ -180,8 +180,8 @@ def _block_stats(x_ptr, part_ptr, counter_ptr, N, C, S, R, CS, tiles, tiles_s, t
         sum_d = channel_sums(s1.to(tl.float64), CHANNELS_LAST, CHANNEL_ROWS)
         sum_d2 = channel_sums(s2.to(tl.float64), CHANNELS_LAST, CHANNEL_ROWS)
         sum_d, sum_d2, finishing = merge_split(sum_d, sum_d2, part_ptr,
-                                               counter_ptr + tl.program_id(0), c, C, SPLIT,
-                                               BLOCK_P)
+                                               counter_ptr + tl.program_id(0), counter_ptr, c,
+                                               C, SPLIT, BLOCK_P, GROUPS)
         n = R.to(tl.float64)
         mean = (as_block_vector(k, CHANNELS_LAST, CHANNEL_ROWS).to(tl.float64)
                 + sum_d / n).to(ACC)
@@ -196,11 +196,13 @@ def _channel_stats_kernel(x_ptr, part_ptr, counter_ptr, mean_ptr, m2_ptr, N, C, 
                           tiles_s, tiles_per_prog, CHANNELS_LAST: tl.constexpr,
                           CHANNEL_ROWS: tl.constexpr,
                           BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, ALIGN: tl.constexpr,
-                          ACC: tl.constexpr, SPLIT: tl.constexpr, BLOCK_P: tl.constexpr):
+                          ACC: tl.constexpr, SPLIT: tl.constexpr, BLOCK_P: tl.constexpr,
+                          GROUPS: tl.constexpr):
     """Per channel (mean, M2) of x (:func:`_block_stats`)."""
     c, mean, m2, finishing = _block_stats(x_ptr, part_ptr, counter_ptr, N, C, S, R, CS, tiles,
                                           tiles_s, tiles_per_prog, CHANNELS_LAST, CHANNEL_ROWS,
-                                          BLOCK_A, BLOCK_B, ALIGN, ACC, SPLIT, BLOCK_P)
+                                          BLOCK_A, BLOCK_B, ALIGN, ACC, SPLIT, BLOCK_P,
+                                          GROUPS)
     if finishing:
         tl.store(mean_ptr + c, mean, mask=c < C)
         tl.store(m2_ptr + c, m2, mask=c < C)
@@ -215,14 +217,15 @@ def _batch_stats_kernel(x_ptr, part_ptr, counter_ptr, mean_ptr, invstd_ptr, coun
                         CHANNEL_ROWS: tl.constexpr,
                         BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, ALIGN: tl.constexpr,
                         ACC: tl.constexpr, SPLIT: tl.constexpr, BLOCK_P: tl.constexpr,
-                        RUNNING: tl.constexpr,
+                        GROUPS: tl.constexpr, RUNNING: tl.constexpr,
                         COUNTER: tl.constexpr, CUMULATIVE: tl.constexpr, CHECK: tl.constexpr,
                         RUN_ACC: tl.constexpr):
     """A batch's (mean, invstd), running statistics and small-gamma flags
     (:func:`_block_stats`, then ``finalize_stats.finish_batch_stats``)."""
     c, mean, m2, finishing = _block_stats(x_ptr, part_ptr, counter_ptr, N, C, S, R, CS, tiles,
                                           tiles_s, tiles_per_prog, CHANNELS_LAST, CHANNEL_ROWS,
-                                          BLOCK_A, BLOCK_B, ALIGN, ACC, SPLIT, BLOCK_P)
+                                          BLOCK_A, BLOCK_B, ALIGN, ACC, SPLIT, BLOCK_P,
+                                          GROUPS)
     if finishing:
         finish_batch_stats(c, mean, m2, counter_ptr, mean_ptr, invstd_ptr, count, eps,
                            running_mean_ptr, running_var_ptr, batches_ptr, keep, momentum,
@@ -260,8 +263,8 @@ def plan_channel_stats(x: torch.Tensor, target: Target, tile: Tile | None = None
     mean = x.new_empty(plan.geo.c, dtype=plan.acc)
     m2 = torch.empty_like(mean)
     # Split: a plane of splits * C partial sums for each of the sums' parts (float64: high
-    # and low), in the stream's buffer; else ``mean``, unread. One counter a channel.
-    counters, part = split_buffers(x.device, plan.geo.c, plan.part)
+    # and low), in the stream's buffer; else ``mean``, unread.
+    counters, part = split_buffers(x.device, plan.counters, plan.part)
     return [Launch(_channel_stats_kernel, plan.grid,
                    (x, mean if part is None else part, counters, mean, m2, *plan.args),
                    plan.constexprs, plan.num_warps, plan.token, _CHANNEL_STATS_FIXED)], (mean, m2)
@@ -275,7 +278,7 @@ class _BatchStatsPlan(NamedTuple):
     channels: int
     acc: torch.dtype  # the statistics dtype
     part: int  # the split partials' elements (0: not split, ``mean`` passed unread)
-    counters: int  # the channels' counters and the cumulative average's (``partials``)
+    counters: int  # the counters it uses (``OpPlan.counters``)
     flags: int  # the small-gamma flags it writes: C with the check, else none
     scalars: tuple  # (count, eps, keep, momentum, var_alpha, gamma_limit)
     running: bool  # whether the running buffers are read (else ``mean`` is passed, unread)
@@ -306,9 +309,8 @@ def _batch_stats_plan(sizes: tuple[int, ...], strides: tuple[int, ...], dtype: t
                          has_counter=has_counter, momentum=momentum, check=check,
                          gamma_limit=gamma_limit)
     flags = finish.constexprs
-    # One counter after the channels': the cumulative average's finished blocks.
     return _BatchStatsPlan(stats.copy, geo.c, stats.acc, stats.part,
-                           geo.c + 1, finish.flags, finish.scalars, flags["RUNNING"],
+                           stats.counters, finish.flags, finish.scalars, flags["RUNNING"],
                            flags["COUNTER"], flags["CHECK"], stats.grid, stats.args,
                            {**stats.constexprs, **finish.constexprs}, stats.num_warps, object(),
                            _batch_stats_fixed(finish))

@@ -451,7 +451,7 @@ class TrainingStep:
         sum_dz = saved.new_empty(channels, dtype=reduce.acc)
         sum_dz_xhat = torch.empty_like(sum_dz)
         device = saved.device
-        counters, part = split_buffers(device, channels, reduce.part)
+        counters, part = split_buffers(device, reduce.counters, reduce.part)
         mean, invstd, weight, bias = params[:4]
         at_saved, at_dy, at_mean, at_invstd = (saved.data_ptr(), dy.data_ptr(), mean.data_ptr(),
                                                invstd.data_ptr())

@@ -6,9 +6,11 @@ increments its channel block's counter (acquire-release, after a barrier: every 
 come before it). The program that finds ``splits - 1`` there is
 the last: the acquire makes every other program's row visible to it; it merges the rows in
 index order (the same bits whatever order the programs finished in) and sets the counter back
-to 0 for the next launch. The counters live in one int32 buffer per device and stream
-(:func:`split_counters`), zeroed once; launches on one stream run one after another, so they
-never share a counter at the same time, nor a partials' buffer (:func:`split_buffers`).
+to 0 for the next launch (or, in two levels, the last of each group of rows merges the
+group's, and the last group the groups': :func:`merge_split`). The counters live in one int32
+buffer per device and stream (:func:`split_counters`), zeroed once; launches on one stream run
+one after another, so they never share a counter at the same time, nor a partials' buffer
+(:func:`split_buffers`).
 """
 
 from __future__ import annotations
@@ -25,44 +27,94 @@ from . import double_double as dd
 
 
 @triton.jit
-def merge_split(sum_a, sum_b, part_ptr, block_counter_ptr, c, C, SPLIT: tl.constexpr,
-                BLOCK_P: tl.constexpr):
+def merge_split(sum_a, sum_b, part_ptr, block_counter_ptr, counter_ptr, c, C,
+                SPLIT: tl.constexpr, BLOCK_P: tl.constexpr, GROUPS: tl.constexpr):
     """``(sum_a, sum_b, finishing)``: a channel block's two per-channel sums over all of its
     programs (grid axis 1), in the program that is ``finishing`` (without ``SPLIT``, every
     program has the whole sums). ``block_counter_ptr``: a counter of the channel block's own,
     at its block index (statistics) or its first channel (backward reduction: its c0 is live
     across the loop anyway, and the block index kept live there too spills; the statistics
-    kernels the other way round).
+    kernels the other way round); ``counter_ptr``: the counters' buffer (``GROUPS``' counters
+    lie in it, :func:`group_counters`).
 
-    The protocol is the module's, on rows pid_1 of the [2, splits, C] float64 buffer
-    ``part``; the last program adds the rows up BLOCK_P at a time, reading past the L1 cache
-    (``.cg``: other programs wrote them).
+    The protocol is the module's, on rows pid_1 of the [2, rows, C] float64 buffer ``part``;
+    a merging program adds rows up BLOCK_P at a time, reading past the L1 cache (``.cg``:
+    other programs wrote them). One level: the block's last program merges its ``splits``
+    rows, a step after another. ``GROUPS``: in two levels, for a block split more ways than
+    a step merges: the programs of each group of BLOCK_P consecutive rows count on a counter
+    of the group's, the group's last adds its rows up in one step into row ``splits + group``
+    and counts on the block's counter, and the block's last group adds up the ``groups`` rows
+    of the groups: ``1 + groups / BLOCK_P`` steps one after another instead of ``splits /
+    BLOCK_P``, each latency-bound (its loads wait on the partials' writers, through L2).
     """
     if SPLIT:
         splits = tl.num_programs(1)
-        plane = splits * C
-        row_ptr = part_ptr + tl.program_id(1) * C + c
-        tl.store(row_ptr, sum_a, mask=c < C)
-        tl.store(row_ptr + plane, sum_b, mask=c < C)
+        pid = tl.program_id(1)
+        rows = splits
+        if GROUPS:
+            groups = tl.cdiv(splits, BLOCK_P)
+            rows = splits + groups
+        plane = rows * C
+        _store_row(part_ptr + pid * C + c, plane, sum_a, sum_b, c < C)
         tl.debug_barrier()
-        arrived = tl.atomic_add(block_counter_ptr, 1, sem="acq_rel", scope="gpu")
-        finishing = arrived == splits - 1
-        if finishing:
-            c2 = c[None, :]
-            p = tl.arange(0, BLOCK_P)[:, None]
-            sum_a = tl.zeros([c.shape[0]], sum_a.dtype)
-            sum_b = tl.zeros([c.shape[0]], sum_b.dtype)
-            for p0 in range(0, splits, BLOCK_P):
-                mask = (p0 + p < splits) & (c2 < C)
-                offs = (p0 + p) * C + c2
-                sum_a += tl.sum(tl.load(part_ptr + offs, mask=mask, other=0.0,
-                                        cache_modifier=".cg"), 0)
-                sum_b += tl.sum(tl.load(part_ptr + plane + offs, mask=mask, other=0.0,
-                                        cache_modifier=".cg"), 0)
-            tl.store(block_counter_ptr, 0)
+        if GROUPS:
+            group = pid // BLOCK_P
+            first = group * BLOCK_P
+            group_ptr = group_counters(counter_ptr, C, BLOCK_P) + group
+            arrived = tl.atomic_add(group_ptr, 1, sem="acq_rel", scope="gpu")
+            finishing = arrived == tl.minimum(splits - first, BLOCK_P) - 1
+            if finishing:
+                sum_a, sum_b = _sum_rows(part_ptr, plane, first,
+                                         tl.minimum(splits - first, BLOCK_P), c, C, BLOCK_P)
+                tl.store(group_ptr, 0)
+                _store_row(part_ptr + (splits + group) * C + c, plane, sum_a, sum_b, c < C)
+                tl.debug_barrier()
+                arrived = tl.atomic_add(block_counter_ptr, 1, sem="acq_rel", scope="gpu")
+                finishing = arrived == groups - 1
+                if finishing:
+                    sum_a, sum_b = _sum_rows(part_ptr, plane, splits, groups, c, C, BLOCK_P)
+                    tl.store(block_counter_ptr, 0)
+        else:
+            arrived = tl.atomic_add(block_counter_ptr, 1, sem="acq_rel", scope="gpu")
+            finishing = arrived == splits - 1
+            if finishing:
+                sum_a, sum_b = _sum_rows(part_ptr, plane, 0, splits, c, C, BLOCK_P)
+                tl.store(block_counter_ptr, 0)
     else:
         finishing = True
     return sum_a, sum_b, finishing
+
+
+@triton.jit
+def group_counters(counter_ptr, C, BLOCK_P: tl.constexpr):
+    """This channel block's group counters (:func:`merge_split`'s ``GROUPS``): after the
+    channels' counters and the cumulative average's (``counter_ptr + C``), a row of ``groups``
+    counters a channel block, by its index."""
+    groups = tl.cdiv(tl.num_programs(1), BLOCK_P)
+    return counter_ptr + C + 1 + tl.program_id(0) * groups
+
+
+@triton.jit
+def _store_row(row_ptr, plane, sum_a, sum_b, mask):
+    tl.store(row_ptr, sum_a, mask=mask)
+    tl.store(row_ptr + plane, sum_b, mask=mask)
+
+
+@triton.jit
+def _sum_rows(part_ptr, plane, first, count, c, C, BLOCK_P: tl.constexpr):
+    """Rows ``first`` to ``first + count`` of both planes of ``part``, summed per channel in
+    index order (the same bits whatever order their writers finished in), BLOCK_P a step."""
+    c2 = c[None, :]
+    p = tl.arange(0, BLOCK_P)[:, None]
+    sum_a = tl.zeros([c.shape[0]], tl.float64)
+    sum_b = tl.zeros([c.shape[0]], tl.float64)
+    for p0 in range(0, count, BLOCK_P):
+        mask = (p0 + p < count) & (c2 < C)
+        offs = (first + p0 + p) * C + c2
+        sum_a += tl.sum(tl.load(part_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg"), 0)
+        sum_b += tl.sum(tl.load(part_ptr + plane + offs, mask=mask, other=0.0,
+                                cache_modifier=".cg"), 0)
+    return sum_a, sum_b
 
 
 @triton.jit

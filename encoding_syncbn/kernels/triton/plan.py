@@ -75,6 +75,10 @@ _INT32_MAX = 2**31 - 1
 # lane accumulators (each step's rows are summed at once).
 _MAX_MERGE_ROWS = 256
 _MERGE_STEP_SHARE = 2
+# Whether a block split more ways than a merge step takes is merged in two levels
+# (``partials.merge_split``'s ``GROUPS``; float32 and half inputs: float64's statistics merge
+# in one).
+_MERGE_IN_GROUPS = False
 
 class Tile(NamedTuple):
     """Tile shape: [block_a images, channels or rows, block_b positions or channels]
@@ -334,12 +338,14 @@ def _tile_constexprs(geo: _Geometry, tile: Tile, dtype: torch.dtype) -> dict:
     }
 
 
-def _split_constexprs(geo: _Geometry, tile: Tile, splits: int) -> dict:
+def _split_constexprs(geo: _Geometry, tile: Tile, splits: int, acc: torch.dtype) -> dict:
     """A reduction's: whether its channel blocks are split over programs (``SPLIT``: the last
-    to finish merges the partials, ``partials``), and the partial rows merged a step."""
+    to finish merges the partials, ``partials``), the partial rows merged a step, and whether
+    in two levels (``GROUPS``)."""
     rows = min(_MAX_MERGE_ROWS, max(1, tile.block_a * tile.block_b
                                     // (_MERGE_STEP_SHARE * _program_channels(geo, tile))))
-    return {"SPLIT": splits > 1, "BLOCK_P": rows}
+    return {"SPLIT": splits > 1, "BLOCK_P": rows,
+            "GROUPS": _MERGE_IN_GROUPS and splits > rows and acc != torch.float64}
 
 
 class OpPlan(NamedTuple):
@@ -352,6 +358,9 @@ class OpPlan(NamedTuple):
     # A split reduction's partial sums: their elements in the stream's float64 buffer
     # (``partials.split_buffers``); 0: not a split reduction.
     part: int
+    # The counters a reduction's launch uses in the stream's buffer: one a channel, the
+    # cumulative average's, and a merge in groups' (``partials.group_counters``).
+    counters: int
     args: tuple[int, ...]  # the kernels' geometry arguments, as _plan_tiles
     constexprs: dict
     num_warps: int
@@ -411,12 +420,17 @@ def plan_op_memo(sizes: tuple[int, ...], strides: tuple[int, ...], dtype: torch.
         geo = layout(sizes, _contiguous_strides(sizes))
     tile, grid, args = _plan_tiles(geo, dtype, target, reduction, tile)
     constexprs.update(_tile_constexprs(geo, tile, dtype))
-    acc, part = stats_dtype(dtype), 0
+    acc, part, counters = stats_dtype(dtype), 0, geo.c + 1
     if reduction:
-        constexprs.update(_split_constexprs(geo, tile, grid[1]))
+        constexprs.update(_split_constexprs(geo, tile, grid[1], acc))
+        rows = grid[1]
+        if constexprs["GROUPS"]:
+            groups = _cdiv(grid[1], constexprs["BLOCK_P"])
+            rows += groups
+            counters += grid[0] * groups
         if grid[1] > 1:
-            part = partial_planes(acc) * grid[1] * geo.c
-    return OpPlan(copy, geo, acc, grid, part, args, constexprs,
+            part = partial_planes(acc) * rows * geo.c
+    return OpPlan(copy, geo, acc, grid, part, counters, args, constexprs,
                   _num_warps(dtype, channels_last=geo.channels_last), float(activation_param),
                   object())
 
