@@ -119,3 +119,43 @@ def test_kernel_loops_issue_few_instructions_and_load_vectors():
     assert loads
     for kernel, width in loads.items():
         assert width == (8 if "rows of channels" in kernel else 16), (kernel, width)
+
+
+def test_each_planner_sweep_configuration_changes_what_it_names():
+    """Each configuration of ``plan_sweep.py`` sets planner constants that exist (a misspelt
+    name would set a new attribute and time the plans as shipped under its label), and each
+    changes what some swept shape launches, planned for a 132-SM GPU: the grid, constexprs or
+    warps of a reduction's or an elementwise pass's plan, or the compile options."""
+    import torch
+    from helpers.plans import forget_plans
+    from plan_sweep import CONFIGS, SHAPES, _set
+
+    from encoding_syncbn.kernels.triton import plan
+
+    def planned() -> list:
+        target, plans = plan.Target(False, 132), []
+        for shape, dtype, channels_last in SHAPES:
+            fmt = torch.channels_last if channels_last else torch.contiguous_format
+            x = torch.empty(shape, dtype=dtype, device="meta", memory_format=fmt)
+            for reduction in (True, False):
+                op = plan.plan_op(x, target, reduction=reduction)
+                plans.append((op.grid, op.constexprs, op.num_warps))
+        return [plans, dict(plan.COMPILE_OPTIONS)]
+
+    names = {name for config in CONFIGS.values() for name in config}
+    assert all(hasattr(plan, name) for name in names), names - set(vars(plan))
+    shipped = {name: getattr(plan, name) for name in names}
+    shipped = {name: dict(value) if isinstance(value, dict) else value
+               for name, value in shipped.items()}
+    forget_plans()
+    as_shipped = planned()
+    try:
+        for label, config in CONFIGS.items():
+            for name, value in {**shipped, **config}.items():
+                _set(plan, name, value)
+            forget_plans()
+            assert (planned() == as_shipped) == (not config), label
+    finally:
+        for name, value in shipped.items():
+            _set(plan, name, value)
+        forget_plans()
