@@ -77,7 +77,7 @@ _MAX_MERGE_ROWS = 256
 _MERGE_STEP_SHARE = 2
 # Whether a block split more ways than a merge step takes is merged in two levels
 # (``partials.merge_split``'s ``GROUPS``; float32 and half inputs: float64's statistics merge
-# in one).
+# in one); benchmarks/plan_sweep.py's "merge in groups" times it against one level.
 _MERGE_IN_GROUPS = False
 
 class Tile(NamedTuple):
