@@ -61,11 +61,11 @@ def merge_split(sum_a, sum_b, part_ptr, block_counter_ptr, counter_ptr, c, C,
             group = pid // BLOCK_P
             first = group * BLOCK_P
             group_ptr = group_counters(counter_ptr, C, BLOCK_P) + group
+            members = tl.minimum(splits - first, BLOCK_P)
             arrived = tl.atomic_add(group_ptr, 1, sem="acq_rel", scope="gpu")
-            finishing = arrived == tl.minimum(splits - first, BLOCK_P) - 1
+            finishing = arrived == members - 1
             if finishing:
-                sum_a, sum_b = _sum_rows(part_ptr, plane, first,
-                                         tl.minimum(splits - first, BLOCK_P), c, C, BLOCK_P)
+                sum_a, sum_b = _sum_rows(part_ptr, plane, first, members, c, C, BLOCK_P)
                 tl.store(group_ptr, 0)
                 _store_row(part_ptr + (splits + group) * C + c, plane, sum_a, sum_b, c < C)
                 tl.debug_barrier()
@@ -96,6 +96,7 @@ def group_counters(counter_ptr, C, BLOCK_P: tl.constexpr):
 
 @triton.jit
 def _store_row(row_ptr, plane, sum_a, sum_b, mask):
+    """``sum_a`` at ``row_ptr``, ``sum_b`` a plane further."""
     tl.store(row_ptr, sum_a, mask=mask)
     tl.store(row_ptr + plane, sum_b, mask=mask)
 
@@ -126,10 +127,8 @@ def merge_split_double(sum_a, sum_a_lo, sum_b, sum_b_lo, part_ptr, block_counter
         splits = tl.num_programs(1)
         plane = splits * C
         row_ptr = part_ptr + tl.program_id(1) * C + c
-        tl.store(row_ptr, sum_a, mask=c < C)
-        tl.store(row_ptr + plane, sum_a_lo, mask=c < C)
-        tl.store(row_ptr + 2 * plane, sum_b, mask=c < C)
-        tl.store(row_ptr + 3 * plane, sum_b_lo, mask=c < C)
+        _store_row(row_ptr, plane, sum_a, sum_a_lo, c < C)
+        _store_row(row_ptr + 2 * plane, plane, sum_b, sum_b_lo, c < C)
         tl.debug_barrier()
         arrived = tl.atomic_add(block_counter_ptr, 1, sem="acq_rel", scope="gpu")
         finishing = arrived == splits - 1
