@@ -7,9 +7,10 @@ the passes over one activation (as there) timed with the planner's constants as 
 with one or two of them changed: elements a tile (``_GPU_TILE_ELEMS``), warps a program
 (``_NUM_WARPS``, NCHW, and ``_NUM_WARPS_CHANNELS_LAST``), programs an SM for reductions and
 elementwise passes, the rows a step of a split reduction's merge and its merge in two levels,
-the register ceiling the kernels compile with (``COMPILE_OPTIONS``: ptxas under 255 registers
-uses more than it picks alone, so fewer programs fit an SM). Median of ``--repeats`` calls
-timed as there, in us, and each configuration's passes summed.
+the tiles a step of the statistics' loop loads, the register ceiling the kernels compile with
+(``COMPILE_OPTIONS``: ptxas under 255 registers uses more than it picks alone, so fewer
+programs fit an SM). Median of ``--repeats`` calls timed as there, in us, and each
+configuration's passes summed.
 Needs a CUDA GPU. Prints its table (``--record``: into benchmarks/RESULTS.md too).
 """
 
@@ -44,6 +45,9 @@ CONFIGS = {
     # groups' rows by the last group (``partials.merge_split``): a few steps in a row where
     # one program takes tens.
     "merge in groups": {"_MERGE_IN_GROUPS": True},
+    # The statistics' loop with one tile's loads in flight a step, or two (half inputs).
+    "statistics 1 tile a step": {"_STATS_LOADS": 1},
+    "statistics 2 tiles a step": {"_STATS_LOADS": 2},
     "reductions 8 a SM": {"_REDUCE_PROGRAMS_PER_SM": 8},
     "reductions 16 a SM": {"_REDUCE_PROGRAMS_PER_SM": 16},
     "4 warps, reductions 16 a SM": {"_NUM_WARPS": 4, "_NUM_WARPS_CHANNELS_LAST": 4,

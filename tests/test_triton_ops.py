@@ -1060,6 +1060,48 @@ def test_float32_statistics_round_once(shape, fmt, dtype, gpu_tiles, groups, see
     assert mean_error.max() <= 1.0, f"mean: {float(mean_error.max()):.2f}x the bound"
 
 
+@settings(max_examples=12, deadline=None, derandomize=True)
+@given(shape=st.sampled_from([(8, 64, 16, 16), (64, 8, 16, 16), (3, 40, 33, 5), (761, 5, 1, 1),
+                              (2, 16, 130, 70)]),
+       fmt=st.sampled_from(["nchw", "last"]),
+       dtype=st.sampled_from([torch.float16, torch.bfloat16]),
+       sm_count=st.sampled_from([None, 1, 3, 132]), loads=st.integers(2, 5),
+       seed=st.integers(0, 2**16))
+# Split 6 ways, 6 tiles a program but the last's 2, 4 a step: steps that end past the range.
+@example(shape=(8, 64, 16, 16), fmt="nchw", dtype=torch.float16, sm_count=3, loads=4, seed=3)
+# Not split: tile 0 from the shift's registers, then 7 tiles in steps of 4.
+@example(shape=(64, 8, 16, 16), fmt="nchw", dtype=torch.bfloat16, sm_count=1, loads=4, seed=4)
+# Channels-last, 143 tiles split 4 ways: 36 tiles a program, 35 the last's, steps of 5.
+@example(shape=(2, 16, 130, 70), fmt="last", dtype=torch.float16, sm_count=1, loads=5, seed=5)
+def test_statistics_do_not_depend_on_the_tiles_a_step_loads(shape, fmt, dtype, sm_count, loads,
+                                                             seed):
+    """The statistics' loop loads ``LOADS`` tiles a step before it sums them, each summed in
+    tile order and a step's tiles past the program's range masked out: the same bits as one
+    tile a step, for both statistics kernels, with the tiles planned for a GPU of
+    ``sm_count`` SMs (None: for the interpreter), whatever the range's length (a tile past
+    the range counted, or one skipped, changes the sums)."""
+    x = make_input(shape, dtype, fmt, seed=seed)
+    target = P.launch_target(x.device) if sm_count is None else P.Target(False, sm_count)
+    found = {}
+    with pytest.MonkeyPatch.context() as patch:
+        for step in (1, loads):
+            patch.setattr(P, "_STATS_LOADS", step)
+            forget_plans()
+            try:
+                stats, moments = TS.plan_channel_stats(x, target)
+                batch, (mean, invstd, _) = TS.plan_batch_stats(
+                    x, 1e-5, None, None, None, None, None, None, 0.0, target)
+                assert stats[0].constexprs["LOADS"] == batch[0].constexprs["LOADS"] == step
+                triton_ops._run(stats + batch, x.device)
+            finally:
+                forget_plans()
+            found[step] = (*moments, mean, invstd)
+    for one, several in zip(found[1], found[loads]):
+        torch.testing.assert_close(several, one, rtol=0, atol=0)
+    # The values vary in every channel (M2 > 0): a tile counted twice or skipped shows.
+    assert found[1][1].min() > 0
+
+
 @pytest.mark.parametrize("fmt", ["nchw", "last"])
 def test_merging_programs_rearm_their_counters(fmt):
     """The last program of each split channel block, and the last block of a cumulative
@@ -1304,3 +1346,57 @@ def test_the_merge_in_groups_compiles_for_a_gpu():
                           "_backward_reduce_kernel"}
     assert all(groups and splits > 64 and spills == 0
                for groups, splits, spills in found.values()), found
+
+
+# Compiled for sm_90 in a process of its own: the statistics' loop at the bandwidth shapes of
+# half inputs, its loads before its sums (the first backward branch of the SASS closes it).
+_STATS_LOADS_SCRIPT = """
+import json, re, sys
+sys.path.insert(0, "tools")
+import torch
+import check_kernels as check
+from encoding_syncbn.kernels.triton import plan
+from encoding_syncbn.kernels.triton.channel_stats import plan_batch_stats
+
+target = plan.Target(False, 132)
+found = {}
+for layout in (torch.contiguous_format, torch.channels_last):
+    x = torch.empty((8, 256, 128, 128), dtype=torch.float16, device="meta",
+                    memory_format=layout)
+    vec = torch.empty(256, device="meta")
+    (launch,), _ = plan_batch_stats(x, 1e-5, vec, vec, None, 0.1, vec, vec, 0.016, target)
+    compiled = check.compile_spec(check.launch_spec("batch_stats", launch), 90)
+    registers, spills, _ = check._resources(compiled.asm["cubin"])
+    sass = check.cuobjdump(compiled.asm["cubin"], "-sass")
+    # (address, opcode, a branch's target) of each instruction
+    ops = re.findall(r"/\\*([0-9a-f]{4,})\\*/\\s+(?:@!?P\\d\\s+)?([A-Z0-9.]+)"
+                     r"(?:\\s+(0x[0-9a-f]+))?", sass)
+    end, back = next((int(at, 16), int(to, 16)) for at, op, to in ops
+                     if op == "BRA" and to and int(to, 16) < int(at, 16))
+    loop = [op for at, op, _ in ops if back <= int(at, 16) <= end]
+    first_sum = next(i for i, op in enumerate(loop) if op == "HADD2.F32")
+    lane_bytes = (launch.constexprs["BLOCK_A"] * launch.constexprs["BLOCK_B"] * x.itemsize
+                  // (launch.num_warps * 32))
+    found[str(layout)] = {"loads": launch.constexprs["LOADS"], "spills": spills,
+                          "lane_bytes": lane_bytes,
+                          "programs": plan.programs_per_sm(registers, launch.num_warps),
+                          "planned": plan._REDUCE_PROGRAMS_PER_SM,
+                          "in_flight": [op for op in loop[:first_sum] if op.startswith("LDG")],
+                          "loaded": [op for op in loop if op.startswith("LDG")]}
+print(json.dumps(found))
+"""
+
+
+def test_the_statistics_loop_keeps_its_loads_in_flight():
+    """Compiled for sm_90 at (8, 256, 128, 128) float16, NCHW and channels-last: each step of
+    the statistics' loop issues every load of its ``LOADS`` tiles, 16 bytes each, before it
+    sums any (a lane's tile is 16 bytes in NCHW, 32 in channels-last), without spilling and
+    with the registers for the programs an SM the grid is planned at."""
+    found = run_fresh(_STATS_LOADS_SCRIPT, env={"TRITON_INTERPRET": None})
+    assert len(found) == 2
+    for layout in found.values():
+        assert layout["loads"] > 1 and layout["spills"] == 0, layout
+        assert layout["programs"] >= layout["planned"], layout
+        assert layout["in_flight"] == layout["loaded"], layout
+        assert layout["loaded"] == ["LDG.E.128"] * (layout["loads"] * layout["lane_bytes"]
+                                                     // 16), layout

@@ -82,7 +82,8 @@ def _double_moments(s1, s1_lo, s2, s2_lo, k, part_ptr, block_counter_ptr, c, C, 
 def _block_stats(x_ptr, part_ptr, counter_ptr, N, C, S, R, CS, tiles, tiles_s, tiles_per_prog,
                  CHANNELS_LAST: tl.constexpr, CHANNEL_ROWS: tl.constexpr, BLOCK_A: tl.constexpr,
                  BLOCK_B: tl.constexpr, ALIGN: tl.constexpr, ACC: tl.constexpr,
-                 SPLIT: tl.constexpr, BLOCK_P: tl.constexpr, GROUPS: tl.constexpr):
+                 SPLIT: tl.constexpr, BLOCK_P: tl.constexpr, GROUPS: tl.constexpr,
+                 LOADS: tl.constexpr):
     """``(c, mean, M2, finishing)``: this program's channels ``c`` (a block: ``block_channels``)
     and, where ``finishing``, their (mean, M2) over the batch.
 
@@ -107,6 +108,9 @@ def _block_stats(x_ptr, part_ptr, counter_ptr, N, C, S, R, CS, tiles, tiles_s, t
     one, and the input gradient carries invstd's error twice.
     float64, which has no wider dtype to sum in: d and d^2 exact (d + e, p + q), summed in
     double-double, mean and M2 rounded once (:func:`_double_moments`).
+    ``LOADS``: the tiles a step of the loop loads before it sums any (``plan._STATS_LOADS``):
+    that many loads in flight a lane, where one leaves the memory idle while its sums run;
+    they are summed in tile order, so the sums are those of one tile a step.
     ``SPLIT``: the channel block's tiles are split over the programs of grid axis 1; each
     stores its two sums in row pid_1 of the [2, splits, C] float64 buffer ``part`` (float64
     inputs: [4, splits, C], each sum's high and low parts) and the last to
@@ -158,19 +162,22 @@ def _block_stats(x_ptr, part_ptr, counter_ptr, N, C, S, R, CS, tiles, tiles_s, t
             s2 = s1 * s1
         start = tl.where(start == 0, 1, start)
     tn, ts = tile_coordinates(start, tiles_s, CHANNELS_LAST)
-    for _ in range(start, stop):
-        base, local, mask = tile_at(tn, ts, c0, N, C, S, R, CS, CHANNELS_LAST, CHANNEL_ROWS,
-                                    BLOCK_A, BLOCK_B)
-        x = tl.load(x_ptr + base + local, mask=mask, other=shift).to(ACC)
-        if DOUBLE:
-            t1, t1_lo, t2, t2_lo = _exact_deviation_sums(x, k)
-            s1, s1_lo = dd.accumulate(s1, s1_lo, t1, t1_lo)
-            s2, s2_lo = dd.accumulate(s2, s2_lo, t2, t2_lo)
-        else:
-            d = x - k
-            s1 += d
-            s2 += d * d
-        tn, ts = next_tile(tn, ts, tiles_s, CHANNELS_LAST)
+    for t in range(start, stop, LOADS):
+        for j in tl.static_range(LOADS):
+            base, local, mask = tile_at(tn, ts, c0, N, C, S, R, CS, CHANNELS_LAST,
+                                        CHANNEL_ROWS, BLOCK_A, BLOCK_B)
+            if LOADS > 1:  # (``mask & scalar`` is not a mask to Triton's interpreter)
+                mask = tl.where(t + j < stop, mask, False)
+            x = tl.load(x_ptr + base + local, mask=mask, other=shift).to(ACC)
+            if DOUBLE:
+                t1, t1_lo, t2, t2_lo = _exact_deviation_sums(x, k)
+                s1, s1_lo = dd.accumulate(s1, s1_lo, t1, t1_lo)
+                s2, s2_lo = dd.accumulate(s2, s2_lo, t2, t2_lo)
+            else:
+                d = x - k
+                s1 += d
+                s2 += d * d
+            tn, ts = next_tile(tn, ts, tiles_s, CHANNELS_LAST)
     c = block_channels(c0, CHANNELS_LAST, CHANNEL_ROWS, BLOCK_A, BLOCK_B)
     if DOUBLE:
         mean, m2, finishing = _double_moments(s1, s1_lo, s2, s2_lo, k, part_ptr,
@@ -197,12 +204,12 @@ def _channel_stats_kernel(x_ptr, part_ptr, counter_ptr, mean_ptr, m2_ptr, N, C, 
                           CHANNEL_ROWS: tl.constexpr,
                           BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, ALIGN: tl.constexpr,
                           ACC: tl.constexpr, SPLIT: tl.constexpr, BLOCK_P: tl.constexpr,
-                          GROUPS: tl.constexpr):
+                          GROUPS: tl.constexpr, LOADS: tl.constexpr):
     """Per channel (mean, M2) of x (:func:`_block_stats`)."""
     c, mean, m2, finishing = _block_stats(x_ptr, part_ptr, counter_ptr, N, C, S, R, CS, tiles,
                                           tiles_s, tiles_per_prog, CHANNELS_LAST, CHANNEL_ROWS,
                                           BLOCK_A, BLOCK_B, ALIGN, ACC, SPLIT, BLOCK_P,
-                                          GROUPS)
+                                          GROUPS, LOADS)
     if finishing:
         tl.store(mean_ptr + c, mean, mask=c < C)
         tl.store(m2_ptr + c, m2, mask=c < C)
@@ -217,7 +224,7 @@ def _batch_stats_kernel(x_ptr, part_ptr, counter_ptr, mean_ptr, invstd_ptr, coun
                         CHANNEL_ROWS: tl.constexpr,
                         BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, ALIGN: tl.constexpr,
                         ACC: tl.constexpr, SPLIT: tl.constexpr, BLOCK_P: tl.constexpr,
-                        GROUPS: tl.constexpr, RUNNING: tl.constexpr,
+                        GROUPS: tl.constexpr, LOADS: tl.constexpr, RUNNING: tl.constexpr,
                         COUNTER: tl.constexpr, CUMULATIVE: tl.constexpr, CHECK: tl.constexpr,
                         RUN_ACC: tl.constexpr):
     """A batch's (mean, invstd), running statistics and small-gamma flags
@@ -225,7 +232,7 @@ def _batch_stats_kernel(x_ptr, part_ptr, counter_ptr, mean_ptr, invstd_ptr, coun
     c, mean, m2, finishing = _block_stats(x_ptr, part_ptr, counter_ptr, N, C, S, R, CS, tiles,
                                           tiles_s, tiles_per_prog, CHANNELS_LAST, CHANNEL_ROWS,
                                           BLOCK_A, BLOCK_B, ALIGN, ACC, SPLIT, BLOCK_P,
-                                          GROUPS)
+                                          GROUPS, LOADS)
     if finishing:
         finish_batch_stats(c, mean, m2, counter_ptr, mean_ptr, invstd_ptr, count, eps,
                            running_mean_ptr, running_var_ptr, batches_ptr, keep, momentum,

@@ -79,6 +79,15 @@ _MERGE_STEP_SHARE = 2
 # (``partials.merge_split``'s ``GROUPS``; float32 and half inputs: float64's statistics merge
 # in one); benchmarks/plan_sweep.py's "merge in groups" times it against one level.
 _MERGE_IN_GROUPS = False
+# Tiles a step of the statistics' loop loads before it sums any (``LOADS``), for half inputs:
+# a lane's loads in flight at once. A half tile is 4 KB a program, 16 KB an SM at the
+# programs planned, too little to keep HBM busy; with three, 48 KB. At the shapes that fill a
+# GPU the registers still hold the programs planned; where they hold fewer (int64 offsets past
+# 2^31 elements), those still keep more in flight than one tile a step did. Four would leave
+# a stack frame in some sm_90 specialisations (``tools/check_kernels.py``). float32's tile is
+# twice the bytes and its 8-warp programs would hold one SM program fewer: one; float64's (a
+# lane's one value) one. The tiles are summed in order: the statistics do not depend on it.
+_STATS_LOADS = 3
 
 class Tile(NamedTuple):
     """Tile shape: [block_a images, channels or rows, block_b positions or channels]
@@ -423,6 +432,8 @@ def plan_op_memo(sizes: tuple[int, ...], strides: tuple[int, ...], dtype: torch.
     acc, part, counters = stats_dtype(dtype), 0, geo.c + 1
     if reduction:
         constexprs.update(_split_constexprs(geo, tile, grid[1], acc))
+        if activation is None:  # the statistics
+            constexprs["LOADS"] = _STATS_LOADS if dtype.itemsize == 2 else 1
         rows = grid[1]
         if constexprs["GROUPS"]:
             groups = _cdiv(grid[1], constexprs["BLOCK_P"])
