@@ -41,10 +41,10 @@ CONFIGS = {
     "reductions 2 a SM": {"_REDUCE_PROGRAMS_PER_SM": 2},
     # The merge in steps of a tile's lanes, not half: half as many steps, more registers.
     "merge steps of a tile": {"_MERGE_STEP_SHARE": 1},
-    # The merge in two levels: each group of a step's rows by its last program, then the
-    # groups' rows by the last group (``partials.merge_split``): a few steps in a row where
-    # one program takes tens.
-    "merge in groups": {"_MERGE_IN_GROUPS": True},
+    # The merge in one level, where it ships in two (each group of a step's rows by its last
+    # program, then the groups' rows by the last group, ``partials.merge_split``): tens of
+    # steps in a row where two levels take a few.
+    "merge in one level": {"_MERGE_IN_GROUPS": False},
     # The statistics' loop with one tile's loads in flight a step, or two (half inputs).
     "statistics 1 tile a step": {"_STATS_LOADS": 1},
     "statistics 2 tiles a step": {"_STATS_LOADS": 2},

@@ -1310,44 +1310,6 @@ def test_check_pairs_cover_every_planned_pair_of_choices():
     assert found["chosen"] * 10 < found["all"], found
 
 
-# Compiled for sm_90 in a process of its own: the reductions with their split merged in two
-# levels, which no plan as shipped launches (CI's kernel check compiles the plans as shipped).
-_GROUPED_MERGE_SCRIPT = """
-import json, sys
-sys.path.insert(0, "tools")
-import torch
-import check_kernels as check
-from encoding_syncbn.kernels.triton import plan
-from encoding_syncbn.kernels.triton.backward_reduce import plan_backward_reduce
-from encoding_syncbn.kernels.triton.channel_stats import plan_batch_stats, plan_channel_stats
-
-plan._MERGE_IN_GROUPS = True
-target = plan.Target(False, 132)
-x = torch.empty((32, 64, 112, 112), dtype=torch.bfloat16, device="meta",
-                memory_format=torch.channels_last)
-vec = torch.empty(64, device="meta")
-launches = [plan_channel_stats(x, target)[0][0],
-            plan_batch_stats(x, 1e-5, vec, vec, None, 0.1, vec, vec, 0.016, target)[0][0],
-            plan_backward_reduce(x, x, vec, vec, vec, vec, "elu", 1.0, False, target)[0][0]]
-found = {}
-for launch in launches:
-    compiled = check.compile_spec(check.launch_spec(launch.kernel.__name__, launch), 90)
-    registers, spills, _ = check._resources(compiled.asm["cubin"])
-    found[launch.kernel.__name__] = [launch.constexprs["GROUPS"], launch.grid[1], spills]
-print(json.dumps(found))
-"""
-
-
-def test_the_merge_in_groups_compiles_for_a_gpu():
-    """The split reductions merged in two levels (plan_sweep.py's "merge in groups") compile
-    for sm_90 without spilling, at a channels-last shape split 523 ways."""
-    found = run_fresh(_GROUPED_MERGE_SCRIPT, env={"TRITON_INTERPRET": None})
-    assert set(found) == {"_channel_stats_kernel", "_batch_stats_kernel",
-                          "_backward_reduce_kernel"}
-    assert all(groups and splits > 64 and spills == 0
-               for groups, splits, spills in found.values()), found
-
-
 # Compiled for sm_90 in a process of its own: the statistics' loop at the bandwidth shapes of
 # half inputs, its loads before its sums (the first backward branch of the SASS closes it).
 _STATS_LOADS_SCRIPT = """
