@@ -78,9 +78,9 @@ _MERGE_STEP_SHARE = 2
 # Whether a block split more ways than a merge step takes is merged in two levels
 # (``partials.merge_split``'s ``GROUPS``; float32 and half inputs: float64's statistics merge
 # in one): its last program then waits on 1 + groups / BLOCK_P steps in a row, not splits /
-# BLOCK_P (4, not 33, at 523 splits), each a round trip through L2. The H200 runs put the
-# channels-last reductions' time where steps were added (benchmarks/RESULTS.md); plan_sweep.py's
-# "merge in one level" times it against one level.
+# BLOCK_P (4, not 33, at 523 splits), each a round trip through L2: the channels-last
+# reductions' time follows those steps (benchmarks/RESULTS.md). plan_sweep.py's "merge in one
+# level" times it against one level.
 _MERGE_IN_GROUPS = True
 # Tiles a step of the statistics' loop loads before it sums any (``LOADS``), for half inputs:
 # a lane's loads in flight at once. A half tile is 4 KB a program, 16 KB an SM at the
