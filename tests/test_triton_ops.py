@@ -1311,11 +1311,12 @@ def test_check_pairs_cover_every_planned_pair_of_choices():
 
 
 # Compiled for sm_90 in a process of its own: the statistics' loop at the bandwidth shapes of
-# half inputs, its loads before its sums (the first backward branch of the SASS closes it).
+# half inputs, its loads before its sums (the loop as kernel_instructions.py finds it).
 _STATS_LOADS_SCRIPT = """
-import json, re, sys
-sys.path.insert(0, "tools")
+import json, sys
+sys.path.insert(0, "benchmarks")
 import torch
+import kernel_instructions as sass
 import check_kernels as check
 from encoding_syncbn.kernels.triton import plan
 from encoding_syncbn.kernels.triton.channel_stats import plan_batch_stats
@@ -1329,14 +1330,8 @@ for layout in (torch.contiguous_format, torch.channels_last):
     (launch,), _ = plan_batch_stats(x, 1e-5, vec, vec, None, 0.1, vec, vec, 0.016, target)
     compiled = check.compile_spec(check.launch_spec("batch_stats", launch), 90)
     registers, spills, _ = check._resources(compiled.asm["cubin"])
-    sass = check.cuobjdump(compiled.asm["cubin"], "-sass")
-    # (address, opcode, a branch's target) of each instruction
-    ops = re.findall(r"/\\*([0-9a-f]{4,})\\*/\\s+(?:@!?P\\d\\s+)?([A-Z0-9.]+)"
-                     r"(?:\\s+(0x[0-9a-f]+))?", sass)
-    end, back = next((int(at, 16), int(to, 16)) for at, op, to in ops
-                     if op == "BRA" and to and int(to, 16) < int(at, 16))
-    loop = [op for at, op, _ in ops if back <= int(at, 16) <= end]
-    first_sum = next(i for i, op in enumerate(loop) if op == "HADD2.F32")
+    loop = sass._tile_loop(sass._instructions(check.cuobjdump(compiled.asm["cubin"], "-sass")))
+    first_sum = loop.index("HADD2.F32")
     lane_bytes = (launch.constexprs["BLOCK_A"] * launch.constexprs["BLOCK_B"] * x.itemsize
                   // (launch.num_warps * 32))
     found[str(layout)] = {"loads": launch.constexprs["LOADS"], "spills": spills,
