@@ -1357,3 +1357,44 @@ def test_the_statistics_loop_keeps_its_loads_in_flight():
         assert layout["in_flight"] == layout["loaded"], layout
         assert layout["loaded"] == ["LDG.E.128"] * (layout["loads"] * layout["lane_bytes"]
                                                      // 16), layout
+
+
+# Compiled for sm_90 in a process of its own, with the options the launches compile with: the
+# tile-walking kernels of one training call at each shape of bandwidth.py's table.
+_OCCUPANCY_SCRIPT = """
+import json, sys
+sys.path.insert(0, "benchmarks")
+import kernel_instructions as sass
+import check_kernels as check
+from bandwidth import SHAPES
+from encoding_syncbn.kernels.triton import plan
+
+found = []
+for shape, dtype, channels_last in SHAPES:
+    for name, launch, _ in sass._launches(shape, channels_last, dtype):
+        compiled = check.compile_spec(check.launch_spec(name, launch), 90)
+        registers, spills, _ = check._resources(compiled.asm["cubin"])
+        found.append({"input": [shape, str(dtype), channels_last], "kernel": name,
+                      "registers": registers, "spills": spills, "warps": launch.num_warps,
+                      "programs": plan.programs_per_sm(registers, launch.num_warps)})
+print(json.dumps({"found": found}))
+"""
+
+
+def test_the_elementwise_passes_keep_the_sm_full():
+    """At the shapes the bandwidth is judged by, compiled for sm_90 as launched: no kernel
+    spills, and at the NCHW float16 headline shape the elementwise passes (planned at many
+    programs an SM) hold the SM's 64 warps. A register ceiling in their compile options, under
+    which ptxas spends registers up to it, leaves them fewer."""
+    result = run_fresh(_OCCUPANCY_SCRIPT, env={"TRITON_INTERPRET": None})
+    found = result["found"]
+    assert len(found) == 20
+    headline = found[0]["input"]
+    assert headline == [[8, 256, 128, 128], "torch.float16", False]
+    elementwise = [kernel for kernel in found if kernel["input"] == headline
+                   and kernel["kernel"] in ("normalize", "backward dx")]
+    assert len(elementwise) == 2
+    for kernel in found:
+        assert kernel["spills"] == 0, kernel
+    for kernel in elementwise:
+        assert kernel["programs"] * kernel["warps"] == 64, kernel
