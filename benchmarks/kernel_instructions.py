@@ -96,9 +96,8 @@ def _sass(launch, arch: int) -> str:
     return cuobjdump(compile_spec(launch_spec("", launch), arch).asm["cubin"], "-sass")
 
 
-def _launches(shape: tuple[int, ...], channels_last: bool, dtype=None):
-    """``(name, launch, tensors moved per element)`` of the tile-walking kernels, for an input
-    of ``dtype`` (default float16)."""
+def _launches(shape: tuple[int, ...], channels_last: bool):
+    """``(name, launch, tensors moved per element)`` of the tile-walking kernels."""
     import torch
 
     from encoding_syncbn.kernels import BatchSums, NormParams
@@ -109,7 +108,7 @@ def _launches(shape: tuple[int, ...], channels_last: bool, dtype=None):
     from encoding_syncbn.kernels.triton.plan import Target
 
     fmt = torch.channels_last if channels_last else torch.contiguous_format
-    x = torch.empty(shape, dtype=dtype or torch.float16, device="meta", memory_format=fmt)
+    x = torch.empty(shape, dtype=torch.float16, device="meta", memory_format=fmt)
     v = torch.empty(shape[1], dtype=torch.float32, device="meta")
     params = NormParams(v, v, v, v, "leaky_relu", 0.01)
     target = Target(False, H100_SMS)

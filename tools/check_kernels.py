@@ -47,9 +47,9 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from encoding_syncbn import compat  # noqa: E402
 from encoding_syncbn.kernels.triton.plan import (  # noqa: E402
+    COMPILE_OPTIONS,
     Launch,
     Target,
-    compile_options,
     programs_per_sm,
 )
 
@@ -162,8 +162,7 @@ def compile_spec(spec: Spec, arch: int):
     source = ASTSource(fn=spec.kernel, signature=spec.signature, constexprs=spec.constexprs,
                        attrs=spec.attrs)
     return triton.compile(source, target=GPUTarget("cuda", arch, 32),
-                          options={"num_warps": spec.num_warps,
-                                   **compile_options(spec.constexprs)})
+                          options={"num_warps": spec.num_warps, **COMPILE_OPTIONS})
 
 
 def cuobjdump(cubin: bytes, option: str) -> str:

@@ -33,7 +33,7 @@ from typing import Any, Callable, NamedTuple
 import torch
 
 from ... import compat
-from .plan import INTERPRET, Launch, compile_options
+from .plan import COMPILE_OPTIONS, INTERPRET, Launch
 
 
 class _Compiled(NamedTuple):
@@ -235,8 +235,7 @@ def public(planned: Launch) -> Any:
     """Launch ``planned`` through Triton's public launch; its compiled kernel (None from the
     interpreter)."""
     return planned.kernel[planned.grid](*planned.args, **planned.constexprs,
-                                        num_warps=planned.num_warps,
-                                        **compile_options(planned.constexprs))
+                                        num_warps=planned.num_warps, **COMPILE_OPTIONS)
 
 
 def forget_compiled() -> None:

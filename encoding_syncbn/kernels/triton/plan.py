@@ -108,32 +108,10 @@ class Target(NamedTuple):
     sm_count: int
 
 
-# What every launch compiles with: fused multiply-adds (``compile_options`` adds the rest).
-COMPILE_OPTIONS = {"enable_fp_fusion": True}
-# The register ceiling (``maxnreg``) of every kernel but the elementwise passes of a
-# piecewise-linear activation (``compile_options``); None: none. Given one, ptxas spends
-# registers up to it where it would pick fewer alone, and an SM holds fewer programs: those
-# passes, planned at many programs an SM and bound by how many keep loads in flight, compile
-# without it. Left to pick its own register target, ptxas picks one too low for some of the
-# other kernels (reductions, float64 inputs, the other activations), which then
-# spill 8 bytes of stack; under the hardware's 255 none does, at the cost, in some reductions,
-# of fewer programs an SM than their grid plans (``tools/check_kernels.py``, which compiles
-# with these options too, fails a spill and reports the programs an SM).
-_REGISTER_CEILING: int | None = 255
-# The activations (``ACTIVATION`` ids) whose code is multiply-adds and selects alone.
-_PIECEWISE_LINEAR = ("leaky_relu", "relu")
-
-
-def compile_options(constexprs: dict) -> dict:
-    """The compile options of a launch with ``constexprs``: ``COMPILE_OPTIONS``, and the
-    register ceiling ``_REGISTER_CEILING`` unless the launch is an elementwise pass (its plan
-    sets no ``SPLIT``) of a piecewise-linear activation on float16, bfloat16 or float32 (a
-    ``maxnreg`` of ``COMPILE_OPTIONS`` overrides it)."""
-    if _REGISTER_CEILING is None or (
-            "SPLIT" not in constexprs and constexprs.get("ACC") != tl.float64
-            and constexprs.get("ACTIVATION") in _PIECEWISE_LINEAR):
-        return COMPILE_OPTIONS
-    return {"maxnreg": _REGISTER_CEILING, **COMPILE_OPTIONS}
+# What every launch compiles with: fused multiply-adds, and an explicit register ceiling, the
+# hardware's 255: without one, ptxas may choose a register target of its own below what a
+# kernel needs and spill (``tools/check_kernels.py`` compiles with these options too).
+COMPILE_OPTIONS = {"enable_fp_fusion": True, "maxnreg": 255}
 
 
 # An SM of sm_80 and sm_90: 65,536 registers, allocated to a warp in units of 256 (8 a
