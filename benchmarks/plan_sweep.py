@@ -48,10 +48,22 @@ CONFIGS = {
     # The statistics' loop with one tile's loads in flight a step, or two (half inputs).
     "statistics 1 tile a step": {"_STATS_LOADS": 1},
     "statistics 2 tiles a step": {"_STATS_LOADS": 2},
+    "statistics 4 tiles a step": {"_STATS_LOADS": 4},
     "reductions 8 a SM": {"_REDUCE_PROGRAMS_PER_SM": 8},
     "reductions 16 a SM": {"_REDUCE_PROGRAMS_PER_SM": 16},
     "4 warps, reductions 16 a SM": {"_NUM_WARPS": 4, "_NUM_WARPS_CHANNELS_LAST": 4,
                                     "_REDUCE_PROGRAMS_PER_SM": 16},
+    # 8-warp channels_last programs take more than 64 registers a thread: three an SM.
+    "8 warps, reductions 3 a SM": {"_NUM_WARPS": 8, "_NUM_WARPS_CHANNELS_LAST": 8,
+                                   "_REDUCE_PROGRAMS_PER_SM": 3},
+    "merge in one level, steps of a tile": {"_MERGE_IN_GROUPS": False, "_MERGE_STEP_SHARE": 1},
+    # 4-warp NCHW reductions: more programs an SM (the statistics' take 80 registers a thread
+    # at 4 warps: six fit).
+    "4 warps, reductions 5 a SM": {"_NUM_WARPS": 4, "_REDUCE_PROGRAMS_PER_SM": 5},
+    "4 warps, reductions 6 a SM": {"_NUM_WARPS": 4, "_REDUCE_PROGRAMS_PER_SM": 6},
+    "4 warps, reductions 8 a SM": {"_NUM_WARPS": 4, "_REDUCE_PROGRAMS_PER_SM": 8},
+    "tile 1024, 4 warps, reductions 8 a SM": {"_GPU_TILE_ELEMS": 1024, "_NUM_WARPS": 4,
+                                              "_REDUCE_PROGRAMS_PER_SM": 8},
     "elementwise 64 a SM": {"_ELEMENTWISE_PROGRAMS_PER_SM": 64},
     "no register ceiling": {"COMPILE_OPTIONS": {"enable_fp_fusion": True}},
     "registers <= 128": {"COMPILE_OPTIONS": {"enable_fp_fusion": True, "maxnreg": 128}},
