@@ -3,13 +3,14 @@
     python benchmarks/bandwidth.py [--peak-gbps GBPS] [--repeats 50]
 
 For each shape and op: the Triton launches of one call, and the bytes the op must move
-(batch_stats reads x; normalize_act and normalize_running read x and write y; backward_reduce
-reads y and dy; backward_dx reads y and dy and writes dx; batch_backward both; then torch's own
-batch_norm and leaky_relu, forward and backward, for comparison) over its median time (CUDA
-events around the call, queued behind a spin kernel so that the host's planning and launching
-do not count; after a warm-up), in GB/s and as a share of ``--peak-gbps`` (default: this device's
-own copy rate, measured first in the same run: a 1 GiB device-to-device copy, bytes read and
-written over its median time, the ceiling an op that reads and writes memory can reach here).
+(channel_stats and batch_stats read x; normalize_act and normalize_running read x and write y;
+backward_reduce reads y and dy; backward_dx reads y and dy and writes dx; batch_backward both;
+then torch's own batch_norm and leaky_relu, forward and backward, for comparison) over its
+median time (CUDA events around the call, queued behind a spin kernel so that the host's
+planning and launching do not count; after a warm-up), in GB/s and as a share of ``--peak-gbps``
+(default: this device's own copy rate, measured first in the same run: a 1 GiB device-to-device
+copy, bytes read and written over its median time, the ceiling an op that reads and writes
+memory can reach here).
 Needs a CUDA GPU: without one it says so and exits (0, nothing recorded).
 Prints its table (``--record``: into benchmarks/RESULTS.md too).
 """
@@ -35,14 +36,16 @@ SHAPES = [
 # Elements read or written per element of the activation: ours, then what torch's own
 # BatchNorm (cuDNN) and leaky_relu do for the same layer, counted the same way (a two-pass
 # forward 3, a backward 5; the activation 2 and 3).
-TRAFFIC = {"batch_stats": 1, "normalize_act": 2, "normalize_running": 2, "backward_reduce": 2,
-           "backward_dx": 3, "batch_backward": 5, "torch batch_norm": 3,
+TRAFFIC = {"channel_stats": 1, "batch_stats": 1, "normalize_act": 2, "normalize_running": 2,
+           "backward_reduce": 2, "backward_dx": 3, "batch_backward": 5, "torch batch_norm": 3,
            "torch batch_norm backward": 5, "torch leaky_relu": 2, "torch leaky_relu backward": 3}
 
 
 def _ops(T, x, dy, vec, out):
     """The passes over one activation (leaky_relu, rebuilt from the output in backward), as a
-    training layer calls them: batch_stats with running statistics and the small-gamma check;
+    training layer calls them: the statistics of a replica of a synchronised layer
+    (channel_stats: the same loop as batch_stats, its finishing left to the merge), then a
+    single replica's batch_stats with running statistics and the small-gamma check;
     evaluation's normalize_running; the backward's two ops alone and as one batch_backward."""
     from encoding_syncbn.kernels import (
         DxCoefs,
@@ -62,6 +65,7 @@ def _ops(T, x, dy, vec, out):
     count = x.numel() // c
     B = T.EAGER
     return {
+        "channel_stats": lambda: B.channel_stats(x),
         "batch_stats": lambda: B.batch_stats(x, 1e-5, running, check),
         "normalize_act": lambda: B.normalize_act(x, params, out),
         "normalize_running": lambda: B.normalize_running(x, evaluation, out),
