@@ -2,15 +2,15 @@
 
     python benchmarks/plan_sweep.py [--repeats 30] [--shapes 0 1] [--configs NAME ...]
 
-For shapes of ``bandwidth.py``'s table (``--shapes``: their indices, the first two by default),
-the passes over one activation (as there) timed with the planner's constants as shipped and
-with one or two of them changed: elements a tile (``_GPU_TILE_ELEMS``), warps a program
-(``_NUM_WARPS``, NCHW, and ``_NUM_WARPS_CHANNELS_LAST``), programs an SM for reductions and
-elementwise passes, the rows a step of a split reduction's merge and its merge in two levels,
-the tiles a step of the statistics' loop loads, the register ceiling the kernels compile with
-(``COMPILE_OPTIONS``: ptxas under 255 registers uses more than it picks alone, so fewer
-programs fit an SM). Median of ``--repeats`` calls timed as there, in us, and each
-configuration's passes summed.
+For shapes of ``bandwidth.py``'s table and three more (``--shapes``: their indices in
+:data:`SHAPES`, the first two by default), the passes over one activation (as there) timed with
+the planner's constants as shipped and with one or two of them changed: elements a tile
+(``_GPU_TILE_ELEMS``), warps a program (``_NUM_WARPS``, NCHW, and ``_NUM_WARPS_CHANNELS_LAST``),
+programs an SM for reductions and elementwise passes, the rows a step of a split reduction's
+merge and its merge in two levels, the tiles a step of the statistics' loop loads, the register
+ceiling the kernels compile with (``COMPILE_OPTIONS``: ptxas under 255 registers uses more than
+it picks alone, so fewer programs fit an SM). Median of ``--repeats`` calls timed as there, in
+us, and each configuration's passes summed.
 Needs a CUDA GPU. Prints its table (``--record``: into benchmarks/RESULTS.md too).
 """
 
@@ -20,10 +20,19 @@ import argparse
 import copy
 import sys
 
+import bandwidth
 import torch
-from bandwidth import SHAPES, _inputs, _ops, _time
+from bandwidth import _inputs, _ops, _time
 from helpers import results
 from helpers.plans import forget_plans
+
+# bandwidth.py's shapes (0-4), then channels-last inputs of a segmentation network's smaller
+# maps, their reductions split as many ways as the larger ones' with loops of a few tiles
+# (2, 6 and 4 a program): where a split merge's steps weigh most against the loop.
+SHAPES = [*bandwidth.SHAPES,
+          ((2, 256, 64, 64), torch.float16, True),
+          ((16, 128, 56, 56), torch.float16, True),
+          ((4, 64, 128, 128), torch.bfloat16, True)]
 
 # Name -> the planner constants it changes (the rest as shipped).
 CONFIGS = {
@@ -83,7 +92,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--shapes", type=int, nargs="+", default=[0, 1],
-                        choices=range(len(SHAPES)), help="indices into bandwidth.py's SHAPES")
+                        choices=range(len(SHAPES)), help="indices into SHAPES")
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS),
                         metavar="NAME", help="configurations to time (default: all)")
     results.add_arguments(parser)
