@@ -54,7 +54,9 @@ CONFIGS = {
     # program, then the groups' rows by the last group, ``partials.merge_split``): tens of
     # steps in a row where two levels take a few.
     "merge in one level": {"_MERGE_IN_GROUPS": False},
-    # The statistics' loop with one tile's loads in flight a step, or two (half inputs).
+    "merge in one level, steps of a tile": {"_MERGE_IN_GROUPS": False, "_MERGE_STEP_SHARE": 1},
+    # The statistics' loop with one, two or four tiles' loads in flight a step (half inputs;
+    # three as shipped).
     "statistics 1 tile a step": {"_STATS_LOADS": 1},
     "statistics 2 tiles a step": {"_STATS_LOADS": 2},
     "statistics 4 tiles a step": {"_STATS_LOADS": 4},
@@ -65,7 +67,6 @@ CONFIGS = {
     # 8-warp channels_last programs take more than 64 registers a thread: three an SM.
     "8 warps, reductions 3 a SM": {"_NUM_WARPS": 8, "_NUM_WARPS_CHANNELS_LAST": 8,
                                    "_REDUCE_PROGRAMS_PER_SM": 3},
-    "merge in one level, steps of a tile": {"_MERGE_IN_GROUPS": False, "_MERGE_STEP_SHARE": 1},
     # 4-warp NCHW reductions: more programs an SM (the statistics' take 80 registers a thread
     # at 4 warps: six fit).
     "4 warps, reductions 5 a SM": {"_NUM_WARPS": 4, "_REDUCE_PROGRAMS_PER_SM": 5},
