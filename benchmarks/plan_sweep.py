@@ -26,15 +26,6 @@ from bandwidth import _inputs, _ops, _time
 from helpers import results
 from helpers.plans import forget_plans
 
-from encoding_syncbn.kernels.triton import plan
-
-
-def _registers(ceiling: int | None) -> dict:
-    """The compile options as shipped under another register ceiling (None: none)."""
-    options = {name: value for name, value in plan.COMPILE_OPTIONS.items() if name != "maxnreg"}
-    return options if ceiling is None else {**options, "maxnreg": ceiling}
-
-
 # bandwidth.py's shapes (0-4), then channels-last inputs of a segmentation network's smaller
 # maps, their reductions split as many ways as the larger ones' with loops of a few tiles
 # (2, 6 and 4 a program): where a split merge's steps weigh most against the loop.
@@ -89,7 +80,7 @@ CONFIGS = {
     # kernels may spill under it).
     "4 warps, reductions 8 a SM, registers <= 64": {
         "_NUM_WARPS": 4, "_REDUCE_PROGRAMS_PER_SM": 8,
-        "COMPILE_OPTIONS": _registers(64)},
+        "COMPILE_OPTIONS": {"enable_fp_fusion": True, "maxnreg": 64}},
     # Channels-last statistics take more than 100 registers a thread at 4 warps (four
     # programs an SM). Under a 72-register ceiling seven fit an SM, float16's without a
     # spill, bfloat16's with a few bytes spilled; under 80 six, neither spilling (Triton 3.6,
@@ -97,13 +88,13 @@ CONFIGS = {
     # fit four an SM: a second wave).
     "reductions 7 a SM, registers <= 72": {
         "_REDUCE_PROGRAMS_PER_SM": 7,
-        "COMPILE_OPTIONS": _registers(72)},
+        "COMPILE_OPTIONS": {"enable_fp_fusion": True, "maxnreg": 72}},
     "reductions 6 a SM, registers <= 80": {
         "_REDUCE_PROGRAMS_PER_SM": 6,
-        "COMPILE_OPTIONS": _registers(80)},
+        "COMPILE_OPTIONS": {"enable_fp_fusion": True, "maxnreg": 80}},
     "elementwise 64 a SM": {"_ELEMENTWISE_PROGRAMS_PER_SM": 64},
-    "no register ceiling": {"COMPILE_OPTIONS": _registers(None)},
-    "registers <= 128": {"COMPILE_OPTIONS": _registers(128)},
+    "no register ceiling": {"COMPILE_OPTIONS": {"enable_fp_fusion": True}},
+    "registers <= 128": {"COMPILE_OPTIONS": {"enable_fp_fusion": True, "maxnreg": 128}},
 }
 
 
@@ -129,6 +120,7 @@ def main() -> int:
         print("plan_sweep.py times GPU kernels and needs a CUDA GPU: nothing measured")
         return 0
     from encoding_syncbn.kernels.triton import ops as T
+    from encoding_syncbn.kernels.triton import plan
 
     configs = {label: CONFIGS[label] for label in args.configs}
     shipped = {name: copy.copy(getattr(plan, name))
