@@ -8,9 +8,9 @@ the planner's constants as shipped and with one or two of them changed: elements
 (``_GPU_TILE_ELEMS``), warps a program (``_NUM_WARPS``, NCHW, and ``_NUM_WARPS_CHANNELS_LAST``),
 programs an SM for reductions and elementwise passes, the rows a step of a split reduction's
 merge and its merge in two levels, the tiles a step of the statistics' loop loads, the register
-ceiling the kernels compile with (``COMPILE_OPTIONS``: ptxas under 255 registers uses more than
-it picks alone, so fewer programs fit an SM). Median of ``--repeats`` calls timed as there, in
-us, and each configuration's passes summed.
+ceiling the kernels compile with (``maxnreg`` of ``COMPILE_OPTIONS``: ptxas under 255 registers
+uses more than it picks alone, so fewer programs fit an SM). Median of ``--repeats`` calls timed
+as there, in us, and each configuration's passes summed.
 Needs a CUDA GPU. Prints its table (``--record``: into benchmarks/RESULTS.md too).
 """
 
@@ -33,6 +33,10 @@ SHAPES = [*bandwidth.SHAPES,
           ((2, 256, 64, 64), torch.float16, True),
           ((16, 128, 56, 56), torch.float16, True),
           ((4, 64, 128, 128), torch.bfloat16, True)]
+
+# The register ceiling's key among the compile options every kernel takes (``None``: no
+# ceiling). A configuration names it like a planner constant; the other options stay as shipped.
+CEILING = "maxnreg"
 
 # Name -> the planner constants it changes (the rest as shipped).
 CONFIGS = {
@@ -79,42 +83,45 @@ CONFIGS = {
     # ceiling holds for every kernel: only the statistics' columns answer (the backward's
     # kernels may spill under it).
     "4 warps, reductions 8 a SM, registers <= 64": {
-        "_NUM_WARPS": 4, "_REDUCE_PROGRAMS_PER_SM": 8,
-        "COMPILE_OPTIONS": {"enable_fp_fusion": True, "maxnreg": 64}},
+        "_NUM_WARPS": 4, "_REDUCE_PROGRAMS_PER_SM": 8, "maxnreg": 64},
     # Channels-last statistics take more than 100 registers a thread at 4 warps (four
     # programs an SM). Under a 72-register ceiling seven fit an SM, float16's without a
     # spill, bfloat16's with a few bytes spilled; under 80 six, neither spilling (Triton 3.6,
     # sm_90). Only the channels-last statistics' columns answer (NCHW's 8-warp programs still
     # fit four an SM: a second wave).
-    "reductions 7 a SM, registers <= 72": {
-        "_REDUCE_PROGRAMS_PER_SM": 7,
-        "COMPILE_OPTIONS": {"enable_fp_fusion": True, "maxnreg": 72}},
-    "reductions 6 a SM, registers <= 80": {
-        "_REDUCE_PROGRAMS_PER_SM": 6,
-        "COMPILE_OPTIONS": {"enable_fp_fusion": True, "maxnreg": 80}},
+    "reductions 7 a SM, registers <= 72": {"_REDUCE_PROGRAMS_PER_SM": 7, "maxnreg": 72},
+    "reductions 6 a SM, registers <= 80": {"_REDUCE_PROGRAMS_PER_SM": 6, "maxnreg": 80},
     # Without the ceiling ptxas takes fewer registers than under 255 (Triton 3.6, sm_90):
     # 40 for the 8-warp NCHW statistics (six an SM, where 56 fit four), 56 for the 4-warp
     # ones (nine), 80 for the 4-warp channels-last ones (six, where 111 fit four). Every
     # kernel compiles without it: only the statistics' columns answer (the elementwise passes
     # keep their planned programs an SM).
     "reductions 6 a SM, no register ceiling": {
-        "_REDUCE_PROGRAMS_PER_SM": 6, "COMPILE_OPTIONS": {"enable_fp_fusion": True}},
+        "_REDUCE_PROGRAMS_PER_SM": 6, "maxnreg": None},
     "4 warps, reductions 8 a SM, no register ceiling": {
-        "_NUM_WARPS": 4, "_REDUCE_PROGRAMS_PER_SM": 8,
-        "COMPILE_OPTIONS": {"enable_fp_fusion": True}},
+        "_NUM_WARPS": 4, "_REDUCE_PROGRAMS_PER_SM": 8, "maxnreg": None},
     "elementwise 64 a SM": {"_ELEMENTWISE_PROGRAMS_PER_SM": 64},
-    "no register ceiling": {"COMPILE_OPTIONS": {"enable_fp_fusion": True}},
-    "registers <= 128": {"COMPILE_OPTIONS": {"enable_fp_fusion": True, "maxnreg": 128}},
+    "no register ceiling": {"maxnreg": None},
+    "registers <= 128": {"maxnreg": 128},
 }
 
 
+def _get(plan, name: str):
+    """A planner constant's value (a copy), or the register ceiling's."""
+    if name == CEILING:
+        return plan.COMPILE_OPTIONS.get(CEILING)
+    return copy.copy(getattr(plan, name))
+
+
 def _set(plan, name: str, value) -> None:
-    """Set a planner constant; the compile options in place (the ops hold that dict)."""
-    if name == "COMPILE_OPTIONS":
-        plan.COMPILE_OPTIONS.clear()
-        plan.COMPILE_OPTIONS.update(value)
-    else:
+    """Set a planner constant, or the register ceiling in the compile options in place (the
+    ops hold that dict)."""
+    if name != CEILING:
         setattr(plan, name, value)
+    elif value is None:
+        plan.COMPILE_OPTIONS.pop(CEILING, None)
+    else:
+        plan.COMPILE_OPTIONS[CEILING] = value
 
 
 def main() -> int:
@@ -133,8 +140,7 @@ def main() -> int:
     from encoding_syncbn.kernels.triton import plan
 
     configs = {label: CONFIGS[label] for label in args.configs}
-    shipped = {name: copy.copy(getattr(plan, name))
-               for config in CONFIGS.values() for name in config}
+    shipped = {name: _get(plan, name) for config in CONFIGS.values() for name in config}
     rows = []
     for shape, dtype, channels_last in (SHAPES[index] for index in args.shapes):
         x, dy, vec = _inputs(shape, dtype, channels_last)
@@ -162,7 +168,7 @@ def main() -> int:
         f"{shipped.get('_NUM_WARPS')} warps (channels_last "
         f"{shipped.get('_NUM_WARPS_CHANNELS_LAST')}), {shipped.get('_REDUCE_PROGRAMS_PER_SM')} "
         f"reduction / {shipped.get('_ELEMENTWISE_PROGRAMS_PER_SM')} elementwise programs "
-        f"an SM, compile options {shipped.get('COMPILE_OPTIONS')}."))
+        f"an SM, compile options {plan.COMPILE_OPTIONS}."))
     return 0
 
 

@@ -128,7 +128,7 @@ def test_each_planner_sweep_configuration_changes_what_it_names():
     warps of a reduction's or an elementwise pass's plan, or the compile options."""
     import torch
     from helpers.plans import forget_plans
-    from plan_sweep import CONFIGS, SHAPES, _set
+    from plan_sweep import CEILING, CONFIGS, SHAPES, _get, _set
 
     from encoding_syncbn.kernels.triton import plan
 
@@ -143,10 +143,10 @@ def test_each_planner_sweep_configuration_changes_what_it_names():
         return [plans, dict(plan.COMPILE_OPTIONS)]
 
     names = {name for config in CONFIGS.values() for name in config}
-    assert all(hasattr(plan, name) for name in names), names - set(vars(plan))
-    shipped = {name: getattr(plan, name) for name in names}
-    shipped = {name: dict(value) if isinstance(value, dict) else value
-               for name, value in shipped.items()}
+    assert CEILING in plan.COMPILE_OPTIONS
+    assert all(hasattr(plan, name) for name in names - {CEILING}), names - set(vars(plan))
+    shipped = {name: _get(plan, name) for name in names}
+    options = dict(plan.COMPILE_OPTIONS)
     forget_plans()
     as_shipped = planned()
     try:
@@ -159,3 +159,4 @@ def test_each_planner_sweep_configuration_changes_what_it_names():
         for name, value in shipped.items():
             _set(plan, name, value)
         forget_plans()
+    assert plan.COMPILE_OPTIONS == options
