@@ -257,6 +257,30 @@ def _assert_within_bound(ratio: torch.Tensor, gamma, beta, what: str,
         f"beta {float(beta[worst]):.4g}) at {float(ratio[worst]):.3g}{unit}")
 
 
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(dtype=st.sampled_from([torch.float32, torch.float64]),
+       weight=st.floats(1e-3, 1e3), negative=st.booleans(), invstd=st.floats(1e-3, 1e3))
+def test_rebuilt_scale_is_weight_times_invstd_to_one_rounding(dtype, weight, negative, invstd):
+    """In place, ATen's fused backward (``torch_ops.batch_backward``) scales dx by ``unit *
+    bn_weight`` (``torch_ops._rebuilt_scale``), exactly as the two are given: that product
+    is ``weight * invstd`` to one rounding of the dtype (half an ulp, relative: 2^-24 in
+    float32, 2^-53 in float64, and the float64 arithmetic's few roundings below the
+    float32 one), not to two (unit's own rounding, which reaches every element of dx
+    alike)."""
+    from fractions import Fraction
+
+    from encoding_syncbn.kernels.torch_ops import _rebuilt_scale
+
+    w = torch.tensor([-weight if negative else weight], dtype=dtype)
+    s = torch.tensor([invstd], dtype=dtype)
+    unit, bn_weight = _rebuilt_scale(w, s)
+    assert unit.dtype == bn_weight.dtype == dtype
+    exact = Fraction(float(w)) * Fraction(float(s))
+    got = Fraction(float(unit)) * Fraction(float(bn_weight))
+    rounding = 2.0**-24 + 2.0**-50 if dtype == torch.float32 else 2.0**-53 * (1 + 2.0**-40)
+    assert abs(got - exact) <= Fraction(rounding) * abs(exact)
+
+
 @settings(max_examples=12, deadline=None, derandomize=True)
 @given(
     activation=st.sampled_from(["identity", "leaky_relu", "elu"]),

@@ -819,20 +819,22 @@ def backward_dx(saved: torch.Tensor, dy: torch.Tensor, params: NormParams,
     return dx
 
 
-def _rebuilt_weight(weight: torch.Tensor, invstd: torch.Tensor, unit: torch.Tensor
-                    ) -> torch.Tensor:
-    """The weight ATen's BatchNorm backward takes for xhat rebuilt as ``(z - bias) * unit``
-    (``unit`` about ``1 / weight``, in float64): ``weight * invstd / unit``, so that the
-    product it scales dx by, ``unit * weight'``, is ``weight * invstd``. In float32, taken in
-    float64 and rounded once; in float64, in double-double with ``unit`` as rounded, so that
-    the product errs by one rounding, not by unit's, the two of ``weight * invstd * weight``
-    and their product's (each reaches every element of dx)."""
+def _rebuilt_scale(weight: torch.Tensor, invstd: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(unit, bn_weight)``: the inverse deviation and the weight ATen's BatchNorm backward
+    takes for xhat rebuilt as ``(z - bias) * unit``. ``unit`` is ``1 / weight`` taken in
+    float64 and rounded once to the weight's dtype, as ATen takes it; ``bn_weight`` is
+    ``weight * invstd / unit`` with that rounded unit, so that the product ATen scales dx by,
+    ``unit * bn_weight``, is ``weight * invstd`` to ``bn_weight``'s one rounding: unit's
+    own rounding, which would reach every element of dx alike, is taken out. In float32,
+    taken in float64 and rounded once; in float64, in double-double."""
+    wide = widest_dtype(weight.device)
+    unit = weight.to(wide).reciprocal().to(weight.dtype)
     if weight.dtype != torch.float64:
-        wide = weight.to(unit.dtype)
-        return (wide * invstd * wide).to(weight.dtype)
+        return unit, (weight.to(wide) * invstd.to(wide) / unit.to(wide)).to(weight.dtype)
     zero = torch.zeros_like(unit)
     high, low = double_double.div(double_double.two_prod(weight, invstd), (unit, zero))
-    return high + low
+    return unit, high + low
 
 
 def batch_backward(saved: torch.Tensor, dy: torch.Tensor, params: NormParams,
@@ -873,9 +875,7 @@ def batch_backward(saved: torch.Tensor, dy: torch.Tensor, params: NormParams,
     # As xhat = (z - centre) * unit, and unit * bn_weight = weight * invstd: (C,) vectors
     # taken in float64 and rounded once each, as nn.BatchNorm2d's own are.
     if saved_is_output:
-        centre, unit = bias, weight.to(widest_dtype(weight.device)).reciprocal()
-        bn_weight = _rebuilt_weight(weight, invstd, unit)
-        unit = unit.to(weight.dtype)
+        centre, (unit, bn_weight) = bias, _rebuilt_scale(weight, invstd)
     else:
         centre, unit, bn_weight = mean, invstd, weight
     dx, sum_dz_xhat, sum_dz = torch.ops.aten.native_batch_norm_backward(
