@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Sequence
+from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -28,6 +29,7 @@ from reference import SLOPES, SMOOTH_ACTIVATIONS, activate, assert_close
 from torch import nn
 
 from encoding_syncbn import SyncBatchNorm
+from encoding_syncbn.kernels.torch_ops import _rebuilt_scale
 from encoding_syncbn.layer.inplace_policy import (
     MARGIN,
     MIN_FLOAT64_REBUILT_COUNT,
@@ -267,10 +269,6 @@ def test_rebuilt_scale_is_weight_times_invstd_to_one_rounding(dtype, weight, neg
     float32, 2^-53 in float64, and the float64 arithmetic's few roundings below the
     float32 one), not to two (unit's own rounding, which reaches every element of dx
     alike)."""
-    from fractions import Fraction
-
-    from encoding_syncbn.kernels.torch_ops import _rebuilt_scale
-
     w = torch.tensor([-weight if negative else weight], dtype=dtype)
     s = torch.tensor([invstd], dtype=dtype)
     unit, bn_weight = _rebuilt_scale(w, s)
