@@ -259,6 +259,7 @@ def _assert_within_bound(ratio: torch.Tensor, gamma, beta, what: str,
         f"beta {float(beta[worst]):.4g}) at {float(ratio[worst]):.3g}{unit}")
 
 
+@one_backend  # the torch backend's helper, called directly
 @settings(max_examples=200, deadline=None, derandomize=True)
 @given(dtype=st.sampled_from([torch.float32, torch.float64]),
        weight=st.floats(1e-3, 1e3), negative=st.booleans(), invstd=st.floats(1e-3, 1e3))
