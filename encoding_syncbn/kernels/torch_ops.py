@@ -828,10 +828,10 @@ def _rebuilt_scale(weight: torch.Tensor, invstd: torch.Tensor
     ``unit * bn_weight``, is ``weight * invstd`` to ``bn_weight``'s one rounding: unit's
     own rounding, which would reach every element of dx alike, is taken out. In float32,
     taken in float64 and rounded once; in float64, in double-double."""
-    wide = widest_dtype(weight.device)
-    unit = weight.to(wide).reciprocal().to(weight.dtype)
-    if weight.dtype != torch.float64:
-        return unit, (weight.to(wide) * invstd.to(wide) / unit.to(wide)).to(weight.dtype)
+    wide = weight.to(widest_dtype(weight.device))
+    unit = wide.reciprocal().to(weight.dtype)
+    if weight.dtype != torch.float64:  # (invstd and unit promoted to wide's dtype)
+        return unit, (wide * invstd / unit).to(weight.dtype)
     zero = torch.zeros_like(unit)
     high, low = double_double.div(double_double.two_prod(weight, invstd), (unit, zero))
     return unit, high + low
