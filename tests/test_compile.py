@@ -166,6 +166,24 @@ def test_compiled_layer_matches_eager(each_backend, traced_as, activation, train
     assert backward.count("aten_backward_dx") == each_backend.startswith("torch")
 
 
+def test_compiled_float64_gradient_over_few_values_is_one_op(each_backend, monkeypatch):
+    """Compiled through the custom ops, a float64 call over fewer values a channel than
+    ``MIN_FLOAT64_REBUILT_COUNT`` takes its double-double input gradient as one opaque op,
+    not its hundreds of elementwise steps (Inductor fuses those into a C++ kernel of
+    thousands of lines): the backward graph calls it, and computes bitwise what eager does."""
+    monkeypatch.setattr(modules, "COMPILE_AS_FORMULA", False)
+    layer = make_layer("leaky_relu", True)
+    x, dy = torch.randn(3, C, 5, 6, dtype=torch.float64), torch.randn(3, C, 5, 6).double()
+    assert inplace_policy.takes_double_double_gradient(x.dtype, x.numel() // C, False)
+    recorder = GraphRecorder()
+    compiled = torch.compile(copy.deepcopy(layer), fullgraph=True, backend=recorder.backend)
+    eager, traced = step(layer, x, dy), step(compiled, x, dy)
+    forward, backward = recorder.custom_ops()
+    assert "float64_batch_backward" in backward and "float64_batch_backward" not in forward
+    assert torch.equal(traced[2], eager[2])  # the input gradient
+    assert_same(eager, traced)
+
+
 def _block_net(blocks: int = 2) -> nn.Sequential:
     layers, channels = [], 3
     for _ in range(blocks):

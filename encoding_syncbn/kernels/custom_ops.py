@@ -11,7 +11,8 @@ count of ``BatchSums`` (``DX_COEFS_COUNT`` for ``DxCoefs``).
 
 The one registry of both backends: each writes its ops once, as a table of :class:`Op`
 (implementation and fake); :func:`register` registers a table, :func:`implementations` gives
-it for eager calls, and :class:`OpsBackend` is the backend over either.
+it for eager calls, and :class:`OpsBackend` is the backend over either. Both backends share
+:data:`FLOAT64_BATCH_BACKWARD`, float64's input gradient over few values a channel.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import NamedTuple
 
 import torch
 
+from . import double_double
 from .backend import (
     BatchSums,
     DxCoefs,
@@ -183,6 +185,14 @@ def channel_vectors(x: torch.Tensor, *_) -> tuple[torch.Tensor, torch.Tensor]:
     the statistics dtype."""
     acc, channels = stats_dtype(x.dtype), x.shape[1]
     return x.new_empty(channels, dtype=acc), x.new_empty(channels, dtype=acc)
+
+
+#: ``double_double.batch_backward`` as tracers see it: one op. Traced, its hundreds of
+#: elementwise steps over every value would reach Inductor, which fuses them into a C++
+#: kernel of thousands of lines, slow to build for microseconds of work; as one op, a
+#: compiled backward calls the eager function and computes bitwise what eager computes.
+FLOAT64_BATCH_BACKWARD = CustomOp("float64_batch_backward", double_double.batch_backward)
+FLOAT64_BATCH_BACKWARD.register_fake(lambda x, *_: (torch.empty_like(x), *channel_vectors(x)))
 
 
 class Op(NamedTuple):

@@ -65,6 +65,7 @@ from ..kernels import (
     reference_ops,
     torch_ops,
 )
+from ..kernels.custom_ops import FLOAT64_BATCH_BACKWARD
 from ..sync import stats
 from ..sync.streams import stream_event, wait_for
 from . import inplace_policy
@@ -251,9 +252,15 @@ def _backward_ops(forward: Backend, saved: _Saved) -> Backend:
     """The backend a backward of ``saved`` calls: ``forward``, the one its forward called
     (``_ops`` of the same tensor and dtype), unless a tracer may have to see the ops now and
     not then (while compiling, under a dispatch mode): then ``_ops`` again."""
-    if torch.compiler.is_compiling() or compat.dispatch_modes():
+    if _tracing():
         return _ops(saved.tensor, saved.mean.dtype)
     return forward
+
+
+def _tracing() -> bool:
+    """Whether a tracer records this call's ops (``torch.compile``, a dispatch mode): then a
+    backward calls what it must see as opaque ops."""
+    return torch.compiler.is_compiling() or bool(compat.dispatch_modes())
 
 
 def _widened(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -514,7 +521,9 @@ class BatchNormAct(torch.autograd.Function):
             return (None, *_param_grads(needs[1], needs[2], sum_dz, sum_dz_xhat), None)
         if inplace_policy.takes_double_double_gradient(saved.tensor.dtype, ctx.count,
                                                        config.inplace):
-            grad_input, sum_dz, sum_dz_xhat = double_double.batch_backward(
+            float64_backward = (FLOAT64_BATCH_BACKWARD if _tracing()
+                                else double_double.batch_backward)
+            grad_input, sum_dz, sum_dz_xhat = float64_backward(
                 saved.tensor, grad_output, saved.weight, saved.bias, ctx.eps,
                 config.activation, config.activation_param)
             return (grad_input, *_param_grads(needs[1], needs[2], sum_dz, sum_dz_xhat), None)
