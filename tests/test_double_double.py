@@ -4,16 +4,18 @@ finite and its error term representable (no underflow), the largest magnitudes i
 
 from __future__ import annotations
 
+import math
 from fractions import Fraction
 from unittest import mock
 
+import mpmath
 import pytest
 import torch
 from helpers.peak_storage import PeakStorage
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from encoding_syncbn.kernels import double_double
+from encoding_syncbn.kernels import double_double, torch_ops
 
 # Magnitudes from 2^-400 (products' errors stay normal) to float64's largest.
 MAGNITUDES = st.floats(2.0**-400, 1.7976931348623157e308, allow_nan=False,
@@ -54,6 +56,27 @@ def test_two_prod_is_exact_where_the_product_is_finite(a, b):
     p, e = double_double.two_prod(_tensor(a), _tensor(b))
     assume(torch.isfinite(p).item())
     assert Fraction(float(p)) + Fraction(float(e)) == exact, (a, b)
+
+
+@settings(max_examples=400, deadline=None, derandomize=True)
+@given(m2=st.floats(2.0**-1074, 1.7976931348623157e308, allow_nan=False, allow_infinity=False),
+       count=st.integers(1, 2**40),
+       eps=st.one_of(st.sampled_from([0.0, 1e-5, 1e-3]), st.floats(0.0, 1.0)))
+def test_float64_invstd_is_rounded_once(m2, count, eps):
+    """``torch_ops.float64_invstd``: ``1 / sqrt(M2 / count + eps)`` within half an ulp of the
+    exact value (400-bit mpmath from exact rationals): the variance in double-double
+    (``quotient``, ``add``), then ``rsqrt``'s Newton step. Over variances from 2^-960 to
+    2^960: beyond them an error term of a step (the remainder's, the root's square's) is
+    subnormal, which no batch's variance comes near."""
+    variance = Fraction(m2) / count + Fraction(eps)
+    assume(Fraction(2) ** -960 <= variance <= Fraction(2) ** 960)
+    with mpmath.workprec(400):
+        exact = 1 / mpmath.sqrt(mpmath.mpf(variance.numerator) / variance.denominator)
+        result = float(torch_ops.float64_invstd(_tensor(m2), count, eps))
+        half_ulps = abs(mpmath.mpf(result) - exact) / math.ulp(result) * 2
+    # A value within double-double's error of a midpoint (hypothesis finds exact ones) may
+    # round to either side.
+    assert half_ulps <= 1 + 2.0**-40, (m2, count, eps, float(half_ulps))
 
 
 # Every float64 kind: the largest magnitudes, zeros of both signs, infinities and NaN.

@@ -174,6 +174,18 @@ def div(a: DD, b: DD) -> DD:
     return add(q, (q3, torch.zeros_like(q3)))
 
 
+def quotient(a: torch.Tensor, b: float) -> DD:
+    """``a / b`` of float64 ``a`` and a positive ``b`` as a double-double number: float64's
+    quotient q and the remainder's, ``(a - q b) / b``, whose remainder is exact: ``q b = p +
+    e`` (``two_prod``) and ``a - p`` is exact, p lying within an ulp of a (Sterbenz). Where
+    ``div`` takes a double-double dividend and divisor, two corrections and four
+    transformations of a product, this takes one of each: traced into a compiled graph, a
+    fraction of the C++ its compiler builds."""
+    q = a / b
+    p, e = two_prod(q, torch.full_like(q, b))
+    return q, ((a - p) - e) / b
+
+
 def rsqrt(v: DD) -> DD:
     """``1 / sqrt(v)`` for v > 0: one Newton step from float64's."""
     r = torch.rsqrt(v[0])

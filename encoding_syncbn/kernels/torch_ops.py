@@ -343,10 +343,8 @@ def float64_invstd(m2: torch.Tensor, count: float, eps: float) -> torch.Tensor:
     Why: float64 has no wider dtype to take invstd in and round once (as narrower inputs
     do, ``finalize_stats``); its division, sum and root round three times, and the input
     gradient scales with invstd in every element."""
-    zero = torch.zeros_like(m2)
-    variance = double_double.add(
-        double_double.div((m2, zero), (torch.full_like(m2, float(count)), zero)),
-        (torch.full_like(m2, eps), zero))
+    variance = double_double.add(double_double.quotient(m2, float(count)),
+                                 (torch.full_like(m2, eps), torch.zeros_like(m2)))
     high, low = double_double.rsqrt(variance)
     return high + low
 

@@ -77,6 +77,16 @@ def div(a_hi, a_lo, b_hi, b_lo):
 
 
 @triton.jit
+def quotient(a, b):
+    """``a / b`` of float64 a and b > 0 as a double-double number: float64's quotient q and
+    ``(a - q b) / b``, the remainder exact (``q b = p + e``, ``two_prod``; ``a - p`` exact,
+    p within an ulp of a)."""
+    q = a / b
+    p, e = two_prod(q, b)
+    return q, ((a - p) - e) / b
+
+
+@triton.jit
 def rsqrt(v_hi, v_lo):
     """``1 / sqrt(v)`` for v > 0: float64's, then one Newton step ``r + r (1 - v r^2) / 2``
     with the residual in double-double."""
