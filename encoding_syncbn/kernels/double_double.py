@@ -178,9 +178,9 @@ def quotient(a: torch.Tensor, b: float) -> DD:
     """``a / b`` of float64 ``a`` and a positive ``b`` as a double-double number: float64's
     quotient q and the remainder's, ``(a - q b) / b``, whose remainder is exact: ``q b = p +
     e`` (``two_prod``) and ``a - p`` is exact, p lying within an ulp of a (Sterbenz). Where
-    ``div`` takes a double-double dividend and divisor, two corrections and four
-    transformations of a product, this takes one of each: traced into a compiled graph, a
-    fraction of the C++ its compiler builds."""
+    ``div`` (a double-double dividend and divisor) takes two corrections, each from a
+    double-double product and sum, this takes one exact product: traced into a compiled
+    graph, a fraction of the C++ its compiler builds."""
     q = a / b
     p, e = two_prod(q, torch.full_like(q, b))
     return q, ((a - p) - e) / b
