@@ -66,10 +66,10 @@ def test_float64_invstd_is_rounded_once(m2, count, eps):
     """``torch_ops.float64_invstd``: ``1 / sqrt(M2 / count + eps)`` within half an ulp of the
     exact value (400-bit mpmath from exact rationals): the variance in double-double
     (``quotient``, ``add``), then ``rsqrt``'s Newton step. Over variances from 2^-960 to
-    2^960: beyond them an error term of a step (the remainder's, the root's square's) is
-    subnormal, which no batch's variance comes near."""
+    float64's largest: below them the remainder's quotient is subnormal, which no batch's
+    variance comes near."""
     variance = Fraction(m2) / count + Fraction(eps)
-    assume(Fraction(2) ** -960 <= variance <= Fraction(2) ** 960)
+    assume(Fraction(2) ** -960 <= variance)
     with mpmath.workprec(400):
         exact = 1 / mpmath.sqrt(mpmath.mpf(variance.numerator) / variance.denominator)
         result = float(torch_ops.float64_invstd(_tensor(m2), count, eps))
@@ -77,6 +77,24 @@ def test_float64_invstd_is_rounded_once(m2, count, eps):
     # A value within double-double's error of a midpoint (hypothesis finds exact ones) may
     # round to either side.
     assert half_ulps <= 1 + 2.0**-40, (m2, count, eps, float(half_ulps))
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(m2=st.one_of(st.floats(0.0, allow_infinity=False),
+                    st.sampled_from([float("inf"), float("nan"), 1.7976931348623157e308])),
+       count=st.integers(1, 2**40),
+       eps=st.one_of(st.floats(2.0**-1074, 2.0**-900), st.floats(2.0**-1074, 1.0)))
+def test_float64_invstd_follows_rsqrt_over_every_kind_of_variance(m2, count, eps):
+    """Where float64's ``rsqrt(M2 / count + eps)`` is exact to a few ulps or not finite, so is
+    ``float64_invstd``: 0 for an infinite M2 (a batch whose squares overflow, as
+    nn.BatchNorm2d's invstd), NaN for a NaN one, and within 4 ulps of it for subnormal
+    and the largest variances (no step's product or square overflows or turns NaN)."""
+    ours = torch_ops.float64_invstd(_tensor(m2), count, eps)
+    theirs = torch.rsqrt(_tensor(m2) / count + eps)
+    if not torch.isfinite(theirs).item() or theirs.item() == 0:
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=0, equal_nan=True)
+    else:
+        torch.testing.assert_close(ours, theirs, rtol=4 * 2.0**-52, atol=0)
 
 
 # Every float64 kind: the largest magnitudes, zeros of both signs, infinities and NaN.

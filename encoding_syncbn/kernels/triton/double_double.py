@@ -83,19 +83,21 @@ def quotient(a, b):
     p within an ulp of a)."""
     q = a / b
     p, e = two_prod(q, b)
-    return q, ((a - p) - e) / b
+    return _exact_where_finite(q, ((a - p) - e) / b)
 
 
 @triton.jit
 def rsqrt(v_hi, v_lo):
-    """``1 / sqrt(v)`` for v > 0: float64's, then one Newton step ``r + r (1 - v r^2) / 2``
-    with the residual in double-double."""
+    """``1 / sqrt(v)`` for v > 0 (0 for an infinite v): float64's root r and one Newton step
+    ``r + r (1 - v r^2) / 2``, the residual ``(1 - p) - (p_e + h_e r + (v_lo r) r)`` from the
+    exact products ``v_hi r = h + h_e`` and ``h r = p + p_e``; the step 0 where it is not
+    finite."""
     r = tl.math.rsqrt(v_hi)
-    zero = tl.zeros_like(r)
-    square_hi, square_lo = mul(r, zero, r, zero)
-    product_hi, product_lo = mul(v_hi, v_lo, square_hi, square_lo)
-    residual, _ = add(tl.full(r.shape, 1.0, r.dtype), zero, -product_hi, -product_lo)
-    return fast_two_sum(r, r * residual * 0.5)
+    h, h_error = two_prod(v_hi, r)
+    p, p_error = two_prod(h, r)
+    residual = (1.0 - p) - (p_error + (h_error * r + (v_lo * r) * r))
+    step = r * residual * 0.5
+    return fast_two_sum(r, tl.where(step - step == 0.0, step, 0.0))
 
 
 @triton.jit
