@@ -114,7 +114,7 @@ def _float64_dx_coefs(params: NormParams, sums: BatchSums) -> DxCoefs:
     weight = params.weight.to(torch.float64)
     scale = dd.two_prod(weight, params.invstd.to(torch.float64))
     zero = torch.zeros_like(scale[0])
-    p = dd.div(dd.neg(scale), (torch.full_like(zero, float(sums.count)), zero))
+    p = dd.quotient(dd.neg(scale), float(sums.count))
     coef_xhat = dd.mul(p, (sums.sum_dz_xhat, zero))
     coef_const = dd.mul(p, (sums.sum_dz, zero))
     return DxCoefs(scale[0], coef_xhat[0] + coef_xhat[1], coef_const[0] + coef_const[1])

@@ -174,17 +174,20 @@ def div(a: DD, b: DD) -> DD:
     return add(q, (q3, torch.zeros_like(q3)))
 
 
-def quotient(a: torch.Tensor, b: float) -> DD:
-    """``a / b`` of float64 ``a`` and a positive ``b`` as a double-double number: float64's
-    quotient q and the remainder's, ``(a - q b) / b``, whose remainder is exact: ``q b = p +
-    e`` (``two_prod``) and ``a - p`` is exact, p lying within an ulp of a (Sterbenz). Where
-    ``div`` (a double-double dividend and divisor) takes two corrections, each from a
-    double-double product and sum, this takes one exact product: traced into a compiled
-    graph, a fraction of the C++ its compiler builds. Where q is infinite or NaN the remainder's
-    quotient is 0, and q alone is the result, float64's."""
-    q = a / b
-    p, e = two_prod(q, torch.full_like(q, b))
-    return q, _zero_where_not_finite(((a - p) - e) / b)
+def quotient(a: DD, b: torch.Tensor | float) -> DD:
+    """``a / b`` of a double-double ``a`` and a float64 ``b`` (a number, or a tensor of them):
+    float64's quotient q of a's high part, and ``(a_hi - q b + a_lo) / b``, whose remainder
+    ``a_hi - q b`` is exact: ``q b = p + e`` (``two_prod``), ``a_hi - p`` exact (p within an
+    ulp of a_hi: Sterbenz), and the remainder of a rounded quotient is a float64 number. What
+    rounds is adding a_lo and dividing: about 2^-104 of the result. Where ``div`` (a
+    double-double divisor) takes two corrections, each from a double-double product and sum,
+    this takes one exact product: traced into a compiled graph, a fraction of the C++ its
+    compiler builds. Where the correction is not finite (q infinite or NaN; b infinite, q 0)
+    it is 0, and q alone is the result, float64's."""
+    high, low = a
+    q = high / b
+    p, e = two_prod(q, b if isinstance(b, torch.Tensor) else torch.full_like(q, b))
+    return _fast_two_sum(q, _zero_where_not_finite((((high - p) - e) + low) / b))
 
 
 def rsqrt(v: DD) -> DD:
@@ -206,8 +209,7 @@ def rsqrt(v: DD) -> DD:
     h, h_error = two_prod(high, r)
     p, p_error = two_prod(h, r)
     residual = (1.0 - p) - (p_error + (h_error * r + (low * r) * r))
-    return _fast_two_sum(r, torch.nan_to_num(r * residual * 0.5, nan=0.0, posinf=0.0,
-                                             neginf=0.0))
+    return _fast_two_sum(r, _zero_where_not_finite(r * residual * 0.5))
 
 
 def exp(z: DD) -> DD:
@@ -382,14 +384,13 @@ def _rows_backward(x: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor,
     parameters: dx as (c, values a channel) rows, the sums as (c, 1). Each temporary goes
     once the last step reading it has run, so that few are alive at once."""
     values = channel_rows(x)
-    n = (torch.full_like(values[:, :1], float(values.shape[1])),
-         torch.zeros_like(values[:, :1]))
+    n = float(values.shape[1])
     w = (weight, torch.zeros_like(weight))
     values = values, torch.zeros_like(values)
-    mean = div(channel_sum(values), n)
+    mean = quotient(channel_sum(values), n)
     centred = add(values, neg(mean))
     del values
-    var = div(channel_sum(mul(centred, centred)), n)
+    var = quotient(channel_sum(mul(centred, centred)), n)
     invstd = rsqrt(add(var, (torch.full_like(var[0], eps), torch.zeros_like(var[0]))))
     xhat = mul(centred, invstd)
     del centred
@@ -397,9 +398,9 @@ def _rows_backward(x: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor,
     dz = _activation_slope(z, channel_rows(dy.to(x.dtype)), activation, param)
     del z
     sum_dz, sum_dz_xhat = channel_sum(dz), channel_sum(mul(dz, xhat))
-    inner = add(dz, neg(div(sum_dz, n)))
+    inner = add(dz, neg(quotient(sum_dz, n)))
     del dz
-    inner = add(inner, neg(mul(xhat, div(sum_dz_xhat, n))))
+    inner = add(inner, neg(mul(xhat, quotient(sum_dz_xhat, n))))
     del xhat
     dx = mul(mul(w, invstd), inner)
     del inner

@@ -343,8 +343,9 @@ def float64_invstd(m2: torch.Tensor, count: float, eps: float) -> torch.Tensor:
     Why: float64 has no wider dtype to take invstd in and round once (as narrower inputs
     do, ``finalize_stats``); its division, sum and root round three times, and the input
     gradient scales with invstd in every element."""
-    variance = double_double.add(double_double.quotient(m2, float(count)),
-                                 (torch.full_like(m2, eps), torch.zeros_like(m2)))
+    zero = torch.zeros_like(m2)
+    variance = double_double.add(double_double.quotient((m2, zero), float(count)),
+                                 (torch.full_like(m2, eps), zero))
     high, low = double_double.rsqrt(variance)
     return high + low
 
@@ -830,8 +831,7 @@ def _rebuilt_scale(weight: torch.Tensor, invstd: torch.Tensor
     unit = wide.reciprocal().to(weight.dtype)
     if weight.dtype != torch.float64:  # (invstd and unit promoted to wide's dtype)
         return unit, (wide * invstd / unit).to(weight.dtype)
-    zero = torch.zeros_like(unit)
-    high, low = double_double.div(double_double.two_prod(weight, invstd), (unit, zero))
+    high, low = double_double.quotient(double_double.two_prod(weight, invstd), unit)
     return unit, high + low
 
 

@@ -42,7 +42,7 @@ def _double_coefs(weight, invstd, sum_dz_xhat, sum_dz, neg_inv_count):
     scale, scale_lo = dd.two_prod(weight + zero, invstd + zero)
     # The count, an integer, from its rounded reciprocal (1 / fl(1 / n) is within ulps of n).
     count = zero + tl.floor(-1.0 / neg_inv_count + 0.5)
-    p, p_lo = dd.div(-scale, -scale_lo, count, zero)
+    p, p_lo = dd.quotient(-scale, -scale_lo, count)
     coef_xhat, coef_xhat_lo = dd.mul(p, p_lo, sum_dz_xhat + zero, zero)
     coef_const, coef_const_lo = dd.mul(p, p_lo, sum_dz + zero, zero)
     return scale, coef_xhat + coef_xhat_lo, coef_const + coef_const_lo

@@ -69,7 +69,7 @@ def _double_moments(s1, s1_lo, s2, s2_lo, k, part_ptr, block_counter_ptr, c, C, 
     k = as_block_vector(k, CHANNELS_LAST, CHANNEL_ROWS)
     n = tl.zeros_like(k) + R.to(tl.float64)
     zero = tl.zeros_like(k)
-    q, q_lo = dd.div(sum_d, sum_d_lo, n, zero)
+    q, q_lo = dd.quotient(sum_d, sum_d_lo, n)
     mean, mean_lo = dd.add(k, zero, q, q_lo)
     mean = tl.where(mean - mean == 0.0, mean + mean_lo, k + sum_d / n)
     square, square_lo = dd.mul(sum_d, sum_d_lo, q, q_lo)

@@ -62,28 +62,18 @@ def mul(a_hi, a_lo, b_hi, b_lo):
 
 
 @triton.jit
-def div(a_hi, a_lo, b_hi, b_lo):
-    """``a / b``: float64's quotient and two corrections from the double-double remainder."""
-    q1 = a_hi / b_hi
-    zero = tl.zeros_like(q1)
-    m_hi, m_lo = mul(b_hi, b_lo, q1, zero)
-    r_hi, r_lo = add(a_hi, a_lo, -m_hi, -m_lo)
-    q2 = r_hi / b_hi
-    m_hi, m_lo = mul(b_hi, b_lo, q2, zero)
-    r_hi, r_lo = add(r_hi, r_lo, -m_hi, -m_lo)
-    q3 = r_hi / b_hi
-    q_hi, q_lo = fast_two_sum(q1, q2)
-    return add(q_hi, q_lo, q3, zero)
+def _finite_or_zero(t):
+    return tl.where(t - t == 0.0, t, 0.0)
 
 
 @triton.jit
-def quotient(a, b):
-    """``a / b`` of float64 a and b > 0 as a double-double number: float64's quotient q and
-    ``(a - q b) / b``, the remainder exact (``q b = p + e``, ``two_prod``; ``a - p`` exact,
-    p within an ulp of a)."""
-    q = a / b
+def quotient(a_hi, a_lo, b):
+    """``a / b`` of a double-double a and float64 b: float64's quotient q of a_hi and ``(a_hi
+    - q b + a_lo) / b``, the remainder exact (``q b = p + e``, ``two_prod``; ``a_hi - p``
+    exact, p within an ulp of a_hi); the correction 0 where it is not finite."""
+    q = a_hi / b
     p, e = two_prod(q, b)
-    return _exact_where_finite(q, ((a - p) - e) / b)
+    return fast_two_sum(q, _finite_or_zero((((a_hi - p) - e) + a_lo) / b))
 
 
 @triton.jit
@@ -96,8 +86,7 @@ def rsqrt(v_hi, v_lo):
     h, h_error = two_prod(v_hi, r)
     p, p_error = two_prod(h, r)
     residual = (1.0 - p) - (p_error + (h_error * r + (v_lo * r) * r))
-    step = r * residual * 0.5
-    return fast_two_sum(r, tl.where(step - step == 0.0, step, 0.0))
+    return fast_two_sum(r, _finite_or_zero(r * residual * 0.5))
 
 
 @triton.jit

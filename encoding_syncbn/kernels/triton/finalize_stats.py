@@ -74,7 +74,7 @@ def _float64_invstd(m2, n, epsilon):
     rounded once (the variance in double-double, then float64's rsqrt and a Newton step);
     float64 has no wider dtype to take it in."""
     zero = tl.zeros_like(m2)
-    q, q_lo = dd.quotient(m2, zero + n)
+    q, q_lo = dd.quotient(m2, zero, zero + n)
     variance, variance_lo = dd.add(q, q_lo, zero + epsilon, zero)
     invstd, invstd_lo = dd.rsqrt(variance, variance_lo)
     return invstd + invstd_lo
