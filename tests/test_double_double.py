@@ -59,6 +59,36 @@ def test_two_prod_is_exact_where_the_product_is_finite(a, b):
 
 
 @settings(max_examples=400, deadline=None, derandomize=True)
+@given(high=SIGNED, low=st.floats(-0.5, 0.5), b=st.one_of(SIGNED, st.integers(1, 2**40)))
+def test_quotient_of_a_double_double_by_a_float_is_exact_to_2_103(high, low, b):
+    """``quotient((high, low), b)`` is a normalised pair within 2^-103 of the exact ``(high
+    + low) / b`` (its remainder exact, then two roundings of a correction about 2^-52 of the
+    quotient), over float64's range below 2^1023 (``q b`` must not overflow), a number or a
+    tensor divisor alike."""
+    assume(abs(high) < 2.0**1023)
+    pair = double_double._fast_two_sum(_tensor(high), _tensor(low * math.ulp(high)))
+    exact = (Fraction(float(pair[0])) + Fraction(float(pair[1]))) / Fraction(b)
+    assume(Fraction(2.0**-900) < abs(exact) < Fraction(2.0**1000))
+    for divisor in (float(b), _tensor(float(b))):
+        q, q_low = (float(part) for part in double_double.quotient(pair, divisor))
+        assert abs(q_low) <= math.ulp(q) / 2
+        assert abs(Fraction(q) + Fraction(q_low) - exact) <= abs(exact) * Fraction(2) ** -103
+
+
+@pytest.mark.parametrize("dividend,divisor,expected", [
+    (math.inf, 3.0, math.inf), (-math.inf, 3.0, -math.inf), (math.nan, 3.0, math.nan),
+    (1.5, math.inf, 0.0), (1.5, 0.0, math.inf), (1.7976931348623157e308, 0.5, math.inf),
+])
+def test_quotient_where_float64_is_not_finite_or_zero_is_float64s(dividend, divisor,
+                                                                 expected):
+    """Where float64's quotient is infinite or NaN, or 0 by an infinite divisor, the result
+    is that quotient and a low part of +0 (the correction's inf - inf or inf * 0 made 0)."""
+    q, q_low = double_double.quotient((_tensor(dividend), _tensor(0.0)), divisor)
+    torch.testing.assert_close(q, _tensor(expected), rtol=0, atol=0, equal_nan=True)
+    assert q_low.item() == 0.0 and math.copysign(1.0, q_low.item()) == 1.0
+
+
+@settings(max_examples=400, deadline=None, derandomize=True)
 @given(m2=st.floats(2.0**-1074, 1.7976931348623157e308, allow_nan=False, allow_infinity=False),
        count=st.integers(1, 2**40),
        eps=st.one_of(st.sampled_from([0.0, 1e-5, 1e-3]), st.floats(0.0, 1.0)))
