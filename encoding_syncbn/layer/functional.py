@@ -640,7 +640,7 @@ def _norm_act_grads(ctx, grad_output) -> tuple:
     if ctx.needs_input_grad[1]:
         grad_mean = -scale * sum_dz
     if ctx.needs_input_grad[2]:
-        grad_invstd = saved.weight * sum_dz_xhat / saved.invstd
+        grad_invstd = _from_xhat_units(saved.weight * sum_dz_xhat, saved.invstd)
     return (grad_input, grad_mean, grad_invstd,
             *_param_grads(*ctx.needs_input_grad[3:5], sum_dz, sum_dz_xhat))
 
@@ -934,7 +934,7 @@ def _through_statistics(grad_mean, grad_m2, mean, total: float, saved: _Saved,
     else:
         grad_m2 = on_device(grad_m2, device)
         twice_grad_m2 = grad_m2 + grad_m2
-        coef_xhat = twice_grad_m2 / saved.invstd
+        coef_xhat = _from_xhat_units(twice_grad_m2, saved.invstd)
         coef_const = twice_grad_m2 * _mean_gap(saved, mean, error)
     if grad_mean is not None:
         coef_const = torch.add(coef_const, on_device(grad_mean, device),
@@ -956,7 +956,22 @@ def _mean_gap(saved: _Saved, mean: torch.Tensor, error: torch.Tensor | None
     gap = saved.mean - on_device(mean, device)
     if saved.offset is None or error is None:
         return gap
-    return gap.add_(saved.offset / saved.invstd).sub_(on_device(error, device))
+    return gap.add_(_from_xhat_units(saved.offset, saved.invstd)).sub_(on_device(error, device))
+
+
+# The smallest positive number of each statistics dtype (a subnormal).
+_SMALLEST = {dtype: torch.finfo(dtype).tiny * torch.finfo(dtype).eps
+             for dtype in (torch.float32, torch.float64)}
+
+
+def _from_xhat_units(v: torch.Tensor, invstd: torch.Tensor) -> torch.Tensor:
+    """``v / invstd`` for a per-channel ``v`` taken in units of xhat (a multiple of invstd),
+    0 where invstd is 0: a variance that overflows (float64 values beyond about 1e154)
+    makes invstd 0, as nn.BatchNorm2d's, and xhat 0 with it; there v is 0 too, and so is
+    nn.BatchNorm2d's gradient through the statistics, where 0 / 0 would make it NaN.
+    Dividing by the dtype's smallest positive number in place of 0 keeps it 0 in one op;
+    every other invstd, NaN too, divides as it is."""
+    return v / invstd.clamp_min(_SMALLEST[invstd.dtype])
 
 
 def merge_replicas(replicas: Sequence[ReplicaStats], eps: float

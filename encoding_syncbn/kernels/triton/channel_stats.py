@@ -75,6 +75,10 @@ def _double_moments(s1, s1_lo, s2, s2_lo, k, part_ptr, block_counter_ptr, c, C, 
     square, square_lo = dd.mul(sum_d, sum_d_lo, q, q_lo)
     m2, m2_lo = dd.add(sum_d2, sum_d2_lo, -square, -square_lo)
     m2 = tl.maximum(m2 + m2_lo, 0.0, propagate_nan=tl.PropagateNan.ALL)
+    # Squares that overflow (a finite mean): M2 is inf, as nn.BatchNorm2d's sum of squared
+    # deviations, where sum(d^2) - sum(d)^2 / n may be inf - inf (M2 >= sum(d^2) / n, d the
+    # deviations from one of the values).
+    m2 = tl.where((sum_d2 > 1.7976931348623157e308) & (mean - mean == 0.0), sum_d2, m2)
     return mean, m2, finishing
 
 
