@@ -23,7 +23,7 @@ float64 operations rounding to nearest (no fused multiply-add needed)::
 
 Sums over a channel's values are pairwise (halving), of double-double terms; the reciprocal
 square root takes float64's ``rsqrt`` and one Newton step ``r + r (1 - v r^2) / 2`` with the
-residual in double-double, which squares its relative error. With n values a channel::
+residual from exact products, which squares its relative error. With n values a channel::
 
     mean = sum(x) / n,   d = x - mean,   invstd = rsqrt(sum(d^2) / n + eps),   xhat = d invstd
     dz = dy act'(w xhat + b)
@@ -200,11 +200,10 @@ def rsqrt(v: DD) -> DD:
 
     ``1 - p`` exact (p within a few ulps of 1: Sterbenz), each other term about 2^-53, so the
     residual errs by a few 2^-106, far below what the step needs. General double-double
-    products (``mul``) would take r^2, whose error term is subnormal for v above 2^960, in
-    many more steps; here every factor stays near sqrt(v), r or 1, and traced into a compiled
-    graph the step is a fraction of the C++ its compiler builds. The step is 0 where it is
-    not finite (an infinite v: r = 0, r v NaN), so that r is the result there; a NaN v
-    leaves r NaN."""
+    products (``mul``) would take r^2, whose error term is subnormal for v above 2^960 and
+    which overflows for v below 2^-1022, in more steps; here every factor stays near
+    sqrt(v), r or 1. The step is 0 where it is not finite (an infinite v: r = 0, r v NaN),
+    so that r is the result there; a NaN v leaves r NaN."""
     high, low = v
     r = torch.rsqrt(high)
     h, h_error = two_prod(high, r)
