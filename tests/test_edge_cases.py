@@ -233,13 +233,13 @@ def test_double_backward_in_place_is_a_clear_error(replicas, training):
 # ---- 4. NaN and inf propagate as through nn.BatchNorm2d + the activation --------------------
 
 
-@pytest.mark.parametrize("activation,inplace", [
-    ("none", False), ("identity", True), ("leaky_relu", False), ("leaky_relu", True),
-    ("elu", False), ("elu", True), ("relu", False),
-])
-@pytest.mark.parametrize("replicas", [None, 2])
-def test_nan_and_inf_propagate_as_batchnorm(activation, inplace, replicas):
-    """Channel 0 holds a NaN, channel 1 a +inf, channel 2 is finite."""
+def assert_follows_batchnorm(x: torch.Tensor, dy: torch.Tensor, activation: str,
+                             inplace: bool, replicas: int | None,
+                             trainings: tuple[bool, ...] = (True,)) -> None:
+    """A 3-channel float64 layer on ``x`` (under ``replicas`` simulated replicas, or called
+    directly) and nn.BatchNorm2d + the activation, with the same weights and biases, in each
+    of ``trainings`` in turn: output, input, weight and bias gradients and running statistics
+    the same, NaN and inf where its are."""
     slope = {"leaky_relu": 0.1, "elu": 0.7}.get(activation, 0.01)
     layer = SyncBatchNorm(3, activation=activation, slope=slope, inplace=inplace, dtype=DT)
     ref = nn.BatchNorm2d(3, dtype=DT)
@@ -247,58 +247,10 @@ def test_nan_and_inf_propagate_as_batchnorm(activation, inplace, replicas):
         for m in (layer, ref):
             m.weight.copy_(torch.tensor([1.5, -0.7, 0.5]))
             m.bias.copy_(torch.tensor([0.1, -0.2, 0.3]))
-    gen = torch.Generator().manual_seed(4)
-    x = torch.randn(6, 3, 2, 2, generator=gen, dtype=DT)
-    x[1, 0, 0, 1] = float("nan")
-    x[4, 1, 1, 0] = float("inf")
-    dy = torch.randn(x.shape, generator=gen, dtype=DT)
-    leaf = x.clone().requires_grad_()
     runner = SimulatedDataParallel(layer, replicas) if replicas else layer
-    out = runner(leaf * 1)
-    out.backward(dy)
-    ref_leaf = x.clone().requires_grad_()
-    expected = activate(ref(ref_leaf), activation, slope)
-    expected.backward(dy)
-    for name, got, want in [
-        ("output", out, expected), ("input grad", leaf.grad, ref_leaf.grad),
-        ("weight grad", layer.weight.grad, ref.weight.grad),
-        ("bias grad", layer.bias.grad, ref.bias.grad),
-        ("running_mean", layer.running_mean, ref.running_mean),
-        ("running_var", layer.running_var, ref.running_var),
-    ]:
-        torch.testing.assert_close(got, want, equal_nan=True, rtol=1e-9, atol=1e-9,
-                                   msg=lambda m, name=name: f"{name}: {m}")
-
-
-@pytest.mark.parametrize("activation,inplace", [
-    ("none", False), ("identity", True), ("leaky_relu", True), ("elu", False), ("elu", True),
-    ("silu", False),
-])
-@pytest.mark.parametrize("batch", [2, 19])  # 12 values a channel (few) and 114
-@pytest.mark.parametrize("replicas", [None, 2])
-def test_float64_variance_that_overflows_follows_batchnorm(activation, inplace, batch,
-                                                           replicas):
-    """Channel 0's finite values reach 1e160, whose squares overflow float64: nn.BatchNorm2d's
-    variance is inf and its invstd 0, so the channel's output is its bias, its input gradient
-    0 and its running variance inf. Ours the same, over few values a channel (the
-    double-double gradient) and many, on one replica and synchronised over two (whose
-    gradient through the statistics divides by invstd), in training and evaluation."""
-    slope = {"leaky_relu": 0.1, "elu": 0.7}.get(activation, 0.01)
-    layer = SyncBatchNorm(3, activation=activation, slope=slope, inplace=inplace, dtype=DT)
-    ref = nn.BatchNorm2d(3, dtype=DT)
-    with torch.no_grad():
+    for training in trainings:
         for m in (layer, ref):
-            m.weight.copy_(torch.tensor([1.5, -0.7, 0.5]))
-            m.bias.copy_(torch.tensor([0.1, -0.2, 0.3]))
-    gen = torch.Generator().manual_seed(5)
-    x = torch.randn(batch, 3, 2, 3, generator=gen, dtype=DT)
-    x[:, 0] *= 1e160
-    dy = torch.randn(x.shape, generator=gen, dtype=DT)
-    runner = SimulatedDataParallel(layer, replicas) if replicas else layer
-    for training in (True, False):
-        layer.train(training), ref.train(training)
-        for m in (layer, ref):
-            m.zero_grad(set_to_none=True)
+            m.train(training).zero_grad(set_to_none=True)
         leaf, ref_leaf = x.clone().requires_grad_(), x.clone().requires_grad_()
         out = runner(leaf * 1)
         out.backward(dy)
@@ -314,6 +266,41 @@ def test_float64_variance_that_overflows_follows_batchnorm(activation, inplace, 
             torch.testing.assert_close(got, want, equal_nan=True, rtol=1e-9, atol=1e-9,
                                        msg=lambda m, name=name, training=training:
                                        f"{training=} {name}: {m}")
+
+
+@pytest.mark.parametrize("activation,inplace", [
+    ("none", False), ("identity", True), ("leaky_relu", False), ("leaky_relu", True),
+    ("elu", False), ("elu", True), ("relu", False),
+])
+@pytest.mark.parametrize("replicas", [None, 2])
+def test_nan_and_inf_propagate_as_batchnorm(activation, inplace, replicas):
+    """Channel 0 holds a NaN, channel 1 a +inf, channel 2 is finite."""
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(6, 3, 2, 2, generator=gen, dtype=DT)
+    x[1, 0, 0, 1] = float("nan")
+    x[4, 1, 1, 0] = float("inf")
+    dy = torch.randn(x.shape, generator=gen, dtype=DT)
+    assert_follows_batchnorm(x, dy, activation, inplace, replicas)
+
+
+@pytest.mark.parametrize("activation,inplace", [
+    ("none", False), ("identity", True), ("leaky_relu", True), ("elu", False), ("elu", True),
+    ("silu", False),
+])
+@pytest.mark.parametrize("batch", [2, 19])  # 12 values a channel (few) and 114
+@pytest.mark.parametrize("replicas", [None, 2])
+def test_float64_variance_that_overflows_follows_batchnorm(activation, inplace, batch,
+                                                           replicas):
+    """Channel 0's finite values reach 1e160, whose squares overflow float64: nn.BatchNorm2d's
+    variance is inf and its invstd 0, so the channel's output is its bias, its input gradient
+    0 and its running variance inf. Ours the same, over few values a channel (the
+    double-double gradient) and many, on one replica and synchronised over two (whose
+    gradient through the statistics divides by invstd), in training and evaluation."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(batch, 3, 2, 3, generator=gen, dtype=DT)
+    x[:, 0] *= 1e160
+    dy = torch.randn(x.shape, generator=gen, dtype=DT)
+    assert_follows_batchnorm(x, dy, activation, inplace, replicas, trainings=(True, False))
 
 
 # (target, value, channel, element) as check_nonfinite_gradients takes them.
