@@ -3,6 +3,7 @@ SimulatedDataParallel, the out-of-place warning per layer. Float64 references: n
 
 from __future__ import annotations
 
+import itertools
 import math
 import sys
 import warnings
@@ -235,11 +236,14 @@ def test_double_backward_in_place_is_a_clear_error(replicas, training):
 
 def assert_follows_batchnorm(x: torch.Tensor, dy: torch.Tensor, activation: str,
                              inplace: bool, replicas: int | None,
-                             trainings: tuple[bool, ...] = (True,)) -> None:
+                             trainings: tuple[bool, ...] = (True,),
+                             compiled: bool = False) -> None:
     """A 3-channel float64 layer on ``x`` (under ``replicas`` simulated replicas, or called
     directly) and nn.BatchNorm2d + the activation, with the same weights and biases, in each
     of ``trainings`` in turn: output, input, weight and bias gradients and running statistics
-    the same, NaN and inf where its are."""
+    the same, NaN and inf where its are. ``compiled``: the layer under ``torch.compile``
+    (aot_eager), both taking two steps, compared at the second (in place, the first counts
+    the channels it keeps aside)."""
     slope = {"leaky_relu": 0.1, "elu": 0.7}.get(activation, 0.01)
     layer = SyncBatchNorm(3, activation=activation, slope=slope, inplace=inplace, dtype=DT)
     ref = nn.BatchNorm2d(3, dtype=DT)
@@ -248,7 +252,10 @@ def assert_follows_batchnorm(x: torch.Tensor, dy: torch.Tensor, activation: str,
             m.weight.copy_(torch.tensor([1.5, -0.7, 0.5]))
             m.bias.copy_(torch.tensor([0.1, -0.2, 0.3]))
     runner = SimulatedDataParallel(layer, replicas) if replicas else layer
-    for training in trainings:
+    if compiled:
+        torch._dynamo.reset()
+        runner = torch.compile(runner, backend="aot_eager")
+    for training, _ in itertools.product(trainings, range(2 if compiled else 1)):
         for m in (layer, ref):
             m.train(training).zero_grad(set_to_none=True)
         leaf, ref_leaf = x.clone().requires_grad_(), x.clone().requires_grad_()
@@ -301,6 +308,20 @@ def test_float64_variance_that_overflows_follows_batchnorm(activation, inplace, 
     x[:, 0] *= 1e160
     dy = torch.randn(x.shape, generator=gen, dtype=DT)
     assert_follows_batchnorm(x, dy, activation, inplace, replicas, trainings=(True, False))
+
+
+@one_backend  # compiled, the layer is its formula in ATen ops
+@pytest.mark.parametrize("activation,inplace", [("none", False), ("leaky_relu", True)])
+@pytest.mark.parametrize("batch", [2, 19])
+def test_compiled_float64_variance_that_overflows_follows_batchnorm(activation, inplace,
+                                                                    batch):
+    """As above under ``torch.compile``: the formula's statistics and backward."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(batch, 3, 2, 3, generator=gen, dtype=DT)
+    x[:, 0] *= 1e160
+    dy = torch.randn(x.shape, generator=gen, dtype=DT)
+    assert_follows_batchnorm(x, dy, activation, inplace, None, trainings=(True, False),
+                             compiled=True)
 
 
 # (target, value, channel, element) as check_nonfinite_gradients takes them.
