@@ -6,8 +6,9 @@
 
 Times forward and backward of the two 8-layer stacks of benchmarks/helpers/stacks.py, by default on
 an (8, 64, 64, 64) float32 input (``--shape``, ``--dtype``: another; the parameters stay
-float32, as under autocast): ``SyncBatchNorm(64, activation="leaky_relu")`` in place, and
-``nn.BatchNorm2d(64)`` followed by ``F.leaky_relu(inplace=True)``. One replica, no
+float32, as under autocast, but for a float64 input, whose stacks are float64 throughout):
+``SyncBatchNorm(64, activation="leaky_relu")`` in place, and ``nn.BatchNorm2d(64)`` followed
+by ``F.leaky_relu(inplace=True)``. One replica, no
 synchronisation (see bench_sync.py for that). The two stacks take turns (after two warm-up
 turns), so that a slow spell of a shared machine hits both alike; each figure is the median
 over the turns with its interquartile range, and the ratio is taken turn by turn (ours /
@@ -29,7 +30,8 @@ def parse_args() -> argparse.Namespace:
                         help="cpu or cuda (default: %(default)s)")
     parser.add_argument("--shape", type=int, nargs="+", default=None,
                         help="input shape N C ... (default: benchmarks/helpers/stacks.py's SHAPE)")
-    parser.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"),
+    parser.add_argument("--dtype", default="float32",
+                        choices=("float32", "float16", "bfloat16", "float64"),
                         help="input dtype (default: %(default)s)")
     parser.add_argument("--turns", type=int, default=20,
                         help="timed turns of each stack (default: %(default)s)")
@@ -53,7 +55,9 @@ def main() -> None:
     torch.manual_seed(0)
     x = torch.randn(shape, device=device, dtype=getattr(torch, args.dtype))
     grad = torch.randn_like(x)
-    stacks = {name: make(shape[1], LAYERS).to(device) for name, make in STACKS.items()}
+    parameters = torch.float64 if x.dtype == torch.float64 else torch.float32
+    stacks = {name: make(shape[1], LAYERS).to(device, parameters)
+              for name, make in STACKS.items()}
 
     def measure(stack: torch.nn.Module):
         return lambda: forward_backward(lambda: stack(x.detach().requires_grad_()), grad,
