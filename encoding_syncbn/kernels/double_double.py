@@ -142,6 +142,19 @@ def two_prod(a: torch.Tensor, b: torch.Tensor) -> DD:
     return p, _where_finite(p, error)
 
 
+def square(a: torch.Tensor) -> DD:
+    """``a^2`` as ``(p, e)``, ``p + e`` exact where ``|a| <= _SPLIT_LIMIT`` and e is normal:
+    ``two_prod(a, a)`` in about a third of its passes over a large tensor, for callers that
+    take ``p`` alone wherever it is not finite. Its factor is split as it is, not scaled
+    (above the limit p is inf, and e meaningless); e is not zeroed where p is not finite; and
+    the error's steps ``((h^2 - p) + 2 h l) + l^2`` (h + l = a, ``_split``) are in-place
+    ``addcmul``s, each exact, so that a fused multiply-add there changes nothing."""
+    high, low = _split(a)
+    p = a * a
+    error = (high * high).sub_(p).addcmul_(high, low, value=2.0).addcmul_(low, low)
+    return p, error
+
+
 def add(a: DD, b: DD) -> DD:
     s, e = two_sum(a[0], b[0])
     t, f = two_sum(a[1], b[1])

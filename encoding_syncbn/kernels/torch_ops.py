@@ -265,10 +265,13 @@ def _float64_m2(piece: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
     and n / ``_SQUARES_RUN`` independent ones (at least ``_SQUARES_RUN``; fewer values are
     added in double-double one by one) average down to a fraction of a rounding of the
     whole. The small terms ``q + 2 d e`` are summed in float64, their rounding far below M2's.
+    Where the squares' sum is not finite (a deviation beyond about 2^512, an inf or NaN), it is
+    M2, as nn.BatchNorm2d's sum of squares: the terms' errors are taken unguarded
+    (``double_double.square``) and may be NaN only there.
     """
     channels = piece.shape[-1]
     d, e = double_double.two_sum(piece, -mean)
-    p, q = double_double.two_prod(d, d)
+    p, q = double_double.square(d)
     values = p.reshape(-1, channels)
     # Fewer runs than a run's squares would not average their errors: all in double-double.
     run = _SQUARES_RUN if values.shape[0] >= _SQUARES_RUN * _SQUARES_RUN else 1
@@ -279,7 +282,8 @@ def _float64_m2(piece: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
     runs = torch.cat(runs).t()
     high, low = double_double.channel_sum((runs, torch.zeros_like(runs)))
     small = q.addcmul_(d, e, value=2.0).sum(dim=_reduced_dims(q))
-    return high.view(channels) + (low.view(channels) + small)
+    high = high.view(channels)
+    return torch.where(high.isfinite(), high + (low.view(channels) + small), high)
 
 
 def _float64_slab_stats(slabs) -> tuple[torch.Tensor, torch.Tensor]:
