@@ -58,6 +58,21 @@ def test_two_prod_is_exact_where_the_product_is_finite(a, b):
     assert Fraction(float(p)) + Fraction(float(e)) == exact, (a, b)
 
 
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(a=SIGNED)
+def test_square_is_exact_below_the_split_limit(a):
+    """``square(a)``: ``p + e == a^2`` exactly wherever ``|a| <= _SPLIT_LIMIT`` and the
+    error is normal, as ``two_prod(a, a)``'s, and p the same; above the limit p is inf."""
+    tensor = _tensor(a)
+    p, e = (float(part) for part in double_double.square(tensor))
+    if abs(a) > double_double._SPLIT_LIMIT:
+        assert p == math.inf
+        return
+    assume(Fraction(2.0**-900) < Fraction(a) ** 2 < Fraction(1.7976931348623157e308))
+    assert Fraction(p) + Fraction(e) == Fraction(a) ** 2, a
+    assert (p, e) == tuple(float(part) for part in double_double.two_prod(tensor, tensor))
+
+
 @settings(max_examples=400, deadline=None, derandomize=True)
 @given(high=SIGNED, low=st.floats(-0.5, 0.5), b=st.one_of(SIGNED, st.integers(1, 2**40)))
 def test_quotient_of_a_double_double_by_a_float_is_exact_to_2_103(high, low, b):

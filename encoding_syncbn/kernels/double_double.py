@@ -194,10 +194,9 @@ def quotient(a: DD, b: torch.Tensor | float) -> DD:
     ulp of a_hi: Sterbenz), and the remainder of a rounded quotient is a float64 number. What
     rounds is adding a_lo and dividing: about 2^-104 of the result. Where ``div`` (a
     double-double divisor) takes two corrections, each from a double-double product and sum,
-    this takes one exact product: traced into a compiled graph, a fraction of the C++ its
-    compiler builds. Where the correction is not finite (q infinite or NaN; b infinite, q 0;
-    ``q b`` overflowing, for a dividend within 2^-53 of float64's largest) it is 0, and q
-    alone is the result, float64's."""
+    this takes one exact product, a fraction of div's steps. Where the correction is not
+    finite (q infinite or NaN; b infinite, q 0; ``q b`` overflowing, for a dividend within
+    2^-53 of float64's largest) it is 0, and q alone is the result, float64's."""
     high, low = a
     q = high / b
     p, e = two_prod(q, b if isinstance(b, torch.Tensor) else torch.full_like(q, b))
