@@ -75,7 +75,9 @@ def _zero_where_not_finite(error: torch.Tensor) -> torch.Tensor:
     NaN, and ``s`` alone is what float64 computes (NaN and inf propagate as in
     nn.BatchNorm2d). Its error is finite where s is (no step of it overflows where the sum
     does not) and not where s is not, so zeroing the error where it is not finite, one pass,
-    is ``where(isfinite(s), error, 0)``, five."""
+    is ``where(isfinite(s), error, 0)``, five. ``quotient`` and ``rsqrt`` zero their
+    corrections with it for the same end: where a correction is not finite, float64's
+    result stands alone."""
     return torch.nan_to_num(error, nan=0.0, posinf=0.0, neginf=0.0)
 
 
