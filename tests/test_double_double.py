@@ -12,7 +12,7 @@ import mpmath
 import pytest
 import torch
 from helpers.peak_storage import PeakStorage
-from hypothesis import assume, given, settings
+from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
 from encoding_syncbn.kernels import double_double, torch_ops
@@ -75,15 +75,18 @@ def test_square_is_exact_below_the_split_limit(a):
 
 @settings(max_examples=400, deadline=None, derandomize=True)
 @given(high=SIGNED, low=st.floats(-0.5, 0.5), b=st.one_of(SIGNED, st.integers(1, 2**40)))
+# Dividends within 2^-53 of float64's largest, whose ``q b`` overflows, or its split's halves.
+@example(high=1.7976931348623157e308, low=0.0, b=14)
+@example(high=-1.7976931348623155e308, low=0.25, b=2**36 + 1)
 def test_quotient_of_a_double_double_by_a_float_is_exact_to_2_103(high, low, b):
     """``quotient((high, low), b)`` is a normalised pair within 2^-103 of the exact ``(high
     + low) / b`` (its remainder exact, then two roundings of a correction about 2^-52 of the
-    quotient), over float64's range below 2^1023 (``q b`` must not overflow), a number or a
-    tensor divisor alike."""
-    assume(abs(high) < 2.0**1023)
+    quotient), over float64's range of finite quotients, dividends up to its largest, a
+    number or a tensor divisor alike."""
     pair = double_double._fast_two_sum(_tensor(high), _tensor(low * math.ulp(high)))
+    assume(math.isfinite(float(pair[0])))
     exact = (Fraction(float(pair[0])) + Fraction(float(pair[1]))) / Fraction(b)
-    assume(Fraction(2.0**-900) < abs(exact) < Fraction(2.0**1000))
+    assume(Fraction(2.0**-900) < abs(exact) < Fraction(1.7976931348623157e308))
     for divisor in (float(b), _tensor(float(b))):
         q, q_low = (float(part) for part in double_double.quotient(pair, divisor))
         assert abs(q_low) <= math.ulp(q) / 2
@@ -107,6 +110,9 @@ def test_quotient_where_float64_is_not_finite_or_zero_is_float64s(dividend, divi
 @given(m2=st.floats(2.0**-1074, 1.7976931348623157e308, allow_nan=False, allow_infinity=False),
        count=st.integers(1, 2**40),
        eps=st.one_of(st.sampled_from([0.0, 1e-5, 1e-3]), st.floats(0.0, 1.0)))
+# M2 within 2^-53 of float64's largest: ``q n`` overflows, or the halves of its split do.
+@example(m2=1.7976931348623157e308, count=14, eps=0.0)
+@example(m2=1.7976931348623155e308, count=2**36 + 1, eps=0.0)
 def test_float64_invstd_is_rounded_once(m2, count, eps):
     """``torch_ops.float64_invstd``: ``1 / sqrt(M2 / count + eps)`` within half an ulp of the
     exact value (400-bit mpmath from exact rationals): the variance in double-double

@@ -40,6 +40,7 @@ from encoding_syncbn.kernels import (  # noqa: E402
 from encoding_syncbn.kernels.triton import activations as TA  # noqa: E402
 from encoding_syncbn.kernels.triton import backward_reduce as TB  # noqa: E402
 from encoding_syncbn.kernels.triton import channel_stats as TS  # noqa: E402
+from encoding_syncbn.kernels.triton import finalize_stats as TF  # noqa: E402
 from encoding_syncbn.kernels.triton import ops as triton_ops  # noqa: E402
 from encoding_syncbn.kernels.triton import plan as P  # noqa: E402
 from encoding_syncbn.kernels.triton import tiles as TT  # noqa: E402
@@ -530,6 +531,32 @@ def test_activation_constants_are_their_definitions(dtype):
     want = torch.tensor([elu_inverse_floor(dtype), math.sqrt(0.5), 1.0 / math.sqrt(2.0 * math.pi),
                          math.sqrt(2.0 / math.pi)], dtype=torch.float64).to(dtype)
     assert torch.equal(out.cpu(), want)
+
+
+@triton.jit
+def _float64_invstd_probe(m2_ptr, out_ptr, n: tl.float64, eps: tl.float64,
+                          BLOCK: tl.constexpr):
+    offsets = tl.arange(0, BLOCK)
+    tl.store(out_ptr + offsets, TF._float64_invstd(tl.load(m2_ptr + offsets), n, eps))
+
+
+@settings(max_examples=12, deadline=None, derandomize=True)
+@given(m2=st.lists(st.floats(0.0, allow_infinity=False, allow_nan=False), min_size=16,
+                   max_size=16),
+       count=st.integers(1, 2**40), eps=st.sampled_from([0.0, 1e-5, 1e-3]))
+# Dividends within 2^-53 of float64's largest: ``q n`` overflows (float64's largest over 14),
+# or the halves of Dekker's split do (the ATen version's, one ulp below it over 2^36 + 1).
+@example(m2=[1.7976931348623157e308] * 16, count=14, eps=0.0)
+@example(m2=[1.7976931348623155e308] * 16, count=2**36 + 1, eps=0.0)
+def test_kernel_float64_invstd_is_the_aten_ones(m2, count, eps):
+    """The kernels' float64 invstd (``finalize_stats._float64_invstd``) is
+    ``torch_ops.float64_invstd``'s to the bit, over float64's whole range of M2: the same
+    double-double steps, the quotient's exact remainder from a fused multiply-add there."""
+    values = torch.tensor(m2, dtype=torch.float64)
+    out = torch.empty_like(values, device=DEVICE)
+    _float64_invstd_probe[(1,)](values.to(DEVICE), out, float(count), eps, len(m2))
+    want = torch_ops.float64_invstd(values, float(count), eps)
+    torch.testing.assert_close(out.cpu(), want, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("fmt", ["nchw", "last"])

@@ -196,13 +196,17 @@ def quotient(a: DD, b: torch.Tensor | float) -> DD:
     ulp of a_hi: Sterbenz), and the remainder of a rounded quotient is a float64 number. What
     rounds is adding a_lo and dividing: about 2^-104 of the result. Where ``div`` (a
     double-double divisor) takes two corrections, each from a double-double product and sum,
-    this takes one exact product, a fraction of div's steps. Where the correction is not
-    finite (q infinite or NaN; b infinite, q 0; ``q b`` overflowing, for a dividend within
-    2^-53 of float64's largest) it is 0, and q alone is the result, float64's."""
+    this takes one exact product, a fraction of div's steps. A dividend above
+    ``_SPLIT_LIMIT`` takes its remainder ``_SPLIT_SCALE`` times smaller, from ``q`` and
+    ``a_hi`` so scaled (powers of 2: exact), then scaled back: ``q b`` of a dividend within
+    2^-53 of float64's largest would overflow. Where the correction is not finite (q
+    infinite or NaN; b infinite, q 0) it is 0, and q alone is the result, float64's."""
     high, low = a
     q = high / b
-    p, e = two_prod(q, b if isinstance(b, torch.Tensor) else torch.full_like(q, b))
-    return _fast_two_sum(q, _zero_where_not_finite((((high - p) - e) + low) / b))
+    inverse = _split_inverse_scale(high)
+    p, e = two_prod(q * inverse, b if isinstance(b, torch.Tensor) else torch.full_like(q, b))
+    remainder = ((high * inverse - p) - e) / inverse
+    return _fast_two_sum(q, _zero_where_not_finite((remainder + low) / b))
 
 
 def rsqrt(v: DD) -> DD:

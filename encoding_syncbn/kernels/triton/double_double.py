@@ -69,11 +69,12 @@ def _finite_or_zero(t):
 @triton.jit
 def quotient(a_hi, a_lo, b):
     """``a / b`` of a double-double a and float64 b: float64's quotient q of a_hi and ``(a_hi
-    - q b + a_lo) / b``, the remainder exact (``q b = p + e``, ``two_prod``; ``a_hi - p``
-    exact, p within an ulp of a_hi); the correction 0 where it is not finite."""
+    - q b + a_lo) / b``, the remainder exact: a float64 number (q is a rounded quotient),
+    which one fused multiply-add gives, with no ``q b`` to overflow for a dividend near
+    float64's largest (the ATen version's scaled ``two_prod``: the same bits); the
+    correction 0 where it is not finite."""
     q = a_hi / b
-    p, e = two_prod(q, b)
-    return fast_two_sum(q, _finite_or_zero((((a_hi - p) - e) + a_lo) / b))
+    return fast_two_sum(q, _finite_or_zero((tl.fma(-q, b, a_hi) + a_lo) / b))
 
 
 @triton.jit

@@ -70,9 +70,9 @@ def _small_gamma(w, b, limit):
 
 @triton.jit
 def _float64_invstd(m2, n, epsilon):
-    """``torch_ops.float64_invstd``, op for op: ``1 / sqrt(M2 / n + eps)`` of float64 M2
-    rounded once (the variance in double-double, then float64's rsqrt and a Newton step);
-    float64 has no wider dtype to take it in."""
+    """``torch_ops.float64_invstd``, step for step (the same bits): ``1 / sqrt(M2 / n +
+    eps)`` of float64 M2 rounded once (the variance in double-double, then float64's rsqrt
+    and a Newton step); float64 has no wider dtype to take it in."""
     zero = tl.zeros_like(m2)
     q, q_lo = dd.quotient(m2, zero, zero + n)
     variance, variance_lo = dd.add(q, q_lo, zero + epsilon, zero)
