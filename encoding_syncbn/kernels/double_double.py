@@ -199,8 +199,9 @@ def quotient(a: DD, b: torch.Tensor | float) -> DD:
     this takes one exact product, a fraction of div's steps. A dividend above
     ``_SPLIT_LIMIT`` takes its remainder ``_SPLIT_SCALE`` times smaller, from ``q`` and
     ``a_hi`` so scaled (powers of 2: exact), then scaled back: ``q b`` of a dividend within
-    2^-53 of float64's largest would overflow. Where the correction is not finite (q
-    infinite or NaN; b infinite, q 0) it is 0, and q alone is the result, float64's."""
+    2^-53 of float64's largest would overflow, and its split's halves within 2^-26. Where
+    the correction is not finite (q infinite or NaN; b infinite, q 0) it is 0, and q alone
+    is the result, float64's."""
     high, low = a
     q = high / b
     inverse = _split_inverse_scale(high)
