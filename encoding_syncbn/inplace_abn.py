@@ -34,6 +34,7 @@ will not let us overwrite is handled out of place too (see ``SyncBatchNorm``).
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.machinery
 import importlib.util
@@ -124,9 +125,12 @@ class ABN(SyncBatchNorm):
     @activation_param.setter
     def activation_param(self, value: float) -> None:
         value = checked_slope(self._label(), value)
-        # In place exactly where this class runs in place at that value (InPlaceABN: where
-        # it is invertible), each assignment leaving a valid layer.
-        if self._runs_in_place(self.activation, value):
+        # In place where this class runs in place at that value (InPlaceABN: where it is
+        # invertible), unless the layer was set out of place at an invertible value (the
+        # user's choice, kept while the values stay invertible), each assignment leaving a
+        # valid layer.
+        if self._runs_in_place(self.activation, value) and (
+                self.inplace or not self._runs_in_place(self.activation, self.slope)):
             self.slope, self.inplace = value, True
         else:
             self.inplace, self.slope = False, value
@@ -145,10 +149,6 @@ class ABN(SyncBatchNorm):
             )
             state[SOURCE_ATTRIBUTE] = _MAPILLARY + self._stands_for
         super().__setstate__(state)
-
-    def _label(self) -> str:
-        where = f"at model path {self._path!r}" if self._path else f"at {id(self):#x}"
-        return f"{type(self).__name__}({self.num_features}) {where}"
 
     def extra_repr(self) -> str:
         text = (
@@ -281,6 +281,7 @@ def _call(
         )
     layer = cls(x.shape[1], eps, momentum, activation=activation,
                 activation_param=activation_param, device="meta")
+    layer._label_text = f"{cls.__name__} function"  # errors name the call, not a layer
     layer._parameters.update(weight=weight, bias=bias)
     layer._buffers.update(running_mean=running_mean, running_var=running_var,
                           num_batches_tracked=None)
@@ -389,26 +390,31 @@ def _abn_to_sync(module: nn.Module, process_group: Any) -> SyncBatchNorm:
 def _inplace_abn_to_sync(module: nn.Module, process_group: Any) -> InPlaceABNSync:
     """An ``InPlaceABN`` / ``InPlaceABNSync``: ``InPlaceABNSync`` over the module's own group
     if it has one, else ``process_group``; the same ``weight`` (used as ``|w| + eps`` by
-    both), bias and buffers."""
+    both), bias and buffers; out of place where ours was set so (mapillary's have no
+    ``inplace``: always in place)."""
     group = getattr(module, "group", None)
     converted = InPlaceABNSync(*_mapillary_args(module), process_group if group is None
                                else group, device="meta")
+    if not getattr(module, "inplace", True):  # its input is read again after it
+        converted.inplace = False
     return share_state(module, converted)
 
 
 def _to_mapillary(name: str):
     """``to_original`` for mapillary's class ``name``: that class when mapillary's package
-    imports, else (also after ``install()``) ours, with ``sync=False``: per replica too."""
+    imports, else (also after ``install()``) ours, with ``sync=False``: per replica too. A
+    layer set out of place where the class runs in place reverts to ours, out of place:
+    mapillary's would write over an input read again."""
 
     def to_original(layer: SyncBatchNorm) -> nn.Module:
-        try:
-            cls = resolve_class(_MAPILLARY + name)
-        except (ImportError, AttributeError):
-            cls = globals()[name]
+        cls = globals()[name]
+        if layer.inplace or not cls._runs_in_place(layer.activation, layer.slope):
+            with contextlib.suppress(ImportError, AttributeError):
+                cls = resolve_class(_MAPILLARY + name)
         group = {"group": layer.process_group} if name == "InPlaceABNSync" else {}
         original = share_state(layer, cls(*_mapillary_args(layer), **group))
         if isinstance(original, SyncBatchNorm):
-            original.sync = False
+            original.sync, original.inplace = False, layer.inplace
         return original
 
     return to_original

@@ -12,10 +12,12 @@ runs in fresh interpreters, before and after timm / segmentation_models_pytorch 
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import inspect
 import os
 import pickle
+import re
 import subprocess
 import sys
 import textwrap
@@ -32,7 +34,12 @@ from hypothesis import strategies as st
 from reference import activate, assert_close, assign_or_refused
 from torch import nn
 
-from encoding_syncbn import SyncBatchNorm, convert_sync_batchnorm, revert_sync_batchnorm
+from encoding_syncbn import (
+    SyncBatchNorm,
+    convert_inplace_abn,
+    convert_sync_batchnorm,
+    revert_sync_batchnorm,
+)
 from encoding_syncbn.inplace_abn import (
     ABN,
     InPlaceABN,
@@ -376,6 +383,82 @@ def test_ours_convert_to_process_synchronised_layers_and_revert_to_themselves(mo
     for cls in CLASSES:
         reverted = revert_sync_batchnorm(nn.Sequential(make(cls)))[0]
         assert type(reverted) is cls and not reverted.sync
+
+
+class _ReadsItsInputAgain(nn.Module):
+    """``bn(h) + h``: right only where ``bn`` runs out of place."""
+
+    def __init__(self, bn):
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(C, C, 1).double(), bn
+
+    def forward(self, x):
+        h = self.conv(x)
+        return self.bn(h) + h
+
+
+@pytest.mark.parametrize("cls", [InPlaceABN, InPlaceABNSync], ids=lambda c: c.__name__)
+def test_ours_set_out_of_place_stay_out_of_place_through_every_conversion(cls, monkeypatch):
+    """An in-place class of ours set ``inplace=False`` (its input is read again): each
+    converter keeps it out of place, so the model computes what it did, also where
+    mapillary's package imports (its classes always write over their input: ours stay)."""
+    fake_abn = types.ModuleType("inplace_abn.abn")
+    for name in ("ABN", "InPlaceABN", "InPlaceABNSync"):
+        setattr(fake_abn, name, getattr(mapillary, name))
+    monkeypatch.setitem(sys.modules, "inplace_abn", types.ModuleType("inplace_abn"))
+    monkeypatch.setitem(sys.modules, "inplace_abn.abn", fake_abn)
+    torch.manual_seed(7)
+    x = torch.randn(6, C, 4, 4, dtype=torch.float64)  # enough values to train in place
+    for training in (True, False):
+        block = _ReadsItsInputAgain(make(cls, "elu"))
+        block.bn.inplace = False
+        block.train(training)
+        expected = block(x)
+        if training:
+            block.bn.running_mean.zero_(), block.bn.running_var.fill_(1)
+        for convert in (convert_sync_batchnorm, convert_inplace_abn, revert_sync_batchnorm):
+            converted = convert(copy.deepcopy(block))
+            assert isinstance(converted.bn, cls) and not converted.bn.inplace, convert
+            assert_close(converted(x), expected, what=f"{convert.__name__}, {training=}")
+    # Left in place, a layer reverts to mapillary's class, which computes the same.
+    assert type(revert_sync_batchnorm(nn.Sequential(make(cls)))[0]) is getattr(mapillary,
+                                                                                cls.__name__)
+
+
+def test_an_out_of_place_choice_outlives_activation_param():
+    """``inplace=False`` set at an invertible value stays through ``activation_param``
+    assignments of invertible values; out of place because the value was not invertible
+    (the class's choice), the layer goes back in place at an invertible one."""
+    layer = make(InPlaceABN)
+    layer.inplace = False
+    for value in (0.2, 0.3, 0.0):
+        layer.activation_param = value
+        assert (layer.slope, layer.inplace) == (value, False)
+    layer.activation_param = 0.2
+    assert layer.inplace
+
+
+@pytest.mark.parametrize("cls", CLASSES, ids=lambda c: c.__name__)
+def test_messages_name_the_class_and_path(cls):
+    """Warnings and errors raised in a call or its backward name the layer as its class, at
+    its model path once converted."""
+    with pytest.raises(ValueError, match=re.escape(f"{cls.__name__}({C}): eps")):
+        cls(C, eps=-1.0)
+    model = convert_sync_batchnorm(nn.Sequential(nn.Conv2d(C, C, 1).double(), make(cls)))
+    label = f"{type(model[1]).__name__}({C}) at model path '1'"  # (ABN: SyncBatchNorm)
+    assert model[1]._label() == label
+    x = torch.randn(4, C, 6, 6, dtype=torch.float64)  # enough values to train in place
+    if not model[1].inplace:
+        return
+    with pytest.warns(UserWarning, match=re.escape(label) + r" \(inplace=True\) got a leaf"):
+        model[1](x.clone().requires_grad_())
+    y = model(x)
+    y.mul_(2)  # its output modified in place: its backward refuses
+    with pytest.raises(RuntimeError, match=re.escape(label) + r" \(inplace=True\) wrote"):
+        y.sum().backward()
+    out = model(x.requires_grad_())
+    with pytest.raises(RuntimeError, match=re.escape(label) + " .*double backward"):
+        torch.autograd.grad(out.sum(), x, create_graph=True)
 
 
 def test_a_model_pickled_by_mapillarys_package_loads_after_install(monkeypatch):

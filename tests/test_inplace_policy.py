@@ -74,7 +74,7 @@ CASES = [
 @pytest.mark.parametrize("make,expected", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
 def test_can_overwrite(make, expected):
     x = make()
-    assert inplace_policy.can_overwrite(x, [True]) is expected
+    assert inplace_policy.can_overwrite(x, [True], "a layer") is expected
     # The layer agrees, and computes what the out-of-place layer computes.
     layer = SyncBatchNorm(3, activation="leaky_relu", dtype=torch.float64)
     twin = SyncBatchNorm(3, activation="leaky_relu", dtype=torch.float64, inplace=False)

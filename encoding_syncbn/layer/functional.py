@@ -72,11 +72,13 @@ from . import inplace_policy
 from .inplace_policy import ChannelsAside
 from .whole_batch import WholeBatch
 
-DOUBLE_BACKWARD_IN_PLACE = (
-    "SyncBatchNorm(inplace=True) does not support double backward (differentiating its "
-    "gradient, e.g. a gradient penalty with torch.autograd.grad(..., create_graph=True)): its "
-    "input was overwritten by its output; use inplace=False for this layer"
-)
+
+def _no_double_backward_in_place(layer: str) -> RuntimeError:
+    return RuntimeError(
+        f"{layer} (inplace=True) does not support double backward (differentiating its "
+        "gradient, e.g. a gradient penalty with torch.autograd.grad(..., create_graph=True)): "
+        "its input was overwritten by its output; use inplace=False for this layer"
+    )
 
 
 class _Saved(NamedTuple):
@@ -431,7 +433,7 @@ def _differentiable_grads(ctx, grad_output: torch.Tensor, inputs: Sequence[torch
     own graph (torch refuses to differentiate the fused ops' ``out=`` calls, and does not see
     inside the Triton kernels)."""
     if ctx.config.inplace:
-        raise RuntimeError(DOUBLE_BACKWARD_IN_PLACE)
+        raise _no_double_backward_in_place(ctx.config.layer)
     wanted = [i for i, t in enumerate(inputs) if ctx.needs_input_grad[i] and t.requires_grad]
     grads: list[torch.Tensor | None] = [None] * len(inputs)
     if wanted:
@@ -872,7 +874,7 @@ def _merge_backward_composite(ctx, grad_mean, grad_m2, grad_invstd, recomputed: 
     for i, link in enumerate(ctx.links):
         if recomputed[i] and create_graph and link.saved is not None:
             if link.config.inplace:
-                raise RuntimeError(DOUBLE_BACKWARD_IN_PLACE)
+                raise _no_double_backward_in_place(link.config.layer)
             wait_for(link.ready, (link.saved.tensor,))  # see MergeReplicas.backward
             inputs[i] = link.saved.tensor
         if recomputed[i] and inputs[i] is None:

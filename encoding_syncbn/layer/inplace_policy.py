@@ -205,11 +205,11 @@ _RESTRICTED_VIEWS = {
 }
 
 
-def can_overwrite(x: torch.Tensor, warned: list[bool]) -> bool:
-    """Whether ``x`` may be overwritten by a custom Function; if not, warn unless ``warned[0]``
-    (the layer's flag: once per layer). Never asked while compiling (a compiled call runs out
-    of place, ``plan_call``): Dynamo cannot inspect view provenance, and a warning inside the
-    traced code would break the graph."""
+def can_overwrite(x: torch.Tensor, warned: list[bool], layer: str) -> bool:
+    """Whether ``x`` may be overwritten by a custom Function; if not, warn, naming ``layer``,
+    unless ``warned[0]`` (the layer's flag: once per layer). Never asked while compiling (a
+    compiled call runs out of place, ``plan_call``): Dynamo cannot inspect view provenance,
+    and a warning inside the traced code would break the graph."""
     # The usual input first, in the fewest checks: a fresh non-leaf tensor, dense (no two
     # elements share memory), outside inference mode.
     if (not x._is_view()
@@ -237,7 +237,7 @@ def can_overwrite(x: torch.Tensor, warned: list[bool]) -> bool:
     if not warned[0]:
         warned[0] = True
         warnings.warn(
-            f"SyncBatchNorm(inplace=True) got {reason}, which cannot be overwritten; "
+            f"{layer} (inplace=True) got {reason}, which cannot be overwritten; "
             "computing out of place (this warning is shown once per layer)",
             stacklevel=4,
         )
@@ -710,7 +710,7 @@ def plan_overwrite(config: ActConfig, x: torch.Tensor, warned: list[bool],
     whether ``x`` may be overwritten, and the channels kept aside, or their check where
     ``own_batch`` (a training call on x's own batch). A repeat call asks this alone
     (``call_memo``)."""
-    if not can_overwrite(x, warned) or not by_key:
+    if not can_overwrite(x, warned, config.layer) or not by_key:
         return CallPlan(config.out_of_place())
     if own_batch:
         return CallPlan(config, check=channels_aside.check(weight, bias, recomputing))

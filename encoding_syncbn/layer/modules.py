@@ -137,9 +137,11 @@ class SyncBatchNorm(_BatchNorm):
         slope: float = 0.01,
         inplace: bool | None = None,
     ) -> None:
-        if not isinstance(num_features, int) or num_features < 1:
+        if (not isinstance(num_features, numbers.Integral) or isinstance(num_features, bool)
+                or num_features < 1):
             raise ValueError(f"num_features must be a positive int, got {num_features!r}")
-        label = f"SyncBatchNorm({num_features})"
+        num_features = int(num_features)  # a numpy integer too, as nn.BatchNorm2d takes it
+        label = f"{type(self).__name__}({num_features})"
         eps = _statistics_option(label, "eps", eps)
         momentum = _statistics_option(label, "momentum", momentum)
         _check_process_group(process_group)
@@ -262,7 +264,10 @@ class SyncBatchNorm(_BatchNorm):
     def _set_path(self, path: str | None) -> None:
         self._path = path
         where = f"at model path {path!r}" if path else f"at {id(self):#x}"
-        self._label_text = f"SyncBatchNorm({self.num_features}) {where}"
+        cls = type(self)
+        if parametrize.is_parametrized(self):  # named as its class before parametrization
+            cls = cls.__bases__[0]
+        self._label_text = f"{cls.__name__}({self.num_features}) {where}"
 
     def _apply(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> SyncBatchNorm:
         super()._apply(fn, *args, **kwargs)
