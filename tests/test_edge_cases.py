@@ -569,6 +569,41 @@ def test_a_tensor_of_the_layer_on_another_device_is_refused_at_a_repeat_call(opt
     assert torch.equal(given, x)
 
 
+@settings(max_examples=24, deadline=None, derandomize=True)
+@given(options=_LAYER_OPTIONS, data=st.data(), repeat=st.booleans(),
+       shape=st.sampled_from([(3,), (5,), (4, 1), (1, 4), (2, 2), ()]))
+def test_a_per_channel_tensor_of_another_shape_is_refused(options, data, repeat, shape):
+    """A weight, bias or running statistic that does not hold one value per channel (a model's
+    code assigning it, or a pruning tool setting ``.data`` between two calls of one key,
+    behind the layer's back): refused before anything is read or written, naming the layer,
+    the tensor, the shape expected and the one given; every other tensor and the input as
+    they were (before, the running statistics were updated, the input overwritten, and a
+    Triton kernel would read or write past the tensor's end)."""
+    if not options["affine"] and not options["track_running_stats"]:
+        return  # no per-channel tensor
+    layer = _layer_from(options, "cpu")
+    x = torch.randn(6, 4, 3, 2, dtype=DT)
+    if repeat:
+        layer(x.clone())  # the key's first call: its decisions kept for the repeat calls
+    names = [name for name, _ in [*layer.named_parameters(), *layer.named_buffers()]
+             if name != "num_batches_tracked"]
+    changed = data.draw(st.sampled_from(names))
+    tensor = getattr(layer, changed)
+    with torch.no_grad():
+        if repeat:
+            tensor.data = torch.ones(shape, dtype=DT)
+        else:
+            setattr(layer, changed, type(tensor)(torch.ones(shape, dtype=DT)))
+    before = _state(layer)
+    given = x.clone()
+    with pytest.raises(ValueError) as info:
+        layer(given)
+    for words in (f"expected {changed} of shape (4,)", f"got shape {shape}", "SyncBatchNorm(4)"):
+        assert words in str(info.value), str(info.value)
+    _assert_unchanged(layer, before)
+    assert torch.equal(given, x)
+
+
 @pytest.mark.parametrize("momentum", [0.1, None])
 @pytest.mark.parametrize("activation,inplace", [("none", False), ("leaky_relu", True)])
 def test_vmap_over_a_tracking_training_layer_leaves_the_buffers(momentum, activation, inplace):

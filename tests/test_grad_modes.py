@@ -153,3 +153,42 @@ def test_merge_after_inference_mode_differentiates_twice():
     # mean = (4 m_0 + 7 m_1) / 11: d/dm_0 of sum(mean^2) = 2 mean * 4/11, whose sum's
     # gradient is 2 * (4/11)^2 per channel.
     torch.testing.assert_close(leaves[0].grad, torch.full((3,), 2 * (4 / 11) ** 2, dtype=DT))
+
+
+@pytest.mark.filterwarnings("ignore:.*cannot be overwritten; computing out of place:UserWarning")
+@pytest.mark.parametrize("mode", _MODES[:4], ids=lambda m: f"{m[0]}-inplace={m[1]}")
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+def test_an_inference_tensor_in_a_recorded_call_is_refused_first(mode, training):
+    """An input made under inference_mode, given to the layer outside it while a parameter
+    requires grad: autograd cannot save it for backward. Refused naming the layer, with the
+    running statistics and the batch count as they were (nn.BatchNorm2d counts the batch
+    before its refusal), at the key's first call and at a repeat call; with the parameters
+    frozen, computed as nn.BatchNorm2d + the activation. (DataParallel's scatter hands its
+    replicas new tensors: there the call computes, as nn.BatchNorm2d's.)"""
+    activation, inplace = mode
+    slope = SLOPES.get(activation, 0.01)
+    layer = SyncBatchNorm(C, activation=activation, slope=slope, inplace=inplace,
+                          dtype=DT).train(training)
+    twin = nn.BatchNorm2d(C, dtype=DT).train(training)
+    with torch.inference_mode():
+        x = torch.randn(4, C, 3, 2, dtype=DT) + 2
+    before = {key: value.clone() for key, value in layer.state_dict().items()}
+    layer(x.clone() * 1)  # the key's first call, in a recorded graph: its decisions kept
+    twin(x.clone())
+    for call in ("repeat", "first"):
+        assert layer._call_memo is not None  # the first call's, kept through a refusal
+        if call == "first":
+            layer.eps = layer.eps  # an assignment: the decisions are taken afresh
+            assert layer._call_memo is None
+        state = {key: value.clone() for key, value in layer.state_dict().items()}
+        with pytest.raises(RuntimeError, match=r"SyncBatchNorm\(4\).*inference tensor"):
+            layer(x)
+        for key, value in layer.state_dict().items():
+            assert torch.equal(value, state[key]), (call, key)
+    layer.requires_grad_(False)
+    twin.requires_grad_(False)
+    expected = activate(twin(x), activation, slope)
+    torch.testing.assert_close(layer(x), expected, **TOL)
+    assert before.keys() == layer.state_dict().keys()
+    for key in ("running_mean", "running_var", "num_batches_tracked"):
+        torch.testing.assert_close(layer.state_dict()[key], twin.state_dict()[key], **TOL)

@@ -19,7 +19,7 @@ from reference import (
 )
 from torch import nn
 
-from encoding_syncbn import SyncBatchNorm, compat, kernels
+from encoding_syncbn import SyncBatchNorm, compat, convert_sync_batchnorm, kernels
 from encoding_syncbn.layer import modules
 from encoding_syncbn.testing import SimulatedDataParallel
 
@@ -570,6 +570,28 @@ def test_constructor_options_of_batchnorm(options, replicas):
 
 
 
+@pytest.mark.parametrize("momentum", [None, 0.3])
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_running_statistics_without_a_batch_count(momentum, replicas):
+    """``num_batches_tracked`` set to None: the running statistics as nn.BatchNorm2d's, with
+    ``momentum``, and with None (a cumulative average with no count) kept as they are, its
+    factor 0 (before, an AttributeError naming no layer)."""
+    layer = make_layer("identity", momentum=momentum)
+    twin = nn.BatchNorm2d(C, momentum=momentum).double()
+    with torch.no_grad():
+        for name in ("weight", "bias", "running_mean", "running_var"):
+            getattr(layer, name).uniform_(0.5, 1.5)
+            getattr(twin, name).copy_(getattr(layer, name))
+    layer.num_batches_tracked = twin.num_batches_tracked = None
+    model = SimulatedDataParallel(layer, replicas)
+    for step in range(3):
+        x = torch.randn(6, C, 3, 3, dtype=torch.float64) + step
+        assert_close(model(x.clone()), twin(x), what=f"step {step} output")
+        assert_close(layer.running_mean, twin.running_mean, what=f"step {step} running_mean")
+        assert_close(layer.running_var, twin.running_var, what=f"step {step} running_var")
+    assert layer.num_batches_tracked is None
+
+
 @pytest.mark.parametrize("inplace", [False, True])
 def test_parameters_and_buffers_from_functional_call(inplace):
     """``torch.func.functional_call`` swaps the module's parameters and buffers for the ones
@@ -703,10 +725,21 @@ def test_default_inplace_follows_invertibility():
     assert SyncBatchNorm(3, activation="leaky_relu", slope=0.0, inplace=False).slope == 0.0
 
 
+def test_num_features_of_any_integer_type():
+    """A numpy integer, as nn.BatchNorm2d takes it (a model's code may compute it so): a
+    layer of that many channels, and a model holding such a BatchNorm converts."""
+    layer = SyncBatchNorm(np.int64(C))
+    assert type(layer.num_features) is int and layer.num_features == C
+    model = convert_sync_batchnorm(nn.Sequential(nn.BatchNorm2d(np.int32(C))))
+    assert type(model[0].num_features) is int and model[0](torch.randn(2, C, 2, 2)).shape[1] == C
+
+
 @pytest.mark.parametrize(
     "kwargs",
     [
         dict(num_features=0),
+        dict(num_features=True),
+        dict(num_features=3.0),
         dict(num_features=3, activation="hardswish"),
         dict(num_features=3, activation="relu", inplace=True),
         dict(num_features=3, activation="leaky_relu", slope=0.0),

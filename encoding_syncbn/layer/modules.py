@@ -359,7 +359,7 @@ class SyncBatchNorm(_BatchNorm):
         else:  # torch.export (whose strict tracer cannot trace the warnings' filters)
             self._check_input(x)
         state = self._state(False)
-        self._check_device(x, state)
+        self._check_state(x, state)
         weight, bias = self._affine_params(*state[:2], x)
         if self.training and self._synced(self._replica_slot):
             tracing.refuse_synced_transform(self._label())
@@ -509,9 +509,11 @@ class SyncBatchNorm(_BatchNorm):
             self._check_input(x)  # raises, saying what is wrong
         self._last_input_dim[0] = dim
         state = self._state(False)
-        self._check_device(x, state)
+        self._check_state(x, state)
         weight, bias, running_mean, running_var, batches = state
         weight, bias = self._affine_params(weight, bias, x)
+        if x.is_inference():
+            self._check_recordable(weight, bias)
         evaluating = not self.training and running_mean is not None
         # Asked only for batch statistics: evaluation with running statistics never asks
         # autograd (its private API untouched).
@@ -590,8 +592,10 @@ class SyncBatchNorm(_BatchNorm):
                                                  and self._syncs_processes()):
             return self._forward(x, None)
         x = compat.unwrap_if_dead(x)
-        self._check_device(x, (weight, bias, running_mean, running_var, batches))
+        self._check_state(x, (weight, bias, running_mean, running_var, batches))
         weight, bias = self._affine_params(weight, bias, x)
+        if x.is_inference():
+            self._check_recordable(weight, bias)
         config, kept, check = self._config, None, None
         if config.inplace:
             config, kept, check = inplace_policy.plan_overwrite(
@@ -639,29 +643,55 @@ class SyncBatchNorm(_BatchNorm):
         """Whether this call takes its batch statistics over several replicas or processes."""
         return self.sync and ((slot is not None and slot.synced) or self._syncs_processes())
 
-    def _check_device(self, x: torch.Tensor, state: tuple[torch.Tensor | None, ...]) -> None:
-        """An input on another device than any of the layer's tensors (``state``, as
-        ``_state`` reads them), refused before anything is read or written: the Triton
-        kernels' repeat launches take each tensor's address as it is, with no check of their
-        own of where it points (``TrainingStep``)."""
-        device = x.device
-        for tensor in state:
-            if tensor is not None and tensor.device != device:
-                raise RuntimeError(self._device_message(x, state))
+    def _check_state(self, x: torch.Tensor, state: tuple[torch.Tensor | None, ...]) -> None:
+        """The layer's tensors (``state``, as ``_state`` reads them) on x's device, the
+        per-channel ones (all but the batch count) of shape ``(C,)``; else refused before
+        anything is read or written: the Triton kernels' repeat launches take each tensor's
+        address as it is, with no check of their own of where it points or how far it
+        reaches (``TrainingStep``)."""
+        device, channels = x.device, (self.num_features,)
+        weight, bias, running_mean, running_var, batches = state
+        for tensor in (weight, bias, running_mean, running_var):
+            if tensor is not None and (tensor.device != device or tensor.shape != channels):
+                raise self._state_error(x, state)
+        if batches is not None and batches.device != device:
+            raise self._state_error(x, state)
 
-    def _device_message(self, x: torch.Tensor, state: tuple[torch.Tensor | None, ...]) -> str:
-        devices = {name: tensor.device for name, tensor in zip((*_PARAMETERS, *_RUNNING), state)
-                   if tensor is not None}
+    def _check_recordable(self, weight: torch.Tensor | None, bias: torch.Tensor | None
+                          ) -> None:
+        """An inference tensor as input (made under ``torch.inference_mode``), in a call
+        autograd records (grad mode, a parameter that requires grad): autograd cannot save it
+        for backward and refuses it once the running statistics are updated; refused first."""
+        if torch.is_grad_enabled() and any(p is not None and p.requires_grad
+                                           for p in (weight, bias)):
+            raise RuntimeError(
+                f"{self._label()}: expected an input autograd can save for backward, got an "
+                "inference tensor (made under torch.inference_mode) while the layer's "
+                "parameters require grad; call the layer under torch.inference_mode() or "
+                "torch.no_grad(), or pass a clone made outside it (x.clone())")
+
+    def _state_error(self, x: torch.Tensor, state: tuple[torch.Tensor | None, ...]
+                     ) -> Exception:
+        named = {name: tensor for name, tensor in zip((*_PARAMETERS, *_RUNNING), state)
+                 if tensor is not None}
+        for name, tensor in named.items():
+            if name != "num_batches_tracked" and tensor.shape != (self.num_features,):
+                return ValueError(
+                    f"{self._label()}: expected {name} of shape ({self.num_features},), one "
+                    f"value per channel, got shape {tuple(tensor.shape)}")
+        devices = {name: tensor.device for name, tensor in named.items()}
         if len(set(devices.values())) == 1:
             (device,) = set(devices.values())
-            return (f"{self._label()}: expected input on device {device} like the layer's "
-                    f"parameters and running statistics, got input on device {x.device}; move "
-                    "the input or the layer (layer.to(device))")
+            return RuntimeError(
+                f"{self._label()}: expected input on device {device} like the layer's "
+                f"parameters and running statistics, got input on device {x.device}; move the "
+                "input or the layer (layer.to(device))")
         elsewhere = ", ".join(f"{name} on {device}" for name, device in devices.items()
                               if device != x.device)
-        return (f"{self._label()}: expected the layer's parameters and running statistics on "
-                f"the input's device {x.device}, got {elsewhere}; move the layer "
-                f"(layer.to({str(x.device)!r}))")
+        return RuntimeError(
+            f"{self._label()}: expected the layer's parameters and running statistics on the "
+            f"input's device {x.device}, got {elsewhere}; move the layer "
+            f"(layer.to({str(x.device)!r}))")
 
     @staticmethod
     def _checked_by_every_replica(slot: ReplicaSlot, x: torch.Tensor, count: int) -> None:
@@ -694,7 +724,10 @@ class SyncBatchNorm(_BatchNorm):
         layer's buffers as the caller read them (``_state``)."""
         if not self.track_running_stats or mean is None:
             return None
-        return RunningStats(mean, var, batches, self.momentum)
+        momentum = self.momentum
+        if momentum is None and batches is None:  # a cumulative average with no count:
+            momentum = 0.0  # nn.BatchNorm's factor, the statistics kept as they are
+        return RunningStats(mean, var, batches, momentum)
 
     @property
     def last_input_dim(self) -> int | None:

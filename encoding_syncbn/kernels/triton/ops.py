@@ -323,14 +323,14 @@ class TrainingStep:
     The step hands its launches each tensor's address, asked once however many arguments
     take it (``launch.launch_direct``: Triton's launch would ask each argument's and query
     the driver where it points), and so vouches for each: on 16 bytes where the key does
-    not fix it (checked here), and on x's device. For the device it relies on its callers,
-    the layer's autograd Functions: the layer checks each of its parameters and running
-    statistics against x at every call (``SyncBatchNorm._check_device``), autograd checks
-    the device of the gradient it hands backward, and the statistics are this step's own
-    outputs. Where an address is off 16 bytes, or the direct launch is not taken (a launch
-    hook, another current device), the step hands the call to the op, which builds its own
-    arguments and launches through Triton's public path (the outputs the step allocated go
-    unused).
+    not fix it (checked here), and on x's device and the per-channel vectors' extent. For
+    those it relies on its callers, the layer's autograd Functions: the layer checks each of
+    its parameters and running statistics against x at every call (device and shape,
+    ``SyncBatchNorm._check_state``), autograd checks the device of the gradient it hands
+    backward, and the statistics are this step's own outputs. Where an address is off 16
+    bytes, or the direct launch is not taken (a launch hook, another current device), the
+    step hands the call to the op, which builds its own arguments and launches through
+    Triton's public path (the outputs the step allocated go unused).
 
     The small-gamma flags of the step's statistics launches lie in one buffer of its own,
     which each launch writes whole: they are scratch of the call, which the layer reads at
