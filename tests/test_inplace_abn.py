@@ -319,6 +319,13 @@ def test_the_functions(function):
     x = torch.randn(3, C, 5, dtype=torch.float64)
     out = function(x.clone(), None, None, None, None, False)
     assert_close(out, F.leaky_relu(F.batch_norm(x, None, None, training=True), 0.01))
+    # A weight of another shape than (C,): refused naming the function, nothing written.
+    name = "InPlaceABNSync" if function is inplace_abn_sync else "InPlaceABN"
+    given, before = x.clone(), running_mean.clone()
+    with pytest.raises(ValueError, match=re.escape(f"{name} function: expected weight of "
+                                                   f"shape ({C},)") + ".*got shape \\(4, 1\\)"):
+        function(given, weight.detach()[:, None], bias, running_mean, running_var, True)
+    assert torch.equal(given, x) and torch.equal(running_mean, before)
 
 
 # ---- conversions ---------------------------------------------------------------------------
