@@ -774,6 +774,79 @@ def test_checkpoint_of_conv_and_sync_layer_matches_plain_run():
         torch.testing.assert_close(g_ckpt, g_plain, **TOL)
 
 
+class _Twice(nn.Module):
+    """conv + a layer, ``calls`` times in one forward, each call under its own checkpoint
+    (``mode``) or not: a siamese network's two views (``calls=2``, two inputs), an iterative
+    refinement's loop (one input, fed back)."""
+
+    def __init__(self, norm: nn.Module, mode: bool, calls: int = 2):
+        super().__init__()
+        torch.manual_seed(8)
+        self.conv, self.norm = nn.Conv2d(2, 2, 1, dtype=DT), norm
+        self.mode, self.calls = mode, calls
+
+    def branch(self, h):
+        return self.norm(self.conv(h))
+
+    def forward(self, a, b=None):
+        run = (lambda h: checkpoint(self.branch, h, use_reentrant=False)) if self.mode else (
+            self.branch)
+        if b is not None:
+            return run(a), run(b)
+        for _ in range(self.calls):
+            a = run(a)
+        return a
+
+
+def _plain_twin(calls: int = 2) -> _Twice:
+    return _Twice(nn.Sequential(nn.BatchNorm2d(2, dtype=DT), nn.LeakyReLU(0.5)), False, calls)
+
+
+def _grads(model, runner, *inputs):
+    leaves = [t.clone().requires_grad_() for t in inputs]
+    out = runner(*leaves)
+    out = torch.cat(out) if isinstance(out, tuple) else out
+    out.backward(torch.linspace(-1, 1, out.numel(), dtype=DT).view_as(out))
+    return [out, *(t.grad for t in leaves), *(p.grad for p in model.parameters())]
+
+
+def test_checkpointed_calls_with_equal_chunks_are_exact_or_refused():
+    """A layer called on two views under checkpoint: exact where the views differ on every
+    replica; where one replica's chunks are equal but the whole batches differ, its
+    recomputation cannot tell the calls apart: refused naming the layer (before, it took the
+    first call's statistics: wrong gradients, 0.8 off at scale 1.3)."""
+    a = torch.randn(4, 2, 8, 8, dtype=DT, generator=torch.Generator().manual_seed(9))
+    b = a * 3 + 1
+    for equal_chunk in (False, True):
+        if equal_chunk:
+            b[:2] = a[:2]  # replica 0's chunk of the second view is its chunk of the first
+        # In place (enough values a channel to train so, rebuilds_from_count).
+        model = _Twice(SyncBatchNorm(2, activation="leaky_relu", slope=0.5, dtype=DT), True)
+        twin = _plain_twin()
+        twin.norm[0].load_state_dict(model.norm.state_dict())
+        runner = SimulatedDataParallel(model, 2)
+        if equal_chunk:
+            with pytest.raises(RuntimeError, match=r"SyncBatchNorm\(2\).*cannot tell which"):
+                _grads(model, runner, a, b)
+            continue
+        expected = _grads(twin, twin, a, b)
+        for got, want in zip(_grads(model, runner, a, b), expected):
+            torch.testing.assert_close(got, want, **TOL)
+
+
+def test_a_layer_checkpointed_in_a_long_loop_recomputes_every_call():
+    """One layer called 70 times in a forward, each call under checkpoint (an iterative
+    refinement): every recomputation finds its call, kept while its graph lives (before,
+    only the last 64 calls were kept, and backward failed blaming non-determinism)."""
+    model = _Twice(SyncBatchNorm(2, activation="leaky_relu", slope=0.5, dtype=DT), True, 70)
+    twin = _plain_twin(70)
+    x = torch.randn(4, 2, 3, 3, dtype=DT, generator=torch.Generator().manual_seed(10))
+    expected = _grads(twin, twin, x)
+    for got, want in zip(_grads(model, SimulatedDataParallel(model, 2), x), expected):
+        torch.testing.assert_close(got, want, **TOL)
+    assert len(model.norm._recompute_cache._in_graphs) == 0  # the replicas' own, not its
+
+
 @pytest.mark.parametrize("replicas", [None, 4])
 def test_checkpoint_around_an_inplace_layer_on_its_own_input_raises(replicas):
     """In place over the checkpoint's own input destroys what the recompute needs: that must

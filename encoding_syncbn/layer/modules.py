@@ -351,15 +351,16 @@ class SyncBatchNorm(_BatchNorm):
         capture = tracing.capture_of_training(self.training)
         if capture is not None:
             tracing.refuse_training_capture(self._label(), capture)
+        state = self._state(False)
         if torch.jit.is_tracing():
             with warnings.catch_warnings():
                 # A warning at each size the checks compare: constants of the trace, rightly.
                 warnings.simplefilter("ignore", torch.jit.TracerWarning)
                 self._check_input(x)
+                self._check_state(x, state)
         else:  # torch.export (whose strict tracer cannot trace the warnings' filters)
             self._check_input(x)
-        state = self._state(False)
-        self._check_state(x, state)
+            self._check_state(x, state)
         weight, bias = self._affine_params(*state[:2], x)
         if self.training and self._synced(self._replica_slot):
             tracing.refuse_synced_transform(self._label())
@@ -549,13 +550,14 @@ class SyncBatchNorm(_BatchNorm):
         elif synced:
             # The master folds the merged statistics into the running ones; each replica
             # remembers the call for a checkpoint's recomputation, which meets no replica.
-            exchange = (self._recompute_cache.replay if recomputing else
+            exchange = (functools.partial(self._recompute_cache.replay, layer=self._label())
+                        if recomputing else
                         Exchange(slot, self.eps, self.process_group, self._syncs_processes(),
                                  running, self._label()))
             out = synced_batch_norm_act(x, weight, bias, plan.config, exchange, plan.kept)
             if not recomputing:
                 self._recompute_cache.remember(exchange.own, exchange.mean, exchange.invstd,
-                                             exchange.total, exchange.offset)
+                                               exchange.total, exchange.offset, out.grad_fn)
         else:
             out = batch_norm_act(x, weight, bias, self.eps, plan.config, running,
                                  self._channels_aside, recomputing, count, plan.check)

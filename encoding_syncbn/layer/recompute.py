@@ -8,6 +8,7 @@ statistics.
 
 from __future__ import annotations
 
+import weakref
 from collections import deque
 from typing import Any, NamedTuple
 
@@ -17,7 +18,8 @@ from .. import compat
 from ..kernels import ops_for
 from .functional import Exchanged, ReplicaStats, local_channel_stats
 
-# How many recent synchronised calls a replica remembers for checkpoint recomputation.
+# How many synchronised calls without a graph a replica remembers: those of a reentrant
+# checkpoint's forward (no grad), kept only to refuse their recomputation clearly.
 CACHE_SIZE = 64
 
 
@@ -35,52 +37,84 @@ class SyncedCall(NamedTuple):
     grad_enabled: bool
     offset: torch.Tensor | None
 
+    def same_statistics(self, other: SyncedCall) -> bool:
+        """Whether a recomputation of either call would compute what it computed."""
+        return (self.total == other.total and torch.equal(self.mean, other.mean)
+                and torch.equal(self.invstd, other.invstd)
+                and (self.offset is None) == (other.offset is None)
+                and (self.offset is None or torch.equal(self.offset, other.offset)))
+
 
 class RecomputeCache:
-    """One replica's recent synchronised calls (the last ``CACHE_SIZE``)."""
+    """One replica's synchronised calls that a checkpoint may recompute: each call with a
+    graph as long as its output's node lives (a backward that recomputes it runs before the
+    graph is freed, however many calls a step makes), the last ``CACHE_SIZE`` without one."""
 
-    __slots__ = ("_calls",)
+    __slots__ = ("_in_graphs", "_graphless")
 
     def __init__(self) -> None:
-        self._calls: deque[SyncedCall] = deque(maxlen=CACHE_SIZE)
+        self._in_graphs: list[tuple[weakref.ref, SyncedCall]] = []
+        self._graphless: deque[SyncedCall] = deque(maxlen=CACHE_SIZE)
 
     def remember(self, own: ReplicaStats, mean: torch.Tensor, invstd: torch.Tensor,
-                 total: int, offset: torch.Tensor | None) -> None:
-        """Keep a synchronised call that may be recomputed (``may_be_recomputed``)."""
-        if may_be_recomputed():
-            self._calls.append(
-                SyncedCall(
-                    ops_for(own.x), own.mean, own.m2, mean.detach(), invstd.detach(), total,
-                    torch.is_grad_enabled(), offset,
-                )
-            )
+                 total: int, offset: torch.Tensor | None, node: Any) -> None:
+        """Keep a synchronised call that may be recomputed (``may_be_recomputed``), for as
+        long as ``node``, its output's ``grad_fn``, lives."""
+        if not may_be_recomputed():
+            return
+        call = SyncedCall(ops_for(own.x), own.mean, own.m2, mean.detach(), invstd.detach(),
+                          total, torch.is_grad_enabled(), offset)
+        try:
+            anchor = weakref.ref(node)
+        except TypeError:  # None (no graph), or a node that cannot be referenced weakly
+            self._graphless.append(call)
+            return
+        self._in_graphs = [kept for kept in self._in_graphs if kept[0]() is not None]
+        self._in_graphs.append((anchor, call))
 
-    def replay(self, x: torch.Tensor) -> Exchanged:
+    def replay(self, x: torch.Tensor, layer: str) -> Exchanged:
         """The ``exchange`` of a checkpoint's recomputation (``functional.synced_batch_norm_act``):
         the global statistics of the original call on ``x``, met with no other replica (no
-        merge to link to).
+        merge to link to); ``layer`` names the layer in errors.
 
         The call is found by its input's statistics, recomputed by the backend that computed
-        them then (another backend's differ in the last bits: Triton's against ATen's).
+        them then (another backend's differ in the last bits: Triton's against ATen's). Two
+        calls whose inputs on this replica were equal but whose global statistics differ (a
+        layer called on equal chunks, as a siamese network's two views may give a replica)
+        cannot be told apart: refused, where the first would give wrong gradients.
         """
         local: dict[Any, tuple[torch.Tensor, torch.Tensor]] = {}
-        for call in self._calls:
+        found: SyncedCall | None = None
+        for call in (*(kept[1] for kept in self._in_graphs if kept[0]() is not None),
+                     *self._graphless):
             if call.ops not in local:
                 with torch.no_grad():
                     local[call.ops] = local_channel_stats(x, call.ops)[:2]
             local_mean, local_m2 = local[call.ops]
-            if torch.equal(call.local_mean, local_mean) and torch.equal(call.local_m2, local_m2):
-                if not call.grad_enabled:
-                    raise RuntimeError(
-                        "SyncBatchNorm under torch.utils.checkpoint(use_reentrant=True): the "
-                        "reentrant mode rebuilds each replica's graph apart, so gradients "
-                        "cannot flow between replicas; use use_reentrant=False"
-                    )
-                return Exchanged(call.mean, call.invstd, call.total, None, call.offset)
-        raise RuntimeError(
-            "SyncBatchNorm: a recomputation (checkpoint) found no synchronised call with the "
-            "same input statistics; the checkpointed function must be deterministic"
-        )
+            if not (torch.equal(call.local_mean, local_mean)
+                    and torch.equal(call.local_m2, local_m2)):
+                continue
+            if not call.grad_enabled:
+                raise RuntimeError(
+                    f"{layer} under torch.utils.checkpoint(use_reentrant=True): the reentrant "
+                    "mode rebuilds each replica's graph apart, so gradients cannot flow "
+                    "between replicas; use use_reentrant=False"
+                )
+            if found is not None and not found.same_statistics(call):
+                raise RuntimeError(
+                    f"{layer}: a checkpoint's recomputation cannot tell which of this layer's "
+                    "calls it recomputes: two calls had equal inputs on this replica but "
+                    "different statistics over the whole batch (the layer called on equal "
+                    "chunks, as two views of the same images); call the layer outside the "
+                    "checkpoint there, or give each call a layer of its own"
+                )
+            found = call
+        if found is None:
+            raise RuntimeError(
+                f"{layer}: a recomputation (checkpoint) found no synchronised call with the "
+                "same input statistics; the checkpointed function must be deterministic"
+            )
+        return Exchanged(found.mean, found.invstd, found.total, None, found.offset)
 
 
 def may_be_recomputed() -> bool:
