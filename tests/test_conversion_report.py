@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import inspect
 import logging
 import warnings
 
@@ -282,6 +283,9 @@ class Functional(nn.Module):
         return F.leaky_relu(self.bn(self.conv(x)), 0.2, inplace=self.inplace)
 
 
+_FUNCTIONAL_LINE = inspect.getsourcelines(Functional.forward)[1] + 1
+
+
 class TwoActivations(nn.Module):
     """One BatchNorm called before an ELU, then before a LeakyReLU."""
 
@@ -396,6 +400,16 @@ def test_hand_written_cases(model, reason):
         warnings.simplefilter("ignore")  # the untraceable model warns (test_fuse.py)
         _, report = convert_inplace_abn(model, report=True)
     assert rows(report)["bn"].reason == reason
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_a_functional_activation_names_its_line(inplace):
+    """The line of an ``F.leaky_relu`` call, not one of torch's own (its
+    ``__torch_function__`` dispatch, through which fx records it)."""
+    _, report = convert_inplace_abn(Functional(inplace), report=True)
+    assert rows(report)["bn"].source == (
+        f"test_conversion_report.py:{_FUNCTIONAL_LINE}: "
+        "return F.leaky_relu(self.bn(self.conv(x)), 0.2, inplace=self.inplace)")
 
 
 @pytest.mark.parametrize("act_inplace", [False, True])

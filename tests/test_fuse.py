@@ -205,6 +205,75 @@ def test_untraceable_module_warns_and_converts_its_children():
     check_exact(Branchy(), torch.randn(4, 4, 5, 5, dtype=torch.float64))
 
 
+class _Keeps(nn.Module):
+    """A block whose forward keeps a tensor in an attribute, as feature-distillation code
+    does: the BatchNorm's input (``kept="input"``) or output, alone or in a list."""
+
+    def __init__(self, kept: str, in_list: bool) -> None:
+        super().__init__()
+        self.conv, self.bn = conv_bn()
+        self.act, self.head = nn.LeakyReLU(0.1), nn.Conv2d(4, 2, 1)
+        self.kept, self.in_list = kept, in_list
+        self.features: list[torch.Tensor] = []
+        self.feature: torch.Tensor | None = None
+
+    def forward(self, x):
+        h = self.conv(x)
+        y = self.bn(h)
+        value = h if self.kept == "input" else y
+        if self.in_list:
+            self.features.append(value)
+        else:
+            self.feature = value
+        return self.head(self.act(y))
+
+
+@pytest.mark.parametrize("in_list", [False, True])
+@pytest.mark.parametrize("kept", ["input", "output"])
+def test_values_kept_in_attributes_keep_their_values(kept, in_list):
+    """A BatchNorm whose input or output the forward keeps in a module attribute stays out
+    of place, saying why (in place, the kept tensor was overwritten: a distillation loss on
+    it changed); the trace leaves the attributes as they were."""
+    model = _Keeps(kept, in_list)
+    converted, report = convert_inplace_abn(copy.deepcopy(model), report=True)
+    assert modes(converted) == {"bn": ("none", False)}
+    assert f"its {kept}" in report.rows[0].reason and "module attribute" in report.rows[0].reason
+    assert converted.features == [] and converted.feature is None
+    x = torch.randn(4, 4, 5, 5, dtype=torch.float64)
+    model.double()
+    for runner in (model, converted.double()):
+        out = runner(x)
+        kept_value = runner.features[-1] if in_list else runner.feature
+        (out.square().sum() + kept_value.square().sum()).backward()
+    assert_close(converted.features[-1] if in_list else converted.feature,
+                 model.features[-1] if in_list else model.feature, what="kept tensor")
+    for (name, got), expected in zip(converted.named_parameters(), model.parameters()):
+        assert_close(got.grad, expected.grad, what=f"{name} gradient")
+
+
+def test_a_batchnorm_whose_output_is_not_read():
+    """A BatchNorm computed for its running statistics, its output unused (an encoder stage
+    a decoder ignores, as in smp's PSPNet over efficientnet-b0): out of place, saying so
+    (the conversion raised a ValueError)."""
+
+    class Unread(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv, self.bn = conv_bn()
+            self.aux_conv, self.aux_bn = conv_bn()
+            self.act = nn.LeakyReLU(0.1)
+
+        def forward(self, x):
+            y = self.act(self.bn(self.conv(x)))
+            self.aux_bn(self.aux_conv(y))
+            return y * 2
+
+    converted = check_exact(Unread(), torch.randn(4, 4, 5, 5, dtype=torch.float64))
+    assert modes(converted) == {"bn": ("leaky_relu", True), "aux_bn": ("none", False)}
+    _, report = convert_inplace_abn(Unread(), report=True)
+    assert report.rows[1].reason == "its output is not read"
+
+
 def _leaky(model: nn.Module) -> nn.Module:
     """``model`` with each ReLU replaced by its own LeakyReLU(0.01) (same inplace flag)."""
     for module in list(model.modules()):
@@ -281,13 +350,14 @@ def test_training_branches_are_judged_in_both_modes():
         assert modes(converted) == {"bn": ("none", False)}
 
 
-@pytest.mark.parametrize("hooked", ["bn1", "act1"])
+@pytest.mark.parametrize("hooked", ["conv1", "bn1", "act1"])
 def test_hooks_see_what_they_saw(hooked):
     """Forward hooks that keep references to their module's input and output (feature
     extractors do) still run after ``convert_inplace_abn`` and hold the same values: a
-    BatchNorm with hooks stays out of place (its input would be overwritten, its output
-    replaced by the activation's), an activation module with hooks is not fused away (its
-    BatchNorm runs in place without activation before it)."""
+    BatchNorm with hooks, or whose input comes from a module with hooks, stays out of place
+    (its input would be overwritten, its output replaced by the activation's), an activation
+    module with hooks is not fused away (its BatchNorm runs in place without activation
+    before it)."""
     torch.manual_seed(0)
     original = Residual(act_inplace=False).double()
     copied = copy.deepcopy(original)
@@ -296,8 +366,8 @@ def test_hooks_see_what_they_saw(hooked):
         model.get_submodule(hooked).register_forward_hook(
             lambda module, args, out, seen=kept[name]: seen.append((args[0], out)))
     converted = convert_inplace_abn(copied)
-    assert modes(converted)["bn1"] == (("none", False) if hooked == "bn1" else
-                                       ("identity", True))
+    assert modes(converted)["bn1"] == (("identity", True) if hooked == "act1" else
+                                       ("none", False))
     assert type(converted.act1) is nn.LeakyReLU
     x = torch.randn(4, 4, 5, 5, dtype=torch.float64)
     assert_close(converted(x), original(x), what="output")

@@ -16,13 +16,14 @@ warning says which modules were not traced.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import operator
 import os
 import re
 import warnings
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, Literal, NamedTuple, overload
 
 import torch
@@ -165,7 +166,10 @@ def _convert(module: nn.Module, process_group: Any, reporting: bool, stacklevel:
             + "; ".join(f"{_where(path)} ({reason})" for path, reason in plan.untraced)
             + ". Their children were traced one by one, so only BatchNorm + activation pairs "
             "inside one child can run in place; the BatchNorms their own forward calls "
-            "directly stay out of place",
+            "directly stay out of place. Their own forward is not seen: where it calls a "
+            "child's layers one by one, or keeps a tensor from inside a child, that child's "
+            "in-place layers change what it computes (convert_sync_batchnorm keeps every "
+            "layer out of place)",
             stacklevel=stacklevel,
         )
     (train_decisions, train_why), (eval_decisions, eval_why) = (p.decide() for p in plans)
@@ -264,7 +268,8 @@ class _Planner:
         if _is_leaf(module):
             return
         try:
-            graph = _Tracer(self.sources).trace(module)
+            with _attributes_kept(module) as kept:
+                graph = _Tracer(self.sources).trace(module)
         except Exception as error:  # any failure of the tracer: the module's own code
             self.untraced.append((path, f"{type(error).__name__}: {str(error)[:120]}"))
             for name, child in module.named_children():
@@ -281,7 +286,7 @@ class _Planner:
             if isinstance(kind, str):
                 self.unjudged[id(target)] = kind
                 continue
-            self.calls.setdefault(id(target), []).append(_judge(node, kind, module))
+            self.calls.setdefault(id(target), []).append(_judge(node, kind, module, kept))
             self.paths.setdefault(id(target), f"{path}.{node.target}" if path
                                   else node.target)
 
@@ -375,9 +380,11 @@ def _norm_kind(module: nn.Module) -> tuple[str, float] | str:
     return "its own activation is an identity, converted out of place as it was"
 
 
-def _judge(node: fx.Node, kind: tuple[str, float], root: nn.Module) -> _Call:
+def _judge(node: fx.Node, kind: tuple[str, float], root: nn.Module, kept: set[fx.Node]
+           ) -> _Call:
     """Whether this call of a norm layer (``kind``: its activation and slope) may run in
-    place, and with which activation."""
+    place, and with which activation; ``kept``: the values the traced code stores in module
+    attributes (``_attributes_kept``)."""
     producer = node.args[0] if node.args else None
     if not isinstance(producer, fx.Node) or len(node.args) != 1 or node.kwargs:
         return _refused("it is called with other arguments than one tensor", node)
@@ -389,6 +396,14 @@ def _judge(node: fx.Node, kind: tuple[str, float], root: nn.Module) -> _Call:
     if not _is_fresh(producer, root):
         return _refused(f"its input may be shared: it comes from {_describe(producer, root)}"
                         ", not from a convolution, linear layer or arithmetic", producer)
+    if producer.op == "call_module" and compat.has_call_hooks(
+            root.get_submodule(producer.target)):
+        return _refused(f"its input comes from {_describe(producer, root)}, on which a hook "
+                        "is registered (a hook may keep its output, which would be "
+                        "overwritten)", producer)
+    if producer in kept:
+        return _refused(f"its input, from {_describe(producer, root)}, is kept in a module "
+                        "attribute, where it would be overwritten", producer)
     if len(producer.users) != 1:
         other = next(user for user in producer.users if user is not node)
         return _refused(f"its input is read again, by {_describe(other, root)}: it would "
@@ -401,6 +416,11 @@ def _judge(node: fx.Node, kind: tuple[str, float], root: nn.Module) -> _Call:
     # Through nn.Identity modules (timm's disabled drop_block), to the activation.
     value = node
     while True:
+        if value in kept:
+            return _refused(f"its output, from {_describe(value, root)}, is kept in a module "
+                            "attribute, where the activation would overwrite it", value)
+        if not value.users:
+            return _refused("its output is not read", value)
         if len(value.users) != 1:
             first, second = list(value.users)[:2]
             return _refused(f"its output is read twice, by {_describe(first, root)} and "
@@ -582,7 +602,8 @@ def _describe(node: fx.Node, root: nn.Module) -> str:
 
 
 # Frames of the tracer and of this module, which no user wrote.
-_OWN_FILES = (os.path.dirname(fx.__file__), __file__)
+# torch's own files (fx, its modules, F.leaky_relu's __torch_function__ handling) and this one.
+_OWN_FILES = (os.path.dirname(torch.__file__) + os.sep, __file__)
 # A frame of a formatted stack: its code line (indented deeper) only where the file is known.
 _FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in \S+(?:\n {4}(?P<code>\S.*))?')
 
@@ -592,8 +613,7 @@ def _source(node: fx.Node | None) -> str | None:
     of the trace's stack outside torch.fx and this module, where the trace recorded one."""
     stack = getattr(node, "stack_trace", None)
     frames = [frame for frame in _FRAME.finditer(stack or "")
-              if not frame["file"].startswith(_OWN_FILES)
-              and os.sep + os.path.join("torch", "nn", "modules") not in frame["file"]]
+              if not frame["file"].startswith(_OWN_FILES)]
     if not frames:
         return None
     frame = frames[-1]
@@ -613,6 +633,38 @@ def _is_leaf(module: nn.Module) -> bool:
         module.__module__.startswith(("torch.nn", "torch.ao.nn"))
         and not isinstance(module, nn.Sequential)
     )
+
+
+@contextlib.contextmanager
+def _attributes_kept(module: nn.Module) -> Iterator[set[fx.Node]]:
+    """Around a trace of ``module``: the nodes whose values its code stores in an attribute
+    of one of its modules (``self.feat = h``, ``self.feats.append(h)``), added to the set
+    yielded once the trace ends; kept past the call, such a value must not be overwritten.
+    The trace leaves proxies there: every attribute, and each list or dict it holds, is put
+    back as it was."""
+    saved = []
+    for owner in module.modules():
+        attributes = owner.__dict__
+        saved.append((attributes, dict(attributes), [
+            (value, value.copy()) for value in attributes.values()
+            if type(value) in (list, dict)]))
+    kept: set[fx.Node] = set()
+    try:
+        yield kept
+    finally:
+        for attributes, before, containers in saved:
+            for value in attributes.values():
+                items = value.values() if isinstance(value, dict) else (
+                    value if isinstance(value, (list, tuple)) else (value,))
+                kept.update(item.node for item in items if isinstance(item, fx.Proxy))
+            attributes.clear()
+            attributes.update(before)
+            for container, content in containers:
+                container.clear()
+                if isinstance(container, dict):
+                    container.update(content)
+                else:
+                    container.extend(content)
 
 
 class _InplaceAwareProxy(fx.Proxy):
