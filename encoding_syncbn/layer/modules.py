@@ -513,7 +513,7 @@ class SyncBatchNorm(_BatchNorm):
         self._check_state(x, state)
         weight, bias, running_mean, running_var, batches = state
         weight, bias = self._affine_params(weight, bias, x)
-        if x.is_inference():
+        if not torch.compiler.is_compiling() and x.is_inference():  # (Dynamo cannot ask)
             self._check_recordable(weight, bias)
         evaluating = not self.training and running_mean is not None
         # Asked only for batch statistics: evaluation with running statistics never asks
