@@ -23,6 +23,7 @@ in its peers. With a single chunk the module is called directly.
 from __future__ import annotations
 
 import threading
+import warnings
 from contextlib import nullcontext
 from typing import Any
 
@@ -65,6 +66,10 @@ def _first_tensor(obj: Any) -> torch.Tensor | None:
 def _gather(outputs: list[Any]) -> Any:
     first = outputs[0]
     if isinstance(first, torch.Tensor):
+        if all(output.dim() == 0 for output in outputs):  # a loss per replica
+            warnings.warn("Was asked to gather along dimension 0, but all input tensors were "
+                          "scalars; will instead unsqueeze and return a vector.", stacklevel=3)
+            outputs = [output.view(1) for output in outputs]  # as nn.DataParallel's gather
         return torch.cat(outputs, dim=0)
     if isinstance(first, dict):
         return type(first)((key, _gather([o[key] for o in outputs])) for key in first)

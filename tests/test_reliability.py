@@ -774,6 +774,26 @@ def test_checkpoint_of_conv_and_sync_layer_matches_plain_run():
         torch.testing.assert_close(g_ckpt, g_plain, **TOL)
 
 
+def test_simulated_data_parallel_gathers_replica_losses_as_a_vector():
+    """A model returning its loss (0-dim) per replica: a vector of the replicas' losses, with
+    nn.DataParallel's warning (torch.cat refused 0-dim tensors)."""
+
+    class Loss(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bn = SyncBatchNorm(3, dtype=DT)
+
+        def forward(self, x):
+            return self.bn(x).square().mean()
+
+    x = torch.randn(6, 3, 2, dtype=DT)
+    with pytest.warns(UserWarning, match="all input tensors were scalars"):
+        losses = SimulatedDataParallel(Loss(), 3)(x)
+    twin = nn.BatchNorm1d(3, dtype=DT)
+    expected = torch.stack([y.square().mean() for y in twin(x).chunk(3)])
+    torch.testing.assert_close(losses, expected, **TOL)
+
+
 class _Twice(nn.Module):
     """conv + a layer, ``calls`` times in one forward, each call under its own checkpoint
     (``mode``) or not: a siamese network's two views (``calls=2``, two inputs), an iterative
