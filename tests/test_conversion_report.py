@@ -195,6 +195,22 @@ def test_timm_efficientnet_and_mobilenet_norm_act_layers():
         "synchronised; its Hardswish module has no fused form and runs after it")
 
 
+def test_timm_norm_act_with_a_drop_module_names_it():
+    """timm's BatchNormAct2d with a drop module before its LeakyReLU: kept as modules, and
+    the reason names the drop module (LeakyReLU has a fused form)."""
+    import_or_skip("timm")
+    from timm.layers import BatchNormAct2d
+
+    model = nn.Sequential(nn.Conv2d(3, 4, 1),
+                          BatchNormAct2d(4, act_layer=nn.LeakyReLU, drop_layer=nn.Dropout))
+    _, report = convert_inplace_abn(copy.deepcopy(model), report=True)
+    assert rows(report)["1"].reason == (
+        "its Dropout module comes between it and its LeakyReLU, so both stay after the layer")
+    _, report = convert_sync_batchnorm(model, report=True)
+    assert rows(report)["1"].reason == (
+        "synchronised; its Dropout module comes between it and its LeakyReLU: both run after it")
+
+
 def test_timm_preactivation_resnet_reads_its_inputs_again():
     """ResNetV2 normalises each block's input first: that input comes from a pooling
     layer, or is read again by the residual sum."""

@@ -263,6 +263,9 @@ def _sync_judgement(original: nn.Module, converted: nn.Module) -> Judgement:
         return Judgement("synchronised already: left as it is" if converted.sync else
                          "left as it is: sync=False makes it per replica")
     if isinstance(converted, SyncBatchNormAct):
+        between = converted.drop_between()
+        if between is not None:
+            return Judgement(f"synchronised; {between}: both run after it")
         return Judgement(f"synchronised; its {type(converted.act).__name__} module has no "
                          "fused form and runs after it")
     if converted.inplace:

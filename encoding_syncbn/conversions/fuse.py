@@ -361,6 +361,9 @@ def _norm_kind(module: nn.Module) -> tuple[str, float] | str:
     if synced is None:
         return "it is not converted (convert_sync_batchnorm says why)"
     if isinstance(synced, SyncBatchNormAct):
+        between = synced.drop_between()
+        if between is not None:
+            return f"{between}, so both stay after the layer"
         return (f"its activation module {type(synced.act).__name__} has no fused form, so "
                 "it stays after the layer")
     if synced.inplace:

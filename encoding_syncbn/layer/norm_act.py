@@ -58,6 +58,14 @@ class SyncBatchNormAct(SyncBatchNorm):
             return tracing.fx_leaf_call(self, self._label(), input)  # drop and act included
         return self.act(self.drop(super().forward(input)))
 
+    def drop_between(self) -> str | None:
+        """Where a ``drop`` module keeps ``act`` from the normalisation (what a report says
+        instead of the activation having no fused form): which, in a report's words."""
+        if type(self.drop) is nn.Identity:
+            return None
+        return (f"its {type(self.drop).__name__} module comes between it and its "
+                f"{type(self.act).__name__}")
+
 
 class BatchNormAct(_BatchNorm):
     r"""``nn.BatchNorm`` over an input ``(N, C, *)`` of any rank, followed by two modules:
