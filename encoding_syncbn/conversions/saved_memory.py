@@ -17,6 +17,7 @@ from collections.abc import Sequence
 
 import torch
 from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from ..layer.modules import SyncBatchNorm
 
@@ -49,6 +50,10 @@ def measure(model: nn.Module, input_shape: Sequence[int], dtype: torch.dtype,
             # One replica's batch alone: the same tensors kept, and no collective with
             # processes that are not measuring.
             module.sync = False
+        if isinstance(module, _BatchNorm) and module.momentum is None:
+            # nn.BatchNorm's cumulative average reads its batch count on the host, which a
+            # meta tensor has not: any factor keeps the same tensors.
+            module.momentum = 0.1
     # DataParallel would scatter to its devices, where the meta copy is not.
     run = shadow.module if isinstance(shadow, nn.DataParallel) else shadow
     parameters = {_storage_key(p) for p in shadow.parameters()}
