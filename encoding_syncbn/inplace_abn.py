@@ -414,7 +414,9 @@ def _to_mapillary(name: str):
         group = {"group": layer.process_group} if name == "InPlaceABNSync" else {}
         original = share_state(layer, cls(*_mapillary_args(layer), **group))
         if isinstance(original, SyncBatchNorm):
-            original.sync, original.inplace = False, layer.inplace
+            original.sync = False
+            if not layer.inplace:  # (ABN never runs in place, whatever it was converted to)
+                original.inplace = False
         return original
 
     return to_original

@@ -864,7 +864,42 @@ def test_a_layer_checkpointed_in_a_long_loop_recomputes_every_call():
     expected = _grads(twin, twin, x)
     for got, want in zip(_grads(model, SimulatedDataParallel(model, 2), x), expected):
         torch.testing.assert_close(got, want, **TOL)
-    assert len(model.norm._recompute_cache._in_graphs) == 0  # the replicas' own, not its
+
+
+class _Gated(nn.Module):
+    """A checkpointed region where the layer's output feeds no differentiable op (a gate), or
+    the same layer also runs on the same batch without grad (a target pass)."""
+
+    def __init__(self, norm: nn.Module, target_pass: bool):
+        super().__init__()
+        torch.manual_seed(11)
+        self.conv, self.conv2 = nn.Conv2d(2, 2, 1, dtype=DT), nn.Conv2d(2, 2, 1, dtype=DT)
+        self.norm, self.target_pass = norm, target_pass
+
+    def gated(self, h):
+        return self.conv2(h) * (self.norm(self.conv(h)) > 0).to(h.dtype)
+
+    def forward(self, x):
+        if not self.target_pass:
+            return checkpoint(self.gated, x, use_reentrant=False)
+        y = checkpoint(lambda h: self.norm(self.conv(h)), x, use_reentrant=False)
+        with torch.no_grad():
+            target = self.norm(self.conv(x))
+        return (y - target).square() + y
+
+
+@pytest.mark.parametrize("target_pass", [False, True])
+def test_checkpointed_calls_found_whatever_their_graph(target_pass):
+    """A call whose output's node is gone by backward (its output fed only a comparison), and
+    a call beside one made without grad on the same batch: each recomputation finds its call
+    (neither is a reentrant checkpoint's) and the gradients are the plain model's."""
+    x = torch.randn(4, 2, 8, 8, dtype=DT, generator=torch.Generator().manual_seed(12))
+    model = _Gated(SyncBatchNorm(2, activation="leaky_relu", slope=0.5, dtype=DT), target_pass)
+    plain = _Gated(nn.Sequential(nn.BatchNorm2d(2, dtype=DT), nn.LeakyReLU(0.5)), target_pass)
+    SimulatedDataParallel(model, 2)(x).sum().backward()
+    plain(x).sum().backward()
+    for (name, got), expected in zip(model.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(got.grad, expected.grad, **TOL, msg=name)
 
 
 @pytest.mark.parametrize("replicas", [None, 4])

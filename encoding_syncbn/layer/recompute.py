@@ -2,8 +2,8 @@
 
 Under ``torch.utils.checkpoint`` a layer's forward runs again inside backward, on one replica's
 thread, with no other replica there to meet: it must reuse the global ``(mean, invstd)`` of the
-original call. Each replica remembers its recent synchronised calls, keyed by their input's
-statistics.
+original call. Each replica remembers its synchronised calls (its last ones, and any whose
+graph is alive), found again by their input's statistics.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from .. import compat
 from ..kernels import ops_for
 from .functional import Exchanged, ReplicaStats, local_channel_stats
 
-# How many synchronised calls without a graph a replica remembers: those of a reentrant
-# checkpoint's forward (no grad), kept only to refuse their recomputation clearly.
+# How many of its last synchronised calls a replica remembers whatever their graph (a call
+# whose output's node is gone may still be recomputed: its output fed no differentiable op).
 CACHE_SIZE = 64
 
 
@@ -46,31 +46,38 @@ class SyncedCall(NamedTuple):
 
 
 class RecomputeCache:
-    """One replica's synchronised calls that a checkpoint may recompute: each call with a
-    graph as long as its output's node lives (a backward that recomputes it runs before the
-    graph is freed, however many calls a step makes), the last ``CACHE_SIZE`` without one."""
+    """One replica's synchronised calls that a checkpoint may recompute: the last
+    ``CACHE_SIZE``, and beyond those each call with a graph as long as its output's node
+    lives (a backward that recomputes it runs before the graph is freed, however many calls
+    a step makes)."""
 
-    __slots__ = ("_in_graphs", "_graphless")
+    __slots__ = ("_recent", "_in_graphs")
 
     def __init__(self) -> None:
+        self._recent: deque[SyncedCall] = deque(maxlen=CACHE_SIZE)
         self._in_graphs: list[tuple[weakref.ref, SyncedCall]] = []
-        self._graphless: deque[SyncedCall] = deque(maxlen=CACHE_SIZE)
 
     def remember(self, own: ReplicaStats, mean: torch.Tensor, invstd: torch.Tensor,
                  total: int, offset: torch.Tensor | None, node: Any) -> None:
-        """Keep a synchronised call that may be recomputed (``may_be_recomputed``), for as
-        long as ``node``, its output's ``grad_fn``, lives."""
+        """Keep a synchronised call that may be recomputed (``may_be_recomputed``), among the
+        last ones and for as long as ``node``, its output's ``grad_fn``, lives."""
         if not may_be_recomputed():
             return
         call = SyncedCall(ops_for(own.x), own.mean, own.m2, mean.detach(), invstd.detach(),
                           total, torch.is_grad_enabled(), offset)
+        self._recent.append(call)
         try:
             anchor = weakref.ref(node)
         except TypeError:  # None (no graph), or a node that cannot be referenced weakly
-            self._graphless.append(call)
             return
         self._in_graphs = [kept for kept in self._in_graphs if kept[0]() is not None]
         self._in_graphs.append((anchor, call))
+
+    def _calls(self) -> list[SyncedCall]:
+        """The calls remembered, the last ones first in the order they ran."""
+        recent = {id(call) for call in self._recent}
+        return [*self._recent, *(call for anchor, call in self._in_graphs
+                                 if id(call) not in recent and anchor() is not None)]
 
     def replay(self, x: torch.Tensor, layer: str) -> Exchanged:
         """The ``exchange`` of a checkpoint's recomputation (``functional.synced_batch_norm_act``):
@@ -79,40 +86,40 @@ class RecomputeCache:
 
         The call is found by its input's statistics, recomputed by the backend that computed
         them then (another backend's differ in the last bits: Triton's against ATen's). Two
-        calls whose inputs on this replica were equal but whose global statistics differ (a
-        layer called on equal chunks, as a siamese network's two views may give a replica)
-        cannot be told apart: refused, where the first would give wrong gradients.
+        calls recorded by autograd whose inputs on this replica were equal but whose global
+        statistics differ (a layer called on equal chunks, as a siamese network's two views
+        may give a replica) cannot be told apart: refused, where the first would give wrong
+        gradients. Only calls made without grad match: a reentrant checkpoint's, refused.
         """
         local: dict[Any, tuple[torch.Tensor, torch.Tensor]] = {}
-        found: SyncedCall | None = None
-        for call in (*(kept[1] for kept in self._in_graphs if kept[0]() is not None),
-                     *self._graphless):
+        matches = []
+        for call in self._calls():
             if call.ops not in local:
                 with torch.no_grad():
                     local[call.ops] = local_channel_stats(x, call.ops)[:2]
             local_mean, local_m2 = local[call.ops]
-            if not (torch.equal(call.local_mean, local_mean)
-                    and torch.equal(call.local_m2, local_m2)):
-                continue
-            if not call.grad_enabled:
-                raise RuntimeError(
-                    f"{layer} under torch.utils.checkpoint(use_reentrant=True): the reentrant "
-                    "mode rebuilds each replica's graph apart, so gradients cannot flow "
-                    "between replicas; use use_reentrant=False"
-                )
-            if found is not None and not found.same_statistics(call):
-                raise RuntimeError(
-                    f"{layer}: a checkpoint's recomputation cannot tell which of this layer's "
-                    "calls it recomputes: two calls had equal inputs on this replica but "
-                    "different statistics over the whole batch (the layer called on equal "
-                    "chunks, as two views of the same images); call the layer outside the "
-                    "checkpoint there, or give each call a layer of its own"
-                )
-            found = call
-        if found is None:
+            if torch.equal(call.local_mean, local_mean) and torch.equal(call.local_m2, local_m2):
+                matches.append(call)
+        recorded = [call for call in matches if call.grad_enabled]
+        if matches and not recorded:
+            raise RuntimeError(
+                f"{layer} under torch.utils.checkpoint(use_reentrant=True): the reentrant "
+                "mode rebuilds each replica's graph apart, so gradients cannot flow between "
+                "replicas; use use_reentrant=False"
+            )
+        if not recorded:
             raise RuntimeError(
                 f"{layer}: a recomputation (checkpoint) found no synchronised call with the "
                 "same input statistics; the checkpointed function must be deterministic"
+            )
+        found = recorded[0]
+        if not all(found.same_statistics(call) for call in recorded[1:]):
+            raise RuntimeError(
+                f"{layer}: a checkpoint's recomputation cannot tell which of this layer's "
+                "calls it recomputes: two calls had equal inputs on this replica but "
+                "different statistics over the whole batch (the layer called on equal "
+                "chunks, as two views of the same images); call the layer outside the "
+                "checkpoint there, or give each call a layer of its own"
             )
         return Exchanged(found.mean, found.invstd, found.total, None, found.offset)
 
