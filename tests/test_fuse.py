@@ -6,12 +6,15 @@ import); hand-written modules cover each dataflow rule.
 
 from __future__ import annotations
 
+import collections
 import copy
+import types
 import warnings
 
 import pytest
 import torch
 import torch.nn.functional as F
+import torch.nn.utils.prune
 from backends import each_backend, one_backend
 from convert_check import (
     assert_same_run,
@@ -27,6 +30,11 @@ from torch import nn
 from encoding_syncbn import SyncBatchNorm, convert_inplace_abn
 
 pytestmark = each_backend
+
+
+def rows(report) -> dict:
+    """path -> the report's row."""
+    return {row.path: row for row in report.rows}
 
 
 def modes(model: nn.Module) -> dict[str, tuple[str, bool]]:
@@ -206,49 +214,102 @@ def test_untraceable_module_warns_and_converts_its_children():
 
 
 class _Keeps(nn.Module):
-    """A block whose forward keeps a tensor in an attribute, as feature-distillation code
-    does: the BatchNorm's input (``kept="input"``) or output, alone or in a list."""
+    """A block whose forward keeps a tensor past the call, as feature-distillation code does:
+    the BatchNorm's input (``kept="input"``) or output, ``how``: in an attribute, or in a
+    container or holder object an attribute holds."""
 
-    def __init__(self, kept: str, in_list: bool) -> None:
+    def __init__(self, kept: str, how: str) -> None:
         super().__init__()
         self.conv, self.bn = conv_bn()
         self.act, self.head = nn.LeakyReLU(0.1), nn.Conv2d(4, 2, 1)
-        self.kept, self.in_list = kept, in_list
-        self.features: list[torch.Tensor] = []
+        self.kept, self.how = kept, how
         self.feature: torch.Tensor | None = None
+        self.features: list = []
+        self.store = {"features": []}
+        self.holder = types.SimpleNamespace(feature=None)
+        self.recent: collections.deque = collections.deque(maxlen=2)
 
     def forward(self, x):
         h = self.conv(x)
         y = self.bn(h)
         value = h if self.kept == "input" else y
-        if self.in_list:
-            self.features.append(value)
-        else:
+        if self.how == "attribute":
             self.feature = value
+        elif self.how == "list":
+            self.features.append(value)
+        elif self.how == "tuple in a list":
+            self.features.append((value, 1))
+        elif self.how == "list in a dict":
+            self.store["features"].append(value)
+        elif self.how == "namespace":
+            self.holder.feature = value
+        else:
+            self.recent.append(value)
         return self.head(self.act(y))
 
+    def kept_value(self) -> torch.Tensor:
+        return {"attribute": lambda: self.feature, "list": lambda: self.features[-1],
+                "tuple in a list": lambda: self.features[-1][0],
+                "list in a dict": lambda: self.store["features"][-1],
+                "namespace": lambda: self.holder.feature,
+                "deque": lambda: self.recent[-1]}[self.how]()
 
-@pytest.mark.parametrize("in_list", [False, True])
+    def untouched(self) -> bool:
+        return (self.feature is None and self.features == [] and self.store == {"features": []}
+                and self.holder.feature is None and len(self.recent) == 0)
+
+
+@pytest.mark.parametrize("how", ["attribute", "list", "tuple in a list", "list in a dict",
+                                 "namespace", "deque"])
 @pytest.mark.parametrize("kept", ["input", "output"])
-def test_values_kept_in_attributes_keep_their_values(kept, in_list):
-    """A BatchNorm whose input or output the forward keeps in a module attribute stays out
-    of place, saying why (in place, the kept tensor was overwritten: a distillation loss on
-    it changed); the trace leaves the attributes as they were."""
-    model = _Keeps(kept, in_list)
+def test_values_kept_past_the_call_keep_their_values(kept, how):
+    """A BatchNorm whose input or output the forward keeps (in an attribute, a container, a
+    holder object) stays out of place, saying why (in place, the kept tensor was overwritten:
+    a distillation loss on it changed); the trace leaves every attribute as it was."""
+    model = _Keeps(kept, how)
     converted, report = convert_inplace_abn(copy.deepcopy(model), report=True)
     assert modes(converted) == {"bn": ("none", False)}
     assert f"its {kept}" in report.rows[0].reason and "module attribute" in report.rows[0].reason
-    assert converted.features == [] and converted.feature is None
+    assert converted.untouched()
     x = torch.randn(4, 4, 5, 5, dtype=torch.float64)
     model.double()
     for runner in (model, converted.double()):
-        out = runner(x)
-        kept_value = runner.features[-1] if in_list else runner.feature
-        (out.square().sum() + kept_value.square().sum()).backward()
-    assert_close(converted.features[-1] if in_list else converted.feature,
-                 model.features[-1] if in_list else model.feature, what="kept tensor")
+        (runner(x).square().sum() + runner.kept_value().square().sum()).backward()
+    assert_close(converted.kept_value(), model.kept_value(), what="kept tensor")
     for (name, got), expected in zip(converted.named_parameters(), model.parameters()):
         assert_close(got.grad, expected.grad, what=f"{name} gradient")
+
+
+@pytest.mark.parametrize("hooked", ["block ending with the conv", "block ending with the bn"])
+def test_a_hook_on_a_block_around_the_layer(hooked):
+    """A forward hook on a block the trace goes through, whose output is the BatchNorm's
+    input or output: the layer stays out of place and the hook keeps what it kept; a
+    convolution with only a forward pre-hook (``torch.nn.utils.prune``) leaves its
+    BatchNorm fused."""
+    torch.manual_seed(0)
+    if hooked == "block ending with the conv":
+        model = nn.Sequential(nn.Sequential(nn.Conv2d(4, 4, 1)), nn.BatchNorm2d(4),
+                              nn.LeakyReLU(0.1), nn.Conv2d(4, 2, 1))
+        path = "1"
+    else:
+        model = nn.Sequential(nn.Sequential(nn.Conv2d(4, 4, 1), nn.BatchNorm2d(4)),
+                              nn.LeakyReLU(0.1), nn.Conv2d(4, 2, 1))
+        path = "0.1"
+    model.double()
+    pruned = copy.deepcopy(model)
+    torch.nn.utils.prune.l1_unstructured(pruned[0][0], "weight", 0.5)
+    assert rows(convert_inplace_abn(pruned, report=True)[1])[path].in_place
+    kept = {}
+    copied = copy.deepcopy(model)
+    for name, runner in (("original", model), ("converted", copied)):
+        runner[0].register_forward_hook(
+            lambda module, args, out, name=name: kept.__setitem__(name, out))
+    converted, report = convert_inplace_abn(copied, report=True)
+    assert modes(converted) == {path: ("none", False)}
+    assert "handed to a forward hook of '0'" in rows(report)[path].reason
+    x = torch.randn(4, 4, 5, 5, dtype=torch.float64)
+    assert_close(converted(x), model(x), what="output")
+    assert_close(kept["converted"], kept["original"], what="the hook's output")
 
 
 def test_a_batchnorm_whose_output_is_not_read():

@@ -16,11 +16,15 @@ warning says which modules were not traced.
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import copy
+import dataclasses
 import logging
 import operator
 import os
 import re
+import types
 import warnings
 from collections import Counter
 from collections.abc import Iterator, Sequence
@@ -268,13 +272,15 @@ class _Planner:
         if _is_leaf(module):
             return
         try:
-            with _attributes_kept(module) as kept:
+            with _attributes_kept(module) as stored:
                 graph = _Tracer(self.sources).trace(module)
         except Exception as error:  # any failure of the tracer: the module's own code
             self.untraced.append((path, f"{type(error).__name__}: {str(error)[:120]}"))
             for name, child in module.named_children():
                 self.visit(child, f"{path}.{name}" if path else name)
             return
+        kept = dict.fromkeys(stored, "kept in a module attribute") | _seen_by_hooks(graph,
+                                                                               module)
         for node in graph.nodes:
             if node.op != "call_module":
                 continue
@@ -383,11 +389,12 @@ def _norm_kind(module: nn.Module) -> tuple[str, float] | str:
     return "its own activation is an identity, converted out of place as it was"
 
 
-def _judge(node: fx.Node, kind: tuple[str, float], root: nn.Module, kept: set[fx.Node]
-           ) -> _Call:
+def _judge(node: fx.Node, kind: tuple[str, float], root: nn.Module,
+           kept: dict[fx.Node, str]) -> _Call:
     """Whether this call of a norm layer (``kind``: its activation and slope) may run in
-    place, and with which activation; ``kept``: the values the traced code stores in module
-    attributes (``_attributes_kept``)."""
+    place, and with which activation; ``kept``: the values that outlive the graph's use of
+    them, and how (stored in a module attribute, ``_attributes_kept``; handed to a hook,
+    ``_seen_by_hooks``)."""
     producer = node.args[0] if node.args else None
     if not isinstance(producer, fx.Node) or len(node.args) != 1 or node.kwargs:
         return _refused("it is called with other arguments than one tensor", node)
@@ -399,14 +406,9 @@ def _judge(node: fx.Node, kind: tuple[str, float], root: nn.Module, kept: set[fx
     if not _is_fresh(producer, root):
         return _refused(f"its input may be shared: it comes from {_describe(producer, root)}"
                         ", not from a convolution, linear layer or arithmetic", producer)
-    if producer.op == "call_module" and compat.has_call_hooks(
-            root.get_submodule(producer.target)):
-        return _refused(f"its input comes from {_describe(producer, root)}, on which a hook "
-                        "is registered (a hook may keep its output, which would be "
-                        "overwritten)", producer)
     if producer in kept:
-        return _refused(f"its input, from {_describe(producer, root)}, is kept in a module "
-                        "attribute, where it would be overwritten", producer)
+        return _refused(f"its input, from {_describe(producer, root)}, is {kept[producer]}, "
+                        "where it would be overwritten", producer)
     if len(producer.users) != 1:
         other = next(user for user in producer.users if user is not node)
         return _refused(f"its input is read again, by {_describe(other, root)}: it would "
@@ -420,8 +422,8 @@ def _judge(node: fx.Node, kind: tuple[str, float], root: nn.Module, kept: set[fx
     value = node
     while True:
         if value in kept:
-            return _refused(f"its output, from {_describe(value, root)}, is kept in a module "
-                            "attribute, where the activation would overwrite it", value)
+            return _refused(f"its output, from {_describe(value, root)}, is {kept[value]}, "
+                            "where the activation would overwrite it", value)
         if not value.users:
             return _refused("its output is not read", value)
         if len(value.users) != 1:
@@ -641,33 +643,104 @@ def _is_leaf(module: nn.Module) -> bool:
 @contextlib.contextmanager
 def _attributes_kept(module: nn.Module) -> Iterator[set[fx.Node]]:
     """Around a trace of ``module``: the nodes whose values its code stores in an attribute
-    of one of its modules (``self.feat = h``, ``self.feats.append(h)``), added to the set
-    yielded once the trace ends; kept past the call, such a value must not be overwritten.
-    The trace leaves proxies there: every attribute, and each list or dict it holds, is put
-    back as it was."""
-    saved = []
+    of one of its modules (``self.feat = h``, ``self.feats.append(h)``, in containers or
+    plain objects within them), added to the set yielded once the trace ends; kept past the
+    call, such a value must not be overwritten. The trace leaves proxies there: every
+    attribute, container and object reached is put back as it was."""
+    saved: dict[int, tuple[Any, Any]] = {}
     for owner in module.modules():
-        attributes = owner.__dict__
-        saved.append((attributes, dict(attributes), [
-            (value, value.copy()) for value in attributes.values()
-            if type(value) in (list, dict)]))
-    kept: set[fx.Node] = set()
+        _snapshot(owner.__dict__, saved, _KEPT_DEPTH)
+    stored: set[fx.Node] = set()
     try:
-        yield kept
+        yield stored
     finally:
-        for attributes, before, containers in saved:
-            for value in attributes.values():
-                items = value.values() if isinstance(value, dict) else (
-                    value if isinstance(value, (list, tuple)) else (value,))
-                kept.update(item.node for item in items if isinstance(item, fx.Proxy))
-            attributes.clear()
-            attributes.update(before)
-            for container, content in containers:
-                container.clear()
-                if isinstance(container, dict):
-                    container.update(content)
-                else:
-                    container.extend(content)
+        for owner in module.modules():
+            stored.update(proxy.node for proxy in _proxies(owner.__dict__, _KEPT_DEPTH))
+        for state, content in saved.values():
+            _restore(state, content)
+
+
+# How deep in containers and objects a stored value is looked for (``self.store["feats"]
+# .append((h, i))`` is three levels down from the attribute).
+_KEPT_DEPTH = 4
+
+
+def _state_of(value: Any) -> Any:
+    """The mutable part of ``value`` that a trace could write a proxy into: a container
+    itself, a holder object's (``SimpleNamespace``, a dataclass) ``__dict__``; None for
+    anything else (tensors, modules, which are walked as modules, functions, immutable
+    values)."""
+    if isinstance(value, (list, dict, set, collections.deque)):
+        return value
+    if isinstance(value, types.SimpleNamespace) or (
+            dataclasses.is_dataclass(value) and not isinstance(value, type)
+            and hasattr(value, "__dict__")):
+        return vars(value)
+    return None
+
+
+def _items(value: Any) -> Iterator[Any]:
+    if isinstance(value, dict):
+        yield from value.values()
+    elif isinstance(value, (list, tuple, set, frozenset, collections.deque)):
+        yield from value
+    elif (state := _state_of(value)) is not None:
+        yield from state.values()
+
+
+def _snapshot(value: Any, saved: dict[int, tuple[Any, Any]], depth: int) -> None:
+    state = _state_of(value) if not isinstance(value, dict) else value
+    if state is not None and id(state) not in saved:
+        saved[id(state)] = (state, copy.copy(state))
+    if depth:
+        for item in _items(value):
+            if not isinstance(item, nn.Module):
+                _snapshot(item, saved, depth - 1)
+
+
+def _restore(state: Any, content: Any) -> None:
+    state.clear()
+    if isinstance(state, dict):
+        state.update(content)
+    elif isinstance(state, set):
+        state.update(content)
+    else:
+        state.extend(content)
+
+
+def _proxies(value: Any, depth: int) -> Iterator[fx.Proxy]:
+    if isinstance(value, fx.Proxy):
+        yield value
+    elif depth and not isinstance(value, nn.Module):
+        for item in _items(value):
+            yield from _proxies(item, depth - 1)
+
+
+def _seen_by_hooks(graph: fx.Graph, root: nn.Module) -> dict[fx.Node, str]:
+    """The values a forward hook of a module the trace went through or called may keep:
+    each hooked module's output, and a traced-through one's inputs (a leaf's hooks are the
+    norm layer's and the activation's own, judged apart, or its producer's, whose output
+    counts here)."""
+    # By call (the stack's key; a module called twice has a key per call), with its path.
+    inside: dict[str, tuple[str, set[fx.Node]]] = {}
+    for node in graph.nodes:
+        for call, (path, _) in (node.meta.get("nn_module_stack") or {}).items():
+            inside.setdefault(call, (path, set()))[1].add(node)
+    seen: dict[fx.Node, str] = {}
+    for path, nodes in inside.values():
+        hooked = root.get_submodule(path)
+        forward, before = bool(hooked._forward_hooks), bool(hooked._forward_pre_hooks)
+        if not (forward or before):
+            continue
+        how = f"handed to a forward hook of {path!r}"
+        for node in nodes:
+            if forward and any(user not in nodes for user in node.users):
+                seen[node] = how
+            if not _is_leaf(hooked):
+                for arg in node.all_input_nodes:
+                    if arg not in nodes:
+                        seen[arg] = how
+    return seen
 
 
 class _InplaceAwareProxy(fx.Proxy):
