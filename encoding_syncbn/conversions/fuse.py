@@ -606,8 +606,8 @@ def _describe(node: fx.Node, root: nn.Module) -> str:
     return f"{_MODULE_TEXT.get(module, module)}.{name}"
 
 
-# Frames of the tracer and of this module, which no user wrote.
-# torch's own files (fx, its modules, F.leaky_relu's __torch_function__ handling) and this one.
+# Frames no user wrote: torch's own (fx, its modules, the __torch_function__ handling through
+# which fx records F.leaky_relu) and this module's.
 _OWN_FILES = (os.path.dirname(torch.__file__) + os.sep, __file__)
 # A frame of a formatted stack: its code line (indented deeper) only where the file is known.
 _FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in \S+(?:\n {4}(?P<code>\S.*))?')
@@ -615,7 +615,7 @@ _FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in \S+(?:\n {4
 
 def _source(node: fx.Node | None) -> str | None:
     """Where ``node``'s operation is written (``"file.py:line: code"``): the innermost frame
-    of the trace's stack outside torch.fx and this module, where the trace recorded one."""
+    of the trace's stack outside torch and this module, where the trace recorded one."""
     stack = getattr(node, "stack_trace", None)
     frames = [frame for frame in _FRAME.finditer(stack or "")
               if not frame["file"].startswith(_OWN_FILES)]
@@ -689,7 +689,7 @@ def _items(value: Any) -> Iterator[Any]:
 
 
 def _snapshot(value: Any, saved: dict[int, tuple[Any, Any]], depth: int) -> None:
-    state = _state_of(value) if not isinstance(value, dict) else value
+    state = _state_of(value)
     if state is not None and id(state) not in saved:
         saved[id(state)] = (state, copy.copy(state))
     if depth:
@@ -700,9 +700,7 @@ def _snapshot(value: Any, saved: dict[int, tuple[Any, Any]], depth: int) -> None
 
 def _restore(state: Any, content: Any) -> None:
     state.clear()
-    if isinstance(state, dict):
-        state.update(content)
-    elif isinstance(state, set):
+    if isinstance(state, (dict, set)):
         state.update(content)
     else:
         state.extend(content)
