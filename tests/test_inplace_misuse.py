@@ -57,6 +57,53 @@ def test_modified_output_names_layer_and_fixes(replicas, second_inplace):
     assert "modified by an inplace operation" in message  # torch's own words kept too
 
 
+_HAND_BACK_ITSELF = {
+    "identity hooks": lambda: torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t),
+    # On a CPU tensor its pack, ``tensor.cpu()``, is the tensor itself.
+    "save_on_cpu": torch.autograd.graph.save_on_cpu,
+}
+
+
+@pytest.mark.parametrize("hooks", sorted(_HAND_BACK_ITSELF))
+@pytest.mark.parametrize("replicas", [1, 2])
+@pytest.mark.parametrize("training", [True, False])
+def test_modified_output_is_caught_under_hooks_that_skip_torchs_check(hooks, replicas,
+                                                                     training):
+    """torch checks no version of a tensor a saved-tensor hook packed: the layer's own check
+    raises the same error (else backward rebuilds the input from the modified output)."""
+    block = Residual()
+    record_paths(block)
+    block.train(training)
+    model = SimulatedDataParallel(block, replicas)
+    with _HAND_BACK_ITSELF[hooks]():
+        out = model(_input())
+    with pytest.raises(RuntimeError) as info:
+        out.sum().backward()
+    message = str(info.value)
+    assert "SyncBatchNorm(3) at model path 'bn'" in message
+    assert "`out = out + identity`" in message
+    # (Hooks are the thread's own: replicas, in threads of their own, run without them.)
+    assert replicas > 1 or "a saved-tensor hook" in message
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_hooks_that_copy_the_output_keep_the_gradients_exact(training):
+    """A hook's copy holds the output as the forward wrote it: nothing to refuse after
+    ``out += x``, and the gradients are nn.BatchNorm's."""
+    torch.manual_seed(0)
+    block = Residual().train(training)
+    reference = nn.Sequential(nn.Conv2d(3, 3, 1), nn.BatchNorm2d(3)).double().train(training)
+    reference.load_state_dict({**block.conv.state_dict(prefix="0."),
+                               **block.bn.state_dict(prefix="1.")})
+    x = _input()
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t.clone(), lambda t: t):
+        out = block(x)
+    out.backward(torch.ones_like(out))
+    (reference(x) + x).sum().backward()
+    for ours, theirs in zip(block.parameters(), reference.parameters()):
+        torch.testing.assert_close(ours.grad, theirs.grad, rtol=1e-12, atol=1e-12)
+
+
 def test_unnamed_layer_is_named_by_address():
     layer = SyncBatchNorm(3, activation="leaky_relu").double()
     out = layer(_input())

@@ -43,6 +43,7 @@ from autograd (``_exactly``).
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Sequence
 from typing import Callable, NamedTuple
 
@@ -287,6 +288,13 @@ def _save(ctx, x, out, weight, bias, config: ActConfig, kept: tuple, mean, invst
           ) -> None:
     if config.inplace:
         ctx.mark_dirty(x)
+        # torch checks a saved tensor's version only where no saved-tensor hook packed it: a
+        # hook handing backward the output itself (an identity pair, ``save_on_cpu`` of a
+        # CPU tensor) would let it rebuild the input from an output modified since (``out +=
+        # identity``). Checked here instead (``_check_output_unmodified``); ``mark_dirty``
+        # counts one more write as the Function returns.
+        ctx.written = ((weakref.ref(out), out._version + 1)
+                       if compat.saved_tensor_hooks_may_be_active() else None)
     ctx.save_for_backward(out if config.inplace else x, weight, bias, *kept)
     # Per-channel vectors nothing writes to: kept as they are, without a saved tensor's pack
     # and unpack at every call (BatchNormAct takes them as no input of its own).
@@ -305,6 +313,8 @@ def _unpack(ctx) -> _Saved:
         if "modified by an inplace operation" not in str(error):
             raise
         raise RuntimeError(_modified_message(ctx.config, str(error))) from error
+    if ctx.config.inplace:
+        _check_output_unmodified(ctx, saved[0])
     mean, invstd, offset, shifted_bias = ctx.stats
     if len(saved) == 3:  # no channel kept aside (see _normalize)
         return _Saved(saved[0], mean, invstd, saved[1], saved[2], None, None, offset,
@@ -314,8 +324,24 @@ def _unpack(ctx) -> _Saved:
                   shifted_bias)
 
 
-def _modified_message(config: ActConfig, torch_message: str) -> str:
-    if config.inplace and "which is output 0 of" in torch_message:
+def _check_output_unmodified(ctx, saved: torch.Tensor) -> None:
+    """Raise where an in-place call's output, saved through a hook that handed backward its
+    own memory (``_save``), was written since the forward; a hook's copy (``save_on_cpu``
+    of a CUDA tensor) is what the forward wrote, whatever came after."""
+    if ctx.written is None:
+        return
+    ref, version = ctx.written
+    out = ref()
+    if (out is not None and out._version != version
+            and saved.untyped_storage().data_ptr() == out.untyped_storage().data_ptr()):
+        raise RuntimeError(_modified_message(
+            ctx.config, f"the output's version is {out._version}, {version} after the "
+            "forward (a saved-tensor hook returned it as it is now, so torch did not check "
+            "it)", output=True))
+
+
+def _modified_message(config: ActConfig, torch_message: str, output: bool = False) -> str:
+    if config.inplace and (output or "which is output 0 of" in torch_message):
         return (
             f"{config.layer} (inplace=True) wrote its output over its input and its backward "
             "rebuilds the input from that output, but the output was modified in place after "
@@ -564,6 +590,7 @@ def _usual_backward(ctx, grad_output) -> tuple:
     except RuntimeError:
         _unpack(ctx)  # raises, naming the layer and the fix where y was modified
         raise
+    _check_output_unmodified(ctx, y)
     config, (mean, invstd, _, _) = ctx.config, ctx.stats
     grad_input, sum_dz, sum_dz_xhat = ctx.backend.batch_backward(
         y, grad_output, NormParams(mean, invstd, weight, bias, config.activation,
