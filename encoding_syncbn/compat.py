@@ -183,6 +183,14 @@ def saved_output_is_sole(y: torch.Tensor) -> bool:
     return use_count(storage._cdata) == _SOLE_SAVED_OUTPUT_HOLDERS
 
 
+def batched_gradient(grad: torch.Tensor) -> bool:
+    """Whether ``grad`` is one of a batch of gradients a backward is vmapped over
+    (``torch.autograd.grad(..., is_grads_batched=True)``, ``jacobian(vectorize=True)``): the
+    dispatch key of torch's vmap (no public API tells). False where this torch cannot tell."""
+    keys = getattr(torch._C, "_dispatch_keys", None)
+    return keys is not None and "Batched" in str(keys(grad))
+
+
 @functools.cache
 def _execution_engine() -> Any:
     try:

@@ -16,6 +16,7 @@ from encoding_syncbn.layer.functional import (
     replica_stats,
 )
 from encoding_syncbn.layer.inplace_policy import ChannelsAside
+from encoding_syncbn.layer.modules import record_paths
 from encoding_syncbn.testing import SimulatedDataParallel
 
 pytestmark = each_backend
@@ -183,3 +184,28 @@ def test_layer_across_simulated_replicas_differentiates_a_later_create_graph_bac
         return torch.autograd.grad((out * dy).sum() + penalty, x, create_graph=True)[0]
 
     assert torch.autograd.gradcheck(second_gradient, (x,))
+
+
+
+@pytest.mark.parametrize("activation,inplace", [("none", False), ("leaky_relu", True),
+                                                ("elu", False)])
+@pytest.mark.parametrize("training", [True, False])
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_batched_gradients_are_refused_naming_the_layer(activation, inplace, training,
+                                                        replicas):
+    """A backward vmapped over output gradients (``is_grads_batched``, ``jacobian(vectorize=
+    True)``) meets kernels and ``out=`` calls that take one at a time: an error naming the
+    layer and the ways that work, never a number."""
+    model = torch.nn.Sequential(
+        SyncBatchNorm(3, activation=activation, inplace=inplace).double().train(training))
+    record_paths(model)
+    x = torch.randn(16, 3, 3, 3, dtype=torch.float64, requires_grad=True)
+    out = SimulatedDataParallel(model, replicas)(x * 1)
+    grads = torch.randn(4, *x.shape, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match=r"SyncBatchNorm\(3\) at model path '0': .* one "
+                                           r"output gradient at a time.*vectorize=False"):
+        torch.autograd.grad(out, x, grads, is_grads_batched=True)
+    if replicas == 1:
+        with pytest.raises(RuntimeError, match="one output gradient at a time"):
+            torch.autograd.functional.jacobian(lambda t: model(t * 1), x[:4].detach(),
+                                               vectorize=True)

@@ -82,6 +82,20 @@ def _no_double_backward_in_place(layer: str) -> RuntimeError:
     )
 
 
+def _refused_if_batched(layer: str, grad_output: torch.Tensor, error: RuntimeError) -> None:
+    """Raise, naming the layer, where ``error`` came from a batched gradient: the kernels and
+    the fused ops' ``out=`` calls take one gradient at a time (asked only once a backward
+    failed: no cost to one that does not)."""
+    if compat.batched_gradient(grad_output):
+        raise RuntimeError(
+            f"{layer}: its backward takes one output gradient at a time, not a batch of them "
+            "(torch.autograd.grad(..., is_grads_batched=True), torch.autograd.functional."
+            "jacobian or hessian with vectorize=True); use vectorize=False, or torch.func."
+            "jacrev / vjp, which differentiate the layer's formula in ATen ops. "
+            f"PyTorch said: {error}"
+        ) from error
+
+
 class _Saved(NamedTuple):
     """What backward reads: x or y, the per-channel vectors and the channels kept aside."""
 
@@ -525,58 +539,67 @@ class BatchNormAct(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        if (ctx.usual and ctx.needs_input_grad[0] and not torch.is_grad_enabled()
-                and not torch.compiler.is_compiling() and not compat.dispatch_modes()):
-            return _usual_backward(ctx, grad_output)
-        saved = _unpack(ctx)
-        if torch.is_grad_enabled():  # create_graph: the batch's statistics recomputed too
-            config = ctx.config
+        try:
+            return _batch_norm_act_grads(ctx, grad_output)
+        except RuntimeError as error:
+            _refused_if_batched(ctx.config.layer, grad_output, error)
+            raise
 
-            def composite(x, weight, bias):
-                z = torch.nn.functional.batch_norm(x.to(weight.dtype), None, None, weight,
-                                                   bias, True, 0.0, ctx.eps)
-                act = activations.ACTIVATIONS[config.activation].forward
-                return act(z, config.activation_param).to(x.dtype)
 
-            grads = _differentiable_grads(ctx, grad_output,
-                                          (saved.tensor, saved.weight, saved.bias), composite)
-            return (*grads, None)
-        config, needs = ctx.config, ctx.needs_input_grad
-        backend = _backward_ops(ctx.backend, saved)
-        params = _params(saved, config)
-        if not needs[0]:
-            sum_dz, sum_dz_xhat = _reduce(saved, grad_output, config, params, backend)
-            return (None, *_param_grads(needs[1], needs[2], sum_dz, sum_dz_xhat), None)
-        if inplace_policy.takes_double_double_gradient(saved.tensor.dtype, ctx.count,
-                                                       config.inplace):
-            float64_backward = (FLOAT64_BATCH_BACKWARD if _tracing()
-                                else double_double.batch_backward)
-            grad_input, sum_dz, sum_dz_xhat = float64_backward(
-                saved.tensor, grad_output, saved.weight, saved.bias, ctx.eps,
-                config.activation, config.activation_param)
-            return (grad_input, *_param_grads(needs[1], needs[2], sum_dz, sum_dz_xhat), None)
-        # One backend call, then the channels kept aside, whose dx takes their exact sums (dx
-        # of every other channel reads only its own sums). An output that nothing reads after
-        # this backward is the call's scratch: the backend may rebuild the input over it
-        # instead of into a full-size temporary (the channels kept aside read their own input).
-        if not _from_output(saved, config):
-            # xhat from the input, off by the mean's error: corrected in the sums and the
-            # coefficients between the two passes, which the fused call does not separate.
-            sum_dz, sum_dz_xhat = _reduce(saved, grad_output, config, params, backend)
-            grad_input = _input_grad(saved, grad_output, config,
-                                     BatchSums(sum_dz, sum_dz_xhat, ctx.count), params, backend)
-            return (grad_input, *_param_grads(needs[1], needs[2], sum_dz, sum_dz_xhat), None)
-        overwrite = (config.inplace and ctx.unhooked
-                     and compat.saved_output_is_sole(saved.tensor))
-        grad_input, sum_dz, sum_dz_xhat = backend.batch_backward(
-            saved.tensor, grad_output, params, saved_is_output=config.inplace, count=ctx.count,
-            overwrite_saved=overwrite)
-        if saved.kept_channels is not None:
-            sum_dz, sum_dz_xhat = _exact_kept_sums(saved, grad_output, config, sum_dz,
-                                                    sum_dz_xhat)
-            _exact_kept_dx(grad_input, saved, grad_output, config, params,
-                            BatchSums(sum_dz, sum_dz_xhat, ctx.count))
+def _batch_norm_act_grads(ctx, grad_output) -> tuple:
+    """``BatchNormAct``'s gradients of ``(x, w, b, call)``."""
+    if (ctx.usual and ctx.needs_input_grad[0] and not torch.is_grad_enabled()
+            and not torch.compiler.is_compiling() and not compat.dispatch_modes()):
+        return _usual_backward(ctx, grad_output)
+    saved = _unpack(ctx)
+    if torch.is_grad_enabled():  # create_graph: the batch's statistics recomputed too
+        config = ctx.config
+
+        def composite(x, weight, bias):
+            z = torch.nn.functional.batch_norm(x.to(weight.dtype), None, None, weight,
+                                               bias, True, 0.0, ctx.eps)
+            act = activations.ACTIVATIONS[config.activation].forward
+            return act(z, config.activation_param).to(x.dtype)
+
+        grads = _differentiable_grads(ctx, grad_output,
+                                      (saved.tensor, saved.weight, saved.bias), composite)
+        return (*grads, None)
+    config, needs = ctx.config, ctx.needs_input_grad
+    backend = _backward_ops(ctx.backend, saved)
+    params = _params(saved, config)
+    if not needs[0]:
+        sum_dz, sum_dz_xhat = _reduce(saved, grad_output, config, params, backend)
+        return (None, *_param_grads(needs[1], needs[2], sum_dz, sum_dz_xhat), None)
+    if inplace_policy.takes_double_double_gradient(saved.tensor.dtype, ctx.count,
+                                                   config.inplace):
+        float64_backward = (FLOAT64_BATCH_BACKWARD if _tracing()
+                            else double_double.batch_backward)
+        grad_input, sum_dz, sum_dz_xhat = float64_backward(
+            saved.tensor, grad_output, saved.weight, saved.bias, ctx.eps,
+            config.activation, config.activation_param)
         return (grad_input, *_param_grads(needs[1], needs[2], sum_dz, sum_dz_xhat), None)
+    # One backend call, then the channels kept aside, whose dx takes their exact sums (dx
+    # of every other channel reads only its own sums). An output that nothing reads after
+    # this backward is the call's scratch: the backend may rebuild the input over it
+    # instead of into a full-size temporary (the channels kept aside read their own input).
+    if not _from_output(saved, config):
+        # xhat from the input, off by the mean's error: corrected in the sums and the
+        # coefficients between the two passes, which the fused call does not separate.
+        sum_dz, sum_dz_xhat = _reduce(saved, grad_output, config, params, backend)
+        grad_input = _input_grad(saved, grad_output, config,
+                                 BatchSums(sum_dz, sum_dz_xhat, ctx.count), params, backend)
+        return (grad_input, *_param_grads(needs[1], needs[2], sum_dz, sum_dz_xhat), None)
+    overwrite = (config.inplace and ctx.unhooked
+                 and compat.saved_output_is_sole(saved.tensor))
+    grad_input, sum_dz, sum_dz_xhat = backend.batch_backward(
+        saved.tensor, grad_output, params, saved_is_output=config.inplace, count=ctx.count,
+        overwrite_saved=overwrite)
+    if saved.kept_channels is not None:
+        sum_dz, sum_dz_xhat = _exact_kept_sums(saved, grad_output, config, sum_dz,
+                                                sum_dz_xhat)
+        _exact_kept_dx(grad_input, saved, grad_output, config, params,
+                        BatchSums(sum_dz, sum_dz_xhat, ctx.count))
+    return (grad_input, *_param_grads(needs[1], needs[2], sum_dz, sum_dz_xhat), None)
 
 
 def _usual_backward(ctx, grad_output) -> tuple:
@@ -617,7 +640,11 @@ class NormAct(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        return (*_norm_act_grads(ctx, grad_output), None, None, None, None)
+        try:
+            return (*_norm_act_grads(ctx, grad_output), None, None, None, None)
+        except RuntimeError as error:
+            _refused_if_batched(ctx.config.layer, grad_output, error)
+            raise
 
 
 def _norm_act_grads(ctx, grad_output) -> tuple:
@@ -719,7 +746,11 @@ class RunningNormAct(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        grad_input, _, _, grad_weight, grad_bias = _norm_act_grads(ctx, grad_output)
+        try:
+            grad_input, _, _, grad_weight, grad_bias = _norm_act_grads(ctx, grad_output)
+        except RuntimeError as error:
+            _refused_if_batched(ctx.config.layer, grad_output, error)
+            raise
         return grad_input, None, None, grad_weight, grad_bias, None, None, None
 
 
