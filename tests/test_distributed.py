@@ -363,46 +363,69 @@ def scenario_compiled_ddp(ctx):
     graph with no break under plain ``torch.compile`` (the merge traced as functional
     collectives), in training and evaluation, and ``DDP(torch.compile(model))`` trains as
     the single-process model does on the whole batch."""
-    rank = dist.get_rank()
     batches = [5, 3]
-    slices, total = _offsets(batches), sum(batches)
+    own = _offsets(batches)[dist.get_rank()]
     torch.manual_seed(7)
     base = nn.Sequential(
         nn.Conv2d(3, C, 3, padding=1, bias=False), nn.BatchNorm2d(C), nn.LeakyReLU(0.1),
         nn.Conv2d(C, C, 1), nn.BatchNorm2d(C), nn.LeakyReLU(0.1), nn.Conv2d(C, 2, 1),
     ).double()
-    x = torch.randn(total, 3, 4, 4, dtype=torch.float64)
+    x = torch.randn(sum(batches), 3, 4, 4, dtype=torch.float64)
     for converter in (convert_inplace_abn, convert_sync_batchnorm):
         what = converter.__name__
         for training in (True, False):
             torch._dynamo.reset()
             model = converter(copy.deepcopy(base)).train(training)
-            explained = torch._dynamo.explain(model)(x[slices[rank]])
+            explained = torch._dynamo.explain(model)(x[own])
             assert (explained.graph_count, explained.graph_break_count) == (1, 0), \
                 (what, training, explained.break_reasons)
-        torch._dynamo.reset()
-        reference = copy.deepcopy(base)
-        ddp = nn.parallel.DistributedDataParallel(
-            torch.compile(converter(copy.deepcopy(base)), backend="aot_eager"))
-        ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
-        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
-        for step in range(2):
-            target = torch.randn(total, 2, 4, 4, dtype=torch.float64,
-                                 generator=torch.Generator().manual_seed(step))
-            ref_out = reference(x)
-            ref_opt.zero_grad()
-            ((ref_out - target).square().sum() / total).backward()
-            ref_opt.step()
-            out = ddp(x[slices[rank]])
-            opt.zero_grad()
-            ((out - target[slices[rank]]).square().sum() * 2 / total).backward()
-            opt.step()
-            _check(out, ref_out[slices[rank]], f"{what} compiled DDP step {step} output")
-            for p, q in zip(ddp.module.parameters(), reference.parameters()):
-                _check(p, q, f"{what} compiled DDP step {step} parameter")
-            for b, ref_b in zip(ddp.module.buffers(), reference.buffers()):
-                _check(b, ref_b, f"{what} compiled DDP step {step} buffer")
+        _check_compiled_ddp_training(converter, base, x, batches)
     torch._dynamo.reset()
+
+
+def scenario_compiled_empty_rank(ctx):
+    """``DDP(torch.compile(model))`` in float32 with a rank of no samples: its statistics
+    (zeros) stay on its graph, so that its backward joins the traced gather's collective as
+    every other rank's does; the steps are those of the whole batch."""
+    torch.manual_seed(7)
+    base = nn.Sequential(
+        nn.Conv2d(3, C, 3, padding=1, bias=False), nn.BatchNorm2d(C), nn.LeakyReLU(0.1),
+        nn.Conv2d(C, 2, 1),
+    ).double()
+    batches = [0, 5] if ctx["world"] == 2 else [3, 0, 4]
+    x = torch.randn(sum(batches), 3, 4, 4, dtype=torch.float64)
+    for converter in (convert_inplace_abn, convert_sync_batchnorm):
+        _check_compiled_ddp_training(converter, base, x, batches, torch.float32)
+    torch._dynamo.reset()
+
+
+def _check_compiled_ddp_training(converter, base, x, batches, dtype=torch.float64):
+    """Two steps of ``DDP(torch.compile(converter(base)))`` (aot_eager) in ``dtype`` against
+    ``base``'s on the whole batch ``x``, in float64: outputs, parameters, buffers."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    slices, total, what = _offsets(batches), sum(batches), converter.__name__
+    torch._dynamo.reset()
+    reference = copy.deepcopy(base)
+    ddp = nn.parallel.DistributedDataParallel(
+        torch.compile(converter(copy.deepcopy(base)).to(dtype), backend="aot_eager"))
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    for step in range(2):
+        target = torch.randn(total, 2, 4, 4, dtype=torch.float64,
+                             generator=torch.Generator().manual_seed(step))
+        ref_out = reference(x)
+        ref_opt.zero_grad()
+        ((ref_out - target).square().sum() / total).backward()
+        ref_opt.step()
+        out = ddp(x[slices[rank]].to(dtype))
+        opt.zero_grad()
+        ((out - target[slices[rank]].to(dtype)).square().sum() * world / total).backward()
+        opt.step()
+        _check(out, ref_out[slices[rank]], f"{what} compiled DDP step {step} output", dtype)
+        for p, q in zip(ddp.module.parameters(), reference.parameters()):
+            _check(p, q, f"{what} compiled DDP step {step} parameter", dtype)
+        for b, ref_b in zip(ddp.module.buffers(), reference.buffers()):
+            _check(b, ref_b, f"{what} compiled DDP step {step} buffer", dtype)
 
 
 def scenario_ddp_subgroup(ctx):
@@ -703,6 +726,35 @@ def _assert_bound_on_the_whole_batch(ours, theirs, x, dy, gamma, beta, activatio
         few_values._assert_within_bound(ratio, gamma, beta, f"{what} {name}")
 
 
+def scenario_mixed_dtype_ranks(ctx):
+    """A float32 layer fed float64 on one rank and float32 on the others, over few values a
+    channel: the float64 rank alone could take a whole-batch backward
+    (``layer.whole_batch``), which the others cannot join; every rank's forward row says so, and
+    all take the merge's own backward. Outputs, input gradients, the summed parameter
+    gradients and the running statistics are the whole batch's (float32's tolerance)."""
+    rank, world = dist.get_rank(), ctx["world"]
+    batches = [3] * world
+    x, dy = _full_batch(batches, 0)
+    own = _offsets(batches)[rank]
+    dtype = torch.float64 if rank == 0 else torch.float32
+    for activation, inplace in (("none", False), ("leaky_relu", True)):
+        layer = _make_layer(activation, inplace, dtype=torch.float32)
+        running = torch.zeros(C, dtype=torch.float64), torch.ones(C, dtype=torch.float64)
+        ref_out, ref_dx, ref_dw, ref_db = _reference(layer, x, dy, *running, activation)
+        leaf = x[own].to(dtype).requires_grad_()
+        out = layer(leaf * 1)
+        out.backward(dy[own].to(dtype))
+        what = f"{activation} inplace={inplace} rank input {dtype}"
+        _check(out, ref_out[own], f"{what} output", torch.float32)
+        _check(leaf.grad, ref_dx[own], f"{what} input gradient", torch.float32)
+        grads = torch.stack([layer.weight.grad, layer.bias.grad]).double()
+        dist.all_reduce(grads)
+        _check(grads[0], ref_dw, f"{what} weight gradient", torch.float32)
+        _check(grads[1], ref_db, f"{what} bias gradient", torch.float32)
+        _check(layer.running_mean, running[0], f"{what} running_mean", torch.float32)
+        _check(layer.running_var, running[1], f"{what} running_var", torch.float32)
+
+
 def scenario_double_backward(ctx):
     """A gradient penalty through a layer synchronised across processes: a clear error on
     every rank (before any collective of that backward), never a silently wrong graph."""
@@ -719,11 +771,12 @@ def scenario_double_backward(ctx):
 
 SCENARIOS = {
     2: ["uneven", "empty_rank", "replicas", "collective_count", "solo_group", "ddp",
-        "double_backward", "compiled_ddp", "few_values_float64", "far_from_zero_float64",
-        "far_from_zero_float32", "compiled_far_from_zero_float64",
-        "compiled_far_from_zero_float32", "mixed_precision_ranks"],
+        "double_backward", "compiled_ddp", "compiled_empty_rank", "few_values_float64",
+        "far_from_zero_float64", "far_from_zero_float32", "compiled_far_from_zero_float64",
+        "compiled_far_from_zero_float32", "mixed_precision_ranks", "mixed_dtype_ranks"],
     3: ["uneven", "empty_rank", "replicas", "collective_count", "subgroup", "ddp_subgroup",
-        "inplace_abn", "few_values_float64", "mixed_precision_ranks"],
+        "inplace_abn", "compiled_empty_rank", "few_values_float64", "mixed_precision_ranks",
+        "mixed_dtype_ranks"],
 }
 
 

@@ -392,8 +392,8 @@ class SyncBatchNorm(_BatchNorm):
             elif count:
                 var, mean = torch.var_mean(x.to(torch.float64), dims, correction=0)
                 m2 = var * count
-            else:
-                m2 = mean = x.new_zeros(self.num_features, dtype=torch.float64)
+            else:  # zeros on x's graph: this rank's backward joins the gather's collective
+                m2 = mean = x.to(torch.float64).sum(dims)
             mean, m2, invstd, count, error = distributed.merge_traced(
                 mean, m2, count, self.eps, self.process_group, error)
             track(mean.detach(), m2.detach(), count)

@@ -4,12 +4,13 @@ After the master replica of each process has merged its replicas' statistics, it
 ``(mean, M2, count)`` per rank of the process group and merges those again with Chan's
 formula. Gathering and merging are one autograd Function, whose backward all-reduces the 2C
 gradients of the merged statistics and applies its own rank's Jacobian: one collective
-forward (W rows of 3C+1: the means' errors too), one backward (2C values,
+forward (W rows of 3C+2: the means' errors and a flag too), one backward (2C values,
 whatever the world size), per layer call.
 A rank with an empty batch takes part with count 0 and gets zero gradients. A float64 call
 over fewer than ``MIN_FLOAT64_REBUILT_COUNT`` values a channel in the whole group gathers every
 rank's inputs and output gradients in backward instead, for its input gradient in
-double-double (``layer.whole_batch``).
+double-double (``layer.whole_batch``), where every rank's call does (their inputs' dtypes may
+differ: each rank's row says whether it can).
 
 (It lives apart from the thread protocol in ``group.py`` so that ``group.py`` stays free of
 torch.)
@@ -74,21 +75,24 @@ class _MergeAcrossProcesses(torch.autograd.Function):
         channels, wide = mean.numel(), torch.float64
         packed = torch.cat([mean.to(wide), m2.to(wide),
                             torch.zeros_like(mean, dtype=wide) if error is None else error.to(wide),
-                            mean.new_tensor([count], dtype=wide)])
+                            mean.new_tensor([count, batch is not None], dtype=wide)])
         world = dist.get_world_size(process_group)
         rows = [torch.empty_like(packed) for _ in range(world)]
         dist.all_gather(rows, packed, group=process_group)
         gathered = torch.stack(rows)
         # The one device-to-host copy: the global count is a host number (running variance's
-        # unbiased factor, the merge's 1 / n).
-        counts = gathered[:, -1].cpu()
+        # unbiased factor, the merge's 1 / n); the flags, whether every rank's backward can
+        # join the whole batch's (a rank's batch is None where its input is not float64).
+        counts, flags = gathered[:, -2:].cpu().unbind(1)
         host_counts = [int(c) for c in counts.tolist()]
         rank = dist.get_rank(process_group)
         merged = stats.chan_merge(
             gathered[:, :channels].unbind(0), gathered[:, channels:2 * channels].unbind(0),
             stats.counts_of(host_counts, mean.device, wide), eps,
-            gathered[:, 2 * channels:-1].unbind(0),
+            gathered[:, 2 * channels:-2].unbind(0),
         )
+        if not bool(flags.all()):
+            batch = None
         dtype = mean.dtype
         merged_mean, invstd = merged.mean.to(dtype), merged.invstd.to(dtype)
         error = stats.rounded_error(merged.mean, merged.error, merged_mean)
@@ -180,21 +184,22 @@ def merge_traced(mean: torch.Tensor, m2: torch.Tensor, count: int, eps: float,
     """``merge_across_processes`` as a compiled graph traces it: the group's ``(mean, M2,
     invstd, count, error)`` in float64, the count a 0-dim tensor (no host read), ``error``
     the merged mean's (detached; ``error`` in: this rank's mean's, None: zeros). One
-    all_gather of functional collectives (float64 rows of ``(mean, M2, error, count)``, as
-    ``_MergeAcrossProcesses`` gathers), differentiable: autograd's backward of the gather is
-    one reduce_scatter of the rows' gradients, and of the merge, Chan's Jacobian
+    all_gather of functional collectives (float64 rows of ``(mean, M2, error, count, 0)``, as
+    ``_MergeAcrossProcesses`` gathers: no whole-batch backward), differentiable: autograd's
+    backward of the gather is one reduce_scatter of the rows' gradients, and of the merge,
+    Chan's Jacobian
     (``stats.chan_merge`` in differentiable ops, its deviations the exact means')."""
     from torch.distributed import _functional_collectives as functional
 
     channels, wide = mean.numel(), torch.float64
     known = torch.zeros_like(mean, dtype=wide) if error is None else error.detach().to(wide)
     packed = torch.cat([mean.to(wide), m2.to(wide), known,
-                        mean.new_full((1,), count, dtype=wide)])
+                        mean.new_full((1,), count, dtype=wide), mean.new_zeros(1, dtype=wide)])
     group = dist.group.WORLD if process_group is None else process_group
     rows = functional.all_gather_tensor_autograd(packed, gather_dim=0, group=group)
     rows = rows.view(dist.get_world_size(group), -1)
-    counts = stats.counts_of_column(rows[:, -1:])
+    counts = stats.counts_of_column(rows[:, -2:-1])
     merged = stats.chan_merge(rows[:, :channels].unbind(0),
                               rows[:, channels:2 * channels].unbind(0), counts, eps,
-                              rows[:, 2 * channels:-1].detach().unbind(0))
+                              rows[:, 2 * channels:-2].detach().unbind(0))
     return merged.mean, merged.m2, merged.invstd, counts.total, merged.error
