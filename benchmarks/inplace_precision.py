@@ -1,7 +1,7 @@
 """What in place costs in precision, per dtype: the gradients of an in-place layer against
 nn.BatchNorm2d + the activation in the same dtype, both against float64.
 
-    python benchmarks/inplace_precision.py [--record]
+    python benchmarks/inplace_precision.py [--spread S] [--record]
 
 In place, backward rebuilds the input from the output (xhat = (z - beta) / gamma), which
 multiplies the output's rounding by up to |beta| / |gamma|; the layer keeps aside the channels
@@ -11,6 +11,12 @@ per |beta| / |gamma| (gamma 1, beta of either sign), one training step of ``Sync
 activation="leaky_relu")`` on a (16, 8, 8, 8) input. An error is per channel, relative to the
 gradient's size there (dx: its largest |value|; dw = sum(dz * xhat): the root of the sum of
 its squared terms), the largest over the channels.
+
+``--spread``: the input's standard deviation, its mean half that (default 2). Below about
+sqrt(eps) = 0.003 (a
+near-constant channel: xhat's spread sqrt(var / (var + eps)) well under 1) the output
+y = gamma * xhat + beta carries xhat in its low digits, and the channels rebuilt lose it in
+dw, which no |beta| / |gamma| limit sees (it takes xhat of order 1).
 """
 
 from __future__ import annotations
@@ -43,13 +49,15 @@ def gradients(norm: nn.Module, x: torch.Tensor, dy: torch.Tensor, autocast: bool
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--spread", type=float, default=2.0,
+                        help="the input's standard deviation (default: 2)")
     results.add_arguments(parser)
     args = parser.parse_args()
     from encoding_syncbn import SyncBatchNorm
     from encoding_syncbn.layer.inplace_policy import gamma_limit, small_gamma_mask
 
     gen = torch.Generator().manual_seed(0)
-    x64 = torch.randn(SHAPE, generator=gen, dtype=torch.float64) * 2 + 1
+    x64 = torch.randn(SHAPE, generator=gen, dtype=torch.float64) * args.spread + args.spread / 2
     dy64 = torch.randn(SHAPE, generator=gen, dtype=torch.float64)
     signs = torch.tensor([1.0, -1.0] * (SHAPE[1] // 2), dtype=torch.float64)
     rows = []
@@ -95,13 +103,15 @@ def main() -> None:
         ["dtype", "abs(beta) / abs(gamma)", "channels kept aside", "dw error in place",
          "dw error nn.BatchNorm2d", "dx error in place", "dx error nn.BatchNorm2d"], rows)
     notes = ("One training step of SyncBatchNorm(8, activation='leaky_relu', slope=0.1), in "
-             f"place, input {SHAPE}, gamma 1, beta +-ratio; errors against float64 "
+             f"place, input {SHAPE} of std {args.spread:g} (eps 1e-5), gamma 1, beta +-ratio; "
+             "errors against float64 "
              "nn.BatchNorm2d + F.leaky_relu, per channel relative to the gradient's size "
              "there (dx: its largest |value|; dw: the root of the sum of its squared terms), "
              "the largest over the channels; nn.BatchNorm2d + F.leaky_relu in the same dtype "
              "beside. Half precision: under torch.autocast, float32 parameters.")
     print(notes + "\n\n" + table)
-    results.record(args, "inplace_precision.py", table, notes)
+    heading = "inplace_precision.py" + (f" --spread {args.spread:g}" if args.spread != 2 else "")
+    results.record(args, heading, table, notes)
 
 
 if __name__ == "__main__":
