@@ -216,6 +216,31 @@ def test_converted_model_compiles_to_one_graph(traced_as, converter, training):
     assert_same(step(eager, x, dy), step(compiled, x, dy))
 
 
+class _Checkpointed(nn.Module):
+    """``_block_net`` run under ``torch.utils.checkpoint`` (non-reentrant), a head after it."""
+
+    def __init__(self, body: nn.Module) -> None:
+        super().__init__()
+        self.body, self.head = body, nn.Conv2d(C, 2, 1).double()
+
+    def forward(self, x):
+        return self.head(torch.utils.checkpoint.checkpoint(self.body, x, use_reentrant=False))
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+def test_converted_model_compiles_inside_a_checkpoint(training):
+    """A checkpointed region compiles as one traced region that refuses Python side effects
+    (``fullgraph=True`` raises on one): the layer makes none there (it notes the input's
+    rank only where it changed), and computes what the eager model does."""
+    torch.manual_seed(5)
+    model = _Checkpointed(convert_sync_batchnorm(_block_net())).train(training)
+    x, dy = torch.randn(4, 3, 6, 6, dtype=torch.float64), torch.randn(4, 2, 6, 6).double()
+    eager = copy.deepcopy(model)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    assert_same(step(eager, x, dy), step(compiled, x, dy))
+
+
 def test_compiled_layer_on_a_leaf_input_is_one_graph():
     """An in-place layer fed a leaf that requires grad (eagerly: out of place, with a warning)
     compiles to one graph: no check and no warning inside the traced code."""
@@ -677,3 +702,24 @@ def test_compiled_float64_bound_on_inputs_far_from_zero(activation, inplace, dec
                                 inplace=inplace, compiler="aot_eager")
     few_values._assert_within_bound(ratios, gamma, beta, f"{activation} inplace={inplace} "
                                     f"mean/std 1e{decades:.2g} {shape}")
+
+
+
+@pytest.mark.parametrize("batch", [6, 8, 9])
+def test_compiled_float32_in_place_stays_within_the_bound_over_few_values(batch):
+    """float32 in place over 24-36 values a channel, fewer than
+    ``MIN_OWN_PRECISION_COUNT``: eagerly such a call computes in float64; compiled, in the
+    input's own precision, an input rebuilt from the output would leave the bound no share
+    (a few channels of 2048 over it), so it runs out of place, within the README's bound
+    (|beta| / |gamma| up to 0.8)."""
+    channels = 2048
+    gen = torch.Generator().manual_seed(batch)
+    x = torch.randn(batch, channels, 2, 2, generator=gen) * 2 + 0.5
+    dy = torch.randn(batch, channels, 2, 2, generator=gen)
+    gamma = (torch.rand(channels, generator=gen) + 0.5) * torch.randn(channels,
+                                                                      generator=gen).sign()
+    beta = gamma.abs() * torch.rand(channels, generator=gen) * 0.8
+    torch._dynamo.reset()
+    ratios, _ = ratios_to_bound(x, dy, gamma, beta, "leaky_relu", 0.01, replicas=1,
+                                compiler="aot_eager")
+    few_values._assert_within_bound(ratios, gamma, beta, f"compiled float32 batch {batch}")

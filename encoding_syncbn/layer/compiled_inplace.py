@@ -150,10 +150,16 @@ def keep_aside(layer: torch.nn.Module, x: torch.Tensor, count: int | None) -> in
         return None
     kept = getattr(layer, KEEP_ASIDE, None)
     # Keeping every channel's input costs what running out of place costs, and more time.
+    # Eagerly a call over fewer than MIN_OWN_PRECISION_COUNT values computes in float64
+    # (``functional.computes_in``); traced, in the input's own precision, where a rebuilt
+    # input leaves the bound no share: out of place, as nn.BatchNorm computes it.
     if kept is not None and (
             kept >= layer.num_features
             or not inplace_policy.stays_in_place(layer.activation, x.dtype)
-            or (count is not None and not inplace_policy.rebuilds_from_count(count, x.dtype))):
+            or (count is not None and (
+                not inplace_policy.rebuilds_from_count(count, x.dtype)
+                or (x.dtype != torch.float64
+                    and count < inplace_policy.MIN_OWN_PRECISION_COUNT)))):
         kept = None
     layer.__dict__[_LAST_CALL][0] = (kept,)
     return kept

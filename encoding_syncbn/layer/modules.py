@@ -508,7 +508,8 @@ class SyncBatchNorm(_BatchNorm):
         dim = x.dim() if isinstance(x, torch.Tensor) else 0
         if dim < 2 or x.shape[1] != self.num_features or x.dtype not in torch_ops.INPUT_DTYPES:
             self._check_input(x)  # raises, saying what is wrong
-        self._last_input_dim[0] = dim
+        if self._last_input_dim[0] != dim:  # no write where known: none for a compiled
+            self._last_input_dim[0] = dim     # checkpoint's region to refuse as a side effect
         state = self._state(False)
         self._check_state(x, state)
         weight, bias, running_mean, running_var, batches = state
