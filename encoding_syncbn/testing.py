@@ -108,6 +108,13 @@ class SimulatedDataParallel(nn.Module):
         super().__init__()
         if not isinstance(num_replicas, int) or num_replicas < 1:
             raise ValueError(f"num_replicas must be a positive int, got {num_replicas!r}")
+        if hasattr(module, "_orig_mod") and hasattr(module, "_torchdynamo_orig_callable"):
+            # torch.compile's wrapper: replicating it would copy the wrapper's state apart
+            # from the module it compiles.
+            raise TypeError(
+                "SimulatedDataParallel: expected an nn.Module to replicate, got a "
+                f"torch.compile'd module ({type(module).__name__}); compile the wrapper "
+                "instead: torch.compile(SimulatedDataParallel(model, num_replicas))")
         self.module = module
         self.num_replicas = num_replicas
 

@@ -794,6 +794,21 @@ def test_simulated_data_parallel_gathers_replica_losses_as_a_vector():
     torch.testing.assert_close(losses, expected, **TOL)
 
 
+@pytest.mark.filterwarnings("ignore:Dynamo does not know how to trace")  # the threads: eager
+def test_simulated_data_parallel_refuses_a_compiled_module_and_runs_compiled():
+    """``SimulatedDataParallel(torch.compile(model))`` would replicate the compile wrapper
+    apart from the module it compiles: refused, saying what works, the model untouched; that
+    (``torch.compile(SimulatedDataParallel(model))``) computes the whole batch's statistics."""
+    model = nn.Sequential(SyncBatchNorm(3, dtype=DT))
+    compiled = torch.compile(model, backend="eager")
+    with pytest.raises(TypeError, match=r"torch.compile\(SimulatedDataParallel\(model"):
+        SimulatedDataParallel(compiled, 2)
+    assert compiled._orig_mod is model
+    x = torch.randn(6, 3, 2, dtype=DT)
+    out = torch.compile(SimulatedDataParallel(model, 2), backend="eager")(x)
+    torch.testing.assert_close(out, nn.BatchNorm1d(3, dtype=DT)(x), **TOL)
+
+
 class _Twice(nn.Module):
     """conv + a layer, ``calls`` times in one forward, each call under its own checkpoint
     (``mode``) or not: a siamese network's two views (``calls=2``, two inputs), an iterative
