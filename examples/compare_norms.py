@@ -107,7 +107,9 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[str
     args, rest = p.parse_known_args(argv)
     if args.activation != "leaky_relu" and "inplace_abn" in args.norms:
         p.error("inplace_abn needs --activation leaky_relu; leave it out with --norms bn,syncbn")
-    clash = sorted(set(SET_PER_RUN) & {a.split("=")[0] for a in rest})
+    # The training script's parser takes a flag's unambiguous prefix too (``--rep 1``).
+    given = {a.split("=")[0] for a in rest if a.startswith("--") and len(a.split("=")[0]) > 2}
+    clash = sorted({flag for flag in SET_PER_RUN for name in given if flag.startswith(name)})
     if clash:
         p.error(f"{', '.join(clash)} are set by this script per run, not passed through")
     return args, rest
@@ -127,6 +129,8 @@ def run_one(setting: str, norm: str, args: argparse.Namespace, rest: list[str]) 
            "--batch-size", str(batch), "--lr", f"{0.05 * batch / 16:g}", "--norm", norm,
            "--activation", args.activation, "--no-progress", "--output", str(out), *DATA,
            *rest]
+    # An earlier invocation's checkpoint must not stand in for this run's.
+    (out / "checkpoint.pt").unlink(missing_ok=True)
     start = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True)
     wall = time.perf_counter() - start
@@ -135,6 +139,9 @@ def run_one(setting: str, norm: str, args: argparse.Namespace, rest: list[str]) 
     if proc.returncode != 0:
         raise SystemExit(f"{setting}/{norm} failed (exit {proc.returncode}); its output:\n"
                          f"{(proc.stdout + proc.stderr)[-3000:]}")
+    if not (out / "checkpoint.pt").is_file():
+        raise SystemExit(f"{setting}/{norm} trained no epoch (--epochs 0?): nothing to "
+                         f"compare; its output is in {out / 'log.txt'}")
     history = torch.load(out / "checkpoint.pt", weights_only=True)["history"]
     return {"setting": setting, "norm": norm, "history": history, "wall_s": wall}
 

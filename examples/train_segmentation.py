@@ -187,6 +187,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.replicas is not None and args.replicas < 1:
         p.error("--replicas must be at least 1")
+    if args.batch_size < 1:
+        p.error(f"--batch-size must be at least 1, got {args.batch_size}")
+    if len(args.blocks) != 4 or min(args.blocks) < 1:
+        p.error(f"--blocks takes four positive counts, one a ResNet stage, got "
+                f"{','.join(map(str, args.blocks))}")
     if args.norm == "inplace_abn" and args.activation != "leaky_relu":
         p.error(f"--norm inplace_abn needs --activation leaky_relu, got {args.activation} "
                 "(the in-place layer rebuilds its input from its output: ReLU is not invertible)")
@@ -414,7 +419,9 @@ def load_checkpoint(path: Path, config: dict) -> dict:
     if state.get("config") != config:
         raise SystemExit(
             f"--resume: {path} was trained with {state.get('config')}, "
-            f"but this run builds {config}; pass the same model and data flags"
+            f"but this run builds {config}; pass the same model flags (--norm, --activation, "
+            "--width, --blocks, --output-stride, --aspp-rates) and a data set of as many "
+            "classes"
         )
     return state
 
@@ -466,6 +473,10 @@ def _run(args: argparse.Namespace, rt: Runtime) -> dict:
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         start_epoch, history = state["epoch"], state["history"]
+        if start_epoch >= args.epochs and rt.is_main:
+            print(f"--resume: {args.resume} has trained {start_epoch} epochs, --epochs "
+                  f"{args.epochs}: nothing left to train (raise --epochs to go on)",
+                  flush=True)
     net = rt.wrap(model)
     # Eval-mode BN needs no synchronisation, so each process scores its own shard with the bare
     # model (no DDP collectives); DataParallel still spreads the work over its devices.

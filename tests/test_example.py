@@ -287,6 +287,11 @@ def test_training_run_writes_outputs_and_resumes(
     state = torch.load(out / "checkpoint.pt", weights_only=True)
     assert state["epoch"] == 2 and [h["epoch"] for h in state["history"]] == [1, 2]
 
+    # Resumed at or past --epochs: said so.
+    train_main([*TINY, "--epochs", "2", "--num-vis", "0", "--output", str(out),
+                "--resume", str(out / "checkpoint.pt")])
+    assert "has trained 2 epochs, --epochs 2: nothing left to train" in capsys.readouterr().out
+
     # A checkpoint of another architecture is refused with a message, not a state_dict error.
     with pytest.raises(SystemExit, match="same model"):
         train_main([*TINY, "--epochs", "3", "--norm", "bn", "--output", str(out),
@@ -335,6 +340,18 @@ def test_help_needs_no_tqdm() -> None:
     assert "--activation" in proc.stdout
 
 
+@pytest.mark.parametrize("flags,message", [
+    (["--batch-size", "0"], "--batch-size must be at least 1, got 0"),
+    (["--blocks", "1,1"], "--blocks takes four positive counts, one a ResNet stage, got 1,1"),
+    (["--blocks", "1,0,1,1"], "--blocks takes four positive counts"),
+])
+def test_bad_sizes_are_usage_errors(train_main, capsys, flags, message) -> None:
+    with pytest.raises(SystemExit) as info:
+        train_main([*TINY, *flags])
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
 def test_inplace_abn_needs_an_invertible_activation(train_main, capsys) -> None:
     with pytest.raises(SystemExit) as info:
         train_main([*TINY, "--norm", "inplace_abn", "--activation", "relu"])
@@ -379,7 +396,15 @@ def test_comparison_writes_table_and_plot(tmp_path: Path, train_main, capsys) ->
     log = (tmp_path / "noisy-inplace_abn" / "log.txt").read_text()
     assert "norm=inplace_abn activation=leaky_relu" in log and "replicas=4" in log
 
-    # What the comparison sets per run cannot be passed through.
-    with pytest.raises(SystemExit):
-        compare_norms.main(["--batch-size", "4", "--output", str(tmp_path)])
-    assert "set by this script" in capsys.readouterr().err
+    # What the comparison sets per run cannot be passed through, spelled out or abbreviated
+    # as the training script's parser takes it.
+    for flag in ("--batch-size", "--batch", "--rep"):
+        with pytest.raises(SystemExit):
+            compare_norms.main([flag, "4", "--output", str(tmp_path)])
+        assert "set by this script" in capsys.readouterr().err
+
+    # A run that trains no epoch writes no checkpoint: said so, not the last run's scores.
+    sizes[sizes.index("--epochs") + 1] = "0"
+    with pytest.raises(SystemExit, match="trained no epoch"):
+        compare_norms.main(["--settings", "noisy", "--norms", "inplace_abn", *sizes,
+                            "--output", str(tmp_path)])
