@@ -327,7 +327,7 @@ def _unpack(ctx) -> _Saved:
         if "modified by an inplace operation" not in str(error):
             raise
         raise RuntimeError(_modified_message(ctx.config, str(error))) from error
-    if ctx.config.inplace:
+    if ctx.config.inplace and ctx.written is not None:
         _check_output_unmodified(ctx, saved[0])
     mean, invstd, offset, shifted_bias = ctx.stats
     if len(saved) == 3:  # no channel kept aside (see _normalize)
@@ -342,8 +342,6 @@ def _check_output_unmodified(ctx, saved: torch.Tensor) -> None:
     """Raise where an in-place call's output, saved through a hook that handed backward its
     own memory (``_save``), was written since the forward; a hook's copy (``save_on_cpu``
     of a CUDA tensor) is what the forward wrote, whatever came after."""
-    if ctx.written is None:
-        return
     ref, version = ctx.written
     out = ref()
     if (out is not None and out._version != version
@@ -613,7 +611,8 @@ def _usual_backward(ctx, grad_output) -> tuple:
     except RuntimeError:
         _unpack(ctx)  # raises, naming the layer and the fix where y was modified
         raise
-    _check_output_unmodified(ctx, y)
+    if ctx.written is not None:
+        _check_output_unmodified(ctx, y)
     config, (mean, invstd, _, _) = ctx.config, ctx.stats
     grad_input, sum_dz, sum_dz_xhat = ctx.backend.batch_backward(
         y, grad_output, NormParams(mean, invstd, weight, bias, config.activation,
