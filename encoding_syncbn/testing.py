@@ -101,6 +101,22 @@ def replicate(network: nn.Module, num_replicas: int) -> list[nn.Module]:
     return [copies[j][0] for j in range(num_replicas)]
 
 
+def _refuse_compiled(module: nn.Module) -> None:
+    """Refuse a module compiled on its own inside the one to replicate: ``torch.compile``'s
+    wrapper, or a module compiled in place (``module.compile()``). Replication copies a
+    module's attributes, the compiled call among them, which runs the original module in
+    every replica: its statistics per replica, unsynchronised."""
+    for name, child in module.named_modules():
+        if ("_torchdynamo_orig_callable" in vars(child)
+                or getattr(child, "_compiled_call_impl", None) is not None):
+            where = f"module '{name}'" if name else "the module"
+            raise TypeError(
+                f"SimulatedDataParallel: expected modules to replicate, got {where} compiled "
+                f"on its own ({type(child).__name__}), which every replica would run as the "
+                "original module; compile the wrapper instead: "
+                "torch.compile(SimulatedDataParallel(model, num_replicas))")
+
+
 class SimulatedDataParallel(nn.Module):
     """Run ``module`` like ``nn.DataParallel`` over ``num_replicas`` devices, in threads."""
 
@@ -108,13 +124,7 @@ class SimulatedDataParallel(nn.Module):
         super().__init__()
         if not isinstance(num_replicas, int) or num_replicas < 1:
             raise ValueError(f"num_replicas must be a positive int, got {num_replicas!r}")
-        if hasattr(module, "_orig_mod") and hasattr(module, "_torchdynamo_orig_callable"):
-            # torch.compile's wrapper: replicating it would copy the wrapper's state apart
-            # from the module it compiles.
-            raise TypeError(
-                "SimulatedDataParallel: expected an nn.Module to replicate, got a "
-                f"torch.compile'd module ({type(module).__name__}); compile the wrapper "
-                "instead: torch.compile(SimulatedDataParallel(model, num_replicas))")
+        _refuse_compiled(module)
         self.module = module
         self.num_replicas = num_replicas
 
@@ -129,6 +139,7 @@ class SimulatedDataParallel(nn.Module):
         chunks = len(torch.chunk(first, self.num_replicas, dim=0))
         if chunks <= 1:
             return self.module(*inputs, **kwargs)
+        _refuse_compiled(self.module)  # (``module.compile()`` may come after construction)
         scattered_inputs = _scatter(inputs, chunks)
         scattered_kwargs = _scatter(kwargs, chunks)
         replicas = replicate(self.module, chunks)

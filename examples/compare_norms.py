@@ -120,6 +120,11 @@ def _describe(setting: str) -> str:
     return f"{replicas} replicas x {per_replica} image{'s' * (per_replica > 1)}"
 
 
+def _written(path: Path) -> int | None:
+    """When ``path`` was last written (ns), None where there is no such file."""
+    return path.stat().st_mtime_ns if path.is_file() else None
+
+
 def run_one(setting: str, norm: str, args: argparse.Namespace, rest: list[str]) -> dict:
     """Train one variant in its own process; its history as the training script saved it."""
     replicas, per_replica = SETTINGS[setting]
@@ -129,8 +134,9 @@ def run_one(setting: str, norm: str, args: argparse.Namespace, rest: list[str]) 
            "--batch-size", str(batch), "--lr", f"{0.05 * batch / 16:g}", "--norm", norm,
            "--activation", args.activation, "--no-progress", "--output", str(out), *DATA,
            *rest]
-    # An earlier invocation's checkpoint must not stand in for this run's.
-    (out / "checkpoint.pt").unlink(missing_ok=True)
+    # An earlier invocation's checkpoint (which a passed-on --resume may name) must not stand
+    # in for this run's: the run must write one.
+    before = _written(out / "checkpoint.pt")
     start = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True)
     wall = time.perf_counter() - start
@@ -139,9 +145,10 @@ def run_one(setting: str, norm: str, args: argparse.Namespace, rest: list[str]) 
     if proc.returncode != 0:
         raise SystemExit(f"{setting}/{norm} failed (exit {proc.returncode}); its output:\n"
                          f"{(proc.stdout + proc.stderr)[-3000:]}")
-    if not (out / "checkpoint.pt").is_file():
-        raise SystemExit(f"{setting}/{norm} trained no epoch (--epochs 0?): nothing to "
-                         f"compare; its output is in {out / 'log.txt'}")
+    if _written(out / "checkpoint.pt") in (None, before):
+        raise SystemExit(f"{setting}/{norm} trained no epoch (--epochs 0, or a --resume "
+                         f"already at --epochs): nothing to compare; its output is in "
+                         f"{out / 'log.txt'}")
     history = torch.load(out / "checkpoint.pt", weights_only=True)["history"]
     return {"setting": setting, "norm": norm, "history": history, "wall_s": wall}
 

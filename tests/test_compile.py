@@ -228,17 +228,26 @@ class _Checkpointed(nn.Module):
 
 
 @pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
-def test_converted_model_compiles_inside_a_checkpoint(training):
+@pytest.mark.parametrize("built", ["converted", "direct"])
+def test_model_compiles_inside_a_checkpoint_once(training, built):
     """A checkpointed region compiles as one traced region that refuses Python side effects
-    (``fullgraph=True`` raises on one): the layer makes none there (it notes the input's
-    rank only where it changed), and computes what the eager model does."""
+    (``fullgraph=True`` raises on one): the layer makes none while compiling (it notes the
+    input's rank only eagerly), converted or built directly, and compiles once, computing
+    what the eager model does."""
     torch.manual_seed(5)
-    model = _Checkpointed(convert_sync_batchnorm(_block_net())).train(training)
+    body = _block_net()
+    if built == "direct":
+        body = nn.Sequential(*(SyncBatchNorm(m.num_features).double()
+                               if isinstance(m, nn.BatchNorm2d) else m for m in body))
+    model = _Checkpointed(convert_sync_batchnorm(body)).train(training)
     x, dy = torch.randn(4, 3, 6, 6, dtype=torch.float64), torch.randn(4, 2, 6, 6).double()
     eager = copy.deepcopy(model)
     torch._dynamo.reset()
-    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
-    assert_same(step(eager, x, dy), step(compiled, x, dy))
+    recorder = GraphRecorder()
+    compiled = torch.compile(model, backend=recorder.backend, fullgraph=True)
+    for _ in range(2):
+        assert_same(step(eager, x, dy), step(compiled, x, dy))
+    assert len(recorder.graphs) == 2  # one forward and one backward: compiled once
 
 
 def test_compiled_layer_on_a_leaf_input_is_one_graph():

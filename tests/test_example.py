@@ -403,8 +403,16 @@ def test_comparison_writes_table_and_plot(tmp_path: Path, train_main, capsys) ->
             compare_norms.main([flag, "4", "--output", str(tmp_path)])
         assert "set by this script" in capsys.readouterr().err
 
-    # A run that trains no epoch writes no checkpoint: said so, not the last run's scores.
-    sizes[sizes.index("--epochs") + 1] = "0"
-    with pytest.raises(SystemExit, match="trained no epoch"):
-        compare_norms.main(["--settings", "noisy", "--norms", "inplace_abn", *sizes,
-                            "--output", str(tmp_path)])
+    # A resumed run passed through continues the checkpoint it names, its own run's; a run
+    # that trains no epoch writes none: said so, not the last run's scores.
+    checkpoint = tmp_path / "noisy-inplace_abn" / "checkpoint.pt"
+    for epochs, resume in (("3", ["--resume", str(checkpoint)]), ("0", [])):
+        sizes[sizes.index("--epochs") + 1] = epochs
+        run = ["--settings", "noisy", "--norms", "inplace_abn", *sizes, *resume,
+               "--output", str(tmp_path)]
+        if epochs == "0":
+            with pytest.raises(SystemExit, match="trained no epoch"):
+                compare_norms.main(run)
+        else:
+            (result,) = compare_norms.main(run)
+            assert [h["epoch"] for h in result["history"]] == [1, 2, 3]

@@ -795,16 +795,26 @@ def test_simulated_data_parallel_gathers_replica_losses_as_a_vector():
 
 
 @pytest.mark.filterwarnings("ignore:Dynamo does not know how to trace")  # the threads: eager
-def test_simulated_data_parallel_refuses_a_compiled_module_and_runs_compiled():
-    """``SimulatedDataParallel(torch.compile(model))`` would replicate the compile wrapper
-    apart from the module it compiles: refused, saying what works, the model untouched; that
-    (``torch.compile(SimulatedDataParallel(model))``) computes the whole batch's statistics."""
+def test_simulated_data_parallel_refuses_compiled_modules_and_runs_compiled():
+    """Replicating a module compiled on its own (torch.compile's wrapper, around the model or
+    a block of it, or ``module.compile()``, before or after wrapping) would run the original
+    module in every replica, unsynchronised: refused, naming the module and what works, the
+    model untouched; that (``torch.compile(SimulatedDataParallel(model))``) computes the
+    whole batch's statistics."""
+    x = torch.randn(6, 3, 2, dtype=DT)
     model = nn.Sequential(SyncBatchNorm(3, dtype=DT))
     compiled = torch.compile(model, backend="eager")
-    with pytest.raises(TypeError, match=r"torch.compile\(SimulatedDataParallel\(model"):
+    with pytest.raises(TypeError, match=r"the module compiled on its own.*"
+                                        r"torch.compile\(SimulatedDataParallel\(model"):
         SimulatedDataParallel(compiled, 2)
     assert compiled._orig_mod is model
-    x = torch.randn(6, 3, 2, dtype=DT)
+    with pytest.raises(TypeError, match="module '0' compiled on its own"):
+        SimulatedDataParallel(nn.Sequential(torch.compile(model, backend="eager")), 2)
+    wrapped = SimulatedDataParallel(model, 2)
+    model[0].compile(backend="eager")
+    with pytest.raises(TypeError, match="module '0' compiled on its own"):
+        wrapped(x)
+    model = nn.Sequential(SyncBatchNorm(3, dtype=DT))
     out = torch.compile(SimulatedDataParallel(model, 2), backend="eager")(x)
     torch.testing.assert_close(out, nn.BatchNorm1d(3, dtype=DT)(x), **TOL)
 

@@ -91,7 +91,9 @@ def _refused_if_batched(layer: str, grad_output: torch.Tensor, error: RuntimeErr
             f"{layer}: its backward takes one output gradient at a time, not a batch of them "
             "(torch.autograd.grad(..., is_grads_batched=True), torch.autograd.functional."
             "jacobian or hessian with vectorize=True); use vectorize=False, or torch.func."
-            "jacrev / vjp, which differentiate the layer's formula in ATen ops. "
+            "jacrev / vjp, which differentiate the layer's formula in ATen ops (in "
+            "evaluation, or with track_running_stats=False: torch.func refuses the running "
+            "statistics' update). "
             f"PyTorch said: {error}"
         ) from error
 
@@ -344,7 +346,7 @@ def _check_output_unmodified(ctx, saved: torch.Tensor) -> None:
     of a CUDA tensor) is what the forward wrote, whatever came after."""
     ref, version = ctx.written
     out = ref()
-    if (out is not None and out._version != version
+    if (out is not None and out._version != version and out.numel()  # (empty: address 0)
             and saved.untyped_storage().data_ptr() == out.untyped_storage().data_ptr()):
         raise RuntimeError(_modified_message(
             ctx.config, f"the output's version is {out._version}, {version} after the "

@@ -508,8 +508,8 @@ class SyncBatchNorm(_BatchNorm):
         dim = x.dim() if isinstance(x, torch.Tensor) else 0
         if dim < 2 or x.shape[1] != self.num_features or x.dtype not in torch_ops.INPUT_DTYPES:
             self._check_input(x)  # raises, saying what is wrong
-        if self._last_input_dim[0] != dim:  # no write where known: none for a compiled
-            self._last_input_dim[0] = dim     # checkpoint's region to refuse as a side effect
+        if not torch.compiler.is_compiling():  # a side effect a traced checkpoint refuses
+            self._last_input_dim[0] = dim
         state = self._state(False)
         self._check_state(x, state)
         weight, bias, running_mean, running_var, batches = state
@@ -734,7 +734,9 @@ class SyncBatchNorm(_BatchNorm):
 
     @property
     def last_input_dim(self) -> int | None:
-        """The number of dimensions of the last input seen (None before any forward)."""
+        """The number of dimensions of the last input seen (None before any forward outside
+        ``torch.compile``, which records nothing: a compiled ``torch.utils.checkpoint`` region
+        refuses Python side effects, and a guard on the value would recompile)."""
         return self._last_input_dim[0] if self._last_input_dim else None
 
     def extra_repr(self) -> str:
