@@ -86,6 +86,17 @@ def test_modified_output_is_caught_under_hooks_that_skip_torchs_check(hooks, rep
     assert replicas > 1 or "a saved-tensor hook" in message
 
 
+def test_an_empty_output_copied_by_a_hook_is_not_taken_for_the_modified_one():
+    """Empty storages share address 0: the hook's copy of an empty in-place output is not the
+    output, whatever is written over that after the forward."""
+    layer = Residual().eval()
+    x = torch.randn(0, 3, 3, 3, dtype=torch.float64)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t.clone(), lambda t: t):
+        out = layer(x)
+    out.sum().backward()  # no error
+    assert layer.bn.weight.grad.abs().sum() == 0
+
+
 @pytest.mark.parametrize("training", [True, False])
 def test_hooks_that_copy_the_output_keep_the_gradients_exact(training):
     """A hook's copy holds the output as the forward wrote it: nothing to refuse after
