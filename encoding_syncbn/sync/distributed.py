@@ -187,8 +187,8 @@ def merge_traced(mean: torch.Tensor, m2: torch.Tensor, count: int, eps: float,
     all_gather of functional collectives (float64 rows of ``(mean, M2, error, count, 0)``, as
     ``_MergeAcrossProcesses`` gathers: no whole-batch backward), differentiable: autograd's
     backward of the gather is one reduce_scatter of the rows' gradients, and of the merge,
-    Chan's Jacobian
-    (``stats.chan_merge`` in differentiable ops, its deviations the exact means')."""
+    Chan's Jacobian (``stats.chan_merge`` in differentiable ops, its deviations the exact
+    means')."""
     from torch.distributed import _functional_collectives as functional
 
     channels, wide = mean.numel(), torch.float64
