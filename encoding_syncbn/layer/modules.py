@@ -508,13 +508,14 @@ class SyncBatchNorm(_BatchNorm):
         dim = x.dim() if isinstance(x, torch.Tensor) else 0
         if dim < 2 or x.shape[1] != self.num_features or x.dtype not in torch_ops.INPUT_DTYPES:
             self._check_input(x)  # raises, saying what is wrong
-        if not torch.compiler.is_compiling():  # a side effect a traced checkpoint refuses
+        compiling = torch.compiler.is_compiling()
+        if not compiling:  # a side effect a traced checkpoint refuses
             self._last_input_dim[0] = dim
         state = self._state(False)
         self._check_state(x, state)
         weight, bias, running_mean, running_var, batches = state
         weight, bias = self._affine_params(weight, bias, x)
-        if not torch.compiler.is_compiling() and x.is_inference():  # (Dynamo cannot ask)
+        if not compiling and x.is_inference():  # (Dynamo cannot ask)
             self._check_recordable(weight, bias)
         evaluating = not self.training and running_mean is not None
         # Asked only for batch statistics: evaluation with running statistics never asks
@@ -528,7 +529,6 @@ class SyncBatchNorm(_BatchNorm):
             count = self._training_count(x)
             if running is not None and slot is not None and slot.group.size > 1:
                 self._checked_by_every_replica(slot, x, count)
-        compiling = torch.compiler.is_compiling()
         if (COMPILE_AS_FORMULA and compiling and count != 0
                 and not (synced and slot is not None)):  # merged across processes, if synced
             track = None if evaluating else functools.partial(track_batch, running)
