@@ -13,10 +13,10 @@ gradient's size there (dx: its largest |value|; dw = sum(dz * xhat): the root of
 its squared terms), the largest over the channels.
 
 ``--spread``: the input's standard deviation, its mean half that (default 2). Below about
-sqrt(eps) = 0.003 (a
-near-constant channel: xhat's spread sqrt(var / (var + eps)) well under 1) the output
-y = gamma * xhat + beta carries xhat in its low digits, and the channels rebuilt lose it in
-dw, which no |beta| / |gamma| limit sees (it takes xhat of order 1).
+sqrt(eps) = 0.003 (a near-constant channel: xhat's spread s = sqrt(var / (var + eps)) well
+under 1) the output y = gamma * xhat + beta carries xhat in its low digits, and a channel
+rebuilt would lose it in dw: the layer keeps aside the channels where |beta| / (|gamma| * s)
+exceeds the limit, which this run shows.
 """
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ def main() -> None:
     results.add_arguments(parser)
     args = parser.parse_args()
     from encoding_syncbn import SyncBatchNorm
+    from encoding_syncbn.kernels import Moments
     from encoding_syncbn.layer.inplace_policy import gamma_limit, small_gamma_mask
 
     gen = torch.Generator().manual_seed(0)
@@ -94,8 +95,12 @@ def main() -> None:
 
             ours = error(gradients(norms["ours"], x, dy, autocast))
             theirs = error(gradients(norms["torch"], x, dy, autocast))
-            # As this single-replica layer chooses them (the limit with its margin).
-            kept = int(small_gamma_mask(gamma, beta.float(), gamma_limit(True)).sum())
+            # As this single-replica layer chooses them: the limit with its margin, against
+            # the batch's spread.
+            var = x.double().var(dims, correction=0)
+            count = x.numel() // SHAPE[1]
+            moments = Moments(var * count, count, torch.rsqrt(var + 1e-5))
+            kept = int(small_gamma_mask(gamma.double(), beta, gamma_limit(True), moments).sum())
             rows.append([name + (" (autocast)" if autocast else ""), f"{ratio:g}",
                          f"{kept} / {SHAPE[1]}", f"{ours[1]:.2g}", f"{theirs[1]:.2g}",
                          f"{ours[0]:.2g}", f"{theirs[0]:.2g}"])

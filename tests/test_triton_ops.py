@@ -982,6 +982,33 @@ def test_batch_stats(c, fmt, dtype, running_dtype, counter, momentum, check, see
     check_batch_stats(x, running, weight, bias, limit, momentum)
 
 
+@settings(max_examples=16, deadline=None, derandomize=True)
+@given(c=st.sampled_from([5, 10, 130]), fmt=st.sampled_from(["nchw", "last"]),
+       dtype=st.sampled_from([torch.float16, torch.bfloat16, torch.float32, torch.float64]),
+       seed=st.integers(0, 2**16))
+def test_batch_stats_flags_near_constant_channels(c, fmt, dtype, seed):
+    """The small-gamma flags against xhat's spread s = sqrt(var / (var + eps)): channels of
+    batch std from 1e-4 to 1 (eps 1e-5), gammas of |beta| / s times 0.5, 1 and 2 at the limit
+    1 (flagged below 1, not above; on it, either, as long as the kernel's flag is the ATen
+    step's to the bit), beta up to 100."""
+    g = torch.Generator().manual_seed(seed)
+    acc = torch_ops.stats_dtype(dtype)
+    shape = (40, c, 3, 5) if c < 16 else (2, c, 3, 5)
+    stds = torch.tensor([1e-4, 3e-4, 1e-3, 3e-3, 1.0], dtype=torch.float64)[torch.arange(c) % 5]
+    per_channel = (1, c, 1, 1)
+    x = torch.randn(shape, generator=g, dtype=torch.float64) * stds.view(per_channel)
+    x = layout((x + stds.view(per_channel)).to(dtype), fmt).to(DEVICE)
+    var = x.double().var((0, 2, 3), correction=0)
+    spread = (var / (var + 1e-5)).sqrt()
+    bias = (torch.randn(c, generator=g, dtype=torch.float64) * 100).to(acc)
+    factor = torch.tensor([0.5, 1.0, 2.0], dtype=torch.float64)[torch.arange(c) % 3]
+    weight = (bias.double().abs() / spread * factor).to(acc).to(DEVICE)
+    bias = bias.to(DEVICE)
+    check_batch_stats(x, None, weight, bias, 1.0, None)
+    small = T.batch_stats(x, 1e-5, None, None, None, None, weight, bias, 1.0)[2]
+    assert small.bool()[factor == 0.5].all() and not small.bool()[factor == 2.0].any()
+
+
 @pytest.mark.parametrize("fmt", ["nchw", "last"])
 def test_batch_stats_merges_split_partials(fmt):
     shape = (64, 2, 33, 9) if fmt == "nchw" else (64, 3, 17, 11)

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from ..layer import inplace_policy
-from ..layer.inplace_policy import gamma_limit, small_gamma_mask
+from ..layer.inplace_policy import gamma_limit, running_moments, small_gamma_mask
 from ..layer.modules import SyncBatchNorm
 
 _log = logging.getLogger(__name__)
@@ -286,11 +286,12 @@ def left_reason(module: nn.Module) -> str | None:
 def channels_aside(layer: nn.Module) -> tuple[int, int] | None:
     """The channels the in-place ``layer`` keeps aside on float32 and on half-precision
     inputs, as a single replica's layer chooses them (the limits with their margin), from
-    its parameters now; None for a layer out of place or whose parameters have no values."""
+    its parameters and running variance now; None for a layer out of place or whose
+    parameters have no values."""
     if not isinstance(layer, SyncBatchNorm) or not layer.inplace:
         return None
-    weight, bias = layer.weight, layer.bias
-    if any(p is not None and p.is_meta for p in (weight, bias)):
+    weight, bias, running_var = layer.weight, layer.bias, layer.running_var
+    if any(t is not None and t.is_meta for t in (weight, bias, running_var)):
         return None
     state = weight if weight is not None else layer.running_mean
     device = state.device if state is not None else None
@@ -298,7 +299,8 @@ def channels_aside(layer: nn.Module) -> tuple[int, int] | None:
         # As the layer computes with them (mapillary's InPlaceABN: |w| + eps).
         weight, bias = layer._affine_params(
             weight, bias, torch.empty(0, dtype=torch.float32, device=device))
-        kept = int(small_gamma_mask(weight, bias, gamma_limit(with_margin=True)).sum())
+        kept = int(small_gamma_mask(weight, bias, gamma_limit(with_margin=True),
+                                    running_moments(running_var, layer.eps)).sum())
     if not inplace_policy.stays_in_place(layer.activation, torch.float16):
         return kept, layer.num_features
     return kept, kept

@@ -21,6 +21,7 @@ from .backend import (
     BatchSums,
     DxCoefs,
     GammaCheck,
+    Moments,
     NormParams,
     RunningParams,
     RunningStats,
@@ -29,9 +30,9 @@ from .backend import (
 )
 from .torch_backend import COMPILED, TORCH
 
-__all__ = ["Backend", "BatchSums", "DxCoefs", "GammaCheck", "NormParams", "RunningParams",
-           "RunningStats", "channel_vector", "dx_coefs", "get_backend", "key_ops", "ops_for",
-           "reference_ops", "set_backend"]
+__all__ = ["Backend", "BatchSums", "DxCoefs", "GammaCheck", "Moments", "NormParams",
+           "RunningParams", "RunningStats", "channel_vector", "dx_coefs", "get_backend",
+           "key_ops", "ops_for", "reference_ops", "set_backend"]
 
 BACKENDS = ("auto", "torch", "triton")
 BACKEND_ENV = "ENCODING_SYNCBN_BACKEND"

@@ -42,6 +42,7 @@ from .backend import (
     BatchSums,
     DxCoefs,
     GammaCheck,
+    Moments,
     NormParams,
     RunningParams,
     RunningStats,
@@ -522,7 +523,7 @@ def finalize_stats(mean: torch.Tensor, m2: torch.Tensor, count: int, eps: float,
         invstd = torch.rsqrt(m2.to(widest_dtype(m2.device)) / count + eps).to(m2.dtype)
     if running is not None:
         track_batch(*running, mean, m2, count)
-    small = small_gamma(*check) if check is not None else None
+    small = small_gamma(*check, Moments(m2, count, invstd)) if check is not None else None
     return invstd, small
 
 
@@ -586,20 +587,35 @@ def track_batch(running_mean: torch.Tensor, running_var: torch.Tensor,
 SMALL_GAMMA_FLOOR = 0.02
 
 
-def small_gamma(weight: torch.Tensor, bias: torch.Tensor, limit: float) -> torch.Tensor:
-    """Per channel: not ``max(limit * |bias|, min(limit, SMALL_GAMMA_FLOOR)) < |weight| < inf``
+def small_gamma(weight: torch.Tensor, bias: torch.Tensor, limit: float,
+                moments: Moments | None = None) -> torch.Tensor:
+    """Per channel: not ``max(limit * |bias|, min(limit, SMALL_GAMMA_FLOOR)) < |weight| < inf``,
+    or, given the ``moments`` its input is normalised with, ``|weight| * s < limit * |bias|``
     (bool; no host sync): for a limit up to the floor, ``|weight| <= limit * max(1, |bias|)``.
 
     Rebuilding the input from the output divides by gamma and multiplies the output's rounding
     by ``|bias| / |weight|``: ``limit`` is the smallest ``|weight| / |bias|`` a channel is
-    rebuilt at (``inplace_policy.gamma_limit``). A NaN or infinite
-    weight or bias is flagged too: rebuilding xhat = (z - bias) / weight from such a channel's
-    output gives NaN where nn.BatchNorm's gradients have none.
+    rebuilt at (``inplace_policy.gamma_limit``). That takes xhat of order 1; in a
+    near-constant channel (variance not far above eps) xhat's root mean square
+    ``s = sqrt(var / (var + eps))`` is well under 1, the output carries xhat in its low digits
+    only, and the weight's gradient ``sum(dz * xhat)`` loses it: the rebuild's error against
+    xhat's own size is ``|bias| / (|weight| * s)``, which the second test bounds. ``moments``
+    ``(m2, count, invstd)``: ``s^2 = m2 / count * invstd^2`` (for the running statistics,
+    ``(running_var, 1, 1 / sqrt(running_var + eps))``); compared squared, so that the Triton
+    finalize kernel, which takes the same products, flags the same channels to the bit.
+    A NaN or infinite weight or bias is flagged too: rebuilding xhat = (z - bias) / weight from
+    such a channel's output gives NaN where nn.BatchNorm's gradients have none; a NaN
+    variance does not flag a channel (its gradients are NaN either way).
     """
     with torch.no_grad():
         magnitude = weight.abs().nan_to_num_(nan=0.0, posinf=0.0)
-        bound = bias.abs().mul_(limit).clamp_min_(min(limit, SMALL_GAMMA_FLOOR))
-        return (magnitude > bound).logical_not_()
+        bound = bias.abs().mul_(limit)
+        small = (magnitude > bound.clamp_min(min(limit, SMALL_GAMMA_FLOOR))).logical_not_()
+        if moments is not None:
+            m2, count, invstd = moments
+            spread_rebuilt = (magnitude * invstd).square_().mul_(m2)
+            small.logical_or_(spread_rebuilt < bound.square_().mul_(count))
+        return small
 
 
 def as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

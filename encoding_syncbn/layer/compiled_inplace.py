@@ -41,8 +41,9 @@ import weakref
 import torch
 
 from .. import activations
+from ..kernels import Moments
 from . import compiled_mean, inplace_policy
-from .inplace_policy import gamma_limit, small_gamma_mask
+from .inplace_policy import gamma_limit, running_moments, small_gamma_mask
 
 #: Whether a compiled in-place call keeps only its output (False: it runs out of place, as
 #: before a count; ``benchmarks/bench_compile.py`` compares both).
@@ -102,21 +103,24 @@ def _count(ref: weakref.ref) -> None:
     if type(weight) is not torch.nn.Parameter or weight.device.type != "cpu":
         return
     (kept,) = last
-    count = _small_gammas(weight, bias, gamma_limit(with_margin=True))
+    moments = running_moments(layer.running_var, layer.eps)
+    count = _small_gammas(weight, bias, gamma_limit(with_margin=True), moments)
     if kept is not None:
         # At most ``kept`` small within the margin: none below the limit beyond them.
         if count > kept:
-            _warn_if_outgrown(layer, _small_gammas(weight, bias, gamma_limit()), kept)
+            _warn_if_outgrown(layer, _small_gammas(weight, bias, gamma_limit(), moments), kept)
         # Checked once: a backward of eager calls after it (no compiled call since) is exact.
         layer.__dict__[_LAST_CALL][0] = (None,)
     _store(layer, count)
 
 
-def _small_gammas(weight: torch.Tensor, bias: torch.Tensor | None, limit: float) -> int:
-    """How many channels of these CPU parameters are too small to rebuild at ``limit``;
-    read through numpy, not torch: no host read dispatched (see ``ChannelsAside._read``)."""
+def _small_gammas(weight: torch.Tensor, bias: torch.Tensor | None, limit: float,
+                  moments: Moments | None) -> int:
+    """How many channels of these CPU parameters are too small to rebuild at ``limit`` (given
+    the running statistics' ``moments``); read through numpy, not torch: no host read
+    dispatched (see ``ChannelsAside._read``)."""
     with torch.no_grad():
-        return int(small_gamma_mask(weight, bias, limit).numpy().sum())
+        return int(small_gamma_mask(weight, bias, limit, moments).numpy().sum())
 
 
 def _warn_if_outgrown(layer: torch.nn.Module, small: int, kept: int) -> None:
@@ -167,16 +171,17 @@ def keep_aside(layer: torch.nn.Module, x: torch.Tensor, count: int | None) -> in
 
 def norm_act(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, mean: torch.Tensor,
              invstd: torch.Tensor, offset: torch.Tensor | None, batch: bool, kept: int,
-             activation: str, slope: float) -> torch.Tensor:
+             activation: str, slope: float, moments: Moments | None) -> torch.Tensor:
     """``act((x - mean) * invstd * weight + bias)``, keeping for backward the output and the
     input of ``kept`` channels: those whose gamma the output cannot be inverted through,
-    first (``inplace_policy.small_gamma_mask``).
+    first (``inplace_policy.small_gamma_mask``, with the running statistics' ``moments``, as
+    the count was taken).
     ``batch``: ``(mean, invstd)`` are x's own statistics (their gradient is part of x's),
     ``offset`` their mean's error in units of xhat (``compiled_mean.BatchStats``; None: not
     taken); else constants (the running statistics). The statistics come detached."""
     index = None
     if kept:
-        flags = small_gamma_mask(weight.detach(), bias.detach(), gamma_limit())
+        flags = small_gamma_mask(weight.detach(), bias.detach(), gamma_limit(), moments)
         index = torch.topk(flags.to(torch.int32), kept, sorted=False).indices
     return RebuiltNormAct.apply(x, weight, bias, mean, invstd, offset, index, batch, activation,
                                 slope)

@@ -423,16 +423,23 @@ def _reduce(saved: _Saved, grad_output: torch.Tensor, config: ActConfig, params:
 
 def _exact_kept_sums(saved: _Saved, grad_output: torch.Tensor, config: ActConfig,
                       sum_dz: torch.Tensor, sum_dz_xhat: torch.Tensor):
-    """The sums with those of the channels kept aside recomputed from their input."""
+    """The sums with those of the channels kept aside recomputed from their input, summed in
+    the widest dtype, as ATen's CPU BatchNorm backward sums: no rebuild's error hides a
+    float32 sum's there (a few channels: the widening costs little)."""
     if saved.kept_channels is not None:
+        kept_input, kept_dy, params = _kept_args(saved, grad_output, config)
+        wide = torch_ops.widest_dtype(kept_input.device)
+        wide_params = params._replace(**{name: getattr(params, name).to(wide)
+                                         for name in ("mean", "invstd", "weight", "bias")})
         exact_dz, exact_dz_xhat = reference_ops().backward_reduce(
-            *_kept_args(saved, grad_output, config), saved_is_output=False
+            kept_input.to(wide), kept_dy.to(wide), wide_params, saved_is_output=False
         )
         if saved.offset is not None:
             exact_dz, exact_dz_xhat = _exact_xhat_sums(exact_dz, exact_dz_xhat,
                                                        saved.offset[saved.kept_channels])
-        sum_dz = sum_dz.index_copy(0, saved.kept_channels, exact_dz)
-        sum_dz_xhat = sum_dz_xhat.index_copy(0, saved.kept_channels, exact_dz_xhat)
+        sum_dz = sum_dz.index_copy(0, saved.kept_channels, exact_dz.to(sum_dz.dtype))
+        sum_dz_xhat = sum_dz_xhat.index_copy(0, saved.kept_channels,
+                                             exact_dz_xhat.to(sum_dz_xhat.dtype))
     return sum_dz, sum_dz_xhat
 
 
@@ -1216,7 +1223,8 @@ def widened_batch_norm_act(
     if config.inplace:
         if channels_aside is None:
             channels_aside = ChannelsAside()
-        kept = channels_aside.index(weight, bias, recomputing, flags)
+        kept = channels_aside.index(weight, bias, recomputing, flags,
+                                    None if running is None else running.var, eps)
     offset = _mean_offset(widened, mean, invstd)
     return BatchNormAct.apply(x, weight, bias,
                               (mean, invstd, count, config, kept, eps, backend, offset))

@@ -32,7 +32,7 @@ from .functional import (
     track_batch,
     widened_batch_norm_act,
 )
-from .inplace_policy import ChannelsAside
+from .inplace_policy import ChannelsAside, running_moments
 from .recompute import RecomputeCache
 
 # The options checked together, at construction and when assigned (``__setattr__``).
@@ -237,7 +237,8 @@ class SyncBatchNorm(_BatchNorm):
                 if self.inplace and not self._computed_by_hooks():
                     weight, bias = self.weight, self.bias  # read once: parametrizations compute
                     if not _on_meta(weight, bias):
-                        self._replicas_channels_aside = ChannelsAside.read_now(weight, bias)
+                        self._replicas_channels_aside = ChannelsAside.read_now(
+                            weight, bias, running_moments(self.running_var, self.eps))
         replica = super()._replicate_for_data_parallel()
         replica._replica_slot = ReplicaSlot(group, group.add_member(replica), self._replica_slot)
         replica._open_group = None
@@ -413,6 +414,9 @@ class SyncBatchNorm(_BatchNorm):
                 # ``compiled_inplace``; float64 takes its mean's error out: ``compiled_mean``.
                 kept = (compiled_inplace.keep_aside(self, x, x.numel() // self.num_features)
                         if compiled else None)
+                # As the count was taken (``compiled_inplace``): the running statistics'.
+                moments = (running_moments(self.running_var, self.eps) if kept is not None
+                           else None)
                 if compiled and acc == torch.float64:
                     batch = compiled_mean.batch_stats(x, self.eps)
                     if self.training:
@@ -420,7 +424,7 @@ class SyncBatchNorm(_BatchNorm):
                     if kept is not None:
                         return compiled_inplace.norm_act(
                             x, weight, bias, batch.mean, batch.invstd, batch.offset, True, kept,
-                            self.activation, self.slope)
+                            self.activation, self.slope, moments)
                     return compiled_mean.InputNormAct.apply(
                         x, weight, bias, batch.mean, batch.invstd, batch.offset,
                         self.activation, self.slope)
@@ -432,7 +436,7 @@ class SyncBatchNorm(_BatchNorm):
                 if kept is not None:
                     return compiled_inplace.norm_act(x, weight, bias, mean,
                                                      torch.rsqrt(var + self.eps), None, True,
-                                                     kept, self.activation, self.slope)
+                                                     kept, self.activation, self.slope, moments)
                 z = torch.nn.functional.batch_norm(x.to(acc), None, None, weight, bias, True,
                                                    0.0, self.eps)
                 act = activations.ACTIVATIONS[self.activation]
@@ -446,7 +450,8 @@ class SyncBatchNorm(_BatchNorm):
             if kept is not None:
                 return compiled_inplace.norm_act(x, weight, bias, mean,
                                                  torch.rsqrt(var + self.eps), None, False, kept,
-                                                 self.activation, self.slope)
+                                                 self.activation, self.slope,
+                                                 running_moments(self.running_var, self.eps))
         config = ActConfig(self.activation, self.slope, False, self._label())
         return norm_act_composite(config)(x, mean, torch.rsqrt(var + self.eps), weight, bias)
 
@@ -537,7 +542,8 @@ class SyncBatchNorm(_BatchNorm):
             x = compat.unwrap_if_dead(x)
         plan = inplace_policy.plan_call(self._config, x, self._warned_out_of_place,
                                         self._channels_aside, weight, bias, count=count,
-                                        recomputing=recomputing)
+                                        recomputing=recomputing, running_var=running_var,
+                                        eps=self.eps)
         if count == 0:
             track_batch(running, None, None, 0)
             # Empty, and attached to the parameters (zero gradients) as nn.BatchNorm's result.
@@ -603,7 +609,7 @@ class SyncBatchNorm(_BatchNorm):
         if config.inplace:
             config, kept, check = inplace_policy.plan_overwrite(
                 config, x, self._warned_out_of_place, self._channels_aside, weight, bias,
-                memo.in_place, not evaluating)
+                memo.in_place, not evaluating, False, running_var, self.eps)
         if evaluating:
             return normalize_running(x, running_mean, running_var, self.eps, weight, bias,
                                      config, kept)

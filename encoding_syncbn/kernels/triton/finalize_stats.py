@@ -57,15 +57,19 @@ def _lerp(start, end, weight):
 
 
 @triton.jit
-def _small_gamma(w, b, limit):
-    """``torch_ops.small_gamma``'s test, in ``limit``'s dtype: not ``max(limit * |b|,
-    min(limit, SMALL_GAMMA_FLOOR)) < |w| < inf`` (a NaN or infinite w or b is flagged, as
-    there)."""
+def _small_gamma(w, b, limit, m2, n, invstd):
+    """``torch_ops.small_gamma``'s test with the batch's moments, in ``limit``'s dtype: not
+    ``max(limit * |b|, min(limit, SMALL_GAMMA_FLOOR)) < |w| < inf`` (a NaN or infinite w or b
+    is flagged, as there), or ``(|w| * invstd)^2 * m2 < (limit * |b|)^2 * n`` (the rebuild's
+    error against xhat's spread; the same products, so the same flags)."""
     floor = tl.minimum(limit, tl.full([], _SMALL_GAMMA_FLOOR, limit.dtype))
-    bound = tl.maximum(tl.abs(b) * limit, floor, propagate_nan=tl.PropagateNan.ALL)
+    bound = tl.abs(b) * limit
     magnitude = tl.abs(w)
-    rebuilt = (magnitude > bound) & (magnitude < _INF)  # False for any NaN
-    return ~rebuilt
+    rebuilt = ((magnitude > tl.maximum(bound, floor, propagate_nan=tl.PropagateNan.ALL))
+               & (magnitude < _INF))  # False for any NaN
+    scaled = magnitude * invstd
+    spread_rebuilt = scaled * scaled * m2
+    return ~rebuilt | (spread_rebuilt < bound * bound * n.to(bound.dtype))
 
 
 @triton.jit
@@ -99,7 +103,7 @@ def finish_batch_stats(c, mean, m2, counter_ptr, mean_ptr, invstd_ptr, count: tl
     keep + var_alpha * M2 (keep = 1 - momentum, var_alpha = momentum / (count - 1), from the
     host); cumulative: lerp(r, stat, 1 / batches), the variance's stat M2 * var_alpha
     (var_alpha = 1 / (count - 1));
-    small = _small_gamma(w, b, gamma_limit).
+    small = _small_gamma(w, b, gamma_limit, m2, count, invstd).
 
     The batch counter is incremented once: by channel block 0, or, for a cumulative average
     (where every block reads it), by the last block to finish (``counter_ptr + C``: the
@@ -150,7 +154,8 @@ def finish_batch_stats(c, mean, m2, counter_ptr, mean_ptr, invstd_ptr, count: tl
         w = tl.load(weight_ptr + c, mask=valid, other=1.0)
         b = tl.load(bias_ptr + c, mask=valid, other=0.0)
         limit = tl.full([], gamma_limit, ACC)
-        tl.store(small_ptr + c, _small_gamma(w, b, limit).to(tl.uint8), mask=valid)
+        small = _small_gamma(w, b, limit, m2, n, invstd)
+        tl.store(small_ptr + c, small.to(tl.uint8), mask=valid)
 
 
 class FinishPlan(NamedTuple):
