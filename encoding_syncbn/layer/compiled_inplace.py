@@ -8,23 +8,24 @@ output is kept anyway (the next convolution saves it), and what ``nn.BatchNorm2d
 top is its input. ``RebuiltNormAct`` keeps the output only and rebuilds ``xhat`` from it in
 backward through the activation's inverse, as the eager in-place Functions do.
 
-The channels whose gamma is too small to divide by (``inplace_policy.small_gamma_mask``)
-need their input: their number depends on the parameters' values, and a compiled graph has
-static shapes and must not read values on the host. So the host learns it outside the
-compiled region: a hook on the layer's weight (or its bias, where only that trains), run by
-autograd once its gradient is accumulated (after the compiled backward), counts them on the
-CPU parameters with the margins ``inplace_policy.gamma_limit`` gives an answer one step old,
-and stores the count, rounded up to a power of two, on the layer (``KEEP_ASIDE``). Dynamo
-reads it while tracing and guards on it: a larger count recompiles the model (at most
-log2(C) + 1 times a layer; the count never shrinks). Inside the graph the kept channels are
-chosen from the current parameters (``torch.topk`` of the small-gamma flags: every flagged
-channel while at most that many are), so a count one optimiser step old covers the current
-gammas unless one shrank more than ``inplace_policy.MARGIN`` times since, as an eager
-layer's answer on a GPU (or was set outside training): that step's gradients are then
-inexact for it, which the hook, reading the parameters the step ran with, says in a warning.
-Until the first count (a layer's first compiled calls, after ``load_state_dict`` or a move,
-or with frozen parameters) the layer runs out of place, as ``nn.BatchNorm2d`` compiled:
-exact, without the saving.
+The channels whose gamma is too small to divide by (``inplace_policy.small_gamma_mask``,
+against beta and the spread the running variance gives xhat) need their input: their number
+depends on the parameters' and the running variance's values, and a compiled graph has static
+shapes and must not read values on the host. So the host learns it outside the compiled
+region: a hook on the layer's weight (or its bias, where only that trains), run by autograd
+once its gradient is accumulated (after the compiled backward), counts them on the CPU
+parameters and running variance with the margins ``inplace_policy.gamma_limit`` gives an
+answer one step old, and stores the count, rounded up to a power of two, on the layer
+(``KEEP_ASIDE``). Dynamo reads it while tracing and guards on it: a larger count recompiles
+the model (at most log2(C) + 1 times a layer; the count never shrinks). Inside the graph the
+kept channels are chosen from the current parameters and running variance (``torch.topk`` of
+the small-gamma flags: every flagged channel while at most that many are), so a count one
+optimiser step old covers the current gammas unless one shrank more than
+``inplace_policy.MARGIN`` times since, as an eager layer's answer on a GPU (or was set outside
+training): that step's gradients are then inexact for it, which the hook, reading the
+parameters the step ran with, says in a warning. Until the first count (a layer's first
+compiled calls, after ``load_state_dict`` or a move, or with frozen parameters) the layer runs
+out of place, as ``nn.BatchNorm2d`` compiled: exact, without the saving.
 
 Only on the CPU. The hook reads CPU parameters where they lie: it creates no device tensor
 and runs no device work, so that nothing of the count can land in a backward that a CUDA

@@ -6,8 +6,9 @@ input from. Decided before anything is computed: a refusal by autograd inside th
 would come after the input, and the running statistics, had been written.
 
 Which channels: in place, backward rebuilds the input from the output, dividing by gamma; the
-channels whose gamma is too small for that keep their input (it is saved for backward, "kept
-aside") and get their gradients from it. ``ChannelsAside`` is the layer's one handle on them:
+channels whose gamma is too small for that (against beta, and against the spread of their
+normalised input) keep their input (it is saved for backward, "kept aside") and get their
+gradients from it. ``ChannelsAside`` is the layer's one handle on them:
 which channels, and how the host learns them without waiting for the device.
 
 Misuse checks, at the operation that misuses an in-place layer. An in-place layer writes its
@@ -282,7 +283,8 @@ def shares_memory_within(x: torch.Tensor) -> bool:
 # in units of the output's own rounding, the unit nn.BatchNorm's own gradients err in, in every
 # dtype: a channel is rebuilt where |w| > REBUILD_LIMIT * |b| (and |w| is above
 # torch_ops.SMALL_GAMMA_FLOOR), so that the rebuild adds about as much again, not amplify it
-# (the counts of ``rebuilds_from_count`` follow from it).
+# (the counts of ``rebuilds_from_count`` follow from it); against xhat's own size, where its
+# spread s is under 1 (a near-constant channel), where |w| s > REBUILD_LIMIT * |b| too.
 REBUILD_LIMIT = 1.0
 
 # ChannelsAside keeps aside channels up to this many times the limit where its answer may
@@ -341,7 +343,9 @@ class ChannelsAside:
     way; a call uses the newest answer whose copy is done (on the CPU: its own), and only a
     layer's first call on a GPU waits for one. That check keeps aside every channel up to
     ``MARGIN`` times the limit, so an answer a few calls old still covers a channel whose
-    |beta| / |gamma| grew past the limit since, unless it grew more than that.
+    |beta| / |gamma| grew past the limit since, unless it grew more than that. xhat's spread
+    (``torch_ops.small_gamma``) comes from the batch in that check, from the running variance
+    where the parameters are checked without one (``index``, ``read_now``).
 
     ``recomputing`` (a checkpoint's recomputation of a call): the call keeps the answer the
     original call used.
