@@ -122,7 +122,7 @@ def main() -> None:
     results.add_arguments(parser)
     args = parser.parse_args()
     from encoding_syncbn import SyncBatchNorm, convert_inplace_abn, convert_sync_batchnorm
-    from encoding_syncbn.layer.inplace_policy import gamma_limit, small_gamma_mask
+    from encoding_syncbn.layer.inplace_policy import gamma_limit, running_spread, small_gamma_mask
 
     autocast = getattr(torch, args.autocast) if args.autocast else None
     torch.manual_seed(0)
@@ -137,9 +137,11 @@ def main() -> None:
         estimate = [report.memory.before_bytes / 2**20, report.memory.after_bytes / 2**20]
         error = max(abs(e / m - 1) for e, m in zip(estimate, (sizes[0], sizes[2])))
         layers = [m for m in in_place.modules() if isinstance(m, SyncBatchNorm) and m.inplace]
-        # As a single replica's layer chooses them (the limit with its margin).
+        # As a single replica's layer chooses them (the limit with its margin), with the
+        # running statistics' spread.
         limit = gamma_limit(with_margin=True)
-        aside = sum(int(small_gamma_mask(m.weight, m.bias, limit).sum()) for m in layers)
+        aside = sum(int(small_gamma_mask(m.weight, m.bias, limit, running_spread(
+            m._running_of(m.running_var))).sum()) for m in layers)
         channels = sum(m.num_features for m in layers)
         rows.append([name, *(f"{size:.1f}" for size in sizes), f"{sizes[2] / sizes[0]:.2f}",
                      f"{aside} / {channels}",

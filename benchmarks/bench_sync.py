@@ -129,7 +129,7 @@ def one_thread_work_us(replicas: int, calls: int, turns: int) -> PerCall:
     config = ActConfig("leaky_relu", 0.01, inplace=True)
 
     def synced(xs: list[torch.Tensor], gammas: list[ChannelsAside]) -> list[torch.Tensor]:
-        kept = [gamma.index(weight, bias, x.dtype) for x, gamma in zip(xs, gammas)]
+        kept = [gamma.index(weight, bias) for gamma in gammas]
         contributions = [replica_stats(x) for x in xs]
         mean, _, invstd, _ = merge_replicas(contributions, 1e-5)
         return [NormAct.apply(c.x, mean, invstd, weight, bias, config, c.link, k)

@@ -516,7 +516,8 @@ def test_compiled_in_place_gradients_match_batchnorm(activation, training, shape
             torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-9,
                                        msg=lambda m, what=f"call {call}, {name}": f"{what}: {m}")
     limit = inplace_policy.gamma_limit(with_margin=True)
-    small = int(inplace_policy.small_gamma_mask(layer.weight, layer.bias, limit).sum())
+    spread = inplace_policy.running_spread(layer._running_of(layer.running_var))
+    small = int(inplace_policy.small_gamma_mask(layer.weight, layer.bias, limit, spread).sum())
     kept = layer._compiled_keep_aside
     assert kept == (min(channels, 1 << (small - 1).bit_length()) if small else 0)
     # The steps after the first keep the output and the kept channels' input, no more.

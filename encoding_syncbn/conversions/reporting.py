@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from ..layer import inplace_policy
-from ..layer.inplace_policy import gamma_limit, running_moments, small_gamma_mask
+from ..layer.inplace_policy import gamma_limit, running_spread, small_gamma_mask
 from ..layer.modules import SyncBatchNorm
 
 _log = logging.getLogger(__name__)
@@ -300,7 +300,7 @@ def channels_aside(layer: nn.Module) -> tuple[int, int] | None:
         weight, bias = layer._affine_params(
             weight, bias, torch.empty(0, dtype=torch.float32, device=device))
         kept = int(small_gamma_mask(weight, bias, gamma_limit(with_margin=True),
-                                    running_moments(running_var, layer.eps)).sum())
+                                    running_spread(layer._running_of(running_var))).sum())
     if not inplace_policy.stays_in_place(layer.activation, torch.float16):
         return kept, layer.num_features
     return kept, kept

@@ -21,17 +21,17 @@ from .backend import (
     BatchSums,
     DxCoefs,
     GammaCheck,
-    Moments,
     NormParams,
     RunningParams,
     RunningStats,
+    Spread,
     channel_vector,
     dx_coefs,
 )
 from .torch_backend import COMPILED, TORCH
 
-__all__ = ["Backend", "BatchSums", "DxCoefs", "GammaCheck", "Moments", "NormParams",
-           "RunningParams", "RunningStats", "channel_vector", "dx_coefs", "get_backend",
+__all__ = ["Backend", "BatchSums", "DxCoefs", "GammaCheck", "NormParams", "RunningParams",
+           "RunningStats", "Spread", "channel_vector", "dx_coefs", "get_backend",
            "key_ops", "ops_for", "reference_ops", "set_backend"]
 
 BACKENDS = ("auto", "torch", "triton")

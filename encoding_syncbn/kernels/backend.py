@@ -148,20 +148,20 @@ class RunningParams(NamedTuple):
     activation_param: float
 
 
-class Moments(NamedTuple):
-    """How spread a channel's normalised input is: xhat's mean square ``m2 / count *
-    invstd^2``, ``var / (var + eps)`` (a batch's M2 and count; or the running variance and 1),
-    under 1 in a near-constant channel (``torch_ops.small_gamma``)."""
+class Spread(NamedTuple):
+    """How spread a channel's normalised input is: xhat's mean square ``s^2 = var / (var +
+    eps)``, under 1 in a near-constant channel (``torch_ops.small_gamma``), as ``numerator /
+    denominator``, kept apart so that a test of it divides nothing: a batch's ``(invstd^2 *
+    M2, count)``, the running statistics' (``inplace_policy.running_spread``)."""
 
-    m2: torch.Tensor
-    count: int
-    invstd: torch.Tensor
+    numerator: torch.Tensor
+    denominator: int
 
 
 class GammaCheck(NamedTuple):
     """Which channels' gamma is too small to rebuild their input from the output: flagged
-    where ``torch_ops.small_gamma(weight, bias, limit, moments)``, with the moments of the
-    batch the check rides on."""
+    where ``torch_ops.small_gamma(weight, bias, limit, spread)``, with the spread of the batch
+    the check rides on."""
 
     weight: torch.Tensor
     bias: torch.Tensor

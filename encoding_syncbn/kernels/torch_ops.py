@@ -42,10 +42,10 @@ from .backend import (
     BatchSums,
     DxCoefs,
     GammaCheck,
-    Moments,
     NormParams,
     RunningParams,
     RunningStats,
+    Spread,
     dx_coefs,
 )
 
@@ -523,7 +523,8 @@ def finalize_stats(mean: torch.Tensor, m2: torch.Tensor, count: int, eps: float,
         invstd = torch.rsqrt(m2.to(widest_dtype(m2.device)) / count + eps).to(m2.dtype)
     if running is not None:
         track_batch(*running, mean, m2, count)
-    small = small_gamma(*check, Moments(m2, count, invstd)) if check is not None else None
+    small = (small_gamma(*check, Spread(invstd * invstd * m2, count)) if check is not None
+             else None)
     return invstd, small
 
 
@@ -588,9 +589,9 @@ SMALL_GAMMA_FLOOR = 0.02
 
 
 def small_gamma(weight: torch.Tensor, bias: torch.Tensor, limit: float,
-                moments: Moments | None = None) -> torch.Tensor:
+                spread: Spread | None = None) -> torch.Tensor:
     """Per channel: not ``max(limit * |bias|, min(limit, SMALL_GAMMA_FLOOR)) < |weight| < inf``,
-    or, given the ``moments`` its input is normalised with, ``|weight| * s < limit * |bias|``
+    or, given the ``spread`` s of its normalised input, ``|weight| * s < limit * |bias|``
     (bool; no host sync): for a limit up to the floor, ``|weight| <= limit * max(1, |bias|)``.
 
     Rebuilding the input from the output divides by gamma and multiplies the output's rounding
@@ -599,10 +600,10 @@ def small_gamma(weight: torch.Tensor, bias: torch.Tensor, limit: float,
     near-constant channel (variance not far above eps) xhat's root mean square
     ``s = sqrt(var / (var + eps))`` is well under 1, the output carries xhat in its low digits
     only, and the weight's gradient ``sum(dz * xhat)`` loses it: the rebuild's error against
-    xhat's own size is ``|bias| / (|weight| * s)``, which the second test bounds. ``moments``
-    ``(m2, count, invstd)``: ``s^2 = m2 / count * invstd^2`` (for the running statistics,
-    ``(running_var, 1, 1 / sqrt(running_var + eps))``); compared squared, so that the Triton
-    finalize kernel, which takes the same products, flags the same channels to the bit.
+    xhat's own size is ``|bias| / (|weight| * s)``, which the second test bounds, squared and
+    multiplied out (``w^2 * numerator < (limit * b)^2 * denominator``, at least in float32):
+    the Triton finalize kernel takes the same products, and flags the same channels to the
+    bit.
     A NaN or infinite weight or bias is flagged too: rebuilding xhat = (z - bias) / weight from
     such a channel's output gives NaN where nn.BatchNorm's gradients have none; a NaN
     variance does not flag a channel (its gradients are NaN either way).
@@ -611,10 +612,11 @@ def small_gamma(weight: torch.Tensor, bias: torch.Tensor, limit: float,
         magnitude = weight.abs().nan_to_num_(nan=0.0, posinf=0.0)
         bound = bias.abs().mul_(limit)
         small = (magnitude > bound.clamp_min(min(limit, SMALL_GAMMA_FLOOR))).logical_not_()
-        if moments is not None:
-            m2, count, invstd = moments
-            spread_rebuilt = (magnitude * invstd).square_().mul_(m2)
-            small.logical_or_(spread_rebuilt < bound.square_().mul_(count))
+        if spread is not None:
+            wide = torch.promote_types(spread.numerator.dtype, torch.float32)
+            rebuilt_size = magnitude.to(wide).square_().mul_(spread.numerator)
+            lost = bound.to(wide).square_().mul_(spread.denominator)
+            small.logical_or_(rebuilt_size < lost)
         return small
 
 

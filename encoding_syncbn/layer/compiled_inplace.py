@@ -42,9 +42,9 @@ import weakref
 import torch
 
 from .. import activations
-from ..kernels import Moments
+from ..kernels import Spread
 from . import compiled_mean, inplace_policy
-from .inplace_policy import gamma_limit, running_moments, small_gamma_mask
+from .inplace_policy import gamma_limit, running_spread, small_gamma_mask
 
 #: Whether a compiled in-place call keeps only its output (False: it runs out of place, as
 #: before a count; ``benchmarks/bench_compile.py`` compares both).
@@ -104,39 +104,41 @@ def _count(ref: weakref.ref) -> None:
     if type(weight) is not torch.nn.Parameter or weight.device.type != "cpu":
         return
     (kept,) = last
-    moments = running_moments(layer.running_var, layer.eps)
-    count = _small_gammas(weight, bias, gamma_limit(with_margin=True), moments)
+    spread = running_spread(layer._running_of(layer.running_var))
+    count = _small_gammas(weight, bias, gamma_limit(with_margin=True), spread)
     if kept is not None:
         # At most ``kept`` small within the margin: none below the limit beyond them.
         if count > kept:
-            _warn_if_outgrown(layer, _small_gammas(weight, bias, gamma_limit(), moments), kept)
+            _warn_if_outgrown(layer, _small_gammas(weight, bias, gamma_limit(), spread), kept)
         # Checked once: a backward of eager calls after it (no compiled call since) is exact.
         layer.__dict__[_LAST_CALL][0] = (None,)
     _store(layer, count)
 
 
 def _small_gammas(weight: torch.Tensor, bias: torch.Tensor | None, limit: float,
-                  moments: Moments | None) -> int:
+                  spread: Spread | None) -> int:
     """How many channels of these CPU parameters are too small to rebuild at ``limit`` (given
-    the running statistics' ``moments``); read through numpy, not torch: no host read
-    dispatched (see ``ChannelsAside._read``)."""
+    xhat's ``spread``); read through numpy, not torch: no host read dispatched (see
+    ``ChannelsAside._read``)."""
     with torch.no_grad():
-        return int(small_gamma_mask(weight, bias, limit, moments).numpy().sum())
+        return int(small_gamma_mask(weight, bias, limit, spread).numpy().sum())
 
 
 def _warn_if_outgrown(layer: torch.nn.Module, small: int, kept: int) -> None:
     """The backward just run rebuilt the input of more channels than its output can give
     (``small`` gammas, where the call kept the input of ``kept`` channels): say so, as its
     gradients are inexact there (NaN at a zero gamma). ``small`` is counted on the
-    parameters of the call, the optimiser not having stepped yet."""
+    parameters of the call, the optimiser not having stepped yet, and the running variance
+    the call left."""
     if small > kept:
         warnings.warn(
             f"{layer._label()}: under torch.compile, {small} channels have a gamma too small to "
             f"rebuild their input from the output, where the layer counted {kept} before this "
-            f"step (a gamma fell more than {inplace_policy.MARGIN:g}-fold within one step, or "
-            "was set outside training): this step's gradients are inexact for them. The "
-            "layer counts them now and keeps them aside from the next step on; set "
-            "inplace=False where gamma collapses that fast.", RuntimeWarning, stacklevel=2)
+            f"step (a gamma fell more than {inplace_policy.MARGIN:g}-fold against beta, or a "
+            "channel's running variance toward eps, within one step, or was set outside "
+            "training): this step's gradients are inexact for them. The layer counts them now "
+            "and keeps them aside from the next step on; set inplace=False where gamma "
+            "collapses that fast.", RuntimeWarning, stacklevel=2)
 
 
 def _store(layer: torch.nn.Module, count: int) -> None:
@@ -172,17 +174,17 @@ def keep_aside(layer: torch.nn.Module, x: torch.Tensor, count: int | None) -> in
 
 def norm_act(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, mean: torch.Tensor,
              invstd: torch.Tensor, offset: torch.Tensor | None, batch: bool, kept: int,
-             activation: str, slope: float, moments: Moments | None) -> torch.Tensor:
+             activation: str, slope: float, spread: Spread | None) -> torch.Tensor:
     """``act((x - mean) * invstd * weight + bias)``, keeping for backward the output and the
     input of ``kept`` channels: those whose gamma the output cannot be inverted through,
-    first (``inplace_policy.small_gamma_mask``, with the running statistics' ``moments``, as
-    the count was taken).
+    first (``inplace_policy.small_gamma_mask``, against xhat's ``spread`` as the running
+    statistics gave it before this call, as the count was taken).
     ``batch``: ``(mean, invstd)`` are x's own statistics (their gradient is part of x's),
     ``offset`` their mean's error in units of xhat (``compiled_mean.BatchStats``; None: not
     taken); else constants (the running statistics). The statistics come detached."""
     index = None
     if kept:
-        flags = small_gamma_mask(weight.detach(), bias.detach(), gamma_limit(), moments)
+        flags = small_gamma_mask(weight.detach(), bias.detach(), gamma_limit(), spread)
         index = torch.topk(flags.to(torch.int32), kept, sorted=False).indices
     return RebuiltNormAct.apply(x, weight, bias, mean, invstd, offset, index, batch, activation,
                                 slope)

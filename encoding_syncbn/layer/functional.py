@@ -423,16 +423,19 @@ def _reduce(saved: _Saved, grad_output: torch.Tensor, config: ActConfig, params:
 
 def _exact_kept_sums(saved: _Saved, grad_output: torch.Tensor, config: ActConfig,
                       sum_dz: torch.Tensor, sum_dz_xhat: torch.Tensor):
-    """The sums with those of the channels kept aside recomputed from their input, summed in
-    the widest dtype, as ATen's CPU BatchNorm backward sums: no rebuild's error hides a
-    float32 sum's there (a few channels: the widening costs little)."""
+    """The sums with those of the channels kept aside recomputed from their input; a float32
+    input's summed in the widest dtype, as ATen's CPU BatchNorm backward sums: no rebuild's
+    error hides a float32 sum's there (a half-precision input's float32 sums are well under
+    its own rounding)."""
     if saved.kept_channels is not None:
         kept_input, kept_dy, params = _kept_args(saved, grad_output, config)
-        wide = torch_ops.widest_dtype(kept_input.device)
-        wide_params = params._replace(**{name: getattr(params, name).to(wide)
-                                         for name in ("mean", "invstd", "weight", "bias")})
+        if kept_input.dtype == torch.float32:
+            wide = torch_ops.widest_dtype(kept_input.device)
+            kept_input, kept_dy = kept_input.to(wide), kept_dy.to(wide)
+            params = params._replace(**{name: getattr(params, name).to(wide)
+                                        for name in ("mean", "invstd", "weight", "bias")})
         exact_dz, exact_dz_xhat = reference_ops().backward_reduce(
-            kept_input.to(wide), kept_dy.to(wide), wide_params, saved_is_output=False
+            kept_input, kept_dy, params, saved_is_output=False
         )
         if saved.offset is not None:
             exact_dz, exact_dz_xhat = _exact_xhat_sums(exact_dz, exact_dz_xhat,
@@ -1224,7 +1227,7 @@ def widened_batch_norm_act(
         if channels_aside is None:
             channels_aside = ChannelsAside()
         kept = channels_aside.index(weight, bias, recomputing, flags,
-                                    None if running is None else running.var, eps)
+                                    None if running is None else (running.var, eps))
     offset = _mean_offset(widened, mean, invstd)
     return BatchNormAct.apply(x, weight, bias,
                               (mean, invstd, count, config, kept, eps, backend, offset))

@@ -49,7 +49,7 @@ import torch
 
 from .. import activations, compat
 from ..activations import ActConfig
-from ..kernels import GammaCheck, Moments, torch_ops
+from ..kernels import GammaCheck, Spread, torch_ops
 from ..sync.streams import stream_event
 from ..tensor_cache import tensor_cache
 
@@ -298,31 +298,39 @@ def gamma_limit(with_margin: bool = False) -> float:
     return REBUILD_LIMIT * MARGIN if with_margin else REBUILD_LIMIT
 
 
-def running_moments(running_var: torch.Tensor | None, eps: float) -> Moments | None:
-    """xhat's spread as the running statistics see it (``torch_ops.small_gamma``'s moments;
-    None without them): where a call's own batch statistics have not been checked (a
-    synchronised call's, chosen before the exchange; evaluation; a compiled call's count).
-    A near-constant channel stays near-constant from step to step, so the running variance
-    tells it apart as the batch's would, a few steps late after a change."""
-    if running_var is None:
+#: A layer's running variance and eps: what ``running_spread`` reads.
+Running = tuple[torch.Tensor, float]
+
+
+def running_spread(running: Running | None) -> Spread | None:
+    """xhat's spread as the running statistics see it, ``running_var / (running_var + eps)``
+    (None without them), for a call whose own batch's spread is not checked: its channels are
+    chosen before its statistics (replicas, a synchronised call, evaluation, a compiled call's
+    count). A near-constant channel stays near-constant from step to step, and the running
+    variance, an average of the batches', tells it apart once it has come down to it: from
+    its initial 1, about 100 steps at momentum 0.1 (0.9^100 = 3e-5) for a variance near eps
+    1e-5; at once from a trained model's statistics. A new tensor: the buffer may be updated
+    before the spread is read (a compiled call folds its batch in first)."""
+    if running is None:
         return None
-    spread_dtype = torch.promote_types(running_var.dtype, torch.float32)
-    return Moments(running_var, 1, torch.rsqrt(running_var.to(spread_dtype) + eps))
+    running_var, eps = running
+    var = running_var.to(torch.promote_types(running_var.dtype, torch.float32))
+    return Spread(var / (var + eps), 1)
 
 
 def small_gamma_mask(weight: torch.Tensor, bias: torch.Tensor | None, limit: float,
-                     moments: Moments | None = None) -> torch.Tensor:
-    """Per channel: ``torch_ops.small_gamma(weight, bias, limit, moments)``: gamma too small
-    for the output's dtype to rebuild the input (against xhat's spread, given ``moments``),
-    or w or b NaN or inf (no host sync; no bias: ``b = 0``)."""
+                     spread: Spread | None = None) -> torch.Tensor:
+    """Per channel: ``torch_ops.small_gamma(weight, bias, limit, spread)``: gamma too small
+    for the output's dtype to rebuild the input (against xhat's ``spread``, where given), or
+    w or b NaN or inf (no host sync; no bias: ``b = 0``)."""
     bias = torch.zeros_like(weight) if bias is None else bias
-    return torch_ops.small_gamma(weight, bias, limit, moments)
+    return torch_ops.small_gamma(weight, bias, limit, spread)
 
 
 def small_gamma_index(weight: torch.Tensor, bias: torch.Tensor | None, limit: float,
-                      moments: Moments | None = None) -> torch.Tensor:
+                      spread: Spread | None = None) -> torch.Tensor:
     """The channels' indices whose output cannot be inverted: ``(k,)``, sized by the data."""
-    return small_gamma_mask(weight, bias, limit, moments).nonzero().view(-1)
+    return small_gamma_mask(weight, bias, limit, spread).nonzero().view(-1)
 
 
 # What ChannelsAside holds for flags without values (the meta device, fake tensors): a
@@ -371,10 +379,10 @@ class ChannelsAside:
 
     @classmethod
     def read_now(cls, weight: torch.Tensor | None, bias: torch.Tensor | None,
-                 moments: Moments | None) -> ChannelsAside:
+                 running: Running | None = None) -> ChannelsAside:
         """Channels found now: ``replicate()`` reads them once (on a GPU one device-to-host
         copy) for all the replicas of a step; each replica is handed its own ``copy()``."""
-        return cls(small_gamma_channels(weight, bias, moments))
+        return cls(small_gamma_channels(weight, bias, running_spread(running)))
 
     def copy(self) -> ChannelsAside:
         """The channels found in advance, without the answers learnt since."""
@@ -397,18 +405,18 @@ class ChannelsAside:
         return check
 
     def index(self, weight: torch.Tensor, bias: torch.Tensor, recomputing: bool = False,
-              flags: torch.Tensor | None = None, running_var: torch.Tensor | None = None,
-              eps: float = 0.0) -> torch.Tensor | None:
+              flags: torch.Tensor | None = None, running: Running | None = None
+              ) -> torch.Tensor | None:
         """The indices of the channels to keep aside in a call, or None where there are
         none (the usual answer, which costs the layer's Function no index); ``flags``: the
         result of this call's ``check``; without them the parameters are checked against
-        the spread of the running statistics (``running_var``, ``eps``), where there are.
+        the spread of the ``running`` statistics, where there are (``running_spread``).
 
         Never asked while compiling: a compiled layer keeps its input instead (see
         ``plan_call``).
         """
         channels = (self.found if self.found is not None
-                    else self._channels(weight, bias, recomputing, flags, running_var, eps))
+                    else self._channels(weight, bias, recomputing, flags, running))
         return channel_index(channels, weight.device) if channels else None
 
     def _frozen(self, weight: torch.Tensor, recomputing: bool) -> bool:
@@ -420,11 +428,10 @@ class ChannelsAside:
         return recomputing or (weight.is_cuda and torch.cuda.is_current_stream_capturing())
 
     def _channels(self, weight: torch.Tensor, bias: torch.Tensor, recomputing: bool,
-                  flags: torch.Tensor | None, running_var: torch.Tensor | None, eps: float
-                  ) -> tuple[int, ...]:
+                  flags: torch.Tensor | None, running: Running | None) -> tuple[int, ...]:
         """The newest answer, ``flags`` (this call's check) offered first unless one is on
         its way (its copy is not reused before it lands). Without a check offered, the
-        parameters are checked here, in ATen calls, with the running statistics' moments."""
+        parameters are checked here, in ATen calls, with the running statistics' spread."""
         if flags is not None:
             if self._host is None:
                 self._offer(flags)
@@ -432,7 +439,7 @@ class ChannelsAside:
             return self.known
         elif self._host is None:
             self._offer(small_gamma_mask(weight, bias, gamma_limit(with_margin=True),
-                                         running_moments(running_var, eps)))
+                                         running_spread(running)))
         host = self._host
         if host is None:  # none on its way: the newest answer (on the CPU: this call's)
             return self.known
@@ -494,16 +501,16 @@ class ChannelsAside:
 
 
 def small_gamma_channels(weight: torch.Tensor | None, bias: torch.Tensor | None,
-                         moments: Moments | None = None) -> tuple[int, ...]:
-    """The channels an in-place layer with these parameters (and ``moments``: the running
-    statistics', ``running_moments``) keeps aside, as host ints.
+                         spread: Spread | None = None) -> tuple[int, ...]:
+    """The channels an in-place layer with these parameters (and xhat's ``spread``) keeps
+    aside, as host ints.
 
     On a GPU this reads the parameters back (one device-to-host copy): ``SyncBatchNorm`` does
     it once per ``replicate()`` on the original parameters, so that its replicas need none.
     """
     if weight is None:  # affine=False: gamma is 1 everywhere and beta 0
         return ()
-    return tuple(small_gamma_index(weight, bias, gamma_limit(), moments).tolist())
+    return tuple(small_gamma_index(weight, bias, gamma_limit(), spread).tolist())
 
 
 @tensor_cache(maxsize=256)
@@ -692,7 +699,7 @@ def in_place_by_key(config: ActConfig, dtype: torch.dtype, count: int | None) ->
 def plan_call(config: ActConfig, x: torch.Tensor, warned: list[bool],
               channels_aside: ChannelsAside, weight: torch.Tensor, bias: torch.Tensor, *,
               count: int | None = None, recomputing: bool = False,
-              running_var: torch.Tensor | None = None, eps: float = 0.0) -> CallPlan:
+              running: Running | None = None) -> CallPlan:
     """Whether a call of a layer configured as ``config`` runs in place on ``x``, and which of
     its channels keep their input: the one place the layer asks. ``warned``: the layer's
     out-of-place warning flag (``can_overwrite``); ``channels_aside``: the layer's; ``count``:
@@ -700,8 +707,8 @@ def plan_call(config: ActConfig, x: torch.Tensor, warned: list[bool],
     the channels kept aside, ``CallPlan.check``), None for a call with running or exchanged
     statistics (the count rule then waits for the exchange's count: ``for_count``);
     ``recomputing``: a checkpoint's recomputation, which keeps the original call's channels;
-    ``running_var``, ``eps``: the layer's, for a call whose channels are chosen before its
-    statistics (``ChannelsAside.index``).
+    ``running``: the layer's running variance and eps (None: no running statistics), for a
+    call whose channels are chosen before its statistics (``ChannelsAside.index``).
 
     With checks on (``check_inplace``), ``x`` is refused first where it is an in-place
     layer's output that its backward still needs (``before_write``).
@@ -724,13 +731,13 @@ def plan_call(config: ActConfig, x: torch.Tensor, warned: list[bool],
         return CallPlan(config.out_of_place())
     return plan_overwrite(config, x, warned, channels_aside, weight, bias,
                           in_place_by_key(config, x.dtype, count), count is not None,
-                          recomputing, running_var, eps)
+                          recomputing, running)
 
 
 def plan_overwrite(config: ActConfig, x: torch.Tensor, warned: list[bool],
                    channels_aside: ChannelsAside, weight: torch.Tensor, bias: torch.Tensor,
                    by_key: bool, own_batch: bool, recomputing: bool = False,
-                   running_var: torch.Tensor | None = None, eps: float = 0.0) -> CallPlan:
+                   running: Running | None = None) -> CallPlan:
     """``plan_call`` of an in-place layer's call outside ``torch.compile`` and the misuse
     checks, whose key lets it run in place or not (``by_key``: ``in_place_by_key``):
     whether ``x`` may be overwritten, and the channels kept aside, or their check where
@@ -741,7 +748,7 @@ def plan_overwrite(config: ActConfig, x: torch.Tensor, warned: list[bool],
     if own_batch:
         return CallPlan(config, check=channels_aside.check(weight, bias, recomputing))
     return CallPlan(config, kept=channels_aside.index(weight, bias, recomputing, None,
-                                                      running_var, eps))
+                                                      running))
 
 
 def for_count(config: ActConfig, count: int, dtype: torch.dtype) -> ActConfig:

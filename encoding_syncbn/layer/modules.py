@@ -32,7 +32,7 @@ from .functional import (
     track_batch,
     widened_batch_norm_act,
 )
-from .inplace_policy import ChannelsAside, running_moments
+from .inplace_policy import ChannelsAside, running_spread
 from .recompute import RecomputeCache
 
 # The options checked together, at construction and when assigned (``__setattr__``).
@@ -238,7 +238,7 @@ class SyncBatchNorm(_BatchNorm):
                     weight, bias = self.weight, self.bias  # read once: parametrizations compute
                     if not _on_meta(weight, bias):
                         self._replicas_channels_aside = ChannelsAside.read_now(
-                            weight, bias, running_moments(self.running_var, self.eps))
+                            weight, bias, self._running_of(self.running_var))
         replica = super()._replicate_for_data_parallel()
         replica._replica_slot = ReplicaSlot(group, group.add_member(replica), self._replica_slot)
         replica._open_group = None
@@ -414,9 +414,10 @@ class SyncBatchNorm(_BatchNorm):
                 # ``compiled_inplace``; float64 takes its mean's error out: ``compiled_mean``.
                 kept = (compiled_inplace.keep_aside(self, x, x.numel() // self.num_features)
                         if compiled else None)
-                # As the count was taken (``compiled_inplace``): the running statistics'.
-                moments = (running_moments(self.running_var, self.eps) if kept is not None
-                           else None)
+                # As the count was taken (``compiled_inplace``): the running statistics', before
+                # this batch is folded in.
+                spread = (running_spread(self._running_of(self.running_var))
+                          if kept is not None else None)
                 if compiled and acc == torch.float64:
                     batch = compiled_mean.batch_stats(x, self.eps)
                     if self.training:
@@ -424,7 +425,7 @@ class SyncBatchNorm(_BatchNorm):
                     if kept is not None:
                         return compiled_inplace.norm_act(
                             x, weight, bias, batch.mean, batch.invstd, batch.offset, True, kept,
-                            self.activation, self.slope, moments)
+                            self.activation, self.slope, spread)
                     return compiled_mean.InputNormAct.apply(
                         x, weight, bias, batch.mean, batch.invstd, batch.offset,
                         self.activation, self.slope)
@@ -436,7 +437,7 @@ class SyncBatchNorm(_BatchNorm):
                 if kept is not None:
                     return compiled_inplace.norm_act(x, weight, bias, mean,
                                                      torch.rsqrt(var + self.eps), None, True,
-                                                     kept, self.activation, self.slope, moments)
+                                                     kept, self.activation, self.slope, spread)
                 z = torch.nn.functional.batch_norm(x.to(acc), None, None, weight, bias, True,
                                                    0.0, self.eps)
                 act = activations.ACTIVATIONS[self.activation]
@@ -451,7 +452,8 @@ class SyncBatchNorm(_BatchNorm):
                 return compiled_inplace.norm_act(x, weight, bias, mean,
                                                  torch.rsqrt(var + self.eps), None, False, kept,
                                                  self.activation, self.slope,
-                                                 running_moments(self.running_var, self.eps))
+                                                 running_spread(self._running_of(
+                                                     self.running_var)))
         config = ActConfig(self.activation, self.slope, False, self._label())
         return norm_act_composite(config)(x, mean, torch.rsqrt(var + self.eps), weight, bias)
 
@@ -542,8 +544,8 @@ class SyncBatchNorm(_BatchNorm):
             x = compat.unwrap_if_dead(x)
         plan = inplace_policy.plan_call(self._config, x, self._warned_out_of_place,
                                         self._channels_aside, weight, bias, count=count,
-                                        recomputing=recomputing, running_var=running_var,
-                                        eps=self.eps)
+                                        recomputing=recomputing,
+                                        running=self._running_of(running_var))
         if count == 0:
             track_batch(running, None, None, 0)
             # Empty, and attached to the parameters (zero gradients) as nn.BatchNorm's result.
@@ -609,7 +611,7 @@ class SyncBatchNorm(_BatchNorm):
         if config.inplace:
             config, kept, check = inplace_policy.plan_overwrite(
                 config, x, self._warned_out_of_place, self._channels_aside, weight, bias,
-                memo.in_place, not evaluating, False, running_var, self.eps)
+                memo.in_place, not evaluating, False, self._running_of(running_var))
         if evaluating:
             return normalize_running(x, running_mean, running_var, self.eps, weight, bias,
                                      config, kept)
@@ -737,6 +739,11 @@ class SyncBatchNorm(_BatchNorm):
         if momentum is None and batches is None:  # a cumulative average with no count:
             momentum = 0.0  # nn.BatchNorm's factor, the statistics kept as they are
         return RunningStats(mean, var, batches, momentum)
+
+    def _running_of(self, var: torch.Tensor | None) -> inplace_policy.Running | None:
+        """The running variance ``var`` and eps, for the spread ``inplace_policy`` reads of
+        them (None: no running statistics)."""
+        return None if var is None else (var, self.eps)
 
     @property
     def last_input_dim(self) -> int | None:

@@ -58,18 +58,17 @@ def _lerp(start, end, weight):
 
 @triton.jit
 def _small_gamma(w, b, limit, m2, n, invstd):
-    """``torch_ops.small_gamma``'s test with the batch's moments, in ``limit``'s dtype: not
+    """``torch_ops.small_gamma``'s test with the batch's spread, in ``limit``'s dtype: not
     ``max(limit * |b|, min(limit, SMALL_GAMMA_FLOOR)) < |w| < inf`` (a NaN or infinite w or b
-    is flagged, as there), or ``(|w| * invstd)^2 * m2 < (limit * |b|)^2 * n`` (the rebuild's
+    is flagged, as there), or ``w^2 * (invstd^2 * m2) < (limit * |b|)^2 * n`` (the rebuild's
     error against xhat's spread; the same products, so the same flags)."""
     floor = tl.minimum(limit, tl.full([], _SMALL_GAMMA_FLOOR, limit.dtype))
     bound = tl.abs(b) * limit
     magnitude = tl.abs(w)
     rebuilt = ((magnitude > tl.maximum(bound, floor, propagate_nan=tl.PropagateNan.ALL))
                & (magnitude < _INF))  # False for any NaN
-    scaled = magnitude * invstd
-    spread_rebuilt = scaled * scaled * m2
-    return ~rebuilt | (spread_rebuilt < bound * bound * n.to(bound.dtype))
+    rebuilt_size = magnitude * magnitude * (invstd * invstd * m2)
+    return ~rebuilt | (rebuilt_size < bound * bound * n.to(bound.dtype))
 
 
 @triton.jit
