@@ -266,11 +266,11 @@ class StubLaunches:
             return
         zeroed = [None]  # the flags zeroed last (held: no other tensor takes its id)
 
-        def zeroed_index(self, weight, bias, recomputing=False, flags=None):
+        def zeroed_index(self, weight, bias, recomputing=False, flags=None, running=None):
             if flags is not None and flags is not zeroed[0]:
                 flags.zero_()
                 zeroed[0] = flags
-            return index(self, weight, bias, recomputing, flags)
+            return index(self, weight, bias, recomputing, flags, running)
 
         zeroed_index.zeroes_flags, zeroed_index.unwrapped = True, index
         self._index, self._zeroed_index = index, zeroed_index

@@ -18,9 +18,11 @@ parameters and running variance with the margins ``inplace_policy.gamma_limit`` 
 answer one step old, and stores the count, rounded up to a power of two, on the layer
 (``KEEP_ASIDE``). Dynamo reads it while tracing and guards on it: a larger count recompiles
 the model (at most log2(C) + 1 times a layer; the count never shrinks). Inside the graph the
-kept channels are chosen from the current parameters and running variance (``torch.topk`` of
-the small-gamma flags: every flagged channel while at most that many are), so a count one
-optimiser step old covers the current gammas unless one shrank more than
+kept channels are chosen from the current parameters and the spread of the statistics the call
+normalises with (``torch.topk`` of the small-gamma flags, the parameters' own first: every
+flagged channel while at most that many are; a count on a running variance that lags the
+batch's may leave a near-constant channel rebuilt, as an eager synchronised call does), so a
+count one optimiser step old covers the current gammas unless one shrank more than
 ``inplace_policy.MARGIN`` times since, as an eager layer's answer on a GPU (or was set outside
 training): that step's gradients are then inexact for it, which the hook, reading the
 parameters the step ran with, says in a warning. Until the first count (a layer's first
@@ -177,15 +179,19 @@ def norm_act(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, mean: to
              activation: str, slope: float, spread: Spread | None) -> torch.Tensor:
     """``act((x - mean) * invstd * weight + bias)``, keeping for backward the output and the
     input of ``kept`` channels: those whose gamma the output cannot be inverted through,
-    first (``inplace_policy.small_gamma_mask``, against xhat's ``spread`` as the running
-    statistics gave it before this call, as the count was taken).
+    first (``inplace_policy.small_gamma_mask``, against xhat's ``spread`` in the statistics
+    the call normalises with).
     ``batch``: ``(mean, invstd)`` are x's own statistics (their gradient is part of x's),
     ``offset`` their mean's error in units of xhat (``compiled_mean.BatchStats``; None: not
     taken); else constants (the running statistics). The statistics come detached."""
     index = None
     if kept:
-        flags = small_gamma_mask(weight.detach(), bias.detach(), gamma_limit(), spread)
-        index = torch.topk(flags.to(torch.int32), kept, sorted=False).indices
+        w, b = weight.detach(), bias.detach()
+        # The parameters' own small gammas first (a zero gamma rebuilds NaN), then those the
+        # spread adds: the count, taken on the running variance, may lag this batch's spread.
+        priority = (small_gamma_mask(w, b, gamma_limit()).to(torch.int32)
+                    + small_gamma_mask(w, b, gamma_limit(), spread).to(torch.int32))
+        index = torch.topk(priority, kept, sorted=False).indices
     return RebuiltNormAct.apply(x, weight, bias, mean, invstd, offset, index, batch, activation,
                                 slope)
 

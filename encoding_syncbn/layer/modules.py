@@ -16,7 +16,15 @@ from torch.nn.utils import parametrize
 
 from .. import activations, compat
 from ..activations import ActConfig
-from ..kernels import RunningStats, channel_vector, get_backend, key_ops, ops_for, torch_ops
+from ..kernels import (
+    RunningStats,
+    Spread,
+    channel_vector,
+    get_backend,
+    key_ops,
+    ops_for,
+    torch_ops,
+)
 from ..sync import distributed, replicas, stats
 from ..sync.group import ReplicaGroup
 from ..sync.replicas import ReplicaSlot
@@ -32,7 +40,7 @@ from .functional import (
     track_batch,
     widened_batch_norm_act,
 )
-from .inplace_policy import ChannelsAside, running_spread
+from .inplace_policy import ChannelsAside
 from .recompute import RecomputeCache
 
 # The options checked together, at construction and when assigned (``__setattr__``).
@@ -414,15 +422,13 @@ class SyncBatchNorm(_BatchNorm):
                 # ``compiled_inplace``; float64 takes its mean's error out: ``compiled_mean``.
                 kept = (compiled_inplace.keep_aside(self, x, x.numel() // self.num_features)
                         if compiled else None)
-                # As the count was taken (``compiled_inplace``): the running statistics', before
-                # this batch is folded in.
-                spread = (running_spread(self._running_of(self.running_var))
-                          if kept is not None else None)
                 if compiled and acc == torch.float64:
                     batch = compiled_mean.batch_stats(x, self.eps)
                     if self.training:
                         track(batch.mean, batch.m2, count)
                     if kept is not None:
+                        spread = Spread(batch.invstd * batch.invstd * batch.m2,
+                                        x.numel() // self.num_features)
                         return compiled_inplace.norm_act(
                             x, weight, bias, batch.mean, batch.invstd, batch.offset, True, kept,
                             self.activation, self.slope, spread)
@@ -437,7 +443,8 @@ class SyncBatchNorm(_BatchNorm):
                 if kept is not None:
                     return compiled_inplace.norm_act(x, weight, bias, mean,
                                                      torch.rsqrt(var + self.eps), None, True,
-                                                     kept, self.activation, self.slope, spread)
+                                                     kept, self.activation, self.slope,
+                                                     Spread(var / (var + self.eps), 1))
                 z = torch.nn.functional.batch_norm(x.to(acc), None, None, weight, bias, True,
                                                    0.0, self.eps)
                 act = activations.ACTIVATIONS[self.activation]
@@ -452,8 +459,7 @@ class SyncBatchNorm(_BatchNorm):
                 return compiled_inplace.norm_act(x, weight, bias, mean,
                                                  torch.rsqrt(var + self.eps), None, False, kept,
                                                  self.activation, self.slope,
-                                                 running_spread(self._running_of(
-                                                     self.running_var)))
+                                                 Spread(var / (var + self.eps), 1))
         config = ActConfig(self.activation, self.slope, False, self._label())
         return norm_act_composite(config)(x, mean, torch.rsqrt(var + self.eps), weight, bias)
 
