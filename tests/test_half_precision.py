@@ -209,16 +209,8 @@ def test_compiled_gradients_within_three_times_batchnorms_error(dtype, mode, act
     out of place, compiled or not)."""
     case = _Case(dtype, mode, activation, training, channels, offset, seed)
     layer = case.layer
-    torch._dynamo.reset()
-    compiled = torch.compile(layer, backend="aot_eager")
-    for _ in range(2):  # the first counts the channels kept aside
-        _load(layer, case.gamma, case.beta, case.running)
-        layer.zero_grad(set_to_none=True)
-        leaf = case.x.clone().requires_grad_()
-        with torch.autocast("cpu", dtype=dtype, enabled=mode == "autocast"):
-            out = compiled(leaf * 1)
-        assert out.dtype == dtype
-        out.backward(case.dy)
+    leaf = _compiled_steps(layer, case.gamma, case.beta, case.running, case.x, case.dy,
+                           mode == "autocast")
     # One channel kept aside at most: the first, where it is small (the hook counts against
     # the running variance the step left).
     limit = inplace_policy.gamma_limit(with_margin=True)
@@ -229,6 +221,22 @@ def test_compiled_gradients_within_three_times_batchnorms_error(dtype, mode, act
     torch_same = _gradients(case.twin, case.x, case.dy, mode, 1, activation, case.slope)
     _assert_within_bound((leaf.grad, layer.weight.grad, layer.bias.grad), torch_same,
                          case.reference, case.sizes, dtype, f"compiled {case.what}")
+
+
+def _compiled_steps(layer, gamma, beta, running, x, dy, autocast):
+    """Two steps of ``layer`` under ``torch.compile`` (the first counts the channels kept
+    aside), each from ``gamma``, ``beta`` and ``running``: the second step's input leaf."""
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, backend="aot_eager")
+    for _ in range(2):
+        _load(layer, gamma, beta, running)
+        layer.zero_grad(set_to_none=True)
+        leaf = x.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=x.dtype, enabled=autocast):
+            out = compiled(leaf * 1)
+        assert out.dtype == x.dtype
+        out.backward(dy)
+    return leaf
 
 
 @pytest.mark.parametrize("dtype", HALF)

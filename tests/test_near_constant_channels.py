@@ -20,7 +20,13 @@ from backends import each_backend, one_backend
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from reference import SLOPES
-from test_half_precision import _assert_within_bound, _gradients, _load, _reference
+from test_half_precision import (
+    _assert_within_bound,
+    _compiled_steps,
+    _gradients,
+    _load,
+    _reference,
+)
 from torch import nn
 
 from encoding_syncbn import SyncBatchNorm
@@ -106,15 +112,8 @@ def test_compiled_near_constant_channels_within_three_times_batchnorms_error(
     after the first from the running variance."""
     case = _Case(dtype, activation, std, gammas, ratios_, seed)
     twin, layer = case.norms(activation, True)
-    torch._dynamo.reset()
-    compiled = torch.compile(layer, backend="aot_eager")
-    for _ in range(2):  # the first counts the channels kept aside
-        _load(layer, case.gamma, case.beta, case.running)
-        layer.zero_grad(set_to_none=True)
-        leaf = case.x.clone().requires_grad_()
-        with torch.autocast("cpu", dtype=dtype, enabled=case.mode == "autocast"):
-            out = compiled(leaf * 1)
-        out.backward(case.dy)
+    leaf = _compiled_steps(layer, case.gamma, case.beta, case.running, case.x, case.dy,
+                           case.mode == "autocast")
     assert layer._compiled_keep_aside is not None  # counted: the second step rebuilt
     torch_same = _gradients(twin, case.x, case.dy, case.mode, 1, activation, case.slope)
     reference, sizes = _reference(case.x, case.dy, case.gamma, case.beta, case.running,
