@@ -308,6 +308,28 @@ def test_any_number_of_trailing_dims(shape, activation, inplace, replicas):
               activation)
 
 
+def test_evaluation_without_grad_checks_no_parameters(monkeypatch):
+    """In place, channels are kept aside for a backward only: an evaluation call under
+    no_grad checks no parameters (host work at every call) and computes what a call with
+    grad does, which keeps its zero-gamma channel aside."""
+    from encoding_syncbn.layer import inplace_policy
+
+    checks = []
+    small_gamma_mask = inplace_policy.small_gamma_mask
+    monkeypatch.setattr(inplace_policy, "small_gamma_mask",
+                        lambda *args: checks.append(1) or small_gamma_mask(*args))
+    layer = SyncBatchNorm(4, activation="leaky_relu").eval()
+    with torch.no_grad():
+        layer.weight.copy_(torch.tensor([1.0, 0.0, -2.0, 0.5]))
+    x = torch.randn(2, 4, 3, 3)
+    with torch.no_grad():
+        quiet = layer(x.clone())
+    assert checks == []
+    traced = layer(x.clone().requires_grad_() * 1)
+    assert checks and layer._channels_aside.known == (1,)
+    torch.testing.assert_close(quiet, traced.detach(), rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("activation", ["leaky_relu", "elu", "identity"])
 def test_gamma_changed_between_steps_under_replicas(activation, monkeypatch):
     """In place, the channels kept aside are read from the parameters once per replicate()

@@ -742,11 +742,15 @@ def plan_overwrite(config: ActConfig, x: torch.Tensor, warned: list[bool],
     checks, whose key lets it run in place or not (``by_key``: ``in_place_by_key``):
     whether ``x`` may be overwritten, and the channels kept aside, or their check where
     ``own_batch`` (a training call on x's own batch). A repeat call asks this alone
-    (``call_memo``)."""
+    (``call_memo``). Without grad mode (inference, evaluation under ``torch.no_grad``) no
+    backward rebuilds the input: a call with running or exchanged statistics keeps nothing
+    aside and checks no parameters."""
     if not can_overwrite(x, warned, config.layer) or not by_key:
         return CallPlan(config.out_of_place())
     if own_batch:
         return CallPlan(config, check=channels_aside.check(weight, bias, recomputing))
+    if not torch.is_grad_enabled():
+        return CallPlan(config)
     return CallPlan(config, kept=channels_aside.index(weight, bias, recomputing, None,
                                                       running))
 
