@@ -54,7 +54,7 @@ def main() -> None:
     results.add_arguments(parser)
     args = parser.parse_args()
     from encoding_syncbn import SyncBatchNorm
-    from encoding_syncbn.kernels import Spread
+    from encoding_syncbn.kernels import variance_spread
     from encoding_syncbn.layer.inplace_policy import gamma_limit, small_gamma_mask
 
     gen = torch.Generator().manual_seed(0)
@@ -98,7 +98,7 @@ def main() -> None:
             # As this single-replica layer chooses them: the limit with its margin, against
             # the batch's spread.
             var = x.double().var(dims, correction=0)
-            spread = Spread(var / (var + 1e-5), 1)
+            spread = variance_spread(var, 1e-5)
             kept = int(small_gamma_mask(gamma.double(), beta, gamma_limit(True), spread).sum())
             rows.append([name + (" (autocast)" if autocast else ""), f"{ratio:g}",
                          f"{kept} / {SHAPE[1]}", f"{ours[1]:.2g}", f"{theirs[1]:.2g}",

@@ -25,14 +25,17 @@ from .backend import (
     RunningParams,
     RunningStats,
     Spread,
+    batch_spread,
     channel_vector,
     dx_coefs,
+    variance_spread,
 )
 from .torch_backend import COMPILED, TORCH
 
 __all__ = ["Backend", "BatchSums", "DxCoefs", "GammaCheck", "NormParams", "RunningParams",
-           "RunningStats", "Spread", "channel_vector", "dx_coefs", "get_backend",
-           "key_ops", "ops_for", "reference_ops", "set_backend"]
+           "RunningStats", "Spread", "batch_spread", "channel_vector", "dx_coefs",
+           "get_backend", "key_ops", "ops_for", "reference_ops", "set_backend",
+           "variance_spread"]
 
 BACKENDS = ("auto", "torch", "triton")
 BACKEND_ENV = "ENCODING_SYNCBN_BACKEND"

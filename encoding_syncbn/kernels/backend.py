@@ -158,6 +158,17 @@ class Spread(NamedTuple):
     denominator: int
 
 
+def batch_spread(m2: torch.Tensor, count: int, invstd: torch.Tensor) -> Spread:
+    """A batch's ``Spread``: ``invstd^2 * M2`` over its count (the Triton finalize kernel takes
+    the same products)."""
+    return Spread(invstd * invstd * m2, count)
+
+
+def variance_spread(var: torch.Tensor, eps: float) -> Spread:
+    """A variance's ``Spread``: ``var / (var + eps)`` over 1."""
+    return Spread(var / (var + eps), 1)
+
+
 class GammaCheck(NamedTuple):
     """Which channels' gamma is too small to rebuild their input from the output: flagged
     where ``torch_ops.small_gamma(weight, bias, limit, spread)``, with the spread of the batch

@@ -46,6 +46,7 @@ from .backend import (
     RunningParams,
     RunningStats,
     Spread,
+    batch_spread,
     dx_coefs,
 )
 
@@ -523,8 +524,7 @@ def finalize_stats(mean: torch.Tensor, m2: torch.Tensor, count: int, eps: float,
         invstd = torch.rsqrt(m2.to(widest_dtype(m2.device)) / count + eps).to(m2.dtype)
     if running is not None:
         track_batch(*running, mean, m2, count)
-    small = (small_gamma(*check, Spread(invstd * invstd * m2, count)) if check is not None
-             else None)
+    small = small_gamma(*check, batch_spread(m2, count, invstd)) if check is not None else None
     return invstd, small
 
 

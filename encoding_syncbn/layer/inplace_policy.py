@@ -49,7 +49,7 @@ import torch
 
 from .. import activations, compat
 from ..activations import ActConfig
-from ..kernels import GammaCheck, Spread, torch_ops
+from ..kernels import GammaCheck, Spread, torch_ops, variance_spread
 from ..sync.streams import stream_event
 from ..tensor_cache import tensor_cache
 
@@ -314,8 +314,8 @@ def running_spread(running: Running | None) -> Spread | None:
     if running is None:
         return None
     running_var, eps = running
-    var = running_var.to(torch.promote_types(running_var.dtype, torch.float32))
-    return Spread(var / (var + eps), 1)
+    return variance_spread(running_var.to(torch.promote_types(running_var.dtype, torch.float32)),
+                           eps)
 
 
 def small_gamma_mask(weight: torch.Tensor, bias: torch.Tensor | None, limit: float,

@@ -18,12 +18,13 @@ from .. import activations, compat
 from ..activations import ActConfig
 from ..kernels import (
     RunningStats,
-    Spread,
+    batch_spread,
     channel_vector,
     get_backend,
     key_ops,
     ops_for,
     torch_ops,
+    variance_spread,
 )
 from ..sync import distributed, replicas, stats
 from ..sync.group import ReplicaGroup
@@ -427,8 +428,8 @@ class SyncBatchNorm(_BatchNorm):
                     if self.training:
                         track(batch.mean, batch.m2, count)
                     if kept is not None:
-                        spread = Spread(batch.invstd * batch.invstd * batch.m2,
-                                        x.numel() // self.num_features)
+                        spread = batch_spread(batch.m2, x.numel() // self.num_features,
+                                              batch.invstd)
                         return compiled_inplace.norm_act(
                             x, weight, bias, batch.mean, batch.invstd, batch.offset, True, kept,
                             self.activation, self.slope, spread)
@@ -444,7 +445,7 @@ class SyncBatchNorm(_BatchNorm):
                     return compiled_inplace.norm_act(x, weight, bias, mean,
                                                      torch.rsqrt(var + self.eps), None, True,
                                                      kept, self.activation, self.slope,
-                                                     Spread(var / (var + self.eps), 1))
+                                                     variance_spread(var, self.eps))
                 z = torch.nn.functional.batch_norm(x.to(acc), None, None, weight, bias, True,
                                                    0.0, self.eps)
                 act = activations.ACTIVATIONS[self.activation]
@@ -459,7 +460,7 @@ class SyncBatchNorm(_BatchNorm):
                 return compiled_inplace.norm_act(x, weight, bias, mean,
                                                  torch.rsqrt(var + self.eps), None, False, kept,
                                                  self.activation, self.slope,
-                                                 Spread(var / (var + self.eps), 1))
+                                                 variance_spread(var, self.eps))
         config = ActConfig(self.activation, self.slope, False, self._label())
         return norm_act_composite(config)(x, mean, torch.rsqrt(var + self.eps), weight, bias)
 
